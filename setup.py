@@ -1,0 +1,17 @@
+"""Builds the native INT8 kernels (qtool.kernels._native) at install time.
+
+Each ISA variant is compiled from the same sources with per-function target
+attributes, so one portable binary carries AVX-512 VNNI, AVX2 and plain C paths
+and picks one at run time from the CPU's features.
+"""
+import glob
+import sys
+
+from setuptools import Extension, setup
+
+sources = sorted(glob.glob("qtool/kernels/src/*.c"))
+args = ["-O3", "-std=c11", "-fno-strict-aliasing"] if sys.platform != "win32" else ["/O2"]
+ext = [Extension("qtool.kernels._native", sources=sources, include_dirs=["qtool/kernels/src"],
+                 extra_compile_args=args + (["-pthread"] if sys.platform != "win32" else []),
+                 extra_link_args=["-pthread"] if sys.platform != "win32" else [])] if sources else []
+setup(ext_modules=ext)
