@@ -1,0 +1,79 @@
+"""Graph cleanup and fusion: model -> fused fp32 graph computing the same function.
+
+Each pass is one small module with a `run(model, ctx) -> changed` function, listed in
+PASSES in the order they are tried; the list is applied until no pass changes anything.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import onnx
+
+from qtool.fuse import (fold_batchnorm, fold_constants, fold_mul_add, fold_pad, fold_reshape_shape, remove_dead,
+                        remove_identity)
+
+PASSES = [
+    ("remove_identity", remove_identity.run),
+    ("fold_constants", fold_constants.run),
+    ("fold_reshape_shape", fold_reshape_shape.run),
+    ("fold_pad", fold_pad.run),
+    ("fold_batchnorm", fold_batchnorm.run),
+    ("fold_mul_add", fold_mul_add.run),
+    ("remove_dead", remove_dead.run),
+]
+
+
+@dataclass
+class FuseContext:
+    """What passes may read (pinned input dims) and where they say what they did."""
+
+    input_pins: dict = field(default_factory=dict)  # input name -> [dims], 0/None = keep the model's
+    messages: list = field(default_factory=list)
+    counts: dict = field(default_factory=dict)
+
+    def log(self, pass_name: str, message: str) -> None:
+        self.messages.append(f"{pass_name}: {message}")
+        self.counts[pass_name] = self.counts.get(pass_name, 0) + 1
+
+
+@dataclass
+class FuseResult:
+    model: onnx.ModelProto
+    counts: dict
+    messages: list
+    ops_before: dict
+    ops_after: dict
+
+
+def _op_counts(model):
+    c = {}
+    for n in model.graph.node:
+        c[n.op_type] = c.get(n.op_type, 0) + 1
+    return c
+
+
+def pin_inputs(model: onnx.ModelProto, pins: dict) -> None:
+    """Write pinned non-batch dims into the model's input shapes (batch stays as it is)."""
+    for inp in model.graph.input:
+        pin = pins.get(inp.name)
+        if not pin:
+            continue
+        for k, d in enumerate(inp.type.tensor_type.shape.dim):
+            if k > 0 and k < len(pin) and pin[k] and not (d.HasField("dim_value") and d.dim_value > 0):
+                d.dim_value = int(pin[k])
+
+
+def fuse_model(model: onnx.ModelProto, input_pins: dict | None = None, passes=None, max_rounds: int = 20) -> FuseResult:
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    ctx = FuseContext(input_pins=dict(input_pins or {}))
+    pin_inputs(m, ctx.input_pins)
+    before = _op_counts(m)
+    for _ in range(max_rounds):
+        changed = False
+        for _name, fn in (passes or PASSES):
+            changed |= bool(fn(m, ctx))
+        if not changed:
+            break
+    del m.graph.value_info[:]
+    return FuseResult(m, ctx.counts, ctx.messages, before, _op_counts(m))

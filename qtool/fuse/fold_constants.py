@@ -1,0 +1,128 @@
+"""Fold run-time shape arithmetic and constant subgraphs into initializers.
+
+Before: Shape(x) -> Gather -> Sub -> ConstantOfShape -> Concat -> ... -> Pad(x, pads)
+After:  Pad(x, pads=<initializer>)
+
+Precondition for each node: every input is a constant, or the node is Shape of a tensor
+whose shape is known. Dynamic dimensions stay dynamic: the graph is evaluated under two
+different instantiations of every unknown dimension (batch 1 and 2, other free dims 32
+and 64), and a value is folded only where both agree, so nothing that depends on the
+batch (or on a free spatial size) is frozen.
+"""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import onnx
+from onnx import numpy_helper, shape_inference
+from onnx.reference import ReferenceEvaluator
+
+from qtool import graph as G
+
+# ops whose output is not a function of their inputs, or that have subgraphs
+_NEVER = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
+          "Bernoulli", "If", "Loop", "Scan", "QuantizeLinear", "DequantizeLinear"}
+_MAX_FOLD_ELEMS = 1 << 22  # do not materialize huge tensors that a graph computes on the fly
+
+
+def _pinned(model: onnx.ModelProto, variant: int, pins: dict) -> onnx.ModelProto:
+    m = copy.deepcopy(model)
+    del m.graph.value_info[:]
+    for inp in G.real_inputs(m):
+        dims = inp.type.tensor_type.shape.dim
+        pin = pins.get(inp.name)
+        for k, d in enumerate(dims):
+            if pin is not None and k < len(pin) and pin[k] and k > 0:
+                d.dim_value = int(pin[k])
+            elif not (d.HasField("dim_value") and d.dim_value > 0):
+                d.dim_value = (1 if k == 0 else 32) * (1 + variant)
+    return m
+
+
+def _shapes(model: onnx.ModelProto) -> dict:
+    try:
+        inferred = shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+    except Exception:
+        return {}
+    out = {}
+    for vi in list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output):
+        dims = vi.type.tensor_type.shape.dim
+        if vi.type.tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in dims):
+            out[vi.name] = tuple(d.dim_value for d in dims)
+    return out
+
+
+def _eval(node: onnx.NodeProto, feeds: dict, opset: int, shapes: dict):
+    if node.op_type == "Constant":
+        return [ReferenceEvaluator(node, opsets={"": opset}).run(None, {})[0]]
+    if node.op_type == "Shape":
+        shp = shapes.get(node.input[0])
+        if shp is None:
+            return None
+        start, end = G.attr(node, "start", 0), G.attr(node, "end", None)
+        return [np.array(shp[start:end], np.int64)]
+    if node.op_type in _NEVER or node.domain not in ("", "ai.onnx"):
+        return None
+    names = [i for i in node.input if i]
+    if any(i not in feeds for i in names):
+        return None
+    try:
+        outs = ReferenceEvaluator(node, opsets={"": opset}).run(None, {i: feeds[i] for i in names})
+    except Exception:
+        return None
+    return [np.asarray(o) for o in outs]
+
+
+def _values(model: onnx.ModelProto, variant: int, pins: dict, shapes: dict | None = None) -> dict:
+    shapes = _shapes(_pinned(model, variant, pins)) if shapes is None else shapes
+    vals = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    op = G.opset(model)
+    for node in model.graph.node:
+        if node.op_type == "Shape" or all(i in vals for i in node.input if i):
+            outs = _eval(node, vals, op, shapes)
+            if outs is None:
+                continue
+            for name, v in zip(node.output, outs):
+                if name:
+                    vals[name] = v
+    return vals
+
+
+def instantiate(model: onnx.ModelProto, variant: int, pins: dict) -> tuple[dict, dict]:
+    """(shapes, constant values) of every tensor under one instantiation of the free dims."""
+    shapes = _shapes(_pinned(model, variant, pins))
+    return shapes, _values(model, variant, pins, shapes)
+
+
+def run(model: onnx.ModelProto, ctx) -> bool:
+    inits = {t.name for t in model.graph.initializer}
+    foldable = [n for n in model.graph.node if n.op_type in ("Constant", "Shape")
+                or (n.input and all((i in inits) or not i for i in n.input))]
+    if not any(n.op_type in ("Constant", "Shape") for n in model.graph.node) and not foldable:
+        return False
+    a = _values(model, 0, ctx.input_pins)
+    b = _values(model, 1, ctx.input_pins)
+    outputs = G.graph_output_names(model)
+    fold = []
+    for n in model.graph.node:
+        outs = [o for o in n.output if o]
+        if not outs or any(o not in a or o not in b for o in outs):
+            continue
+        same = all(a[o].shape == b[o].shape and a[o].dtype == b[o].dtype and np.array_equal(a[o], b[o])
+                   for o in outs)
+        if same and all(a[o].size <= _MAX_FOLD_ELEMS for o in outs) and not (set(outs) & outputs and n.op_type != "Constant"):
+            fold.append(n)
+    if not fold:
+        return False
+    folded_outputs = {o for n in fold for o in n.output if o}
+    keep = [n for n in model.graph.node if n not in fold]
+    needed = {i for n in keep for i in n.input} | outputs
+    del model.graph.node[:]
+    model.graph.node.extend(keep)
+    for name in sorted(folded_outputs & needed):
+        if name not in inits:
+            G.set_initializer(model, name, a[name])
+    G.remove_unused_initializers(model)
+    ctx.log("fold_constants", f"folded {len(fold)} nodes into constants")
+    return True

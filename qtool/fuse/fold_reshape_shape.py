@@ -1,0 +1,52 @@
+"""Replace a run-time computed Reshape target by a constant that keeps dynamic dims dynamic.
+
+Before: Shape(x) -> Gather(0) -> Unsqueeze -> Concat([-1]) -> Reshape(x, shape)
+After:  Reshape(x, [0, -1])
+
+The target shape is evaluated under two instantiations of the free dimensions (see
+fold_constants). An entry equal in both stays a constant; an entry that changes but
+always equals the input's dimension at the same position becomes 0 ("copy", allowzero=0);
+at most one other changing entry becomes -1. Anything else leaves the node alone.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+
+from qtool import graph as G
+from qtool.fuse.fold_constants import instantiate
+
+
+def run(model: onnx.ModelProto, ctx) -> bool:
+    inits = G.initializers(model)
+    todo = [n for n in model.graph.node if n.op_type == "Reshape" and n.input[1] not in inits
+            and not G.attr(n, "allowzero", 0)]
+    if not todo:
+        return False
+    (sa, va), (sb, vb) = instantiate(model, 0, ctx.input_pins), instantiate(model, 1, ctx.input_pins)
+    changed = False
+    for n in todo:
+        x, s = n.input[0], n.input[1]
+        if s not in va or s not in vb or x not in sa or x not in sb:
+            continue
+        ta, tb = va[s].astype(np.int64).ravel(), vb[s].astype(np.int64).ravel()
+        if ta.shape != tb.shape:
+            continue
+        new, minus = [], 0
+        for k, (p, q) in enumerate(zip(ta, tb)):
+            if p == q:
+                new.append(int(p))
+                minus += p == -1
+            elif k < len(sa[x]) and p == sa[x][k] and q == sb[x][k]:
+                new.append(0)
+            else:
+                new.append(-1)
+                minus += 1
+        if minus > 1:
+            continue
+        name = G.unique_name(model, s + "_const")
+        G.set_initializer(model, name, np.array(new, np.int64))
+        n.input[1] = name
+        changed = True
+        ctx.log("fold_reshape_shape", f"Reshape {n.name or n.output[0]} target {new}")
+    return changed

@@ -1,0 +1,113 @@
+"""Small helpers over onnx.ModelProto shared by graph passes, calibration and quantization."""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+
+def attr(node: onnx.NodeProto, name: str, default=None):
+    for a in node.attribute:
+        if a.name == name:
+            return helper.get_attribute_value(a)
+    return default
+
+
+def set_attr(node: onnx.NodeProto, name: str, value) -> None:
+    for i, a in enumerate(node.attribute):
+        if a.name == name:
+            del node.attribute[i]
+            break
+    node.attribute.append(helper.make_attribute(name, value))
+
+
+def initializers(model: onnx.ModelProto) -> dict:
+    return {t.name: t for t in model.graph.initializer}
+
+
+def const_value(model: onnx.ModelProto, name: str, inits: dict | None = None):
+    """The numpy value of an initializer, or None if `name` is not a constant."""
+    inits = initializers(model) if inits is None else inits
+    t = inits.get(name)
+    return None if t is None else numpy_helper.to_array(t)
+
+
+def set_initializer(model: onnx.ModelProto, name: str, value: np.ndarray) -> None:
+    t = numpy_helper.from_array(np.asarray(value), name)
+    for i, old in enumerate(model.graph.initializer):
+        if old.name == name:
+            model.graph.initializer[i].CopyFrom(t)
+            return
+    model.graph.initializer.append(t)
+
+
+def producers(model: onnx.ModelProto) -> dict:
+    return {o: n for n in model.graph.node for o in n.output if o}
+
+
+def consumers(model: onnx.ModelProto) -> dict:
+    c = defaultdict(list)
+    for n in model.graph.node:
+        for i in n.input:
+            if i:
+                c[i].append(n)
+    return c
+
+
+def graph_output_names(model: onnx.ModelProto) -> set:
+    return {o.name for o in model.graph.output}
+
+
+def opset(model: onnx.ModelProto) -> int:
+    for o in model.opset_import:
+        if o.domain in ("", "ai.onnx"):
+            return o.version
+    return 1
+
+
+def unique_name(model: onnx.ModelProto, base: str, taken: set | None = None) -> str:
+    taken = taken if taken is not None else (
+        {o for n in model.graph.node for o in n.output} | {t.name for t in model.graph.initializer}
+        | {i.name for i in model.graph.input})
+    name, k = base, 1
+    while name in taken:
+        name, k = f"{base}_{k}", k + 1
+    taken.add(name)
+    return name
+
+
+def remove_unused_initializers(model: onnx.ModelProto) -> int:
+    used = {i for n in model.graph.node for i in n.input} | graph_output_names(model)
+    keep = [t for t in model.graph.initializer if t.name in used]
+    removed = len(model.graph.initializer) - len(keep)
+    if removed:
+        del model.graph.initializer[:]
+        model.graph.initializer.extend(keep)
+        ins = [i for i in model.graph.input if i.name in used or i.name not in {t.name for t in keep}]
+        del model.graph.input[:]
+        model.graph.input.extend(ins)
+    return removed
+
+
+def real_inputs(model: onnx.ModelProto) -> list:
+    """Graph inputs that are not initializers (old exporters list weights as inputs)."""
+    inits = {t.name for t in model.graph.initializer}
+    return [i for i in model.graph.input if i.name not in inits]
+
+
+def input_dims(value_info) -> list:
+    """Dims of a graph input: ints where known, the dim_param string (or None) where dynamic."""
+    out = []
+    for d in value_info.type.tensor_type.shape.dim:
+        out.append(d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else (d.dim_param or None))
+    return out
+
+
+def rewire(model: onnx.ModelProto, old: str, new: str) -> None:
+    """Every consumer of tensor `old` reads `new` instead."""
+    for n in model.graph.node:
+        for k, i in enumerate(n.input):
+            if i == old:
+                n.input[k] = new
