@@ -1,0 +1,629 @@
+"""QDQ ONNX graph -> a list of steps on int8 kernels, with fp32 numpy fallbacks.
+
+Before (what ORT's quantize_static and qtool write):
+    Q(x) -> DQ -> Conv(DQ(w_int8), DQ(b_int32)) -> [Relu|Clip] -> Q(y) -> DQ -> ...
+After:
+    QuantizeStep(x) -> ConvStep(u8 NHWC -> u8 NHWC, requantized to y's scale, Relu/Clip as the clamp) -> ...
+
+Rules, in the order tried for each node:
+  * all inputs constant -> folded at load with the fp32 op (DQ of a weight also remembers the
+    int8 tensor and its scales, which the int8 rules pack once);
+  * DequantizeLinear of a uint8 activation -> no step, a "dq view" of the int8 tensor;
+  * QuantizeLinear of a dq view -> an alias (same scale/zero point) or a requantize step;
+    of a float tensor -> a quantize step (NCHW float -> NHWC uint8);
+  * an op in INT_RULES whose data inputs are dq views and whose output goes only to one
+    QuantizeLinear (optionally through Relu/Clip) -> one int8 step producing that Q's output;
+  * anything else -> the fp32 numpy op, with its dq-view inputs dequantized first; a later Q
+    quantizes the result. The reason is recorded for `report()`.
+A rule whose precondition fails returns the reason and leaves the node to the next rule.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from qtool.errors import QtoolError
+from qtool.runtime import steps as S
+from qtool.runtime.backend import conv_multiplier
+from qtool.runtime.fp32_ops import FP32_OPS
+
+
+@dataclass
+class QView:
+    """A float tensor that is DequantizeLinear(uint8 tensor `src`)."""
+    src: str
+    scale: np.float32
+    zp: int
+
+
+@dataclass
+class QConst:
+    """A constant that is DequantizeLinear(integer initializer)."""
+    q: np.ndarray
+    scale: np.ndarray
+    zp: np.ndarray
+    axis: int
+
+
+@dataclass
+class Val:
+    slot: int
+    kind: str                 # 'q' uint8 tensor, 'f' float/other runtime tensor
+    nhwc: bool = False        # for 'q': stored NHWC when rank 4
+    q: tuple | None = None    # (scale, zp) of the Q that produced it
+    rank: int | None = None
+
+
+@dataclass
+class Entry:
+    node: str
+    op: str
+    mode: str                 # int8 | fp32 | folded | fused | convert
+    detail: str = ""
+
+
+@dataclass
+class Program:
+    steps: list
+    n_slots: int
+    consts: dict              # slot -> array
+    inputs: list              # [(name, slot, dims, elem_type)]
+    outputs: list             # [(name, slot, kind, nhwc)]
+    entries: list = field(default_factory=list)
+
+
+def _attrs(node):
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _static_value_ranks(model):
+    ranks = {}
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:
+        inferred = model
+    g = inferred.graph
+    for vi in list(g.value_info) + list(g.input) + list(g.output):
+        t = vi.type.tensor_type
+        if t.HasField("shape"):
+            ranks[vi.name] = len(t.shape.dim)
+    return ranks
+
+
+class Compiler:
+    def __init__(self, model: onnx.ModelProto, K, where: str = "model"):
+        self.m, self.K, self.where = model, K, where
+        g = model.graph
+        self.g = g
+        self.consts = {i.name: numpy_helper.to_array(i) for i in g.initializer}
+        self.qconst: dict[str, QConst] = {}
+        self.views: dict[str, QView] = {}
+        self.vals: dict[str, Val] = {}
+        self.float_of: dict[tuple, str] = {}
+        self.steps: list = []
+        self.entries: list = []
+        self.n_slots = 0
+        self.const_slots: dict[str, int] = {}
+        self.done: set = set()
+        self.graph_outputs = {o.name for o in g.output}
+        self.consumers: dict[str, list] = {}
+        for n in g.node:
+            for i in n.input:
+                if i:
+                    self.consumers.setdefault(i, []).append(n)
+        self.ranks = _static_value_ranks(model)
+
+    # ------------------------------------------------------------ helpers
+    def new_slot(self):
+        self.n_slots += 1
+        return self.n_slots - 1
+
+    def add_val(self, name, kind, **kw):
+        v = Val(self.new_slot(), kind, **kw)
+        self.vals[name] = v
+        return v
+
+    def const_slot(self, name):
+        if name not in self.const_slots:
+            self.const_slots[name] = self.new_slot()
+        return self.const_slots[name]
+
+    def is_const(self, name):
+        return name == "" or name in self.consts
+
+    def scalar_q(self, node):
+        """(scale, zp) of a per-tensor uint8 Q/DQ node, or None."""
+        if len(node.input) < 2 or not all(self.is_const(i) for i in node.input[1:]):
+            return None
+        s = self.consts[node.input[1]]
+        z = self.consts[node.input[2]] if len(node.input) > 2 and node.input[2] else np.zeros((), np.uint8)
+        if s.size != 1 or z.size != 1 or z.dtype != np.uint8:
+            return None
+        return np.float32(s.reshape(())), int(z.reshape(()))
+
+    def float_input(self, name):
+        """Slot holding `name` as a float (ONNX layout) tensor, dequantizing a dq view once."""
+        if name == "":
+            return None
+        if name in self.consts:
+            return self.const_slot(name)
+        if name in self.views:
+            v = self.views[name]
+            key = (v.src, float(v.scale), v.zp)
+            if key not in self.float_of:
+                src = self.vals[v.src]
+                fv = self.add_val(name, "f", rank=src.rank)
+                self.steps.append(S.DequantizeStep(f"dequantize {v.src}", src.slot, fv.slot, v.scale, v.zp, src.nhwc))
+                self.float_of[key] = name
+            return self.vals[self.float_of[key]].slot
+        v = self.vals.get(name)
+        if v is None:
+            raise QtoolError(f"{self.where}: tensor '{name}' is used before it is produced (graph not topologically sorted?)")
+        if v.kind == "q":  # raw uint8 used by a non-int op: hand it over in ONNX layout
+            if v.nhwc:
+                fv = self.add_val(name + "#nchw", "f", rank=v.rank)
+                self.steps.append(S.ShapeOpStep(f"to NCHW {name}", "Identity", self.K, v.slot, fv.slot, [], {}, True, None))
+                return fv.slot
+        return v.slot
+
+    def nhwc_input(self, qname):
+        """Slot of uint8 tensor `qname` in NHWC (converting a rank-4 plain tensor once)."""
+        v = self.vals[qname]
+        if v.nhwc:
+            return v.slot
+        key = qname + "#nhwc"
+        if key not in self.vals:
+            nv = self.add_val(key, "q", nhwc=True, q=v.q, rank=4)
+            self.steps.append(S.ToNHWCStep(f"to NHWC {qname}", v.slot, nv.slot))
+        return self.vals[key].slot
+
+    def out_quant(self, name):
+        """If float `name` goes only to a QuantizeLinear (optionally through Relu/Clip):
+        (q_node, (scale, zp), lo, hi, [fused nodes]); else a reason string."""
+        cons = self.consumers.get(name, [])
+        if name in self.graph_outputs:
+            return "its output is a graph output"
+        if len(cons) != 1:
+            return f"its output has {len(cons)} consumers, not one QuantizeLinear"
+        n, fused, act = cons[0], [], None
+        if n.op_type in ("Relu", "Clip"):
+            o = n.output[0]
+            c2 = self.consumers.get(o, [])
+            if o in self.graph_outputs or len(c2) != 1:
+                return f"{n.op_type} after it is not followed by exactly one QuantizeLinear"
+            if n.op_type == "Clip" and not all(self.is_const(i) for i in n.input[1:]):
+                return "Clip bounds are not constant"
+            act, n = n, c2[0]
+            fused.append(act)
+        if n.op_type != "QuantizeLinear":
+            return f"its output goes to {n.op_type}, not QuantizeLinear"
+        q = self.scalar_q(n)
+        if q is None:
+            return "the QuantizeLinear after it is not per-tensor uint8"
+        lo, hi = 0, 255
+        s, z = q
+        def qv(v):
+            return int(np.clip(np.rint(np.float32(v) / s) + z, 0, 255))
+        if act is not None:
+            if act.op_type == "Relu":
+                lo = z
+            else:
+                at = _attrs(act)
+                mn = self.consts[act.input[1]] if len(act.input) > 1 and act.input[1] else at.get("min")
+                mx = self.consts[act.input[2]] if len(act.input) > 2 and act.input[2] else at.get("max")
+                if mn is not None:
+                    lo = qv(np.asarray(mn).reshape(()))
+                if mx is not None:
+                    hi = qv(np.asarray(mx).reshape(()))
+        return n, q, lo, hi, fused + [n]
+
+    def weight(self, name, want_axis):
+        """int8 per-channel/per-tensor symmetric weight behind DQ `name` -> (q, scales) or reason."""
+        w = self.qconst.get(name)
+        if w is None:
+            return "its weight is not a DequantizeLinear of an int8 initializer"
+        if w.q.dtype != np.int8:
+            return f"its weight is {w.q.dtype}, not int8"
+        if np.any(w.zp != 0):
+            return "its weight zero point is not 0"
+        if w.scale.size > 1 and w.axis % w.q.ndim != want_axis:
+            return f"its weight is quantized along axis {w.axis}, not {want_axis}"
+        return w.q, np.broadcast_to(w.scale.reshape(-1).astype(np.float32), (w.q.shape[want_axis],)).copy()
+
+    def bias(self, name, sx, sw):
+        """int32 bias with scale sx*sw (the int32 initializer as is when its scale agrees)."""
+        if not name:
+            return None
+        want = (np.float32(sx) * sw).astype(np.float32)
+        qc = self.qconst.get(name)
+        if qc is not None and qc.q.dtype == np.int32 and np.all(qc.zp == 0):
+            if np.allclose(np.broadcast_to(qc.scale.reshape(-1), want.shape), want, rtol=1e-6, atol=0):
+                return qc.q.reshape(-1).astype(np.int32)
+        b = self.consts[name].astype(np.float64).reshape(-1)
+        return np.clip(np.rint(b / want.astype(np.float64)), -2 ** 31, 2 ** 31 - 1).astype(np.int32)
+
+    def emit_q(self, qnode, _unused, *, nhwc, q, rank, fused, op_node):
+        """Register the uint8 output of an int8 op (named after the Q it absorbs)."""
+        v = self.add_val(qnode.output[0], "q", nhwc=nhwc, q=q, rank=rank)
+        st = None
+        self.done.update(id(n) for n in fused)
+        for n in fused:
+            self.entries.append(Entry(n.name or n.op_type, n.op_type, "fused", f"into {op_node.name or op_node.op_type}"))
+        return v, st
+
+    # ------------------------------------------------------------ main loop
+    def compile(self) -> Program:
+        g = self.g
+        inputs = []
+        init_names = set(self.consts)
+        for i in g.input:
+            if i.name in init_names:
+                continue
+            t = i.type.tensor_type
+            dims = [d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim] if t.HasField("shape") else None
+            v = self.add_val(i.name, "f", rank=len(dims) if dims is not None else None)
+            inputs.append((i.name, v.slot, dims, t.elem_type))
+        for node in g.node:
+            if id(node) in self.done:
+                continue
+            try:
+                self.node(node)
+            except QtoolError:
+                raise
+            except NotImplementedError as e:
+                raise QtoolError(f"{self.where}: node '{node.name}' ({node.op_type}): {e}") from None
+        outputs = []
+        for o in g.output:
+            if o.name in self.consts:
+                outputs.append((o.name, self.const_slot(o.name), "f", False))
+            elif o.name in self.views:
+                outputs.append((o.name, self.float_input(o.name), "f", False))
+            elif o.name in self.vals:
+                v = self.vals[o.name]
+                outputs.append((o.name, v.slot, v.kind, v.nhwc))
+            else:
+                raise QtoolError(f"{self.where}: graph output '{o.name}' is never produced")
+        consts = {slot: self.consts[name] for name, slot in self.const_slots.items()}
+        return Program(self.steps, self.n_slots, consts, inputs, outputs, self.entries)
+
+    def node(self, node):
+        op = node.op_type
+        name = node.name or op
+        if op == "Constant":
+            at = _attrs(node)
+            if "value" in at:
+                v = numpy_helper.to_array(at["value"])
+            else:
+                k, val = next(iter(at.items()))
+                v = np.asarray(val, np.float32 if "float" in k else np.int64)
+            self.consts[node.output[0]] = v
+            self.entries.append(Entry(name, op, "folded"))
+            return
+        if all(self.is_const(i) for i in node.input) and op in FP32_OPS and op not in ("QuantizeLinear",):
+            ins = [self.consts[i] if i else None for i in node.input]
+            at = _attrs(node)
+            at["_n_outputs"] = len(node.output)
+            outs = FP32_OPS[op](ins, at)
+            for o, y in zip(node.output, outs):
+                if o:
+                    self.consts[o] = np.asarray(y)
+            if op == "DequantizeLinear":
+                s = ins[1]
+                z = ins[2] if len(ins) > 2 and ins[2] is not None else np.zeros_like(s, dtype=ins[0].dtype)
+                self.qconst[node.output[0]] = QConst(ins[0], s, z, at.get("axis", 1))
+            self.entries.append(Entry(name, op, "folded"))
+            return
+        if op == "DequantizeLinear":
+            src = self.vals.get(node.input[0])
+            q = self.scalar_q(node)
+            if src is not None and src.kind == "q" and q is not None:
+                self.views[node.output[0]] = QView(node.input[0], q[0], q[1])
+                return
+        if op == "QuantizeLinear":
+            q = self.scalar_q(node)
+            x = node.input[0]
+            if q is not None and x in self.views:
+                v = self.views[x]
+                src = self.vals[v.src]
+                if (np.float32(v.scale), v.zp) == (np.float32(q[0]), q[1]):
+                    self.vals[node.output[0]] = src
+                    return
+                nv = self.add_val(node.output[0], "q", nhwc=src.nhwc, q=q, rank=src.rank)
+                self.steps.append(S.RequantStep(name, self.K, src.slot, nv.slot, (v.scale, v.zp), q))
+                self.entries.append(Entry(name, "Requantize", "int8", "DQ -> Q with a different scale"))
+                return
+            if q is not None and x in self.vals and self.vals[x].kind == "f":
+                fx = self.vals[x]
+                nhwc = fx.rank == 4 or fx.rank is None
+                nv = self.add_val(node.output[0], "q", nhwc=nhwc, q=q, rank=fx.rank)
+                self.steps.append(S.QuantizeStep(name, fx.slot, nv.slot, q[0], q[1], nhwc))
+                self.entries.append(Entry(name, op, "convert", "float -> uint8" + (" NHWC" if nhwc else "")))
+                return
+        rule = INT_RULES.get(op)
+        reason = "no int8 kernel for this op"
+        if rule is not None:
+            r = rule(self, node)
+            if r is None:
+                return
+            reason = r
+        self.fallback(node, reason)
+
+    def fallback(self, node, reason):
+        op = node.op_type
+        if op not in FP32_OPS:
+            raise QtoolError(f"{self.where}: node '{node.name}' uses op {op}, which qtool's runtime cannot run "
+                             f"(neither in int8 nor in fp32)")
+        ins = [self.float_input(i) if i else None for i in node.input]
+        outs = []
+        r_in = self.ranks.get(node.input[0]) if node.input else None
+        for o in node.output:
+            if o:
+                outs.append(self.add_val(o, "f", rank=self.ranks.get(o, r_in)).slot)
+            else:
+                outs.append(None)
+        at = _attrs(node)
+        at["_n_outputs"] = len(node.output)
+        self.steps.append(S.FP32Step(node.name or op, op, ins, outs, at, reason))
+        self.entries.append(Entry(node.name or op, op, "fp32", reason))
+
+
+# ------------------------------------------------------------ int8 rules: node -> None (done) or reason
+
+def _rule_conv(c: Compiler, node):
+    x = c.views.get(node.input[0])
+    if x is None:
+        return "its input is not a dequantized uint8 tensor"
+    if c.vals[x.src].rank not in (4, None):
+        return f"rank {c.vals[x.src].rank} convolution"
+    w = c.weight(node.input[1], 0)
+    if isinstance(w, str):
+        return w
+    wq, sw = w
+    if wq.ndim != 4:
+        return f"{wq.ndim - 2}-D convolution (only 2-D has an int8 kernel)"
+    at = _attrs(node)
+    ap = at.get("auto_pad", b"NOTSET")
+    ap = ap.decode() if isinstance(ap, bytes) else ap
+    if ap not in ("NOTSET", "VALID", ""):
+        return f"auto_pad={ap}"
+    oq = c.out_quant(node.output[0])
+    if isinstance(oq, str):
+        return oq
+    qnode, qy, lo, hi, fused = oq
+    group = at.get("group", 1)
+    bias = c.bias(node.input[2] if len(node.input) > 2 else "", x.scale, sw)
+    mult = conv_multiplier(c.K, x.scale, sw, qy[0])
+    pads = tuple(at.get("pads", [0, 0, 0, 0])) if ap != "VALID" else (0, 0, 0, 0)
+    packed = c.K.pack_conv2d(wq, bias, x_zp=x.zp, multiplier=mult, y_zp=qy[1], strides=tuple(at.get("strides", [1, 1])),
+                             pads=pads, dilations=tuple(at.get("dilations", [1, 1])), group=group, lo=lo, hi=hi)
+    xs = c.nhwc_input(x.src)
+    v, st = c.emit_q(qnode, None, nhwc=True, q=qy, rank=4, fused=fused, op_node=node)
+    st = S.ConvStep(node.name or "Conv", c.K, packed, xs, v.slot, wq.shape[1])
+    c.steps.append(st)
+    c.entries.append(Entry(node.name or "Conv", "Conv", "int8", st.kernel))
+    return None
+
+
+def _gemm_like(c: Compiler, node, wq_nk, sw, bias_name, x):
+    src = c.vals[x.src]
+    if src.nhwc and src.rank == 4:
+        return "its input is a rank-4 NHWC tensor"
+    oq = c.out_quant(node.output[0])
+    bias = c.bias(bias_name, x.scale, sw)
+    if isinstance(oq, str):  # float output (e.g. the logits): y = acc * s_x * s_w
+        mult = (np.float32(x.scale) * sw).astype(np.float32)
+        packed = c.K.pack_gemm(wq_nk, bias, x_zp=x.zp, multiplier=mult, out_dtype="float32")
+        v = c.add_val(node.output[0], "f", rank=src.rank)
+        detail = "float output"
+    else:
+        qnode, qy, lo, hi, fused = oq
+        mult = conv_multiplier(c.K, x.scale, sw, qy[0])
+        packed = c.K.pack_gemm(wq_nk, bias, x_zp=x.zp, multiplier=mult, y_zp=qy[1], lo=lo, hi=hi)
+        v, _ = c.emit_q(qnode, None, nhwc=False, q=qy, rank=src.rank, fused=fused, op_node=node)
+        detail = ""
+    st = S.GemmStep(node.name or node.op_type, node.op_type, c.K, packed, src.slot, v.slot)
+    st.k = wq_nk.shape[1]
+    c.steps.append(st)
+    c.entries.append(Entry(node.name or node.op_type, node.op_type, "int8", (st.kernel + " " + detail).strip()))
+    return None
+
+
+def _rule_gemm(c: Compiler, node):
+    x = c.views.get(node.input[0])
+    if x is None:
+        return "its input is not a dequantized uint8 tensor"
+    at = _attrs(node)
+    if at.get("transA", 0) or at.get("alpha", 1.0) != 1.0 or (len(node.input) > 2 and at.get("beta", 1.0) != 1.0):
+        return "transA/alpha/beta other than the defaults"
+    trans_b = at.get("transB", 0)
+    w = c.weight(node.input[1], 0 if trans_b else 1)
+    if isinstance(w, str):
+        return w
+    wq, sw = w
+    wq_nk = wq if trans_b else np.ascontiguousarray(wq.T)
+    if len(node.input) > 2 and node.input[2] and c.consts.get(node.input[2], np.zeros(1)).ndim > 1:
+        return "a bias that is not a vector"
+    return _gemm_like(c, node, wq_nk, sw, node.input[2] if len(node.input) > 2 else "", x)
+
+
+def _rule_matmul(c: Compiler, node):
+    x = c.views.get(node.input[0])
+    if x is None:
+        return "its input is not a dequantized uint8 tensor"
+    if node.input[1] not in c.qconst or c.qconst[node.input[1]].q.ndim != 2:
+        return "its second input is not a 2-D quantized constant"
+    w = c.weight(node.input[1], 1)
+    if isinstance(w, str):
+        return w
+    wq, sw = w
+    return _gemm_like(c, node, np.ascontiguousarray(wq.T), sw, "", x)
+
+
+def _rule_add(c: Compiler, node):
+    a, b = (c.views.get(i) for i in node.input)
+    if a is None or b is None:
+        return "an input is not a dequantized uint8 tensor"
+    oq = c.out_quant(node.output[0])
+    if isinstance(oq, str):
+        return oq
+    qnode, qy, lo, hi, fused = oq
+    va, vb = c.vals[a.src], c.vals[b.src]
+    if va.nhwc != vb.nhwc:
+        sa, sb = c.nhwc_input(a.src), c.nhwc_input(b.src)
+        nhwc = True
+    else:
+        sa, sb, nhwc = va.slot, vb.slot, va.nhwc
+    v, _ = c.emit_q(qnode, None, nhwc=nhwc, q=qy, rank=va.rank, fused=fused, op_node=node)
+    st = S.AddStep(node.name or "Add", c.K, sa, sb, v.slot, (a.scale, a.zp), (b.scale, b.zp), qy, lo, hi)
+    c.steps.append(st)
+    c.entries.append(Entry(node.name or "Add", "Add", "int8", st.kernel))
+    return None
+
+
+def _pool_common(c: Compiler, node):
+    x = c.views.get(node.input[0])
+    if x is None:
+        return "its input is not a dequantized uint8 tensor"
+    if c.vals[x.src].rank not in (4, None):
+        return f"rank {c.vals[x.src].rank} pooling"
+    at = _attrs(node)
+    ap = at.get("auto_pad", b"NOTSET")
+    ap = ap.decode() if isinstance(ap, bytes) else ap
+    if ap not in ("NOTSET", "VALID", ""):
+        return f"auto_pad={ap}"
+    if len(node.output) > 1 and node.output[1]:
+        return "MaxPool with an Indices output"
+    oq = c.out_quant(node.output[0])
+    if isinstance(oq, str):
+        return oq
+    return x, at, oq
+
+
+def _rule_maxpool(c: Compiler, node):
+    r = _pool_common(c, node)
+    if isinstance(r, str):
+        return r
+    x, at, (qnode, qy, lo, hi, fused) = r
+    if at.get("storage_order", 0):
+        return "storage_order=1"
+    same = (np.float32(x.scale), x.zp) == (np.float32(qy[0]), qy[1]) and lo == 0 and hi == 255
+    if not same and (lo != 0 or hi != 255):
+        return "MaxPool followed by Relu/Clip and a different scale"
+    xs = c.nhwc_input(x.src)
+    if same:
+        v, _ = c.emit_q(qnode, None, nhwc=True, q=qy, rank=4, fused=fused, op_node=node)
+        c.steps.append(S.MaxPoolStep(node.name or "MaxPool", c.K, xs, v.slot, at))
+    else:  # max commutes with the monotonic requantization: pool, then requantize
+        mid = c.add_val(node.output[0] + "#pooled", "q", nhwc=True, q=(x.scale, x.zp), rank=4)
+        c.steps.append(S.MaxPoolStep(node.name or "MaxPool", c.K, xs, mid.slot, at))
+        v, _ = c.emit_q(qnode, None, nhwc=True, q=qy, rank=4, fused=fused, op_node=node)
+        c.steps.append(S.RequantStep(node.name + " requantize", c.K, mid.slot, v.slot, (x.scale, x.zp), qy))
+    c.entries.append(Entry(node.name or "MaxPool", "MaxPool", "int8", "maxpool" + ("" if same else " + requantize")))
+    return None
+
+
+def _rule_avgpool(c: Compiler, node):
+    r = _pool_common(c, node)
+    if isinstance(r, str):
+        return r
+    x, at, (qnode, qy, lo, hi, fused) = r
+    if at.get("ceil_mode", 0) and at.get("count_include_pad", 0):
+        return "ceil_mode with count_include_pad"
+    if tuple(at.get("dilations", [1, 1])) != (1, 1):
+        return "dilated AveragePool"
+    xs = c.nhwc_input(x.src)
+    v, _ = c.emit_q(qnode, None, nhwc=True, q=qy, rank=4, fused=fused, op_node=node)
+    c.steps.append(S.AvgPoolStep(node.name or "AveragePool", c.K, xs, v.slot, at, (x.scale, x.zp), qy, lo, hi))
+    c.entries.append(Entry(node.name or "AveragePool", "AveragePool", "int8", "avgpool"))
+    return None
+
+
+def _rule_gap(c: Compiler, node):
+    x = c.views.get(node.input[0])
+    if x is None:
+        return "its input is not a dequantized uint8 tensor"
+    if c.vals[x.src].rank not in (4, None):
+        return f"rank {c.vals[x.src].rank} input"
+    oq = c.out_quant(node.output[0])
+    if isinstance(oq, str):
+        return oq
+    qnode, qy, lo, hi, fused = oq
+    xs = c.nhwc_input(x.src)
+    v, _ = c.emit_q(qnode, None, nhwc=True, q=qy, rank=4, fused=fused, op_node=node)
+    c.steps.append(S.GlobalAvgPoolStep(node.name or "GlobalAveragePool", c.K, xs, v.slot, (x.scale, x.zp), qy, lo, hi))
+    c.entries.append(Entry(node.name or "GlobalAveragePool", "GlobalAveragePool", "int8", "global_avgpool"))
+    return None
+
+
+def _rule_concat(c: Compiler, node):
+    xs = [c.views.get(i) for i in node.input]
+    if any(x is None for x in xs):
+        return "an input is not a dequantized uint8 tensor"
+    oq = c.out_quant(node.output[0])
+    if isinstance(oq, str):
+        return oq
+    qnode, qy, lo, hi, fused = oq
+    if lo != 0 or hi != 255:
+        return "Concat followed by Relu/Clip"
+    axis = _attrs(node)["axis"]
+    vs = [c.vals[x.src] for x in xs]
+    rank = next((v.rank for v in vs if v.rank is not None), None)
+    if rank is None:
+        return "unknown input rank"
+    axis %= rank
+    if rank == 4 and any(v.nhwc for v in vs):
+        slots = [c.nhwc_input(x.src) for x in xs]
+        axis = {0: 0, 1: 3, 2: 1, 3: 2}[axis]
+        nhwc = True
+    else:
+        slots = [v.slot for v in vs]
+        nhwc = False
+    v, _ = c.emit_q(qnode, None, nhwc=nhwc, q=qy, rank=rank, fused=fused, op_node=node)
+    c.steps.append(S.ConcatStep(node.name or "Concat", c.K, slots, v.slot, axis, [(x.scale, x.zp) for x in xs], qy))
+    c.entries.append(Entry(node.name or "Concat", "Concat", "int8", "concat"))
+    return None
+
+
+def _rule_shape_op(c: Compiler, node):
+    x = c.views.get(node.input[0])
+    if x is None:
+        return "its input is not a dequantized uint8 tensor"
+    if not all(c.is_const(i) for i in node.input[1:]):
+        return "its shape/axes input is not constant"
+    oq = c.out_quant(node.output[0])
+    if isinstance(oq, str):
+        return oq
+    qnode, qy, lo, hi, fused = oq
+    if lo != 0 or hi != 255:
+        return f"{node.op_type} followed by Relu/Clip"
+    src = c.vals[x.src]
+    extra = [c.consts[i] if i else None for i in node.input[1:]]
+    same = (np.float32(x.scale), x.zp) == (np.float32(qy[0]), qy[1])
+    rank = c.ranks.get(node.output[0])
+    v, _ = c.emit_q(qnode, None, nhwc=False, q=qy, rank=rank, fused=fused, op_node=node)
+    at = _attrs(node)
+    st = S.ShapeOpStep(node.name or node.op_type, node.op_type, c.K, src.slot, v.slot, extra, at, src.nhwc,
+                       None if same else ((x.scale, x.zp), qy))
+    c.steps.append(st)
+    c.entries.append(Entry(node.name or node.op_type, node.op_type, "int8", "on uint8 data" + ("" if same else " + requantize")))
+    return None
+
+
+INT_RULES = {
+    "Conv": _rule_conv,
+    "Gemm": _rule_gemm,
+    "MatMul": _rule_matmul,
+    "Add": _rule_add,
+    "MaxPool": _rule_maxpool,
+    "AveragePool": _rule_avgpool,
+    "GlobalAveragePool": _rule_gap,
+    "Concat": _rule_concat,
+    "Reshape": _rule_shape_op,
+    "Flatten": _rule_shape_op,
+    "Squeeze": _rule_shape_op,
+    "Unsqueeze": _rule_shape_op,
+    "Transpose": _rule_shape_op,
+}

@@ -1,0 +1,496 @@
+"""fp32 numpy implementations of the ONNX ops the runtime does not run in int8.
+
+One function per op, `fn(inputs, attrs) -> list of outputs`, registered by name in FP32_OPS.
+They serve two purposes: ops with no int8 kernel run here (dequantize before, quantize
+after), and constant subgraphs (shape arithmetic, folded weights) are evaluated once at load.
+Semantics follow the ONNX operator specs (opset 11-19) for the common cases; an attribute
+combination that is not supported raises NotImplementedError with the op and attribute named,
+which the loader turns into a QtoolError.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+FP32_OPS = {}
+
+
+def op(*names):
+    def deco(fn):
+        for n in names:
+            FP32_OPS[n] = fn
+        return fn
+    return deco
+
+
+def _elementwise(f):
+    return lambda ins, at: [f(*ins)]
+
+
+for _name, _f in {
+    "Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Pow": lambda a, b: np.power(a, b).astype(a.dtype),
+    "Sqrt": np.sqrt, "Exp": np.exp, "Log": np.log, "Neg": np.negative, "Abs": np.abs,
+    "Floor": np.floor, "Ceil": np.ceil, "Reciprocal": np.reciprocal, "Tanh": np.tanh,
+    "Equal": np.equal, "Less": np.less, "Greater": np.greater, "Not": np.logical_not,
+    "And": np.logical_and, "Or": np.logical_or, "Where": np.where,
+    "Identity": lambda a: a,
+}.items():
+    FP32_OPS[_name] = _elementwise(_f)
+
+
+@op("Div")
+def div(ins, at):
+    a, b = ins
+    if np.issubdtype(a.dtype, np.integer) and np.issubdtype(b.dtype, np.integer):
+        return [(np.trunc(a / b)).astype(a.dtype)]
+    return [np.divide(a, b).astype(np.result_type(a, b))]
+
+
+@op("Erf")
+def erf(ins, at):
+    import math
+    x = ins[0].astype(np.float64)
+    return [np.vectorize(math.erf)(x).astype(ins[0].dtype)]
+
+
+def _reduce_variadic(f):
+    def fn(ins, at):
+        out = ins[0]
+        for x in ins[1:]:
+            out = f(out, x)
+        return [out]
+    return fn
+
+
+FP32_OPS["Min"] = _reduce_variadic(np.minimum)
+FP32_OPS["Max"] = _reduce_variadic(np.maximum)
+FP32_OPS["Sum"] = _reduce_variadic(np.add)
+FP32_OPS["Mean"] = lambda ins, at: [_reduce_variadic(np.add)(ins, at)[0] / np.float32(len(ins))]
+
+
+@op("Relu")
+def relu(ins, at):
+    return [np.maximum(ins[0], 0).astype(ins[0].dtype)]
+
+
+@op("LeakyRelu")
+def leaky_relu(ins, at):
+    x = ins[0]
+    return [np.where(x >= 0, x, x * np.float32(at.get("alpha", 0.01))).astype(x.dtype)]
+
+
+@op("Clip")
+def clip(ins, at):
+    x = ins[0]
+    lo = ins[1] if len(ins) > 1 and ins[1] is not None else at.get("min", None)
+    hi = ins[2] if len(ins) > 2 and ins[2] is not None else at.get("max", None)
+    if lo is not None:
+        x = np.maximum(x, np.asarray(lo, x.dtype))
+    if hi is not None:
+        x = np.minimum(x, np.asarray(hi, x.dtype))
+    return [x]
+
+
+@op("Sigmoid")
+def sigmoid(ins, at):
+    x = ins[0]
+    return [(1.0 / (1.0 + np.exp(-x))).astype(x.dtype)]
+
+
+@op("HardSigmoid")
+def hard_sigmoid(ins, at):
+    x = ins[0]
+    a, b = np.float32(at.get("alpha", 0.2)), np.float32(at.get("beta", 0.5))
+    return [np.clip(x * a + b, 0, 1).astype(x.dtype)]
+
+
+@op("HardSwish")
+def hard_swish(ins, at):
+    x = ins[0]
+    return [(x * np.clip(x * np.float32(1 / 6) + np.float32(0.5), 0, 1)).astype(x.dtype)]
+
+
+@op("Softmax")
+def softmax(ins, at):
+    x = ins[0]
+    axis = at.get("axis", -1)
+    e = np.exp(x - x.max(axis=axis, keepdims=True))
+    return [(e / e.sum(axis=axis, keepdims=True)).astype(x.dtype)]
+
+
+@op("Cast")
+def cast(ins, at):
+    from onnx.helper import tensor_dtype_to_np_dtype
+    return [ins[0].astype(tensor_dtype_to_np_dtype(at["to"]))]
+
+
+@op("Shape")
+def shape(ins, at):
+    s = np.array(ins[0].shape, np.int64)
+    return [s[at.get("start", 0):at.get("end", None)]]
+
+
+@op("Size")
+def size(ins, at):
+    return [np.array(ins[0].size, np.int64)]
+
+
+@op("ConstantOfShape")
+def constant_of_shape(ins, at):
+    v = at.get("value")
+    v = np.zeros(1, np.float32) if v is None else v
+    return [np.full(tuple(int(d) for d in ins[0]), v.reshape(-1)[0], v.dtype)]
+
+
+@op("Range")
+def range_(ins, at):
+    s, l, d = (x.reshape(()) for x in ins)
+    return [np.arange(s, l, d).astype(s.dtype)]
+
+
+@op("Reshape")
+def reshape(ins, at):
+    x, s = ins
+    s = [int(d) for d in s]
+    if not at.get("allowzero", 0):
+        s = [x.shape[i] if d == 0 else d for i, d in enumerate(s)]
+    return [x.reshape(s)]
+
+
+@op("Flatten")
+def flatten(ins, at):
+    x = ins[0]
+    ax = at.get("axis", 1) % max(x.ndim, 1) if at.get("axis", 1) != x.ndim else x.ndim
+    return [x.reshape(int(np.prod(x.shape[:ax])), -1)]
+
+
+@op("Transpose")
+def transpose(ins, at):
+    return [np.transpose(ins[0], at.get("perm"))]
+
+
+def _axes(ins, at):
+    if len(ins) > 1 and ins[1] is not None:
+        return [int(a) for a in ins[1]]
+    return at.get("axes")
+
+
+@op("Squeeze")
+def squeeze(ins, at):
+    ax = _axes(ins, at)
+    return [np.squeeze(ins[0], axis=None if ax is None else tuple(ax))]
+
+
+@op("Unsqueeze")
+def unsqueeze(ins, at):
+    x = ins[0]
+    ax = sorted(a % (x.ndim + len(_axes(ins, at))) for a in _axes(ins, at))
+    for a in ax:
+        x = np.expand_dims(x, a)
+    return [x]
+
+
+@op("Concat")
+def concat(ins, at):
+    return [np.concatenate([i for i in ins if i is not None], axis=at["axis"])]
+
+
+@op("Split")
+def split(ins, at, n_out=None):
+    x = ins[0]
+    axis = at.get("axis", 0)
+    sp = ins[1] if len(ins) > 1 and ins[1] is not None else at.get("split")
+    if sp is None:
+        n = at["_n_outputs"]
+        sp = [x.shape[axis] // n] * n
+    idx = np.cumsum(sp)[:-1]
+    return list(np.split(x, idx, axis=axis))
+
+
+@op("Gather")
+def gather(ins, at):
+    return [np.take(ins[0], ins[1].astype(np.int64), axis=at.get("axis", 0))]
+
+
+@op("Slice")
+def slice_(ins, at):
+    x = ins[0]
+    if len(ins) > 1:
+        starts, ends = ins[1], ins[2]
+        axes = ins[3] if len(ins) > 3 and ins[3] is not None else range(len(starts))
+        steps = ins[4] if len(ins) > 4 and ins[4] is not None else [1] * len(starts)
+    else:
+        starts, ends = at["starts"], at["ends"]
+        axes = at.get("axes", range(len(starts)))
+        steps = [1] * len(starts)
+    sl = [slice(None)] * x.ndim
+    for s, e, a, st in zip(starts, ends, axes, steps):
+        a = int(a) % x.ndim
+        n = x.shape[a]
+        s, e, st = int(s), int(e), int(st)
+        s = max(-n - 1, min(s, n)) if st < 0 else max(-n, min(s, n))
+        e = max(-n - 1, min(e, n))
+        if st < 0 and e < -n:
+            e = None
+        sl[a] = slice(s, e, st)
+    return [x[tuple(sl)]]
+
+
+@op("Expand")
+def expand(ins, at):
+    x, s = ins
+    return [x * np.ones(tuple(int(d) for d in s), x.dtype)]
+
+
+@op("Tile")
+def tile(ins, at):
+    return [np.tile(ins[0], tuple(int(r) for r in ins[1]))]
+
+
+@op("Pad")
+def pad(ins, at):
+    x = ins[0]
+    pads = ins[1] if len(ins) > 1 else at["pads"]
+    cval = ins[2].reshape(-1)[0] if len(ins) > 2 and ins[2] is not None and ins[2].size else at.get("value", 0)
+    if len(ins) > 3 and ins[3] is not None:
+        raise NotImplementedError("Pad with axes input")
+    mode = at.get("mode", b"constant")
+    mode = mode.decode() if isinstance(mode, bytes) else mode
+    pads = [int(p) for p in pads]
+    r = x.ndim
+    begin, end = pads[:r], pads[r:]
+    # negative pads crop
+    sl = tuple(slice(-b if b < 0 else None, e if e < 0 else None) for b, e in zip(begin, end))
+    x = x[sl]
+    pw = [(max(b, 0), max(e, 0)) for b, e in zip(begin, end)]
+    if mode == "constant":
+        return [np.pad(x, pw, mode="constant", constant_values=cval)]
+    if mode in ("reflect", "edge"):
+        return [np.pad(x, pw, mode=mode)]
+    raise NotImplementedError(f"Pad mode={mode}")
+
+
+def _mk_reduce(f):
+    def fn(ins, at):
+        x = ins[0]
+        axes = ins[1] if len(ins) > 1 and ins[1] is not None else at.get("axes")
+        if axes is None or len(axes) == 0:
+            if at.get("noop_with_empty_axes", 0):
+                return [x]
+            axes = None
+        else:
+            axes = tuple(int(a) for a in axes)
+        return [f(x, axis=axes, keepdims=bool(at.get("keepdims", 1))).astype(x.dtype)]
+    return fn
+
+
+FP32_OPS["ReduceMean"] = _mk_reduce(np.mean)
+FP32_OPS["ReduceSum"] = _mk_reduce(np.sum)
+FP32_OPS["ReduceMax"] = _mk_reduce(np.max)
+FP32_OPS["ReduceMin"] = _mk_reduce(np.min)
+
+
+@op("MatMul")
+def matmul(ins, at):
+    return [np.matmul(ins[0], ins[1])]
+
+
+@op("Gemm")
+def gemm(ins, at):
+    a, b = ins[0], ins[1]
+    a = a.T if at.get("transA", 0) else a
+    b = b.T if at.get("transB", 0) else b
+    y = np.float32(at.get("alpha", 1.0)) * (a @ b)
+    if len(ins) > 2 and ins[2] is not None:
+        y = y + np.float32(at.get("beta", 1.0)) * ins[2]
+    return [y.astype(np.float32)]
+
+
+@op("BatchNormalization")
+def batch_norm(ins, at):
+    x, g, b, m, v = ins[:5]
+    sh = (1, -1) + (1,) * (x.ndim - 2)
+    k = (g / np.sqrt(v + np.float32(at.get("epsilon", 1e-5)))).astype(np.float32)
+    return [(x * k.reshape(sh) + (b - m * k).reshape(sh)).astype(np.float32)]
+
+
+def conv_pads(at, in_hw, k_hw):
+    """Explicit [top, left, bottom, right]-style pads (ONNX order: begins then ends)."""
+    nd = len(k_hw)
+    strides = at.get("strides", [1] * nd)
+    dil = at.get("dilations", [1] * nd)
+    ap = at.get("auto_pad", b"NOTSET")
+    ap = ap.decode() if isinstance(ap, bytes) else ap
+    if ap in ("NOTSET", ""):
+        return list(at.get("pads", [0] * (2 * nd)))
+    if ap == "VALID":
+        return [0] * (2 * nd)
+    begins, ends = [], []
+    for i in range(nd):
+        out = -(-in_hw[i] // strides[i])
+        total = max(0, (out - 1) * strides[i] + (k_hw[i] - 1) * dil[i] + 1 - in_hw[i])
+        small, big = total // 2, total - total // 2
+        begins.append(small if ap == "SAME_UPPER" else big)
+        ends.append(big if ap == "SAME_UPPER" else small)
+    return begins + ends
+
+
+def _im2col(x, kh, kw, sh, sw, dh, dw, oh, ow):
+    """x: padded NCHW -> [N, C, kh, kw, oh, ow] strided view."""
+    n, c, h, w = x.shape
+    s = x.strides
+    return np.lib.stride_tricks.as_strided(
+        x, (n, c, kh, kw, oh, ow), (s[0], s[1], s[2] * dh, s[3] * dw, s[2] * sh, s[3] * sw), writeable=False)
+
+
+@op("Conv")
+def conv(ins, at):
+    x, w = ins[0], ins[1]
+    b = ins[2] if len(ins) > 2 else None
+    if x.ndim != 4:
+        raise NotImplementedError(f"Conv on rank {x.ndim} input")
+    o, ci, kh, kw = w.shape
+    g = at.get("group", 1)
+    sh, sw = at.get("strides", [1, 1])
+    dh, dw = at.get("dilations", [1, 1])
+    p = conv_pads(at, x.shape[2:], (kh, kw))
+    xp = np.pad(x, ((0, 0), (0, 0), (p[0], p[2]), (p[1], p[3])))
+    oh = (xp.shape[2] - (kh - 1) * dh - 1) // sh + 1
+    ow = (xp.shape[3] - (kw - 1) * dw - 1) // sw + 1
+    cols = _im2col(xp, kh, kw, sh, sw, dh, dw, oh, ow)
+    n = x.shape[0]
+    og = o // g
+    outs = []
+    for gi in range(g):
+        cg = cols[:, gi * ci:(gi + 1) * ci].reshape(n, ci * kh * kw, oh * ow)
+        wg = w[gi * og:(gi + 1) * og].reshape(og, -1)
+        outs.append(np.matmul(wg, cg))
+    y = np.concatenate(outs, axis=1).reshape(n, o, oh, ow)
+    if b is not None:
+        y = y + b.reshape(1, -1, 1, 1)
+    return [y.astype(np.float32)]
+
+
+def _pool_geometry(x, at):
+    kh, kw = at["kernel_shape"]
+    sh, sw = at.get("strides", [1, 1])
+    dh, dw = at.get("dilations", [1, 1])
+    p = conv_pads(at, x.shape[2:], (kh, kw))
+    ceil = at.get("ceil_mode", 0)
+    oh = []
+    for i, (k, s, d) in enumerate(((kh, sh, dh), (kw, sw, dw))):
+        span = x.shape[2 + i] + p[i] + p[i + 2] - (k - 1) * d - 1
+        oh.append((-(-span // s) if ceil else span // s) + 1)
+    return kh, kw, sh, sw, dh, dw, p, oh[0], oh[1]
+
+
+@op("MaxPool")
+def max_pool(ins, at):
+    x = ins[0]
+    kh, kw, sh, sw, dh, dw, p, oh, ow = _pool_geometry(x, at)
+    eh = max(0, (oh - 1) * sh + (kh - 1) * dh + 1 - x.shape[2] - p[0])
+    ew = max(0, (ow - 1) * sw + (kw - 1) * dw + 1 - x.shape[3] - p[1])
+    xp = np.pad(x, ((0, 0), (0, 0), (p[0], eh), (p[1], ew)), constant_values=-np.inf)
+    return [_im2col(xp, kh, kw, sh, sw, dh, dw, oh, ow).max(axis=(2, 3)).astype(x.dtype)]
+
+
+@op("AveragePool")
+def avg_pool(ins, at):
+    x = ins[0]
+    kh, kw, sh, sw, dh, dw, p, oh, ow = _pool_geometry(x, at)
+    eh = max(0, (oh - 1) * sh + (kh - 1) * dh + 1 - x.shape[2] - p[0])
+    ew = max(0, (ow - 1) * sw + (kw - 1) * dw + 1 - x.shape[3] - p[1])
+    xp = np.pad(x, ((0, 0), (0, 0), (p[0], eh), (p[1], ew)))
+    s = _im2col(xp, kh, kw, sh, sw, dh, dw, oh, ow).sum(axis=(2, 3))
+    if at.get("count_include_pad", 0):
+        ones = np.pad(np.ones((1, 1) + x.shape[2:], np.float32), ((0, 0), (0, 0), (p[0], p[2]), (p[1], p[3])))
+        ones = np.pad(ones, ((0, 0), (0, 0), (0, max(0, eh - p[2])), (0, max(0, ew - p[3]))))
+    else:
+        ones = np.pad(np.ones((1, 1) + x.shape[2:], np.float32), ((0, 0), (0, 0), (p[0], eh), (p[1], ew)))
+    cnt = _im2col(ones, kh, kw, sh, sw, dh, dw, oh, ow).sum(axis=(2, 3))
+    return [(s / cnt).astype(x.dtype)]
+
+
+@op("GlobalAveragePool")
+def global_avg_pool(ins, at):
+    x = ins[0]
+    return [x.mean(axis=tuple(range(2, x.ndim)), keepdims=True).astype(x.dtype)]
+
+
+@op("GlobalMaxPool")
+def global_max_pool(ins, at):
+    x = ins[0]
+    return [x.max(axis=tuple(range(2, x.ndim)), keepdims=True)]
+
+
+@op("Resize", "Upsample")
+def resize(ins, at):
+    x = ins[0]
+    mode = at.get("mode", b"nearest")
+    mode = mode.decode() if isinstance(mode, bytes) else mode
+    if mode != "nearest":
+        raise NotImplementedError(f"Resize mode={mode} (only nearest)")
+    scales = sizes = None
+    if len(ins) == 2:  # Upsample / Resize-10: (X, scales)
+        scales = ins[1]
+    else:
+        scales = ins[2] if len(ins) > 2 and ins[2] is not None and ins[2].size else None
+        sizes = ins[3] if len(ins) > 3 and ins[3] is not None and ins[3].size else None
+    if sizes is not None:
+        out = [int(s) for s in sizes]
+        scales = [o / i for o, i in zip(out, x.shape)]
+    else:
+        out = [int(np.floor(i * s)) for i, s in zip(x.shape, scales)]
+    ctm = at.get("coordinate_transformation_mode", b"half_pixel")
+    ctm = ctm.decode() if isinstance(ctm, bytes) else ctm
+    nm = at.get("nearest_mode", b"round_prefer_floor")
+    nm = nm.decode() if isinstance(nm, bytes) else nm
+    y = x
+    for ax, (n_in, n_out, s) in enumerate(zip(x.shape, out, scales)):
+        if n_in == n_out:
+            continue
+        o = np.arange(n_out, dtype=np.float64)
+        if ctm == "asymmetric":
+            src = o / s
+        elif ctm == "align_corners":
+            src = o * (n_in - 1) / max(n_out - 1, 1)
+        elif ctm in ("half_pixel", "pytorch_half_pixel"):
+            src = (o + 0.5) / s - 0.5
+        else:
+            src = (o + 0.5) / s - 0.5
+        if nm == "floor":
+            idx = np.floor(src)
+        elif nm == "ceil":
+            idx = np.ceil(src)
+        elif nm == "round_prefer_ceil":
+            idx = np.floor(src + 0.5)
+        else:
+            idx = np.ceil(src - 0.5)
+        idx = np.clip(idx, 0, n_in - 1).astype(np.int64)
+        y = np.take(y, idx, axis=ax)
+    return [y]
+
+
+@op("DequantizeLinear")
+def dequantize_linear(ins, at):
+    q, s = ins[0], ins[1]
+    z = ins[2] if len(ins) > 2 and ins[2] is not None else np.zeros_like(s, dtype=q.dtype)
+    axis = at.get("axis", 1)
+    if s.ndim == 1 and s.size > 1:
+        sh = [1] * q.ndim
+        sh[axis] = -1
+        s, z = s.reshape(sh), z.reshape(sh)
+    return [((q.astype(np.int32) - z.astype(np.int32)).astype(np.float32) * s).astype(np.float32)]
+
+
+@op("QuantizeLinear")
+def quantize_linear(ins, at):
+    x, s = ins[0], ins[1]
+    z = ins[2] if len(ins) > 2 and ins[2] is not None else np.zeros((), np.uint8)
+    axis = at.get("axis", 1)
+    if s.ndim == 1 and s.size > 1:
+        sh = [1] * x.ndim
+        sh[axis] = -1
+        s, z = s.reshape(sh), z.reshape(sh)
+    info = np.iinfo(z.dtype)
+    y = np.rint(x / s) + z.astype(np.float32)
+    return [np.clip(y, info.min, info.max).astype(z.dtype)]

@@ -1,0 +1,277 @@
+"""NativeSession: run a QDQ int8 ONNX model on qtool's kernels, with an ORT-like API.
+
+    sess = NativeSession("model.int8.onnx", threads=2)
+    [logits] = sess.run(None, {"input": x})
+    print(sess.report())
+
+Loading compiles the graph once (qtool.runtime.compiler) and packs every weight. The first
+run with a new set of input shapes traces the plan, then assigns every intermediate tensor a
+buffer from a pool (a buffer is reused as soon as the last reader of its tensor has run), and
+binds each step to its buffers; later runs with those shapes only call the bound steps.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+
+from qtool.errors import QtoolError
+from qtool.runtime.backend import kernel_info, load_backend
+from qtool.runtime.compiler import Compiler
+
+_ELEM = {1: "tensor(float)", 2: "tensor(uint8)", 3: "tensor(int8)", 6: "tensor(int32)", 7: "tensor(int64)",
+         10: "tensor(float16)", 11: "tensor(double)"}
+
+
+@dataclass
+class NodeArg:
+    name: str
+    shape: list
+    type: str
+
+
+class _Plan:
+    __slots__ = ("env", "calls", "steps_calls", "in_slots", "bytes")
+
+
+def _load(model):
+    if isinstance(model, onnx.ModelProto):
+        return model, "model"
+    path = os.fspath(model)
+    if not os.path.exists(path):
+        raise QtoolError(f"{path}: no such file")
+    try:
+        return onnx.load(path), path
+    except Exception as e:  # protobuf's DecodeError and friends
+        raise QtoolError(f"{path}: not a readable ONNX model ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+class NativeSession:
+    def __init__(self, model, threads: int = 2, backend: str | None = None):
+        m, self.where = _load(model)
+        self.K, self.backend = load_backend(backend)
+        self.threads = int(threads)
+        self._set_threads()
+        t = time.perf_counter()
+        self.program = Compiler(m, self.K, self.where).compile()
+        self.load_seconds = time.perf_counter() - t
+        self._plans: OrderedDict = OrderedDict()
+        self._inputs = [NodeArg(n, [d if d is not None else "N" for d in dims] if dims is not None else None,
+                                _ELEM.get(et, str(et))) for n, _, dims, et in self.program.inputs]
+        self._out_names = [o[0] for o in self.program.outputs]
+
+    # ---------------------------------------------------------------- ORT-like API
+    def get_inputs(self):
+        return list(self._inputs)
+
+    def get_outputs(self):
+        return [NodeArg(n, None, "tensor") for n in self._out_names]
+
+    def run(self, output_names, feeds: dict):
+        plan = self._plan_for(feeds)
+        for f in plan.calls:
+            f()
+        return self._collect(plan, output_names)
+
+    # ---------------------------------------------------------------- internals
+    def _set_threads(self):
+        f = getattr(self.K, "set_num_threads", None)
+        g = getattr(self.K, "get_num_threads", None)
+        if f is not None and (g is None or g() != self.threads):
+            f(self.threads)
+
+    def _check_feeds(self, feeds):
+        if not isinstance(feeds, dict):
+            raise QtoolError(f"{self.where}: run() needs a dict of input name -> array, got {type(feeds).__name__}")
+        names = [i[0] for i in self.program.inputs]
+        extra = set(feeds) - set(names)
+        if extra:
+            raise QtoolError(f"{self.where}: unknown input '{sorted(extra)[0]}'; the model's inputs are {names}")
+        arrs = []
+        for name, slot, dims, et in self.program.inputs:
+            if name not in feeds:
+                raise QtoolError(f"{self.where}: input '{name}' is missing; expected shape {self._shape_str(dims)}")
+            x = feeds[name]
+            if not isinstance(x, np.ndarray):
+                x = np.asarray(x)
+            if et == 1:
+                if x.dtype != np.float32:
+                    if not np.issubdtype(x.dtype, np.floating):
+                        raise QtoolError(f"{self.where}: input '{name}' has dtype {x.dtype}, expected float32")
+                    x = x.astype(np.float32)
+            if dims is not None:
+                bad = x.ndim != len(dims) or any(d is not None and d != s for d, s in zip(dims, x.shape)) \
+                    or any(s == 0 for s in x.shape)
+                if bad:
+                    raise QtoolError(f"{self.where}: input '{name}' has shape {list(x.shape)}, "
+                                     f"expected {self._shape_str(dims)}")
+            if not x.flags.c_contiguous:
+                x = np.ascontiguousarray(x)
+            arrs.append((slot, x))
+        return arrs
+
+    @staticmethod
+    def _shape_str(dims):
+        if dims is None:
+            return "(any)"
+        return "[" + ", ".join("N" if d is None else str(d) for d in dims) + "]"
+
+    def _plan_for(self, feeds):
+        self._set_threads()
+        arrs = self._check_feeds(feeds)
+        key = tuple(x.shape for _, x in arrs)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._make_plan(arrs)
+            self._plans[key] = plan
+            while len(self._plans) > 8:
+                self._plans.popitem(last=False)
+        env = plan.env
+        for slot, x in arrs:
+            env[slot] = x
+        return plan
+
+    def _run_step(self, st, env, out):
+        try:
+            st.run(env, out)
+        except QtoolError:
+            raise
+        except Exception as e:
+            shapes = [list(env[i].shape) if i is not None and env[i] is not None and hasattr(env[i], "shape") else None
+                      for i in st.ins]
+            raise QtoolError(f"{self.where}: node '{st.name}' ({st.op}) failed on input shapes {shapes}: "
+                             f"{type(e).__name__}: {e}") from None
+
+    def _make_plan(self, arrs):
+        prog = self.program
+        env = [None] * prog.n_slots
+        for slot, a in prog.consts.items():
+            env[slot] = a
+        for slot, x in arrs:
+            env[slot] = x
+        steps = prog.steps
+        views = set()
+        for k, st in enumerate(steps):  # the trace run: every step allocates
+            self._run_step(st, env, None)
+            if st.uses_out and st.outs and st.ins and st.ins[0] is not None and env[st.ins[0]] is not None \
+                    and isinstance(env[st.outs[0]], np.ndarray) and np.shares_memory(env[st.outs[0]], env[st.ins[0]]):
+                views.add(k)
+        # liveness over buffer roots (a view keeps its source alive)
+        root = {}
+        last = {}
+        for k, st in enumerate(steps):
+            for i in st.ins:
+                if i is not None:
+                    r = root.get(i, i)
+                    last[r] = k
+            if k in views:
+                root[st.outs[0]] = root.get(st.ins[0], st.ins[0])
+        forever = {root.get(o[1], o[1]) for o in prog.outputs}
+        pool = []  # free raw buffers
+        owner = {}  # root slot -> raw buffer
+        bufs = {}
+        total = 0
+        for k, st in enumerate(steps):
+            if st.uses_out and k not in views:
+                for o in st.outs:
+                    a = env[o]
+                    nb = max(a.nbytes, 1)
+                    best = None
+                    for j, raw in enumerate(pool):
+                        if raw.nbytes >= nb and (best is None or raw.nbytes < pool[best].nbytes):
+                            best = j
+                    if best is None:
+                        raw = np.empty(nb + 64, np.uint8)
+                        off = (-raw.ctypes.data) % 64
+                        raw = raw[off:off + nb]
+                        total += nb
+                    else:
+                        raw = pool.pop(best)
+                    owner[o] = raw
+                    bufs[o] = raw[:a.nbytes].view(a.dtype).reshape(a.shape)
+                    if last.get(o, -1) < k and o not in forever:  # never read: free at once
+                        pool.append(owner.pop(o))
+            for i in set(st.ins):
+                if i is None:
+                    continue
+                r = root.get(i, i)
+                if last.get(r) == k and r in owner and r not in forever:
+                    pool.append(owner.pop(r))
+        plan = _Plan()
+        plan.env = env
+        plan.bytes = total
+        calls = []
+        for k, st in enumerate(steps):
+            out = [bufs[o] for o in st.outs] if st.uses_out and k not in views else None
+            calls.append(functools.partial(st.run, env, out))
+        plan.calls = calls
+        plan.steps_calls = list(zip(steps, calls))
+        # re-run once on the bound buffers so that env holds them (and catch binding bugs early)
+        for st, f in plan.steps_calls:
+            f()
+        return plan
+
+    def _collect(self, plan, output_names):
+        env = plan.env
+        res = {}
+        for name, slot, kind, nhwc in self.program.outputs:
+            a = env[slot]
+            if kind == "q" and nhwc and a.ndim == 4:
+                a = a.transpose(0, 3, 1, 2)
+            res[name] = np.array(a, copy=True)
+        if output_names is None:
+            return [res[n] for n in self._out_names]
+        try:
+            return [res[n] for n in output_names]
+        except KeyError as e:
+            raise QtoolError(f"{self.where}: unknown output {e}; the model's outputs are {self._out_names}") from None
+
+    # ---------------------------------------------------------------- reporting
+    def report(self) -> str:
+        """Which nodes run as int8 kernels, which in fp32 (and why)."""
+        e = self.program.entries
+        by_mode = Counter(x.mode for x in e)
+        lines = [f"{self.where}: backend {self.backend} ({kernel_info(self.K).get('isa', '?')}), {self.threads} threads, "
+                 f"compiled in {self.load_seconds * 1000:.0f} ms"]
+        lines.append("  " + ", ".join(f"{by_mode[m]} {m}" for m in ("int8", "fused", "fp32", "convert", "folded") if by_mode[m]))
+        int_ops = Counter(x.op for x in e if x.mode == "int8")
+        if int_ops:
+            lines.append("  int8: " + ", ".join(f"{n} {op}" for op, n in int_ops.most_common()))
+        fused = Counter(x.op for x in e if x.mode == "fused")
+        if fused:
+            lines.append("  fused into int8 ops: " + ", ".join(f"{n} {op}" for op, n in fused.most_common()))
+        fp = [x for x in e if x.mode == "fp32"]
+        if fp:
+            lines.append(f"  fp32 fallback ({len(fp)} nodes):")
+            for x in fp:
+                lines.append(f"    {x.node} ({x.op}): {x.detail}")
+        else:
+            lines.append("  fp32 fallback: none")
+        return "\n".join(lines)
+
+    def report_entries(self):
+        return list(self.program.entries)
+
+    def fallback_nodes(self):
+        return [(x.node, x.op, x.detail) for x in self.program.entries if x.mode == "fp32"]
+
+    def profile(self, feeds, repeats: int = 10):
+        """Time every step: -> list of dicts (name, op, mode, kernel, ms (median), macs)."""
+        plan = self._plan_for(feeds)
+        times = [[] for _ in plan.steps_calls]
+        pc = time.perf_counter
+        for _ in range(repeats):
+            for j, (st, f) in enumerate(plan.steps_calls):
+                t = pc()
+                f()
+                times[j].append(pc() - t)
+        out = []
+        for (st, _), ts in zip(plan.steps_calls, times):
+            out.append({"name": st.name, "op": st.op, "mode": st.mode, "kernel": st.kernel,
+                        "ms": float(np.median(ts)) * 1000, "macs": st.macs(plan.env)})
+        return out

@@ -1,0 +1,292 @@
+"""Executable steps of a compiled plan.
+
+A step reads its inputs from `env` (a list indexed by value slot) and writes its outputs
+there. `run(env, out)` gets `out`, the list of preallocated output buffers the planner gave it,
+or None during the first (tracing) run for a new input shape, when it allocates. Int8 tensors
+of rank 4 are NHWC uint8; everything else keeps ONNX's layout.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from qtool.runtime.fp32_ops import FP32_OPS, conv_pads
+
+
+class Step:
+    mode = "int8"        # 'int8' | 'fp32' | 'convert'
+    uses_out = True      # writes into planner-given buffers
+    is_view = False      # output 0 aliases input 0 (set during tracing)
+
+    def __init__(self, name, op, ins, outs):
+        self.name, self.op, self.ins, self.outs = name, op, list(ins), list(outs)
+        self.kernel = ""
+
+    def macs(self, env) -> int:
+        return 0
+
+    def run(self, env, out):
+        raise NotImplementedError
+
+
+# ---------------------------------------------------------------- boundaries and layout
+
+class QuantizeStep(Step):
+    """float32 -> uint8 (QuantizeLinear), NCHW -> NHWC for rank 4."""
+    mode = "convert"
+
+    def __init__(self, name, x, y, scale, zp, nhwc):
+        super().__init__(name, "QuantizeLinear", [x], [y])
+        self.inv = np.float32(scale)
+        self.zp = np.float32(zp)
+        self.nhwc = nhwc
+        self.tmp = {}
+        self.kernel = "numpy"
+
+    def run(self, env, out):
+        x = env[self.ins[0]]
+        if self.nhwc and x.ndim == 4:
+            x = x.transpose(0, 2, 3, 1)
+        t = self.tmp.get(x.shape)
+        if t is None:
+            t = self.tmp[x.shape] = np.empty(x.shape, np.float32)
+        np.divide(x, self.inv, out=t)
+        np.rint(t, out=t)
+        t += self.zp
+        np.clip(t, 0, 255, out=t)
+        y = out[0] if out else np.empty(x.shape, np.uint8)
+        np.copyto(y, t, casting="unsafe")
+        env[self.outs[0]] = y
+
+
+class DequantizeStep(Step):
+    """uint8 (NHWC if rank 4 and nhwc) -> float32 in ONNX layout."""
+    mode = "convert"
+
+    def __init__(self, name, x, y, scale, zp, nhwc):
+        super().__init__(name, "DequantizeLinear", [x], [y])
+        self.scale, self.zp, self.nhwc = np.float32(scale), np.float32(zp), nhwc
+        self.kernel = "numpy"
+
+    def run(self, env, out):
+        x = env[self.ins[0]]
+        if self.nhwc and x.ndim == 4:
+            x = x.transpose(0, 3, 1, 2)
+        y = out[0] if out else np.empty(x.shape, np.float32)
+        np.subtract(x, self.zp, out=y, dtype=np.float32)
+        y *= self.scale
+        env[self.outs[0]] = y
+
+
+class ToNHWCStep(Step):
+    """A rank-4 uint8 tensor in NCHW order (from a reshape/transpose) -> NHWC."""
+    mode = "convert"
+
+    def __init__(self, name, x, y):
+        super().__init__(name, "ToNHWC", [x], [y])
+
+    def run(self, env, out):
+        x = env[self.ins[0]]
+        if x.ndim != 4:
+            raise ValueError(f"expected a rank-4 tensor, got shape {list(x.shape)}")
+        t = x.transpose(0, 2, 3, 1)
+        y = out[0] if out else np.empty(t.shape, np.uint8)
+        np.copyto(y, t)
+        env[self.outs[0]] = y
+
+
+def logical_nchw(x, nhwc):
+    """The ONNX-order view of a stored int8 tensor (a view, possibly non-contiguous)."""
+    if nhwc and x.ndim == 4:
+        if x.shape[1] == 1 and x.shape[2] == 1:
+            return x.reshape(x.shape[0], x.shape[3], 1, 1)
+        return x.transpose(0, 3, 1, 2)
+    return x
+
+
+# ---------------------------------------------------------------- int8 compute
+
+class ConvStep(Step):
+    def __init__(self, name, K, packed, x, y, cin_per_group):
+        super().__init__(name, "Conv", [x], [y])
+        self.K, self.p, self.cig = K, packed, cin_per_group
+        self.kernel = f"{getattr(packed, 'kind', '')}:{getattr(packed, 'kernel', '')}"
+        self.op = "DwConv" if getattr(packed, "kind", "") == "dwconv" or cin_per_group == 1 else "Conv"
+        if self.op == "Conv" and packed.kh == packed.kw == 1:
+            self.op = "Conv1x1"
+
+    def run(self, env, out):
+        env[self.outs[0]] = self.K.conv2d(self.p, env[self.ins[0]], out=out[0] if out else None)
+
+    def macs(self, env):
+        return int(env[self.outs[0]].size) * self.cig * self.p.kh * self.p.kw
+
+
+class GemmStep(Step):
+    def __init__(self, name, op, K, packed, x, y):
+        super().__init__(name, op, [x], [y])
+        self.K, self.p = K, packed
+        self.kernel = f"gemm:{getattr(packed, 'kernel', '')}"
+        self.k = 0
+
+    def run(self, env, out):
+        x = env[self.ins[0]]
+        if x.ndim != 2:
+            lead = x.shape[:-1]
+            x2 = x.reshape(-1, x.shape[-1])
+            o = out[0].reshape(-1, out[0].shape[-1]) if out else None
+            y = self.K.gemm(self.p, x2, out=o)
+            env[self.outs[0]] = out[0] if out else y.reshape(lead + (y.shape[-1],))
+            return
+        env[self.outs[0]] = self.K.gemm(self.p, x, out=out[0] if out else None)
+
+    def macs(self, env):
+        y = env[self.outs[0]]
+        return int(np.prod(y.shape)) * self.k
+
+
+class AddStep(Step):
+    def __init__(self, name, K, a, b, y, qa, qb, qy, lo, hi):
+        super().__init__(name, "Add", [a, b], [y])
+        self.K = K
+        self.kw = dict(a_scale=qa[0], a_zp=qa[1], b_scale=qb[0], b_zp=qb[1], y_scale=qy[0], y_zp=qy[1], lo=lo, hi=hi)
+        self.kernel = "add"
+
+    def run(self, env, out):
+        a, b = env[self.ins[0]], env[self.ins[1]]
+        if a.shape != b.shape:  # broadcasting: the kernel wants equal shapes
+            shape = np.broadcast_shapes(a.shape, b.shape)
+            a, b = np.ascontiguousarray(np.broadcast_to(a, shape)), np.ascontiguousarray(np.broadcast_to(b, shape))
+        env[self.outs[0]] = self.K.add(a, b, out=out[0] if out else None, **self.kw)
+
+    def macs(self, env):
+        return int(env[self.outs[0]].size)
+
+
+def _pool_pads(at, hw, k, strides, dil=(1, 1)):
+    p = list(conv_pads(at, hw, k))
+    if at.get("ceil_mode", 0):  # extend the end pads so that floor division gives ceil's size
+        for i in range(2):
+            span = hw[i] + p[i] + p[i + 2] - (k[i] - 1) * dil[i] - 1
+            if span % strides[i]:
+                p[i + 2] += strides[i] - span % strides[i]
+    return tuple(p)
+
+
+class MaxPoolStep(Step):
+    def __init__(self, name, K, x, y, attrs):
+        super().__init__(name, "MaxPool", [x], [y])
+        self.K, self.at = K, attrs
+        self.k = tuple(attrs["kernel_shape"])
+        self.s = tuple(attrs.get("strides", [1, 1]))
+        self.d = tuple(attrs.get("dilations", [1, 1]))
+        self.geo = {}
+        self.kernel = "maxpool"
+
+    def run(self, env, out):
+        x = env[self.ins[0]]
+        p = self.geo.get(x.shape)
+        if p is None:
+            p = self.geo[x.shape] = _pool_pads(self.at, x.shape[1:3], self.k, self.s, self.d)
+        env[self.outs[0]] = self.K.maxpool2d(x, self.k, self.s, p, self.d, out=out[0] if out else None)
+
+
+class AvgPoolStep(Step):
+    def __init__(self, name, K, x, y, attrs, qx, qy, lo, hi):
+        super().__init__(name, "AveragePool", [x], [y])
+        self.K, self.at = K, attrs
+        self.k = tuple(attrs["kernel_shape"])
+        self.s = tuple(attrs.get("strides", [1, 1]))
+        self.cip = bool(attrs.get("count_include_pad", 0))
+        self.kw = dict(x_zp=qx[1], multiplier=np.float32(np.float32(qx[0]) / np.float32(qy[0])), y_zp=qy[1], lo=lo, hi=hi)
+        self.geo = {}
+        self.kernel = "avgpool"
+
+    def run(self, env, out):
+        x = env[self.ins[0]]
+        p = self.geo.get(x.shape)
+        if p is None:
+            p = self.geo[x.shape] = _pool_pads(self.at, x.shape[1:3], self.k, self.s)
+        env[self.outs[0]] = self.K.avgpool2d(x, self.k, self.s, p, self.cip, out=out[0] if out else None, **self.kw)
+
+
+class GlobalAvgPoolStep(Step):
+    def __init__(self, name, K, x, y, qx, qy, lo, hi):
+        super().__init__(name, "GlobalAveragePool", [x], [y])
+        self.K = K
+        self.kw = dict(x_zp=qx[1], multiplier=np.float32(np.float32(qx[0]) / np.float32(qy[0])), y_zp=qy[1], lo=lo, hi=hi)
+        self.kernel = "global_avgpool"
+
+    def run(self, env, out):
+        env[self.outs[0]] = self.K.global_avgpool(env[self.ins[0]], out=out[0] if out else None, **self.kw)
+
+
+class ConcatStep(Step):
+    def __init__(self, name, K, xs, y, axis, qs, qy):
+        super().__init__(name, "Concat", xs, [y])
+        self.K, self.axis = K, axis
+        self.kw = dict(scales=[q[0] for q in qs], zps=[q[1] for q in qs], y_scale=qy[0], y_zp=qy[1])
+        self.kernel = "concat"
+
+    def run(self, env, out):
+        xs = [env[i] for i in self.ins]
+        env[self.outs[0]] = self.K.concat(xs, self.axis, out=out[0] if out else None, **self.kw)
+
+
+class RequantStep(Step):
+    """uint8 (s1, z1) -> uint8 (s2, z2), same layout (a one-input concat)."""
+
+    def __init__(self, name, K, x, y, qx, qy):
+        super().__init__(name, "Requantize", [x], [y])
+        self.K = K
+        self.kw = dict(scales=[qx[0]], zps=[qx[1]], y_scale=qy[0], y_zp=qy[1])
+        self.kernel = "concat"
+
+    def run(self, env, out):
+        x = env[self.ins[0]]
+        env[self.outs[0]] = self.K.concat([x], x.ndim - 1, out=out[0] if out else None, **self.kw)
+
+
+class ShapeOpStep(Step):
+    """Reshape/Flatten/Squeeze/Unsqueeze/Transpose on uint8 data, with an optional requantize.
+    The result is in ONNX layout ('plain'); it is a view of the input when the layout allows."""
+
+    def __init__(self, name, op, K, x, y, extra, attrs, x_nhwc, requant):
+        super().__init__(name, op, [x], [y])
+        self.K, self.extra, self.at, self.x_nhwc, self.requant = K, extra, attrs, x_nhwc, requant
+        self.fn = FP32_OPS[op]
+        self.kernel = "view"
+
+    def run(self, env, out):
+        x = logical_nchw(env[self.ins[0]], self.x_nhwc)
+        r = self.fn([x] + self.extra, self.at)[0]
+        if self.requant is not None:
+            qx, qy = self.requant
+            r = np.ascontiguousarray(r)
+            r = self.K.concat([r], max(r.ndim - 1, 0), scales=[qx[0]], zps=[qx[1]], y_scale=qy[0], y_zp=qy[1],
+                              out=out[0] if out else None)
+        elif out:
+            np.copyto(out[0], r)
+            r = out[0]
+        elif not r.flags.c_contiguous:
+            r = np.ascontiguousarray(r)
+        env[self.outs[0]] = r
+
+
+# ---------------------------------------------------------------- fp32 fallback
+
+class FP32Step(Step):
+    mode = "fp32"
+    uses_out = False
+
+    def __init__(self, name, op, ins, outs, attrs, reason):
+        super().__init__(name, op, ins, outs)
+        self.fn = FP32_OPS[op]
+        self.at = attrs
+        self.reason = reason
+        self.kernel = "numpy"
+
+    def run(self, env, out):
+        ys = self.fn([None if i is None else env[i] for i in self.ins], self.at)
+        for o, y in zip(self.outs, ys):
+            if o is not None:
+                env[o] = y if isinstance(y, np.ndarray) else np.asarray(y)
