@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.qtool-installed
-KSRC := $(wildcard qtool/kernels/src/*.c qtool/kernels/src/*.h)
+KSRC := $(wildcard qtool/kernels/src/*.c qtool/kernels/src/*.h qtool/calibrate/src/*.c)
 SHARED ?= ../shared
 WORK ?= qtool_work
 

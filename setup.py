@@ -14,4 +14,7 @@ args = ["-O3", "-std=c11", "-fno-strict-aliasing"] if sys.platform != "win32" el
 ext = [Extension("qtool.kernels._native", sources=sources, include_dirs=["qtool/kernels/src"],
                  extra_compile_args=args + (["-pthread"] if sys.platform != "win32" else []),
                  extra_link_args=["-pthread"] if sys.platform != "win32" else [])] if sources else []
+# the calibration histogram's one-pass update (plain C, no ISA-specific code)
+ext.append(Extension("qtool.calibrate._histogram", sources=["qtool/calibrate/src/histogram.c"],
+                     extra_compile_args=args))
 setup(ext_modules=ext)

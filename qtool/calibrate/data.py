@@ -1,0 +1,80 @@
+"""Calibration and evaluation data: a folder of images -> batches of model inputs."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import onnx
+
+from qtool import graph as G
+from qtool.calibrate.config import Preprocess, config_from_model_shape
+from qtool.calibrate.images import IMAGE_EXTS, ImageStream, list_images
+from qtool.errors import QtoolError
+
+
+@dataclass
+class ModelInput:
+    name: str
+    dims: list  # ints where static, str/None where dynamic
+
+
+def float_inputs(model: onnx.ModelProto) -> list:
+    return [ModelInput(i.name, G.input_dims(i)) for i in G.real_inputs(model)
+            if i.type.tensor_type.elem_type == onnx.TensorProto.FLOAT]
+
+
+def image_input(model: onnx.ModelProto, cfg: Preprocess, path: str) -> ModelInput:
+    ins = float_inputs(model)
+    if cfg.input_name:
+        match = [i for i in ins if i.name == cfg.input_name]
+        if not match:
+            raise QtoolError(f"{path}: model has no float input named '{cfg.input_name}' "
+                             f"(it has: {', '.join(i.name for i in ins) or 'none'})")
+        return match[0]
+    if not ins:
+        raise QtoolError(f"{path}: model has no float32 input to feed images to")
+    return ins[0]
+
+
+class ImageData:
+    """Batches {input name: array} from an image folder, shaped for the model."""
+
+    def __init__(self, folder: str, cfg: Preprocess, model: onnx.ModelProto, model_path: str, batch: int = 8,
+                 limit: int | None = None, files: list | None = None):
+        self.inp = image_input(model, cfg, model_path)
+        self.cfg = config_from_model_shape(cfg, self.inp.dims)
+        self._check_shape(model_path)
+        files = list_images(folder) if files is None else files
+        if not files:
+            n = sum(len(f) for _, _, f in os.walk(folder))
+            raise QtoolError(f"{folder}: no images found ({n} other files; looked for "
+                             f"{', '.join(IMAGE_EXTS)})" if n else f"{folder}: data folder is empty")
+        self.files = files[:limit] if limit else files
+        fixed_batch = self.inp.dims[0] if self.inp.dims and isinstance(self.inp.dims[0], int) else None
+        self.stream = ImageStream(self.files, self.cfg, batch=fixed_batch or batch)
+
+    def _check_shape(self, model_path):
+        d = self.inp.dims
+        h, w = self.cfg.size
+        c = 1 if self.cfg.color == "GRAY" else 3
+        want = [None, c, h, w] if self.cfg.layout == "NCHW" else [None, h, w, c]
+        if len(d) != 4 or any(isinstance(a, int) and b is not None and a != b for a, b in zip(d, want)):
+            raise QtoolError(f"{model_path}: input '{self.inp.name}' has shape {d}, but the preprocessing makes "
+                             f"{['N'] + want[1:]} ({self.cfg.layout}); pass a matching --config")
+
+    @property
+    def pins(self) -> dict:
+        h, w = self.cfg.size
+        c = 1 if self.cfg.color == "GRAY" else 3
+        return {self.inp.name: [None, c, h, w] if self.cfg.layout == "NCHW" else [None, h, w, c]}
+
+    @property
+    def skipped(self) -> list:
+        return self.stream.skipped
+
+    def __len__(self):
+        return len(self.files)
+
+    def batches(self):
+        for names, x in self.stream:
+            yield names, {self.inp.name: x}

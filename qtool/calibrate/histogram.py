@@ -1,0 +1,115 @@
+"""A streaming histogram whose memory does not grow with the number of images.
+
+Bins sit on a grid anchored at 0 with a power-of-two width w = 2**e: bin k holds
+[k*w, (k+1)*w). When new data falls outside the window of NBINS bins, the width doubles
+and pairs of bins merge exactly, so the histogram of all data seen so far is always
+exact at its current resolution (at least NBINS/2 bins over the data's span). x / w is
+an exact float operation, so bin assignment is exact too. min and max are kept exactly.
+Every calibration method (qtool/calibrate/methods/) answers from this one accumulator.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+NBINS = 4096
+
+try:  # the native one-pass update; numpy below is the reference and the fallback
+    from qtool.calibrate import _histogram as _native
+except ImportError:  # pragma: no cover - exercised when the extension is not built
+    _native = None
+
+
+class Histogram:
+    def __init__(self, nbins: int = NBINS):
+        self.nbins = nbins
+        self.counts = np.zeros(nbins, np.int64)
+        self.k0 = 0  # global index of counts[0]
+        self.e = None  # width exponent, None until data arrives
+        self.min = math.inf
+        self.max = -math.inf
+        self.n = 0
+
+    # -- accumulation -------------------------------------------------------------
+    @property
+    def width(self) -> float:
+        return math.ldexp(1.0, self.e)
+
+    def _fits(self, e: int, lo: float, hi: float) -> bool:
+        w = math.ldexp(1.0, e)
+        return math.floor(hi / w) - math.floor(lo / w) < self.nbins
+
+    def _rebin(self, e_new: int, lo: float) -> None:
+        w_new = math.ldexp(1.0, e_new)
+        k0_new = math.floor(lo / w_new)
+        if self.e is not None and self.n:
+            shift = e_new - self.e
+            k = np.arange(self.k0, self.k0 + self.nbins, dtype=np.int64) >> shift
+            counts = np.bincount(k - k0_new, weights=self.counts, minlength=self.nbins)
+            self.counts = np.rint(counts[: self.nbins]).astype(np.int64)
+        self.e, self.k0 = e_new, k0_new
+
+    def observe(self, x: np.ndarray) -> None:
+        x = np.asarray(x, np.float32).ravel()
+        if x.size == 0:
+            return
+        mn, mx = float(x.min()), float(x.max())
+        if not (math.isfinite(mn) and math.isfinite(mx)):
+            x = x[np.isfinite(x)]
+            if x.size == 0:
+                return
+            mn, mx = float(x.min()), float(x.max())
+        lo, hi = min(mn, self.min), max(mx, self.max)
+        if self.e is None:
+            span = max(hi - lo, abs(hi), abs(lo), 1e-30)
+            e = math.frexp(span / (self.nbins - 2))[1]
+            while e > -1000 and self._fits(e - 1, lo, hi):
+                e -= 1
+            while not self._fits(e, lo, hi):
+                e += 1
+            self._rebin(e, lo)
+        elif not (self._window_has(lo) and self._window_has(hi)):
+            e = self.e
+            while not self._fits(e, lo, hi):
+                e += 1
+            self._rebin(e, lo)
+        self.min, self.max = lo, hi
+        self.n += x.size
+        if _native is not None:
+            _native.accumulate(x, self.counts, self.e, self.k0)
+        else:
+            self.counts += accumulate_reference(x, self.nbins, self.e, self.k0)
+
+    def _window_has(self, v: float) -> bool:
+        k = math.floor(v / self.width)
+        return self.k0 <= k < self.k0 + self.nbins
+
+    # -- answers -------------------------------------------------------------------
+    def edges(self) -> np.ndarray:
+        return (np.arange(self.k0, self.k0 + self.nbins + 1, dtype=np.float64)) * self.width
+
+    def centers(self) -> np.ndarray:
+        e = self.edges()
+        return (e[:-1] + e[1:]) / 2
+
+    def to_dict(self) -> dict:
+        nz = np.nonzero(self.counts)[0]
+        first, last = (int(nz[0]), int(nz[-1]) + 1) if nz.size else (0, 0)
+        return {"nbins": self.nbins, "e": self.e, "k0": self.k0 + first, "min": self.min, "max": self.max,
+                "n": self.n, "counts": self.counts[first:last].tolist()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Histogram":
+        h = cls(int(d["nbins"]))
+        h.e, h.k0, h.n = d["e"], int(d["k0"]), int(d["n"])
+        h.min, h.max = float(d["min"]), float(d["max"])
+        c = np.asarray(d["counts"], np.int64)
+        h.counts[: c.size] = c
+        return h
+
+
+def accumulate_reference(x: np.ndarray, nbins: int, e: int, k0: int) -> np.ndarray:
+    """Counts of x per bin k - k0 of width 2**e; the spec the native update must match."""
+    k = np.floor(np.ldexp(x.astype(np.float64), -e)).astype(np.int64) - k0
+    return np.bincount(np.clip(k, 0, nbins - 1), minlength=nbins)

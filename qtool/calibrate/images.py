@@ -1,0 +1,134 @@
+"""Image files -> model input tensors, as a preprocessing config describes.
+
+Decoding is Pillow's, with EXIF orientation applied; grayscale, RGBA, palette, CMYK and
+16-bit images are converted to the config's colour; a file Pillow cannot read is skipped,
+counted and named, never fatal.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+from PIL import Image, ImageOps
+
+from qtool.calibrate.config import Preprocess
+from qtool.errors import QtoolError
+
+IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".gif", ".ppm", ".pgm")
+_RESAMPLE = {"nearest": Image.NEAREST, "bilinear": Image.BILINEAR, "bicubic": Image.BICUBIC,
+             "lanczos": Image.LANCZOS}
+
+
+class BadImage(Exception):
+    pass
+
+
+def list_images(folder: str) -> list:
+    """Image files below `folder` (recursively, sorted by relative path)."""
+    if not os.path.exists(folder):
+        raise QtoolError(f"{folder}: no such data folder")
+    if not os.path.isdir(folder):
+        raise QtoolError(f"{folder}: not a folder")
+    files = []
+    for root, dirs, names in os.walk(folder):
+        dirs.sort()
+        files.extend(os.path.join(root, n) for n in names if n.lower().endswith(IMAGE_EXTS))
+    files.sort(key=lambda p: os.path.relpath(p, folder))
+    return files
+
+
+def _to_rgb(im: Image.Image) -> Image.Image:
+    if im.mode in ("I;16", "I;16B", "I;16L", "I"):
+        a = np.asarray(im, np.float64)
+        peak = 65535.0 if (im.mode.startswith("I;16") or a.max() > 255) else 255.0
+        a = np.clip(a * (255.0 / peak), 0, 255).astype(np.uint8)
+        return Image.fromarray(a, "L").convert("RGB")
+    if im.mode == "F":
+        a = np.asarray(im, np.float64)
+        a = a * 255.0 if a.max() <= 1.0 else a
+        return Image.fromarray(np.clip(a, 0, 255).astype(np.uint8), "L").convert("RGB")
+    if im.mode == "P" and "transparency" in im.info:
+        im = im.convert("RGBA")
+    if im.mode in ("RGBA", "LA", "PA"):
+        # composite over white, as a viewer shows the picture, rather than keep hidden colours
+        im = im.convert("RGBA")
+        bg = Image.new("RGBA", im.size, (255, 255, 255, 255))
+        return Image.alpha_composite(bg, im).convert("RGB")
+    return im.convert("RGB")
+
+
+def load_image(path: str, cfg: Preprocess) -> np.ndarray:
+    """One image as a float32 array [1, C, H, W] or [1, H, W, C]."""
+    try:
+        with Image.open(path) as im:
+            im.load()
+            im = ImageOps.exif_transpose(im)
+            im = _to_rgb(im)
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError, EOFError) as e:
+        raise BadImage(f"{path}: {type(e).__name__}: {e}") from None
+    h, w = cfg.size
+    rs = _RESAMPLE[cfg.interpolation]
+    if cfg.resize == "shorter":
+        iw, ih = im.size
+        s = cfg.resize_to / min(iw, ih)
+        im = im.resize((max(1, round(iw * s)), max(1, round(ih * s))), rs)
+    elif cfg.resize == "exact":
+        im = im.resize((w, h), rs)
+    if cfg.crop == "center":
+        iw, ih = im.size
+        if iw < w or ih < h:
+            im = im.resize((max(w, iw), max(h, ih)), rs)
+            iw, ih = im.size
+        left, top = (iw - w) // 2, (ih - h) // 2
+        im = im.crop((left, top, left + w, top + h))
+    if im.size != (w, h):
+        im = im.resize((w, h), rs)
+    if cfg.color == "GRAY":
+        x = np.asarray(im.convert("L"), np.float32)[..., None]
+    else:
+        x = np.asarray(im, np.float32)
+        if cfg.color == "BGR":
+            x = x[..., ::-1]
+    x = (x - np.asarray(cfg.mean, np.float32)) / np.asarray(cfg.std, np.float32)
+    x = x.transpose(2, 0, 1) if cfg.layout == "NCHW" else x
+    return np.ascontiguousarray(x[None], np.float32)
+
+
+@dataclass
+class ImageStream:
+    """Iterates (names, batch) over image files; bad files are skipped and recorded."""
+
+    files: list
+    cfg: Preprocess
+    batch: int = 8
+    workers: int = 2
+    skipped: list = field(default_factory=list)
+
+    def __len__(self):
+        return len(self.files)
+
+    def __iter__(self):
+        names, xs = [], []
+        with ThreadPoolExecutor(self.workers) as pool:
+            # Pillow releases the GIL while decoding and resizing: two files at once
+            for path, res in zip(self.files, pool.map(self._safe_load, self.files)):
+                if isinstance(res, str):
+                    self.skipped.append(res)
+                    warnings.warn(f"skipping unreadable image {res}", stacklevel=2)
+                    continue
+                names.append(path)
+                xs.append(res)
+                if len(xs) == self.batch:
+                    yield names, np.concatenate(xs)
+                    names, xs = [], []
+        if xs:
+            yield names, np.concatenate(xs)
+
+    def _safe_load(self, path):
+        try:
+            return load_image(path, self.cfg)
+        except BadImage as e:
+            return str(e)

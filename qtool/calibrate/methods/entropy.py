@@ -1,0 +1,56 @@
+"""Entropy (KL divergence), as TensorRT calibrates: the clipping threshold T whose
+quantized distribution loses the least information about the observed one.
+
+For a tensor with no negative values the search runs over [0, T] with 256 levels (uint8);
+otherwise over |x| with 128 levels and the range is [-T, T] cut to the data.
+"""
+import numpy as np
+
+
+def _kl_threshold(counts: np.ndarray, levels: int) -> int:
+    """Index (exclusive) of the best threshold bin."""
+    n = counts.size
+    nz = np.nonzero(counts)[0]
+    if nz.size == 0:
+        return n
+    last = int(nz[-1]) + 1
+    if last <= levels:
+        return last
+    candidates = np.unique(np.linspace(levels, last, num=min(256, last - levels + 1)).astype(int))
+    best, best_kl = last, np.inf
+    for i in candidates:
+        p = counts[:i].astype(np.float64).copy()
+        p[i - 1] += counts[i:].sum()
+        # quantize the first i bins into `levels` groups, spreading each group over its non-zero bins
+        groups = np.minimum((np.arange(i) * levels) // i, levels - 1)
+        ref = counts[:i].astype(np.float64)
+        gsum = np.bincount(groups, weights=ref, minlength=levels)
+        gnz = np.bincount(groups, weights=(ref > 0).astype(np.float64), minlength=levels)
+        q = np.where(ref > 0, gsum[groups] / np.maximum(gnz[groups], 1), 0.0)
+        mask = p > 0
+        ps, qs = p.sum(), q.sum()
+        if qs == 0:
+            continue
+        pn, qn = p[mask] / ps, q[mask] / qs
+        kl = np.sum(pn * np.log(pn / np.maximum(qn, 1e-12)))
+        if kl < best_kl:
+            best, best_kl = int(i), kl
+    return best
+
+
+def compute(hist):
+    if hist.n == 0:
+        return 0.0, 0.0
+    w = hist.width
+    k = np.arange(hist.k0, hist.k0 + hist.nbins)
+    if hist.min >= 0:
+        pos = k >= 0
+        counts = np.zeros(int(k[-1]) + 1 if k[-1] >= 0 else 1, np.int64)
+        counts[k[pos]] += hist.counts[pos]
+        t = _kl_threshold(counts, 256) * w
+        return float(hist.min), float(min(hist.max, t))
+    # fold onto |x|: global bin k < 0 covers [(k)w, (k+1)w), i.e. |x| in bin -k-1
+    a = np.where(k >= 0, k, -k - 1)
+    counts = np.bincount(a, weights=hist.counts, minlength=int(a.max()) + 1).astype(np.int64)
+    t = _kl_threshold(counts, 128) * w
+    return float(max(hist.min, -t)), float(min(hist.max, t))

@@ -1,0 +1,148 @@
+"""Which node runs in int8, which tensor gets quantized, and why: fused graph -> Plan.
+
+The plan is computed from the fused fp32 graph alone (plus user exclusions), so the
+calibration step can ask it which tensors to observe and the quantizer can write the
+same decisions into the QDQ graph.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+
+from qtool import graph as G
+from qtool.quantize.rules import FUSABLE_ACTIVATIONS, RULES
+
+FLOAT = onnx.TensorProto.FLOAT
+
+
+@dataclass
+class NodeDecision:
+    name: str
+    op_type: str
+    status: str  # "int8", "passthrough", "fp32", "fused"
+    reason: str = ""
+
+
+@dataclass
+class Plan:
+    decisions: list = field(default_factory=list)  # NodeDecision per node, graph order
+    int8_nodes: set = field(default_factory=set)  # names of compute + passthrough nodes in int8
+    fused: dict = field(default_factory=dict)  # activation node name -> (producer name, lo, hi)
+    tensors: list = field(default_factory=list)  # tensors that get Q/DQ, graph order
+    shared: dict = field(default_factory=dict)  # passthrough output -> the input whose qparams it reuses
+    clamp: dict = field(default_factory=dict)  # tensor -> (lo, hi) of a fused Relu/Clip
+    weight_inputs: dict = field(default_factory=dict)  # node name -> activation tensor its weight multiplies
+
+    def decision(self, name):
+        return next(d for d in self.decisions if d.name == name)
+
+    def summary(self) -> dict:
+        out = {}
+        for d in self.decisions:
+            out[d.status] = out.get(d.status, 0) + 1
+        return out
+
+
+def name_nodes(model: onnx.ModelProto) -> None:
+    """Give every node a unique name: plans, reports and exclusions refer to nodes by name."""
+    seen = set()
+    for k, n in enumerate(model.graph.node):
+        if not n.name or n.name in seen:
+            base = n.name or f"{n.op_type}_{k}"
+            name, j = base, 1
+            while name in seen:
+                name, j = f"{base}_{j}", j + 1
+            n.name = name
+        seen.add(n.name)
+
+
+def elem_types(model: onnx.ModelProto) -> dict:
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    except Exception:
+        inferred = model
+    vis = list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output)
+    types = {v.name: v.type.tensor_type.elem_type for v in vis if v.type.tensor_type.elem_type}
+    types.update({t.name: t.data_type for t in model.graph.initializer})
+    return types
+
+
+def _clip_bounds(node, model):
+    if node.op_type == "Relu":
+        return 0.0, np.inf
+    if G.opset(model) < 11:
+        return float(G.attr(node, "min", -np.inf)), float(G.attr(node, "max", np.inf))
+    lo = G.const_value(model, node.input[1]) if len(node.input) > 1 and node.input[1] else -np.inf
+    hi = G.const_value(model, node.input[2]) if len(node.input) > 2 and node.input[2] else np.inf
+    if lo is None or hi is None:
+        return None
+    return float(np.asarray(lo).ravel()[0]), float(np.asarray(hi).ravel()[0])
+
+
+def make_plan(model: onnx.ModelProto, exclude: dict | None = None) -> Plan:
+    """`exclude`: node name -> reason, for nodes the user (or --exclude-sensitive) keeps in fp32."""
+    exclude = exclude or {}
+    plan = Plan()
+    types = elem_types(model)
+    cons = G.consumers(model)
+    outputs = G.graph_output_names(model)
+    inits = G.initializers(model)
+    int8_out = set()  # tensors produced in int8
+    for node in model.graph.node:
+        rule = RULES.get(node.op_type)
+        if node.name in plan.fused:
+            continue
+        if rule is None:
+            why = "no int8 rule for this op"
+            if node.op_type in FUSABLE_ACTIVATIONS:
+                why = "activation whose producer is not int8"
+            plan.decisions.append(NodeDecision(node.name, node.op_type, "fp32", why))
+            continue
+        reason = exclude.get(node.name) or rule.check(node, model)
+        acts = [node.input[i] for i in rule.act_inputs(node) if i < len(node.input) and node.input[i]]
+        if reason is None and any(types.get(a, FLOAT) != FLOAT for a in acts):
+            reason = "input is not float32"
+        if reason is None and rule.kind == "passthrough" and acts[0] not in int8_out:
+            reason = "input is not int8"
+        if reason is None and any(a in inits for a in acts):
+            reason = "an activation input is a constant"
+        if reason is not None:
+            plan.decisions.append(NodeDecision(node.name, node.op_type, "fp32", reason))
+            continue
+        status = "int8" if rule.kind == "compute" else "passthrough"
+        plan.decisions.append(NodeDecision(node.name, node.op_type, status, ""))
+        plan.int8_nodes.add(node.name)
+        out = node.output[0]
+        if rule.kind == "passthrough":
+            plan.shared[out] = acts[0]
+        elif rule.weight(node, model) is not None:
+            plan.weight_inputs[node.name] = acts[0]
+        # a Relu/Clip that alone reads this output is implemented by the output's clamp
+        users = cons.get(out, [])
+        if rule.kind == "compute" and len(users) == 1 and users[0].op_type in FUSABLE_ACTIVATIONS \
+                and out not in outputs and users[0].name not in exclude:
+            b = _clip_bounds(users[0], model)
+            if b is not None and b[0] <= 0.0 <= b[1]:
+                plan.fused[users[0].name] = (node.name, b[0], b[1])
+                plan.decisions.append(NodeDecision(users[0].name, users[0].op_type, "fused",
+                                                   f"range clamp of {node.name}'s output"))
+                out = users[0].output[0]
+                plan.clamp[out] = b
+        for a in acts:
+            if a not in plan.tensors:
+                plan.tensors.append(a)
+        if out not in outputs:
+            int8_out.add(out)
+            if out not in plan.tensors:
+                plan.tensors.append(out)
+    return plan
+
+
+def calibration_targets(model: onnx.ModelProto) -> tuple[list, list]:
+    """(tensors whose range calibration must record, tensors whose per-channel mean it must record)."""
+    plan = make_plan(model)
+    ranges = [t for t in plan.tensors if t not in plan.shared]
+    means = sorted(set(plan.weight_inputs.values()))
+    return ranges, means

@@ -1,0 +1,193 @@
+"""Fused fp32 graph + calibration table -> INT8 ONNX graph in QDQ form.
+
+Every quantized tensor T becomes T -> QuantizeLinear -> DequantizeLinear -> consumers,
+weights become int8 initializers behind a per-axis DequantizeLinear, biases int32
+initializers with scale s_in * s_w. ONNX Runtime fuses DQ -> op -> Q into its integer
+kernels; qtool's own runtime does the same.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from qtool import graph as G
+from qtool import qparams as Q
+from qtool.errors import QtoolError
+from qtool.quantize.plan import Plan, make_plan
+from qtool.quantize.rules import RULES
+from qtool.quantize.weights import quantize_weight
+
+MIN_OPSET = 13  # per-axis DequantizeLinear
+
+
+@dataclass
+class LayerInfo:
+    node: str
+    op_type: str
+    weight_sqnr_db: float | None = None
+    input_range: list | None = None
+    output_range: list | None = None
+
+
+@dataclass
+class QuantizeOutput:
+    model: onnx.ModelProto
+    plan: Plan
+    qparams: dict  # tensor -> ActQParams
+    layers: dict = field(default_factory=dict)  # node name -> LayerInfo
+    notes: list = field(default_factory=list)
+
+
+def upgrade_opset(model: onnx.ModelProto, notes: list) -> onnx.ModelProto:
+    v = G.opset(model)
+    if v >= MIN_OPSET:
+        return model
+    from onnx import version_converter
+    try:
+        up = version_converter.convert_version(model, MIN_OPSET)
+    except Exception as e:
+        raise QtoolError(f"model opset {v} has no per-axis DequantizeLinear and upgrading it to {MIN_OPSET} failed: {e}") from None
+    notes.append(f"opset upgraded from {v} to {MIN_OPSET} (per-channel DequantizeLinear needs 13)")
+    return up
+
+
+def _tensor_qparams(plan: Plan, table, method, tensor):
+    r = table.range(tensor, method)
+    if r is None:
+        raise QtoolError(f"calibration table has no range for tensor '{tensor}'; it was made for another graph "
+                         f"(run `qtool calibrate` again)")
+    lo, hi = r
+    if tensor in plan.clamp:
+        c_lo, c_hi = plan.clamp[tensor]
+        lo, hi = max(lo, c_lo), min(hi, c_hi)
+    return Q.activation_qparams(lo, hi)
+
+
+def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exclude: dict | None = None,
+                   bias_correction: bool = True, ranges: dict | None = None) -> QuantizeOutput:
+    """`ranges` (tensor -> (lo, hi)) overrides the table's, for experiments and sensitivity search."""
+    notes: list = []
+    m = onnx.ModelProto()
+    m.CopyFrom(fused)
+    m = upgrade_opset(m, notes)
+    plan = make_plan(m, exclude)
+    nodes = {n.name: n for n in m.graph.node}
+    # fused activations: the producer writes the activation's output, the activation goes
+    for act_name, (prod_name, _lo, _hi) in plan.fused.items():
+        act = nodes[act_name]
+        nodes[prod_name].output[0] = act.output[0]
+        m.graph.node.remove(act)
+    qp = {}
+    for t in plan.tensors:
+        src = t
+        while src in plan.shared:
+            src = plan.shared[src]
+        if src in qp:
+            qp[t] = qp[src]
+        elif ranges is not None and src in ranges:
+            qp[t] = qp[src] = Q.activation_qparams(*ranges[src])
+        else:
+            qp[t] = qp[src] = _tensor_qparams(plan, table, method, src)
+    inits = G.initializers(m)
+    taken = {o for n in m.graph.node for o in n.output} | set(inits) | {i.name for i in m.graph.input}
+    new_inits, layers = [], {}
+    graph_inputs = {i.name for i in G.real_inputs(m)}
+    outputs = G.graph_output_names(m)
+
+    def add_init(base, arr):
+        name = G.unique_name(m, base, taken)
+        new_inits.append(numpy_helper.from_array(np.asarray(arr), name))
+        return name
+
+    # weights and biases
+    for node in list(m.graph.node):
+        if node.name not in plan.int8_nodes:
+            continue
+        rule = RULES[node.op_type]
+        wspec = rule.weight(node, m)
+        if wspec is None:
+            continue
+        widx, axis = wspec
+        w = numpy_helper.to_array(inits[node.input[widx]]).astype(np.float32)
+        x_name = plan.weight_inputs[node.name]
+        has_bias = rule.bias is not None and len(node.input) > rule.bias and node.input[rule.bias]
+        b = numpy_helper.to_array(inits[node.input[rule.bias]]).astype(np.float32).ravel() if has_bias else None
+        qw = quantize_weight(w, axis, b, table.channel_means.get(x_name), node.op_type,
+                             G.attr(node, "group", 1), correct_bias=bias_correction and rule.bias is not None)
+        base = node.input[widx]
+        wq = add_init(base + "_quantized", qw.q)
+        ws = add_init(base + "_scale", qw.scale)
+        wz = add_init(base + "_zero_point", np.zeros(qw.scale.shape, np.int8))
+        wd = G.unique_name(m, base + "_dequantized", taken)
+        m.graph.node.append(helper.make_node("DequantizeLinear", [wq, ws, wz], [wd], name=wd, axis=axis))
+        node.input[widx] = wd
+        if qw.bias is not None:
+            s_in = qp[x_name].scale
+            bq, bscale = Q.quantize_bias(qw.bias, s_in, qw.scale)
+            bbase = node.input[rule.bias] if has_bias else node.name + "_bias"
+            bqn = add_init(bbase + "_quantized", bq)
+            bsn = add_init(bbase + "_scale", bscale)
+            bzn = add_init(bbase + "_zero_point", np.zeros(bscale.shape, np.int32))
+            bd = G.unique_name(m, bbase + "_dequantized", taken)
+            m.graph.node.append(helper.make_node("DequantizeLinear", [bqn, bsn, bzn], [bd], name=bd, axis=0))
+            while len(node.input) <= rule.bias:
+                node.input.append("")
+            node.input[rule.bias] = bd
+        layers[node.name] = LayerInfo(node.name, node.op_type, qw.weight_sqnr_db)
+    # activations
+    cons = G.consumers(m)
+    for t in plan.tensors:
+        p = qp[t]
+        sn = add_init(t + "_scale", np.array(p.scale, np.float32))
+        zn = add_init(t + "_zero_point", np.array(p.zero_point, np.uint8))
+        tq = G.unique_name(m, t + "_quantized", taken)
+        td = G.unique_name(m, t + "_dequantized", taken)
+        m.graph.node.append(helper.make_node("QuantizeLinear", [t, sn, zn], [tq], name=tq))
+        m.graph.node.append(helper.make_node("DequantizeLinear", [tq, sn, zn], [td], name=td))
+        for c in cons.get(t, []):
+            if t in graph_inputs and c.name not in plan.int8_nodes:
+                continue  # an fp32 consumer of a model input reads the original
+            for k, i in enumerate(c.input):
+                if i == t:
+                    c.input[k] = td
+    m.graph.initializer.extend(new_inits)
+    G.remove_unused_initializers(m)
+    _toposort(m)
+    for name, info in layers.items():
+        node = next(n for n in m.graph.node if n.name == name)
+    for d in plan.decisions:
+        if d.status == "fp32" and d.op_type in RULES:
+            notes.append(f"{d.name} ({d.op_type}) stays fp32: {d.reason}")
+    try:
+        onnx.checker.check_model(m)
+    except Exception as e:
+        raise QtoolError(f"internal error: the quantized graph fails onnx.checker ({e})") from None
+    return QuantizeOutput(m, plan, qp, layers, notes)
+
+
+def _toposort(model: onnx.ModelProto) -> None:
+    """Kahn's order, keeping the original relative order where the graph allows."""
+    nodes = list(model.graph.node)
+    avail = {i.name for i in model.graph.input} | {t.name for t in model.graph.initializer} | {""}
+    prod = {o: k for k, n in enumerate(nodes) for o in n.output}
+    done, order = set(), []
+    pending = list(range(len(nodes)))
+    while pending:
+        progressed = False
+        rest = []
+        for k in pending:
+            n = nodes[k]
+            if all(i in avail or i not in prod for i in n.input):
+                order.append(n)
+                avail.update(n.output)
+                progressed = True
+            else:
+                rest.append(k)
+        if not progressed:
+            raise QtoolError("internal error: the quantized graph has a cycle")
+        pending = rest
+    del model.graph.node[:]
+    model.graph.node.extend(order)
