@@ -1,0 +1,178 @@
+"""qtool.runtime.NativeSession against ONNX Runtime on the same QDQ int8 files.
+
+Small float models are built with onnx.helper, quantized by ORT's quantize_static (QDQ, uint8
+activations, int8 per-channel weights) and run by both runtimes: every uint8 output must match
+within one quantization step (most match exactly)."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+ort = pytest.importorskip("onnxruntime")
+from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static  # noqa: E402
+
+from qtool.errors import QtoolError  # noqa: E402
+from qtool.runtime import NativeSession  # noqa: E402
+
+RNG = np.random.default_rng(0)
+
+
+def _w(name, *shape, scale=0.3):
+    return numpy_helper.from_array((RNG.standard_normal(shape) * scale).astype(np.float32), name)
+
+
+def _model(nodes, inits, in_shape, out_shape, out_name="y", opset=17):
+    g = helper.make_graph(nodes, "m", [helper.make_tensor_value_info("x", TensorProto.FLOAT, in_shape)],
+                          [helper.make_tensor_value_info(out_name, TensorProto.FLOAT, out_shape)], initializer=inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = 8
+    onnx.checker.check_model(m)
+    return m
+
+
+class _Feed(CalibrationDataReader):
+    def __init__(self, xs):
+        self.it = iter(xs)
+
+    def get_next(self):
+        x = next(self.it, None)
+        return None if x is None else {"x": x}
+
+
+def _quantize(m, tmp_path, shape, name="m", n=6):
+    f32, i8 = tmp_path / f"{name}.onnx", tmp_path / f"{name}.int8.onnx"
+    onnx.save(m, f32)
+    xs = [RNG.standard_normal(shape).astype(np.float32) for _ in range(n)]
+    quantize_static(str(f32), str(i8), _Feed(xs), quant_format=QuantFormat.QDQ, per_channel=True,
+                    activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8)
+    return str(i8)
+
+
+def _ort(path):
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+
+
+def _out_scale(path, out="y"):
+    m = onnx.load(path)
+    for n in m.graph.node:
+        if n.op_type == "DequantizeLinear" and n.output[0] == out:
+            return float(numpy_helper.to_array(next(i for i in m.graph.initializer if i.name == n.input[1])))
+    return None
+
+
+def _compare(path, shape, n=3, exact_frac=0.98):
+    ours, ref = NativeSession(path, threads=2), _ort(path)
+    step = _out_scale(path)
+    for _ in range(n):
+        x = RNG.standard_normal(shape).astype(np.float32)
+        a, b = ours.run(None, {"x": x})[0], ref.run(None, {"x": x})[0]
+        assert a.shape == b.shape
+        d = np.abs(a - b)
+        if step is None:  # float output (Gemm without Q): compare relative to the range
+            assert d.max() <= 1e-4 * max(1.0, np.abs(b).max()), d.max()
+            continue
+        assert d.max() <= step * 1.001, f"max diff {d.max() / step:.2f} steps"
+        assert (d <= step * 1e-3).mean() >= exact_frac, f"only {(d <= step * 1e-3).mean():.4f} exact"
+    return ours
+
+
+def _cnn():
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1], strides=[2, 2]),
+        helper.make_node("Relu", ["c1"], ["r1"]),
+        helper.make_node("Conv", ["r1", "wd", "bd"], ["c2"], pads=[1, 1, 1, 1], group=16),
+        helper.make_node("Clip", ["c2", "lo", "hi"], ["r2"]),
+        helper.make_node("Conv", ["r2", "w3", "b3"], ["c3"]),
+        helper.make_node("Add", ["c3", "r1"], ["a"]),
+        helper.make_node("MaxPool", ["a"], ["p"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]),
+        helper.make_node("Conv", ["p", "w4"], ["c4"], pads=[0, 0, 2, 2], kernel_shape=[3, 3], group=2),
+        helper.make_node("Concat", ["p", "c4"], ["cat"], axis=1),
+        helper.make_node("AveragePool", ["cat"], ["ap"], kernel_shape=[2, 2], strides=[1, 1]),
+        helper.make_node("GlobalAveragePool", ["ap"], ["g"]),
+        helper.make_node("Flatten", ["g"], ["f"]),
+        helper.make_node("Gemm", ["f", "wf", "bf"], ["y"], transB=1),
+    ]
+    inits = [_w("w1", 16, 3, 3, 3), _w("b1", 16, scale=0.1), _w("wd", 16, 1, 3, 3), _w("bd", 16, scale=0.1),
+             _w("w3", 16, 16, 1, 1), _w("b3", 16, scale=0.1), _w("w4", 8, 8, 3, 3),
+             _w("wf", 10, 24, scale=0.2), _w("bf", 10, scale=0.1),
+             numpy_helper.from_array(np.float32(0.0), "lo"), numpy_helper.from_array(np.float32(6.0), "hi")]
+    return _model(nodes, inits, ["N", 3, 20, 20], ["N", 10])
+
+
+def test_cnn_matches_ort(tmp_path):
+    path = _quantize(_cnn(), tmp_path, (1, 3, 20, 20))
+    s = _compare(path, (1, 3, 20, 20))
+    assert not s.fallback_nodes(), s.report()
+    _compare(path, (3, 3, 20, 20), n=1)  # another batch size re-plans
+
+
+def test_matmul_transpose_reshape(tmp_path):
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+        helper.make_node("Transpose", ["c1"], ["t"], perm=[0, 2, 3, 1]),
+        helper.make_node("Reshape", ["t", "shp"], ["r"]),
+        helper.make_node("MatMul", ["r", "wm"], ["mm"]),
+        helper.make_node("Relu", ["mm"], ["y"]),
+    ]
+    inits = [_w("w1", 8, 4, 3, 3), _w("b1", 8, scale=0.1), _w("wm", 8, 5),
+             numpy_helper.from_array(np.array([-1, 8], np.int64), "shp")]
+    m = _model(nodes, inits, [1, 4, 6, 6], [36, 5])
+    path = _quantize(m, tmp_path, (1, 4, 6, 6))
+    s = _compare(path, (1, 4, 6, 6))
+    assert not [f for f in s.fallback_nodes() if f[1] in ("Conv", "MatMul")], s.report()
+
+
+def test_op_without_int8_kernel_runs_in_fp32(tmp_path):
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+        helper.make_node("Sigmoid", ["c1"], ["s"]),
+        helper.make_node("Mul", ["c1", "s"], ["silu"]),
+        helper.make_node("Conv", ["silu", "w2", "b2"], ["y"]),
+    ]
+    inits = [_w("w1", 8, 3, 3, 3), _w("b1", 8, scale=0.1), _w("w2", 4, 8, 1, 1), _w("b2", 4, scale=0.1)]
+    m = _model(nodes, inits, [1, 3, 8, 8], [1, 4, 8, 8])
+    path = _quantize(m, tmp_path, (1, 3, 8, 8))
+    s = _compare(path, (1, 3, 8, 8), exact_frac=0.9)
+    fb = {op for _, op, _ in s.fallback_nodes()}
+    assert {"Sigmoid", "Mul"} <= fb, s.report()
+    rep = s.report()
+    assert "fp32 fallback" in rep and "Sigmoid" in rep and "no int8 kernel" in rep
+
+
+def test_unknown_op_is_a_load_error(tmp_path):
+    m = _model([helper.make_node("Relu", ["x"], ["r"]), helper.make_node("NonMaxSuppression", ["r", "r"], ["y"])],
+               [], [1, 3, 4], [1, 3])
+    p = tmp_path / "nms.onnx"
+    onnx.save(m, p)
+    with pytest.raises(QtoolError, match="NonMaxSuppression"):
+        NativeSession(str(p))
+
+
+def test_bad_input_shape_is_a_qtool_error(tmp_path):
+    path = _quantize(_cnn(), tmp_path, (1, 3, 20, 20))
+    s = NativeSession(path)
+    with pytest.raises(QtoolError, match=r"input 'x' has shape \[1, 4, 20, 20\], expected \[N, 3, 20, 20\]"):
+        s.run(None, {"x": np.zeros((1, 4, 20, 20), np.float32)})
+    with pytest.raises(QtoolError, match="input 'x' has shape"):
+        s.run(None, {"x": np.zeros((3, 20, 20), np.float32)})
+    with pytest.raises(QtoolError, match="input 'x' is missing"):
+        s.run(None, {})
+    with pytest.raises(QtoolError, match="no such file"):
+        NativeSession(str(tmp_path / "missing.onnx"))
+
+
+def test_api_shape_and_buffers_are_reused(tmp_path):
+    path = _quantize(_cnn(), tmp_path, (1, 3, 20, 20))
+    s = NativeSession(path)
+    (i,) = s.get_inputs()
+    assert i.name == "x" and i.shape == ["N", 3, 20, 20]
+    x = RNG.standard_normal((2, 3, 20, 20)).astype(np.float32)
+    a = s.run(None, {"x": x})[0]
+    b = s.run(["y"], {"x": x})[0]
+    np.testing.assert_array_equal(a, b)
+    a[:] = 0  # outputs are copies, not views of the plan's buffers
+    np.testing.assert_array_equal(s.run(None, {"x": x})[0], b)
