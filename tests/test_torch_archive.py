@@ -280,3 +280,34 @@ def test_garbage_and_missing_files(tmp_path):
         zf.writestr("a/constants.pkl", b"")
     with pytest.raises(TorchArchiveError, match="TorchScript"):
         load(z)
+
+
+@pytest.mark.parametrize("payload", [
+    b"ctorch\nFloatStorage\n}X\x05\x00\x00\x00dtypeK\x01sb.",            # BUILD with a dict state
+    b"ctorch\nFloatStorage\nN}X\x05\x00\x00\x00dtypeK\x01s\x86b.",       # BUILD with (None, slotstate)
+    b"ctorch._utils\n_rebuild_tensor_v2\nN}X\x02\x00\x00\x00fnK\x01s\x86b.",
+    b"ccollections\nOrderedDict\n}X\x07\x00\x00\x00__len__K\x01sb.",     # BUILD on the class itself
+])
+def test_allowed_globals_cannot_be_modified_by_a_pickle(tmp_path, payload):
+    p = tmp_path / "build.pt"
+    with zipfile.ZipFile(p, "w") as zf:
+        zf.writestr("archive/data.pkl", b"\x80\x02" + payload)
+    with pytest.raises(TorchArchiveError):
+        load(p)
+    # the reader still works afterwards, with float32 storages
+    ok = tmp_path / "ok.pt"
+    write_state_dict(ok, {"w": np.arange(3, dtype=np.float32)})
+    got = load_state_dict(ok)["w"]
+    assert got.dtype == np.float32 and got.tolist() == [0.0, 1.0, 2.0]
+
+
+def test_storage_size_is_checked_before_reading(tmp_path):
+    st = Storage("0", np.ones(4, np.float32))
+    p = tmp_path / "short.pt"
+    make_zip(p, {"w": Tensor(st, 0, (4,), (1,))}, [st])
+    q = tmp_path / "bad.pt"
+    with zipfile.ZipFile(p) as src, zipfile.ZipFile(q, "w", zipfile.ZIP_DEFLATED) as dst:
+        for n in src.namelist():
+            dst.writestr(n, src.read(n) if not n.endswith("data/0") else bytes(1 << 20))
+    with pytest.raises(TorchArchiveError, match="holds 1048576 bytes"):
+        load(q)

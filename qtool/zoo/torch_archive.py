@@ -51,12 +51,26 @@ class TorchArchiveError(QtoolError):
 
 # ---------------------------------------------------------------- storages and tensors
 
-class _StorageType:
+class _Frozen:
+    """Base of every object ``find_class`` hands out: a pickle cannot modify it (BUILD fails)."""
+
+    __slots__ = ()
+
+    def __setattr__(self, name, value):
+        raise TorchArchiveError(f"refused to modify {self!r}")
+
+    def __setstate__(self, state):
+        raise TorchArchiveError(f"refused to modify {self!r}")
+
+
+class _StorageType(_Frozen):
     """Stand-in for ``torch.FloatStorage`` etc.: only carries the element dtype."""
 
+    __slots__ = ("name", "dtype")
+
     def __init__(self, name: str, dtype: str):
-        self.name = name
-        self.dtype = np.dtype(dtype)  # bfloat16 is read as uint16 and widened later
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "dtype", np.dtype(dtype))  # bfloat16 is read as uint16, widened later
 
     def __repr__(self):
         return f"torch.{self.name}"
@@ -155,18 +169,41 @@ def _rebuild_parameter_with_state(data, requires_grad=False, backward_hooks=None
     return data
 
 
-class _TensorClass:
+class _TensorClass(_Frozen):
     """Stand-in for ``torch.Tensor`` / ``torch.nn.parameter.Parameter`` as a type argument."""
 
+    __slots__ = ("name",)
+
     def __init__(self, name):
-        self.name = name
+        object.__setattr__(self, "name", name)
+
+    def __repr__(self):
+        return f"torch.{self.name}"
+
+
+class _Global(_Frozen):
+    """A local, side-effect free function standing in for the torch global it is named after."""
+
+    __slots__ = ("name", "fn")
+
+    def __init__(self, name, fn):
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "fn", fn)
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+    def __repr__(self):
+        return self.name
 
 
 def _rebuild_from_type_v2(func, new_type, args, state):
-    if func not in (_rebuild_tensor_v2, _rebuild_parameter, _rebuild_parameter_with_state) or \
-            not isinstance(new_type, _TensorClass):
+    if not (isinstance(func, _Global) and func.fn in _TENSOR_REBUILDERS) or not isinstance(new_type, _TensorClass):
         raise TorchArchiveError("tensor subclass rebuilt with an unexpected function or type")
     return func(*args)
+
+
+_TENSOR_REBUILDERS = (_rebuild_tensor_v2, _rebuild_tensor, _rebuild_parameter, _rebuild_parameter_with_state)
 
 
 def _codecs_encode(text, encoding="latin1"):
@@ -177,20 +214,28 @@ def _codecs_encode(text, encoding="latin1"):
 
 
 class _OrderedDict(collections.OrderedDict):
-    """``collections.OrderedDict`` that also accepts the ``_metadata`` attribute state_dicts carry."""
+    """``collections.OrderedDict`` that accepts only the ``_metadata`` state a state_dict carries.
+
+    BUILD applied to the class itself (not an instance) calls this with one argument and fails.
+    """
+
+    def __setstate__(self, state):
+        if not (isinstance(state, dict) and set(state) <= {"_metadata"}):
+            raise TorchArchiveError(f"refused OrderedDict state with keys {sorted(map(str, state))[:5]}"
+                                    if isinstance(state, dict) else "refused OrderedDict state")
+        self.__dict__.update(state)
 
 
 _ALLOWED: Dict[tuple, Any] = {
     ("collections", "OrderedDict"): _OrderedDict,
-    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
-    ("torch._utils", "_rebuild_tensor"): _rebuild_tensor,
-    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
-    ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter_with_state,
-    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
     ("torch", "Tensor"): _TensorClass("Tensor"),
     ("torch.nn.parameter", "Parameter"): _TensorClass("Parameter"),
-    ("_codecs", "encode"): _codecs_encode,
 }
+for _mod, _fn in [("torch._utils", _rebuild_tensor_v2), ("torch._utils", _rebuild_tensor),
+                  ("torch._utils", _rebuild_parameter), ("torch._utils", _rebuild_parameter_with_state),
+                  ("torch._tensor", _rebuild_from_type_v2), ("_codecs", None)]:
+    _name = _fn.__name__ if _fn is not None else "encode"
+    _ALLOWED[(_mod, _name)] = _Global(f"{_mod}.{_name}", _fn or _codecs_encode)
 for _name, _st in _STORAGE_TYPES.items():
     _ALLOWED[("torch", _name)] = _st
     _ALLOWED[("torch.storage", _name)] = _st
@@ -276,6 +321,10 @@ def _load_zip(path) -> Any:
                 entry = f"{prefix}data/{key}"
                 if entry not in names:
                     raise TorchArchiveError(f"{path}: storage {entry} is missing")
+                size = zf.getinfo(entry).file_size
+                if size != st.nbytes:  # checked before reading: no decompression bombs
+                    raise TorchArchiveError(f"{path}: storage {entry} holds {size} bytes, "
+                                            f"its tensors expect {st.nbytes} ({st.numel} x {st.stype})")
                 st.set_data(zf.read(entry))
                 storages[key] = st
             return storages[key]
