@@ -36,7 +36,7 @@ for _name in COMMANDS:
 
 
 def main(argv=None):
-    debug = "--debug" in (argv if argv is not None else sys.argv)
+    debug = "--debug" in (argv if argv is not None else sys.argv[1:])
     try:
         cli.main(args=argv, standalone_mode=False)
     except click.exceptions.Abort:

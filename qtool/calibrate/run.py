@@ -11,6 +11,7 @@ from tqdm import tqdm
 from qtool.calibrate.collect import collect
 from qtool.calibrate.config import load_config
 from qtool.calibrate.data import ImageData
+from qtool.calibrate.images import list_images
 from qtool.calibrate.methods import METHODS
 from qtool.calibrate.table import CalibrationTable, ranges_for_all_methods
 from qtool.errors import QtoolError, UsageError
@@ -35,13 +36,17 @@ class CalibrateResult:
 
 def calibrate(model_path: str, data: str, config: str | None = None, method: str = "percentile",
               workdir: str | None = None, batch: int = 8, limit: int | None = None, show_progress: bool = True,
-              threads: int = 0) -> CalibrateResult:
+              threads: int = 0, every: int = 1) -> CalibrateResult:
+    """`every`: use every N-th image of the sorted folder (index % N == 0), e.g. a fixed calibration split."""
     if method not in METHODS:
         raise UsageError(f"unknown calibration method '{method}' (choose from {', '.join(METHODS)})")
     t0 = time.time()
     model = load_model(model_path)
     cfg = load_config(config)
-    source = ImageData(data, cfg, model, model_path, batch=batch, limit=limit)
+    if every < 1:
+        raise UsageError(f"--every must be 1 or more, not {every}")
+    files = list_images(data)[::every]
+    source = ImageData(data, cfg, model, model_path, batch=batch, limit=limit, files=files)
     fused = fuse_model(model, source.pins)
     ranges, means = calibration_targets(fused.model)
     if not ranges:
@@ -65,5 +70,6 @@ def calibrate(model_path: str, data: str, config: str | None = None, method: str
     wd.update(calibrate={"model_path": table.model_path, "model_sha256": table.model_sha256,
                          "fused_path": fused_path, "table_path": table_path, "method": method,
                          "config": table.config, "data": os.path.abspath(data), "n_samples": obs.n_samples,
-                         "skipped": len(source.skipped)})
+                         "skipped": len(source.skipped),
+                         "files": [os.path.abspath(f) for f in source.files]})
     return CalibrateResult(table, fused.model, fused_path, table_path, time.time() - t0, fused.counts)

@@ -76,4 +76,6 @@ def fuse_model(model: onnx.ModelProto, input_pins: dict | None = None, passes=No
         if not changed:
             break
     del m.graph.value_info[:]
+    from qtool.quantize.plan import name_nodes
+    name_nodes(m)
     return FuseResult(m, ctx.counts, ctx.messages, before, _op_counts(m))

@@ -73,6 +73,7 @@ class Program:
     inputs: list              # [(name, slot, dims, elem_type)]
     outputs: list             # [(name, slot, kind, nhwc)]
     entries: list = field(default_factory=list)
+    values: dict = field(default_factory=dict)  # tensor name -> (slot, kind, nhwc), for debugging
 
 
 def _attrs(node):
@@ -287,7 +288,8 @@ class Compiler:
             else:
                 raise QtoolError(f"{self.where}: graph output '{o.name}' is never produced")
         consts = {slot: self.consts[name] for name, slot in self.const_slots.items()}
-        return Program(self.steps, self.n_slots, consts, inputs, outputs, self.entries)
+        values = {n: (v.slot, v.kind, v.nhwc) for n, v in self.vals.items()}
+        return Program(self.steps, self.n_slots, consts, inputs, outputs, self.entries, values)
 
     def node(self, node):
         op = node.op_type

@@ -1,7 +1,8 @@
 """Entropy (KL divergence), as TensorRT calibrates: the clipping threshold T whose
 quantized distribution loses the least information about the observed one.
 
-For a tensor with no negative values the search runs over [0, T] with 256 levels (uint8);
+For a tensor with no negative values the search runs over [0, T] with 256 levels (uint8),
+leaving out the bin of exact zeros;
 otherwise over |x| with 128 levels and the range is [-T, T] cut to the data.
 """
 import numpy as np
@@ -47,6 +48,9 @@ def compute(hist):
         pos = k >= 0
         counts = np.zeros(int(k[-1]) + 1 if k[-1] >= 0 else 1, np.int64)
         counts[k[pos]] += hist.counts[pos]
+        # the exact zeros a Relu makes are represented exactly by the zero point; left in,
+        # their spike dominates the divergence and drags the threshold towards 0
+        counts[0] = 0
         t = _kl_threshold(counts, 256) * w
         return float(hist.min), float(min(hist.max, t))
     # fold onto |x|: global bin k < 0 covers [(k)w, (k+1)w), i.e. |x| in bin -k-1

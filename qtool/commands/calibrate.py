@@ -1,0 +1,48 @@
+"""qtool calibrate: record activation ranges of an fp32 model over sample data."""
+from __future__ import annotations
+
+import click
+
+from qtool.calibrate.methods import METHODS
+from qtool.calibrate.run import calibrate
+from qtool.commands.common import common_options, say, setup_output, write_json
+
+
+@click.command("calibrate")
+@click.option("--model", "-m", required=True, type=click.Path(dir_okay=False), help="fp32 ONNX model.")
+@click.option("--data", "-d", required=True, type=click.Path(), help="Folder of sample images (searched recursively).")
+@click.option("--config", "-c", default=None, help="Preprocessing: a TOML file or a preset name in configs/ "
+              "(efficientnet-lite, imagenet-torchvision, caffe-bgr, tf-inception, ppocr-cls, yolox).")
+@click.option("--method", type=click.Choice(sorted(METHODS)), default="minmax", show_default=True,
+              help="Default range method; every method's ranges are stored, `quantize --method` can switch.")
+@click.option("--batch", default=8, show_default=True, help="Images per inference batch.")
+@click.option("--limit", type=int, default=None, help="Use at most this many images.")
+@click.option("--every", type=int, default=1, show_default=True,
+              help="Use every N-th image of the sorted folder (e.g. 10 for a 1-in-10 calibration split).")
+@click.option("--threads", type=int, default=0, help="ONNX Runtime threads (0 = all cores).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write a summary as JSON here.")
+@common_options
+def command(model, data, config, method, batch, limit, every, threads, json_path, workdir, quiet, verbose, debug):
+    """Stream images through the fp32 model and record activation ranges.
+
+    Folds BatchNorm and run-time shape arithmetic first, then keeps one fixed-size
+    histogram per tensor to quantize (memory does not grow with the number of images),
+    and writes the fused graph and calibration table to the working directory.
+
+    \b
+    Example:
+      qtool calibrate --model resnet50.onnx --data calib_data/ --config imagenet-torchvision
+    """
+    setup_output(quiet, verbose)
+    r = calibrate(model, data, config, method, workdir, batch, limit, show_progress=not quiet, threads=threads,
+                  every=every)
+    t = r.table
+    say(quiet, f"calibrated {t.n_samples} images in {r.seconds:.1f}s "
+               f"({len(t.skipped)} unreadable skipped); {len(t.histograms)} tensors observed")
+    if r.fuse_counts:
+        say(quiet, "graph cleanup: " + ", ".join(f"{k} x{v}" for k, v in sorted(r.fuse_counts.items())))
+    say(quiet, f"wrote {r.table_path} and {r.fused_path}")
+    say(quiet, "next: qtool quantize" + (f" --workdir {workdir}" if workdir != "qtool_work" else ""))
+    write_json(json_path, {"n_samples": t.n_samples, "skipped": t.skipped, "seconds": r.seconds,
+                           "tensors": len(t.histograms), "method": t.method, "table": r.table_path,
+                           "fused_model": r.fused_path, "graph_cleanup": r.fuse_counts})

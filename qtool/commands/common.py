@@ -1,0 +1,53 @@
+"""Options every command shares, defined once."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import warnings
+
+import click
+
+from qtool.modelio import atomic_write_text
+
+
+def _verbosity(ctx, param, value):
+    ctx.ensure_object(dict)
+    ctx.obj[param.name] = value
+    return value
+
+
+def common_options(f):
+    f = click.option("--workdir", "-w", default="qtool_work", show_default=True, type=click.Path(file_okay=False),
+                     help="Working directory that joins calibrate -> quantize -> eval.")(f)
+    f = click.option("-q", "--quiet", is_flag=True, help="Only errors; no progress bars.")(f)
+    f = click.option("-v", "--verbose", count=True, help="More detail (repeat for more).")(f)
+    f = click.option("--debug", is_flag=True, help="Show the full traceback on errors.")(f)
+    return f
+
+
+def setup_output(quiet: bool, verbose: int) -> None:
+    level = logging.ERROR if quiet else (logging.DEBUG if verbose > 1 else logging.INFO if verbose else logging.WARNING)
+    logging.basicConfig(level=level, format="%(message)s")
+    warnings.simplefilter("ignore" if quiet else "default")
+    warnings.formatwarning = lambda msg, cat, *a, **k: f"qtool: warning: {msg}\n"
+
+
+def say(quiet: bool, text: str = "") -> None:
+    if not quiet:
+        click.echo(text)
+
+
+def _clean(o):
+    if isinstance(o, float) and not math.isfinite(o):
+        return None if math.isnan(o) else (1e308 if o > 0 else -1e308)
+    if isinstance(o, dict):
+        return {k: _clean(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_clean(v) for v in o]
+    return o
+
+
+def write_json(path: str | None, data: dict) -> None:
+    if path:
+        atomic_write_text(path, json.dumps(_clean(data), indent=2))

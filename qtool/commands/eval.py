@@ -1,0 +1,90 @@
+"""qtool eval: compare the int8 model with its fp32 original."""
+from __future__ import annotations
+
+import os
+
+import click
+
+from qtool.calibrate.images import list_images
+from qtool.commands.common import common_options, say, setup_output, write_json
+from qtool.errors import QtoolError
+from qtool.evaluate import evaluate
+from qtool.workdir import Workdir
+
+
+@click.command("eval")
+@click.option("--compare", type=click.Choice(["fp32"]), default="fp32", show_default=True, help="What to compare against.")
+@click.option("--data", "-d", type=click.Path(), help="Evaluation images (default: the calibration folder).")
+@click.option("--labels", type=click.Path(dir_okay=False), help="Class names one per line in class-index order; an "
+              "image's class is the entry its file name starts with before '_'. Without it, class folders are used.")
+@click.option("--model", "-m", type=click.Path(dir_okay=False), help="fp32 model (default: the calibrated one).")
+@click.option("--int8", "int8_path", type=click.Path(dir_okay=False), help="int8 model (default: the quantized one).")
+@click.option("--config", "-c", default=None, help="Preprocessing (default: calibrate's).")
+@click.option("--limit", type=int, default=None, help="Use at most this many images.")
+@click.option("--runtime", type=click.Choice(["ort", "native", "both"]), default="ort", show_default=True,
+              help="Run the int8 model on ONNX Runtime, qtool's native kernels, or both.")
+@click.option("--threads", default=2, show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write all figures as JSON here.")
+@common_options
+def command(compare, data, labels, model, int8_path, config, limit, runtime, threads, json_path, workdir, quiet,
+            verbose, debug):
+    """Accuracy, top-1 agreement, output SQNR, size and latency of int8 vs fp32.
+
+    \b
+    Example:
+      qtool eval --compare fp32
+      qtool eval --data ../shared/imagenet-samples --labels ../shared/imagenet-samples/synsets.txt --json eval.json
+    """
+    setup_output(quiet, verbose)
+    wd = Workdir(workdir)
+    m = wd.manifest()
+    cal = m.get("calibrate", {})
+    if model is None or config is None or data is None:
+        cal = cal or wd.require("calibrate", "calibrate")
+    if int8_path is None:
+        int8_path = wd.require("quantize", "quantize")["int8_path"]
+    model = model or cal["model_path"]
+    data = data or cal["data"]
+    cfg = config if config is not None else cal.get("config")
+    if runtime != "ort":
+        try:
+            import qtool.runtime  # noqa: F401
+        except ImportError as e:
+            raise QtoolError(f"--runtime {runtime}: the native runtime is not available ({e})") from None
+    files = list_images(data)
+    calib = set(cal.get("files", [])) if os.path.abspath(data) == cal.get("data") else set()
+    if calib:
+        # never score on the images the ranges were fitted to
+        files = [f for f in files if os.path.abspath(f) not in calib]
+        say(quiet, f"evaluating on {len(files)} images of {data} (the {len(calib)} calibration images excluded)")
+    r = evaluate(model, int8_path, data, cfg, labels, limit, files=files, threads=threads, show_progress=not quiet,
+                 runtime=runtime)
+    say(quiet, render(r))
+    write_json(json_path, r)
+    wd.update(eval={k: r[k] for k in ("n_images", "top1_agreement", "output_sqnr_db") if k in r}
+              | ({"top1_delta_pt": r["top1_delta_pt"]} if "top1_delta_pt" in r else {}))
+
+
+def render(r: dict) -> str:
+    lines = [f"{'':22}{'fp32':>12}{'int8':>12}{'delta':>10}"]
+    if "fp32" in r:
+        for k in ("top1", "top5"):
+            lines.append(f"{k + ' accuracy':22}{r['fp32'][k]:>12.4f}{r['int8'][k]:>12.4f}"
+                         f"{100 * (r['int8'][k] - r['fp32'][k]):>+9.2f}pt")
+    sb = r["size_bytes"]
+    lines.append(f"{'model size (MB)':22}{sb['fp32'] / 1e6:>12.2f}{sb['int8'] / 1e6:>12.2f}{100 * r['size_ratio']:>9.1f}%")
+    lat = r.get("latency_ms")
+    if lat:
+        lines.append(f"{'ORT latency (ms, b=1)':22}{lat['ort_fp32']:>12.2f}{lat['ort_int8']:>12.2f}"
+                     f"{lat['ort_fp32'] / lat['ort_int8']:>9.2f}x")
+        if "native_int8" in lat:
+            lines.append(f"{'native int8 (ms, b=1)':22}{'':>12}{lat['native_int8']:>12.2f}"
+                         f"{lat['ort_int8'] / lat['native_int8']:>9.2f}x vs ORT int8")
+    lines.append(f"top-1 agreement {r['top1_agreement']:.4f} over {r['n_images']} images"
+                 + (f" ({len(r['skipped'])} unreadable skipped)" if r["skipped"] else ""))
+    lines.append(f"output SQNR {r['output_sqnr_db']:.1f} dB, max |error| {r['max_abs_error']:.4g}")
+    if "native" in r:
+        n = r["native"]
+        lines.append(f"native runtime: agreement with ORT int8 {n['top1_agreement_vs_ort_int8']:.4f}, "
+                     f"with fp32 {n['top1_agreement_vs_fp32']:.4f}")
+    return "\n".join(lines)

@@ -1,0 +1,333 @@
+"""Native INT8 kernels (NHWC, u8 activations x s8 per-channel weights). See API.md.
+
+The C extension `_native` holds AVX-512 VNNI, AVX2 and portable C variants of every kernel and
+dispatches once from the CPU's features; this module checks arguments, computes output shapes
+and folds the zero-point compensation into the bias at pack time.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from qtool.qparams import U8_MAX, U8_MIN
+
+from . import _native
+
+ISAS = ("scalar", "avx2", "avx512vnni")
+
+__all__ = ["info", "set_isa", "get_isa", "available_isas", "set_num_threads", "get_num_threads",
+           "conv_multiplier", "PackedConv", "pack_conv2d", "conv2d", "pack_gemm", "gemm", "add",
+           "maxpool2d", "avgpool2d", "global_avgpool", "concat", "conv_out_hw"]
+
+
+# ---- runtime / dispatch --------------------------------------------------------------------
+def info() -> dict:
+    """Chosen ISA, best ISA, CPU/OS support flags, thread count and kernel names."""
+    return _native.info()
+
+
+def set_isa(name: str | None) -> str:
+    """Force 'avx512vnni' | 'avx2' | 'scalar' (capped at what the CPU supports); None = best."""
+    if name is None:
+        return ISAS[_native.set_isa(-1)]
+    if name not in ISAS:
+        raise ValueError(f"unknown ISA {name!r}; expected one of {ISAS}")
+    return ISAS[_native.set_isa(ISAS.index(name))]
+
+
+def get_isa() -> str:
+    return ISAS[_native.get_isa()]
+
+
+def available_isas() -> list[str]:
+    best = ISAS.index(info()["best_isa"])
+    return list(ISAS[: best + 1])
+
+
+def set_num_threads(n: int) -> None:
+    _native.set_num_threads(int(n))
+
+
+def get_num_threads() -> int:
+    return _native.get_num_threads()
+
+
+def conv_multiplier(x_scale, w_scales, y_scale) -> np.ndarray:
+    """float32((x_scale * w_scale[c]) / y_scale), the expression ONNX Runtime's QLinearConv uses."""
+    xs = np.float32(x_scale)
+    ws = np.atleast_1d(np.asarray(w_scales, np.float32))
+    return ((xs * ws) / np.float32(y_scale)).astype(np.float32)
+
+
+# ---- helpers -------------------------------------------------------------------------------
+def _u8(x, name: str) -> np.ndarray:
+    if not isinstance(x, np.ndarray) or x.dtype != np.uint8:
+        raise ValueError(f"{name}: expected a uint8 ndarray, got {getattr(x, 'dtype', type(x))}")
+    if not x.flags.c_contiguous:
+        raise ValueError(f"{name}: array of shape {x.shape} is not C-contiguous")
+    return x
+
+
+def _out(out, shape, dtype=np.uint8) -> np.ndarray:
+    if out is None:
+        return np.empty(shape, dtype)
+    if (not isinstance(out, np.ndarray) or out.dtype != dtype or tuple(out.shape) != tuple(shape)
+            or not out.flags.c_contiguous or not out.flags.writeable):
+        raise ValueError(f"out: expected a writable C-contiguous {np.dtype(dtype).name} array of "
+                         f"shape {tuple(shape)}, got {getattr(out, 'dtype', None)} "
+                         f"{getattr(out, 'shape', None)}")
+    return out
+
+
+def _pair(v, name):
+    t = tuple(int(i) for i in (v if hasattr(v, "__len__") else (v, v)))
+    if len(t) != 2:
+        raise ValueError(f"{name}: expected 2 values, got {t}")
+    return t
+
+
+def _pads(p):
+    t = tuple(int(i) for i in p)
+    if len(t) == 2:
+        t = (t[0], t[1], t[0], t[1])
+    if len(t) != 4 or min(t) < 0:
+        raise ValueError(f"pads: expected (top, left, bottom, right) >= 0, got {p}")
+    return t
+
+
+def _clamp(lo, hi):
+    lo, hi = int(lo), int(hi)
+    if not (U8_MIN <= lo <= hi <= U8_MAX):
+        raise ValueError(f"clamp [{lo}, {hi}] is not inside [0, 255]")
+    return lo, hi
+
+
+def conv_out_hw(h, w, kernel, strides, pads, dilations, ceil_mode=False):
+    """ONNX output spatial size (pads = top, left, bottom, right)."""
+    (kh, kw), (sh, sw), (dh, dw) = kernel, strides, dilations
+    pt, pl, pb, pr = pads
+    rnd = (lambda a, b: -(-a // b)) if ceil_mode else (lambda a, b: a // b)
+    oh = rnd(h + pt + pb - ((kh - 1) * dh + 1), sh) + 1
+    ow = rnd(w + pl + pr - ((kw - 1) * dw + 1), sw) + 1
+    if ceil_mode:  # the last window must start inside the input or left padding (ONNX/PyTorch)
+        if (oh - 1) * sh >= h + pt:
+            oh -= 1
+        if (ow - 1) * sw >= w + pl:
+            ow -= 1
+    if oh < 1 or ow < 1:
+        raise ValueError(f"output would be empty: input {h}x{w}, kernel {kh}x{kw}, strides "
+                         f"{sh}x{sw}, pads {pads}, dilations {dh}x{dw}")
+    return oh, ow
+
+
+# ---- convolution / gemm --------------------------------------------------------------------
+@dataclass
+class PackedConv:
+    """Packed weights + requantization of one Conv (or Gemm), bound to one microkernel."""
+
+    cin: int
+    cout: int
+    kh: int
+    kw: int
+    strides: tuple
+    pads: tuple
+    dilations: tuple
+    group: int
+    kind: str          # 'gemm' | 'igemm' | 'dwconv'
+    out_dtype: type
+    kernel: str
+    isa: str
+    _cap: object = field(repr=False)
+
+    def out_shape(self, n, h, w):
+        oh, ow = conv_out_hw(h, w, (self.kh, self.kw), self.strides, self.pads, self.dilations)
+        return (n, oh, ow, self.cout)
+
+
+def _bias_mult(bias, multiplier, cout, w_rows, x_zp):
+    """Fold -x_zp * sum(w) into the int32 bias; broadcast the multiplier to float32[cout]."""
+    b = np.zeros(cout, np.int64) if bias is None else np.asarray(bias).astype(np.int64).reshape(-1)
+    if b.shape != (cout,):
+        raise ValueError(f"bias: expected shape ({cout},), got {np.shape(bias)}")
+    b = b - int(x_zp) * w_rows.astype(np.int64).sum(axis=1)
+    if b.min(initial=0) < -(2 ** 31) or b.max(initial=0) > 2 ** 31 - 1:
+        raise ValueError("bias with zero-point compensation does not fit int32")
+    m = np.asarray(multiplier, np.float32).reshape(-1)
+    if m.size == 1:
+        m = np.full(cout, m[0], np.float32)
+    if m.shape != (cout,):
+        raise ValueError(f"multiplier: expected shape ({cout},) or a scalar, got {np.shape(multiplier)}")
+    return np.ascontiguousarray(b.astype(np.int32)), np.ascontiguousarray(m)
+
+
+def pack_conv2d(w, bias, *, x_zp, multiplier, y_zp, strides=(1, 1), pads=(0, 0, 0, 0),
+                dilations=(1, 1), group=1, lo=0, hi=255) -> PackedConv:
+    """Pack an ONNX OIHW int8 weight for NHWC convolution (see API.md)."""
+    w = np.asarray(w)
+    if w.dtype != np.int8 or w.ndim != 4:
+        raise ValueError(f"weights: expected int8 [Cout, Cin/group, KH, KW], got {w.dtype} {w.shape}")
+    if w.size and (w.min() < -127):
+        raise ValueError("weights must be in [-127, 127] (symmetric int8)")
+    cout, cin_g, kh, kw = (int(s) for s in w.shape)
+    group = int(group)
+    if group < 1 or cout % group:
+        raise ValueError(f"group={group} does not divide Cout={cout}")
+    if not (0 <= int(x_zp) <= 255 and 0 <= int(y_zp) <= 255):
+        raise ValueError(f"zero points must be in [0, 255], got x_zp={x_zp} y_zp={y_zp}")
+    strides, dilations, pads = _pair(strides, "strides"), _pair(dilations, "dilations"), _pads(pads)
+    if min(strides) < 1 or min(dilations) < 1:
+        raise ValueError(f"strides {strides} and dilations {dilations} must be >= 1")
+    lo, hi = _clamp(lo, hi)
+    cout_g = cout // group
+    depthwise = group > 1 and cin_g == 1 and cout_g == 1
+    # [G][Cout_g][KH*KW][Cin_g]: taps major, input channels minor (NHWC order)
+    wt = np.ascontiguousarray(w.transpose(0, 2, 3, 1).reshape(cout, kh * kw * cin_g))
+    b, m = _bias_mult(bias, multiplier, cout, wt, x_zp)
+    cap = _native.conv_create(wt, b, m, group, cin_g, cout_g, kh, kw, strides[0], strides[1],
+                              pads[0], pads[1], dilations[0], dilations[1], int(x_zp), int(y_zp),
+                              lo, hi, 0, int(depthwise))
+    ci = _native.conv_info(cap)
+    if depthwise:
+        kind = "dwconv"
+    elif (kh, kw) == (1, 1) and strides == (1, 1) and pads == (0, 0, 0, 0) and group == 1:
+        kind = "gemm"
+    else:
+        kind = "igemm"
+    return PackedConv(cin_g * group, cout, kh, kw, strides, pads, dilations, group, kind, np.uint8,
+                      ci["kernel"], ci["isa"], cap)
+
+
+def conv2d(p: PackedConv, x: np.ndarray, out=None) -> np.ndarray:
+    """uint8 NHWC [N, H, W, Cin] -> uint8 NHWC [N, OH, OW, Cout]."""
+    _u8(x, "x")
+    if x.ndim != 4 or x.shape[3] != p.cin:
+        raise ValueError(f"x: expected NHWC [N, H, W, {p.cin}], got {x.shape}")
+    n, h, w, _ = x.shape
+    shape = p.out_shape(n, h, w)
+    y = _out(out, shape)
+    _native.conv_run(p._cap, x, n, h, w, y, shape[1], shape[2])
+    return y
+
+
+def pack_gemm(w, bias, *, x_zp, multiplier, y_zp=0, lo=0, hi=255, out_dtype="uint8") -> PackedConv:
+    """Pack int8 weights [N, K] (output-channel major) for y[M, N] = x[M, K] @ w.T (see API.md)."""
+    w = np.asarray(w)
+    if w.dtype != np.int8 or w.ndim != 2:
+        raise ValueError(f"weights: expected int8 [N, K], got {w.dtype} {w.shape}")
+    if out_dtype not in ("uint8", "float32", np.uint8, np.float32):
+        raise ValueError(f"out_dtype must be 'uint8' or 'float32', got {out_dtype!r}")
+    f32 = np.dtype(out_dtype) == np.float32
+    if not 0 <= int(x_zp) <= 255:
+        raise ValueError(f"x_zp must be in [0, 255], got {x_zp}")
+    lo, hi = _clamp(lo, hi)
+    n, k = (int(s) for s in w.shape)
+    wt = np.ascontiguousarray(w)
+    b, m = _bias_mult(bias, multiplier, n, wt, x_zp)
+    cap = _native.conv_create(wt, b, m, 1, k, n, 1, 1, 1, 1, 0, 0, 1, 1, int(x_zp),
+                              0 if f32 else int(y_zp), lo, hi, int(f32), 0)
+    ci = _native.conv_info(cap)
+    return PackedConv(k, n, 1, 1, (1, 1), (0, 0, 0, 0), (1, 1), 1, "gemm",
+                      np.float32 if f32 else np.uint8, ci["kernel"], ci["isa"], cap)
+
+
+def gemm(p: PackedConv, x: np.ndarray, out=None) -> np.ndarray:
+    """uint8 [M, K] -> uint8 (or float32) [M, N]."""
+    _u8(x, "x")
+    if x.ndim != 2 or x.shape[1] != p.cin:
+        raise ValueError(f"x: expected [M, {p.cin}], got {x.shape}")
+    m = x.shape[0]
+    y = _out(out, (m, p.cout), p.out_dtype)
+    _native.conv_run(p._cap, x, m, 1, 1, y, 1, 1)
+    return y
+
+
+# ---- elementwise / pooling / concat --------------------------------------------------------
+def _ratio(a, b) -> float:
+    return float(np.float32(a) / np.float32(b))
+
+
+def add(a, b, *, a_scale, a_zp, b_scale, b_zp, y_scale, y_zp, lo=0, hi=255, out=None):
+    _u8(a, "a")
+    _u8(b, "b")
+    if a.shape != b.shape:
+        raise ValueError(f"add: shapes differ: {a.shape} vs {b.shape} (broadcast in the caller)")
+    lo, hi = _clamp(lo, hi)
+    y = _out(out, a.shape)
+    _native.add(a, b, y, _ratio(a_scale, y_scale), int(a_zp), _ratio(b_scale, y_scale), int(b_zp),
+                int(y_zp), lo, hi)
+    return y
+
+
+def _pool(x, kernel, strides, pads, dilations, ceil_mode, avg, cip, x_zp, mult, y_zp, lo, hi, out):
+    _u8(x, "x")
+    if x.ndim != 4:
+        raise ValueError(f"x: expected NHWC, got shape {x.shape}")
+    kernel, strides, dilations = _pair(kernel, "kernel"), _pair(strides, "strides"), _pair(dilations, "dilations")
+    if min(kernel) < 1 or min(strides) < 1 or min(dilations) < 1:
+        raise ValueError(f"pool: kernel {kernel}, strides {strides}, dilations {dilations} must be >= 1")
+    pads = _pads(pads)
+    lo, hi = _clamp(lo, hi)
+    n, h, w, c = x.shape
+    oh, ow = conv_out_hw(h, w, kernel, strides, pads, dilations, ceil_mode)
+    y = _out(out, (n, oh, ow, c))
+    _native.pool(x, y, n, h, w, c, oh, ow, kernel[0], kernel[1], strides[0], strides[1], pads[0],
+                 pads[1], pads[2], pads[3], dilations[0], dilations[1],
+                 int(avg), int(cip), int(x_zp), float(np.float32(mult)), int(y_zp), lo, hi)
+    return y
+
+
+def maxpool2d(x, kernel, strides=(1, 1), pads=(0, 0, 0, 0), dilations=(1, 1), ceil_mode=False,
+              out=None):
+    return _pool(x, kernel, strides, pads, dilations, ceil_mode, 0, 0, 0, 1.0, 0, 0, 255, out)
+
+
+def avgpool2d(x, kernel, strides=(1, 1), pads=(0, 0, 0, 0), count_include_pad=False, *, x_zp,
+              multiplier, y_zp, lo=0, hi=255, ceil_mode=False, out=None):
+    return _pool(x, kernel, strides, pads, (1, 1), ceil_mode, 1, count_include_pad, x_zp,
+                 multiplier, y_zp, lo, hi, out)
+
+
+def global_avgpool(x, *, x_zp, multiplier, y_zp, lo=0, hi=255, out=None):
+    _u8(x, "x")
+    if x.ndim != 4:
+        raise ValueError(f"x: expected NHWC, got shape {x.shape}")
+    return _pool(x, (x.shape[1], x.shape[2]), (1, 1), (0, 0, 0, 0), (1, 1), False, 1, 0, x_zp,
+                 multiplier, y_zp, lo, hi, out)
+
+
+def concat(xs, axis, *, scales, zps, y_scale, y_zp, out=None):
+    xs = [_u8(x, f"xs[{i}]") for i, x in enumerate(xs)]
+    if not xs:
+        raise ValueError("concat: no inputs")
+    nd = xs[0].ndim
+    axis = int(axis) + (nd if int(axis) < 0 else 0)
+    if not 0 <= axis < nd:
+        raise ValueError(f"concat: axis {axis} out of range for rank {nd}")
+    ref = xs[0].shape
+    for x in xs:
+        if x.ndim != nd or x.shape[:axis] != ref[:axis] or x.shape[axis + 1:] != ref[axis + 1:]:
+            raise ValueError(f"concat: shapes {[x.shape for x in xs]} differ outside axis {axis}")
+    if len(scales) != len(xs) or len(zps) != len(xs):
+        raise ValueError("concat: need one scale and zero point per input")
+    shape = list(ref)
+    shape[axis] = sum(x.shape[axis] for x in xs)
+    y = _out(out, tuple(shape))
+    outer = int(np.prod(ref[:axis], dtype=np.int64))
+    items = []
+    for x, s, z in zip(xs, scales, zps):
+        inner = int(np.prod(x.shape[axis:], dtype=np.int64))
+        same = np.float32(s) == np.float32(y_scale) and int(z) == int(y_zp)
+        items.append((x, inner, bool(same), int(z), _ratio(s, y_scale)))
+    _native.concat(items, outer, y, int(y_zp))
+    return y
+
+
+def _init_from_env():
+    import os
+    isa = os.environ.get("QTOOL_ISA")
+    if isa and isa not in ISAS:
+        raise ValueError(f"QTOOL_ISA={isa!r}: expected one of {ISAS}")
+
+
+_init_from_env()

@@ -1,0 +1,279 @@
+/* Python bindings: qtool.kernels._native. Thin: argument checks happen in qtool/kernels/__init__.py;
+ * here we only check buffer sizes, then release the GIL and run. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "operators.h"
+
+#define CAPSULE_NAME "qtool.kernels.conv"
+
+typedef struct {
+  Py_buffer b;
+  int ok;
+} buf_t;
+
+static int get_buf(PyObject* o, buf_t* bt, int writable, Py_ssize_t need, const char* what) {
+  bt->ok = 0;
+  if (PyObject_GetBuffer(o, &bt->b, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) != 0)
+    return -1;
+  bt->ok = 1;
+  if (need >= 0 && bt->b.len != need) {
+    PyErr_Format(PyExc_ValueError, "%s: buffer has %zd bytes, expected %zd", what, bt->b.len, need);
+    return -1;
+  }
+  return 0;
+}
+
+static void rel(buf_t* bt) {
+  if (bt->ok) PyBuffer_Release(&bt->b);
+  bt->ok = 0;
+}
+
+static void capsule_free(PyObject* cap) {
+  qt_conv* cv = (qt_conv*)PyCapsule_GetPointer(cap, CAPSULE_NAME);
+  qt_conv_free(cv);
+}
+
+static PyObject* py_info(PyObject* self, PyObject* args) {
+  (void)self; (void)args;
+  const qt_cpu_features* f = qt_cpu();
+  const qt_dispatch* d = qt_get_dispatch();
+  PyObject* sup = Py_BuildValue("{s:O,s:O,s:O,s:O,s:O,s:O,s:O,s:O,s:O}",
+      "avx2", f->avx2 ? Py_True : Py_False, "fma", f->fma ? Py_True : Py_False,
+      "avx512f", f->avx512f ? Py_True : Py_False, "avx512bw", f->avx512bw ? Py_True : Py_False,
+      "avx512vl", f->avx512vl ? Py_True : Py_False, "avx512dq", f->avx512dq ? Py_True : Py_False,
+      "avx512vnni", f->avx512vnni ? Py_True : Py_False, "os_ymm", f->os_ymm ? Py_True : Py_False,
+      "os_zmm", f->os_zmm ? Py_True : Py_False);
+  PyObject* ker = Py_BuildValue("{s:s,s:s,s:s}", "igemm", d->igemm.name, "dwconv", d->dwconv.name,
+                                "add", d->add_name);
+  return Py_BuildValue("{s:s,s:s,s:N,s:i,s:N}", "isa", d->isa_name, "best_isa",
+                       qt_isa_name(qt_best_isa()), "supported", sup, "num_threads",
+                       qt_get_num_threads(), "kernels", ker);
+}
+
+static PyObject* py_set_isa(PyObject* self, PyObject* args) {
+  (void)self;
+  int isa;
+  if (!PyArg_ParseTuple(args, "i", &isa)) return NULL;
+  qt_get_dispatch();
+  return PyLong_FromLong(qt_set_isa(isa));
+}
+
+static PyObject* py_get_isa(PyObject* self, PyObject* args) {
+  (void)self; (void)args;
+  return PyLong_FromLong(qt_get_dispatch()->isa);
+}
+
+static PyObject* py_set_num_threads(PyObject* self, PyObject* args) {
+  (void)self;
+  int n;
+  if (!PyArg_ParseTuple(args, "i", &n)) return NULL;
+  qt_set_num_threads(n);
+  Py_RETURN_NONE;
+}
+
+static PyObject* py_get_num_threads(PyObject* self, PyObject* args) {
+  (void)self; (void)args;
+  return PyLong_FromLong(qt_get_num_threads());
+}
+
+/* conv_create(w, bias, mult, groups, cin_g, cout_g, kh, kw, sh, sw, pt, pl, dh, dw,
+ *             x_zp, y_zp, lo, hi, out_f32, depthwise) */
+static PyObject* py_conv_create(PyObject* self, PyObject* args) {
+  (void)self;
+  PyObject *ow, *ob, *om;
+  Py_ssize_t g, cin_g, cout_g, kh, kw, sh, sw, pt, pl, dh, dw;
+  int x_zp, y_zp, lo, hi, out_f32, depthwise;
+  if (!PyArg_ParseTuple(args, "OOOnnnnnnnnnnniiiiii", &ow, &ob, &om, &g, &cin_g, &cout_g, &kh, &kw,
+                        &sh, &sw, &pt, &pl, &dh, &dw, &x_zp, &y_zp, &lo, &hi, &out_f32, &depthwise))
+    return NULL;
+  if (g < 1 || cin_g < 1 || cout_g < 1 || kh < 1 || kw < 1 || sh < 1 || sw < 1 || dh < 1 || dw < 1 ||
+      pt < 0 || pl < 0) {
+    PyErr_SetString(PyExc_ValueError, "conv_create: bad dimensions");
+    return NULL;
+  }
+  buf_t bw, bb, bm;
+  bw.ok = bb.ok = bm.ok = 0;
+  qt_conv* cv = NULL;
+  if (get_buf(ow, &bw, 0, g * cout_g * kh * kw * cin_g, "weights") == 0 &&
+      get_buf(ob, &bb, 0, g * cout_g * 4, "bias") == 0 &&
+      get_buf(om, &bm, 0, g * cout_g * 4, "multiplier") == 0) {
+    Py_BEGIN_ALLOW_THREADS
+    cv = qt_conv_create((const int8_t*)bw.b.buf, (const int32_t*)bb.b.buf, (const float*)bm.b.buf,
+                        g, cin_g, cout_g, kh, kw, sh, sw, pt, pl, dh, dw, x_zp, y_zp, lo, hi, out_f32,
+                        depthwise);
+    Py_END_ALLOW_THREADS
+    if (!cv) PyErr_NoMemory();
+  }
+  rel(&bw); rel(&bb); rel(&bm);
+  if (!cv) return NULL;
+  PyObject* cap = PyCapsule_New(cv, CAPSULE_NAME, capsule_free);
+  if (!cap) qt_conv_free(cv);
+  return cap;
+}
+
+static PyObject* py_conv_info(PyObject* self, PyObject* args) {
+  (void)self;
+  PyObject* cap;
+  if (!PyArg_ParseTuple(args, "O", &cap)) return NULL;
+  qt_conv* cv = (qt_conv*)PyCapsule_GetPointer(cap, CAPSULE_NAME);
+  if (!cv) return NULL;
+  return Py_BuildValue("{s:s,s:s,s:n}", "kernel", cv->kernel_name, "isa", cv->d->isa_name,
+                       "packed_bytes", (Py_ssize_t)cv->w_bytes);
+}
+
+/* conv_run(cap, x, n, h, w, y, oh, ow) */
+static PyObject* py_conv_run(PyObject* self, PyObject* args) {
+  (void)self;
+  PyObject *cap, *ox, *oy;
+  Py_ssize_t n, h, w, oh, ow;
+  if (!PyArg_ParseTuple(args, "OOnnnOnn", &cap, &ox, &n, &h, &w, &oy, &oh, &ow)) return NULL;
+  qt_conv* cv = (qt_conv*)PyCapsule_GetPointer(cap, CAPSULE_NAME);
+  if (!cv) return NULL;
+  if (n < 0 || h < 0 || w < 0 || oh < 0 || ow < 0) {
+    PyErr_SetString(PyExc_ValueError, "conv_run: negative dimension");
+    return NULL;
+  }
+  /* every tap of every output pixel must stay inside the (padded) input */
+  if (oh > 0 && ow > 0 &&
+      ((Py_ssize_t)((oh - 1) * cv->sh + (cv->kh - 1) * cv->dh) - (Py_ssize_t)cv->pt < 0 && h == 0)) {
+    PyErr_SetString(PyExc_ValueError, "conv_run: empty input");
+    return NULL;
+  }
+  const Py_ssize_t es = cv->rq.out_f32 ? 4 : 1;
+  buf_t bx, by;
+  bx.ok = by.ok = 0;
+  int rc = -2;
+  if (get_buf(ox, &bx, 0, n * h * w * (Py_ssize_t)cv->cin, "x") == 0 &&
+      get_buf(oy, &by, 1, n * oh * ow * (Py_ssize_t)cv->cout * es, "out") == 0) {
+    Py_BEGIN_ALLOW_THREADS
+    rc = qt_conv_run(cv, (const uint8_t*)bx.b.buf, n, h, w, by.b.buf, oh, ow);
+    Py_END_ALLOW_THREADS
+    if (rc == -1) PyErr_NoMemory();
+  }
+  rel(&bx); rel(&by);
+  if (rc != 0) return NULL;
+  Py_RETURN_NONE;
+}
+
+/* add(a, b, y, ma, za, mb, zb, y_zp, lo, hi) */
+static PyObject* py_add(PyObject* self, PyObject* args) {
+  (void)self;
+  PyObject *oa, *ob, *oy;
+  float ma, mb;
+  int za, zb, y_zp, lo, hi;
+  if (!PyArg_ParseTuple(args, "OOOfifiiii", &oa, &ob, &oy, &ma, &za, &mb, &zb, &y_zp, &lo, &hi))
+    return NULL;
+  buf_t a, b, y;
+  a.ok = b.ok = y.ok = 0;
+  int ok = 0;
+  if (get_buf(oa, &a, 0, -1, "a") == 0 && get_buf(ob, &b, 0, a.b.len, "b") == 0 &&
+      get_buf(oy, &y, 1, a.b.len, "out") == 0) {
+    Py_BEGIN_ALLOW_THREADS
+    qt_add((const uint8_t*)a.b.buf, (const uint8_t*)b.b.buf, (uint8_t*)y.b.buf, (size_t)a.b.len, ma,
+           za, mb, zb, y_zp, lo, hi);
+    Py_END_ALLOW_THREADS
+    ok = 1;
+  }
+  rel(&a); rel(&b); rel(&y);
+  if (!ok) return NULL;
+  Py_RETURN_NONE;
+}
+
+/* pool(x, y, n, h, w, c, oh, ow, kh, kw, sh, sw, pt, pl, pb, pr, dh, dw, avg, cip, x_zp, mult,
+ *      y_zp, lo, hi) */
+static PyObject* py_pool(PyObject* self, PyObject* args) {
+  (void)self;
+  PyObject *ox, *oy;
+  Py_ssize_t n, h, w, c, oh, ow, kh, kw, sh, sw, pt, pl, pb, pr, dh, dw;
+  int avg, cip, x_zp, y_zp, lo, hi;
+  float mult;
+  if (!PyArg_ParseTuple(args, "OOnnnnnnnnnnnnnnnniiifiii", &ox, &oy, &n, &h, &w, &c, &oh, &ow, &kh,
+                        &kw, &sh, &sw, &pt, &pl, &pb, &pr, &dh, &dw, &avg, &cip, &x_zp, &mult, &y_zp,
+                        &lo, &hi))
+    return NULL;
+  if (n < 0 || h < 0 || w < 0 || c < 0 || oh < 0 || ow < 0 || kh < 1 || kw < 1 || sh < 1 || sw < 1 ||
+      pt < 0 || pl < 0 || pb < 0 || pr < 0 || dh < 1 || dw < 1) {
+    PyErr_SetString(PyExc_ValueError, "pool: bad dimensions");
+    return NULL;
+  }
+  buf_t x, y;
+  x.ok = y.ok = 0;
+  int ok = 0;
+  if (get_buf(ox, &x, 0, n * h * w * c, "x") == 0 && get_buf(oy, &y, 1, n * oh * ow * c, "out") == 0) {
+    Py_BEGIN_ALLOW_THREADS
+    qt_pool((const uint8_t*)x.b.buf, (uint8_t*)y.b.buf, n, h, w, c, oh, ow, kh, kw, sh, sw, pt, pl,
+            pb, pr, dh, dw, avg, cip, x_zp, mult, y_zp, lo, hi);
+    Py_END_ALLOW_THREADS
+    ok = 1;
+  }
+  rel(&x); rel(&y);
+  if (!ok) return NULL;
+  Py_RETURN_NONE;
+}
+
+/* concat(list of (x, inner, copy, zp, mult), outer, y, y_zp) */
+static PyObject* py_concat(PyObject* self, PyObject* args) {
+  (void)self;
+  PyObject *lst, *oy;
+  Py_ssize_t outer;
+  int y_zp;
+  if (!PyArg_ParseTuple(args, "O!nOi", &PyList_Type, &lst, &outer, &oy, &y_zp)) return NULL;
+  Py_ssize_t nin = PyList_GET_SIZE(lst);
+  buf_t* bufs = (buf_t*)calloc((size_t)nin + 1, sizeof(buf_t));
+  qt_concat_input* in = (qt_concat_input*)calloc((size_t)nin + 1, sizeof(qt_concat_input));
+  buf_t y;
+  y.ok = 0;
+  int ok = bufs && in;
+  Py_ssize_t total = 0;
+  for (Py_ssize_t i = 0; ok && i < nin; i++) {
+    PyObject* ox;
+    Py_ssize_t inner;
+    int copy, zp;
+    float m;
+    if (!PyArg_ParseTuple(PyList_GET_ITEM(lst, i), "Onipf", &ox, &inner, &copy, &zp, &m) ||
+        inner < 0 || get_buf(ox, &bufs[i], 0, outer * inner, "concat input") != 0) {
+      ok = 0;
+      break;
+    }
+    in[i].x = (const uint8_t*)bufs[i].b.buf;
+    in[i].inner = (size_t)inner;
+    in[i].copy = copy;
+    in[i].zp = zp;
+    in[i].mult = m;
+    total += inner;
+  }
+  if (ok && get_buf(oy, &y, 1, outer * total, "out") != 0) ok = 0;
+  if (ok) {
+    Py_BEGIN_ALLOW_THREADS
+    qt_concat(in, (size_t)nin, (size_t)outer, (uint8_t*)y.b.buf, y_zp);
+    Py_END_ALLOW_THREADS
+  } else if (!PyErr_Occurred()) {
+    PyErr_NoMemory();
+  }
+  for (Py_ssize_t i = 0; bufs && i < nin; i++) rel(&bufs[i]);
+  rel(&y);
+  free(bufs);
+  free(in);
+  if (!ok) return NULL;
+  Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"info", py_info, METH_NOARGS, "CPU features and the selected ISA"},
+    {"set_isa", py_set_isa, METH_VARARGS, "force an ISA (0 scalar, 1 avx2, 2 avx512vnni; -1 best)"},
+    {"get_isa", py_get_isa, METH_NOARGS, "selected ISA"},
+    {"set_num_threads", py_set_num_threads, METH_VARARGS, "threads used by the kernels"},
+    {"get_num_threads", py_get_num_threads, METH_NOARGS, "threads used by the kernels"},
+    {"conv_create", py_conv_create, METH_VARARGS, "pack a convolution / GEMM"},
+    {"conv_info", py_conv_info, METH_VARARGS, "kernel of a packed convolution"},
+    {"conv_run", py_conv_run, METH_VARARGS, "run a packed convolution"},
+    {"add", py_add, METH_VARARGS, "quantized add"},
+    {"pool", py_pool, METH_VARARGS, "max / average pooling"},
+    {"concat", py_concat, METH_VARARGS, "requantizing concat"},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_native", "qtool native INT8 kernels", -1,
+                                    methods, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&moddef); }

@@ -1,0 +1,307 @@
+/* Operators on top of the microkernels: packing, indirection, threading over output tiles. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "operators.h"
+
+static size_t round_up(size_t v, size_t m) { return (v + m - 1) / m * m; }
+
+static void* qt_alloc(size_t n) {
+  void* p = NULL;
+  if (posix_memalign(&p, 64, n ? round_up(n, 64) : 64) != 0) return NULL;
+  return p;
+}
+
+void qt_conv_free(qt_conv* cv) {
+  if (!cv) return;
+  free(cv->w);
+  free(cv->zero);
+  free(cv->ind);
+  free(cv);
+}
+
+static void fill_requant(qt_requant* rq, int32_t zp, int32_t lo, int32_t hi, int out_f32) {
+  rq->zp = zp;
+  rq->lo = lo;
+  rq->hi = hi;
+  rq->lo_f = (float)(lo - zp);
+  rq->hi_f = (float)(hi - zp);
+  rq->out_f32 = out_f32;
+}
+
+qt_conv* qt_conv_create(const int8_t* w, const int32_t* bias, const float* mult, size_t groups,
+                        size_t cin_g, size_t cout_g, size_t kh, size_t kw, size_t sh, size_t sw,
+                        size_t pt, size_t pl, size_t dh, size_t dw, int32_t x_zp, int32_t y_zp,
+                        int32_t lo, int32_t hi, int out_f32, int depthwise) {
+  qt_conv* cv = (qt_conv*)calloc(1, sizeof(qt_conv));
+  if (!cv) return NULL;
+  cv->d = qt_get_dispatch();
+  cv->kind = depthwise ? QT_CONV_DW : QT_CONV_IGEMM;
+  cv->groups = groups; cv->cin_g = cin_g; cv->cout_g = cout_g;
+  cv->cin = groups * cin_g; cv->cout = groups * cout_g;
+  cv->kh = kh; cv->kw = kw; cv->sh = sh; cv->sw = sw; cv->pt = pt; cv->pl = pl; cv->dh = dh; cv->dw = dw;
+  cv->x_zp = x_zp;
+  fill_requant(&cv->rq, y_zp, lo, hi, out_f32);
+  const size_t ks = kh * kw;
+  cv->zero_len = (cv->cin > cin_g ? cv->cin : cin_g) + 128;
+  cv->zero = (uint8_t*)qt_alloc(cv->zero_len);
+  if (!cv->zero) goto fail;
+  memset(cv->zero, (int)x_zp, cv->zero_len);
+  if (depthwise) {
+    const qt_dwconv_config* dc = &cv->d->dwconv;
+    cv->kernel_name = dc->name;
+    cv->w_bytes = dc->packed_size(cv->cout, ks);
+    cv->w = qt_alloc(cv->w_bytes);
+    if (!cv->w) goto fail;
+    dc->pack(cv->cout, ks, w, bias, mult, cv->w);
+    return cv;
+  }
+  const qt_igemm_config* gc = &cv->d->igemm;
+  cv->kernel_name = gc->name;
+  const size_t nr = gc->nr, kr = gc->kr, es = gc->welem;
+  const size_t kcp = round_up(cin_g, kr);
+  cv->panel_bytes = round_up(nr * 8 + ks * kcp * nr * es, 64);
+  cv->panels_per_group = (cout_g + nr - 1) / nr;
+  cv->w_bytes = cv->panel_bytes * cv->panels_per_group * groups;
+  cv->w = qt_alloc(cv->w_bytes);
+  if (!cv->w) goto fail;
+  memset(cv->w, 0, cv->w_bytes);
+  for (size_t g = 0; g < groups; g++) {
+    for (size_t p = 0; p < cv->panels_per_group; p++) {
+      char* panel = (char*)cv->w + (g * cv->panels_per_group + p) * cv->panel_bytes;
+      int32_t* pb = (int32_t*)panel;
+      float* pm = (float*)(pb + nr);
+      char* pw = (char*)(pm + nr);
+      for (size_t j = 0; j < nr; j++) {
+        size_t oc = p * nr + j;
+        if (oc >= cout_g) break;
+        pb[j] = bias[g * cout_g + oc];
+        pm[j] = mult[g * cout_g + oc];
+        const int8_t* wrow = w + (g * cout_g + oc) * ks * cin_g;  /* [ks][cin_g] */
+        for (size_t t = 0; t < ks; t++)
+          for (size_t k = 0; k < cin_g; k++) {
+            size_t idx = ((t * (kcp / kr) + k / kr) * nr + j) * kr + k % kr;
+            int8_t v = wrow[t * cin_g + k];
+            if (es == 1) ((int8_t*)pw)[idx] = v;
+            else ((int16_t*)pw)[idx] = v;
+          }
+      }
+    }
+  }
+  return cv;
+fail:
+  qt_conv_free(cv);
+  return NULL;
+}
+
+/* Indirection buffer [mblocks][ks][MR] of byte offsets into x (-1 = padding), cached per shape. */
+static int build_indirection(qt_conv* cv, size_t n, size_t h, size_t w, size_t oh, size_t ow) {
+  if (cv->ind && cv->ind_n == n && cv->ind_h == h && cv->ind_w == w && cv->ind_oh == oh &&
+      cv->ind_ow == ow)
+    return 0;
+  free(cv->ind);
+  cv->ind = NULL;
+  const size_t mr = cv->d->igemm.mr, ks = cv->kh * cv->kw;
+  const size_t m = n * oh * ow, mblocks = (m + mr - 1) / mr;
+  intptr_t* ind = (intptr_t*)malloc(sizeof(intptr_t) * (mblocks * ks * mr + 1));
+  if (!ind) return -1;
+  for (size_t mb = 0; mb < mblocks; mb++)
+    for (size_t i = 0; i < mr; i++) {
+      size_t row = mb * mr + i;
+      if (row >= m) row = m - 1;  /* rows past the end repeat the last one (stores are skipped) */
+      size_t b = row / (oh * ow), rem = row % (oh * ow), oy = rem / ow, ox = rem % ow;
+      for (size_t ky = 0; ky < cv->kh; ky++)
+        for (size_t kx = 0; kx < cv->kw; kx++) {
+          ptrdiff_t iy = (ptrdiff_t)(oy * cv->sh + ky * cv->dh) - (ptrdiff_t)cv->pt;
+          ptrdiff_t ix = (ptrdiff_t)(ox * cv->sw + kx * cv->dw) - (ptrdiff_t)cv->pl;
+          intptr_t off = -1;
+          if (iy >= 0 && iy < (ptrdiff_t)h && ix >= 0 && ix < (ptrdiff_t)w)
+            off = (intptr_t)(((b * h + (size_t)iy) * w + (size_t)ix) * cv->cin);
+          ind[(mb * ks + ky * cv->kw + kx) * mr + i] = off;
+        }
+    }
+  cv->ind = ind;
+  cv->ind_n = n; cv->ind_h = h; cv->ind_w = w; cv->ind_oh = oh; cv->ind_ow = ow;
+  cv->mblocks = mblocks;
+  return 0;
+}
+
+typedef struct {
+  const qt_conv* cv;
+  const uint8_t* x;
+  void* y;
+  size_t n, h, w, oh, ow, m;
+} conv_job;
+
+static void igemm_task(void* ctx, size_t begin, size_t end) {
+  const conv_job* j = (const conv_job*)ctx;
+  const qt_conv* cv = j->cv;
+  const qt_igemm_config* gc = &cv->d->igemm;
+  const size_t mr = gc->mr, nr = gc->nr, ks = cv->kh * cv->kw;
+  const size_t es = cv->rq.out_f32 ? 4 : 1;
+  for (size_t t = begin; t < end; t++) {
+    const size_t gp = t / cv->mblocks, mb = t % cv->mblocks;
+    const size_t g = gp / cv->panels_per_group, p = gp % cv->panels_per_group;
+    const size_t row0 = mb * mr;
+    const size_t rows = j->m - row0 < mr ? j->m - row0 : mr;
+    const size_t col0 = p * nr;
+    const size_t nc = cv->cout_g - col0 < nr ? cv->cout_g - col0 : nr;
+    gc->ukernel(rows, nc, cv->cin_g, ks, cv->ind + mb * ks * mr, j->x + g * cv->cin_g, cv->zero,
+                (const char*)cv->w + gp * cv->panel_bytes,
+                (char*)j->y + (row0 * cv->cout + g * cv->cout_g + col0) * es, cv->cout * es, &cv->rq);
+  }
+}
+
+static void dw_task(void* ctx, size_t begin, size_t end) {
+  const conv_job* j = (const conv_job*)ctx;
+  const qt_conv* cv = j->cv;
+  const size_t ks = cv->kh * cv->kw, c = cv->cout;
+  const uint8_t** ptrs = (const uint8_t**)malloc(sizeof(uint8_t*) * j->ow * ks);
+  if (!ptrs) return;
+  for (size_t r = begin; r < end; r++) {
+    const size_t b = r / j->oh, oy = r % j->oh;
+    for (size_t ox = 0; ox < j->ow; ox++)
+      for (size_t ky = 0; ky < cv->kh; ky++) {
+        ptrdiff_t iy = (ptrdiff_t)(oy * cv->sh + ky * cv->dh) - (ptrdiff_t)cv->pt;
+        for (size_t kx = 0; kx < cv->kw; kx++) {
+          ptrdiff_t ix = (ptrdiff_t)(ox * cv->sw + kx * cv->dw) - (ptrdiff_t)cv->pl;
+          const uint8_t* p = cv->zero;
+          if (iy >= 0 && iy < (ptrdiff_t)j->h && ix >= 0 && ix < (ptrdiff_t)j->w)
+            p = j->x + ((b * j->h + (size_t)iy) * j->w + (size_t)ix) * c;
+          ptrs[ox * ks + ky * cv->kw + kx] = p;
+        }
+      }
+    cv->d->dwconv.ukernel(c, j->ow, ks, ptrs, cv->w, (uint8_t*)j->y + r * j->ow * c, c, &cv->rq);
+  }
+  free(ptrs);
+}
+
+int qt_conv_run(qt_conv* cv, const uint8_t* x, size_t n, size_t h, size_t w, void* y, size_t oh,
+                size_t ow) {
+  conv_job j = {cv, x, y, n, h, w, oh, ow, n * oh * ow};
+  if (j.m == 0) return 0;
+  if (cv->kind == QT_CONV_DW) {
+    qt_parallel(n * oh, dw_task, &j);
+    return 0;
+  }
+  if (build_indirection(cv, n, h, w, oh, ow) != 0) return -1;
+  qt_parallel(cv->groups * cv->panels_per_group * cv->mblocks, igemm_task, &j);
+  return 0;
+}
+
+/* ---- pooling ---- */
+typedef struct {
+  const qt_dispatch* d;
+  const uint8_t* x;
+  uint8_t* y;
+  size_t n, h, w, c, oh, ow, kh, kw, sh, sw, pt, pl, pb, pr, dh, dw;
+  int avg, count_include_pad;
+  int32_t x_zp;
+  float mult;
+  qt_requant rq;
+} pool_job;
+
+static void pool_task(void* ctx, size_t begin, size_t end) {
+  const pool_job* j = (const pool_job*)ctx;
+  int32_t* acc = NULL;
+  if (j->avg) {
+    acc = (int32_t*)malloc(sizeof(int32_t) * (j->c ? j->c : 1));
+    if (!acc) return;
+  }
+  for (size_t r = begin; r < end; r++) {
+    const size_t b = r / j->oh, oy = r % j->oh;
+    for (size_t ox = 0; ox < j->ow; ox++) {
+      uint8_t* out = j->y + (r * j->ow + ox) * j->c;
+      if (j->avg) memset(acc, 0, sizeof(int32_t) * j->c);
+      else memset(out, 0, j->c);
+      size_t valid = 0, padded = 0;
+      for (size_t ky = 0; ky < j->kh; ky++) {
+        ptrdiff_t iy = (ptrdiff_t)(oy * j->sh + ky * j->dh) - (ptrdiff_t)j->pt;
+        for (size_t kx = 0; kx < j->kw; kx++) {
+          ptrdiff_t ix = (ptrdiff_t)(ox * j->sw + kx * j->dw) - (ptrdiff_t)j->pl;
+          if (iy >= -(ptrdiff_t)j->pt && iy < (ptrdiff_t)(j->h + j->pb) && ix >= -(ptrdiff_t)j->pl &&
+              ix < (ptrdiff_t)(j->w + j->pr))
+            padded++;
+          if (iy < 0 || iy >= (ptrdiff_t)j->h || ix < 0 || ix >= (ptrdiff_t)j->w) continue;
+          valid++;
+          const uint8_t* in = j->x + ((b * j->h + (size_t)iy) * j->w + (size_t)ix) * j->c;
+          if (j->avg) j->d->vsum(j->c, in, acc);
+          else j->d->vmax(j->c, in, out);
+        }
+      }
+      if (j->avg) {
+        size_t count = j->count_include_pad ? padded : valid;
+        float m = count ? j->mult / (float)count : 0.0f;
+        j->d->avg_out(j->c, acc, -(int32_t)valid * j->x_zp, m, out, &j->rq);
+      }
+    }
+  }
+  free(acc);
+}
+
+void qt_pool(const uint8_t* x, uint8_t* y, size_t n, size_t h, size_t w, size_t c, size_t oh,
+             size_t ow, size_t kh, size_t kw, size_t sh, size_t sw, size_t pt, size_t pl, size_t pb,
+             size_t pr, size_t dh, size_t dw, int avg, int count_include_pad, int32_t x_zp, float mult,
+             int32_t y_zp, int32_t lo, int32_t hi) {
+  pool_job j = {qt_get_dispatch(), x, y, n, h, w, c, oh, ow, kh, kw, sh, sw, pt, pl, pb, pr, dh, dw,
+                avg, count_include_pad, x_zp, mult, {0}};
+  fill_requant(&j.rq, y_zp, lo, hi, 0);
+  qt_parallel(n * oh, pool_task, &j);
+}
+
+/* ---- add ---- */
+typedef struct {
+  const qt_dispatch* d;
+  const uint8_t *a, *b;
+  uint8_t* y;
+  size_t n;
+  float ma, mb;
+  int32_t za, zb;
+  qt_requant rq;
+} add_job;
+
+#define QT_CHUNK 16384
+
+static void add_task(void* ctx, size_t begin, size_t end) {
+  const add_job* j = (const add_job*)ctx;
+  size_t s = begin * QT_CHUNK, e = end * QT_CHUNK;
+  if (e > j->n) e = j->n;
+  if (s < e) j->d->add(e - s, j->a + s, j->b + s, j->y + s, j->ma, j->za, j->mb, j->zb, &j->rq);
+}
+
+void qt_add(const uint8_t* a, const uint8_t* b, uint8_t* y, size_t n, float ma, int32_t za, float mb,
+            int32_t zb, int32_t y_zp, int32_t lo, int32_t hi) {
+  add_job j = {qt_get_dispatch(), a, b, y, n, ma, mb, za, zb, {0}};
+  fill_requant(&j.rq, y_zp, lo, hi, 0);
+  qt_parallel((n + QT_CHUNK - 1) / QT_CHUNK, add_task, &j);
+}
+
+/* ---- concat ---- */
+typedef struct {
+  const qt_dispatch* d;
+  const qt_concat_input* in;
+  size_t nin, outer, out_inner;
+  uint8_t* y;
+  qt_requant rq;
+} concat_job;
+
+static void concat_task(void* ctx, size_t begin, size_t end) {
+  const concat_job* j = (const concat_job*)ctx;
+  for (size_t o = begin; o < end; o++) {
+    uint8_t* dst = j->y + o * j->out_inner;
+    for (size_t i = 0; i < j->nin; i++) {
+      const qt_concat_input* in = &j->in[i];
+      const uint8_t* src = in->x + o * in->inner;
+      if (in->copy) memcpy(dst, src, in->inner);
+      else j->d->requant_copy(in->inner, src, in->zp, in->mult, dst, &j->rq);
+      dst += in->inner;
+    }
+  }
+}
+
+void qt_concat(const qt_concat_input* in, size_t nin, size_t outer, uint8_t* y, int32_t y_zp) {
+  concat_job j = {qt_get_dispatch(), in, nin, outer, 0, y, {0}};
+  for (size_t i = 0; i < nin; i++) j.out_inner += in[i].inner;
+  fill_requant(&j.rq, y_zp, 0, 255, 0);
+  qt_parallel(outer, concat_task, &j);
+}

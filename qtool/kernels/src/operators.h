@@ -1,0 +1,43 @@
+#ifndef QTOOL_OPERATORS_H
+#define QTOOL_OPERATORS_H
+#include "qtool_kernels.h"
+
+enum { QT_CONV_IGEMM = 0, QT_CONV_DW = 1 };
+
+typedef struct {
+  int kind;
+  const qt_dispatch* d;          /* table active at pack time */
+  const char* kernel_name;
+  size_t groups, cin, cout, cin_g, cout_g, kh, kw, sh, sw, pt, pl, dh, dw;
+  int32_t x_zp;
+  qt_requant rq;
+  void* w;
+  size_t w_bytes, panel_bytes, panels_per_group;
+  uint8_t* zero;
+  size_t zero_len;
+  intptr_t* ind;                 /* cached indirection */
+  size_t ind_n, ind_h, ind_w, ind_oh, ind_ow, mblocks;
+} qt_conv;
+
+qt_conv* qt_conv_create(const int8_t* w, const int32_t* bias, const float* mult, size_t groups,
+                        size_t cin_g, size_t cout_g, size_t kh, size_t kw, size_t sh, size_t sw,
+                        size_t pt, size_t pl, size_t dh, size_t dw, int32_t x_zp, int32_t y_zp,
+                        int32_t lo, int32_t hi, int out_f32, int depthwise);
+void qt_conv_free(qt_conv* cv);
+int qt_conv_run(qt_conv* cv, const uint8_t* x, size_t n, size_t h, size_t w, void* y, size_t oh,
+                size_t ow);
+void qt_pool(const uint8_t* x, uint8_t* y, size_t n, size_t h, size_t w, size_t c, size_t oh,
+             size_t ow, size_t kh, size_t kw, size_t sh, size_t sw, size_t pt, size_t pl, size_t pb,
+             size_t pr, size_t dh, size_t dw, int avg, int count_include_pad, int32_t x_zp, float mult,
+             int32_t y_zp, int32_t lo, int32_t hi);
+void qt_add(const uint8_t* a, const uint8_t* b, uint8_t* y, size_t n, float ma, int32_t za, float mb,
+            int32_t zb, int32_t y_zp, int32_t lo, int32_t hi);
+typedef struct {
+  const uint8_t* x;
+  size_t inner;
+  int copy;
+  int32_t zp;
+  float mult;
+} qt_concat_input;
+void qt_concat(const qt_concat_input* in, size_t nin, size_t outer, uint8_t* y, int32_t y_zp);
+#endif

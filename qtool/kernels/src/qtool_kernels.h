@@ -1,0 +1,129 @@
+/* qtool native INT8 kernels: shared types, microkernel signatures, dispatch table.
+ *
+ * Naming follows XNNPACK: <types>_<op>_<activation>_<requant>_ukernel_<tile>__<isa>.
+ *   qu8_qs8w_igemm_minmax_fp32_ukernel_8x32c4__avx512vnni: u8 activations x s8 weights,
+ *   indirect GEMM, min/max clamp, fp32 requantization, tile MR=8 x NR=32, K in groups of 4.
+ *
+ * Epilogue (identical to qtool.qparams.requantize, and to ONNX Runtime/MLAS, which clamps in
+ * float before rounding; clamping to integer bounds commutes with round-half-even):
+ *   y = clamp(float(acc) * mult[c], lo - zp, hi - zp);  out = rint_half_even(y) + zp
+ */
+#ifndef QTOOL_KERNELS_H
+#define QTOOL_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#define QT_X86 1
+#else
+#define QT_X86 0
+#endif
+
+#define QT_TARGET_AVX2 __attribute__((target("avx2,fma,bmi2")))
+#define QT_TARGET_AVX512VNNI __attribute__((target("avx2,fma,bmi2,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+#define QT_INLINE static inline __attribute__((always_inline))
+
+enum qt_isa { QT_ISA_SCALAR = 0, QT_ISA_AVX2 = 1, QT_ISA_AVX512VNNI = 2, QT_ISA_COUNT = 3 };
+
+/* Requantization parameters shared by all u8-output kernels. */
+typedef struct {
+  int32_t zp;        /* output zero point */
+  int32_t lo, hi;    /* output clamp in u8 (fused Relu/Clip) */
+  float lo_f, hi_f;  /* lo - zp, hi - zp as float */
+  int out_f32;       /* GEMM only: write float32(acc) * mult instead of u8 */
+} qt_requant;
+
+/* Round half to even for |v| < 2^22 (values are clamped to [-255, 255] first). */
+QT_INLINE float qt_rint_small(float v) {
+  const float magic = 12582912.0f; /* 1.5 * 2^23 */
+  return (v + magic) - magic;
+}
+
+QT_INLINE uint8_t qt_requant_scalar(int32_t acc, float mult, const qt_requant* rq) {
+  float y = (float)acc * mult;
+  y = y < rq->lo_f ? rq->lo_f : y;
+  y = y > rq->hi_f ? rq->hi_f : y;
+  return (uint8_t)((int32_t)qt_rint_small(y) + rq->zp);
+}
+
+/* Indirect GEMM microkernel. One NR-wide panel of packed weights, up to MR rows.
+ *   ind: [ks][MR] byte offsets into x (one per tap and row); a negative offset means padding,
+ *        which reads `zero` (kc bytes filled with the input zero point).
+ *   w:   packed panel: int32 bias[NR] (zero-point compensated), float mult[NR], then weights
+ *        in the ISA's layout for ks taps x kc (padded to KR).
+ *   c:   output row 0; rows are cm_stride bytes apart; nc <= NR valid columns (u8 or f32). */
+typedef void (*qt_igemm_ukernel)(size_t mr, size_t nc, size_t kc, size_t ks, const intptr_t* ind,
+                                 const uint8_t* x, const uint8_t* zero, const void* w, void* c,
+                                 size_t cm_stride, const qt_requant* rq);
+
+/* Depthwise microkernel: one output row segment of `ow` pixels, all channels.
+ *   in: [ow][ks] input pointers (padding points at a zp-filled buffer of >= channels bytes)
+ *   w:  packed per channel tile (ISA layout); out: ow x channels u8, pixels out_stride apart. */
+typedef void (*qt_dwconv_ukernel)(size_t channels, size_t ow, size_t ks, const uint8_t** in,
+                                  const void* w, uint8_t* out, size_t out_stride,
+                                  const qt_requant* rq);
+
+typedef struct {
+  const char* name;
+  qt_igemm_ukernel ukernel;
+  size_t mr, nr, kr;   /* tile; kr = K grouping of the packed weights */
+  size_t welem;        /* bytes per packed weight element (1 = int8, 2 = int16) */
+} qt_igemm_config;
+
+typedef struct {
+  const char* name;
+  qt_dwconv_ukernel ukernel;
+  size_t ct;           /* channel tile */
+  /* packing travels with the kernel: w is [channels][ks] int8, bias int32 (compensated) */
+  size_t (*packed_size)(size_t channels, size_t ks);
+  void (*pack)(size_t channels, size_t ks, const int8_t* w, const int32_t* bias, const float* mult,
+               void* out);
+} qt_dwconv_config;
+
+/* Elementwise / pooling kernels, compiled once per ISA from the same C bodies. */
+typedef void (*qt_add_fn)(size_t n, const uint8_t* a, const uint8_t* b, uint8_t* y, float ma,
+                          int32_t za, float mb, int32_t zb, const qt_requant* rq);
+typedef void (*qt_max_fn)(size_t n, const uint8_t* x, uint8_t* acc);           /* acc = max(acc, x) */
+typedef void (*qt_sum_fn)(size_t n, const uint8_t* x, int32_t* acc);           /* acc += x */
+typedef void (*qt_avg_out_fn)(size_t n, const int32_t* acc, int32_t bias, float m, uint8_t* y,
+                              const qt_requant* rq);                            /* y = rq(acc + bias) */
+typedef void (*qt_requant_copy_fn)(size_t n, const uint8_t* x, int32_t zx, float m, uint8_t* y,
+                                   const qt_requant* rq);
+
+typedef struct {
+  int isa;
+  const char* isa_name;
+  qt_igemm_config igemm;
+  qt_dwconv_config dwconv;
+  qt_add_fn add; const char* add_name;
+  qt_max_fn vmax;
+  qt_sum_fn vsum;
+  qt_avg_out_fn avg_out;
+  qt_requant_copy_fn requant_copy;
+} qt_dispatch;
+
+/* cpu.c */
+typedef struct {
+  int avx2, fma, avx512f, avx512bw, avx512vl, avx512dq, avx512vnni, os_ymm, os_zmm;
+} qt_cpu_features;
+const qt_cpu_features* qt_cpu(void);
+int qt_best_isa(void);
+const qt_dispatch* qt_get_dispatch(void);          /* currently selected table */
+const qt_dispatch* qt_dispatch_for(int isa);
+int qt_set_isa(int isa);                            /* returns the ISA actually selected */
+const char* qt_isa_name(int isa);
+
+/* threadpool.c: run fn(ctx, begin, end) over [0, n) split in contiguous ranges, one per thread. */
+typedef void (*qt_task_fn)(void* ctx, size_t begin, size_t end);
+void qt_parallel(size_t n, qt_task_fn fn, void* ctx);
+void qt_set_num_threads(int n);
+int qt_get_num_threads(void);
+
+/* Per-ISA kernel tables (defined in the kernel files). */
+extern const qt_igemm_config qt_igemm_scalar, qt_igemm_avx2, qt_igemm_avx512vnni;
+extern const qt_dwconv_config qt_dwconv_scalar, qt_dwconv_avx2, qt_dwconv_avx512vnni;
+void qt_fill_elementwise(qt_dispatch* d, int isa);
+
+#endif

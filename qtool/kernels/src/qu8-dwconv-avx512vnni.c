@@ -1,0 +1,116 @@
+/* AVX-512 VNNI depthwise convolution, 64 channels per tile, no shuffles in the tap loop:
+ * one zmm load of 64 input channels feeds four vpdpbusd against four weight vectors in which
+ * only byte r of every dword is non-zero, so accumulator r, lane j sums channel 4j + r.
+ * The epilogue re-interleaves by packing the four requantized dwords into bytes.
+ * Tile: int32 bias[4][16] and float mult[4][16] in (r, j) order, then per tap 4 x 64 bytes. */
+#include "qtool_kernels.h"
+#if QT_X86
+#include <immintrin.h>
+
+#define CT 64
+
+static size_t tile_bytes(size_t ks) { return CT * 8 + ks * 4 * CT; }
+static size_t packed_size(size_t channels, size_t ks) {
+  return (channels + CT - 1) / CT * tile_bytes(ks);
+}
+
+static void pack(size_t channels, size_t ks, const int8_t* w, const int32_t* bias, const float* mult,
+                 void* out) {
+  char* p = (char*)out;
+  memset(out, 0, packed_size(channels, ks));
+  for (size_t c0 = 0; c0 < channels; c0 += CT, p += tile_bytes(ks)) {
+    int32_t* b = (int32_t*)p;
+    float* m = (float*)(b + CT);
+    int8_t* wt = (int8_t*)(m + CT);
+    for (size_t r = 0; r < 4; r++)
+      for (size_t j = 0; j < 16; j++) {
+        size_t c = c0 + 4 * j + r;
+        b[r * 16 + j] = c < channels ? bias[c] : 0;
+        m[r * 16 + j] = c < channels ? mult[c] : 0.0f;
+      }
+    for (size_t t = 0; t < ks; t++)
+      for (size_t r = 0; r < 4; r++)
+        for (size_t j = 0; j < 16; j++) {
+          size_t c = c0 + 4 * j + r;
+          wt[(t * 4 + r) * CT + 4 * j + r] = c < channels ? w[c * ks + t] : 0;
+        }
+  }
+}
+
+QT_TARGET_AVX512VNNI QT_INLINE __m512i requant16(__m512i acc, const float* mult, __m512 lo, __m512 hi,
+                                                __m512i zp) {
+  __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_loadu_ps(mult));
+  f = _mm512_min_ps(_mm512_max_ps(f, lo), hi);
+  return _mm512_add_epi32(_mm512_cvt_roundps_epi32(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), zp);
+}
+
+QT_TARGET_AVX512VNNI
+void qu8_qs8w_dwconv_minmax_fp32_ukernel_c64__avx512vnni(size_t channels, size_t ow, size_t ks,
+                                                         const uint8_t** in, const void* w,
+                                                         uint8_t* out, size_t out_stride,
+                                                         const qt_requant* rq) {
+  const __m512 lo = _mm512_set1_ps(rq->lo_f), hi = _mm512_set1_ps(rq->hi_f);
+  const __m512i zp = _mm512_set1_epi32(rq->zp);
+  const char* wtile = (const char*)w;
+  for (size_t c0 = 0; c0 < channels; c0 += CT, wtile += tile_bytes(ks)) {
+    const int32_t* bias = (const int32_t*)wtile;
+    const float* mult = (const float*)(bias + CT);
+    const int8_t* wt0 = (const int8_t*)(mult + CT);
+    const size_t n = channels - c0 < CT ? channels - c0 : CT;
+    const __mmask64 mask = n == CT ? ~(__mmask64)0 : (((__mmask64)1 << n) - 1);
+    size_t p = 0;
+    for (; p + 2 <= ow; p += 2) {  /* two pixels share each weight load */
+      const uint8_t** ip = in + p * ks;
+      const uint8_t** iq = ip + ks;
+      __m512i a0 = _mm512_loadu_si512(bias), a1 = _mm512_loadu_si512(bias + 16),
+              a2 = _mm512_loadu_si512(bias + 32), a3 = _mm512_loadu_si512(bias + 48);
+      __m512i b0 = a0, b1 = a1, b2 = a2, b3 = a3;
+      const int8_t* wt = wt0;
+      for (size_t t = 0; t < ks; t++, wt += 4 * CT) {
+        const __m512i xa = _mm512_maskz_loadu_epi8(mask, ip[t] + c0);
+        const __m512i xb = _mm512_maskz_loadu_epi8(mask, iq[t] + c0);
+        const __m512i w0 = _mm512_loadu_si512(wt), w1 = _mm512_loadu_si512(wt + 64),
+                      w2 = _mm512_loadu_si512(wt + 128), w3 = _mm512_loadu_si512(wt + 192);
+        a0 = _mm512_dpbusd_epi32(a0, xa, w0); b0 = _mm512_dpbusd_epi32(b0, xb, w0);
+        a1 = _mm512_dpbusd_epi32(a1, xa, w1); b1 = _mm512_dpbusd_epi32(b1, xb, w1);
+        a2 = _mm512_dpbusd_epi32(a2, xa, w2); b2 = _mm512_dpbusd_epi32(b2, xb, w2);
+        a3 = _mm512_dpbusd_epi32(a3, xa, w3); b3 = _mm512_dpbusd_epi32(b3, xb, w3);
+      }
+      __m512i ya = requant16(a0, mult, lo, hi, zp);
+      ya = _mm512_or_si512(ya, _mm512_slli_epi32(requant16(a1, mult + 16, lo, hi, zp), 8));
+      ya = _mm512_or_si512(ya, _mm512_slli_epi32(requant16(a2, mult + 32, lo, hi, zp), 16));
+      ya = _mm512_or_si512(ya, _mm512_slli_epi32(requant16(a3, mult + 48, lo, hi, zp), 24));
+      _mm512_mask_storeu_epi8(out + p * out_stride + c0, mask, ya);
+      __m512i yb = requant16(b0, mult, lo, hi, zp);
+      yb = _mm512_or_si512(yb, _mm512_slli_epi32(requant16(b1, mult + 16, lo, hi, zp), 8));
+      yb = _mm512_or_si512(yb, _mm512_slli_epi32(requant16(b2, mult + 32, lo, hi, zp), 16));
+      yb = _mm512_or_si512(yb, _mm512_slli_epi32(requant16(b3, mult + 48, lo, hi, zp), 24));
+      _mm512_mask_storeu_epi8(out + (p + 1) * out_stride + c0, mask, yb);
+    }
+    for (; p < ow; p++) {
+      const uint8_t** ip = in + p * ks;
+      __m512i a0 = _mm512_loadu_si512(bias), a1 = _mm512_loadu_si512(bias + 16),
+              a2 = _mm512_loadu_si512(bias + 32), a3 = _mm512_loadu_si512(bias + 48);
+      const int8_t* wt = wt0;
+      for (size_t t = 0; t < ks; t++, wt += 4 * CT) {
+        const __m512i xa = _mm512_maskz_loadu_epi8(mask, ip[t] + c0);
+        a0 = _mm512_dpbusd_epi32(a0, xa, _mm512_loadu_si512(wt));
+        a1 = _mm512_dpbusd_epi32(a1, xa, _mm512_loadu_si512(wt + 64));
+        a2 = _mm512_dpbusd_epi32(a2, xa, _mm512_loadu_si512(wt + 128));
+        a3 = _mm512_dpbusd_epi32(a3, xa, _mm512_loadu_si512(wt + 192));
+      }
+      __m512i ya = requant16(a0, mult, lo, hi, zp);
+      ya = _mm512_or_si512(ya, _mm512_slli_epi32(requant16(a1, mult + 16, lo, hi, zp), 8));
+      ya = _mm512_or_si512(ya, _mm512_slli_epi32(requant16(a2, mult + 32, lo, hi, zp), 16));
+      ya = _mm512_or_si512(ya, _mm512_slli_epi32(requant16(a3, mult + 48, lo, hi, zp), 24));
+      _mm512_mask_storeu_epi8(out + p * out_stride + c0, mask, ya);
+    }
+  }
+}
+
+const qt_dwconv_config qt_dwconv_avx512vnni = {"qu8_qs8w_dwconv_minmax_fp32_ukernel_c64__avx512vnni",
+                                               qu8_qs8w_dwconv_minmax_fp32_ukernel_c64__avx512vnni, CT,
+                                               packed_size, pack};
+#else
+const qt_dwconv_config qt_dwconv_avx512vnni = {0};
+#endif

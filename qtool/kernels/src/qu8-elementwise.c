@@ -1,0 +1,98 @@
+/* Elementwise, pooling and requantizing-copy kernels. One C body per op, compiled for each ISA
+ * by inlining it into a function with that ISA's target attribute (GCC/Clang auto-vectorize the
+ * channel loops; float math is plain mul/add, no contraction, so every ISA is bit-exact). */
+#include "qtool_kernels.h"
+
+QT_INLINE uint8_t rq_u8(float y, const qt_requant* rq) {
+  y = y < rq->lo_f ? rq->lo_f : y;
+  y = y > rq->hi_f ? rq->hi_f : y;
+  return (uint8_t)((int32_t)qt_rint_small(y) + rq->zp);
+}
+
+QT_INLINE void add_body(size_t n, const uint8_t* a, const uint8_t* b, uint8_t* y, float ma, int32_t za,
+                        float mb, int32_t zb, const qt_requant* rq) {
+  const float lo = rq->lo_f, hi = rq->hi_f;
+  const int32_t zp = rq->zp;
+  for (size_t i = 0; i < n; i++) {
+    float v = (float)((int32_t)a[i] - za) * ma + (float)((int32_t)b[i] - zb) * mb;
+    v = v < lo ? lo : v;
+    v = v > hi ? hi : v;
+    y[i] = (uint8_t)((int32_t)qt_rint_small(v) + zp);
+  }
+}
+
+QT_INLINE void max_body(size_t n, const uint8_t* x, uint8_t* acc) {
+  for (size_t i = 0; i < n; i++) acc[i] = x[i] > acc[i] ? x[i] : acc[i];
+}
+
+QT_INLINE void sum_body(size_t n, const uint8_t* x, int32_t* acc) {
+  for (size_t i = 0; i < n; i++) acc[i] += x[i];
+}
+
+QT_INLINE void avg_out_body(size_t n, const int32_t* acc, int32_t bias, float m, uint8_t* y,
+                            const qt_requant* rq) {
+  const float lo = rq->lo_f, hi = rq->hi_f;
+  const int32_t zp = rq->zp;
+  for (size_t i = 0; i < n; i++) {
+    float v = (float)(acc[i] + bias) * m;
+    v = v < lo ? lo : v;
+    v = v > hi ? hi : v;
+    y[i] = (uint8_t)((int32_t)qt_rint_small(v) + zp);
+  }
+}
+
+QT_INLINE void requant_copy_body(size_t n, const uint8_t* x, int32_t zx, float m, uint8_t* y,
+                                 const qt_requant* rq) {
+  const float lo = rq->lo_f, hi = rq->hi_f;
+  const int32_t zp = rq->zp;
+  for (size_t i = 0; i < n; i++) {
+    float v = (float)((int32_t)x[i] - zx) * m;
+    v = v < lo ? lo : v;
+    v = v > hi ? hi : v;
+    y[i] = (uint8_t)((int32_t)qt_rint_small(v) + zp);
+  }
+}
+
+#define QT_DEFINE_ISA(SUFFIX, ATTR)                                                              \
+  ATTR void qu8_vadd_minmax_fp32_ukernel__##SUFFIX(size_t n, const uint8_t* a, const uint8_t* b, \
+                                                   uint8_t* y, float ma, int32_t za, float mb,   \
+                                                   int32_t zb, const qt_requant* rq) {           \
+    add_body(n, a, b, y, ma, za, mb, zb, rq);                                                    \
+  }                                                                                              \
+  ATTR void qu8_vmax_ukernel__##SUFFIX(size_t n, const uint8_t* x, uint8_t* acc) {               \
+    max_body(n, x, acc);                                                                         \
+  }                                                                                              \
+  ATTR void qu8_vsum_ukernel__##SUFFIX(size_t n, const uint8_t* x, int32_t* acc) {               \
+    sum_body(n, x, acc);                                                                         \
+  }                                                                                              \
+  ATTR void qs32_qu8_vrequant_fp32_ukernel__##SUFFIX(size_t n, const int32_t* acc, int32_t bias, \
+                                                     float m, uint8_t* y, const qt_requant* rq) { \
+    avg_out_body(n, acc, bias, m, y, rq);                                                        \
+  }                                                                                              \
+  ATTR void qu8_vrequant_fp32_ukernel__##SUFFIX(size_t n, const uint8_t* x, int32_t zx, float m, \
+                                                uint8_t* y, const qt_requant* rq) {              \
+    requant_copy_body(n, x, zx, m, y, rq);                                                       \
+  }
+
+QT_DEFINE_ISA(scalar, )
+#if QT_X86
+QT_DEFINE_ISA(avx2, QT_TARGET_AVX2)
+QT_DEFINE_ISA(avx512vnni, QT_TARGET_AVX512VNNI)
+#endif
+
+void qt_fill_elementwise(qt_dispatch* d, int isa) {
+#define QT_FILL(SUFFIX)                                        \
+  d->add = qu8_vadd_minmax_fp32_ukernel__##SUFFIX;             \
+  d->add_name = "qu8_vadd_minmax_fp32_ukernel__" #SUFFIX;      \
+  d->vmax = qu8_vmax_ukernel__##SUFFIX;                        \
+  d->vsum = qu8_vsum_ukernel__##SUFFIX;                        \
+  d->avg_out = qs32_qu8_vrequant_fp32_ukernel__##SUFFIX;       \
+  d->requant_copy = qu8_vrequant_fp32_ukernel__##SUFFIX;
+#if QT_X86
+  if (isa == QT_ISA_AVX512VNNI) { QT_FILL(avx512vnni) return; }
+  if (isa == QT_ISA_AVX2) { QT_FILL(avx2) return; }
+#endif
+  (void)isa;
+  QT_FILL(scalar)
+#undef QT_FILL
+}

@@ -1,0 +1,107 @@
+/* AVX2 indirect GEMM, exact: u8 zero-extended and s8 sign-extended to 16 bits, vpmaddwd into
+ * int32 (no vpmaddubsw, whose 16-bit pair sums saturate for 255 * 127 * 2).
+ * MR=4 x NR=16, weights int16 [ks][kc/2][NR][2] per panel (kc padded to 2). */
+#include "qtool_kernels.h"
+#if QT_X86
+#include <immintrin.h>
+
+#define MR 4
+#define NR 16
+
+QT_TARGET_AVX2 QT_INLINE __m256i bcast_pair(const uint8_t* p) {
+  uint16_t v;
+  memcpy(&v, p, 2);
+  uint32_t u = ((uint32_t)v | ((uint32_t)v << 8)) & 0x00FF00FFu;
+  return _mm256_set1_epi32((int32_t)u);
+}
+
+QT_TARGET_AVX2 QT_INLINE void store_row(__m256i a0, __m256i a1, const float* mult, void* c, size_t nc,
+                                        const qt_requant* rq) {
+  __m256 m0 = _mm256_loadu_ps(mult), m1 = _mm256_loadu_ps(mult + 8);
+  __m256 f0 = _mm256_mul_ps(_mm256_cvtepi32_ps(a0), m0);
+  __m256 f1 = _mm256_mul_ps(_mm256_cvtepi32_ps(a1), m1);
+  if (rq->out_f32) {
+    float tmp[NR];
+    float* cf = (float*)c;
+    if (nc == NR) {
+      _mm256_storeu_ps(cf, f0);
+      _mm256_storeu_ps(cf + 8, f1);
+    } else {
+      _mm256_storeu_ps(tmp, f0);
+      _mm256_storeu_ps(tmp + 8, f1);
+      memcpy(cf, tmp, nc * sizeof(float));
+    }
+    return;
+  }
+  const __m256 lo = _mm256_set1_ps(rq->lo_f), hi = _mm256_set1_ps(rq->hi_f);
+  f0 = _mm256_min_ps(_mm256_max_ps(f0, lo), hi);
+  f1 = _mm256_min_ps(_mm256_max_ps(f1, lo), hi);
+  const __m256i zp = _mm256_set1_epi32(rq->zp);
+  __m256i i0 = _mm256_add_epi32(_mm256_cvtps_epi32(f0), zp);
+  __m256i i1 = _mm256_add_epi32(_mm256_cvtps_epi32(f1), zp);
+  __m256i w16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i1), 0xD8); /* 16 x i16 in order */
+  __m128i b = _mm_packus_epi16(_mm256_castsi256_si128(w16), _mm256_extracti128_si256(w16, 1));
+  if (nc == NR) {
+    _mm_storeu_si128((__m128i*)c, b);
+  } else {
+    uint8_t tmp[NR];
+    _mm_storeu_si128((__m128i*)tmp, b);
+    memcpy(c, tmp, nc);
+  }
+}
+
+QT_TARGET_AVX2
+void qu8_qs8w_igemm_minmax_fp32_ukernel_4x16c2__avx2(size_t mr, size_t nc, size_t kc, size_t ks,
+                                                     const intptr_t* ind, const uint8_t* x,
+                                                     const uint8_t* zero, const void* w, void* c,
+                                                     size_t cm_stride, const qt_requant* rq) {
+  const int32_t* bias = (const int32_t*)w;
+  const float* mult = (const float*)(bias + NR);
+  const int16_t* wp = (const int16_t*)(mult + NR);
+  __m256i acc[MR][2];
+  const __m256i b0i = _mm256_loadu_si256((const __m256i*)bias);
+  const __m256i b1i = _mm256_loadu_si256((const __m256i*)(bias + 8));
+#pragma GCC unroll 4
+  for (size_t i = 0; i < MR; i++) { acc[i][0] = b0i; acc[i][1] = b1i; }
+  const size_t kc2 = kc & ~(size_t)1;
+  for (size_t t = 0; t < ks; t++) {
+    const uint8_t* a[MR];
+#pragma GCC unroll 4
+    for (size_t i = 0; i < MR; i++) {
+      intptr_t o = ind[t * MR + i];
+      a[i] = o >= 0 ? x + o : zero;
+    }
+    size_t k = 0;
+    for (; k < kc2; k += 2) {
+      const __m256i w0 = _mm256_loadu_si256((const __m256i*)wp);
+      const __m256i w1 = _mm256_loadu_si256((const __m256i*)(wp + 16));
+      wp += 2 * NR;
+#pragma GCC unroll 4
+      for (size_t i = 0; i < MR; i++) {
+        const __m256i va = bcast_pair(a[i] + k);
+        acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(va, w0));
+        acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(va, w1));
+      }
+    }
+    if (k < kc) {
+      const __m256i w0 = _mm256_loadu_si256((const __m256i*)wp);
+      const __m256i w1 = _mm256_loadu_si256((const __m256i*)(wp + 16));
+      wp += 2 * NR;
+#pragma GCC unroll 4
+      for (size_t i = 0; i < MR; i++) {
+        const __m256i va = _mm256_set1_epi32((int32_t)a[i][k]);
+        acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(va, w0));
+        acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(va, w1));
+      }
+    }
+  }
+  for (size_t i = 0; i < mr; i++)
+    store_row(acc[i][0], acc[i][1], mult, (char*)c + i * cm_stride, nc, rq);
+}
+
+const qt_igemm_config qt_igemm_avx2 = {
+    "qu8_qs8w_igemm_minmax_fp32_ukernel_4x16c2__avx2",
+    qu8_qs8w_igemm_minmax_fp32_ukernel_4x16c2__avx2, MR, NR, 2, 2};
+#else
+const qt_igemm_config qt_igemm_avx2 = {0};
+#endif

@@ -1,0 +1,121 @@
+/* AVX-512 VNNI indirect GEMM: vpdpbusd (u8 activations x s8 weights, 4-way dot into int32).
+ * MR=8 x NR=32 (two zmm of 16 int32 per row), weights int8 [ks][kc/4][NR][4] per panel
+ * (kc padded to 4 with zero weights; the activation tail is loaded without over-reading). */
+#include "qtool_kernels.h"
+#if QT_X86
+#include <immintrin.h>
+
+#define MR 8
+#define NR 32
+
+QT_INLINE int32_t load4(const uint8_t* p) {
+  int32_t v;
+  memcpy(&v, p, 4);
+  return v;
+}
+
+QT_INLINE int32_t load_tail(const uint8_t* p, size_t n) {
+  uint32_t v = p[0];
+  if (n > 1) v |= (uint32_t)p[1] << 8;
+  if (n > 2) v |= (uint32_t)p[2] << 16;
+  return (int32_t)v;
+}
+
+QT_TARGET_AVX512VNNI QT_INLINE void store16(__m512i acc, const float* mult, void* c, __mmask16 m,
+                                           const qt_requant* rq) {
+  __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_loadu_ps(mult));
+  if (rq->out_f32) {
+    _mm512_mask_storeu_ps(c, m, f);
+    return;
+  }
+  f = _mm512_min_ps(_mm512_max_ps(f, _mm512_set1_ps(rq->lo_f)), _mm512_set1_ps(rq->hi_f));
+  __m512i i = _mm512_add_epi32(_mm512_cvt_roundps_epi32(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                               _mm512_set1_epi32(rq->zp));
+  _mm_mask_storeu_epi8(c, m, _mm512_cvtepi32_epi8(i));
+}
+
+QT_TARGET_AVX512VNNI
+void qu8_qs8w_igemm_minmax_fp32_ukernel_8x32c4__avx512vnni(size_t mr, size_t nc, size_t kc, size_t ks,
+                                                          const intptr_t* ind, const uint8_t* x,
+                                                          const uint8_t* zero, const void* w,
+                                                          void* c, size_t cm_stride,
+                                                          const qt_requant* rq) {
+  const int32_t* bias = (const int32_t*)w;
+  const float* mult = (const float*)(bias + NR);
+  const int8_t* wp = (const int8_t*)(mult + NR);
+  const __m512i bias0 = _mm512_loadu_si512(bias), bias1 = _mm512_loadu_si512(bias + 16);
+  __m512i acc00 = bias0, acc01 = bias1, acc10 = bias0, acc11 = bias1, acc20 = bias0, acc21 = bias1,
+          acc30 = bias0, acc31 = bias1, acc40 = bias0, acc41 = bias1, acc50 = bias0, acc51 = bias1,
+          acc60 = bias0, acc61 = bias1, acc70 = bias0, acc71 = bias1;
+  const size_t kc4 = kc & ~(size_t)3, krem = kc & 3;
+  for (size_t t = 0; t < ks; t++) {
+    const intptr_t* o = ind + t * MR;
+    const uint8_t* a0 = o[0] >= 0 ? x + o[0] : zero;
+    const uint8_t* a1 = o[1] >= 0 ? x + o[1] : zero;
+    const uint8_t* a2 = o[2] >= 0 ? x + o[2] : zero;
+    const uint8_t* a3 = o[3] >= 0 ? x + o[3] : zero;
+    const uint8_t* a4 = o[4] >= 0 ? x + o[4] : zero;
+    const uint8_t* a5 = o[5] >= 0 ? x + o[5] : zero;
+    const uint8_t* a6 = o[6] >= 0 ? x + o[6] : zero;
+    const uint8_t* a7 = o[7] >= 0 ? x + o[7] : zero;
+#define QT_STEP(L0, L1, L2, L3, L4, L5, L6, L7)                      \
+  {                                                                  \
+    const __m512i w0 = _mm512_loadu_si512(wp);                       \
+    const __m512i w1 = _mm512_loadu_si512(wp + 64);                  \
+    wp += 128;                                                       \
+    __m512i va;                                                      \
+    va = _mm512_set1_epi32(L0);                                      \
+    acc00 = _mm512_dpbusd_epi32(acc00, va, w0);                      \
+    acc01 = _mm512_dpbusd_epi32(acc01, va, w1);                      \
+    va = _mm512_set1_epi32(L1);                                      \
+    acc10 = _mm512_dpbusd_epi32(acc10, va, w0);                      \
+    acc11 = _mm512_dpbusd_epi32(acc11, va, w1);                      \
+    va = _mm512_set1_epi32(L2);                                      \
+    acc20 = _mm512_dpbusd_epi32(acc20, va, w0);                      \
+    acc21 = _mm512_dpbusd_epi32(acc21, va, w1);                      \
+    va = _mm512_set1_epi32(L3);                                      \
+    acc30 = _mm512_dpbusd_epi32(acc30, va, w0);                      \
+    acc31 = _mm512_dpbusd_epi32(acc31, va, w1);                      \
+    va = _mm512_set1_epi32(L4);                                      \
+    acc40 = _mm512_dpbusd_epi32(acc40, va, w0);                      \
+    acc41 = _mm512_dpbusd_epi32(acc41, va, w1);                      \
+    va = _mm512_set1_epi32(L5);                                      \
+    acc50 = _mm512_dpbusd_epi32(acc50, va, w0);                      \
+    acc51 = _mm512_dpbusd_epi32(acc51, va, w1);                      \
+    va = _mm512_set1_epi32(L6);                                      \
+    acc60 = _mm512_dpbusd_epi32(acc60, va, w0);                      \
+    acc61 = _mm512_dpbusd_epi32(acc61, va, w1);                      \
+    va = _mm512_set1_epi32(L7);                                      \
+    acc70 = _mm512_dpbusd_epi32(acc70, va, w0);                      \
+    acc71 = _mm512_dpbusd_epi32(acc71, va, w1);                      \
+  }
+    size_t k = 0;
+    for (; k < kc4; k += 4)
+      QT_STEP(load4(a0 + k), load4(a1 + k), load4(a2 + k), load4(a3 + k), load4(a4 + k),
+              load4(a5 + k), load4(a6 + k), load4(a7 + k))
+    if (krem)
+      QT_STEP(load_tail(a0 + k, krem), load_tail(a1 + k, krem), load_tail(a2 + k, krem),
+              load_tail(a3 + k, krem), load_tail(a4 + k, krem), load_tail(a5 + k, krem),
+              load_tail(a6 + k, krem), load_tail(a7 + k, krem))
+#undef QT_STEP
+  }
+  const __mmask16 m0 = nc >= 16 ? 0xFFFF : (__mmask16)((1u << nc) - 1);
+  const __mmask16 m1 = nc >= 32 ? 0xFFFF : nc <= 16 ? 0 : (__mmask16)((1u << (nc - 16)) - 1);
+  const size_t es = rq->out_f32 ? 4 : 1;
+  char* cr = (char*)c;
+#define QT_ROW(I, A0, A1)                                     \
+  if (mr > I) {                                               \
+    store16(A0, mult, cr + I * cm_stride, m0, rq);            \
+    store16(A1, mult + 16, cr + I * cm_stride + 16 * es, m1, rq); \
+  }
+  QT_ROW(0, acc00, acc01) QT_ROW(1, acc10, acc11) QT_ROW(2, acc20, acc21) QT_ROW(3, acc30, acc31)
+  QT_ROW(4, acc40, acc41) QT_ROW(5, acc50, acc51) QT_ROW(6, acc60, acc61) QT_ROW(7, acc70, acc71)
+#undef QT_ROW
+}
+
+const qt_igemm_config qt_igemm_avx512vnni = {
+    "qu8_qs8w_igemm_minmax_fp32_ukernel_8x32c4__avx512vnni",
+    qu8_qs8w_igemm_minmax_fp32_ukernel_8x32c4__avx512vnni, MR, NR, 4, 1};
+#else
+const qt_igemm_config qt_igemm_avx512vnni = {0};
+#endif

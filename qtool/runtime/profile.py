@@ -1,0 +1,40 @@
+"""Where the runtime's time goes: per-op-type totals from NativeSession.profile()."""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+# vpdpbusd on Zen 4: 64 MAC per instruction, ~3.6 G instructions/s per core (shared/anchors/ANCHORS.md)
+VNNI_GMACS_PER_CORE = 233.0
+
+
+def op_type_table(rows, threads: int):
+    """rows: NativeSession.profile() output -> list of dicts per op type, biggest time first."""
+    agg = OrderedDict()
+    total = sum(r["ms"] for r in rows) or 1e-9
+    for r in rows:
+        key = r["op"] if r["mode"] != "fp32" else f"{r['op']} (fp32)"
+        a = agg.setdefault(key, {"op": key, "n": 0, "ms": 0.0, "macs": 0})
+        a["n"] += 1
+        a["ms"] += r["ms"]
+        a["macs"] += r["macs"]
+    peak = VNNI_GMACS_PER_CORE * threads
+    out = []
+    for a in sorted(agg.values(), key=lambda a: -a["ms"]):
+        a["share"] = a["ms"] / total
+        a["gmac"] = a["macs"] / 1e9
+        a["gmacs_per_s"] = a["macs"] / (a["ms"] / 1000) / 1e9 if a["ms"] > 0 and a["macs"] else 0.0
+        a["peak_frac"] = a["gmacs_per_s"] / peak if a["macs"] else 0.0
+        out.append(a)
+    out.append({"op": "total", "n": len(rows), "ms": total, "share": 1.0,
+                "gmac": sum(r["macs"] for r in rows) / 1e9,
+                "gmacs_per_s": sum(r["macs"] for r in rows) / (total / 1000) / 1e9, "macs": 0, "peak_frac": 0.0})
+    out[-1]["peak_frac"] = out[-1]["gmacs_per_s"] / peak
+    return out
+
+
+def format_table(table):
+    lines = [f"  {'op':<24}{'n':>4}{'ms':>9}{'share':>8}{'GMAC':>9}{'GMAC/s':>9}{'% peak':>8}"]
+    for a in table:
+        lines.append(f"  {a['op']:<24}{a['n']:>4}{a['ms']:>9.3f}{100 * a['share']:>7.1f}%{a['gmac']:>9.4f}"
+                     f"{a['gmacs_per_s']:>9.1f}{100 * a['peak_frac']:>7.1f}%")
+    return "\n".join(lines)
