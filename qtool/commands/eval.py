@@ -55,8 +55,13 @@ def command(compare, data, labels, model, int8_path, config, limit, runtime, thr
     calib = set(cal.get("files", [])) if os.path.abspath(data) == cal.get("data") else set()
     if calib:
         # never score on the images the ranges were fitted to
-        files = [f for f in files if os.path.abspath(f) not in calib]
-        say(quiet, f"evaluating on {len(files)} images of {data} (the {len(calib)} calibration images excluded)")
+        held_out = [f for f in files if os.path.abspath(f) not in calib]
+        if held_out:
+            files = held_out
+            say(quiet, f"evaluating on {len(files)} images of {data} (the {len(calib)} calibration images excluded)")
+        else:
+            say(quiet, f"note: every image in {data} was used for calibration; evaluating on them "
+                       f"(pass --data with held-out images for an unbiased figure)")
     r = evaluate(model, int8_path, data, cfg, labels, limit, files=files, threads=threads, show_progress=not quiet,
                  runtime=runtime)
     say(quiet, render(r))
