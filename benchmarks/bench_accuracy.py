@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""qtool vs ONNX Runtime's quantizer on an ImageNet classifier, side by side in one run.
+
+Calibrates on the calibration split (sorted index % 10 == 0) and evaluates on the rest,
+as ../shared/imagenet-samples/README.md defines. qtool is run once through `calibrate`
+and then quantized with every calibration method (one pass answers for all of them);
+ORT's quantize_static (the anchor script's own function) runs on the same images.
+
+  python benchmarks/bench_accuracy.py --model M.onnx --images DIR --anchor ../shared/anchors/ort_anchor.py
+"""
+import argparse
+import glob
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+import onnxruntime as ort
+
+from qtool.calibrate.config import load_config
+from qtool.calibrate.images import load_image
+from qtool.calibrate.methods import METHODS
+from qtool.calibrate.run import calibrate
+from qtool.quantize.run import quantize
+
+
+def sess(path, threads=2):
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.log_severity_level = 3
+    return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+
+
+def logits(path, xs, name):
+    s = sess(path)
+    return np.concatenate([s.run(None, {name: xs[k:k + 50]})[0] for k in range(0, len(xs), 50)])
+
+
+def score(lf, lq, y):
+    return {"top1_fp32": float((lf.argmax(1) == y).mean()), "top1_int8": float((lq.argmax(1) == y).mean()),
+            "top1_delta_pt": float(100 * ((lq.argmax(1) == y).mean() - (lf.argmax(1) == y).mean())),
+            "top1_agreement": float((lf.argmax(1) == lq.argmax(1)).mean())}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--images", required=True)
+    p.add_argument("--anchor", help="path to ort_anchor.py (ORT's quantizer side by side)")
+    p.add_argument("--config", default="efficientnet-lite")
+    p.add_argument("--out", default="bench_out")
+    p.add_argument("--limit", type=int, default=0, help="evaluate on at most this many images")
+    a = p.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    files = sorted(glob.glob(os.path.join(a.images, "*.JPEG")))
+    synsets = sorted({os.path.basename(f).split("_")[0] for f in files})
+    label = {s: i for i, s in enumerate(synsets)}
+    calib = [f for i, f in enumerate(files) if i % 10 == 0]
+    evals = [f for i, f in enumerate(files) if i % 10]
+    if a.limit:
+        evals = evals[: a.limit]
+    cfg = load_config(a.config)
+    xs = np.concatenate([load_image(f, cfg) for f in evals])
+    y = np.array([label[os.path.basename(f).split("_")[0]] for f in evals])
+    name = sess(a.model).get_inputs()[0].name
+    lf = logits(a.model, xs, name)
+    rows, results = [], {"n_eval": len(evals), "n_calib": len(calib)}
+
+    work = tempfile.mkdtemp(prefix="qtool-bench-")
+    calib_dir = os.path.join(work, "calib")
+    os.makedirs(calib_dir)
+    for f in calib:
+        os.symlink(os.path.abspath(f), os.path.join(calib_dir, os.path.basename(f)))
+    t = time.time()
+    cal = calibrate(a.model, calib_dir, a.config, "minmax", workdir=work, show_progress=False)
+    t_cal = time.time() - t
+    for method in METHODS:
+        t = time.time()
+        r = quantize(workdir=work, method=method, output=os.path.join(work, f"{method}.onnx"))
+        t_q = time.time() - t
+        s = score(lf, logits(r.path, xs, name), y)
+        s.update(method=method, seconds=t_cal + t_q, size_ratio=os.path.getsize(r.path) / os.path.getsize(a.model))
+        results[f"qtool_{method}"] = s
+        rows.append((f"qtool {method}", s))
+    if a.anchor:
+        spec = importlib.util.spec_from_file_location("ort_anchor", a.anchor)
+        anchor = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(anchor)
+        size = cfg.size[0]
+        q, secs = anchor.ort_quantize(a.model, (anchor.preprocess(f, size) for f in calib), "MinMax", name)
+        s = score(lf, logits(q, xs, name), y)
+        s.update(method="ORT MinMax", seconds=secs, size_ratio=os.path.getsize(q) / os.path.getsize(a.model))
+        results["ort_minmax"] = s
+        rows.append(("ORT quantize_static MinMax", s))
+    print(f"\n{os.path.basename(a.model)}: calibrated on {len(calib)} images, evaluated on {len(evals)}")
+    print(f"{'':30}{'top-1 fp32':>11}{'top-1 int8':>11}{'delta pt':>10}{'agreement':>11}{'seconds':>9}{'size':>7}")
+    for label_, s in rows:
+        print(f"{label_:30}{s['top1_fp32']:>11.4f}{s['top1_int8']:>11.4f}{s['top1_delta_pt']:>+10.2f}"
+              f"{s['top1_agreement']:>11.4f}{s['seconds']:>9.1f}{100 * s['size_ratio']:>6.1f}%")
+    best = max(METHODS, key=lambda m: (results[f"qtool_{m}"]["top1_agreement"], results[f"qtool_{m}"]["top1_delta_pt"]))
+    print(f"best qtool method by agreement: {best}")
+    if "ort_minmax" in results:
+        q, o = results[f"qtool_{best}"], results["ort_minmax"]
+        print(f"qtool {best} vs ORT: agreement {q['top1_agreement']:.4f} vs {o['top1_agreement']:.4f}, "
+              f"delta {q['top1_delta_pt']:+.2f} vs {o['top1_delta_pt']:+.2f} pt")
+    results["best_method"] = best
+    with open(os.path.join(a.out, "accuracy.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
