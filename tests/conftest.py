@@ -1,0 +1,28 @@
+"""Shared fixtures: a calibrated small conv net in a working directory (built once per session)."""
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import helpers  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def calibrated(tmp_path_factory):
+    """(root, model path, data folder, config path, CalibrateResult) for helpers.small_convnet()."""
+    from qtool.calibrate.run import calibrate
+
+    root = tmp_path_factory.mktemp("calibrated")
+    model = helpers.save(helpers.small_convnet(), root / "net.onnx")
+    data = root / "data"
+    helpers.write_images(data, 6, seed=1)
+    cfg = helpers.write_config(root / "cfg.toml")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = calibrate(model, str(data), cfg, "minmax", str(root / "work"), batch=4, show_progress=False, threads=1)
+    return root, model, str(data), cfg, r

@@ -1,0 +1,147 @@
+"""Small ONNX models and image folders for the unit tests: seeded, tiny, built on the spot."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+from PIL import Image
+
+OPSET = 13
+
+
+def init(name, value, dtype=np.float32):
+    return numpy_helper.from_array(np.asarray(value, dtype), name)
+
+
+def weight(rng, name, *shape, scale=0.5):
+    return init(name, rng.standard_normal(shape) * scale)
+
+
+def make_model(nodes, inits, inputs, outputs, opset=OPSET, ir_version=8):
+    """inputs/outputs: (name, shape) pairs (float32; None/str dims are dynamic; shape None = rank 4, all unknown)."""
+    g = helper.make_graph(
+        nodes, "t",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in inputs],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, [None] * 4 if s is None else s) for n, s in outputs],
+        initializer=inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = ir_version
+    onnx.checker.check_model(m)
+    return m
+
+
+def run(model, feeds, outputs=None):
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    so.log_severity_level = 3
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return sess.run(outputs, feeds)
+
+
+def assert_same_function(before, after, feeds, rtol=1e-5):
+    """Every graph output of `after` equals `before`'s within rtol of the output's range."""
+    a, b = run(before, feeds), run(after, feeds)
+    assert len(a) == len(b)
+    for u, v in zip(a, b):
+        assert u.shape == v.shape
+        span = max(float(np.ptp(u)), float(np.abs(u).max()), 1e-6)
+        err = float(np.abs(u.astype(np.float64) - v).max())
+        assert err <= rtol * span, f"max |diff| {err:.3g} > {rtol} x range {span:.3g}"
+
+
+def ops(model):
+    c = {}
+    for n in model.graph.node:
+        c[n.op_type] = c.get(n.op_type, 0) + 1
+    return c
+
+
+def conv_bn(rng, x, y, cin, cout, prefix, k=3, group=1, bias=True, relu=True, stride=1):
+    """Conv(+bias) -> BatchNormalization (-> Relu): nodes and initializers."""
+    p = k // 2
+    inits = [weight(rng, f"{prefix}_w", cout, cin // group, k, k, scale=1.0 / np.sqrt(cin // group * k * k))]
+    ins = [x, f"{prefix}_w"]
+    if bias:
+        inits.append(weight(rng, f"{prefix}_b", cout, scale=0.1))
+        ins.append(f"{prefix}_b")
+    inits += [init(f"{prefix}_g", rng.uniform(0.5, 1.5, cout)), init(f"{prefix}_beta", rng.normal(0, 0.2, cout)),
+              init(f"{prefix}_mean", rng.normal(0, 0.2, cout)), init(f"{prefix}_var", rng.uniform(0.5, 2.0, cout))]
+    conv_out, bn_out = f"{prefix}_c", (f"{prefix}_bn" if relu else y)
+    nodes = [helper.make_node("Conv", ins, [conv_out], name=f"{prefix}_conv", kernel_shape=[k, k],
+                              pads=[p] * 4, group=group, strides=[stride, stride]),
+             helper.make_node("BatchNormalization", [conv_out, f"{prefix}_g", f"{prefix}_beta", f"{prefix}_mean",
+                                                     f"{prefix}_var"], [bn_out], name=f"{prefix}_bnorm",
+                              epsilon=1e-3)]
+    if relu:
+        nodes.append(helper.make_node("Relu", [bn_out], [y], name=f"{prefix}_relu"))
+    return nodes, inits
+
+
+def small_convnet(seed=0, size=16, classes=5, middle=None):
+    """x [N,3,size,size] -> Conv+BN+Relu -> depthwise Conv+BN+Relu -> 1x1 Conv+BN -> residual Add
+    -> Relu -> GlobalAveragePool -> Flatten -> Gemm -> y [N, classes].
+    `middle`: an op type (e.g. "Sigmoid") inserted after the residual Add, with no int8 rule."""
+    rng = np.random.default_rng(seed)
+    c = 8
+    nodes, inits = [], []
+    for args in (("x", "a1", 3, c, "stem"), ("a1", "a2", c, c, "dw"), ("a2", "a3", c, c, "pw")):
+        kw = dict(group=c, k=3) if args[-1] == "dw" else dict(k=1, relu=False) if args[-1] == "pw" else {}
+        n, i = conv_bn(rng, *args, **kw)
+        nodes += n
+        inits += i
+    nodes.append(helper.make_node("Add", ["a3", "a1"], ["res"], name="residual"))
+    last = "res"
+    if middle:
+        nodes.append(helper.make_node(middle, ["res"], ["mid"], name="middle"))
+        last = "mid"
+    nodes += [helper.make_node("Relu", [last], ["r"], name="res_relu"),
+              helper.make_node("GlobalAveragePool", ["r"], ["gap"], name="gap"),
+              helper.make_node("Flatten", ["gap"], ["flat"], name="flatten", axis=1),
+              helper.make_node("Gemm", ["flat", "fc_w", "fc_b"], ["y"], name="fc", transB=1)]
+    inits += [weight(rng, "fc_w", classes, c, scale=0.5), weight(rng, "fc_b", classes, scale=0.1)]
+    return make_model(nodes, inits, [("x", ["N", 3, size, size])], [("y", ["N", classes])])
+
+
+def picture(rng, h=20, w=24, mode="RGB"):
+    """A smooth gradient with noise and a bright blob: varied but natural-ish pixel statistics."""
+    yy, xx = np.mgrid[0:h, 0:w]
+    base = np.stack([xx / w * 255, yy / h * 255, (xx + yy) / (h + w) * 255], -1)
+    base = base * rng.uniform(0.3, 1.0, 3) + rng.normal(0, 20, (h, w, 3))
+    cy, cx = rng.integers(0, h), rng.integers(0, w)
+    base[max(0, cy - 3):cy + 3, max(0, cx - 3):cx + 3] = rng.uniform(0, 255, 3)
+    im = Image.fromarray(np.clip(base, 0, 255).astype(np.uint8), "RGB")
+    return im if mode == "RGB" else im.convert(mode)
+
+
+def write_images(folder, n, seed=0, ext="png", h=20, w=24, prefix="img"):
+    os.makedirs(folder, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    paths = []
+    for k in range(n):
+        p = os.path.join(str(folder), f"{prefix}{k:02d}.{ext}")
+        picture(rng, h, w).save(p)
+        paths.append(p)
+    return paths
+
+
+def write_config(path, size=16, color="RGB", layout="NCHW", **pre):
+    """A TOML preprocessing config resizing straight to `size` x `size`, pixels scaled to about [-1, 1]."""
+    pre = {"resize": "exact", "crop": "none", "interpolation": "bilinear",
+           "mean": [127.5] * (1 if color == "GRAY" else 3), "std": [127.5] * (1 if color == "GRAY" else 3)} | pre
+
+    def fmt(v):
+        return f'"{v}"' if isinstance(v, str) else str(v).replace("'", '"')
+
+    text = (f'[input]\nlayout = "{layout}"\nsize = [{size}, {size}]\ncolor = "{color}"\n\n[preprocess]\n'
+            + "".join(f"{k} = {fmt(v)}\n" for k, v in pre.items()))
+    with open(path, "w") as f:
+        f.write(text)
+    return str(path)
+
+
+def save(model, path):
+    onnx.save(model, str(path))
+    return str(path)
