@@ -1,0 +1,195 @@
+"""The streaming histogram (native update vs its numpy reference, exact rebinning, fixed memory)
+and every calibration method on synthetic data with known answers."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from qtool.calibrate import histogram as H
+from qtool.calibrate.histogram import NBINS, Histogram, accumulate_reference
+from qtool import qparams as Q
+from qtool.calibrate.methods import METHODS
+
+native = pytest.mark.skipif(H._native is None, reason="native histogram update not built")
+
+
+def _hist(*chunks, nbins=NBINS):
+    h = Histogram(nbins)
+    for c in chunks:
+        h.observe(np.asarray(c, np.float32))
+    return h
+
+
+# --- the accumulator ----------------------------------------------------------------------------------
+
+@native
+@pytest.mark.parametrize("e,k0", [(-8, -300), (-3, 0), (0, -40), (-20, -(1 << 20)), (2, 5)])
+def test_native_accumulate_equals_reference(e, k0):
+    rng = np.random.default_rng(abs(e) + abs(k0) % 97)
+    w = 2.0 ** e
+    x = np.concatenate([rng.standard_normal(5000) * 100 * w,  # spans the window and beyond (clipped)
+                        (k0 + rng.integers(0, 64, 300)) * w,  # exactly on bin edges, negative ones too
+                        np.array([0.0, -0.0, k0 * w, (k0 + 63) * w - w / 4])]).astype(np.float32)
+    counts = np.zeros(64, np.int64)
+    H._native.accumulate(x, counts, e, k0)
+    ref = accumulate_reference(x, 64, e, k0)
+    assert counts.sum() == x.size
+    np.testing.assert_array_equal(counts, ref)
+
+
+@native
+def test_native_accumulate_adds_to_existing_counts():
+    x = np.array([0.5, 1.5, 1.75, -0.25], np.float32)
+    counts = np.full(8, 10, np.int64)
+    H._native.accumulate(x, counts, 0, -2)
+    np.testing.assert_array_equal(counts - 10, accumulate_reference(x, 8, 0, -2))
+
+
+def test_growth_keeps_exact_counts_min_max_and_memory():
+    """Ranges growing on both sides force repeated width doublings; the result must equal the
+    histogram of all the data binned directly at the final resolution."""
+    rng = np.random.default_rng(0)
+    chunks = [rng.standard_normal(2000).astype(np.float32) * s + o
+              for s, o in [(0.01, 0), (0.1, 0.05), (1, -0.5), (10, 3), (0.5, 0), (300, -100), (0.001, 1e-3)]]
+    h = Histogram()
+    for c in chunks:
+        h.observe(c)
+        assert h.counts.shape == (NBINS,) and h.counts.dtype == np.int64
+    alld = np.concatenate(chunks)
+    assert h.n == alld.size == h.counts.sum()
+    assert h.min == float(alld.min()) and h.max == float(alld.max())
+    np.testing.assert_array_equal(h.counts, accumulate_reference(alld, h.nbins, h.e, h.k0))
+    # at least half the bins span the data: the resolution is as fine as the window allows
+    assert (h.max - h.min) / h.width >= NBINS / 2 - 2
+
+
+def test_bounded_memory_after_many_observations():
+    rng = np.random.default_rng(1)
+    h = Histogram()
+    for k in range(200):
+        h.observe(rng.standard_normal(500) * (1 + k))
+    assert h.counts.size == NBINS and h.n == 100_000 and h.counts.sum() == h.n
+    d = h.to_dict()
+    assert len(d["counts"]) <= NBINS
+
+
+def test_non_finite_values_are_ignored():
+    h = _hist([1.0, np.nan, np.inf, -2.0, -np.inf])
+    assert (h.min, h.max, h.n, h.counts.sum()) == (-2.0, 1.0, 2, 2)
+
+
+def test_first_batch_all_zeros_then_real_data():
+    h = _hist(np.zeros(100), [0.0, 1.0, 2.0, -3.0])
+    assert h.counts.sum() == h.n == 104 and (h.min, h.max) == (-3.0, 2.0)
+    np.testing.assert_array_equal(h.counts, accumulate_reference(np.array([0.0] * 101 + [1, 2, -3], np.float32),
+                                                                 h.nbins, h.e, h.k0))
+
+
+@pytest.mark.xfail(reason="BUG: Histogram.observe shrinks the bin width to 2**-1000 when the first batch is one "
+                          "non-zero constant (lo == hi fits any width), so k0 = floor(v * 2**1000) overflows int64",
+                   strict=True, raises=OverflowError)
+def test_first_batch_constant_nonzero():
+    h = _hist(np.full(64, 0.5), np.linspace(-1, 1, 65))
+    assert h.counts.sum() == h.n == 129 and (h.min, h.max) == (-1.0, 1.0)
+
+
+def test_to_dict_round_trip():
+    rng = np.random.default_rng(2)
+    h = _hist(rng.standard_normal(3000), rng.uniform(-5, 20, 1000))
+    g = Histogram.from_dict(h.to_dict())
+    assert (g.e, g.k0, g.n, g.min, g.max) == (h.e, g.k0, h.n, h.min, h.max)
+    np.testing.assert_array_equal(g.edges()[np.argmax(g.counts > 0)], h.edges()[np.argmax(h.counts > 0)])
+    for m, fn in METHODS.items():
+        assert fn(g) == pytest.approx(fn(h)), m
+
+
+# --- the methods ----------------------------------------------------------------------------------------
+
+@pytest.mark.xfail(reason="BUG (minor): methods/minmax.py returns (inf, -inf) for a histogram that saw no finite "
+                          "value, where every other method returns (0.0, 0.0); activation_qparams then raises "
+                          "ValueError", strict=True)
+def test_every_method_on_empty_histogram():
+    for m, fn in METHODS.items():
+        assert fn(Histogram()) == (0.0, 0.0), m
+
+
+def test_minmax_exact():
+    x = np.random.default_rng(3).standard_normal(10_000).astype(np.float32) * 3 + 1
+    lo, hi = METHODS["minmax"](_hist(x[:5000], x[5000:]))
+    assert (lo, hi) == (float(x.min()), float(x.max()))
+
+
+def test_percentile_clips_planted_outlier():
+    x = np.random.default_rng(4).standard_normal(200_000).astype(np.float32)
+    x[17] = 1000.0
+    x[18] = -800.0
+    lo, hi = METHODS["percentile"](_hist(x))
+    assert 3.0 < hi < 6.0 and -6.0 < lo < -3.0
+
+
+def test_percentile_keeps_nonnegative_data_at_its_min():
+    x = np.abs(np.random.default_rng(5).standard_normal(50_000)).astype(np.float32) + 0.25
+    lo, hi = METHODS["percentile"](_hist(x))
+    assert lo == float(x.min()) and hi <= float(x.max())
+
+
+def _outlier_data(signed, n):
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal(n) if signed else np.maximum(rng.standard_normal(n), 0)
+    x = x.astype(np.float32)
+    x[0] = 500.0
+    return x
+
+
+def _quant_mse(x, lo, hi):
+    return float(np.mean((Q.fake_quantize(x, Q.activation_qparams(lo, hi)) - x).astype(np.float64) ** 2))
+
+
+@pytest.mark.parametrize("signed", [False, True])
+def test_entropy_clips_far_outlier_and_stays_in_range(signed):
+    h = _hist(_outlier_data(signed, 100_000))
+    lo, hi = METHODS["entropy"](h)
+    assert h.min <= lo <= hi <= h.max
+    assert 1.5 < hi < 50, f"entropy range [{lo}, {hi}]"
+    if signed:
+        assert -50 < lo < -1.5
+
+
+@pytest.mark.parametrize("signed", [False, True])
+def test_mse_clips_far_outlier_and_beats_minmax_on_real_error(signed):
+    """One value at 500 among 2M N(0,1) (or its ReLU). The squared-error optimum is a compromise
+    (about 140: n (T/255)^2 / 12 against (500 - T)^2); it must lie well below the outlier and give a
+    smaller actual fake-quantization error than the minmax range or a clip to the bulk."""
+    x = _outlier_data(signed, 2_000_000)
+    h = _hist(x)
+    lo, hi = METHODS["mse"](h)
+    assert h.min <= lo <= hi <= h.max
+    assert hi < 250, f"mse kept the outlier: hi={hi}"
+    e = _quant_mse(x, lo, hi)
+    assert e < _quant_mse(x, h.min, h.max)
+    assert e < _quant_mse(x, max(h.min, -5.0), 5.0)
+
+
+@pytest.mark.parametrize("method", ["mse", "entropy"])
+def test_search_methods_keep_full_range_of_uniform_data(method):
+    x = np.random.default_rng(7).uniform(-2, 5, 50_000).astype(np.float32)
+    lo, hi = METHODS[method](_hist(x))
+    assert hi > 4.0 and lo < -1.5
+
+
+def test_entropy_relu6_spikes_do_not_collapse_range():
+    """ReLU6 output: a big spike of exact zeros, another at 6, the rest spread between."""
+    rng = np.random.default_rng(8)
+    x = np.concatenate([np.zeros(40_000), np.full(20_000, 6.0), rng.uniform(0, 6, 40_000)]).astype(np.float32)
+    lo, hi = METHODS["entropy"](_hist(rng.permutation(x)))
+    assert lo == 0.0
+    assert hi > 5.0, f"entropy collapsed the ReLU6 range to {hi}"
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_every_method_returns_finite_ordered_floats(method):
+    rng = np.random.default_rng(9)
+    h = _hist(rng.standard_normal(1000) * 0.01, rng.exponential(2.0, 1000))
+    lo, hi = METHODS[method](h)
+    assert isinstance(lo, float) and isinstance(hi, float)
+    assert np.isfinite([lo, hi]).all() and h.min <= lo < hi <= h.max
