@@ -1,0 +1,344 @@
+"""Calibration: preprocessing configs, image decoding and layouts, bad input, and calibrate() end to end."""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+from PIL import Image
+
+from helpers import save, small_convnet, write_config, write_images
+from qtool.calibrate.config import Preprocess, from_dict, load_config, preset_names
+from qtool.calibrate.images import ImageStream, list_images, load_image
+from qtool.calibrate.methods import METHODS
+from qtool.calibrate.run import calibrate
+from qtool.calibrate.table import load_table
+from qtool.errors import QtoolError
+
+
+def _calibrate(model, data, tmp_path, **kw):
+    kw = dict(config=write_config(tmp_path / "cfg.toml"), method="minmax", workdir=str(tmp_path / "work"),
+              batch=4, show_progress=False, threads=1) | kw
+    return calibrate(str(model), str(data), **kw)
+
+
+# --- configs --------------------------------------------------------------------------------------------
+
+def test_presets_exist_and_load():
+    assert {"efficientnet-lite", "imagenet-torchvision", "caffe-bgr"} <= set(preset_names())
+    e = load_config("efficientnet-lite")
+    assert (e.layout, e.size, e.color, e.interpolation) == ("NCHW", (224, 224), "RGB", "bicubic")
+    assert e.mean == (127.0,) * 3 and e.std == (128.0,) * 3
+    t = load_config("imagenet-torchvision")
+    assert t.color == "RGB" and t.mean[0] == pytest.approx(0.485 * 255, rel=1e-3)
+    c = load_config("caffe-bgr")
+    assert c.color == "BGR" and c.std == (1.0, 1.0, 1.0) and c.mean[0] == pytest.approx(103.939)
+
+
+def test_config_by_path_and_defaults(tmp_path):
+    p = write_config(tmp_path / "my.toml", size=32, color="GRAY")
+    c = load_config(p)
+    assert (c.size, c.color, c.mean, c.resize) == ((32, 32), "GRAY", (127.5,), "exact")
+    assert load_config(None) == Preprocess()
+
+
+def test_unknown_preset_lists_presets():
+    with pytest.raises(QtoolError, match=r"no-such-preset.*efficientnet-lite"):
+        load_config("no-such-preset")
+
+
+def test_bad_toml_names_file(tmp_path):
+    p = tmp_path / "broken.toml"
+    p.write_text("[input\nsize = [1, 2]\n")
+    with pytest.raises(QtoolError, match=r"broken\.toml.*TOML"):
+        load_config(str(p))
+
+
+def test_unknown_key_names_file_and_key(tmp_path):
+    p = tmp_path / "typo.toml"
+    p.write_text('[input]\nlayout = "NCHW"\n\n[preprocess]\nmaen = [1.0, 2.0, 3.0]\n')
+    with pytest.raises(QtoolError, match=r"typo\.toml.*maen"):
+        load_config(str(p))
+
+
+@pytest.mark.parametrize("text,word", [
+    ('[input]\nlayout = "NHCW"\n', "layout"),
+    ('[input]\nsize = [0, 224]\n', "size"),
+    ('[input]\ncolor = "CMYK"\n', "color"),
+    ('[preprocess]\nresize = "longer"\n', "resize"),
+    ('[preprocess]\ninterpolation = "cubic"\n', "interpolation"),
+    ('[preprocess]\nstd = [1.0, 0.0, 1.0]\n', "std"),
+    ('[preprocess]\nmean = [1.0, 2.0]\n', "mean"),
+])
+def test_bad_values_name_file(tmp_path, text, word):
+    p = tmp_path / "bad.toml"
+    p.write_text(text)
+    with pytest.raises(QtoolError, match=rf"bad\.toml.*{word}"):
+        load_config(str(p))
+
+
+@pytest.mark.xfail(reason="BUG: config.from_dict converts values with int()/float()/tuple() unguarded, so a value "
+                          "of the wrong type raises a bare ValueError/TypeError (a traceback in the CLI) instead of "
+                          "QtoolError naming the file", strict=True)
+@pytest.mark.parametrize("text", ['[input]\nsize = 224\n', '[input]\nsize = ["a", "b"]\n',
+                                  '[preprocess]\nmean = "grey"\n', '[preprocess]\nresize_to = "big"\n'])
+def test_wrongly_typed_values_name_file(tmp_path, text):
+    p = tmp_path / "typed.toml"
+    p.write_text(text)
+    with pytest.raises(QtoolError, match=r"typed\.toml"):
+        load_config(str(p))
+
+
+# --- image decoding ---------------------------------------------------------------------------------------
+
+CFG = Preprocess(size=(20, 24), resize="none", crop="none")
+
+
+def _save(tmp_path, name, im, **kw):
+    p = str(tmp_path / name)
+    im.save(p, **kw)
+    return p
+
+
+def test_rgb_png_exact_pixels(tmp_path):
+    a = np.random.default_rng(0).integers(0, 256, (20, 24, 3), dtype=np.uint8)
+    x = load_image(_save(tmp_path, "a.png", Image.fromarray(a)), CFG)
+    assert x.shape == (1, 3, 20, 24) and x.dtype == np.float32
+    np.testing.assert_array_equal(x[0].transpose(1, 2, 0), a)
+
+
+def test_grayscale_png_becomes_three_equal_channels(tmp_path):
+    a = np.tile(np.arange(24, dtype=np.uint8) * 10, (20, 1))
+    x = load_image(_save(tmp_path, "g.png", Image.fromarray(a, "L")), CFG)
+    assert x.shape == (1, 3, 20, 24)
+    for c in range(3):
+        np.testing.assert_array_equal(x[0, c], a)
+
+
+def test_rgba_png_composited_over_white(tmp_path):
+    a = np.zeros((20, 24, 4), np.uint8)
+    a[..., 0] = 200
+    a[:, :12, 3] = 255  # left half opaque red, right half fully transparent
+    x = load_image(_save(tmp_path, "a.png", Image.fromarray(a, "RGBA")), CFG)
+    assert x.shape == (1, 3, 20, 24)
+    np.testing.assert_array_equal(x[0, :, 5, 3], [200, 0, 0])
+    np.testing.assert_array_equal(x[0, :, 5, 20], [255, 255, 255])
+
+
+def test_palette_png(tmp_path):
+    p = Image.new("P", (24, 20), 0)
+    p.putpalette([255, 0, 0, 0, 0, 255] + [0] * 762)
+    p.paste(1, (12, 0, 24, 20))
+    x = load_image(_save(tmp_path, "p.png", p), CFG)
+    np.testing.assert_array_equal(x[0, :, 10, 2], [255, 0, 0])
+    np.testing.assert_array_equal(x[0, :, 10, 20], [0, 0, 255])
+
+
+def test_cmyk_jpeg(tmp_path):
+    x = load_image(_save(tmp_path, "c.jpg", Image.new("CMYK", (24, 20), (0, 255, 255, 0)), quality=95), CFG)
+    assert x.shape == (1, 3, 20, 24)
+    r, g, b = x[0, :, 10, 10]
+    assert r > 200 and g < 50 and b < 50  # pure cyan-less = red
+
+
+def test_sixteen_bit_png_scaled_to_8_bit_range(tmp_path):
+    a = (np.arange(20 * 24).reshape(20, 24) * 100).astype(np.uint16)  # up to 47900
+    x = load_image(_save(tmp_path, "g16.png", Image.fromarray(a)), CFG)
+    assert x.shape == (1, 3, 20, 24)
+    assert x.min() == 0 and x.max() == pytest.approx(47900 * 255 / 65535, abs=1)
+    assert len(np.unique(x[0, 0])) > 100  # not saturated to a few values
+
+
+def test_exif_rotated_jpeg(tmp_path):
+    im = Image.new("RGB", (20, 10), (255, 0, 0))  # stored 20 wide x 10 high: left red, right blue
+    im.paste((0, 0, 255), (10, 0, 20, 10))
+    exif = im.getexif()
+    exif[0x0112] = 6  # display rotated 90 degrees clockwise: 10 wide x 20 high, red on top
+    p = _save(tmp_path, "r.jpg", im, exif=exif.tobytes(), quality=95)
+    x = load_image(p, Preprocess(size=(20, 10), resize="none", crop="none"))
+    assert x.shape == (1, 3, 20, 10)
+    assert x[0, 0, 2, 5] > 200 and x[0, 2, 2, 5] < 50  # top: red
+    assert x[0, 2, 17, 5] > 200 and x[0, 0, 17, 5] < 50  # bottom: blue
+
+
+def test_layouts_color_and_normalization(tmp_path):
+    a = np.random.default_rng(1).integers(0, 256, (20, 24, 3), dtype=np.uint8)
+    p = _save(tmp_path, "a.png", Image.fromarray(a))
+    base = dict(size=(20, 24), resize="none", crop="none")
+    nchw = load_image(p, Preprocess(**base))
+    nhwc = load_image(p, Preprocess(layout="NHWC", **base))
+    bgr = load_image(p, Preprocess(color="BGR", **base))
+    gray = load_image(p, Preprocess(color="GRAY", mean=(0.0,), std=(1.0,), **base))
+    norm = load_image(p, Preprocess(mean=(10.0, 20.0, 30.0), std=(2.0, 4.0, 8.0), **base))
+    assert nhwc.shape == (1, 20, 24, 3) and gray.shape == (1, 1, 20, 24)
+    np.testing.assert_array_equal(nhwc[0], nchw[0].transpose(1, 2, 0))
+    np.testing.assert_array_equal(bgr[0], nchw[0, ::-1])
+    np.testing.assert_allclose(gray[0, 0], np.asarray(Image.fromarray(a).convert("L"), np.float32))
+    np.testing.assert_allclose(norm[0, 2], (a[..., 2] - 30.0) / 8.0, rtol=1e-6)
+
+
+def test_resize_shorter_then_center_crop(tmp_path):
+    a = np.zeros((40, 80, 3), np.uint8)
+    a[:, 30:50] = 255  # a white band in the middle third
+    p = _save(tmp_path, "w.png", Image.fromarray(a))
+    x = load_image(p, Preprocess(size=(16, 16), resize="shorter", resize_to=16, crop="center",
+                                 interpolation="nearest"))
+    assert x.shape == (1, 3, 16, 16)
+    assert x[0, 0, 8, 8] == 255 and x[0, 0, 8, 0] == 0 and x[0, 0, 8, 15] == 0
+
+
+def test_list_images_recursive_sorted_and_filtered(tmp_path):
+    write_images(tmp_path / "b", 2)
+    write_images(tmp_path / "a", 1, ext="jpg")
+    (tmp_path / "notes.txt").write_text("x")
+    (tmp_path / "UPPER.PNG").write_bytes((tmp_path / "b" / "img00.png").read_bytes())
+    rel = [os.path.relpath(f, tmp_path) for f in list_images(str(tmp_path))]
+    assert rel == ["UPPER.PNG", os.path.join("a", "img00.jpg"), os.path.join("b", "img00.png"),
+                   os.path.join("b", "img01.png")]
+
+
+def test_stream_skips_corrupt_file_and_names_it(tmp_path):
+    good = write_images(tmp_path, 3)
+    bad = str(tmp_path / "bad.jpg")
+    with open(bad, "wb") as f:
+        f.write(b"\xff\xd8\xff\xe0 not really a jpeg" * 3)
+    s = ImageStream(sorted(good + [bad]), Preprocess(size=(8, 8), resize="exact", crop="none"), batch=2)
+    with pytest.warns(UserWarning, match="bad.jpg"):
+        batches = list(s)
+    assert [len(n) for n, _ in batches] == [2, 1] and sum(len(x) for _, x in batches) == 3
+    assert len(s.skipped) == 1 and "bad.jpg" in s.skipped[0]
+
+
+# --- calibrate(): bad input -------------------------------------------------------------------------------
+
+@pytest.fixture
+def net(tmp_path):
+    return save(small_convnet(), tmp_path / "net.onnx")
+
+
+def test_missing_model_file(tmp_path):
+    write_images(tmp_path / "d", 1)
+    with pytest.raises(QtoolError, match=r"nope\.onnx.*no such model file"):
+        _calibrate(tmp_path / "nope.onnx", tmp_path / "d", tmp_path)
+
+
+def test_garbage_model_file(tmp_path):
+    p = tmp_path / "garbage.onnx"
+    p.write_bytes(os.urandom(64) + b"\x00\xff" * 50)
+    write_images(tmp_path / "d", 1)
+    with pytest.raises(QtoolError, match=r"garbage\.onnx.*not a valid ONNX model"):
+        _calibrate(p, tmp_path / "d", tmp_path)
+
+
+def test_empty_data_folder(tmp_path, net):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(QtoolError, match=r"empty.*(empty|no images)"):
+        _calibrate(net, tmp_path / "empty", tmp_path)
+
+
+def test_missing_data_folder(tmp_path, net):
+    with pytest.raises(QtoolError, match=r"nodata.*no such data folder"):
+        _calibrate(net, tmp_path / "nodata", tmp_path)
+
+
+def test_folder_with_only_non_images(tmp_path, net):
+    d = tmp_path / "docs"
+    d.mkdir()
+    (d / "readme.txt").write_text("hello")
+    (d / "labels.csv").write_text("a,b")
+    with pytest.raises(QtoolError, match=r"docs.*no images found \(2 other files"):
+        _calibrate(net, d, tmp_path)
+    assert not (tmp_path / "work").exists()
+
+
+def test_all_images_unreadable(tmp_path, net):
+    d = tmp_path / "d"
+    d.mkdir()
+    for k in range(2):
+        (d / f"x{k}.jpg").write_bytes(b"garbage")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(QtoolError, match=r"none of the 2 images could be read"):
+            _calibrate(net, d, tmp_path)
+
+
+def test_config_not_matching_model_input(tmp_path, net):
+    write_images(tmp_path / "d", 1)
+    with pytest.raises(QtoolError, match=r"net\.onnx.*input 'x'.*--config"):
+        _calibrate(net, tmp_path / "d", tmp_path, config=write_config(tmp_path / "c32.toml", size=32))
+
+
+def test_unknown_method(tmp_path, net):
+    from qtool.errors import UsageError
+    with pytest.raises(UsageError, match="unknown calibration method 'kl'"):
+        _calibrate(net, tmp_path, tmp_path, method="kl")
+
+
+# --- calibrate(): end to end -------------------------------------------------------------------------------
+
+def test_corrupt_jpeg_among_good_ones_is_skipped(tmp_path, net):
+    d = tmp_path / "d"
+    write_images(d, 4, ext="jpg")
+    (d / "img02.jpg").write_bytes((d / "img02.jpg").read_bytes()[:40])  # truncated
+    with pytest.warns(UserWarning, match="img02.jpg"):
+        r = _calibrate(net, d, tmp_path)
+    assert r.table.n_samples == 3
+    assert len(r.table.skipped) == 1 and "img02.jpg" in r.table.skipped[0]
+    t = load_table(r.table_path)
+    assert t.skipped == r.table.skipped
+    assert json.load(open(tmp_path / "work" / "manifest.json"))["calibrate"]["skipped"] == 1
+
+
+def test_table_records_every_method_for_every_tensor(calibrated):
+    root, model, data, cfg, r = calibrated
+    t = load_table(r.table_path)
+    assert set(t.ranges) == set(METHODS) and t.method == "minmax" and t.n_samples == 6
+    tensors = set(t.histograms)
+    assert "x" in tensors and len(tensors) >= 6
+    for m in METHODS:
+        assert set(t.ranges[m]) == tensors, m
+        for name, (lo, hi) in t.ranges[m].items():
+            h = t.histogram(name)
+            assert h.min <= lo <= hi <= h.max, (m, name)
+    # the model input's minmax range is exactly the preprocessed pixel range
+    assert t.ranges["minmax"]["x"] == [t.histogram("x").min, t.histogram("x").max]
+    assert -1.0 <= t.ranges["minmax"]["x"][0] < -0.5 and 0.5 < t.ranges["minmax"]["x"][1] <= 1.0
+    assert t.channel_means and all(len(v) in (3, 8) for v in t.channel_means.values())
+
+
+def test_calibrate_writes_fused_graph_and_hashes(calibrated):
+    from qtool.modelio import model_hash
+    root, model, data, cfg, r = calibrated
+    fused = onnx.load(r.fused_path)
+    assert not any(n.op_type == "BatchNormalization" for n in fused.graph.node)
+    assert r.fuse_counts == {"fold_batchnorm": 3}
+    assert r.table.model_sha256 == model_hash(model) and r.table.fused_sha256 == model_hash(r.fused_path)
+    m = json.load(open(os.path.join(os.path.dirname(r.table_path), "manifest.json")))["calibrate"]
+    assert m["n_samples"] == 6 and len(m["files"]) == 6 and m["table_path"] == r.table_path
+
+
+def test_channel_means_match_direct_computation(calibrated):
+    """The per-channel input means bias correction uses equal a direct numpy mean over the same inputs."""
+    from qtool.calibrate.config import load_config as lc
+    root, model, data, cfg, r = calibrated
+    xs = np.concatenate([load_image(f, lc(cfg)) for f in list_images(data)])
+    np.testing.assert_allclose(r.table.channel_means["x"], xs.mean(axis=(0, 2, 3)), rtol=1e-5, atol=1e-6)
+
+
+def test_every_and_limit_select_images(tmp_path, net):
+    d = tmp_path / "d"
+    write_images(d, 5)
+    r = _calibrate(net, d, tmp_path, every=2)
+    assert r.table.n_samples == 3
+    r = _calibrate(net, d, tmp_path, limit=2)
+    assert r.table.n_samples == 2
+
+
+def test_default_config_follows_model_input_shape(tmp_path, net):
+    """No --config: size and layout come from the model's [N,3,16,16] input."""
+    write_images(tmp_path / "d", 2, h=40, w=30)
+    r = _calibrate(net, tmp_path / "d", tmp_path, config=None)
+    assert r.table.config["size"] == [16, 16] and r.table.config["layout"] == "NCHW" and r.table.n_samples == 2
