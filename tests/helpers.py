@@ -95,7 +95,8 @@ def small_convnet(seed=0, size=16, classes=5, middle=None):
     nodes.append(helper.make_node("Add", ["a3", "a1"], ["res"], name="residual"))
     last = "res"
     if middle:
-        nodes.append(helper.make_node(middle, ["res"], ["mid"], name="middle"))
+        kw = {"axis": 1} if middle == "Softmax" else {}  # over channels: the pooled result still varies
+        nodes.append(helper.make_node(middle, ["res"], ["mid"], name="middle", **kw))
         last = "mid"
     nodes += [helper.make_node("Relu", [last], ["r"], name="res_relu"),
               helper.make_node("GlobalAveragePool", ["r"], ["gap"], name="gap"),

@@ -73,6 +73,13 @@ def test_bounded_memory_after_many_observations():
     assert len(d["counts"]) <= NBINS
 
 
+def test_min_max_see_every_value_of_a_big_tensor():
+    x = np.random.default_rng(10).standard_normal(1 << 20).astype(np.float32)
+    x[12345], x[777777] = 9.5, -8.25
+    h = _hist(x)
+    assert (h.min, h.max) == (-8.25, 9.5) and 0 < h.n <= x.size and h.counts.sum() == h.n
+
+
 def test_non_finite_values_are_ignored():
     h = _hist([1.0, np.nan, np.inf, -2.0, -np.inf])
     assert (h.min, h.max, h.n, h.counts.sum()) == (-2.0, 1.0, 2, 2)
@@ -141,6 +148,11 @@ def _outlier_data(signed, n):
     return x
 
 
+def _hist_chunked(x, chunk=200_000):
+    """Observed in chunks small enough that every value is counted (no per-call subsampling)."""
+    return _hist(*(x[k:k + chunk] for k in range(0, x.size, chunk)))
+
+
 def _quant_mse(x, lo, hi):
     return float(np.mean((Q.fake_quantize(x, Q.activation_qparams(lo, hi)) - x).astype(np.float64) ** 2))
 
@@ -161,7 +173,8 @@ def test_mse_clips_far_outlier_and_beats_minmax_on_real_error(signed):
     (about 140: n (T/255)^2 / 12 against (500 - T)^2); it must lie well below the outlier and give a
     smaller actual fake-quantization error than the minmax range or a clip to the bulk."""
     x = _outlier_data(signed, 2_000_000)
-    h = _hist(x)
+    h = _hist_chunked(x)
+    assert h.n == x.size
     lo, hi = METHODS["mse"](h)
     assert h.min <= lo <= hi <= h.max
     assert hi < 250, f"mse kept the outlier: hi={hi}"
@@ -193,3 +206,29 @@ def test_every_method_returns_finite_ordered_floats(method):
     lo, hi = METHODS[method](h)
     assert isinstance(lo, float) and isinstance(hi, float)
     assert np.isfinite([lo, hi]).all() and h.min <= lo < hi <= h.max
+
+
+
+class _BoundedNumpy:
+    """numpy, except that zeros() refuses arrays far larger than the histogram itself."""
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    @staticmethod
+    def zeros(shape, *a, **k):
+        assert int(np.prod(shape)) <= 16 * NBINS, f"entropy allocates {int(np.prod(shape)):,} bins"
+        return np.zeros(shape, *a, **k)
+
+
+@pytest.mark.xfail(reason="BUG: methods/entropy.py allocates one bin per histogram width from 0 to max for "
+                          "non-negative data (np.zeros(k[-1] + 1)); a narrow band far from 0 needs ~max/width bins: "
+                          "1.3e8 (1 GiB, minutes of KL search) for 1/16 +- 1e-6, 8.6e9 (64 GiB, MemoryError in "
+                          "calibrate) for a pooled softmax", strict=True)
+def test_entropy_memory_bounded_on_narrow_positive_band(monkeypatch):
+    from qtool.calibrate.methods import entropy
+    monkeypatch.setattr(entropy, "np", _BoundedNumpy())
+    x = (0.0625 + np.random.default_rng(0).uniform(-1e-6, 1e-6, 1000)).astype(np.float32)
+    h = _hist(x)
+    lo, hi = entropy.compute(h)
+    assert h.min <= lo <= hi <= h.max

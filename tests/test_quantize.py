@@ -1,0 +1,287 @@
+"""Quantization: a small conv net calibrated from PIL images, then quantized to QDQ; the result is
+checked structurally (dtypes, per-channel weights, bias scale = s_in * s_w) and numerically in ORT."""
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper, numpy_helper
+
+from helpers import init, make_model, ops, run, save, small_convnet, write_config, write_images
+from qtool import qparams as Q
+from qtool.calibrate.config import load_config
+from qtool.calibrate.images import list_images, load_image
+from qtool.calibrate.run import calibrate
+from qtool.calibrate.table import load_table
+from qtool.errors import QtoolError
+from qtool.quantize.plan import make_plan
+from qtool.quantize.qdq import quantize_graph
+from qtool.quantize.run import quantize
+
+
+def _cal(model, tmp_path, n=6, cfg=None, seed=1, **kw):
+    data = tmp_path / "data"
+    if not data.exists():
+        write_images(data, n, seed=seed)
+    cfg = cfg or write_config(tmp_path / "cfg.toml")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return calibrate(save(model, tmp_path / "net.onnx"), str(data), cfg, "minmax", str(tmp_path / "work"),
+                         batch=4, show_progress=False, threads=1, **kw)
+
+
+def _inputs(cfg_path, folder):
+    c = load_config(cfg_path)
+    return np.concatenate([load_image(f, c) for f in list_images(folder)])
+
+
+def _sqnr(ref, out):
+    ref, out = ref.astype(np.float64), out.astype(np.float64)
+    return 10 * np.log10((ref ** 2).sum() / ((ref - out) ** 2).sum())
+
+
+def _inits(m):
+    return {t.name: numpy_helper.to_array(t) for t in m.graph.initializer}
+
+
+def _producer(m, name):
+    return next((n for n in m.graph.node if name in n.output), None)
+
+
+@pytest.fixture(scope="module")
+def q(calibrated):
+    """The session's calibrated small net quantized without bias correction (so biases are checkable)."""
+    root, model, data, cfg, r = calibrated
+    return quantize_graph(r.fused, r.table, bias_correction=False), r
+
+
+def test_quantized_graph_is_valid_and_clean(q):
+    out, _ = q
+    onnx.checker.check_model(out.model, full_check=True)
+    kinds = ops(out.model)
+    for op in ("BatchNormalization", "Identity", "Shape", "Pad", "Relu"):
+        assert op not in kinds, op  # the Relus are fused into the Q clamp of their producers
+    assert kinds["QuantizeLinear"] == len(out.plan.tensors)
+    assert out.plan.summary() == {"int8": 6, "fused": 3, "passthrough": 1}
+
+
+def test_weights_int8_per_channel_symmetric(q):
+    out, r = q
+    m, inits = out.model, _inits(out.model)
+    fused_inits = _inits(r.fused)
+    checked = 0
+    for node in m.graph.node:
+        if node.op_type not in ("Conv", "Gemm"):
+            continue
+        dq = _producer(m, node.input[1])
+        assert dq.op_type == "DequantizeLinear"
+        wq, ws, wz = (inits[i] for i in dq.input)
+        axis = next(a.i for a in dq.attribute if a.name == "axis")
+        assert wq.dtype == np.int8 and np.abs(wq.astype(int)).max() <= 127
+        assert wz.dtype == np.int8 and not wz.any()
+        assert ws.dtype == np.float32 and ws.shape == (wq.shape[axis],)
+        assert axis == (0 if node.op_type == "Conv" else 0)  # Gemm here has transB=1
+        # each output channel uses its full range: max |q| == 127 per channel
+        assert (np.abs(np.moveaxis(wq, axis, 0).reshape(wq.shape[axis], -1)).max(1) == 127).all()
+        # dequantized weights are within half a step of the fused fp32 weights
+        w = fused_inits[[i for i in fused_inits if dq.input[0].startswith(i)][0]]
+        err = np.abs(Q.dequantize_weight(wq, ws, axis) - w)
+        assert (np.moveaxis(err, axis, 0).reshape(len(ws), -1).max(1) <= ws / 2 + 1e-7).all()
+        checked += 1
+    assert checked == 4
+
+
+def test_activations_uint8_and_bias_int32_with_scale_s_in_times_s_w(q):
+    out, r = q
+    m, inits = out.model, _inits(out.model)
+    fused_inits = _inits(r.fused)
+    for node in m.graph.node:
+        if node.op_type == "QuantizeLinear":
+            s, z = inits[node.input[1]], inits[node.input[2]]
+            assert z.dtype == np.uint8 and s.dtype == np.float32 and s.shape == () and s > 0
+    fused_nodes = {n.name: n for n in r.fused.graph.node}
+    for node in m.graph.node:
+        if node.op_type not in ("Conv", "Gemm"):
+            continue
+        x_dq, w_dq, b_dq = (_producer(m, i) for i in node.input[:3])
+        s_in = inits[x_dq.input[1]]
+        s_w = inits[w_dq.input[1]]
+        bq, bs, bz = (inits[i] for i in b_dq.input)
+        assert bq.dtype == np.int32 and bz.dtype == np.int32 and not bz.any()
+        np.testing.assert_allclose(bs, np.float32(s_in) * s_w, rtol=1e-6)
+        b = fused_inits[fused_nodes[node.name].input[2]]
+        assert np.abs(bq * bs.astype(np.float64) - b).max() <= bs.max() / 2 * 1.001  # round to nearest
+
+
+def test_fused_relu_gives_zero_point_zero(q):
+    out, _ = q
+    for t in ("a1", "a2"):  # Conv+BN+Relu outputs
+        assert out.qparams[t].zero_point == 0
+        assert out.plan.clamp[t] == (0.0, np.inf)
+
+
+def test_int8_output_close_to_fp32(q, calibrated):
+    out, r = q
+    root, model, data, cfg, _ = calibrated
+    held = root / "held"
+    write_images(held, 5, seed=7)
+    x = _inputs(cfg, held)
+    ref = run(onnx.load(model), {"x": x})[0]
+    got = run(out.model, {"x": x})[0]
+    assert got.shape == ref.shape == (5, 5)
+    assert _sqnr(ref, got) > 20, f"SQNR {_sqnr(ref, got):.1f} dB"
+    assert not np.array_equal(ref, got)  # it really is quantized
+    # dynamic batch survives quantization
+    assert run(out.model, {"x": x[:3]})[0].shape == (3, 5)
+
+
+def test_method_choice_sets_activation_qparams(calibrated):
+    root, model, data, cfg, r = calibrated
+    for method in ("minmax", "percentile", "entropy", "mse"):
+        out = quantize_graph(r.fused, r.table, method=method)
+        lo, hi = r.table.ranges[method]["x"]
+        assert out.qparams["x"] == Q.activation_qparams(lo, hi), method
+
+
+def test_ranges_override(calibrated):
+    root, model, data, cfg, r = calibrated
+    out = quantize_graph(r.fused, r.table, ranges={"x": (-2.0, 2.0)})
+    assert out.qparams["x"] == Q.activation_qparams(-2.0, 2.0)
+
+
+# --- bias correction --------------------------------------------------------------------------------------
+
+def rounding_bias_model():
+    """A 3x3 Conv whose weights all sit 0.45 of a step above an integer, so int8 rounding lowers every one:
+    with inputs in [0, 1] (mean ~0.5) each output loses about 0.45 * s * 27 * 0.5 on average."""
+    rng = np.random.default_rng(11)
+    cout = 6
+    s = rng.uniform(0.005, 0.02, cout)
+    n = rng.integers(-100, 100, (cout, 3, 3, 3)).astype(np.float64)
+    w = (n + 0.45) * s[:, None, None, None]
+    w[:, 0, 0, 0] = 127 * s  # the channel max sets the scale to exactly s
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["y"], kernel_shape=[3, 3], pads=[1, 1, 1, 1])]
+    return make_model(nodes, [init("w", w), init("b", rng.normal(0, 0.1, cout))], [("x", ["N", 3, 16, 16])],
+                      [("y", ["N", cout, 16, 16])])
+
+
+def test_bias_correction_reduces_mean_output_error(tmp_path):
+    cfg = write_config(tmp_path / "unit.toml", mean=[0.0, 0.0, 0.0], std=[255.0, 255.0, 255.0])
+    r = _cal(rounding_bias_model(), tmp_path, cfg=cfg)
+    x = _inputs(cfg, tmp_path / "data")
+    ref = run(r.fused, {"x": x})[0]
+    errs = {}
+    for bc in (False, True):
+        out = quantize_graph(r.fused, r.table, bias_correction=bc)
+        d = run(out.model, {"x": x})[0].astype(np.float64) - ref
+        errs[bc] = np.abs(d.mean(axis=(0, 2, 3)))  # per-channel mean (systematic) error
+    assert errs[False].mean() > 0.02, errs  # the model really has a rounding bias
+    assert (errs[True] < 0.5 * errs[False]).all() and errs[True].mean() < 0.2 * errs[False].mean(), errs
+
+
+# --- ops without a rule, exclusions ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("op", ["Softmax", "Erf"])
+def test_op_without_rule_stays_fp32(tmp_path, op):
+    from qtool.quantize.rules import RULES
+    if op in RULES:
+        pytest.skip(f"{op} has an int8 rule now")
+    r = _cal(small_convnet(middle=op), tmp_path)
+    out = quantize_graph(r.fused, r.table)
+    d = out.plan.decision("middle")
+    assert d.status == "fp32" and "no int8 rule" in d.reason
+    node = next(n for n in out.model.graph.node if n.op_type == op)
+    assert _producer(out.model, node.input[0]).op_type == "DequantizeLinear"  # reads the int8 Add's output
+    assert not any(n.op_type == "QuantizeLinear" and n.input[0] == node.output[0] for n in out.model.graph.node)
+    x = _inputs(tmp_path / "cfg.toml", tmp_path / "data")
+    assert _sqnr(run(r.fused, {"x": x})[0], run(out.model, {"x": x})[0]) > 20
+
+
+def test_exclude_keeps_node_fp32(calibrated):
+    root, model, data, cfg, r = calibrated
+    out = quantize_graph(r.fused, r.table, exclude={"dw_conv": "excluded by the user (--exclude)"})
+    d = out.plan.decision("dw_conv")
+    assert d.status == "fp32" and "--exclude" in d.reason
+    conv = next(n for n in out.model.graph.node if n.name == "dw_conv")
+    w = _inits(out.model)[conv.input[1]]
+    assert w.dtype == np.float32 and _producer(out.model, conv.input[1]) is None
+    assert any("dw_conv" in n and "--exclude" in n for n in out.notes)
+    # its Relu is no longer fused into it: it stays a separate fp32 op
+    assert out.plan.decision("dw_relu").status == "fp32"
+    assert any(n.op_type == "Relu" for n in out.model.graph.node)
+
+
+def test_quantize_writes_model_report_and_manifest(calibrated, tmp_path):
+    root, model, data, cfg, r = calibrated
+    wd = tmp_path / "work"
+    shutil.copytree(root / "work", wd)
+    # the table records absolute paths of the session's workdir; point quantize at the copy explicitly
+    res = quantize(str(wd), table_path=str(wd / "calibration.json"), exclude={"fc": "excluded by the user"})
+    assert res.path == str(wd / "model.int8.onnx")
+    onnx.checker.check_model(onnx.load(res.path))
+    rep = json.load(open(wd / "quantize.json"))
+    assert rep["excluded"] == {"fc": "excluded by the user"} and rep["method"] == "minmax"
+    assert {d["name"]: d["status"] for d in rep["nodes"]}["fc"] == "fp32"
+    assert rep["size_bytes"]["int8"] < rep["size_bytes"]["fp32"] * 1.5
+    assert json.load(open(wd / "manifest.json"))["quantize"]["int8_path"] == res.path
+
+
+def test_unknown_exclude_name_is_an_error(calibrated, tmp_path):
+    root, model, data, cfg, r = calibrated
+    with pytest.raises(QtoolError, match=r"--exclude: no node named 'no_such_node'"):
+        quantize(str(tmp_path / "w"), table_path=r.table_path, exclude={"no_such_node": "x"})
+    assert not (tmp_path / "w" / "model.int8.onnx").exists()
+
+
+def test_table_from_another_model_is_refused(calibrated, tmp_path):
+    root, model, data, cfg, r = calibrated
+    other = save(small_convnet(seed=5), tmp_path / "other.onnx")
+    with pytest.raises(QtoolError, match=r"calibration\.json.*another model.*net\.onnx.*other\.onnx"):
+        quantize(str(tmp_path / "w"), model=other, table_path=r.table_path)
+
+
+def test_table_missing_tensor_is_refused(calibrated):
+    root, model, data, cfg, r = calibrated
+    t = load_table(r.table_path)
+    for m in t.ranges:
+        t.ranges[m].pop("a2")
+    with pytest.raises(QtoolError, match=r"no range for tensor 'a2'.*another graph"):
+        quantize_graph(r.fused, t)
+
+
+def test_changed_fused_graph_is_refused_when_original_is_gone(calibrated, tmp_path):
+    root, model, data, cfg, r = calibrated
+    wd = tmp_path / "work"
+    shutil.copytree(root / "work", wd)
+    t = load_table(str(wd / "calibration.json"))
+    t.model_path = str(tmp_path / "gone.onnx")
+    t.save(str(wd / "calibration.json"))
+    (wd / "fused.onnx").write_bytes(b"changed")
+    with pytest.raises(QtoolError, match=r"fused\.onnx.*gone\.onnx"):
+        quantize(str(wd), table_path=str(wd / "calibration.json"))
+
+
+def test_old_opset_is_upgraded_with_a_note(tmp_path):
+    m = small_convnet()
+    m.opset_import[0].version = 11
+    onnx.checker.check_model(m)
+    r = _cal(m, tmp_path)
+    out = quantize_graph(r.fused, r.table)
+    assert out.model.opset_import[0].version >= 13
+    assert any("opset upgraded from 11" in n for n in out.notes)
+    onnx.checker.check_model(out.model)
+
+
+def test_plan_marks_constant_add_and_non_float_input_fp32():
+    rng = np.random.default_rng(3)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], kernel_shape=[1, 1], name="conv"),
+             helper.make_node("Add", ["c", "k"], ["y"], name="add_const")]
+    m = make_model(nodes, [init("w", rng.standard_normal((2, 2, 1, 1))), init("k", rng.standard_normal((1, 2, 4, 4)))],
+                   [("x", [1, 2, 4, 4])], [("y", [1, 2, 4, 4])])
+    p = make_plan(m)
+    assert p.decision("conv").status == "int8"
+    assert p.decision("add_const").status == "fp32" and "constant" in p.decision("add_const").reason
