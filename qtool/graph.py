@@ -111,3 +111,31 @@ def rewire(model: onnx.ModelProto, old: str, new: str) -> None:
         for k, i in enumerate(n.input):
             if i == old:
                 n.input[k] = new
+
+
+SKELETON_MAX_ELEMS = 1024
+
+
+def skeleton(model: onnx.ModelProto, max_elems: int = SKELETON_MAX_ELEMS) -> onnx.ModelProto:
+    """A copy of the model without its large weights, for shape and type inference.
+
+    Large initializers become graph inputs of the same type and shape, so inference sees
+    every shape while never serializing hundreds of MB of weights; small ones (shapes,
+    axes, pads) stay, since inference reads their values.
+    """
+    m = onnx.ModelProto()
+    graph = model.graph
+    saved = list(graph.initializer)
+    keep = [t for t in saved if int(np.prod(t.dims)) <= max_elems]
+    big = [t for t in saved if int(np.prod(t.dims)) > max_elems]
+    del graph.initializer[:]
+    try:
+        m.CopyFrom(model)
+    finally:
+        graph.initializer.extend(saved)
+    m.graph.initializer.extend(keep)
+    have = {i.name for i in m.graph.input}
+    for t in big:
+        if t.name not in have:
+            m.graph.input.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    return m

@@ -37,7 +37,10 @@ def image_input(model: onnx.ModelProto, cfg: Preprocess, path: str) -> ModelInpu
 
 
 class ImageData:
-    """Batches {input name: array} from an image folder, shaped for the model."""
+    """Batches {input name: array} from an image folder, shaped for the model.
+    (Tensor data, .npy/.npz/iterables, is calibrate/tensors.py; both have this interface.)"""
+
+    kind = "images"
 
     def __init__(self, folder: str, cfg: Preprocess, model: onnx.ModelProto, model_path: str, batch: int = 8,
                  limit: int | None = None, files: list | None = None):

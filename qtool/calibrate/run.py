@@ -13,11 +13,13 @@ from qtool.calibrate.config import load_config
 from qtool.calibrate.data import ImageData
 from qtool.calibrate.images import list_images
 from qtool.calibrate.methods import METHODS
+from qtool.calibrate.tensors import tensor_source
 from qtool.calibrate.table import CalibrationTable, ranges_for_all_methods
 from qtool.errors import QtoolError, UsageError
 from qtool.fuse import fuse_model
 from qtool.modelio import load_model, model_hash, save_model
 from qtool.quantize.plan import calibration_targets
+from qtool.quantize.rules.activations import AWARE, activation_inputs, activation_mse_range
 from qtool.workdir import Workdir
 
 FUSED = "fused.onnx"
@@ -34,10 +36,12 @@ class CalibrateResult:
     fuse_counts: dict
 
 
-def calibrate(model_path: str, data: str, config: str | None = None, method: str = "percentile",
-              workdir: str | None = None, batch: int = 8, limit: int | None = None, show_progress: bool = True,
+def calibrate(model_path: str, data, config: str | None = None, method: str = "percentile",
+              workdir: str | None = None, batch: int = 4, limit: int | None = None, show_progress: bool = True,
               threads: int = 0, every: int = 1) -> CalibrateResult:
-    """`every`: use every N-th image of the sorted folder (index % N == 0), e.g. a fixed calibration split."""
+    """`data`: a folder of images, of .npy files or of .npz files (see calibrate/tensors.py), or any
+    iterable of {input name: array} dicts. `every`: use every N-th sample of the sorted folder
+    (index % N == 0), e.g. a fixed calibration split. `config` applies to images only."""
     if method not in METHODS:
         raise UsageError(f"unknown calibration method '{method}' (choose from {', '.join(METHODS)})")
     t0 = time.time()
@@ -45,31 +49,49 @@ def calibrate(model_path: str, data: str, config: str | None = None, method: str
     cfg = load_config(config)
     if every < 1:
         raise UsageError(f"--every must be 1 or more, not {every}")
-    files = list_images(data)[::every]
-    source = ImageData(data, cfg, model, model_path, batch=batch, limit=limit, files=files)
+    source = tensor_source(data, model, model_path, batch=batch, limit=limit, every=every)
+    if source is None:
+        files = list_images(data)[::every]
+        source = ImageData(data, cfg, model, model_path, batch=batch, limit=limit, files=files)
+    elif config is not None:
+        raise UsageError(f"--config describes image preprocessing; {_describe(data)} holds tensors, fed as they are")
     fused = fuse_model(model, source.pins)
     ranges, means = calibration_targets(fused.model)
     if not ranges:
         raise QtoolError(f"{model_path}: nothing in this model can be quantized (no op with an int8 rule)")
-    with tqdm(total=len(source), unit="img", desc="calibrate", disable=not show_progress, leave=False) as bar:
+    with tqdm(total=len(source) or None, unit="sample", desc="calibrate", disable=not show_progress, leave=False) as bar:
         obs = collect(fused.model, ranges, means, (feeds for _, feeds in source.batches()), bar.update, threads)
     if obs.n_samples == 0:
-        raise QtoolError(f"{data}: none of the {len(source)} images could be read")
+        raise QtoolError(f"{_describe(data)}: no samples" if source.kind != "images" else
+                         f"{data}: none of the {len(source)} images could be read")
+    ranges_all = ranges_for_all_methods(obs.histograms)
+    aware = {}  # tensors read only by an activation: `mse` minimises the activation's output error
+    for t, (label, f) in activation_inputs(fused.model).items():
+        if t in obs.histograms and label in AWARE:
+            ranges_all["mse"][t] = list(activation_mse_range(obs.histograms[t], f))
+            aware[t] = label
     wd = Workdir(workdir)
     os.makedirs(wd.path, exist_ok=True)
     fused_path, table_path = wd.file(FUSED), wd.file(TABLE)
     table = CalibrationTable(
         model_path=os.path.abspath(model_path), model_sha256=model_hash(model_path),
         fused_sha256="", method=method, n_samples=obs.n_samples, skipped=list(source.skipped),
-        config=source.cfg.to_dict(), ranges=ranges_for_all_methods(obs.histograms),
+        config=source.cfg.to_dict() if source.cfg is not None else {}, ranges=ranges_all,
         channel_means=obs.channel_means(), histograms={t: h.to_dict() for t, h in obs.histograms.items()},
-        input_name=source.inp.name)
+        input_name=source.inp.name if source.kind == "images" else "")
     save_model(fused.model, fused_path)
     table.fused_sha256 = model_hash(fused_path)
     table.save(table_path)
     wd.update(calibrate={"model_path": table.model_path, "model_sha256": table.model_sha256,
                          "fused_path": fused_path, "table_path": table_path, "method": method,
-                         "config": table.config, "data": os.path.abspath(data), "n_samples": obs.n_samples,
+                         "config": table.config, "data": _describe(data, absolute=True),
+                         "data_kind": source.kind, "activation_aware_mse": aware, "n_samples": obs.n_samples,
                          "skipped": len(source.skipped),
-                         "files": [os.path.abspath(f) for f in source.files]})
+                         "files": [os.path.abspath(f) if source.kind != "iterable" else f for f in source.files]})
     return CalibrateResult(table, fused.model, fused_path, table_path, time.time() - t0, fused.counts)
+
+
+def _describe(data, absolute: bool = False) -> str:
+    if isinstance(data, (str, os.PathLike)):
+        return os.path.abspath(data) if absolute else os.fspath(data)
+    return "(python iterable)"

@@ -15,7 +15,7 @@ from qtool.commands.common import common_options, say, setup_output, write_json
               "(efficientnet-lite, imagenet-torchvision, caffe-bgr, tf-inception, ppocr-cls, yolox).")
 @click.option("--method", type=click.Choice(sorted(METHODS)), default="minmax", show_default=True,
               help="Default range method; every method's ranges are stored, `quantize --method` can switch.")
-@click.option("--batch", default=8, show_default=True, help="Images per inference batch.")
+@click.option("--batch", default=4, show_default=True, help="Images per inference batch.")
 @click.option("--limit", type=int, default=None, help="Use at most this many images.")
 @click.option("--every", type=int, default=1, show_default=True,
               help="Use every N-th image of the sorted folder (e.g. 10 for a 1-in-10 calibration split).")

@@ -11,8 +11,6 @@ batch (or on a free spatial size) is frozen.
 """
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import onnx
 from onnx import numpy_helper, shape_inference
@@ -27,9 +25,10 @@ _MAX_FOLD_ELEMS = 1 << 22  # do not materialize huge tensors that a graph comput
 
 
 def _pinned(model: onnx.ModelProto, variant: int, pins: dict) -> onnx.ModelProto:
-    m = copy.deepcopy(model)
+    m = G.skeleton(model)
     del m.graph.value_info[:]
-    for inp in G.real_inputs(m):
+    for inp in G.real_inputs(model):
+        inp = next(i for i in m.graph.input if i.name == inp.name)
         dims = inp.type.tensor_type.shape.dim
         pin = pins.get(inp.name)
         for k, d in enumerate(dims):
@@ -76,10 +75,14 @@ def _eval(node: onnx.NodeProto, feeds: dict, opset: int, shapes: dict):
 
 def _values(model: onnx.ModelProto, variant: int, pins: dict, shapes: dict | None = None) -> dict:
     shapes = _shapes(_pinned(model, variant, pins)) if shapes is None else shapes
-    vals = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    inits = {t.name: t for t in model.graph.initializer}
+    vals = {}
     op = G.opset(model)
     for node in model.graph.node:
-        if node.op_type == "Shape" or all(i in vals for i in node.input if i):
+        if node.op_type == "Shape" or all(i in vals or i in inits for i in node.input if i):
+            for i in node.input:
+                if i and i not in vals and i in inits:  # weights are read only when a node folds them
+                    vals[i] = numpy_helper.to_array(inits[i])
             outs = _eval(node, vals, op, shapes)
             if outs is None:
                 continue

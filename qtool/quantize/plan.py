@@ -60,7 +60,7 @@ def name_nodes(model: onnx.ModelProto) -> None:
 
 def elem_types(model: onnx.ModelProto) -> dict:
     try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+        inferred = onnx.shape_inference.infer_shapes(G.skeleton(model), strict_mode=False)
     except Exception:
         inferred = model
     vis = list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output)
@@ -116,6 +116,13 @@ def make_plan(model: onnx.ModelProto, exclude: dict | None = None) -> Plan:
         plan.int8_nodes.add(node.name)
         out = node.output[0]
         if rule.kind == "passthrough":
+            # every output (Split has several) carries the data input's scale and zero point
+            for o in node.output[1:]:
+                if o and o not in outputs:
+                    plan.shared[o] = acts[0]
+                    int8_out.add(o)
+                    if o not in plan.tensors:
+                        plan.tensors.append(o)
             plan.shared[out] = acts[0]
         elif rule.weight(node, model) is not None:
             plan.weight_inputs[node.name] = acts[0]

@@ -1,43 +1,129 @@
-/* One-pass histogram update for calibration: counts[floor(x * 2^-e) - k0] += 1.
- * The numpy reference is qtool.calibrate.histogram.accumulate_reference; both clip the
- * bin index into [0, nbins) (the caller sizes the window so nothing is clipped). */
+/* Calibration histogram kernels: min/max and the one-pass bin update.
+ *
+ * accumulate: counts[clamp(floor(x * 2^-e) - k0, 0, nbins-1)] += 1 for every finite x.
+ * The numpy reference is qtool.calibrate.histogram.accumulate_reference. Scaling by a
+ * power of two is exact in float32 (for the exponents a histogram uses), so floor()
+ * puts every value in exactly the bin the reference does.
+ *
+ * ReLU outputs are often half exact zeros: incrementing one bin over and over is a
+ * serial chain of store-to-load dependencies, so four sub-histograms take turns and
+ * are summed at the end. The GIL is released throughout. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define NSUB 4
+
+/* floor() of a float that fits int64, without a libm call (baseline x86-64 has no roundps) */
+static inline int64_t floor_i64(float t) {
+    int64_t k = (int64_t)t;
+    return k - (t < (float)k);
+}
+
+static int get_buffers(PyObject *args, Py_buffer *xb, Py_buffer *cb, int *e, long long *k0) {
+    if (!PyArg_ParseTuple(args, "y*w*iL", xb, cb, e, k0)) return 0;
+    if (xb->len % sizeof(float) || cb->len % sizeof(int64_t) || cb->len == 0) {
+        PyBuffer_Release(xb);
+        PyBuffer_Release(cb);
+        PyErr_SetString(PyExc_ValueError, "accumulate: need float32 data and int64 counts");
+        return 0;
+    }
+    return 1;
+}
 
 static PyObject *accumulate(PyObject *self, PyObject *args) {
     Py_buffer xb, cb;
     int e;
     long long k0;
-    if (!PyArg_ParseTuple(args, "y*w*iL", &xb, &cb, &e, &k0)) return NULL;
-    if (xb.len % sizeof(float) || cb.len % sizeof(int64_t) || cb.len == 0) {
-        PyBuffer_Release(&xb);
-        PyBuffer_Release(&cb);
-        PyErr_SetString(PyExc_ValueError, "accumulate: need float32 data and int64 counts");
-        return NULL;
-    }
+    if (!get_buffers(args, &xb, &cb, &e, &k0)) return NULL;
     const float *x = (const float *)xb.buf;
     int64_t *counts = (int64_t *)cb.buf;
     Py_ssize_t n = xb.len / (Py_ssize_t)sizeof(float);
     int64_t nb = cb.len / (Py_ssize_t)sizeof(int64_t);
-    double scale = ldexp(1.0, -e);
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++) {
-        double v = (double)x[i];
-        if (!isfinite(v)) continue;
-        int64_t k = (int64_t)floor(v * scale) - k0;
-        k = k < 0 ? 0 : (k >= nb ? nb - 1 : k);
-        counts[k]++;
+    int64_t *sub = (int64_t *)calloc((size_t)(NSUB * nb), sizeof(int64_t));
+    if (!sub) {
+        PyBuffer_Release(&xb);
+        PyBuffer_Release(&cb);
+        return PyErr_NoMemory();
     }
+    /* 2^-e as float when representable, else fall back to double arithmetic */
+    int exact_f32 = (e > -120 && e < 120);
+    float sf = exact_f32 ? ldexpf(1.0f, -e) : 0.0f;
+    double sd = ldexp(1.0, -e);
+    Py_BEGIN_ALLOW_THREADS
+    Py_ssize_t i = 0;
+    for (; i + NSUB <= n; i += NSUB) {
+        for (int j = 0; j < NSUB; j++) {
+            float v = x[i + j];
+            if (!(v - v == 0.0f)) continue; /* NaN or inf */
+            int64_t k = exact_f32 ? floor_i64(v * sf) : (int64_t)floor((double)v * sd);
+            k -= k0;
+            k = k < 0 ? 0 : (k >= nb ? nb - 1 : k);
+            sub[j * nb + k]++;
+        }
+    }
+    for (; i < n; i++) {
+        float v = x[i];
+        if (!(v - v == 0.0f)) continue;
+        int64_t k = exact_f32 ? floor_i64(v * sf) : (int64_t)floor((double)v * sd);
+        k -= k0;
+        k = k < 0 ? 0 : (k >= nb ? nb - 1 : k);
+        sub[k]++;
+    }
+    for (int j = 0; j < NSUB; j++)
+        for (int64_t b = 0; b < nb; b++) counts[b] += sub[j * nb + b];
     Py_END_ALLOW_THREADS
+    free(sub);
     PyBuffer_Release(&xb);
     PyBuffer_Release(&cb);
     Py_RETURN_NONE;
 }
 
+/* (min, max, all_finite) of float32 data; min/max over the finite values only. */
+static PyObject *minmax(PyObject *self, PyObject *args) {
+    Py_buffer xb;
+    if (!PyArg_ParseTuple(args, "y*", &xb)) return NULL;
+    if (xb.len % sizeof(float)) {
+        PyBuffer_Release(&xb);
+        PyErr_SetString(PyExc_ValueError, "minmax: need float32 data");
+        return NULL;
+    }
+    const float *x = (const float *)xb.buf;
+    Py_ssize_t n = xb.len / (Py_ssize_t)sizeof(float);
+    float mn[8], mx[8];
+    int finite = 1;
+    for (int j = 0; j < 8; j++) { mn[j] = INFINITY; mx[j] = -INFINITY; }
+    Py_BEGIN_ALLOW_THREADS
+    Py_ssize_t i = 0;
+    float acc = 0.0f;
+    for (; i + 8 <= n; i += 8) {
+        for (int j = 0; j < 8; j++) {
+            float v = x[i + j];
+            acc += v * 0.0f; /* NaN or inf anywhere makes acc NaN: one check at the end */
+            mn[j] = v < mn[j] ? v : mn[j];
+            mx[j] = v > mx[j] ? v : mx[j];
+        }
+    }
+    for (; i < n; i++) {
+        float v = x[i];
+        acc += v * 0.0f;
+        mn[0] = v < mn[0] ? v : mn[0];
+        mx[0] = v > mx[0] ? v : mx[0];
+    }
+    finite = acc == 0.0f;
+    Py_END_ALLOW_THREADS
+    float lo = INFINITY, hi = -INFINITY;
+    for (int j = 0; j < 8; j++) { lo = mn[j] < lo ? mn[j] : lo; hi = mx[j] > hi ? mx[j] : hi; }
+    PyBuffer_Release(&xb);
+    return Py_BuildValue("ddO", (double)lo, (double)hi, finite ? Py_True : Py_False);
+}
+
 static PyMethodDef methods[] = {
     {"accumulate", accumulate, METH_VARARGS, "accumulate(x_f32, counts_i64, e, k0): add x to the histogram"},
+    {"minmax", minmax, METH_VARARGS, "minmax(x_f32) -> (min, max, all_finite)"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_histogram", NULL, -1, methods};

@@ -1,0 +1,96 @@
+#!/usr/bin/env python3
+"""Calibration memory and time: qtool's percentile calibration of ResNet-50 over N images,
+against plain fp32 ONNX Runtime inference over the same images, in one run.
+
+Each side runs in its own process so its peak resident memory (ru_maxrss) is its own;
+both include reading and preprocessing the images the same way. The model is
+ResNet-50 v1.5 with BatchNorm unfolded, written by benchmarks/resnet50_builder.py from
+seeded weights (never a downloaded file).
+
+  python benchmarks/bench_calibration_memory.py --images DIR [--n 1000] [--out bench_out]
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def child_ort(model, images, n, batch):
+    import resource
+
+    import numpy as np
+
+    from qtool.calibrate.collect import session
+    from qtool.calibrate.config import load_config
+    from qtool.calibrate.images import ImageStream, list_images
+    t = time.time()
+    s = session(model)
+    files = list_images(images)[:n]
+    count = 0
+    for _, x in ImageStream(files, load_config("imagenet-torchvision"), batch=batch):
+        s.run(None, {"input": x})
+        count += len(x)
+    secs = time.time() - t
+    return {"seconds": secs, "images": count, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def child_qtool(model, images, n, batch):
+    import resource
+
+    from qtool.calibrate.run import calibrate
+    work = tempfile.mkdtemp(prefix="qtool-calmem-")
+    t = time.time()
+    r = calibrate(model, images, "imagenet-torchvision", "percentile", workdir=work, batch=batch, limit=n,
+                  show_progress=False)
+    secs = time.time() - t
+    return {"seconds": secs, "images": r.table.n_samples, "tensors": len(r.table.histograms),
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--images", required=True)
+    p.add_argument("--n", type=int, default=1000)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--model", help="ResNet-50 ONNX (default: build one with resnet50_builder.py)")
+    p.add_argument("--out", default="bench_out")
+    p.add_argument("--child", choices=["ort", "qtool"], help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.child:
+        fn = child_ort if a.child == "ort" else child_qtool
+        print(json.dumps(fn(a.model, a.images, a.n, a.batch)))
+        return 0
+    os.makedirs(a.out, exist_ok=True)
+    model = a.model
+    if not model:
+        sys.path.insert(0, HERE)
+        from resnet50_builder import build_resnet50
+        model = os.path.join(tempfile.mkdtemp(prefix="qtool-r50-"), "resnet50.onnx")
+        build_resnet50(model, seed=0)
+    res = {}
+    for side in ("ort", "qtool"):
+        out = subprocess.run([sys.executable, __file__, "--child", side, "--model", model, "--images", a.images,
+                              "--n", str(a.n), "--batch", str(a.batch)], capture_output=True, text=True)
+        if out.returncode:
+            print(out.stderr, file=sys.stderr)
+            return 1
+        res[side] = json.loads(out.stdout.strip().splitlines()[-1])
+    o, q = res["ort"], res["qtool"]
+    res["time_ratio"] = q["seconds"] / o["seconds"]
+    print(f"ResNet-50 v1.5 (BatchNorm unfolded), {q['images']} images, batch {a.batch}:")
+    print(f"  ORT fp32 inference:           {o['seconds']:7.1f} s  peak RSS {o['peak_rss_mb']:7.0f} MB")
+    print(f"  qtool percentile calibration: {q['seconds']:7.1f} s  peak RSS {q['peak_rss_mb']:7.0f} MB "
+          f"({q['tensors']} tensors observed)")
+    print(f"  time ratio qtool / ORT fp32: {res['time_ratio']:.2f}x (goal <= 1.5x); peak RSS goal < 1536 MB")
+    with open(os.path.join(a.out, "calibration_memory.json"), "w") as f:
+        json.dump(res, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

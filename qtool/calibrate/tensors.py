@@ -1,0 +1,289 @@
+"""Calibration data as tensors: a folder of .npy / .npz files, or any iterable of input dicts.
+
+- `.npy`: one sample per file, for a model with one float input; shape [C, H, W] (the
+  batch axis is added) or the model input's full rank ([1, C, H, W] or [N, C, H, W]).
+- `.npz`: one sample per file, one array per model input, named by the input's name.
+- Python: any iterable of {input name: array} (`calibrate(model, data=iterable)`).
+
+Shapes come from the data: every static dim of the model input must match, dynamic dims
+take whatever the sample has, and nothing is pinned, so dynamic dims stay dynamic in
+the int8 model. Integer inputs (token ids, masks, sizes) are fed as they are and never
+quantized. Every file is checked before any inference runs: a wrong shape or dtype, a
+missing input, or images mixed with tensors is one QtoolError naming the file.
+"""
+from __future__ import annotations
+
+import os
+import zipfile
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from qtool import graph as G
+from qtool.calibrate.images import IMAGE_EXTS
+from qtool.errors import QtoolError
+
+TENSOR_EXTS = (".npy", ".npz")
+
+
+class ModelInputSpec:
+    """A real graph input: name, numpy dtype, dims (ints where static, None where dynamic)."""
+
+    def __init__(self, vi: onnx.ValueInfoProto):
+        self.name = vi.name
+        et = vi.type.tensor_type.elem_type
+        self.dtype = np.dtype(helper.tensor_dtype_to_np_dtype(et)) if et else np.dtype(np.float32)
+        self.dims = [d if isinstance(d, int) else None for d in G.input_dims(vi)]
+        self.has_shape = vi.type.tensor_type.HasField("shape")
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype == np.float32
+
+    def describe(self) -> str:
+        return f"{self.dtype.name}[{', '.join('?' if d is None else str(d) for d in self.dims)}]"
+
+
+def model_inputs(model: onnx.ModelProto) -> list:
+    return [ModelInputSpec(i) for i in G.real_inputs(model)]
+
+
+def classify_folder(folder: str) -> str:
+    """'images', 'npy' or 'npz' for a data folder; one error if it mixes kinds or has none."""
+    if not os.path.exists(folder):
+        raise QtoolError(f"{folder}: no such data folder")
+    if not os.path.isdir(folder):
+        raise QtoolError(f"{folder}: not a folder")
+    kinds = {}
+    for root, dirs, names in os.walk(folder):
+        dirs.sort()
+        for n in sorted(names):
+            low = n.lower()
+            kind = "images" if low.endswith(IMAGE_EXTS) else low.rsplit(".", 1)[-1] if low.endswith(TENSOR_EXTS) else None
+            if kind:
+                kinds.setdefault(kind, os.path.join(root, n))
+    if len(kinds) > 1:
+        ex = ", ".join(f"{k} ({v})" for k, v in sorted(kinds.items()))
+        raise QtoolError(f"{folder}: mixes data kinds: {ex}; one folder holds only images, only .npy or only .npz files")
+    return next(iter(kinds), "images")
+
+
+def list_tensor_files(folder: str, ext: str) -> list:
+    files = []
+    for root, dirs, names in os.walk(folder):
+        dirs.sort()
+        files.extend(os.path.join(root, n) for n in names if n.lower().endswith(ext))
+    files.sort(key=lambda p: os.path.relpath(p, folder))
+    return files
+
+
+def check_sample(feeds: dict, inputs: list, where: str) -> dict:
+    """Validate one sample against the model inputs; returns feeds with the batch axis present.
+
+    A float input needs float32 (float64/float16 are refused, not silently cast: the caller
+    should know its data is not what the model eats); an integer input needs its exact dtype.
+    """
+    names = {i.name for i in inputs}
+    missing = [i.name for i in inputs if i.name not in feeds]
+    if missing:
+        raise QtoolError(f"{where}: no array for model input{'s' if len(missing) > 1 else ''} "
+                         f"{', '.join(repr(m) for m in missing)} (has: {', '.join(repr(k) for k in feeds) or 'none'})")
+    extra = [k for k in feeds if k not in names]
+    if extra:
+        raise QtoolError(f"{where}: array{'s' if len(extra) > 1 else ''} {', '.join(repr(e) for e in extra)} "
+                         f"match{'' if len(extra) > 1 else 'es'} no model input (inputs: {', '.join(sorted(names))})")
+    out = {}
+    for spec in inputs:
+        x = feeds[spec.name]
+        if not isinstance(x, np.ndarray):
+            x = np.asarray(x)
+        if check_array(spec, x.shape, x.dtype, where) != x.shape:
+            x = x[None]
+        out[spec.name] = np.ascontiguousarray(x)
+    return out
+
+
+def check_array(spec: ModelInputSpec, shape: tuple, dtype, where: str) -> tuple:
+    """The shape the array is fed with (the batch axis added when it lacks one), or one error."""
+    shape = tuple(shape)
+    if np.dtype(dtype) != spec.dtype:
+        raise QtoolError(f"{where}: input '{spec.name}' is {np.dtype(dtype).name} {list(shape)}, "
+                         f"the model wants {spec.describe()}")
+    if not spec.has_shape:
+        return shape
+    fed = (1,) + shape if len(shape) == len(spec.dims) - 1 else shape
+    if len(fed) != len(spec.dims) or any(d is not None and d != s for d, s in zip(spec.dims, fed)):
+        raise QtoolError(f"{where}: input '{spec.name}' has shape {list(shape)}, the model wants {spec.describe()}")
+    return fed
+
+
+def _npy_header(path: str):
+    """(shape, dtype) of a .npy file without reading its data."""
+    try:
+        with open(path, "rb") as f:
+            major, _ = np.lib.format.read_magic(f)
+            shape, _fortran, dtype = (np.lib.format.read_array_header_1_0(f) if major == 1
+                                      else np.lib.format.read_array_header_2_0(f))
+        return shape, dtype
+    except (OSError, ValueError, EOFError) as e:
+        raise QtoolError(f"{path}: not a readable .npy file ({e})") from None
+
+
+def _load_npy(path: str) -> np.ndarray:
+    try:
+        return np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:
+        raise QtoolError(f"{path}: not a readable .npy file ({e})") from None
+
+
+def _load_npz(path: str) -> dict:
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return {k: z[k] for k in z.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise QtoolError(f"{path}: not a readable .npz file ({e})") from None
+
+
+class TensorData:
+    """Batches {input name: array} from .npy/.npz files or an iterable of dicts.
+
+    Same interface as ImageData: `files`, `skipped`, `pins`, `__len__`, `batches()`.
+    Consecutive samples of equal shapes are stacked into batches of up to `batch` when
+    every input's batch dim is dynamic; otherwise each sample runs alone.
+    """
+
+    kind = "tensors"
+
+    def __init__(self, model: onnx.ModelProto, model_path: str, batch: int = 8):
+        self.inputs = model_inputs(model)
+        if not self.inputs:
+            raise QtoolError(f"{model_path}: model has no inputs to feed")
+        self.float_inputs = [i for i in self.inputs if i.is_float]
+        if not self.float_inputs:
+            raise QtoolError(f"{model_path}: model has no float32 input to calibrate")
+        dyn_batch = all(i.dims and i.dims[0] is None for i in self.inputs)
+        self.batch = max(1, batch) if dyn_batch else 1
+        self.files: list = []
+        self.skipped: list = []
+        self.cfg = None
+
+    @property
+    def pins(self) -> dict:
+        return {}  # shapes come from the data; nothing is pinned, dynamic dims stay dynamic
+
+    @property
+    def input_name(self) -> str:
+        return self.float_inputs[0].name
+
+    def __len__(self):
+        return len(self.files)
+
+    def samples(self):
+        """(name, feeds) per sample, validated."""
+        raise NotImplementedError
+
+    def batches(self):
+        names, group = [], []
+
+        def flush():
+            feeds = {k: np.concatenate([g[k] for g in group]) if len(group) > 1 else group[0][k] for k in group[0]}
+            return list(names), feeds
+
+        for name, feeds in self.samples():
+            if group and (len(group) >= self.batch or any(feeds[k].shape[1:] != group[0][k].shape[1:] for k in feeds)):
+                yield flush()
+                names, group = [], []
+            names.append(name)
+            group.append(feeds)
+        if group:
+            yield flush()
+
+
+class NpyFolder(TensorData):
+    kind = "npy"
+
+    def __init__(self, folder: str, model: onnx.ModelProto, model_path: str, batch: int = 8,
+                 files: list | None = None, limit: int | None = None):
+        super().__init__(model, model_path, batch)
+        if len(self.inputs) != 1:
+            raise QtoolError(f"{folder}: .npy files hold one array, but {model_path} has {len(self.inputs)} inputs "
+                             f"({', '.join(i.name for i in self.inputs)}); use .npz files with one array per input")
+        files = list_tensor_files(folder, ".npy") if files is None else files
+        if not files:
+            raise QtoolError(f"{folder}: no .npy files")
+        self.files = files[:limit] if limit else files
+        spec = self.inputs[0]
+        for f in self.files:  # headers only: every file is checked before any inference runs
+            shape, dtype = _npy_header(f)
+            check_array(self.inputs[0], shape, dtype, f)
+
+    def samples(self):
+        for f in self.files:
+            yield f, check_sample({self.inputs[0].name: _load_npy(f)}, self.inputs, f)
+
+
+class NpzFolder(TensorData):
+    kind = "npz"
+
+    def __init__(self, folder: str, model: onnx.ModelProto, model_path: str, batch: int = 8,
+                 files: list | None = None, limit: int | None = None):
+        super().__init__(model, model_path, batch)
+        files = list_tensor_files(folder, ".npz") if files is None else files
+        if not files:
+            raise QtoolError(f"{folder}: no .npz files")
+        self.files = files[:limit] if limit else files
+        for f in self.files:
+            check_sample(_load_npz(f), self.inputs, f)
+
+    def samples(self):
+        for f in self.files:
+            yield f, check_sample(_load_npz(f), self.inputs, f)
+
+
+class IterableData(TensorData):
+    """Any iterable of {input name: array}; checked sample by sample as it streams
+    (calibration writes nothing until the whole iterable has been consumed)."""
+
+    kind = "iterable"
+
+    def __init__(self, data, model: onnx.ModelProto, model_path: str, batch: int = 8, limit: int | None = None):
+        super().__init__(model, model_path, batch)
+        if isinstance(data, dict):
+            raise QtoolError("data: pass an iterable of input dicts (e.g. a list of them), not one dict")
+        self._data = data
+        self.limit = limit
+        try:
+            self._n = len(data) if limit is None else min(len(data), limit)
+        except TypeError:
+            self._n = limit or 0
+
+    def __len__(self):
+        return self._n
+
+    def samples(self):
+        for k, feeds in enumerate(self._data):
+            if self.limit is not None and k >= self.limit:
+                break
+            where = f"sample {k}"
+            if not isinstance(feeds, dict):
+                raise QtoolError(f"{where}: expected a dict input name -> array, got {type(feeds).__name__}")
+            self.files.append(where)
+            yield where, check_sample(feeds, self.inputs, where)
+
+
+def tensor_source(data, model: onnx.ModelProto, model_path: str, batch: int = 8, files: list | None = None,
+                  limit: int | None = None, every: int = 1):
+    """The tensor data source for `data` (folder or iterable), or None when `data` is an image folder."""
+    if not isinstance(data, (str, os.PathLike)):
+        if every != 1:
+            data = (x for k, x in enumerate(data) if k % every == 0)
+        return IterableData(data, model, model_path, batch, limit)
+    folder = os.fspath(data)
+    kind = classify_folder(folder)
+    if kind == "images":
+        return None
+    files = list_tensor_files(folder, "." + kind) if files is None else files
+    files = files[::every]
+    cls = NpyFolder if kind == "npy" else NpzFolder
+    return cls(folder, model, model_path, batch, files=files, limit=limit)
