@@ -11,8 +11,12 @@ from setuptools import Extension, setup
 
 sources = sorted(glob.glob("qtool/kernels/src/*.c"))
 args = ["-O3", "-std=c11", "-fno-strict-aliasing"] if sys.platform != "win32" else ["/O2"]
+# gnu11 for posix_memalign; no FMA contraction so float epilogues match numpy bit for bit
+kargs = (["-O3", "-std=gnu11", "-fno-strict-aliasing", "-ffp-contract=off", "-fno-math-errno",
+          "-Wall", "-Wno-unused-function", "-pthread"] if sys.platform != "win32" else ["/O2"])
 ext = [Extension("qtool.kernels._native", sources=sources, include_dirs=["qtool/kernels/src"],
-                 extra_compile_args=args + (["-pthread"] if sys.platform != "win32" else []),
+                 depends=sorted(glob.glob("qtool/kernels/src/*.h")),
+                 extra_compile_args=kargs,
                  extra_link_args=["-pthread"] if sys.platform != "win32" else [])] if sources else []
 # the calibration histogram's one-pass update (plain C, no ISA-specific code)
 ext.append(Extension("qtool.calibrate._histogram", sources=["qtool/calibrate/src/histogram.c"],

@@ -34,9 +34,14 @@ static void run_range(int t) {
   if (b < e) g_fn(g_ctx, b, e);
 }
 
+typedef struct { int t; unsigned gen; } worker_arg;
+
 static void* worker(void* arg) {
-  int t = (int)(intptr_t)arg;
-  unsigned seen = atomic_load(&g_generation);
+  /* `seen` is the generation at creation time: a job published before this thread got to run
+   * must still be picked up. */
+  int t = ((worker_arg*)arg)->t;
+  unsigned seen = ((worker_arg*)arg)->gen;
+  free(arg);
   for (;;) {
     unsigned gen;
     int spins = 0;
@@ -93,7 +98,12 @@ void qt_parallel(size_t n, qt_task_fn fn, void* ctx) {
     pthread_attr_t attr;
     pthread_attr_init(&attr);
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    if (pthread_create(&th, &attr, worker, (void*)(intptr_t)(g_started + 1)) != 0) {
+    worker_arg* wa = (worker_arg*)malloc(sizeof(worker_arg));
+    if (!wa) break;
+    wa->t = g_started + 1;
+    wa->gen = atomic_load(&g_generation);
+    if (pthread_create(&th, &attr, worker, wa) != 0) {
+      free(wa);
       pthread_attr_destroy(&attr);
       break;
     }
