@@ -129,7 +129,8 @@ def make_plan(model: onnx.ModelProto, exclude: dict | None = None) -> Plan:
         # a Relu/Clip that alone reads this output is implemented by the output's clamp
         users = cons.get(out, [])
         if rule.kind == "compute" and len(users) == 1 and users[0].op_type in FUSABLE_ACTIVATIONS \
-                and out not in outputs and users[0].name not in exclude:
+                and out not in outputs and users[0].output[0] not in outputs and users[0].name not in exclude:
+            # (a Relu writing a graph output stays: outputs are left fp32, so no clamp would replace it)
             b = _clip_bounds(users[0], model)
             if b is not None and b[0] <= 0.0 <= b[1]:
                 plan.fused[users[0].name] = (node.name, b[0], b[1])

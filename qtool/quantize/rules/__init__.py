@@ -3,7 +3,8 @@
 A rule says which inputs of a node are activations to quantize (uint8, per tensor),
 which input is a weight (int8, per channel along `axis`) and which is a bias (int32),
 and whether the output gets its own quantization parameters ("compute") or carries the
-input's unchanged ("passthrough": shape ops and max pooling, exact in int8).
+input's unchanged ("passthrough": shape ops, Slice/Split/Resize/Pad and max pooling; every
+output of a passthrough node shares its data input's parameters).
 An op without a rule stays fp32 and the quantize summary says so.
 """
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from qtool.quantize.rules import add, concat, conv, gemm, passthrough, pool
+from qtool.quantize.rules import add, concat, conv, elementwise, gemm, passthrough, pool, shape
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,7 @@ class OpRule:
 
 
 RULES: dict = {}
-for _mod in (conv, gemm, add, concat, pool, passthrough):
+for _mod in (conv, gemm, add, concat, pool, passthrough, shape, elementwise):
     for _op, _spec in _mod.RULES.items():
         RULES[_op] = OpRule(**_spec)
 

@@ -1,0 +1,147 @@
+#!/usr/bin/env python3
+"""Output SQNR of qtool's int8 model vs ONNX Runtime's quantizer, side by side in one run.
+
+Uses exactly the inputs of `ort_anchor.py sqnr`: files of DIR (*.JPEG) sorted by name,
+calibration = index % 10 == 0, first 32; evaluation = index % 50 == 5, first 16; each
+image resized to H x W (bilinear), RGB, (x - mean) / std, NCHW float32 [1, C, H, W].
+The calibration tensors are written as .npy files to a temporary folder and qtool
+calibrates from that folder (the tensor data path), then quantizes with each range
+method; ORT's quantize_static runs through the anchor's own functions (imported by
+path), on the model as it is and, with --opset, on a by-hand opset-upgraded copy.
+SQNR over all evaluation images of the first output, as the anchor computes it.
+
+  benchmarks/bench_sqnr.py --model ../shared/models/ppocr-cls-mobilenetv3.onnx \
+      --images ../shared/imagenet-samples --shape 1,3,48,192 --mean 127.5 --std 127.5 \
+      --anchor ../shared/anchors/ort_anchor.py
+  benchmarks/bench_sqnr.py --model ../shared/models/yolox-det.onnx --images ../shared/imagenet-samples \
+      --shape 1,3,416,416 --anchor ../shared/anchors/ort_anchor.py --ort-opset 13
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import importlib.util
+import os
+import sys
+import tempfile
+import time
+import warnings
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from PIL import Image
+
+
+def load_anchor(path):
+    spec = importlib.util.spec_from_file_location("ort_anchor", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def tensors(files, shape, mean, std):
+    """The anchor's sqnr preprocessing (RGB, bilinear resize to W x H, (x - mean) / std, NCHW)."""
+    _, c, h, w = shape
+    for f in files:
+        im = Image.open(f).convert("L" if c == 1 else "RGB").resize((w, h), Image.BILINEAR)
+        x = (np.asarray(im, np.float32) - mean) / std
+        yield np.ascontiguousarray((x[None] if c == 1 else x.transpose(2, 0, 1))[None], np.float32)
+
+
+def session(path, threads):
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.log_severity_level = 3
+    return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+
+
+def sqnr_db(model_path, int8_path, name, ev, threads):
+    """The anchor's formula: 10 log10(sum ref^2 / sum (ref - out)^2) over all images, first output."""
+    sf, sq = session(model_path, threads), session(int8_path, threads)
+    ref = [sf.run(None, {name: x})[0].astype(np.float64) for x in ev]
+    out = [sq.run(None, {name: x})[0].astype(np.float64) for x in ev]
+    return 10 * np.log10(sum((r ** 2).sum() for r in ref) / sum(((r - o) ** 2).sum() for r, o in zip(ref, out)))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--images", required=True)
+    p.add_argument("--shape", required=True, help="1,C,H,W")
+    p.add_argument("--mean", type=float, default=0.0)
+    p.add_argument("--std", type=float, default=1.0)
+    p.add_argument("--anchor", required=True, help="path to ort_anchor.py")
+    p.add_argument("--methods", default="minmax,percentile,entropy,mse", help="qtool range methods to measure")
+    p.add_argument("--ort-opset", type=int, default=0, help="also run ORT on a copy upgraded to this opset")
+    p.add_argument("--no-ort", action="store_true", help="skip ORT's quantizer (qtool figures only)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--keep", help="keep qtool's working folder here")
+    a = p.parse_args(argv)
+    warnings.simplefilter("ignore")
+    from qtool.calibrate.run import calibrate
+    from qtool.quantize.run import quantize
+
+    shape = tuple(int(v) for v in a.shape.split(","))
+    files = sorted(glob.glob(os.path.join(a.images, "*.JPEG")))
+    cal_files, ev_files = files[::10][:32], files[5::50][:16]
+    ev = list(tensors(ev_files, shape, a.mean, a.std))
+    name = session(a.model, a.threads).get_inputs()[0].name
+    tmp = tempfile.mkdtemp(prefix="bench_sqnr-")
+    npy = os.path.join(tmp, "calib")
+    os.makedirs(npy)
+    for k, x in enumerate(tensors(cal_files, shape, a.mean, a.std)):
+        np.save(os.path.join(npy, f"{k:04d}.npy"), x)
+    work = a.keep or os.path.join(tmp, "work")
+    model = os.path.basename(a.model)
+    print(f"{model}: {len(cal_files)} calibration tensors (.npy) in {npy}, {len(ev)} evaluation images, shape {shape}")
+
+    t = time.time()
+    cal = calibrate(a.model, npy, method="minmax", workdir=work, show_progress=False, threads=a.threads)
+    print(f"qtool calibrate: {time.time() - t:.1f}s, {cal.table.n_samples} samples, {len(cal.table.histograms)} tensors")
+    fused_db = sqnr_db(a.model, cal.fused_path, name, ev, a.threads)
+    print(f"qtool fused fp32 graph vs original: {fused_db:.1f} dB (graph cleanup must not change the function)")
+    rows = {}
+    for m in a.methods.split(","):
+        t = time.time()
+        r = quantize(work, output=os.path.join(work, f"int8-{m}.onnx"), method=m)
+        onnx.checker.check_model(r.path)
+        rows[m] = sqnr_db(a.model, r.path, name, ev, a.threads)
+        s = r.report["summary"]
+        notes = [n for n in r.output.notes if "opset" in n]
+        print(f"qtool {m:10s}: output SQNR {rows[m]:5.1f} dB | {time.time() - t:.1f}s | ops int8 {s.get('int8', 0)}, "
+              f"passthrough {s.get('passthrough', 0)}, fused {s.get('fused', 0)}, fp32 {s.get('fp32', 0)}"
+              + (f" | {notes[0]}" if notes else ""))
+    ort_rows = {}
+    if not a.no_ort:
+        anchor = load_anchor(a.anchor)
+        variants = [("as is", a.model)]
+        if a.ort_opset:
+            from onnx import version_converter
+            up = os.path.join(tmp, f"opset{a.ort_opset}.onnx")
+            onnx.save(version_converter.convert_version(onnx.load(a.model), a.ort_opset), up)
+            variants.append((f"opset {a.ort_opset}", up))
+        for label, path in variants:
+            try:
+                q, secs = anchor.ort_quantize(path, tensors(cal_files, shape, a.mean, a.std), "MinMax", name)
+                onnx.checker.check_model(q)
+                ort_rows[label] = sqnr_db(a.model, q, name, ev, a.threads)
+                print(f"ORT MinMax ({label}): output SQNR {ort_rows[label]:5.1f} dB | {secs:.1f}s")
+            except Exception as e:  # noqa: BLE001 - ORT writes invalid graphs for opset < 13
+                msg = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
+                ort_rows[label] = None
+                print(f"ORT MinMax ({label}): failed: {type(e).__name__}: {msg}")
+    print()
+    ort_best = max((v for v in ort_rows.values() if v is not None), default=None)
+    print(f"{model}: output SQNR, dB over {len(ev)} images (first output)")
+    print(f"  {'qtool method':14s}{'qtool':>8s}{'ORT':>8s}{'diff':>8s}")
+    for m, v in rows.items():
+        o = f"{ort_best:8.1f}{v - ort_best:+8.1f}" if ort_best is not None else f"{'n/a':>8s}{'':>8s}"
+        print(f"  {m:14s}{v:8.1f}{o}")
+    for label, v in ort_rows.items():
+        print(f"  ORT ({label}): {'failed' if v is None else f'{v:.1f} dB'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
