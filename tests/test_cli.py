@@ -1,0 +1,355 @@
+"""The `qtool` command: help, the calibrate -> quantize -> eval flow in a working directory, exit codes,
+one-line errors, JSON reports, and no partial output when a run is interrupted."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+from helpers import save, small_convnet, write_config, write_images
+from qtool import cli
+
+
+def qtool(*args):
+    """Run `qtool ARGS` in-process: (exit code, stdout, stderr) via capsys is read by the caller."""
+    with warnings.catch_warnings():
+        try:
+            cli.main([str(a) for a in args])
+        except SystemExit as e:
+            return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return 0
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    """cwd = a fresh folder holding net.onnx, cfg.toml and an ImageFolder data/ (3 classes x 4 images)."""
+    monkeypatch.chdir(tmp_path)
+    save(small_convnet(), tmp_path / "net.onnx")
+    write_config(tmp_path / "cfg.toml")
+    for k, cls in enumerate(("class_a", "class_b", "class_c")):
+        write_images(tmp_path / "data" / cls, 4, seed=10 + k)
+    return tmp_path
+
+
+def _listing(folder):
+    return sorted(os.path.relpath(os.path.join(r, f), folder) for r, _, fs in os.walk(folder) for f in fs)
+
+
+def _no_temp_files(folder):
+    return [f for f in _listing(folder) if os.path.basename(f).startswith(".tmp")]
+
+
+# --- help -------------------------------------------------------------------------------------------------
+
+def _commands():
+    return sorted(cli.cli.commands)
+
+
+@pytest.mark.parametrize("cmd", [None] + _commands())
+def test_help_exits_0_and_shows_example(cmd, capsys):
+    args = ([cmd] if cmd else []) + ["--help"]
+    assert qtool(*args) == 0
+    out = capsys.readouterr().out
+    assert "Usage:" in out and "Example" in out
+
+
+def test_required_commands_exist():
+    assert {"calibrate", "quantize", "eval"} <= set(_commands())
+
+
+def _example_lines(text):
+    lines = text.split("Example")[1].splitlines()[1:]
+    return [ln.strip() for ln in lines if ln.strip().startswith("qtool ")]
+
+
+@pytest.mark.parametrize("cmd", _commands())
+def test_command_help_examples_use_real_options(cmd):
+    cmd_obj = cli.cli.commands[cmd]
+    opts = {o for p in cmd_obj.params for o in p.opts + p.secondary_opts}
+    for line in _example_lines(cmd_obj.help):
+        words = shlex.split(line)
+        assert words[1] == cmd
+        for w in words[2:]:
+            if w.startswith("-"):
+                assert w.split("=")[0] in opts, f"`{line}`: {cmd} has no option {w}"
+
+
+@pytest.mark.xfail(reason="BUG: the top-level help's example runs `qtool quantize --exclude-sensitive`, an option "
+                          "quantize does not have (qtool/cli.py docstring)", strict=True)
+def test_top_level_help_examples_use_real_options():
+    for line in _example_lines(cli.cli.help):
+        words = shlex.split(line)
+        opts = {o for p in cli.cli.commands[words[1]].params for o in p.opts + p.secondary_opts}
+        for w in words[2:]:
+            if w.startswith("-"):
+                assert w.split("=")[0] in opts, f"`{line}`: {words[1]} has no option {w}"
+
+
+# --- the three-step flow ----------------------------------------------------------------------------------
+
+def test_calibrate_quantize_eval_flow_in_workdir(project, capsys):
+    assert qtool("calibrate", "--model", "net.onnx", "--data", "data", "--config", "cfg.toml", "--every", "2",
+                 "-q", "--json", "cal.json") == 0
+    wd = project / "qtool_work"
+    assert {"fused.onnx", "calibration.json", "manifest.json"} <= set(os.listdir(wd))
+    cal = json.load(open("cal.json"))
+    assert cal["n_samples"] == 6 and cal["skipped"] == [] and cal["method"] == "minmax"
+    assert cal["graph_cleanup"] == {"fold_batchnorm": 3} and cal["tensors"] >= 6
+
+    assert qtool("quantize", "-q", "--json", "q.json") == 0  # no paths: everything from the workdir
+    assert os.path.exists(wd / "model.int8.onnx") and os.path.exists(wd / "quantize.json")
+    rep = json.load(open("q.json"))
+    assert rep["summary"]["int8"] == 6 and rep["int8_model"] == str(wd / "model.int8.onnx")
+    assert {"nodes", "notes", "layers", "size_bytes", "method", "excluded", "bias_correction"} <= set(rep)
+
+    capsys.readouterr()
+    assert qtool("eval", "--json", "e.json") == 0  # no paths either
+    out = capsys.readouterr().out
+    assert "6 images" in out and "calibration images excluded" in out
+    r = json.load(open("e.json"))
+    assert r["n_images"] == 6  # the held-out half of the 12 images
+    assert 0.0 <= r["top1_agreement"] <= 1.0
+    for k in ("fp32", "int8"):
+        assert set(r[k]) >= {"top1", "top5"} and 0.0 <= r[k]["top1"] <= r[k]["top5"] <= 1.0
+    assert r["top1_delta_pt"] == pytest.approx(100 * (r["int8"]["top1"] - r["fp32"]["top1"]))
+    assert r["output_sqnr_db"] > 20
+    m = json.load(open(wd / "manifest.json"))
+    assert set(m) == {"calibrate", "quantize", "eval"} and m["eval"]["n_images"] == 6
+
+
+def test_eval_without_labels_has_no_accuracy_keys(project):
+    flat = project / "flat"
+    write_images(flat, 4, seed=3)
+    assert qtool("calibrate", "-m", "net.onnx", "-d", "flat", "-c", "cfg.toml", "-q") == 0
+    assert qtool("quantize", "-q") == 0
+    assert qtool("eval", "-q", "--json", "e.json") == 0
+    r = json.load(open("e.json"))
+    assert r["n_images"] == 4 and "top1_agreement" in r
+    assert "fp32" not in r and "top1_delta_pt" not in r
+
+
+def test_eval_with_labels_file(project):
+    d = project / "named"
+    os.makedirs(d)
+    for k, cls in enumerate(("n001", "n002")):
+        for j, p in enumerate(write_images(project / "tmp_imgs", 2, seed=20 + k, prefix=cls)):
+            os.replace(p, d / f"{cls}_{j}.png")
+    (project / "synsets.txt").write_text("n001 first class\nn002 second class\n")
+    assert qtool("calibrate", "-m", "net.onnx", "-d", "data", "-c", "cfg.toml", "-q") == 0
+    assert qtool("quantize", "-q") == 0
+    assert qtool("eval", "-q", "-d", "named", "--labels", "synsets.txt", "--json", "e.json") == 0
+    r = json.load(open("e.json"))
+    assert r["n_images"] == 4 and r["n_labelled"] == 4 and "top1_delta_pt" in r
+
+
+def test_alternative_workdir_and_method(project):
+    assert qtool("calibrate", "-m", "net.onnx", "-d", "data", "-c", "cfg.toml", "-q", "-w", "other") == 0
+    assert qtool("quantize", "-q", "-w", "other", "--method", "percentile", "-o", "out.int8.onnx") == 0
+    assert os.path.exists("out.int8.onnx") and not os.path.exists("qtool_work")
+    assert json.load(open("other/quantize.json"))["method"] == "percentile"
+
+
+# --- errors and exit codes --------------------------------------------------------------------------------
+
+def test_quantize_before_calibrate_says_what_to_run(project, capsys):
+    assert qtool("quantize") == 1
+    err = capsys.readouterr().err
+    assert "qtool calibrate" in err and "first" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_eval_before_quantize_says_what_to_run(project, capsys):
+    assert qtool("calibrate", "-m", "net.onnx", "-d", "data", "-c", "cfg.toml", "-q") == 0
+    capsys.readouterr()
+    assert qtool("eval") == 1
+    assert "qtool quantize" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args", [["calibrate", "--bogus"], ["calibrate", "--data", "data"],
+                                  ["calibrate", "-m", "net.onnx", "-d", "data", "--method", "kl"],
+                                  ["quantize", "--method", "best"], ["nosuchcommand"], ["eval", "--runtime", "gpu"]])
+def test_bad_usage_exits_2(project, args, capsys):
+    assert qtool(*args) == 2
+    assert capsys.readouterr().err.strip()
+    assert not os.path.exists("qtool_work")
+
+
+def test_unknown_exclude_exits_1(project, capsys):
+    assert qtool("calibrate", "-m", "net.onnx", "-d", "data", "-c", "cfg.toml", "-q") == 0
+    capsys.readouterr()
+    assert qtool("quantize", "--exclude", "no_such_node") == 1
+    assert "no_such_node" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content", [b"", b"\x08\x07garbage\xff\xfe" * 20], ids=["empty", "garbage"])
+def test_bad_model_one_line_error_no_traceback(project, content, capsys):
+    (project / "bad.onnx").write_bytes(content)
+    assert qtool("calibrate", "-m", "bad.onnx", "-d", "data", "-c", "cfg.toml") == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "bad.onnx" in err and err.startswith("qtool: error:")
+    assert "Traceback" not in err
+
+
+def test_bad_model_subprocess(project):
+    """The installed console script: exit 1, one line naming the file, no traceback."""
+    (project / "junk.onnx").write_bytes(os.urandom(200))
+    exe = os.path.join(os.path.dirname(sys.executable), "qtool")
+    p = subprocess.run([exe, "calibrate", "-m", "junk.onnx", "-d", "data", "-c", "cfg.toml"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1
+    assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1 and "junk.onnx" in p.stderr
+
+
+def test_missing_model_and_data(project, capsys):
+    assert qtool("calibrate", "-m", "absent.onnx", "-d", "data") == 1
+    assert "absent.onnx" in capsys.readouterr().err
+    assert qtool("calibrate", "-m", "net.onnx", "-d", "nodata") == 1
+    assert "nodata" in capsys.readouterr().err
+
+
+@pytest.mark.xfail(reason="BUG: a wrongly typed config value (size = 224) escapes config.from_dict as TypeError: "
+                          "the CLI prints a traceback instead of one line naming the file", strict=True)
+def test_wrongly_typed_config_one_line_error(project, capsys):
+    (project / "typed.toml").write_text("[input]\nsize = 224\n")
+    try:
+        code = qtool("calibrate", "-m", "net.onnx", "-d", "data", "-c", "typed.toml")
+    except Exception:
+        code = None
+    assert code == 1 and "typed.toml" in capsys.readouterr().err
+
+
+def test_debug_shows_the_exception(project):
+    from qtool.errors import QtoolError
+    with pytest.raises(QtoolError):
+        cli.main(["calibrate", "-m", "absent.onnx", "-d", "data", "--debug"])
+
+
+def test_corrupt_image_warning_names_file(project):
+    """Subprocess: pytest records warnings in-process, the real command prints them on stderr."""
+    (project / "data" / "class_a" / "img01.png").write_bytes(b"\x89PNG\r\n\x1a\n broken")
+    exe = os.path.join(os.path.dirname(sys.executable), "qtool")
+    p = subprocess.run([exe, "calibrate", "-m", "net.onnx", "-d", "data", "-c", "cfg.toml", "--json", "cal.json"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert re.search(r"warning: .*img01\.png", p.stderr) and "1 unreadable skipped" in p.stdout
+    cal = json.load(open("cal.json"))
+    assert cal["n_samples"] == 11 and len(cal["skipped"]) == 1 and "img01.png" in cal["skipped"][0]
+
+
+# --- interrupted runs leave no partial output ---------------------------------------------------------------
+
+def test_keyboard_interrupt_during_calibration(project, monkeypatch, capsys):
+    import qtool.calibrate.run as run_mod
+
+    def boom(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_mod, "collect", boom)
+    assert qtool("calibrate", "-m", "net.onnx", "-d", "data", "-c", "cfg.toml") == 130
+    assert "interrupted" in capsys.readouterr().err
+    assert not os.path.exists("qtool_work") or _listing("qtool_work") == []
+
+
+@pytest.mark.parametrize("fail_at", [1, 2, 3])
+def test_calibrate_save_failure_leaves_no_half_files(project, monkeypatch, fail_at):
+    """The k-th atomic rename fails (fused model, table, manifest): no temp file, no half-written file,
+    and the manifest never points at something that was not written."""
+    import qtool.modelio as mio
+    real, calls = mio.os.replace, []
+
+    def flaky(src, dst):
+        calls.append(dst)
+        if len(calls) == fail_at:
+            raise KeyboardInterrupt
+        return real(src, dst)
+
+    monkeypatch.setattr(mio.os, "replace", flaky)
+    assert qtool("calibrate", "-m", "net.onnx", "-d", "data", "-c", "cfg.toml", "-q") == 130
+    monkeypatch.setattr(mio.os, "replace", real)
+    wd = project / "qtool_work"
+    assert _no_temp_files(wd) == []
+    for f in _listing(wd):  # whatever exists is complete
+        if f.endswith(".json"):
+            json.load(open(wd / f))
+        if f.endswith(".onnx"):
+            import onnx
+            onnx.checker.check_model(onnx.load(str(wd / f)))
+    if os.path.exists(wd / "manifest.json"):
+        entry = json.load(open(wd / "manifest.json")).get("calibrate", {})
+        assert all(os.path.exists(v) for k, v in entry.items() if k.endswith("path") and k != "model_path")
+
+
+def test_quantize_write_failure_mid_file_keeps_previous_state(project, monkeypatch, capsys):
+    """Serialization dies half-way through writing the int8 model: no partial model.int8.onnx, no
+    temp file, and the manifest still says only calibrate ran."""
+    assert qtool("calibrate", "-m", "net.onnx", "-d", "data", "-c", "cfg.toml", "-q") == 0
+    wd = project / "qtool_work"
+    before = {f: open(wd / f, "rb").read() for f in _listing(wd)}
+    import qtool.modelio as mio
+    real_fdopen = mio.os.fdopen
+
+    class HalfWriter:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, data):
+            self.f.write(data[: len(data) // 2])
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(mio.os, "fdopen", lambda fd, mode="r", *a, **k: HalfWriter(real_fdopen(fd, mode, *a, **k)))
+    capsys.readouterr()
+    try:  # the exit code is test_quantize_disk_full_is_one_line_error's business
+        qtool("quantize")
+    except OSError:
+        pass
+    monkeypatch.setattr(mio.os, "fdopen", real_fdopen)
+    assert _no_temp_files(wd) == []
+    assert not os.path.exists(wd / "model.int8.onnx")
+    assert {f: open(wd / f, "rb").read() for f in _listing(wd)} == before
+
+
+@pytest.mark.xfail(reason="BUG: an OSError while writing output (disk full, permission denied) is not turned into "
+                          "a QtoolError: the CLI prints a traceback instead of one line naming the file", strict=True)
+def test_quantize_disk_full_is_one_line_error(project, monkeypatch, capsys):
+    assert qtool("calibrate", "-m", "net.onnx", "-d", "data", "-c", "cfg.toml", "-q") == 0
+    import qtool.modelio as mio
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(mio.os, "replace", full)
+    capsys.readouterr()
+    try:
+        code = qtool("quantize")
+    except OSError:
+        code = None
+    assert code == 1 and "model.int8.onnx" in capsys.readouterr().err
+
+
+def test_quantize_interrupted_at_rename_keeps_previous_int8(project, monkeypatch):
+    assert qtool("calibrate", "-m", "net.onnx", "-d", "data", "-c", "cfg.toml", "-q") == 0
+    assert qtool("quantize", "-q") == 0
+    wd = project / "qtool_work"
+    before = {f: open(wd / f, "rb").read() for f in _listing(wd)}
+    import qtool.modelio as mio
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mio.os, "replace", interrupted)
+    assert qtool("quantize", "-q", "--method", "percentile") == 130
+    monkeypatch.setattr(mio.os, "replace", os.replace)
+    assert _no_temp_files(wd) == []
+    assert {f: open(wd / f, "rb").read() for f in _listing(wd)} == before
