@@ -1,0 +1,75 @@
+"""rules/activations.py: which tensors feed one activation, and their activation-aware ranges."""
+from __future__ import annotations
+
+import numpy as np
+from onnx import helper
+
+from helpers import init, make_model, weight
+from qtool.calibrate.histogram import Histogram
+from qtool.calibrate.methods import METHODS
+from qtool.quantize.rules.activations import FUNCTIONS, activation_inputs, activation_mse_range
+from rules_util import quantize_tiny
+
+
+def _net(rng):
+    """conv0 -> SiLU; conv1 -> hard-swish (Add 3, Clip 0..6, Mul, Div 6); conv2 -> HardSigmoid; conv3 -> Sigmoid."""
+    c = lambda x, y, n: helper.make_node("Conv", [x, f"{n}_w"], [y], name=n, kernel_shape=[1, 1])  # noqa: E731
+    nodes = [c("x", "a", "conv0"), helper.make_node("Sigmoid", ["a"], ["as"]), helper.make_node("Mul", ["a", "as"], ["A"]),
+             c("A", "b", "conv1"), helper.make_node("Add", ["b", "three"], ["b3"]),
+             helper.make_node("Clip", ["b3", "zero", "six"], ["bc"]), helper.make_node("Mul", ["b", "bc"], ["bm"]),
+             helper.make_node("Div", ["bm", "six"], ["B"]),
+             c("B", "d", "conv2"), helper.make_node("HardSigmoid", ["d"], ["D"], alpha=0.2, beta=0.5),
+             c("D", "e", "conv3"), helper.make_node("Sigmoid", ["e"], ["y"])]
+    inits = [weight(rng, f"conv{k}_w", 4, 4, 1, 1, scale=1.5) for k in range(4)]
+    inits += [init("three", 3.0), init("zero", 0.0), init("six", 6.0)]
+    return make_model(nodes, inits, [("x", ["N", 4, 6, 6])], [("y", ["N", 4, 6, 6])])
+
+
+def test_patterns_found():
+    found = activation_inputs(_net(np.random.default_rng(0)))
+    assert {k: v[0] for k, v in found.items()} == {"a": "silu", "b": "hard-swish", "d": "hard-sigmoid",
+                                                    "e": "sigmoid"}
+
+
+def test_hard_swish_not_matched_with_other_constant():
+    m = _net(np.random.default_rng(0))
+    next(t for t in m.graph.initializer if t.name == "three").CopyFrom(init("three", 2.0))
+    assert "b" not in activation_inputs(m)
+
+
+def _hist(x):
+    h = Histogram()
+    h.observe(x)
+    return h
+
+
+def test_silu_range_drops_the_flat_negative_tail():
+    rng = np.random.default_rng(1)
+    x = np.concatenate([rng.normal(0, 4, 200000), [-40.0, 12.0]]).astype(np.float32)
+    h = _hist(x)
+    lo, hi = activation_mse_range(h, FUNCTIONS["silu"])
+    plain = METHODS["mse"](h)
+    assert plain[0] * 0.5 < lo < -2 and hi > 0.6 * plain[1]  # the tail below about -6 is ~0 after SiLU
+
+    def err(r):
+        s = (r[1] - r[0]) / 255
+        q = np.clip(np.round((x - r[0]) / s) * s + r[0], r[0], r[1])
+        return float(np.mean((FUNCTIONS["silu"](q) - FUNCTIONS["silu"](x)) ** 2))
+    assert err((lo, hi)) < 0.8 * err(plain)
+
+
+def test_hard_sigmoid_range_is_its_linear_part():
+    x = np.random.default_rng(2).normal(0, 6, 100000).astype(np.float32)
+    f = lambda v: np.clip(0.2 * v + 0.5, 0, 1)  # noqa: E731
+    lo, hi = activation_mse_range(_hist(x), f)
+    assert -3.0 <= lo <= -2.3 and 2.3 <= hi <= 3.0
+
+
+def test_calibrate_stores_aware_mse_ranges(tmp_path):
+    m = _net(np.random.default_rng(3))
+    out, d, _ = quantize_tiny(m, tmp_path, {"x": (2, 4, 6, 6)}, method="mse")
+    import json
+    man = json.load(open(tmp_path / "w" / "manifest.json"))
+    aware = man["calibrate"]["activation_aware_mse"]
+    assert aware.get("a") == "silu" and aware.get("d") == "hard-sigmoid"
+    assert "b" not in aware  # hard-swish keeps the plain mse range (see the module's note)
