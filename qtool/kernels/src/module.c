@@ -231,7 +231,7 @@ static PyObject* py_concat(PyObject* self, PyObject* args) {
     Py_ssize_t inner;
     int copy, zp;
     float m;
-    if (!PyArg_ParseTuple(PyList_GET_ITEM(lst, i), "Onipf", &ox, &inner, &copy, &zp, &m) ||
+    if (!PyArg_ParseTuple(PyList_GET_ITEM(lst, i), "Onpif", &ox, &inner, &copy, &zp, &m) ||
         inner < 0 || get_buf(ox, &bufs[i], 0, outer * inner, "concat input") != 0) {
       ok = 0;
       break;

@@ -1,0 +1,125 @@
+"""Naive numpy twins of every native kernel (same signatures as qtool.kernels), built on
+qtool.qparams.requantize. They define what "bit-exact" means for the tests."""
+from __future__ import annotations
+
+import numpy as np
+
+from qtool.qparams import requantize
+
+from . import conv_out_hw
+
+
+def _pads(p):
+    p = tuple(int(i) for i in p)
+    return p + p if len(p) == 2 else p
+
+
+def _pair(v):
+    return tuple(int(i) for i in (v if hasattr(v, "__len__") else (v, v)))
+
+
+def _patches(xp, oh, ow, kh, kw, sh, sw, dh, dw):
+    """[N, OH, OW, KH, KW, C] windows of a padded NHWC array."""
+    n, _, _, c = xp.shape
+    out = np.empty((n, oh, ow, kh, kw, c), xp.dtype)
+    for ky in range(kh):
+        for kx in range(kw):
+            y0, x0 = ky * dh, kx * dw
+            out[:, :, :, ky, kx, :] = xp[:, y0:y0 + (oh - 1) * sh + 1:sh, x0:x0 + (ow - 1) * sw + 1:sw, :]
+    return out
+
+
+def conv2d_acc(w, bias, x, x_zp, strides=(1, 1), pads=(0, 0, 0, 0), dilations=(1, 1), group=1):
+    """int32 accumulators [N, OH, OW, Cout] = sum((x - x_zp) * w) + bias, padding = real 0."""
+    w = np.asarray(w, np.int64)
+    cout, cin_g, kh, kw = w.shape
+    (sh, sw), (dh, dw), (pt, pl, pb, pr) = _pair(strides), _pair(dilations), _pads(pads)
+    n, h, wd, cin = x.shape
+    oh, ow = conv_out_hw(h, wd, (kh, kw), (sh, sw), (pt, pl, pb, pr), (dh, dw))
+    xc = x.astype(np.int64) - int(x_zp)
+    xp = np.zeros((n, h + pt + pb + kh * dh, wd + pl + pr + kw * dw, cin), np.int64)
+    xp[:, pt:pt + h, pl:pl + wd, :] = xc
+    pat = _patches(xp, oh, ow, kh, kw, sh, sw, dh, dw)  # [N, OH, OW, KH, KW, Cin]
+    cout_g = cout // group
+    acc = np.empty((n, oh, ow, cout), np.int64)
+    for g in range(group):
+        pg = pat[..., g * cin_g:(g + 1) * cin_g].reshape(n, oh, ow, -1)
+        wg = w[g * cout_g:(g + 1) * cout_g].transpose(0, 2, 3, 1).reshape(cout_g, -1)
+        acc[..., g * cout_g:(g + 1) * cout_g] = pg @ wg.T
+    if bias is not None:
+        acc += np.asarray(bias, np.int64)
+    assert np.abs(acc).max(initial=0) < 2 ** 31
+    return acc.astype(np.int32)
+
+
+def conv2d(w, bias, x, *, x_zp, multiplier, y_zp, strides=(1, 1), pads=(0, 0, 0, 0),
+           dilations=(1, 1), group=1, lo=0, hi=255):
+    acc = conv2d_acc(w, bias, x, x_zp, strides, pads, dilations, group)
+    return requantize(acc, np.asarray(multiplier, np.float32), y_zp, lo, hi)
+
+
+def gemm(w, bias, x, *, x_zp, multiplier, y_zp=0, lo=0, hi=255, out_dtype="uint8"):
+    acc = (x.astype(np.int64) - int(x_zp)) @ np.asarray(w, np.int64).T
+    if bias is not None:
+        acc = acc + np.asarray(bias, np.int64)
+    acc = acc.astype(np.int32)
+    if np.dtype(out_dtype) == np.float32:
+        return acc.astype(np.float32) * np.asarray(multiplier, np.float32)
+    return requantize(acc, np.asarray(multiplier, np.float32), y_zp, lo, hi)
+
+
+def add(a, b, *, a_scale, a_zp, b_scale, b_zp, y_scale, y_zp, lo=0, hi=255):
+    ma = np.float32(a_scale) / np.float32(y_scale)
+    mb = np.float32(b_scale) / np.float32(y_scale)
+    y = (a.astype(np.int32) - int(a_zp)).astype(np.float32) * ma + \
+        (b.astype(np.int32) - int(b_zp)).astype(np.float32) * mb
+    return np.clip(np.rint(y) + np.float32(y_zp), lo, hi).astype(np.uint8)
+
+
+def _pool_windows(x, kernel, strides, pads, dilations, ceil_mode, fill):
+    kh, kw = _pair(kernel)
+    (sh, sw), (dh, dw), (pt, pl, pb, pr) = _pair(strides), _pair(dilations), _pads(pads)
+    n, h, w, c = x.shape
+    oh, ow = conv_out_hw(h, w, (kh, kw), (sh, sw), (pt, pl, pb, pr), (dh, dw), ceil_mode)
+    big = kh * dh + kw * dw + (oh + ow) * (sh + sw)
+    xp = np.full((n, h + pt + big, w + pl + big, c), fill, np.int64)
+    xp[:, pt:pt + h, pl:pl + w] = x
+    valid = np.zeros((1, h + pt + big, w + pl + big, 1), np.int64)
+    valid[:, pt:pt + h, pl:pl + w] = 1
+    padded = np.zeros_like(valid)
+    padded[:, :pt + h + pb, :pl + w + pr] = 1
+    f = lambda a: _patches(a, oh, ow, kh, kw, sh, sw, dh, dw)
+    return f(xp), f(valid), f(padded)
+
+
+def maxpool2d(x, kernel, strides=(1, 1), pads=(0, 0, 0, 0), dilations=(1, 1), ceil_mode=False):
+    win, _, _ = _pool_windows(x, kernel, strides, pads, dilations, ceil_mode, -1)
+    return np.maximum(win.max(axis=(3, 4)), 0).astype(np.uint8)
+
+
+def avgpool2d(x, kernel, strides=(1, 1), pads=(0, 0, 0, 0), count_include_pad=False, *, x_zp,
+              multiplier, y_zp, lo=0, hi=255, ceil_mode=False):
+    win, valid, padded = _pool_windows(x.astype(np.int64) - int(x_zp), kernel, strides, pads,
+                                       (1, 1), ceil_mode, 0)
+    acc = (win * valid).sum(axis=(3, 4)).astype(np.int32)            # [N, OH, OW, C]
+    count = (padded if count_include_pad else valid).sum(axis=(3, 4))  # [1, OH, OW, 1]
+    m = (np.float32(multiplier) / count.astype(np.float32)).astype(np.float32)
+    return requantize(acc, m, y_zp, lo, hi)
+
+
+def global_avgpool(x, *, x_zp, multiplier, y_zp, lo=0, hi=255):
+    n, h, w, c = x.shape
+    acc = (x.astype(np.int64) - int(x_zp)).sum(axis=(1, 2), keepdims=True).astype(np.int32)
+    m = np.float32(multiplier) / np.float32(h * w)
+    return requantize(acc, m, y_zp, lo, hi)
+
+
+def concat(xs, axis, *, scales, zps, y_scale, y_zp):
+    parts = []
+    for x, s, z in zip(xs, scales, zps):
+        if np.float32(s) == np.float32(y_scale) and int(z) == int(y_zp):
+            parts.append(x)
+        else:
+            m = np.float32(s) / np.float32(y_scale)
+            parts.append(requantize(x.astype(np.int32) - int(z), m, y_zp))
+    return np.concatenate(parts, axis=axis)

@@ -1,0 +1,286 @@
+"""One parametrized tester for every native kernel under every ISA this CPU supports
+(AVX-512 VNNI, AVX2 and portable C are forced through qtool.kernels.set_isa), against the numpy
+reference in qtool.kernels.reference. Shapes sit around the tile edges (MR, NR, K groups, channel
+tiles); the output buffer is surrounded and pre-filled by a canary; equality must be exact."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+K = pytest.importorskip("qtool.kernels")
+from qtool.kernels import reference as R  # noqa: E402
+
+ISAS = K.available_isas()
+CANARIES = (0xA5, 0x5A)
+GUARD = 67  # canary bytes before and after the output
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    prev = K.get_isa()
+    K.set_isa(request.param)
+    assert K.get_isa() == request.param
+    yield request.param
+    K.set_isa(prev)
+
+
+def canary_out(shape, dtype, canary):
+    itemsize = np.dtype(dtype).itemsize
+    size = int(np.prod(shape)) * itemsize
+    big = np.full(size + 2 * GUARD * itemsize, canary, np.uint8)
+    view = big[GUARD * itemsize:GUARD * itemsize + size].view(dtype).reshape(shape)
+    return big, view
+
+
+def check(name, got, want, big, canary, itemsize, info=""):
+    pre, post = big[:GUARD * itemsize], big[len(big) - GUARD * itemsize:]
+    assert (pre == canary).all() and (post == canary).all(), \
+        f"{name}: wrote outside the output ({info}); before: {np.flatnonzero(pre != canary)}, " \
+        f"after: {np.flatnonzero(post != canary)}"
+    assert got.shape == want.shape, f"{name}: shape {got.shape} != reference {want.shape} ({info})"
+    bad = np.argwhere(got != want) if got.dtype != np.float32 else \
+        np.argwhere(got.view(np.int32) != want.astype(np.float32).view(np.int32))
+    if len(bad):
+        idx = [tuple(int(i) for i in b) for b in bad[:8]]
+        detail = ", ".join(f"{i}: got {got[i]} want {want[i]}" for i in idx)
+        raise AssertionError(f"{name}: {len(bad)} of {got.size} values differ ({info}), output shape "
+                             f"{got.shape}; first: {detail}")
+
+
+def rand_u8(rng, shape):
+    x = rng.integers(0, 256, size=shape, dtype=np.uint8)
+    if x.size > 4:  # make sure the extremes occur
+        x.flat[0], x.flat[-1] = 255, 0
+    return x
+
+
+def rand_w(rng, shape):
+    w = rng.integers(-127, 128, size=shape, dtype=np.int8)
+    if w.size > 4:
+        w.flat[0], w.flat[-1] = 127, -127
+    return w
+
+
+def pick_multiplier(rng, acc_std, cout):
+    """Per-channel multipliers that spread outputs over the u8 range (and hit clamps)."""
+    base = 60.0 / max(float(acc_std), 1.0)
+    return (base * rng.uniform(0.3, 3.0, size=cout)).astype(np.float32)
+
+
+# (n, h, w, cin, cout, kh, kw, stride, pads, dilation, group)
+CONV_CASES = [
+    (1, 1, 1, 1, 1, 1, 1, 1, (0, 0, 0, 0), 1, 1),
+    (1, 3, 3, 3, 7, 1, 1, 1, (0, 0, 0, 0), 1, 1),
+    (1, 2, 4, 4, 32, 1, 1, 1, (0, 0, 0, 0), 1, 1),       # M = 8 = MR
+    (1, 3, 3, 5, 33, 1, 1, 1, (0, 0, 0, 0), 1, 1),       # M = 9, N = NR + 1
+    (2, 4, 5, 17, 31, 1, 1, 1, (0, 0, 0, 0), 1, 1),      # batch 2
+    (1, 5, 5, 64, 65, 1, 1, 1, (0, 0, 0, 0), 1, 1),
+    (1, 4, 3, 67, 16, 1, 1, 1, (0, 0, 0, 0), 1, 1),
+    (1, 7, 7, 18, 17, 1, 1, 2, (0, 0, 0, 0), 1, 1),      # 1x1 stride 2 (downsample)
+    (1, 6, 6, 3, 5, 3, 3, 1, (1, 1, 1, 1), 1, 1),
+    (1, 7, 9, 6, 20, 3, 3, 2, (1, 1, 1, 1), 1, 1),
+    (2, 5, 5, 13, 9, 3, 3, 1, (0, 2, 1, 0), 1, 1),       # asymmetric pads
+    (1, 11, 11, 3, 16, 7, 7, 2, (3, 3, 3, 3), 1, 1),     # ResNet stem shape
+    (1, 9, 9, 3, 8, 3, 3, 2, (0, 0, 1, 1), 1, 1),        # EfficientNet stem (TF padding)
+    (1, 8, 8, 10, 12, 3, 3, 1, (2, 2, 2, 2), 2, 1),      # dilation 2
+    (1, 6, 7, 6, 10, 3, 3, 1, (1, 1, 1, 1), 1, 2),       # groups
+    (2, 5, 5, 12, 36, 3, 3, 2, (1, 1, 1, 1), 1, 4),
+    (1, 5, 6, 4, 8, 1, 3, 1, (0, 1, 0, 1), 1, 4),        # group with cin_g = 1, cout_g = 2
+    (1, 9, 9, 4, 4, 3, 3, 1, (1, 1, 1, 1), 1, 4),        # depthwise
+    (1, 9, 8, 17, 17, 3, 3, 2, (1, 1, 1, 1), 1, 17),
+    (2, 7, 7, 63, 63, 3, 3, 1, (1, 1, 1, 1), 1, 63),
+    (1, 6, 5, 64, 64, 3, 3, 2, (0, 0, 1, 1), 1, 64),
+    (1, 5, 9, 65, 65, 5, 5, 1, (2, 2, 2, 2), 1, 65),
+    (1, 11, 10, 130, 130, 5, 5, 2, (1, 2, 2, 1), 1, 130),
+    (1, 7, 7, 24, 24, 3, 3, 1, (2, 2, 2, 2), 2, 24),     # depthwise dilation
+    (1, 4, 4, 40, 40, 1, 1, 1, (0, 0, 0, 0), 1, 40),     # depthwise 1x1
+]
+
+
+@pytest.mark.parametrize("case", CONV_CASES, ids=lambda c: "n{}h{}w{}c{}o{}k{}x{}s{}p{}d{}g{}".format(*c[:8], "".join(map(str, c[8])), *c[9:]))
+def test_conv2d(isa, case):
+    n, h, w, cin, cout, kh, kw, s, pads, d, g = case
+    rng = np.random.default_rng(hash(case) & 0xFFFF)
+    x = rand_u8(rng, (n, h, w, cin))
+    wt = rand_w(rng, (cout, cin // g, kh, kw))
+    bias = rng.integers(-20000, 20000, size=cout, dtype=np.int32)
+    x_zp, y_zp = int(rng.integers(0, 256)), int(rng.integers(0, 256))
+    acc = R.conv2d_acc(wt, bias, x, x_zp, (s, s), pads, (d, d), g)
+    mult = pick_multiplier(rng, acc.std(), cout)
+    lo, hi = (0, 255) if rng.random() < 0.5 else (y_zp // 2, 255 - (255 - y_zp) // 3)
+    kw_args = dict(x_zp=x_zp, multiplier=mult, y_zp=y_zp, strides=(s, s), pads=pads,
+                   dilations=(d, d), group=g, lo=lo, hi=hi)
+    want = R.conv2d(wt, bias, x, **kw_args)
+    p = K.pack_conv2d(wt, bias, **kw_args)
+    assert p.isa == isa and isa.split("vnni")[0] in p.kernel
+    if g == cin == cout and g > 1:
+        assert p.kind == "dwconv"
+    for canary in CANARIES:
+        big, out = canary_out(want.shape, np.uint8, canary)
+        got = K.conv2d(p, x, out=out)
+        check(p.kernel, got, want, big, canary, 1, f"case {case}, x_zp={x_zp} y_zp={y_zp} [{lo},{hi}]")
+    assert (K.conv2d(p, x) == want).all()  # second call reuses the cached indirection
+
+
+GEMM_CASES = [(m, k, nn) for m, k, nn in [
+    (1, 1, 1), (1, 3, 15), (2, 4, 16), (7, 5, 17), (8, 31, 32), (9, 64, 33), (17, 129, 100),
+    (33, 7, 64), (3, 1280, 1000), (16, 2048, 31)]]
+
+
+@pytest.mark.parametrize("out_dtype", ["uint8", "float32"])
+@pytest.mark.parametrize("case", GEMM_CASES, ids=lambda c: "m{}k{}n{}".format(*c))
+def test_gemm(isa, case, out_dtype):
+    m, k, nn = case
+    rng = np.random.default_rng(m * 1000003 + k * 1009 + nn)
+    x = rand_u8(rng, (m, k))
+    wt = rand_w(rng, (nn, k))
+    bias = rng.integers(-50000, 50000, size=nn, dtype=np.int32)
+    x_zp, y_zp = int(rng.integers(0, 256)), int(rng.integers(0, 256))
+    acc = R.gemm(wt, bias, x, x_zp=x_zp, multiplier=np.ones(nn, np.float32), out_dtype="float32")
+    mult = pick_multiplier(rng, acc.std(), nn)
+    want = R.gemm(wt, bias, x, x_zp=x_zp, multiplier=mult, y_zp=y_zp, out_dtype=out_dtype)
+    p = K.pack_gemm(wt, bias, x_zp=x_zp, multiplier=mult, y_zp=y_zp, out_dtype=out_dtype)
+    dt = np.dtype(out_dtype)
+    for canary in CANARIES:
+        big, out = canary_out(want.shape, dt, canary)
+        got = K.gemm(p, x, out=out)
+        check(p.kernel, got, want, big, canary, dt.itemsize, f"case {case} {out_dtype}")
+
+
+@pytest.mark.parametrize("mult", [0.5, 0.25, 1.5])
+def test_gemm_round_half_even(isa, mult):
+    """acc * mult lands exactly on .5: ties must go to even, like np.rint and ORT."""
+    k = 3
+    x = np.arange(64, dtype=np.uint8).reshape(64, 1).repeat(k, 1)
+    wt = np.array([[1, 0, 0], [-1, 0, 0], [1, 1, 1]], np.int8)
+    want = R.gemm(wt, None, x, x_zp=0, multiplier=mult, y_zp=128)
+    p = K.pack_gemm(wt, None, x_zp=0, multiplier=mult, y_zp=128)
+    big, out = canary_out(want.shape, np.uint8, 0xA5)
+    check(p.kernel, K.gemm(p, x, out=out), want, big, 0xA5, 1, f"mult {mult}")
+
+
+ADD_SIZES = [(1,), (15,), (16,), (17,), (3, 33), (1, 5, 7, 64), (16385,), (2, 7, 7, 2048 // 8 + 3)]
+
+
+@pytest.mark.parametrize("shape", ADD_SIZES, ids=str)
+def test_add(isa, shape):
+    rng = np.random.default_rng(len(shape) * 7 + int(np.prod(shape)))
+    a, b = rand_u8(rng, shape), rand_u8(rng, shape)
+    q = dict(a_scale=float(rng.uniform(0.01, 0.1)), a_zp=int(rng.integers(0, 256)),
+             b_scale=float(rng.uniform(0.01, 0.1)), b_zp=int(rng.integers(0, 256)),
+             y_scale=float(rng.uniform(0.02, 0.2)), y_zp=int(rng.integers(0, 256)))
+    for lo, hi in ((0, 255), (q["y_zp"], 255)):
+        want = R.add(a, b, lo=lo, hi=hi, **q)
+        for canary in CANARIES:
+            big, out = canary_out(shape, np.uint8, canary)
+            got = K.add(a, b, lo=lo, hi=hi, out=out, **q)
+            check(K.info()["kernels"]["add"], got, want, big, canary, 1, f"shape {shape} {q} [{lo},{hi}]")
+
+
+# (n, h, w, c, kernel, stride, pads, dilation, ceil_mode)
+POOL_CASES = [
+    (1, 9, 9, 64, 3, 2, (1, 1, 1, 1), 1, False),   # ResNet maxpool
+    (2, 8, 7, 17, 2, 2, (0, 0, 0, 0), 1, False),
+    (1, 7, 7, 5, 3, 2, (0, 0, 0, 0), 1, True),
+    (1, 10, 10, 3, 3, 1, (1, 0, 2, 1), 1, False),
+    (1, 9, 9, 33, 2, 1, (0, 0, 0, 0), 2, False),
+    (1, 6, 5, 130, 5, 3, (2, 2, 2, 2), 1, True),
+]
+
+
+@pytest.mark.parametrize("case", POOL_CASES, ids=lambda c: "n{}h{}w{}c{}k{}s{}".format(*c[:6]))
+def test_maxpool(isa, case):
+    n, h, w, c, k, s, pads, d, ceil = case
+    rng = np.random.default_rng(h * 31 + c)
+    x = rand_u8(rng, (n, h, w, c))
+    want = R.maxpool2d(x, (k, k), (s, s), pads, (d, d), ceil)
+    for canary in CANARIES:
+        big, out = canary_out(want.shape, np.uint8, canary)
+        got = K.maxpool2d(x, (k, k), (s, s), pads, (d, d), ceil, out=out)
+        check("maxpool2d", got, want, big, canary, 1, f"case {case}")
+
+
+@pytest.mark.parametrize("cip", [False, True])
+@pytest.mark.parametrize("case", [c for c in POOL_CASES if c[7] == 1], ids=lambda c: "n{}h{}w{}c{}k{}s{}".format(*c[:6]))
+def test_avgpool(isa, case, cip):
+    n, h, w, c, k, s, pads, _, ceil = case
+    rng = np.random.default_rng(h * 37 + c)
+    x = rand_u8(rng, (n, h, w, c))
+    q = dict(x_zp=int(rng.integers(0, 256)), multiplier=float(rng.uniform(0.5, 2.0)),
+             y_zp=int(rng.integers(0, 256)))
+    want = R.avgpool2d(x, (k, k), (s, s), pads, cip, ceil_mode=ceil, **q)
+    for canary in CANARIES:
+        big, out = canary_out(want.shape, np.uint8, canary)
+        got = K.avgpool2d(x, (k, k), (s, s), pads, cip, ceil_mode=ceil, out=out, **q)
+        check("avgpool2d", got, want, big, canary, 1, f"case {case} cip={cip} {q}")
+
+
+@pytest.mark.parametrize("shape", [(1, 7, 7, 2048), (2, 3, 5, 17), (1, 1, 1, 1), (1, 7, 7, 1280)], ids=str)
+def test_global_avgpool(isa, shape):
+    rng = np.random.default_rng(int(np.prod(shape)))
+    x = rand_u8(rng, shape)
+    q = dict(x_zp=int(rng.integers(0, 256)), multiplier=float(rng.uniform(0.5, 4.0)),
+             y_zp=int(rng.integers(0, 256)), lo=3, hi=250)
+    want = R.global_avgpool(x, **q)
+    for canary in CANARIES:
+        big, out = canary_out(want.shape, np.uint8, canary)
+        got = K.global_avgpool(x, out=out, **q)
+        check("global_avgpool", got, want, big, canary, 1, f"shape {shape} {q}")
+
+
+@pytest.mark.parametrize("axis", [3, 1, 0])
+def test_concat(isa, axis):
+    rng = np.random.default_rng(axis)
+    shapes = [[2, 3, 4, 6] for _ in range(3)]
+    for s, c in zip(shapes, (5, 17, 1)):
+        s[axis] = c
+    shapes = [tuple(s) for s in shapes]
+    xs = [rand_u8(rng, s) for s in shapes]
+    scales, zps = [0.05, 0.1, 0.03], [10, 128, 0]
+    q = dict(scales=scales, zps=zps, y_scale=0.05, y_zp=10)   # first input is a plain copy
+    want = R.concat(xs, axis, **q)
+    for canary in CANARIES:
+        big, out = canary_out(want.shape, np.uint8, canary)
+        got = K.concat(xs, axis, out=out, **q)
+        check("concat", got, want, big, canary, 1, f"axis {axis} shapes {shapes}")
+
+
+def test_dispatch_info():
+    inf = K.info()
+    assert inf["isa"] in K.ISAS and inf["best_isa"] in K.ISAS
+    assert K.ISAS.index(inf["isa"]) <= K.ISAS.index(inf["best_isa"])
+    prev = K.get_isa()
+    try:
+        assert K.set_isa("scalar") == "scalar"
+        assert K.info()["kernels"]["igemm"].endswith("__scalar")
+        assert K.set_isa(None) == inf["best_isa"]
+        with pytest.raises(ValueError):
+            K.set_isa("sse9")
+    finally:
+        K.set_isa(prev)
+
+
+def test_errors_name_shapes():
+    p = K.pack_conv2d(np.ones((4, 3, 3, 3), np.int8), None, x_zp=0, multiplier=0.1, y_zp=0)
+    with pytest.raises(ValueError, match=r"\[N, H, W, 3\]"):
+        K.conv2d(p, np.zeros((1, 3, 8, 8), np.uint8))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        K.conv2d(p, np.zeros((1, 8, 8, 6), np.uint8)[..., :3])
+    with pytest.raises(ValueError, match="shape"):
+        K.conv2d(p, np.zeros((1, 8, 8, 3), np.uint8), out=np.zeros((1, 6, 6, 5), np.uint8))
+
+
+def test_threads_agree():
+    rng = np.random.default_rng(5)
+    x = rand_u8(rng, (1, 14, 14, 40))
+    wt = rand_w(rng, (48, 40, 3, 3))
+    p = K.pack_conv2d(wt, None, x_zp=7, multiplier=0.002, y_zp=9, pads=(1, 1, 1, 1))
+    prev = K.get_num_threads()
+    try:
+        outs = []
+        for t in (1, 2, 3):
+            K.set_num_threads(t)
+            outs.append(K.conv2d(p, x))
+        assert all((o == outs[0]).all() for o in outs)
+    finally:
+        K.set_num_threads(prev)
