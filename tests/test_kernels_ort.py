@@ -1,0 +1,83 @@
+"""The native epilogue (qtool.qparams.requantize) against ONNX Runtime, bit for bit:
+QLinearConv (per-channel int8 weights, u8 activations, int32 bias, incl. depthwise and padding)
+and QLinearMatMul, on random data whose outputs cover the whole u8 range."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+K = pytest.importorskip("qtool.kernels")
+ort = pytest.importorskip("onnxruntime")
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+
+from qtool.kernels import reference as R  # noqa: E402
+
+
+def _run(nodes, inits, x, out_name="y"):
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.UINT8, list(x.shape))],
+        [helper.make_tensor_value_info(out_name, TensorProto.UINT8, None)],
+        [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.intra_op_num_threads = 1
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return sess.run(None, {"x": x})[0]
+
+
+# (n, h, w, cin, cout, k, stride, pad, group)
+CASES = [(1, 8, 8, 16, 32, 3, 1, 1, 1), (1, 9, 9, 3, 24, 3, 2, 1, 1), (1, 7, 7, 64, 48, 1, 1, 0, 1),
+         (1, 10, 10, 32, 32, 3, 1, 1, 32), (1, 11, 11, 24, 24, 5, 2, 2, 24), (2, 6, 6, 8, 12, 3, 1, 0, 2)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_qlinearconv_matches_ort(case):
+    n, h, w, cin, cout, k, s, p, g = case
+    rng = np.random.default_rng(sum(case))
+    x_nhwc = rng.integers(0, 256, (n, h, w, cin), dtype=np.uint8)
+    wq = rng.integers(-127, 128, (cout, cin // g, k, k), dtype=np.int8)
+    x_scale, x_zp = np.float32(0.0173), np.uint8(rng.integers(0, 256))
+    w_scale = rng.uniform(0.001, 0.02, cout).astype(np.float32)
+    bias = rng.integers(-3000, 3000, cout, dtype=np.int32)
+    acc = R.conv2d_acc(wq, bias, x_nhwc, int(x_zp), (s, s), (p,) * 4, (1, 1), g)
+    y_scale = np.float32(x_scale * float(np.abs(acc * w_scale).std()) / 40.0)
+    y_zp = np.uint8(rng.integers(0, 256))
+    inits = {"xs": np.array(x_scale), "xz": np.array(x_zp), "w": wq, "ws": w_scale,
+             "wz": np.zeros(cout, np.int8), "ys": np.array(y_scale), "yz": np.array(y_zp), "b": bias}
+    node = helper.make_node("QLinearConv", ["x", "xs", "xz", "w", "ws", "wz", "ys", "yz", "b"], ["y"],
+                            kernel_shape=[k, k], strides=[s, s], pads=[p] * 4, group=g)
+    want = _run([node], inits, np.ascontiguousarray(x_nhwc.transpose(0, 3, 1, 2))).transpose(0, 2, 3, 1)
+    mult = K.conv_multiplier(x_scale, w_scale, y_scale)
+    ref = R.conv2d(wq, bias, x_nhwc, x_zp=int(x_zp), multiplier=mult, y_zp=int(y_zp), strides=(s, s),
+                   pads=(p,) * 4, group=g)
+    assert ((want == 0) | (want == 255)).any() and len(np.unique(want)) > 50  # clamps and range exercised
+    bad = np.argwhere(ref != want)
+    assert not len(bad), f"reference vs ORT: {len(bad)} differ, first {[(tuple(b), ref[tuple(b)], want[tuple(b)]) for b in bad[:5]]}"
+    for isa in K.available_isas():
+        K.set_isa(isa)
+        try:
+            got = K.conv2d(K.pack_conv2d(wq, bias, x_zp=int(x_zp), multiplier=mult, y_zp=int(y_zp),
+                                         strides=(s, s), pads=(p,) * 4, group=g), x_nhwc)
+        finally:
+            K.set_isa(None)
+        assert (got == want).all(), f"{isa}: {(got != want).sum()} values differ from ORT"
+
+
+def test_qlinearmatmul_matches_ort():
+    rng = np.random.default_rng(3)
+    m, k, n = 9, 70, 37
+    x = rng.integers(0, 256, (m, k), dtype=np.uint8)
+    b = rng.integers(-127, 128, (k, n), dtype=np.int8)
+    x_scale, x_zp, b_scale = np.float32(0.02), np.uint8(77), np.float32(0.01)
+    acc = (x.astype(np.int64) - 77) @ b.astype(np.int64)
+    y_scale = np.float32(x_scale * b_scale * acc.std() / 40)
+    y_zp = np.uint8(120)
+    inits = {"xs": np.array(x_scale), "xz": np.array(x_zp), "b": b, "bs": np.array(b_scale),
+             "bz": np.array(np.int8(0)), "ys": np.array(y_scale), "yz": np.array(y_zp)}
+    node = helper.make_node("QLinearMatMul", ["x", "xs", "xz", "b", "bs", "bz", "ys", "yz"], ["y"])
+    want = _run([node], inits, x)
+    mult = K.conv_multiplier(x_scale, b_scale, y_scale)
+    got = K.gemm(K.pack_gemm(np.ascontiguousarray(b.T), None, x_zp=77, multiplier=mult, y_zp=120), x)
+    assert (got == want).all(), f"{(got != want).sum()} of {got.size} differ from ORT"
