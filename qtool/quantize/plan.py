@@ -89,7 +89,9 @@ def make_plan(model: onnx.ModelProto, exclude: dict | None = None) -> Plan:
     cons = G.consumers(model)
     outputs = G.graph_output_names(model)
     inits = G.initializers(model)
-    int8_out = set()  # tensors produced in int8
+    # tensors available in int8: those int8 ops produce, and float graph inputs (quantized at the input,
+    # so a Slice/Split/Reshape reading the model input directly, as YOLOX's Focus stem does, passes int8 on)
+    int8_out = {i.name for i in G.real_inputs(model) if types.get(i.name, FLOAT) == FLOAT}
     for node in model.graph.node:
         rule = RULES.get(node.op_type)
         if node.name in plan.fused:
@@ -145,12 +147,23 @@ def make_plan(model: onnx.ModelProto, exclude: dict | None = None) -> Plan:
             int8_out.add(out)
             if out not in plan.tensors:
                 plan.tensors.append(out)
+    _explain_chains(model, plan)
     return plan
+
+
+def _explain_chains(model: onnx.ModelProto, plan: Plan) -> None:
+    """fp32 nodes inside a recognised activation (hard-swish's Add/Clip/Div) say so instead of a generic reason."""
+    from qtool.quantize.rules.activations import activation_chains
+    chain = activation_chains(model)
+    for d in plan.decisions:
+        if d.status == "fp32" and d.name in chain and not d.reason.startswith("excluded"):
+            d.reason = f"inside {chain[d.name]}: runs fp32 between its int8 input and int8 output"
 
 
 def calibration_targets(model: onnx.ModelProto) -> tuple[list, list]:
     """(tensors whose range calibration must record, tensors whose per-channel mean it must record)."""
     plan = make_plan(model)
-    ranges = [t for t in plan.tensors if t not in plan.shared]
+    # pass-through outputs too: when the layer before is kept fp32, their consumer needs their own range
+    ranges = list(plan.tensors)
     means = sorted(set(plan.weight_inputs.values()))
     return ranges, means

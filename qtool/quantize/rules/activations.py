@@ -42,28 +42,49 @@ def _const(model, name, inits):
 
 
 def _hardswish(x, users, cons, model, inits):
-    """x -> Add(3) -> Clip(0, 6) -> [Div(6)] -> Mul(x, .) [-> Div(6)]: x's only readers are the Add and the Mul."""
+    """x -> Add(3) -> Clip(0, 6) -> [Div(6)] -> Mul(x, .) [-> Div(6)]: x's only readers are the Add and the Mul.
+    Returns the chain's nodes (empty when x does not feed a hard-swish)."""
     kinds = sorted(u.op_type for u in users)
     if kinds != ["Add", "Mul"]:
-        return False
+        return []
     add = next(u for u in users if u.op_type == "Add")
     mul = next(u for u in users if u.op_type == "Mul")
     other = add.input[1] if add.input[0] == x else add.input[0]
     if _const(model, other, inits) != 3.0:
-        return False
+        return []
     nxt = cons.get(add.output[0], [])
     if len(nxt) != 1 or nxt[0].op_type != "Clip":
-        return False
+        return []
     clip = nxt[0]
     lo = _const(model, clip.input[1], inits) if len(clip.input) > 1 and clip.input[1] else G.attr(clip, "min")
     hi = _const(model, clip.input[2], inits) if len(clip.input) > 2 and clip.input[2] else G.attr(clip, "max")
     if lo != 0.0 or hi != 6.0:
-        return False
+        return []
+    chain = [add, clip]
     t = clip.output[0]
     after = cons.get(t, [])
     if len(after) == 1 and after[0].op_type == "Div":
+        chain.append(after[0])
         t = after[0].output[0]
-    return t in mul.input
+    if t not in mul.input:
+        return []
+    chain.append(mul)
+    after = cons.get(mul.output[0], [])
+    if len(after) == 1 and after[0].op_type == "Div" and _const(model, after[0].input[1], inits) == 6.0:
+        chain.append(after[0])
+    return chain
+
+
+def activation_chains(model) -> dict:
+    """node name -> activation name, for the nodes an exported activation is written with (hard-swish)."""
+    cons = G.consumers(model)
+    inits = G.initializers(model)
+    out = {}
+    for x, users in cons.items():
+        if x not in inits:
+            for n in _hardswish(x, users, cons, model, inits):
+                out[n.name] = "hard-swish x * Clip(x + 3, 0, 6) / 6"
+    return out
 
 
 def activation_inputs(model) -> dict:

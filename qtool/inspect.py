@@ -1,0 +1,191 @@
+"""`inspect`: what qtool will do with a model, before any data is needed.
+
+model -> fused graph -> plan, reported per op: quantized (int8), passed through in int8,
+fused into its producer's clamp, or kept fp32 and why; the opset and whether quantizing
+upgrades it; every input (float ones are calibrated, integer ones pass untouched) and
+output; parameter count; multiply-accumulates of Conv/Gemm/MatMul at the given (or the
+model's static) input shapes.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from qtool import graph as G
+from qtool.calibrate.tensors import model_inputs
+from qtool.errors import UsageError
+from qtool.fuse import fuse_model
+from qtool.modelio import load_model
+from qtool.quantize.plan import make_plan
+from qtool.quantize.rules.activations import activation_inputs
+
+MIN_OPSET = 13  # per-axis DequantizeLinear (quantize/qdq.py upgrades older models to this)
+
+
+@dataclass
+class Inspection:
+    model: str
+    opset: int
+    opset_note: str
+    inputs: list = field(default_factory=list)  # {name, dtype, dims, role}
+    outputs: list = field(default_factory=list)  # {name, dtype, dims}
+    params: int = 0
+    macs: int | None = None  # None when a shape is dynamic and not given
+    macs_shapes: dict = field(default_factory=dict)
+    ops_before: dict = field(default_factory=dict)
+    ops_after: dict = field(default_factory=dict)
+    fuse_counts: dict = field(default_factory=dict)
+    summary: dict = field(default_factory=dict)
+    nodes: list = field(default_factory=list)  # {name, op_type, status, reason}
+    activations: dict = field(default_factory=dict)  # tensor -> activation it feeds (range fitted to its output)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _dims(vi) -> list:
+    return [d if isinstance(d, int) else (d or "?") for d in G.input_dims(vi)]
+
+
+def _dtype(vi) -> str:
+    et = vi.type.tensor_type.elem_type
+    return np.dtype(helper.tensor_dtype_to_np_dtype(et)).name if et else "?"
+
+
+def parse_shapes(specs, model: onnx.ModelProto) -> dict:
+    """'name=1,3,48,192' (or '1,3,48,192' for a single-input model) -> {name: [dims]}."""
+    names = [i.name for i in G.real_inputs(model)]
+    out = {}
+    for s in specs or ():
+        name, _, dims = s.rpartition("=")
+        if not name:
+            if len(names) != 1:
+                raise UsageError(f"--shape {s}: the model has {len(names)} inputs; write NAME=DIMS")
+            name = names[0]
+        if name not in names:
+            raise UsageError(f"--shape {s}: no input named '{name}' (inputs: {', '.join(names)})")
+        try:
+            out[name] = [int(v) for v in dims.split(",")]
+        except ValueError:
+            raise UsageError(f"--shape {s}: dims must be integers separated by commas") from None
+    return out
+
+
+def _static_shapes(model: onnx.ModelProto, shapes: dict) -> onnx.ModelProto | None:
+    """A weightless copy with every input shape fixed, shapes inferred; None if some input stays dynamic."""
+    m = G.skeleton(model)
+    for inp in G.real_inputs(m):
+        dims = inp.type.tensor_type.shape.dim
+        given = shapes.get(inp.name)
+        if given is not None:
+            if len(given) != len(dims):
+                raise UsageError(f"--shape: input '{inp.name}' has rank {len(dims)}, got {given}")
+            for d, v in zip(dims, given):
+                d.Clear()
+                d.dim_value = v
+        elif any(not (d.HasField("dim_value") and d.dim_value > 0) for d in dims):
+            return None
+    try:
+        return onnx.shape_inference.infer_shapes(m, strict_mode=False)
+    except Exception:
+        return None
+
+
+def count_macs(model: onnx.ModelProto, shapes: dict) -> int | None:
+    m = _static_shapes(model, shapes)
+    if m is None:
+        return None
+    known = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim]
+             for v in list(m.graph.value_info) + list(m.graph.input) + list(m.graph.output)}
+    known.update({t.name: list(t.dims) for t in model.graph.initializer})
+    total = 0
+    for n in model.graph.node:
+        out = known.get(n.output[0]) if n.output else None
+        w = known.get(n.input[1]) if len(n.input) > 1 else None
+        if not out or not w or 0 in out:
+            if n.op_type in ("Conv", "Gemm", "MatMul"):
+                return None
+            continue
+        if n.op_type == "Conv":  # every output value: Cin/group * kh * kw products
+            total += int(np.prod(out)) * int(np.prod(w[1:]))
+        elif n.op_type == "Gemm":
+            k = w[1] if G.attr(n, "transB", 0) else w[0]
+            total += int(np.prod(out)) * k
+        elif n.op_type == "MatMul":
+            a = known.get(n.input[0])
+            total += int(np.prod(out)) * (a[-1] if a else w[-2])
+    return total
+
+
+def count_params(model: onnx.ModelProto) -> int:
+    """Elements of float initializers (weights, biases, BatchNorm statistics), as the model ships."""
+    floats = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16)
+    n = sum(int(np.prod(t.dims)) for t in model.graph.initializer if t.data_type in floats)
+    for node in model.graph.node:  # Constant nodes (Paddle writes hundreds) hold parameters too
+        if node.op_type == "Constant":
+            v = G.attr(node, "value")
+            if v is not None and v.data_type in floats:
+                n += int(np.prod(v.dims))
+    return n
+
+
+def inspect_model(path: str, shapes=None, exclude: dict | None = None) -> Inspection:
+    model = load_model(path)
+    shapes = parse_shapes(shapes, model) if not isinstance(shapes, dict) else shapes
+    fused = fuse_model(model, {})
+    plan = make_plan(fused.model, exclude)
+    v = G.opset(model)
+    note = (f"opset {v} is upgraded to {MIN_OPSET} when quantizing (per-axis DequantizeLinear needs {MIN_OPSET})"
+            if v < MIN_OPSET else f"opset {v} is kept")
+    ins = []
+    for spec, vi in zip(model_inputs(model), G.real_inputs(model)):
+        role = ("float32: calibrated and quantized where an int8 op reads it" if spec.is_float
+                else f"{spec.dtype.name}: passed through untouched")
+        ins.append({"name": vi.name, "dtype": _dtype(vi), "dims": _dims(vi), "role": role})
+    outs = [{"name": o.name, "dtype": _dtype(o), "dims": _dims(o)} for o in model.graph.output]
+    macs = count_macs(fused.model, shapes)
+    return Inspection(
+        model=os.path.abspath(path), opset=v, opset_note=note, inputs=ins, outputs=outs,
+        params=count_params(model), macs=macs, macs_shapes=shapes, ops_before=fused.ops_before,
+        ops_after=fused.ops_after, fuse_counts=fused.counts, summary=plan.summary(),
+        nodes=[{"name": d.name, "op_type": d.op_type, "status": d.status, "reason": d.reason} for d in plan.decisions],
+        activations={t: label for t, (label, _f) in activation_inputs(fused.model).items()})
+
+
+def render(r: Inspection, all_nodes: bool = False) -> str:
+    lines = [f"{r.model}", f"  {r.opset_note}"]
+    for i in r.inputs:
+        lines.append(f"  input  {i['name']}: {i['dtype']}{i['dims']} ({i['role']})")
+    for o in r.outputs:
+        lines.append(f"  output {o['name']}: {o['dtype']}{o['dims']} (left fp32)")
+    macs = (f"{r.macs / 1e9:.3f} GMAC" + (f" at {r.macs_shapes}" if r.macs_shapes else "")
+            if r.macs is not None else "MACs unknown (dynamic input shape: pass --shape NAME=1,3,H,W)")
+    lines.append(f"  {r.params / 1e6:.3f} M parameters, {macs}")
+    if r.fuse_counts:
+        lines.append("  graph cleanup: " + ", ".join(f"{k} x{v}" for k, v in sorted(r.fuse_counts.items())))
+    s = r.summary
+    lines.append(f"  plan: {s.get('int8', 0)} ops int8, {s.get('passthrough', 0)} pass int8 through, "
+                 f"{s.get('fused', 0)} activations fused, {s.get('fp32', 0)} stay fp32")
+    groups = {}
+    for d in r.nodes:
+        reason = "range clamp of its producer's output" if d["status"] == "fused" else d["reason"]
+        groups.setdefault((d["status"], d["op_type"], reason), []).append(d["name"])
+    order = {"int8": 0, "passthrough": 1, "fused": 2, "fp32": 3}
+    for (status, op, reason), names in sorted(groups.items(), key=lambda kv: (order.get(kv[0][0], 9), kv[0][1])):
+        text = f"    {status:12s}{op:20s}x{len(names):<4d}"
+        if reason:
+            text += f" {reason}"
+        if all_nodes or status == "fp32":
+            shown = names if all_nodes else names[:4]
+            text += f"  [{', '.join(shown)}{', ...' if len(names) > len(shown) else ''}]"
+        lines.append(text)
+    if r.activations:
+        c = {}
+        for label in r.activations.values():
+            c[label] = c.get(label, 0) + 1
+        lines.append("  activation patterns: " + ", ".join(f"{k} x{v}" for k, v in sorted(c.items())))
+    return "\n".join(lines)
