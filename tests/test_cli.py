@@ -80,8 +80,6 @@ def test_command_help_examples_use_real_options(cmd):
                 assert w.split("=")[0] in opts, f"`{line}`: {cmd} has no option {w}"
 
 
-@pytest.mark.xfail(reason="BUG: the top-level help's example runs `qtool quantize --exclude-sensitive`, an option "
-                          "quantize does not have (qtool/cli.py docstring)", strict=True)
 def test_top_level_help_examples_use_real_options():
     for line in _example_lines(cli.cli.help):
         words = shlex.split(line)
@@ -353,3 +351,41 @@ def test_quantize_interrupted_at_rename_keeps_previous_int8(project, monkeypatch
     monkeypatch.setattr(mio.os, "replace", os.replace)
     assert _no_temp_files(wd) == []
     assert {f: open(wd / f, "rb").read() for f in _listing(wd)} == before
+
+
+def test_recorded_file_missing_says_which_step_to_rerun(project, capsys):
+    assert qtool("calibrate", "-m", "net.onnx", "-d", "data", "-c", "cfg.toml", "-q") == 0
+    assert qtool("quantize", "-q") == 0
+    os.remove("qtool_work/model.int8.onnx")
+    capsys.readouterr()
+    assert qtool("eval") == 1
+    err = capsys.readouterr().err
+    assert "model.int8.onnx" in err and "qtool quantize" in err
+    os.remove("qtool_work/calibration.json")
+    assert qtool("quantize") == 1
+    err = capsys.readouterr().err
+    assert "calibration.json" in err and "qtool calibrate" in err
+
+
+# --- labels -----------------------------------------------------------------------------------------------
+
+def test_labels_from_folders_and_file(tmp_path):
+    from qtool.errors import QtoolError
+    from qtool.labels import labels_from_file, labels_from_folders
+    root = str(tmp_path)
+    files = [os.path.join(root, "dog", "1.png"), os.path.join(root, "cat", "2.png"),
+             os.path.join(root, "cat", "x", "3.png")]
+    assert labels_from_folders(root, files) == [1, 0, 0]  # classes sorted: cat=0, dog=1
+    assert labels_from_folders(root, [os.path.join(root, "a.png"), os.path.join(root, "dog", "b.png")]) is None
+    assert labels_from_folders(root, [os.path.join(root, "dog", "b.png")]) is None  # one class: no labels
+    lf = tmp_path / "synsets.txt"
+    lf.write_text("n01 tench\n\nn02 goldfish\ncat\n")
+    got = labels_from_file(str(lf), ["/d/n02_fish.JPEG", "/d/n01_0001.png", "/d/cat.png", "/d/zebra_1.png"])
+    assert got == [1, 0, 2, None]
+    with pytest.raises(QtoolError, match="no image's name starts with a class"):
+        labels_from_file(str(lf), ["/d/zebra.png"])
+    with pytest.raises(QtoolError, match="no such labels file"):
+        labels_from_file(str(tmp_path / "none.txt"), ["/d/a.png"])
+    (tmp_path / "empty.txt").write_text("\n\n")
+    with pytest.raises(QtoolError, match="labels file is empty"):
+        labels_from_file(str(tmp_path / "empty.txt"), ["/d/a.png"])

@@ -285,3 +285,50 @@ def test_plan_marks_constant_add_and_non_float_input_fp32():
     p = make_plan(m)
     assert p.decision("conv").status == "int8"
     assert p.decision("add_const").status == "fp32" and "constant" in p.decision("add_const").reason
+
+
+# --- qparams: the one place that owns scale, zero point and rounding ----------------------------------------
+
+@pytest.mark.parametrize("lo,hi", [(-1.0, 3.0), (0.5, 6.0), (-4.0, -0.25), (-0.001, 1000.0), (0.0, 1.0)])
+def test_activation_qparams_represent_zero_exactly(lo, hi):
+    p = Q.activation_qparams(lo, hi)
+    assert 0 <= p.zero_point <= 255 and p.scale > 0
+    assert p.lo <= min(lo, 0.0) + p.scale / 2 and p.hi >= max(hi, 0.0) - p.scale / 2
+    assert Q.fake_quantize(np.zeros(3, np.float32), p).tolist() == [0.0, 0.0, 0.0]
+    if lo >= 0:
+        assert p.zero_point == 0
+    if hi <= 0:
+        assert p.zero_point == 255
+
+
+def test_activation_qparams_degenerate_and_non_finite():
+    assert Q.activation_qparams(0.0, 0.0) == Q.ActQParams(1.0, 0)
+    with pytest.raises(ValueError):
+        Q.activation_qparams(-np.inf, 1.0)
+
+
+def test_quantize_matches_onnxruntime_quantizelinear_including_ties():
+    p = Q.activation_qparams(-1.0, 3.0)
+    rng = np.random.default_rng(0)
+    ties = (np.arange(-20, 20) + 0.5).astype(np.float32) * np.float32(p.scale)
+    x = np.concatenate([rng.uniform(-2, 4, 500).astype(np.float32), ties, np.float32([-5, 7, 0])])
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["y"])]
+    g = helper.make_graph(nodes, "q", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [x.size])],
+                          [helper.make_tensor_value_info("y", onnx.TensorProto.UINT8, [x.size])],
+                          initializer=[init("s", p.scale), init("z", p.zero_point, np.uint8)])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    m.ir_version = 8
+    np.testing.assert_array_equal(Q.quantize(x, p), run(m, {"x": x})[0])
+
+
+def test_weight_scales_and_bias_quantization():
+    w = np.zeros((3, 2, 1, 1), np.float32)
+    w[0] = [[[0.5]], [[-1.27]]]
+    w[2] = [[[2.54]], [[0.01]]]
+    s = Q.weight_scales(w, 0)
+    np.testing.assert_allclose(s, [0.01, 1.0, 0.02], rtol=1e-6)  # an all-zero channel gets scale 1
+    q = Q.quantize_weight(w, s, 0)
+    assert q.dtype == np.int8 and q[0].ravel().tolist() == [50, -127] and q[2].ravel().tolist() == [127, 0]
+    bq, bs = Q.quantize_bias(np.array([1.0, -1e12, 1e12]), 0.5, s)
+    assert bq.dtype == np.int32 and bq.tolist() == [200, -(2 ** 31), 2 ** 31 - 1]
+    np.testing.assert_allclose(bs, 0.5 * s)
