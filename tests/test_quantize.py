@@ -11,7 +11,7 @@ import onnx
 import pytest
 from onnx import helper, numpy_helper
 
-from helpers import init, make_model, ops, run, save, small_convnet, write_config, write_images
+from helpers import init, make_model, ops, run, save, small_convnet, weight, write_config, write_images
 from qtool import qparams as Q
 from qtool.calibrate.config import load_config
 from qtool.calibrate.images import list_images, load_image
@@ -194,9 +194,8 @@ def test_op_without_rule_stays_fp32(tmp_path, op):
     out = quantize_graph(r.fused, r.table)
     d = out.plan.decision("middle")
     assert d.status == "fp32" and "no int8 rule" in d.reason
-    node = next(n for n in out.model.graph.node if n.op_type == op)
-    assert _producer(out.model, node.input[0]).op_type == "DequantizeLinear"  # reads the int8 Add's output
-    assert not any(n.op_type == "QuantizeLinear" and n.input[0] == node.output[0] for n in out.model.graph.node)
+    assert sum(n.op_type == op for n in out.model.graph.node) == 1  # still there, in float
+    assert out.plan.decision("fc").status == "int8"  # and the layers after it are still int8
     x = _inputs(tmp_path / "cfg.toml", tmp_path / "data")
     assert _sqnr(run(r.fused, {"x": x})[0], run(out.model, {"x": x})[0]) > 20
 
@@ -332,3 +331,31 @@ def test_weight_scales_and_bias_quantization():
     bq, bs = Q.quantize_bias(np.array([1.0, -1e12, 1e12]), 0.5, s)
     assert bq.dtype == np.int32 and bq.tolist() == [200, -(2 ** 31), 2 ** 31 - 1]
     np.testing.assert_allclose(bs, 0.5 * s)
+
+
+def test_gemm_untransposed_matmul_and_shared_weights(tmp_path):
+    """Gemm with transB=0 and MatMul quantize W per output feature along axis 1; two Convs sharing one
+    weight initializer each get a quantized copy."""
+    rng = np.random.default_rng(12)
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], name="c1"),
+             helper.make_node("Relu", ["c"], ["r"], name="relu"),
+             helper.make_node("Conv", ["r", "w2", "b2"], ["c2"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], name="c2"),
+             helper.make_node("Conv", ["c2", "w2", "b2"], ["c3"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], name="c3"),
+             helper.make_node("GlobalAveragePool", ["c3"], ["g"], name="gap"),
+             helper.make_node("Flatten", ["g"], ["f"], name="flat"),
+             helper.make_node("Gemm", ["f", "fw", "fb"], ["h"], name="gemm"),
+             helper.make_node("MatMul", ["h", "mw"], ["y"], name="matmul")]
+    inits = [weight(rng, "w", 4, 3, 3, 3), weight(rng, "b", 4), weight(rng, "w2", 4, 4, 3, 3, scale=0.3),
+             weight(rng, "b2", 4), weight(rng, "fw", 4, 6), weight(rng, "fb", 6), weight(rng, "mw", 6, 5)]
+    m = make_model(nodes, inits, [("x", ["N", 3, 16, 16])], [("y", ["N", 5])])
+    r = _cal(m, tmp_path)
+    out = quantize_graph(r.fused, r.table)
+    assert {d.name: d.status for d in out.plan.decisions if d.name in ("gemm", "matmul", "c2", "c3")} == \
+        dict.fromkeys(("c2", "c3", "gemm", "matmul"), "int8")
+    mm = {n.name: n for n in out.model.graph.node}
+    for name, axis in (("gemm", 1), ("matmul", 1), ("c2", 0), ("c3", 0)):
+        dq = _producer(out.model, mm[name].input[1])
+        assert dq.op_type == "DequantizeLinear" and next(a.i for a in dq.attribute if a.name == "axis") == axis
+    assert mm["c2"].input[1] != mm["c3"].input[1]
+    x = _inputs(tmp_path / "cfg.toml", tmp_path / "data")
+    assert _sqnr(run(m, {"x": x})[0], run(out.model, {"x": x})[0]) > 20
