@@ -52,8 +52,9 @@ def _load(model):
 
 
 class NativeSession:
-    def __init__(self, model, threads: int = 2, backend: str | None = None):
+    def __init__(self, model, threads: int = 2, backend: str | None = None, reuse_buffers: bool = True):
         m, self.where = _load(model)
+        self.reuse_buffers = reuse_buffers  # False keeps every intermediate (for debugging)
         self.K, self.backend = load_backend(backend)
         self.threads = int(threads)
         self._set_threads()
@@ -172,6 +173,8 @@ class NativeSession:
             if k in views:
                 root[st.outs[0]] = root.get(st.ins[0], st.ins[0])
         forever = {root.get(o[1], o[1]) for o in prog.outputs}
+        if not self.reuse_buffers:
+            forever = set(range(prog.n_slots))
         pool = []  # free raw buffers
         owner = {}  # root slot -> raw buffer
         bufs = {}
@@ -205,14 +208,21 @@ class NativeSession:
         plan = _Plan()
         plan.env = env
         plan.bytes = total
-        calls = []
-        for k, st in enumerate(steps):
-            out = [bufs[o] for o in st.outs] if st.uses_out and k not in views else None
-            calls.append(functools.partial(st.run, env, out))
-        plan.calls = calls
-        plan.steps_calls = list(zip(steps, calls))
-        # re-run once on the bound buffers so that env holds them (and catch binding bugs early)
-        for st, f in plan.steps_calls:
+        steps_calls = []
+        for k, st in enumerate(steps):  # bind in order: every input is a fixed buffer by now
+            if k in views:  # a view of a fixed buffer stays valid: make it once
+                st.run(env, None)
+                continue
+            out = [bufs[o] for o in st.outs] if st.uses_out else None
+            if out:
+                for o, b in zip(st.outs, out):
+                    env[o] = b
+            steps_calls.append((st, st.bind(env, out)))
+        plan.steps_calls = steps_calls
+        plan.calls = [f for _, f in steps_calls]
+        for slot, x in arrs:
+            env[slot] = x
+        for f in plan.calls:  # once on the bound buffers, so that binding errors show up here
             f()
         return plan
 

@@ -7,9 +7,20 @@ of rank 4 are NHWC uint8; everything else keeps ONNX's layout.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from qtool.runtime.fp32_ops import FP32_OPS, conv_pads
+
+
+def _native(K, out):
+    """The C extension behind qtool.kernels, when binding straight to it is possible."""
+    return getattr(K, "_native", None) if out is not None else None
+
+
+def _ratio(a, b):
+    return float(np.float32(a) / np.float32(b))
 
 
 class Step:
@@ -26,6 +37,12 @@ class Step:
 
     def run(self, env, out):
         raise NotImplementedError
+
+    def bind(self, env, out):
+        """A no-argument callable doing this step on the plan's fixed buffers. Steps whose
+        inputs and outputs are fixed buffers bind the C kernel itself (functools.partial),
+        skipping the Python wrappers' argument checks (the trace run went through them)."""
+        return functools.partial(self.run, env, out)
 
 
 # ---------------------------------------------------------------- boundaries and layout
@@ -117,6 +134,13 @@ class ConvStep(Step):
     def run(self, env, out):
         env[self.outs[0]] = self.K.conv2d(self.p, env[self.ins[0]], out=out[0] if out else None)
 
+    def bind(self, env, out):
+        nat, cap = _native(self.K, out), getattr(self.p, "_cap", None)
+        if nat is None or cap is None:
+            return super().bind(env, out)
+        x, y = env[self.ins[0]], out[0]
+        return functools.partial(nat.conv_run, cap, x, x.shape[0], x.shape[1], x.shape[2], y, y.shape[1], y.shape[2])
+
     def macs(self, env):
         return int(env[self.outs[0]].size) * self.cig * self.p.kh * self.p.kw
 
@@ -139,6 +163,13 @@ class GemmStep(Step):
             return
         env[self.outs[0]] = self.K.gemm(self.p, x, out=out[0] if out else None)
 
+    def bind(self, env, out):
+        nat, cap = _native(self.K, out), getattr(self.p, "_cap", None)
+        x = env[self.ins[0]]
+        if nat is None or cap is None or x.ndim != 2:
+            return super().bind(env, out)
+        return functools.partial(nat.conv_run, cap, x, x.shape[0], 1, 1, out[0], 1, 1)
+
     def macs(self, env):
         y = env[self.outs[0]]
         return int(np.prod(y.shape)) * self.k
@@ -157,6 +188,15 @@ class AddStep(Step):
             shape = np.broadcast_shapes(a.shape, b.shape)
             a, b = np.ascontiguousarray(np.broadcast_to(a, shape)), np.ascontiguousarray(np.broadcast_to(b, shape))
         env[self.outs[0]] = self.K.add(a, b, out=out[0] if out else None, **self.kw)
+
+    def bind(self, env, out):
+        nat = _native(self.K, out)
+        a, b = env[self.ins[0]], env[self.ins[1]]
+        if nat is None or a.shape != b.shape:
+            return super().bind(env, out)
+        k = self.kw
+        return functools.partial(nat.add, a, b, out[0], _ratio(k["a_scale"], k["y_scale"]), int(k["a_zp"]),
+                                 _ratio(k["b_scale"], k["y_scale"]), int(k["b_zp"]), int(k["y_zp"]), int(k["lo"]), int(k["hi"]))
 
     def macs(self, env):
         return int(env[self.outs[0]].size)
@@ -189,6 +229,16 @@ class MaxPoolStep(Step):
             p = self.geo[x.shape] = _pool_pads(self.at, x.shape[1:3], self.k, self.s, self.d)
         env[self.outs[0]] = self.K.maxpool2d(x, self.k, self.s, p, self.d, out=out[0] if out else None)
 
+    def bind(self, env, out):
+        nat = _native(self.K, out)
+        if nat is None or not hasattr(nat, "pool"):
+            return super().bind(env, out)
+        x, y = env[self.ins[0]], out[0]
+        n, h, w, c = x.shape
+        p = self.geo[x.shape]
+        return functools.partial(nat.pool, x, y, n, h, w, c, y.shape[1], y.shape[2], self.k[0], self.k[1], self.s[0], self.s[1],
+                                 p[0], p[1], p[2], p[3], self.d[0], self.d[1], 0, 0, 0, 1.0, 0, 0, 255)
+
 
 class AvgPoolStep(Step):
     def __init__(self, name, K, x, y, attrs, qx, qy, lo, hi):
@@ -208,6 +258,17 @@ class AvgPoolStep(Step):
             p = self.geo[x.shape] = _pool_pads(self.at, x.shape[1:3], self.k, self.s)
         env[self.outs[0]] = self.K.avgpool2d(x, self.k, self.s, p, self.cip, out=out[0] if out else None, **self.kw)
 
+    def bind(self, env, out):
+        nat = _native(self.K, out)
+        if nat is None or not hasattr(nat, "pool"):
+            return super().bind(env, out)
+        x, y = env[self.ins[0]], out[0]
+        n, h, w, c = x.shape
+        p, k = self.geo[x.shape], self.kw
+        return functools.partial(nat.pool, x, y, n, h, w, c, y.shape[1], y.shape[2], self.k[0], self.k[1], self.s[0], self.s[1],
+                                 p[0], p[1], p[2], p[3], 1, 1, 1, int(self.cip), int(k["x_zp"]), float(np.float32(k["multiplier"])),
+                                 int(k["y_zp"]), int(k["lo"]), int(k["hi"]))
+
 
 class GlobalAvgPoolStep(Step):
     def __init__(self, name, K, x, y, qx, qy, lo, hi):
@@ -218,6 +279,16 @@ class GlobalAvgPoolStep(Step):
 
     def run(self, env, out):
         env[self.outs[0]] = self.K.global_avgpool(env[self.ins[0]], out=out[0] if out else None, **self.kw)
+
+    def bind(self, env, out):
+        nat = _native(self.K, out)
+        if nat is None or not hasattr(nat, "pool"):
+            return super().bind(env, out)
+        x, y = env[self.ins[0]], out[0]
+        n, h, w, c = x.shape
+        k = self.kw
+        return functools.partial(nat.pool, x, y, n, h, w, c, 1, 1, h, w, 1, 1, 0, 0, 0, 0, 1, 1, 1, 0, int(k["x_zp"]),
+                                 float(np.float32(k["multiplier"])), int(k["y_zp"]), int(k["lo"]), int(k["hi"]))
 
 
 class ConcatStep(Step):
@@ -230,6 +301,9 @@ class ConcatStep(Step):
     def run(self, env, out):
         xs = [env[i] for i in self.ins]
         env[self.outs[0]] = self.K.concat(xs, self.axis, out=out[0] if out else None, **self.kw)
+
+    def bind(self, env, out):
+        return _bind_concat(self, [env[i] for i in self.ins], self.axis, out) or super().bind(env, out)
 
 
 class RequantStep(Step):
@@ -244,6 +318,24 @@ class RequantStep(Step):
     def run(self, env, out):
         x = env[self.ins[0]]
         env[self.outs[0]] = self.K.concat([x], x.ndim - 1, out=out[0] if out else None, **self.kw)
+
+    def bind(self, env, out):
+        x = env[self.ins[0]]
+        return _bind_concat(self, [x], x.ndim - 1, out) or super().bind(env, out)
+
+
+def _bind_concat(st, xs, axis, out):
+    nat = _native(st.K, out)
+    if nat is None or not hasattr(nat, "concat"):
+        return None
+    k = st.kw
+    axis %= xs[0].ndim
+    outer = int(np.prod(xs[0].shape[:axis], dtype=np.int64))
+    items = []
+    for x, s, z in zip(xs, k["scales"], k["zps"]):
+        same = np.float32(s) == np.float32(k["y_scale"]) and int(z) == int(k["y_zp"])
+        items.append((x, int(np.prod(x.shape[axis:], dtype=np.int64)), bool(same), int(z), _ratio(s, k["y_scale"])))
+    return functools.partial(nat.concat, items, outer, out[0], int(k["y_zp"]))
 
 
 class ShapeOpStep(Step):

@@ -1,0 +1,176 @@
+#!/usr/bin/env python3
+"""qtool's native int8 runtime against ONNX Runtime on the same int8 file: fidelity and speed.
+
+  python benchmarks/bench_runtime.py --model M.int8.onnx [--fp32 M.onnx] [--images DIR] [--limit N]
+                                     [--threads 2] [--batch 1 --batch 8] [--profile] [--no-speed]
+
+Fidelity (needs --images; ImageNet-style files <synset>_<name>.JPEG, sorted by name, the
+evaluation split is index % 10 != 0): top-1 agreement of qtool's runtime with ORT on the int8
+model, the share of logits within one quantization step of ORT's (the step is the scale of the
+DequantizeLinear that writes the output), and top-1 accuracy of both (and of ORT fp32 with --fp32).
+Acceptance: agreement >= 0.998 and >= 99.9 % of logits within one step.
+Preprocessing (EfficientNet-Lite): shorter side to 256 bicubic, centre crop 224, (x - 127) / 128.
+
+Speed: median ms/image of qtool native, ORT int8 (same file) and ORT fp32 (--fp32) on random
+input, per batch size, measured side by side in one process. --profile adds a per-op-type table:
+time share, GMAC, GMAC/s and the fraction of the VNNI peak (about 233 GMAC/s per core).
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from qtool.runtime import NativeSession  # noqa: E402
+from qtool.runtime.profile import op_type_table, format_table, VNNI_GMACS_PER_CORE  # noqa: E402
+
+import onnx  # noqa: E402
+import onnxruntime as ort  # noqa: E402
+from onnx import numpy_helper  # noqa: E402
+from PIL import Image  # noqa: E402
+
+
+def preprocess(path, size=224):
+    im = Image.open(path).convert("RGB")
+    w, h = im.size
+    s = round(size * 256 / 224) / min(w, h)
+    im = im.resize((round(w * s), round(h * s)), Image.BICUBIC)
+    w, h = im.size
+    left, top = (w - size) // 2, (h - size) // 2
+    im = im.crop((left, top, left + size, top + size))
+    return ((np.asarray(im, np.float32) - 127.0) / 128.0).transpose(2, 0, 1)[None]
+
+
+def ort_session(path, threads):
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+
+
+def output_step(path):
+    m = onnx.load(path)
+    inits = {i.name: i for i in m.graph.initializer}
+    out = m.graph.output[0].name
+    for n in m.graph.node:
+        if n.op_type == "DequantizeLinear" and n.output[0] == out and n.input[1] in inits:
+            return float(numpy_helper.to_array(inits[n.input[1]]).reshape(-1)[0])
+    return None
+
+
+def fidelity(a, native, oq, of):
+    files = sorted(glob.glob(os.path.join(a.images, "*.JPEG")))
+    synsets = sorted({os.path.basename(f).split("_")[0] for f in files})
+    label = {s: i for i, s in enumerate(synsets)}
+    evals = [f for i, f in enumerate(files) if i % 10]
+    if a.limit:
+        evals = evals[:a.limit]
+    step = output_step(a.model)
+    name = native.get_inputs()[0].name
+    agree = within = total = ok_n = ok_q = ok_f = exact = 0
+    worst = 0.0
+    t0 = time.time()
+    for f in evals:
+        x = preprocess(f, a.size)
+        y = label.get(os.path.basename(f).split("_")[0], -1)
+        ln = native.run(None, {name: x})[0]
+        lq = oq.run(None, {name: x})[0]
+        d = np.abs(ln.astype(np.float64) - lq.astype(np.float64))
+        tol = step if step else 1e-4 * max(1.0, float(np.abs(lq).max()))
+        within += int((d <= tol * 1.0001).sum())
+        exact += int((d <= tol * 1e-3).sum())
+        total += d.size
+        worst = max(worst, float(d.max()) / tol)
+        pn, pq = int(np.argmax(ln)), int(np.argmax(lq))
+        agree += pn == pq
+        ok_n += pn == y
+        ok_q += pq == y
+        if of is not None:
+            ok_f += int(np.argmax(of.run(None, {name: x})[0])) == y
+    n = len(evals)
+    res = {"images": n, "top1_agreement": agree / n, "logits_within_one_step": within / total,
+           "logits_exact": exact / total, "max_diff_steps": worst, "step": step,
+           "top1_native": ok_n / n, "top1_ort_int8": ok_q / n, "top1_ort_fp32": (ok_f / n) if of is not None else None,
+           "seconds": time.time() - t0}
+    ok = res["top1_agreement"] >= 0.998 and res["logits_within_one_step"] >= 0.999
+    print(f"fidelity on {n} images of {a.images} (eval split): top-1 agreement native vs ORT int8 {res['top1_agreement']:.4f} | "
+          f"logits within one step ({step:.5g}) {100 * res['logits_within_one_step']:.3f}% (exact {100 * res['logits_exact']:.3f}%, "
+          f"worst {worst:.2f} steps) | top-1 native {res['top1_native']:.4f}, ORT int8 {res['top1_ort_int8']:.4f}"
+          + (f", ORT fp32 {res['top1_ort_fp32']:.4f}" if of is not None else "") + f" | {'PASS' if ok else 'FAIL'}")
+    return res
+
+
+def median_ms(fn, bs, min_reps, budget=3.0):
+    fn()
+    ts = []
+    t_end = time.perf_counter() + budget
+    while len(ts) < min_reps or (time.perf_counter() < t_end and len(ts) < 200):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+        if len(ts) >= min_reps and time.perf_counter() > t_end:
+            break
+    return float(np.median(ts)) * 1000 / bs
+
+
+def speed(a, native, oq, of, batches, reps=20):
+    name = native.get_inputs()[0].name
+    dims = native.get_inputs()[0].shape
+    rng = np.random.default_rng(0)
+    res = {}
+    for bs in batches:
+        shape = [bs if not isinstance(d, int) else d for d in dims]
+        shape[0] = bs
+        x = rng.standard_normal(shape).astype(np.float32)
+        r = {"native_ms": median_ms(lambda: native.run(None, {name: x}), bs, reps if bs == 1 else max(4, reps // 4)),
+             "ort_int8_ms": median_ms(lambda: oq.run(None, {name: x}), bs, reps if bs == 1 else max(4, reps // 4))}
+        r["ort_fp32_ms"] = median_ms(lambda: of.run(None, {name: x}), bs, reps if bs == 1 else max(4, reps // 4)) if of else None
+        res[bs] = r
+        print(f"speed {os.path.basename(a.model)} batch {bs}, {a.threads} threads: native {r['native_ms']:.2f} ms/image, "
+              f"ORT int8 {r['ort_int8_ms']:.2f}, " + (f"ORT fp32 {r['ort_fp32_ms']:.2f} | " if of else "| ")
+              + f"native vs ORT int8 {r['ort_int8_ms'] / r['native_ms']:.2f}x"
+              + (f", vs ORT fp32 {r['ort_fp32_ms'] / r['native_ms']:.2f}x" if of else ""))
+    return res
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="QDQ int8 ONNX model")
+    p.add_argument("--fp32", help="the float model it was quantized from")
+    p.add_argument("--images", help="directory of <synset>_*.JPEG images")
+    p.add_argument("--limit", type=int, default=0, help="only the first N evaluation images")
+    p.add_argument("--size", type=int, default=224)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--batch", type=int, action="append", help="batch sizes for speed (default 1 and 8)")
+    p.add_argument("--profile", action="store_true", help="per-op-type time and GMAC/s of the native runtime")
+    p.add_argument("--no-speed", action="store_true")
+    p.add_argument("--report", action="store_true", help="print which nodes run in int8 / fp32")
+    a = p.parse_args(argv)
+    native = NativeSession(a.model, threads=a.threads)
+    print(native.report() if a.report else native.report().splitlines()[0] + "\n" + "\n".join(
+        native.report().splitlines()[1:4]))
+    oq = ort_session(a.model, a.threads)
+    of = ort_session(a.fp32, a.threads) if a.fp32 else None
+    if a.images:
+        fidelity(a, native, oq, of)
+    if not a.no_speed:
+        speed(a, native, oq, of, a.batch or [1, 8])
+    if a.profile:
+        name = native.get_inputs()[0].name
+        dims = native.get_inputs()[0].shape
+        for bs in a.batch or [1]:
+            shape = [d if isinstance(d, int) else bs for d in dims]
+            shape[0] = bs
+            x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+            rows = native.profile({name: x}, repeats=10)
+            print(f"profile batch {bs} ({a.threads} threads, peak {VNNI_GMACS_PER_CORE:.0f} GMAC/s/core):")
+            print(format_table(op_type_table(rows, a.threads)))
+
+
+if __name__ == "__main__":
+    main()
