@@ -387,3 +387,52 @@ def test_corrupt_table_and_manifest_are_one_line_errors(tmp_path):
     (tmp_path / "manifest.json").write_text("[1, 2")
     with pytest.raises(QtoolError, match=r"manifest\.json.*not valid JSON"):
         Workdir(str(tmp_path)).manifest()
+
+
+# --- modelio ----------------------------------------------------------------------------------------------
+
+def _external(tmp_path, location):
+    from onnx import external_data_helper
+    d = tmp_path / "m"
+    d.mkdir(exist_ok=True)
+    m = small_convnet()
+    external_data_helper.convert_model_to_external_data(m, all_tensors_to_one_file=True, location="w.bin",
+                                                        size_threshold=0)
+    onnx.save_model(m, str(d / "net.onnx"))
+    m = onnx.load(str(d / "net.onnx"), load_external_data=False)
+    for t in m.graph.initializer:
+        for e in t.external_data:
+            if e.key == "location":
+                e.value = location
+    onnx.save_model(m, str(d / "edited.onnx"))
+    return str(d / "net.onnx"), str(d / "edited.onnx")
+
+
+def test_load_model_external_data(tmp_path):
+    from qtool.modelio import load_model
+    good, _ = _external(tmp_path, "w.bin")
+    m = load_model(good)
+    assert len(m.graph.initializer) > 0 and all(t.raw_data or t.float_data for t in m.graph.initializer)
+
+
+@pytest.mark.parametrize("location,msg", [("../outside.bin", "outside the model's folder"),
+                                          ("/etc/passwd", "outside the model's folder"),
+                                          ("absent.bin", "is missing")])
+def test_load_model_refuses_bad_external_paths(tmp_path, location, msg):
+    from qtool.modelio import load_model
+    (tmp_path / "outside.bin").write_bytes(b"\0" * 4096)
+    _, edited = _external(tmp_path, location)
+    with pytest.raises(QtoolError, match=rf"edited\.onnx.*{msg}"):
+        load_model(edited)
+
+
+def test_load_model_folder_and_checker(tmp_path):
+    from qtool.modelio import load_model
+    with pytest.raises(QtoolError, match="is a folder"):
+        load_model(str(tmp_path))
+    m = small_convnet()
+    m.graph.node[0].input[1] = "no_such_weight"  # dangling input: the checker refuses it
+    p = tmp_path / "broken.onnx"
+    onnx.save(m, str(p))
+    with pytest.raises(QtoolError, match=r"broken\.onnx: ONNX checker rejects"):
+        load_model(str(p))

@@ -389,3 +389,10 @@ def test_labels_from_folders_and_file(tmp_path):
     (tmp_path / "empty.txt").write_text("\n\n")
     with pytest.raises(QtoolError, match="labels file is empty"):
         labels_from_file(str(tmp_path / "empty.txt"), ["/d/a.png"])
+
+
+def test_quantize_with_explicit_model_and_table(project):
+    assert qtool("calibrate", "-m", "net.onnx", "-d", "data", "-c", "cfg.toml", "-q", "-w", "w1") == 0
+    assert qtool("quantize", "-q", "-w", "w2", "-m", "net.onnx", "--table", "w1/calibration.json",
+                 "--json", "q.json") == 0
+    assert os.path.exists("w2/model.int8.onnx") and json.load(open("q.json"))["summary"]["int8"] == 6
