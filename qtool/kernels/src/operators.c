@@ -17,6 +17,7 @@ void qt_conv_free(qt_conv* cv) {
   free(cv->w);
   free(cv->zero);
   free(cv->ind);
+  free((void*)cv->dw_ind);
   free(cv);
 }
 
@@ -152,28 +153,44 @@ static void igemm_task(void* ctx, size_t begin, size_t end) {
   }
 }
 
+/* Depthwise indirection: [N*OH][OW][ks] pointers into the input seen when it was built
+ * (dw_base); later calls pass x - dw_base as in_offset. Padding taps point at `zero`. */
+static int build_dw_indirection(qt_conv* cv, const uint8_t* x, size_t n, size_t h, size_t w,
+                                size_t oh, size_t ow) {
+  if (cv->dw_ind && cv->ind_n == n && cv->ind_h == h && cv->ind_w == w && cv->ind_oh == oh &&
+      cv->ind_ow == ow)
+    return 0;
+  free((void*)cv->dw_ind);
+  const size_t ks = cv->kh * cv->kw, c = cv->cout;
+  const uint8_t** ind = (const uint8_t**)malloc(sizeof(uint8_t*) * (n * oh * ow * ks + 1));
+  cv->dw_ind = ind;
+  if (!ind) return -1;
+  for (size_t b = 0; b < n; b++)
+    for (size_t oy = 0; oy < oh; oy++)
+      for (size_t ox = 0; ox < ow; ox++)
+        for (size_t ky = 0; ky < cv->kh; ky++) {
+          ptrdiff_t iy = (ptrdiff_t)(oy * cv->sh + ky * cv->dh) - (ptrdiff_t)cv->pt;
+          for (size_t kx = 0; kx < cv->kw; kx++) {
+            ptrdiff_t ix = (ptrdiff_t)(ox * cv->sw + kx * cv->dw) - (ptrdiff_t)cv->pl;
+            const uint8_t* p = cv->zero;
+            if (iy >= 0 && iy < (ptrdiff_t)h && ix >= 0 && ix < (ptrdiff_t)w)
+              p = x + ((b * h + (size_t)iy) * w + (size_t)ix) * c;
+            *ind++ = p;
+          }
+        }
+  cv->dw_base = x;
+  cv->ind_n = n; cv->ind_h = h; cv->ind_w = w; cv->ind_oh = oh; cv->ind_ow = ow;
+  return 0;
+}
+
 static void dw_task(void* ctx, size_t begin, size_t end) {
   const conv_job* j = (const conv_job*)ctx;
   const qt_conv* cv = j->cv;
   const size_t ks = cv->kh * cv->kw, c = cv->cout;
-  const uint8_t** ptrs = (const uint8_t**)malloc(sizeof(uint8_t*) * j->ow * ks);
-  if (!ptrs) return;
-  for (size_t r = begin; r < end; r++) {
-    const size_t b = r / j->oh, oy = r % j->oh;
-    for (size_t ox = 0; ox < j->ow; ox++)
-      for (size_t ky = 0; ky < cv->kh; ky++) {
-        ptrdiff_t iy = (ptrdiff_t)(oy * cv->sh + ky * cv->dh) - (ptrdiff_t)cv->pt;
-        for (size_t kx = 0; kx < cv->kw; kx++) {
-          ptrdiff_t ix = (ptrdiff_t)(ox * cv->sw + kx * cv->dw) - (ptrdiff_t)cv->pl;
-          const uint8_t* p = cv->zero;
-          if (iy >= 0 && iy < (ptrdiff_t)j->h && ix >= 0 && ix < (ptrdiff_t)j->w)
-            p = j->x + ((b * j->h + (size_t)iy) * j->w + (size_t)ix) * c;
-          ptrs[ox * ks + ky * cv->kw + kx] = p;
-        }
-      }
-    cv->d->dwconv.ukernel(c, j->ow, ks, ptrs, cv->w, (uint8_t*)j->y + r * j->ow * c, c, &cv->rq);
-  }
-  free(ptrs);
+  const ptrdiff_t off = (const char*)j->x - (const char*)cv->dw_base;
+  for (size_t r = begin; r < end; r++)
+    cv->d->dwconv.ukernel(c, j->ow, ks, cv->dw_ind + r * j->ow * ks, off, cv->zero, cv->w,
+                          (uint8_t*)j->y + r * j->ow * c, c, &cv->rq);
 }
 
 int qt_conv_run(qt_conv* cv, const uint8_t* x, size_t n, size_t h, size_t w, void* y, size_t oh,
@@ -181,6 +198,7 @@ int qt_conv_run(qt_conv* cv, const uint8_t* x, size_t n, size_t h, size_t w, voi
   conv_job j = {cv, x, y, n, h, w, oh, ow, n * oh * ow};
   if (j.m == 0) return 0;
   if (cv->kind == QT_CONV_DW) {
+    if (build_dw_indirection(cv, x, n, h, w, oh, ow) != 0) return -1;
     qt_parallel(n * oh, dw_task, &j);
     return 0;
   }

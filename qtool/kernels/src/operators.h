@@ -15,7 +15,9 @@ typedef struct {
   size_t w_bytes, panel_bytes, panels_per_group;
   uint8_t* zero;
   size_t zero_len;
-  intptr_t* ind;                 /* cached indirection */
+  intptr_t* ind;                 /* igemm: cached indirection (byte offsets, -1 = padding) */
+  const uint8_t** dw_ind;        /* dwconv: cached [N*OH][OW][ks] pointers into dw_base */
+  const uint8_t* dw_base;
   size_t ind_n, ind_h, ind_w, ind_oh, ind_ow, mblocks;
 } qt_conv;
 

@@ -59,11 +59,13 @@ typedef void (*qt_igemm_ukernel)(size_t mr, size_t nc, size_t kc, size_t ks, con
                                  size_t cm_stride, const qt_requant* rq);
 
 /* Depthwise microkernel: one output row segment of `ow` pixels, all channels.
- *   in: [ow][ks] input pointers (padding points at a zp-filled buffer of >= channels bytes)
+ *   in: [ow][ks] input pointers; a pointer equal to `zero` is padding (a zp-filled buffer of
+ *       >= channels bytes), any other gets `in_offset` added (XNNPACK-style cached indirection)
  *   w:  packed per channel tile (ISA layout); out: ow x channels u8, pixels out_stride apart. */
-typedef void (*qt_dwconv_ukernel)(size_t channels, size_t ow, size_t ks, const uint8_t** in,
-                                  const void* w, uint8_t* out, size_t out_stride,
-                                  const qt_requant* rq);
+typedef void (*qt_dwconv_ukernel)(size_t channels, size_t ow, size_t ks, const uint8_t* const* in,
+                                  ptrdiff_t in_offset, const uint8_t* zero, const void* w,
+                                  uint8_t* out, size_t out_stride, const qt_requant* rq);
+#define QT_DW_PTR(ptr, off, zero) ((ptr) != (zero) ? (ptr) + (off) : (zero))
 
 typedef struct {
   const char* name;
