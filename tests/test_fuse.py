@@ -377,3 +377,51 @@ def test_fuse_model_old_ir_weights_listed_as_inputs():
     dangling = [i.name for i in r.model.graph.input if i.name != "x" and i.name not in inits_after]
     assert dangling == [], f"graph inputs with no initializer after folding: {dangling}"
     assert_same_function(m0, r.model, {"x": _x((1, 3, 8, 8))})
+
+
+# --- more shapes of the same patterns -----------------------------------------------------------------------
+
+def test_fold_pad_opset9_attribute_form():
+    rng = np.random.default_rng(8)
+    nodes = [helper.make_node("Pad", ["x"], ["xp"], pads=[0, 0, 1, 1, 0, 0, 1, 1], mode="constant", value=0.0),
+             helper.make_node("Conv", ["xp", "w"], ["y"], kernel_shape=[3, 3])]
+    m0 = make_model(nodes, [weight(rng, "w", 4, 3, 3, 3)], [("x", ["N", 3, 8, 8])], [("y", ["N", 4, 8, 8])], opset=9)
+    m1, changed, _ = _apply(fold_pad.run, m0)
+    assert changed and ops(m1) == {"Conv": 1} and G.attr(m1.graph.node[0], "pads") == [1, 1, 1, 1]
+    assert_same_function(m0, m1, {"x": _x((2, 3, 8, 8))})
+
+
+def test_fuse_shape_with_start_attribute_reshape():
+    """opset 15 Shape(start=1) -> ReduceProd -> Concat([-1, C*H*W]) -> Reshape: becomes a constant target."""
+    nodes = [helper.make_node("Shape", ["x"], ["s"], start=1), helper.make_node("ReduceProd", ["s"], ["p"], keepdims=1),
+             helper.make_node("Concat", ["m1", "p"], ["t"], axis=0), helper.make_node("Reshape", ["x", "t"], ["y"])]
+    m0 = make_model(nodes, [init("m1", [-1], np.int64)], [("x", ["N", 3, 4, 4])], [("y", ["N", 48])], opset=15)
+    r = fuse_model(m0)
+    assert ops(r.model) == {"Reshape": 1}
+    assert G.const_value(r.model, r.model.graph.node[0].input[1]).tolist() == [-1, 48]
+    for n in (1, 3):
+        assert_same_function(m0, r.model, {"x": _x((n, 3, 4, 4), n)})
+
+
+def test_remove_identity_chain_to_output_and_casts():
+    nodes = [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Cast", ["a"], ["b"], to=onnx.TensorProto.FLOAT),
+             helper.make_node("Identity", ["b"], ["c"]), helper.make_node("Identity", ["c"], ["y"]),
+             helper.make_node("Cast", ["a"], ["i"], to=onnx.TensorProto.INT32),
+             helper.make_node("Cast", ["i"], ["z"], to=onnx.TensorProto.FLOAT)]
+    m0 = make_model(nodes, [], [("x", [4])], [("y", [4]), ("z", [4])])
+    r = fuse_model(m0)
+    # the float->float Cast and one Identity go; the int round trip stays, and so does the Identity that
+    # names output y, since Relu's output has a second reader and cannot simply be renamed
+    assert ops(r.model) == {"Relu": 1, "Cast": 2, "Identity": 1}
+    assert_same_function(m0, r.model, {"x": np.array([-1.5, 0.4, 2.6, 3.0], np.float32)})
+
+
+def test_fold_mul_scalar_into_conv_without_bias():
+    rng = np.random.default_rng(9)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], kernel_shape=[1, 1]), helper.make_node("Mul", ["c", "k"], ["m"]),
+             helper.make_node("Add", ["m", "d"], ["y"])]
+    m0 = make_model(nodes, [weight(rng, "w", 4, 3, 1, 1), init("k", -2.0), init("d", 0.5)],
+                    [("x", ["N", 3, 4, 4])], [("y", ["N", 4, 4, 4])])
+    r = fuse_model(m0)
+    assert ops(r.model) == {"Conv": 1} and len(r.model.graph.node[0].input) == 3
+    assert_same_function(m0, r.model, {"x": _x((2, 3, 4, 4))})
