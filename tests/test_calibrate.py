@@ -436,3 +436,21 @@ def test_load_model_folder_and_checker(tmp_path):
     onnx.save(m, str(p))
     with pytest.raises(QtoolError, match=r"broken\.onnx: ONNX checker rejects"):
         load_model(str(p))
+
+
+def test_minmax_ranges_equal_direct_activation_extremes(calibrated):
+    """The table's minmax range of every observed tensor equals min/max of that tensor computed directly
+    in ONNX Runtime from the same preprocessed images."""
+    from onnx import helper
+    from helpers import run
+    root, model, data, cfg, r = calibrated
+    m = onnx.ModelProto()
+    m.CopyFrom(r.fused)
+    names = [t for t in r.table.ranges["minmax"] if t != "x"]
+    have = {o.name for o in m.graph.output}
+    m.graph.output.extend(helper.make_empty_tensor_value_info(t) for t in names if t not in have)
+    x = np.concatenate([load_image(f, load_config(cfg)) for f in list_images(data)])
+    vals = dict(zip(names, run(m, {"x": x}, names)))
+    vals["x"] = x
+    for t, (lo, hi) in r.table.ranges["minmax"].items():
+        assert (lo, hi) == pytest.approx((float(vals[t].min()), float(vals[t].max())), rel=1e-6, abs=1e-7), t
