@@ -396,3 +396,19 @@ def test_quantize_with_explicit_model_and_table(project):
     assert qtool("quantize", "-q", "-w", "w2", "-m", "net.onnx", "--table", "w1/calibration.json",
                  "--json", "q.json") == 0
     assert os.path.exists("w2/model.int8.onnx") and json.load(open("q.json"))["summary"]["int8"] == 6
+
+
+def test_fixed_batch_one_model_flow(project):
+    """Many exported models pin the batch to 1: calibrate and eval must feed one image at a time."""
+    import onnx
+    m = small_convnet()
+    for v in (m.graph.input[0], m.graph.output[0]):
+        v.type.tensor_type.shape.dim[0].dim_value = 1
+    onnx.checker.check_model(m)
+    save(m, project / "b1.onnx")
+    assert qtool("calibrate", "-m", "b1.onnx", "-d", "data", "-c", "cfg.toml", "-q", "--batch", "8", "--every", "3",
+                 "--json", "cal.json") == 0
+    assert json.load(open("cal.json"))["n_samples"] == 4
+    assert qtool("quantize", "-q") == 0
+    assert qtool("eval", "-q", "--json", "e.json") == 0
+    assert json.load(open("e.json"))["n_images"] == 8
