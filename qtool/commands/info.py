@@ -1,0 +1,56 @@
+"""qtool info: versions, the kernel ISA in use and the CPU features it was chosen from."""
+from __future__ import annotations
+
+import platform
+
+import click
+
+
+def gather() -> dict:
+    import numpy
+    import onnx
+
+    import qtool
+    d = {"qtool": qtool.__version__, "python": platform.python_version(), "numpy": numpy.__version__,
+         "onnx": onnx.__version__, "machine": platform.machine()}
+    try:
+        import onnxruntime
+        d["onnxruntime"] = onnxruntime.__version__
+    except ImportError:
+        d["onnxruntime"] = None
+    try:
+        import qtool.kernels as K
+        d["kernels"] = K.info()
+    except Exception as e:  # not built: say so rather than fail
+        d["kernels"] = {"error": f"{type(e).__name__}: {e}"}
+    return d
+
+
+@click.command("info")
+@click.option("--json", "as_json", is_flag=True, help="Print the same facts as JSON.")
+def command(as_json):
+    """Print qtool's version, the int8 kernel ISA chosen, the CPU features behind it and ORT's version.
+
+    \b
+    Example:
+      qtool info
+      QTOOL_ISA=avx2 qtool info      # what a forced lower ISA would use
+    """
+    d = gather()
+    if as_json:
+        import json
+        click.echo(json.dumps(d, indent=2, default=str))
+        return
+    k = d["kernels"]
+    click.echo(f"qtool {d['qtool']} (python {d['python']}, numpy {d['numpy']}, onnx {d['onnx']}, {d['machine']})")
+    click.echo(f"onnxruntime {d['onnxruntime'] or 'not installed'}")
+    if "error" in k:
+        click.echo(f"kernels: not available ({k['error']}); the runtime falls back to numpy")
+        return
+    click.echo(f"kernel ISA: {k.get('isa')} (best this CPU supports: {k.get('best_isa')}), threads: {k.get('num_threads')}")
+    sup = k.get("supported", {})
+    if sup:
+        click.echo("CPU features: " + ", ".join(f"{f} {'yes' if v else 'no'}" for f, v in sup.items()))
+    kern = k.get("kernels", {})
+    if kern:
+        click.echo("kernels: " + ", ".join(f"{op}={name}" for op, name in kern.items()))

@@ -1,0 +1,111 @@
+"""Speed of qtool's native runtime against ONNX Runtime (int8 on the same file, fp32 on the
+original), measured side by side: the engines take turns within each repetition, so load from
+other processes hits all of them alike. Library side of `qtool bench`."""
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from qtool.errors import QtoolError
+from qtool.runtime.profile import VNNI_GMACS_PER_CORE, op_type_table
+from qtool.runtime.session import NativeSession
+
+
+def find_fp32(int8_path: str, workdir: str | None = None) -> str | None:
+    """The float model an int8 file came from: qtool's workdir manifest, else a sibling file
+    named without the .int8/_int8/-int8/.quant suffix."""
+    try:
+        from qtool.workdir import Workdir
+        m = Workdir(workdir).manifest()
+        q, c = m.get("quantize", {}), m.get("calibrate", {})
+        if q.get("int8_path") and os.path.abspath(q["int8_path"]) == os.path.abspath(int8_path) \
+                and c.get("model_path") and os.path.exists(c["model_path"]):
+            return c["model_path"]
+    except Exception:
+        pass
+    d, base = os.path.split(os.path.abspath(int8_path))
+    stem = base[:-5] if base.endswith(".onnx") else base
+    for suf in (".int8", "_int8", "-int8", ".quant", "_quant", "-quant", ".qdq", "_qdq"):
+        if stem.endswith(suf):
+            cand = os.path.join(d, stem[: -len(suf)] + ".onnx")
+            if os.path.exists(cand):
+                return cand
+    return None
+
+
+def ort_session(path: str, threads: int):
+    import onnxruntime as ort
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.log_severity_level = 3
+    try:
+        return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+    except Exception as e:
+        raise QtoolError(f"{path}: ONNX Runtime cannot load it ({str(e).splitlines()[0][:200]})") from None
+
+
+def make_feeds(sess: NativeSession, batch: int, shape=None, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for i in sess.get_inputs():
+        dims = list(shape) if shape else list(i.shape or [])
+        if not dims:
+            raise QtoolError(f"{sess.where}: input '{i.name}' has no declared shape; pass --shape")
+        dims = [batch if k == 0 else d for k, d in enumerate(dims)]
+        if any(not isinstance(d, int) or d <= 0 for d in dims):
+            raise QtoolError(f"{sess.where}: input '{i.name}' has dynamic dimensions {i.shape}; pass --shape, "
+                             f"e.g. --shape 1,3,224,224")
+        feeds[i.name] = rng.standard_normal(dims).astype(np.float32)
+    return feeds
+
+
+def bench(model: str, fp32: str | None = None, batches=(1, 8), threads: int = 2, repeats: int = 20,
+          shape=None, profile: bool = False, budget_s: float = 4.0, log=print) -> dict:
+    """-> {'batches': {bs: {'native_ms', 'ort_int8_ms', 'ort_fp32_ms', ...}}, 'profile': ...}
+    Times are medians, in ms per image."""
+    if not os.path.exists(model):
+        raise QtoolError(f"{model}: no such file")
+    if fp32 is not None and not os.path.exists(fp32):
+        raise QtoolError(f"{fp32}: no such file")
+    native = NativeSession(model, threads=threads)
+    engines = {"native": native, "ort_int8": ort_session(model, threads)}
+    if fp32:
+        engines["ort_fp32"] = ort_session(fp32, threads)
+    from qtool.runtime.backend import kernel_info
+    res = {"model": os.path.abspath(model), "fp32": os.path.abspath(fp32) if fp32 else None, "threads": threads,
+           "isa": kernel_info(native.K).get("isa"), "backend": native.backend,
+           "fallback_nodes": len(native.fallback_nodes()), "batches": {}}
+    for bs in batches:
+        feeds = make_feeds(native, bs, shape)
+        for e in engines.values():  # warm up (and plan, for the native session)
+            e.run(None, feeds)
+        times = {k: [] for k in engines}
+        n_min = repeats if bs == 1 else max(4, repeats // 4)
+        t_end = time.perf_counter() + budget_s
+        while True:
+            for k, e in engines.items():
+                t = time.perf_counter()
+                e.run(None, feeds)
+                times[k].append(time.perf_counter() - t)
+            n = len(times["native"])
+            if n >= n_min and (time.perf_counter() > t_end or n >= 5 * n_min):
+                break
+        r = {f"{k}_ms": float(np.median(v)) * 1000 / bs for k, v in times.items()}
+        r.setdefault("ort_fp32_ms", None)
+        r["runs"] = len(times["native"])
+        r["native_vs_ort_int8"] = r["ort_int8_ms"] / r["native_ms"]
+        r["native_vs_ort_fp32"] = r["ort_fp32_ms"] / r["native_ms"] if r["ort_fp32_ms"] else None
+        res["batches"][bs] = r
+        if log:
+            log(f"batch {bs:>2}: native {r['native_ms']:7.2f} ms/image | ORT int8 {r['ort_int8_ms']:7.2f} ({r['native_vs_ort_int8']:.2f}x)"
+                + (f" | ORT fp32 {r['ort_fp32_ms']:7.2f} ({r['native_vs_ort_fp32']:.2f}x)" if r["ort_fp32_ms"] else "")
+                + f"   [{r['runs']} runs, median]")
+    if profile:
+        res["profile"] = {}
+        for bs in batches:
+            rows = native.profile(make_feeds(native, bs, shape), repeats=max(5, repeats // 2))
+            res["profile"][bs] = {"steps": rows, "by_op": op_type_table(rows, threads),
+                                  "peak_gmacs": VNNI_GMACS_PER_CORE * threads}
+    return res
