@@ -136,10 +136,17 @@ def _ret(y, out):
 
 
 def add(a, b, *, a_scale, a_zp, b_scale, b_zp, y_scale, y_zp, lo=0, hi=255, out=None):
-    ma = np.float32(a_scale) / np.float32(y_scale)
-    mb = np.float32(b_scale) / np.float32(y_scale)
-    y = np.rint((a.astype(np.float32) - np.float32(a_zp)) * ma + (b.astype(np.float32) - np.float32(b_zp)) * mb)
-    return _ret(np.clip(y + np.float32(y_zp), lo, hi).astype(np.uint8), out)
+    """ONNX Runtime's uint8 QLinearAdd (MLAS AVX2 kernel) bit for bit: float32 ratios, the zero
+    points folded into one constant, two fused multiply-adds (emulated in float64, then rounded
+    to float32), round half to even."""
+    f32 = np.float32
+    ra = f32(a_scale) / f32(y_scale)
+    rb = f32(b_scale) / f32(y_scale)
+    fixed = f32(f32(y_zp) - f32(f32(ra * f32(a_zp)) + f32(rb * f32(b_zp))))
+    t = (b.astype(np.float64) * np.float64(rb) + np.float64(fixed)).astype(np.float32)
+    t = (a.astype(np.float64) * np.float64(ra) + t.astype(np.float64)).astype(np.float32)
+    y = np.clip(np.clip(np.rint(t), 0, 255), lo, hi)
+    return _ret(y.astype(np.uint8), out)
 
 
 def _windows(x, kernel, strides, pads, dilations, fill):
