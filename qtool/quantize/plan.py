@@ -13,6 +13,7 @@ import onnx
 
 from qtool import graph as G
 from qtool.quantize.rules import FUSABLE_ACTIVATIONS, RULES
+from qtool.quantize.rules.activations import activation_chains
 
 FLOAT = onnx.TensorProto.FLOAT
 
@@ -91,6 +92,7 @@ def make_plan(model: onnx.ModelProto, exclude: dict | None = None) -> Plan:
     inits = G.initializers(model)
     # tensors available in int8: those int8 ops produce, and float graph inputs (quantized at the input,
     # so a Slice/Split/Reshape reading the model input directly, as YOLOX's Focus stem does, passes int8 on)
+    chains = activation_chains(model)  # hard-swish's Add/Clip/Mul/Div: one fp32 unit between int8 tensors
     int8_out = {i.name for i in G.real_inputs(model) if types.get(i.name, FLOAT) == FLOAT}
     for node in model.graph.node:
         rule = RULES.get(node.op_type)
@@ -102,7 +104,8 @@ def make_plan(model: onnx.ModelProto, exclude: dict | None = None) -> Plan:
                 why = "activation whose producer is not int8"
             plan.decisions.append(NodeDecision(node.name, node.op_type, "fp32", why))
             continue
-        reason = exclude.get(node.name) or rule.check(node, model)
+        reason = exclude.get(node.name) or (f"inside {chains[node.name]}: runs fp32 between its int8 input and "
+                                            f"int8 output" if node.name in chains else None) or rule.check(node, model)
         acts = [node.input[i] for i in rule.act_inputs(node) if i < len(node.input) and node.input[i]]
         if reason is None and any(types.get(a, FLOAT) != FLOAT for a in acts):
             reason = "input is not float32"
@@ -147,14 +150,38 @@ def make_plan(model: onnx.ModelProto, exclude: dict | None = None) -> Plan:
             int8_out.add(out)
             if out not in plan.tensors:
                 plan.tensors.append(out)
-    _explain_chains(model, plan)
+    _drop_unread_outputs(model, plan, cons)
+    _explain_chains(model, plan, chains)
     return plan
 
 
-def _explain_chains(model: onnx.ModelProto, plan: Plan) -> None:
+def _drop_unread_outputs(model: onnx.ModelProto, plan: Plan, cons: dict) -> None:
+    """The last int8 op before the graph outputs keeps its output fp32 when only fp32 ops read it and
+    no int8 op follows anywhere downstream (the classic case: the final MatMul before a bias Add and
+    Softmax). A Q/DQ pair there adds rounding error right at the output for no int8 work after it;
+    the op itself still reads int8 inputs and int8 weights."""
+    feeds_int8 = {}
+
+    def downstream_int8(t, depth=0):
+        if t not in feeds_int8:
+            feeds_int8[t] = False  # cycle guard; graphs are DAGs
+            feeds_int8[t] = any(c.name in plan.int8_nodes or (depth < 200 and any(
+                downstream_int8(o, depth + 1) for o in c.output if o)) for c in cons.get(t, []))
+        return feeds_int8[t]
+
+    produced = {n.output[0]: n for n in model.graph.node if n.name in plan.int8_nodes and n.output}
+    for t in list(plan.tensors):
+        node = produced.get(t)
+        if node is None or t in plan.shared or t in plan.shared.values() or downstream_int8(t):
+            continue
+        plan.tensors.remove(t)
+        plan.clamp.pop(t, None)
+        d = plan.decision(node.name)
+        d.reason = "output left fp32: only fp32 ops read it on the way to the graph output"
+
+
+def _explain_chains(model: onnx.ModelProto, plan: Plan, chain: dict) -> None:
     """fp32 nodes inside a recognised activation (hard-swish's Add/Clip/Div) say so instead of a generic reason."""
-    from qtool.quantize.rules.activations import activation_chains
-    chain = activation_chains(model)
     for d in plan.decisions:
         if d.status == "fp32" and d.name in chain and not d.reason.startswith("excluded"):
             d.reason = f"inside {chain[d.name]}: runs fp32 between its int8 input and int8 output"
