@@ -412,3 +412,12 @@ def test_fixed_batch_one_model_flow(project):
     assert qtool("quantize", "-q") == 0
     assert qtool("eval", "-q", "--json", "e.json") == 0
     assert json.load(open("e.json"))["n_images"] == 8
+
+
+def test_eval_with_every_path_explicit(project):
+    assert qtool("calibrate", "-m", "net.onnx", "-d", "data", "-c", "cfg.toml", "-q", "-w", "w1") == 0
+    assert qtool("quantize", "-q", "-w", "w1", "-o", "int8.onnx") == 0
+    assert qtool("eval", "-q", "-w", "fresh", "-m", "net.onnx", "--int8", "int8.onnx", "-d", "data",
+                 "-c", "cfg.toml", "--limit", "5", "--json", "e.json") == 0
+    r = json.load(open("e.json"))
+    assert r["n_images"] == 5 and r["int8_model"] == str(project / "int8.onnx")
