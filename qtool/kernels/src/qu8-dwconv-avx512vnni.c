@@ -11,7 +11,7 @@
 
 /* vpdpbusd through inline asm: GCC 12 copies every accumulator in and out of the tap loop when
  * the builtin is used here (16 extra zmm moves per iteration); the asm keeps them in place. */
-#define DPBUSD(acc, x, w) __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(x), "vm"(w))
+#define DPBUSD(acc, x, w) __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(x), "v"(w))
 
 static size_t tile_bytes(size_t ks) { return CT * 8 + ks * 4 * CT; }
 static size_t packed_size(size_t channels, size_t ks) {
@@ -48,8 +48,87 @@ QT_TARGET_AVX512VNNI QT_INLINE __m512i requant16(__m512i acc, const float* mult,
   return _mm512_add_epi32(_mm512_cvt_roundps_epi32(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), zp);
 }
 
+QT_TARGET_AVX512VNNI QT_INLINE __m256i requant8(__m256i acc, const float* mult, __m512 lo, __m512 hi,
+                                               __m512i zp) {
+  __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(acc), _mm256_loadu_ps(mult));
+  f = _mm256_min_ps(_mm256_max_ps(f, _mm512_castps512_ps256(lo)), _mm512_castps512_ps256(hi));
+  return _mm256_add_epi32(_mm256_cvtps_epi32(f), _mm512_castsi512_si256(zp));
+}
+
+/* P pixels x 64 channels (zmm) of one channel tile. */
+QT_TARGET_AVX512VNNI QT_INLINE void dw_zmm(const size_t P, size_t ks, const uint8_t* const* ip,
+                                          ptrdiff_t off, const uint8_t* zero, const int32_t* bias,
+                                          const float* mult, const int8_t* wt, size_t c0,
+                                          __mmask64 mask, uint8_t* out, size_t out_stride, __m512 lo,
+                                          __m512 hi, __m512i zp) {
+  __m512i acc[4][4];
+#pragma GCC unroll 4
+  for (size_t p = 0; p < P; p++)
+#pragma GCC unroll 4
+    for (size_t r = 0; r < 4; r++) acc[p][r] = _mm512_loadu_si512(bias + 16 * r);
+  for (size_t t = 0; t < ks; t++, wt += 4 * CT) {
+    const __m512i w0 = _mm512_loadu_si512(wt), w1 = _mm512_loadu_si512(wt + 64),
+                  w2 = _mm512_loadu_si512(wt + 128), w3 = _mm512_loadu_si512(wt + 192);
+#pragma GCC unroll 4
+    for (size_t p = 0; p < P; p++) {
+      const __m512i xv = _mm512_maskz_loadu_epi8(mask, QT_DW_PTR(ip[p * ks + t], off, zero) + c0);
+      DPBUSD(acc[p][0], xv, w0);
+      DPBUSD(acc[p][1], xv, w1);
+      DPBUSD(acc[p][2], xv, w2);
+      DPBUSD(acc[p][3], xv, w3);
+    }
+  }
+#pragma GCC unroll 4
+  for (size_t p = 0; p < P; p++) {
+    __m512i y = requant16(acc[p][0], mult, lo, hi, zp);
+    y = _mm512_or_si512(y, _mm512_slli_epi32(requant16(acc[p][1], mult + 16, lo, hi, zp), 8));
+    y = _mm512_or_si512(y, _mm512_slli_epi32(requant16(acc[p][2], mult + 32, lo, hi, zp), 16));
+    y = _mm512_or_si512(y, _mm512_slli_epi32(requant16(acc[p][3], mult + 48, lo, hi, zp), 24));
+    _mm512_mask_storeu_epi8(out + p * out_stride + c0, mask, y);
+  }
+}
+
+/* P pixels x 32 channels (ymm) for tail tiles of <= 32 channels: the first half of each packed
+ * weight vector holds channels 0..31 in the same (4j + r) order. */
+QT_TARGET_AVX512VNNI QT_INLINE void dw_ymm(const size_t P, size_t ks, const uint8_t* const* ip,
+                                          ptrdiff_t off, const uint8_t* zero, const int32_t* bias,
+                                          const float* mult, const int8_t* wt, size_t c0,
+                                          __mmask32 mask, uint8_t* out, size_t out_stride, __m512 lo,
+                                          __m512 hi, __m512i zp) {
+  __m256i acc[4][4];
+#pragma GCC unroll 4
+  for (size_t p = 0; p < P; p++)
+#pragma GCC unroll 4
+    for (size_t r = 0; r < 4; r++) acc[p][r] = _mm256_loadu_si256((const __m256i*)(bias + 16 * r));
+  for (size_t t = 0; t < ks; t++, wt += 4 * CT) {
+    const __m256i w0 = _mm256_loadu_si256((const __m256i*)wt),
+                  w1 = _mm256_loadu_si256((const __m256i*)(wt + 64)),
+                  w2 = _mm256_loadu_si256((const __m256i*)(wt + 128)),
+                  w3 = _mm256_loadu_si256((const __m256i*)(wt + 192));
+#pragma GCC unroll 4
+    for (size_t p = 0; p < P; p++) {
+      const __m256i xv = _mm256_maskz_loadu_epi8(mask, QT_DW_PTR(ip[p * ks + t], off, zero) + c0);
+      DPBUSD(acc[p][0], xv, w0);
+      DPBUSD(acc[p][1], xv, w1);
+      DPBUSD(acc[p][2], xv, w2);
+      DPBUSD(acc[p][3], xv, w3);
+    }
+  }
+#pragma GCC unroll 4
+  for (size_t p = 0; p < P; p++) {
+    __m256i y = requant8(acc[p][0], mult, lo, hi, zp);
+    y = _mm256_or_si256(y, _mm256_slli_epi32(requant8(acc[p][1], mult + 16, lo, hi, zp), 8));
+    y = _mm256_or_si256(y, _mm256_slli_epi32(requant8(acc[p][2], mult + 32, lo, hi, zp), 16));
+    y = _mm256_or_si256(y, _mm256_slli_epi32(requant8(acc[p][3], mult + 48, lo, hi, zp), 24));
+    _mm256_mask_storeu_epi8(out + p * out_stride + c0, mask, y);
+  }
+}
+
 QT_TARGET_AVX512VNNI
-void qu8_qs8w_dwconv_minmax_fp32_ukernel_c64__avx512vnni(size_t channels, size_t ow, size_t ks, const uint8_t* const* in, ptrdiff_t in_offset, const uint8_t* zero, const void* w, uint8_t* out, size_t out_stride,
+void qu8_qs8w_dwconv_minmax_fp32_ukernel_c64__avx512vnni(size_t channels, size_t ow, size_t ks,
+                                                         const uint8_t* const* in, ptrdiff_t in_offset,
+                                                         const uint8_t* zero, const void* w,
+                                                         uint8_t* out, size_t out_stride,
                                                          const qt_requant* rq) {
   const __m512 lo = _mm512_set1_ps(rq->lo_f), hi = _mm512_set1_ps(rq->hi_f);
   const __m512i zp = _mm512_set1_epi32(rq->zp);
@@ -57,55 +136,25 @@ void qu8_qs8w_dwconv_minmax_fp32_ukernel_c64__avx512vnni(size_t channels, size_t
   for (size_t c0 = 0; c0 < channels; c0 += CT, wtile += tile_bytes(ks)) {
     const int32_t* bias = (const int32_t*)wtile;
     const float* mult = (const float*)(bias + CT);
-    const int8_t* wt0 = (const int8_t*)(mult + CT);
+    const int8_t* wt = (const int8_t*)(mult + CT);
     const size_t n = channels - c0 < CT ? channels - c0 : CT;
-    const __mmask64 mask = n == CT ? ~(__mmask64)0 : (((__mmask64)1 << n) - 1);
     size_t p = 0;
-    for (; p + 2 <= ow; p += 2) {  /* two pixels share each weight load */
-      const uint8_t* const* ip = in + p * ks;
-      const uint8_t* const* iq = ip + ks;
-      __m512i a0 = _mm512_loadu_si512(bias), a1 = _mm512_loadu_si512(bias + 16),
-              a2 = _mm512_loadu_si512(bias + 32), a3 = _mm512_loadu_si512(bias + 48);
-      __m512i b0 = a0, b1 = a1, b2 = a2, b3 = a3;
-      const int8_t* wt = wt0;
-      for (size_t t = 0; t < ks; t++, wt += 4 * CT) {
-        const __m512i xa = _mm512_maskz_loadu_epi8(mask, QT_DW_PTR(ip[t], in_offset, zero) + c0);
-        const __m512i xb = _mm512_maskz_loadu_epi8(mask, QT_DW_PTR(iq[t], in_offset, zero) + c0);
-        const __m512i w0 = _mm512_loadu_si512(wt), w1 = _mm512_loadu_si512(wt + 64),
-                      w2 = _mm512_loadu_si512(wt + 128), w3 = _mm512_loadu_si512(wt + 192);
-        DPBUSD(a0, xa, w0); DPBUSD(b0, xb, w0);
-        DPBUSD(a1, xa, w1); DPBUSD(b1, xb, w1);
-        DPBUSD(a2, xa, w2); DPBUSD(b2, xb, w2);
-        DPBUSD(a3, xa, w3); DPBUSD(b3, xb, w3);
-      }
-      __m512i ya = requant16(a0, mult, lo, hi, zp);
-      ya = _mm512_or_si512(ya, _mm512_slli_epi32(requant16(a1, mult + 16, lo, hi, zp), 8));
-      ya = _mm512_or_si512(ya, _mm512_slli_epi32(requant16(a2, mult + 32, lo, hi, zp), 16));
-      ya = _mm512_or_si512(ya, _mm512_slli_epi32(requant16(a3, mult + 48, lo, hi, zp), 24));
-      _mm512_mask_storeu_epi8(out + p * out_stride + c0, mask, ya);
-      __m512i yb = requant16(b0, mult, lo, hi, zp);
-      yb = _mm512_or_si512(yb, _mm512_slli_epi32(requant16(b1, mult + 16, lo, hi, zp), 8));
-      yb = _mm512_or_si512(yb, _mm512_slli_epi32(requant16(b2, mult + 32, lo, hi, zp), 16));
-      yb = _mm512_or_si512(yb, _mm512_slli_epi32(requant16(b3, mult + 48, lo, hi, zp), 24));
-      _mm512_mask_storeu_epi8(out + (p + 1) * out_stride + c0, mask, yb);
-    }
-    for (; p < ow; p++) {
-      const uint8_t* const* ip = in + p * ks;
-      __m512i a0 = _mm512_loadu_si512(bias), a1 = _mm512_loadu_si512(bias + 16),
-              a2 = _mm512_loadu_si512(bias + 32), a3 = _mm512_loadu_si512(bias + 48);
-      const int8_t* wt = wt0;
-      for (size_t t = 0; t < ks; t++, wt += 4 * CT) {
-        const __m512i xa = _mm512_maskz_loadu_epi8(mask, QT_DW_PTR(ip[t], in_offset, zero) + c0);
-        DPBUSD(a0, xa, _mm512_loadu_si512(wt));
-        DPBUSD(a1, xa, _mm512_loadu_si512(wt + 64));
-        DPBUSD(a2, xa, _mm512_loadu_si512(wt + 128));
-        DPBUSD(a3, xa, _mm512_loadu_si512(wt + 192));
-      }
-      __m512i ya = requant16(a0, mult, lo, hi, zp);
-      ya = _mm512_or_si512(ya, _mm512_slli_epi32(requant16(a1, mult + 16, lo, hi, zp), 8));
-      ya = _mm512_or_si512(ya, _mm512_slli_epi32(requant16(a2, mult + 32, lo, hi, zp), 16));
-      ya = _mm512_or_si512(ya, _mm512_slli_epi32(requant16(a3, mult + 48, lo, hi, zp), 24));
-      _mm512_mask_storeu_epi8(out + p * out_stride + c0, mask, ya);
+    if (n > 32) {
+      const __mmask64 mask = n == CT ? ~(__mmask64)0 : (((__mmask64)1 << n) - 1);
+      for (; p + 4 <= ow; p += 4)
+        dw_zmm(4, ks, in + p * ks, in_offset, zero, bias, mult, wt, c0, mask, out + p * out_stride,
+               out_stride, lo, hi, zp);
+      for (; p < ow; p++)
+        dw_zmm(1, ks, in + p * ks, in_offset, zero, bias, mult, wt, c0, mask, out + p * out_stride,
+               out_stride, lo, hi, zp);
+    } else {
+      const __mmask32 mask = n == 32 ? ~(__mmask32)0 : (__mmask32)(((uint64_t)1 << n) - 1);
+      for (; p + 4 <= ow; p += 4)
+        dw_ymm(4, ks, in + p * ks, in_offset, zero, bias, mult, wt, c0, mask, out + p * out_stride,
+               out_stride, lo, hi, zp);
+      for (; p < ow; p++)
+        dw_ymm(1, ks, in + p * ks, in_offset, zero, bias, mult, wt, c0, mask, out + p * out_stride,
+               out_stride, lo, hi, zp);
     }
   }
 }
