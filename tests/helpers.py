@@ -146,3 +146,16 @@ def write_config(path, size=16, color="RGB", layout="NCHW", **pre):
 def save(model, path):
     onnx.save(model, str(path))
     return str(path)
+
+
+def old_ir_conv_bn(seed=7, hw=16):
+    """IR 3 / opset 9, every initializer also listed as a graph input (as old exporters wrote models)."""
+    nodes, inits = conv_bn(np.random.default_rng(seed), "x", "y", 3, 4, "l", relu=False)
+    ins = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, hw, hw])] + [
+        helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in inits]
+    g = helper.make_graph(nodes, "old", ins, [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4, hw, hw])],
+                          initializer=inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 9)])
+    m.ir_version = 3
+    onnx.checker.check_model(m)
+    return m

@@ -7,7 +7,7 @@ import onnx
 import pytest
 from onnx import helper
 
-from helpers import assert_same_function, conv_bn, init, make_model, ops, run, small_convnet, weight
+from helpers import assert_same_function, conv_bn, init, make_model, old_ir_conv_bn, ops, run, small_convnet, weight
 from qtool import graph as G
 from qtool.fuse import (FuseContext, fold_batchnorm, fold_constants, fold_mul_add, fold_pad, fold_reshape_shape,
                         fuse_model, remove_dead, remove_identity)
@@ -365,13 +365,7 @@ def test_fuse_model_does_not_modify_its_input():
 def test_fuse_model_old_ir_weights_listed_as_inputs():
     """Old exporters list every initializer as a graph input too; folded-away BN parameters must not
     remain as inputs ORT then asks the caller to feed."""
-    nodes, inits = conv_bn(np.random.default_rng(7), "x", "y", 3, 4, "l", relu=False)
-    ins = [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 3, 8, 8])] + [
-        helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in inits]
-    g = helper.make_graph(nodes, "old", ins, [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
-                          initializer=inits)
-    m0 = helper.make_model(g, opset_imports=[helper.make_opsetid("", 9)])
-    m0.ir_version = 3
+    m0 = old_ir_conv_bn(hw=8)
     r = fuse_model(m0)
     inits_after = {t.name for t in r.model.graph.initializer}
     dangling = [i.name for i in r.model.graph.input if i.name != "x" and i.name not in inits_after]
