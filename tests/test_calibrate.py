@@ -464,3 +464,19 @@ def test_calibrate_old_ir_model(tmp_path):
     write_images(tmp_path / "d", 2)
     r = _calibrate(save(old_ir_conv_bn(), tmp_path / "old.onnx"), tmp_path / "d", tmp_path)
     assert r.table.n_samples == 2
+
+
+def test_more_modes_bilevel_la_int32_float_tiff(tmp_path):
+    a = np.zeros((20, 24), np.uint8)
+    a[:, 12:] = 255
+    x = load_image(_save(tmp_path, "b.png", Image.fromarray(a).convert("1")), CFG)
+    assert x[0, :, 3, 3].tolist() == [0, 0, 0] and x[0, :, 3, 20].tolist() == [255, 255, 255]
+    la = Image.merge("LA", (Image.fromarray(np.full((20, 24), 50, np.uint8)), Image.fromarray(a)))
+    x = load_image(_save(tmp_path, "la.png", la), CFG)
+    assert x[0, :, 3, 3].tolist() == [255, 255, 255] and x[0, :, 3, 20].tolist() == [50, 50, 50]
+    i32 = Image.fromarray(np.full((20, 24), 100, np.int32), "I")
+    x = load_image(_save(tmp_path, "i.tif", i32), CFG)
+    assert x.shape == (1, 3, 20, 24) and np.all(x == 100)
+    f = Image.fromarray(np.tile(np.linspace(0, 1, 24, dtype=np.float32), (20, 1)), "F")
+    x = load_image(_save(tmp_path, "f.tif", f), CFG)
+    assert x.shape == (1, 3, 20, 24) and x.min() == 0 and x.max() == 255
