@@ -1,7 +1,13 @@
-/* A small persistent pthread pool: the caller runs range 0, workers 1..T-1.
- * Workers spin briefly on a generation counter, then sleep on a condition variable. */
+/* A small persistent pthread pool with dynamic chunking.
+ *
+ * A job [0, n) is cut into contiguous chunks; the caller and the workers claim chunks with a CAS on
+ * one 64-bit word (generation << 32 | next chunk), so a worker that the OS has descheduled (the
+ * machine is shared) simply claims nothing and the caller does the work itself; the caller only
+ * ever waits for chunks that were actually claimed. Idle workers spin briefly on the generation,
+ * then sleep on a condition variable. */
 #define _GNU_SOURCE
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #if defined(__x86_64__) || defined(__i386__)
@@ -14,32 +20,42 @@
 #include "qtool_kernels.h"
 
 #define QT_MAX_THREADS 64
-#define QT_SPIN 20000
+#define QT_SPIN 4000          /* pause iterations before sleeping (~0.3 ms) */
+#define QT_CHUNKS_PER_THREAD 4
 
 static pthread_mutex_t g_call_lock = PTHREAD_MUTEX_INITIALIZER;  /* one job at a time */
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t g_wake = PTHREAD_COND_INITIALIZER;
-static pthread_cond_t g_done_cv = PTHREAD_COND_INITIALIZER;
-static atomic_uint g_generation;
-static atomic_int g_pending;
-static int g_nthreads = 0;     /* requested */
-static int g_started = 0;      /* workers running (excluding caller) */
+static atomic_uint g_generation;        /* bumped once per job; wakes workers */
+static _Atomic uint64_t g_claim;        /* (generation << 32) | next chunk */
+static atomic_size_t g_completed;       /* chunks finished in the current job */
+static int g_nthreads = 0;              /* requested */
+static int g_started = 0;               /* workers running (excluding the caller) */
 static qt_task_fn g_fn;
 static void* g_ctx;
-static size_t g_n;
-static int g_active;           /* threads used for the current job */
+static size_t g_n, g_nchunks;
 
-static void run_range(int t) {
-  size_t b = g_n * (size_t)t / (size_t)g_active, e = g_n * (size_t)(t + 1) / (size_t)g_active;
-  if (b < e) g_fn(g_ctx, b, e);
+static void work(uint32_t gen) {
+  for (;;) {
+    uint64_t v = atomic_load_explicit(&g_claim, memory_order_acquire);
+    if ((uint32_t)(v >> 32) != gen) return;
+    size_t c = (size_t)(v & 0xFFFFFFFFu);
+    if (c >= g_nchunks) return;
+    if (!atomic_compare_exchange_weak_explicit(&g_claim, &v, v + 1, memory_order_acq_rel,
+                                               memory_order_acquire))
+      continue;
+    /* the job cannot change while a claimed chunk is unfinished */
+    size_t b = g_n * c / g_nchunks, e = g_n * (c + 1) / g_nchunks;
+    if (b < e) g_fn(g_ctx, b, e);
+    atomic_fetch_add_explicit(&g_completed, 1, memory_order_acq_rel);
+  }
 }
 
-typedef struct { int t; unsigned gen; } worker_arg;
+typedef struct { unsigned gen; } worker_arg;
 
 static void* worker(void* arg) {
-  /* `seen` is the generation at creation time: a job published before this thread got to run
-   * must still be picked up. */
-  int t = ((worker_arg*)arg)->t;
+  /* `seen` is the generation at creation time, so a job published before this thread first
+   * runs is still picked up. */
   unsigned seen = ((worker_arg*)arg)->gen;
   free(arg);
   for (;;) {
@@ -56,12 +72,7 @@ static void* worker(void* arg) {
       pthread_mutex_unlock(&g_lock);
     }
     seen = gen;
-    if (t < g_active) run_range(t);
-    if (atomic_fetch_sub_explicit(&g_pending, 1, memory_order_acq_rel) == 1) {
-      pthread_mutex_lock(&g_lock);
-      pthread_cond_signal(&g_done_cv);
-      pthread_mutex_unlock(&g_lock);
-    }
+    work((uint32_t)gen);
   }
   return NULL;
 }
@@ -93,40 +104,38 @@ void qt_parallel(size_t n, qt_task_fn fn, void* ctx) {
     fn(ctx, 0, n);
     return;
   }
-  while (g_started < T - 1) {  /* workers are never stopped; start more on demand */
+  while (g_started < T - 1) {  /* workers are never stopped; more are started on demand */
     pthread_t th;
     pthread_attr_t attr;
-    pthread_attr_init(&attr);
-    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
     worker_arg* wa = (worker_arg*)malloc(sizeof(worker_arg));
     if (!wa) break;
-    wa->t = g_started + 1;
     wa->gen = atomic_load(&g_generation);
-    if (pthread_create(&th, &attr, worker, wa) != 0) {
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    int rc = pthread_create(&th, &attr, worker, wa);
+    pthread_attr_destroy(&attr);
+    if (rc != 0) {
       free(wa);
-      pthread_attr_destroy(&attr);
       break;
     }
-    pthread_attr_destroy(&attr);
     g_started++;
   }
-  if (T > g_started + 1) T = g_started + 1;
-  g_fn = fn; g_ctx = ctx; g_n = n; g_active = T;
-  atomic_store(&g_pending, g_started);
+  size_t chunks = (size_t)T * QT_CHUNKS_PER_THREAD;
+  if (chunks > n) chunks = n;
+  if (chunks > 0xFFFFFFFFu) chunks = 0xFFFFFFFFu;
+  const uint32_t gen = atomic_load(&g_generation) + 1;
+  g_fn = fn; g_ctx = ctx; g_n = n; g_nchunks = chunks;
+  atomic_store_explicit(&g_completed, 0, memory_order_relaxed);
+  atomic_store_explicit(&g_claim, (uint64_t)gen << 32, memory_order_release);
   pthread_mutex_lock(&g_lock);
-  atomic_fetch_add_explicit(&g_generation, 1, memory_order_release);
+  atomic_store_explicit(&g_generation, gen, memory_order_release);
   pthread_cond_broadcast(&g_wake);
   pthread_mutex_unlock(&g_lock);
-  run_range(0);
+  work(gen);
   int spins = 0;
-  while (atomic_load_explicit(&g_pending, memory_order_acquire) > 0 && spins < QT_SPIN) {
-    QT_PAUSE();
-    spins++;
-  }
-  if (atomic_load(&g_pending) > 0) {
-    pthread_mutex_lock(&g_lock);
-    while (atomic_load(&g_pending) > 0) pthread_cond_wait(&g_done_cv, &g_lock);
-    pthread_mutex_unlock(&g_lock);
+  while (atomic_load_explicit(&g_completed, memory_order_acquire) < chunks) {
+    if (++spins < QT_SPIN) QT_PAUSE();
+    else sched_yield();  /* a worker holding a chunk was descheduled: give it the CPU */
   }
   pthread_mutex_unlock(&g_call_lock);
 }
