@@ -1,4 +1,10 @@
-"""`eval`: int8 against fp32 on the same inputs: accuracy, agreement, output error, size, speed."""
+"""`eval`: int8 against fp32 on the same inputs: accuracy, agreement, output error, size, speed.
+
+Labels are optional: every model gets, per output, SQNR (dB) and max abs error; a classifier
+output [N, C] gets top-1 agreement; a detector-like output [N, R, K] (many rows of a few
+columns: YOLO's x, y, w, h, objectness, class scores) gets the agreement of its top-scoring rows.
+Images (with the calibration preprocessing) or tensors (.npy / .npz folders, iterables) both work.
+"""
 from __future__ import annotations
 
 import os
@@ -48,14 +54,18 @@ def evaluate(fp32_path: str, int8_path: str, data: str, config=None, labels: str
         from qtool.runtime import NativeSession
         native = NativeSession(int8_path, threads=threads)
     out_name = sf.get_outputs()[0].name
+    out_names = [o.name for o in sf.get_outputs()]
+    stats = {n: OutputStats(n) for n in out_names}
     label_of = dict(zip(src.files, y_true)) if y_true is not None else {}
     rows = {"fp32": [], "int8": [], "native": []}
     truth, sig, noise, maxerr = [], 0.0, 0.0, 0.0
     sample = None
     with tqdm(total=len(src), unit="img", desc="eval", disable=not show_progress, leave=False) as bar:
         for names, feeds in src.batches():
-            a = sf.run([out_name], feeds)[0]
-            b = sq.run([out_name], feeds)[0]
+            outs_f, outs_q = sf.run(out_names, feeds), sq.run(out_names, feeds)
+            for name, u, v in zip(out_names, outs_f, outs_q):
+                stats[name].add(u, v)
+            a, b = outs_f[0], outs_q[0]
             rows["fp32"].append(a.reshape(len(a), -1))
             rows["int8"].append(b.reshape(len(b), -1))
             if native is not None:
@@ -78,6 +88,7 @@ def evaluate(fp32_path: str, int8_path: str, data: str, config=None, labels: str
         if lf.shape[1] >= 5 else None,
         "output_sqnr_db": float(10 * np.log10(sig / noise)) if noise > 0 else float("inf"),
         "max_abs_error": maxerr,
+        "outputs": {n: st.result() for n, st in stats.items()},
         "size_bytes": {"fp32": _size(fp32_path), "int8": _size(int8_path)},
     }
     res["size_ratio"] = res["size_bytes"]["int8"] / res["size_bytes"]["fp32"]
@@ -101,6 +112,96 @@ def evaluate(fp32_path: str, int8_path: str, data: str, config=None, labels: str
                              "ort_int8": _latency_ms(lambda x: sq.run(None, x), sample)}
         if native is not None:
             res["latency_ms"]["native_int8"] = _latency_ms(lambda x: native.run(None, x), sample)
+    return res
+
+
+class OutputStats:
+    """Streaming comparison of one output: SQNR, max abs error, and row/class agreement."""
+
+    def __init__(self, name: str, top_rows=(1, 10, 100)):
+        self.name, self.top_rows = name, top_rows
+        self.sig = self.noise = self.maxerr = 0.0
+        self.n = 0
+        self.top1_same = 0
+        self.rows: dict = {}  # k -> fraction of fp32's top-k rows also in int8's top-k, per sample
+        self.row_err: list = []
+        self.shape = None
+
+    def add(self, a: np.ndarray, b: np.ndarray) -> None:
+        a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        self.shape = list(a.shape)
+        self.sig += float((a64 ** 2).sum())
+        self.noise += float(((a64 - b64) ** 2).sum())
+        self.maxerr = max(self.maxerr, float(np.abs(a64 - b64).max()) if a64.size else 0.0)
+        n = len(a64) if a64.ndim else 1
+        self.n += n
+        if a64.ndim == 2 and a64.shape[1] > 1:
+            self.top1_same += int((a64.argmax(1) == b64.argmax(1)).sum())
+        if detector_like(a64.shape):
+            for x, y in zip(a64, b64):
+                sf, sq = row_scores(x), row_scores(y)
+                for k in sorted({min(k, len(sf)) for k in self.top_rows}):  # top-k over at most R rows
+                    tf, tq = np.argsort(-sf)[:k], np.argsort(-sq)[:k]
+                    self.rows.setdefault(k, []).append(len(set(tf) & set(tq)) / k)
+                top = np.argsort(-sf)[:min(10, len(sf))]
+                self.row_err.append(float(np.abs(x[top] - y[top]).max()))
+
+    def result(self) -> dict:
+        r = {"shape": self.shape, "sqnr_db": float(10 * np.log10(self.sig / self.noise)) if self.noise > 0
+             else float("inf"), "max_abs_error": self.maxerr}
+        if self.shape and len(self.shape) == 2 and self.shape[1] > 1:
+            r["top1_agreement"] = self.top1_same / max(self.n, 1)
+        if any(self.rows.values()):
+            r["top_rows_agreement"] = {f"top{k}": float(np.mean(v)) for k, v in self.rows.items() if v}
+            r["top10_rows_max_abs_error"] = float(max(self.row_err))
+        return r
+
+
+def detector_like(shape) -> bool:
+    """[N, R, K]: many rows (R >= 50) of a few columns (5 <= K <= 128), as YOLO heads write."""
+    return len(shape) == 3 and shape[1] >= 50 and 5 <= shape[2] <= 128
+
+
+def row_scores(rows: np.ndarray) -> np.ndarray:
+    """YOLO convention: objectness (column 4) times the best class score (columns 5...)."""
+    return rows[:, 4] * rows[:, 5:].max(1) if rows.shape[1] > 5 else rows[:, 4]
+
+
+def evaluate_tensors(fp32_path: str, int8_path: str, data, limit: int | None = None, files: list | None = None,
+                     threads: int = 2, batch: int = 8, latency: bool = True) -> dict:
+    """Every output of int8 vs fp32 over tensor data (a .npy/.npz folder or an iterable of input dicts)."""
+    from qtool.calibrate.tensors import tensor_source
+    fp32 = load_model(fp32_path)
+    load_model(int8_path, check=False)
+    src = tensor_source(data, fp32, fp32_path, batch=batch, files=files, limit=limit)
+    if src is None:
+        from qtool.errors import QtoolError
+        raise QtoolError(f"{data}: holds images; evaluate them with a preprocessing config")
+    sf, sq = session(fp32_path, threads), session(int8_path, threads)
+    names = [o.name for o in sf.get_outputs()]
+    stats = {n: OutputStats(n) for n in names}
+    sample, n_samples = None, 0
+    for _, feeds in src.batches():
+        for name, a, b in zip(names, sf.run(names, feeds), sq.run(names, feeds)):
+            stats[name].add(a, b)
+        n_samples += len(next(iter(feeds.values())))
+        sample = sample or feeds
+    if n_samples == 0:
+        from qtool.errors import QtoolError
+        raise QtoolError("no evaluation samples")
+    outs = {n: s.result() for n, s in stats.items()}
+    first = outs[names[0]]
+    res = {"n_samples": n_samples, "data_kind": src.kind, "fp32_model": os.path.abspath(fp32_path),
+           "int8_model": os.path.abspath(int8_path), "outputs": outs,
+           "output_sqnr_db": first["sqnr_db"], "max_abs_error": first["max_abs_error"],
+           "size_bytes": {"fp32": _size(fp32_path), "int8": _size(int8_path)}}
+    if "top1_agreement" in first:
+        res["top1_agreement"] = first["top1_agreement"]
+    res["size_ratio"] = res["size_bytes"]["int8"] / res["size_bytes"]["fp32"]
+    if latency and sample is not None:
+        one = {k: v[:1] for k, v in sample.items()}
+        res["latency_ms"] = {"ort_fp32": _latency_ms(lambda x: sf.run(None, x), one),
+                             "ort_int8": _latency_ms(lambda x: sq.run(None, x), one)}
     return res
 
 

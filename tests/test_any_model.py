@@ -245,3 +245,56 @@ def test_image_folder_still_works(calibrated):
     root, model, data, cfg, r = calibrated
     assert r.table.n_samples == 6 and r.table.input_name == "x"
     assert os.path.exists(r.table_path)
+
+
+# -- eval without labels -----------------------------------------------------------------------------
+
+def _detector_model(seed=0):
+    """x [1,3,8,8] -> Conv(6 channels) -> Reshape [1,6,64] -> Transpose -> rows [1,64,6]; Sigmoid on scores."""
+    rng = np.random.default_rng(seed)
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv", kernel_shape=[3, 3], pads=[1] * 4),
+             helper.make_node("Split", ["c", "parts"], ["box", "score"], name="split", axis=1),
+             helper.make_node("Sigmoid", ["score"], ["p"], name="sig"),
+             helper.make_node("Concat", ["box", "p"], ["cat"], name="cat", axis=1),
+             helper.make_node("Reshape", ["cat", "shape"], ["r"], name="reshape"),
+             helper.make_node("Transpose", ["r"], ["rows"], name="transpose", perm=[0, 2, 1])]
+    inits = [weight(rng, "w", 6, 3, 3, 3, scale=0.5), weight(rng, "b", 6, scale=0.1),
+             init("parts", [4, 2], np.int64), init("shape", [1, 6, 64], np.int64)]
+    return make_model(nodes, inits, [("x", [1, 3, 8, 8])], [("rows", [1, 64, 6])])
+
+
+def test_eval_without_labels_per_output_and_detector_rows(tmp_path):
+    from qtool.evaluate import evaluate_tensors
+    rng = np.random.default_rng(7)
+    model = save(_detector_model(), tmp_path / "det.onnx")
+    r, q = _cal_q(model, _samples(rng, 6, {"x": (1, 3, 8, 8)}), tmp_path / "work")
+    ev = tmp_path / "ev"
+    ev.mkdir()
+    for k in range(4):
+        np.save(ev / f"{k}.npy", rng.standard_normal((1, 3, 8, 8)).astype(np.float32))
+    res = evaluate_tensors(model, q.path, str(ev), threads=1, latency=False)
+    o = res["outputs"]["rows"]
+    assert res["n_samples"] == 4 and o["shape"] == [1, 64, 6]
+    assert o["sqnr_db"] > 20 and 0 < o["max_abs_error"] < 1
+    agree = o["top_rows_agreement"]
+    assert set(agree) == {"top1", "top10", "top64"} and agree["top64"] == 1.0 and agree["top10"] >= 0.7
+
+
+def test_eval_command_on_npy_folder(tmp_path, monkeypatch):
+    from qtool.cli import main
+    rng = np.random.default_rng(8)
+    model = save(_dynamic_model(), tmp_path / "dyn.onnx")
+    cal, ev = tmp_path / "cal", tmp_path / "ev"
+    for d, n in ((cal, 4), (ev, 3)):
+        d.mkdir()
+        for k in range(n):
+            np.save(d / f"{k}.npy", rng.standard_normal((3, 12, 12)).astype(np.float32))
+    monkeypatch.chdir(tmp_path)
+    for argv in (["calibrate", "-m", model, "-d", str(cal), "-q"], ["quantize", "-q", "--no-sensitivity"],
+                 ["eval", "--data", str(ev), "--json", "e.json", "-q"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 0, argv
+    import json
+    res = json.load(open(tmp_path / "e.json"))
+    assert res["n_samples"] == 3 and res["outputs"]["y"]["sqnr_db"] > 15 and "top1_agreement" in res["outputs"]["y"]

@@ -287,3 +287,19 @@ def tensor_source(data, model: onnx.ModelProto, model_path: str, batch: int = 8,
     files = files[::every]
     cls = NpyFolder if kind == "npy" else NpzFolder
     return cls(folder, model, model_path, batch, files=files, limit=limit)
+
+
+def tensor_batches(files: list, model: onnx.ModelProto, model_path: str, batch: int = 8):
+    """(names, feeds) batches for a list of recorded .npy or .npz files (as the calibrate manifest lists
+    them): what later steps (sensitivity, eval) use to re-read tensor calibration data."""
+    if not files:
+        return
+    ext = os.path.splitext(files[0])[1].lower()
+    if ext not in TENSOR_EXTS or any(os.path.splitext(f)[1].lower() != ext for f in files):
+        raise QtoolError(f"{files[0]}: expected only .npy or only .npz files")
+    cls = NpyFolder if ext == ".npy" else NpzFolder
+    yield from cls(os.path.dirname(files[0]), model, model_path, batch, files=files).batches()
+
+
+def is_tensor_file(path: str) -> bool:
+    return path.lower().endswith(TENSOR_EXTS)

@@ -6,9 +6,10 @@ import os
 import click
 
 from qtool.calibrate.images import list_images
+from qtool.calibrate.tensors import classify_folder, list_tensor_files
 from qtool.commands.common import common_options, say, setup_output, write_json
 from qtool.errors import QtoolError
-from qtool.evaluate import evaluate
+from qtool.evaluate import evaluate, evaluate_tensors
 from qtool.workdir import Workdir
 
 
@@ -51,6 +52,12 @@ def command(compare, data, labels, model, int8_path, config, limit, runtime, thr
             import qtool.runtime  # noqa: F401
         except ImportError as e:
             raise QtoolError(f"--runtime {runtime}: the native runtime is not available ({e})") from None
+    if not isinstance(data, str) or data == "(python iterable)":
+        raise QtoolError("calibration data was a Python iterable; pass --data with a folder to evaluate on")
+    kind = classify_folder(data)
+    if kind != "images":
+        _eval_tensors(model, int8_path, data, kind, cal, limit, threads, json_path, wd, quiet)
+        return
     files = list_images(data)
     calib = set(cal.get("files", [])) if os.path.abspath(data) == cal.get("data") else set()
     if calib:
@@ -68,6 +75,46 @@ def command(compare, data, labels, model, int8_path, config, limit, runtime, thr
     write_json(json_path, r)
     wd.update(eval={k: r[k] for k in ("n_images", "top1_agreement", "output_sqnr_db") if k in r}
               | ({"top1_delta_pt": r["top1_delta_pt"]} if "top1_delta_pt" in r else {}))
+
+
+def _eval_tensors(model, int8_path, data, kind, cal, limit, threads, json_path, wd, quiet):
+    """No labels, no preprocessing: every output of int8 vs fp32 on .npy/.npz samples."""
+    files = list_tensor_files(data, "." + kind)
+    calib = set(cal.get("files", [])) if os.path.abspath(data) == cal.get("data") else set()
+    held_out = [f for f in files if os.path.abspath(f) not in calib]
+    if calib and held_out:
+        files = held_out
+        say(quiet, f"evaluating on {len(files)} samples of {data} (the {len(calib)} calibration samples excluded)")
+    elif calib:
+        say(quiet, f"note: every sample in {data} was used for calibration; evaluating on them "
+                   f"(pass --data with held-out samples for an unbiased figure)")
+    r = evaluate_tensors(model, int8_path, data, limit, files=files, threads=threads)
+    say(quiet, render_outputs(r))
+    write_json(json_path, r)
+    wd.update(eval={"n_samples": r["n_samples"], "output_sqnr_db": r["output_sqnr_db"],
+                    "outputs": {k: v["sqnr_db"] for k, v in r["outputs"].items()}})
+
+
+def render_outputs(r: dict) -> str:
+    """One line per output: SQNR, max abs error, and agreement where the output's shape says what it is."""
+    lines = [f"{r['n_samples']} samples; per output, int8 vs fp32:"]
+    for name, o in r.get("outputs", {}).items():
+        text = f"  {name} {o['shape']}: SQNR {o['sqnr_db']:.1f} dB, max |error| {o['max_abs_error']:.4g}"
+        if "top1_agreement" in o:
+            text += f", top-1 agreement {o['top1_agreement']:.4f}"
+        if "top_rows_agreement" in o:
+            text += ", top-scoring rows shared: " + ", ".join(
+                f"{k} {v:.2f}" for k, v in o["top_rows_agreement"].items())
+            text += f" (max |error| in the top 10 rows {o['top10_rows_max_abs_error']:.4g})"
+        lines.append(text)
+    sb = r["size_bytes"]
+    lines.append(f"model size {sb['fp32'] / 1e6:.2f} MB fp32 -> {sb['int8'] / 1e6:.2f} MB int8 "
+                 f"({100 * r['size_ratio']:.1f}%)")
+    lat = r.get("latency_ms")
+    if lat:
+        lines.append(f"ORT latency (ms, b=1): fp32 {lat['ort_fp32']:.2f}, int8 {lat['ort_int8']:.2f} "
+                     f"({lat['ort_fp32'] / lat['ort_int8']:.2f}x)")
+    return "\n".join(lines)
 
 
 def render(r: dict) -> str:
@@ -88,6 +135,8 @@ def render(r: dict) -> str:
     lines.append(f"top-1 agreement {r['top1_agreement']:.4f} over {r['n_images']} images"
                  + (f" ({len(r['skipped'])} unreadable skipped)" if r["skipped"] else ""))
     lines.append(f"output SQNR {r['output_sqnr_db']:.1f} dB, max |error| {r['max_abs_error']:.4g}")
+    if len(r.get("outputs", {})) > 1:
+        lines += render_outputs(r).splitlines()[1:-2 if r.get("latency_ms") else -1]
     if "native" in r:
         n = r["native"]
         lines.append(f"native runtime: agreement with ORT int8 {n['top1_agreement_vs_ort_int8']:.4f}, "
