@@ -77,7 +77,11 @@ class Program:
 
 
 def _attrs(node):
-    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    out = {}
+    for a in node.attribute:
+        v = onnx.helper.get_attribute_value(a)
+        out[a.name] = numpy_helper.to_array(v) if isinstance(v, onnx.TensorProto) else v
+    return out
 
 
 def _static_value_ranks(model):
@@ -116,6 +120,7 @@ class Compiler:
                 if i:
                     self.consumers.setdefault(i, []).append(n)
         self.ranks = _static_value_ranks(model)
+        self.pads: dict = {}  # uint8 output of an int8 Pad -> (input name, (t, l, b, r), fill, step)
 
     # ------------------------------------------------------------ helpers
     def new_slot(self):
@@ -276,6 +281,9 @@ class Compiler:
                 raise
             except NotImplementedError as e:
                 raise QtoolError(f"{self.where}: node '{node.name}' ({node.op_type}): {e}") from None
+            except Exception as e:
+                raise QtoolError(f"{self.where}: node '{node.name}' ({node.op_type}) cannot be prepared: "
+                                 f"{type(e).__name__}: {e}") from None
         outputs = []
         for o in g.output:
             if o.name in self.consts:
@@ -297,14 +305,14 @@ class Compiler:
         if op == "Constant":
             at = _attrs(node)
             if "value" in at:
-                v = numpy_helper.to_array(at["value"])
+                v = np.asarray(at["value"])
             else:
                 k, val = next(iter(at.items()))
                 v = np.asarray(val, np.float32 if "float" in k else np.int64)
             self.consts[node.output[0]] = v
             self.entries.append(Entry(name, op, "folded"))
             return
-        if all(self.is_const(i) for i in node.input) and op in FP32_OPS and op not in ("QuantizeLinear",):
+        if all(self.is_const(i) for i in node.input) and op in FP32_OPS:
             ins = [self.consts[i] if i else None for i in node.input]
             at = _attrs(node)
             at["_n_outputs"] = len(node.output)
@@ -399,6 +407,17 @@ def _rule_conv(c: Compiler, node):
     bias = c.bias(node.input[2] if len(node.input) > 2 else "", x.scale, sw)
     mult = conv_multiplier(c.K, x.scale, sw, qy[0])
     pads = tuple(at.get("pads", [0, 0, 0, 0])) if ap != "VALID" else (0, 0, 0, 0)
+    pd = c.pads.get(x.src)
+    if pd is not None and pd[2] == x.zp and len(c.consumers.get(node.input[0], [])) == 1 \
+            and sum(len(c.consumers.get(d.output[0], [])) for d in c.consumers.get(x.src, [])) == 1:
+        # Pad(0) -> Conv: the convolution pads instead (its padding reads x_zp, a real 0)
+        src, (pt, pl, pb, pr), _, pad_step = pd
+        pads = (pads[0] + pt, pads[1] + pl, pads[2] + pb, pads[3] + pr)
+        c.steps.remove(pad_step)
+        for e in c.entries:
+            if e.detail == "pad" and e.node == pad_step.name:
+                e.mode, e.detail = "fused", f"into {node.name or 'Conv'}"
+        x = QView(src, x.scale, x.zp)
     packed = c.K.pack_conv2d(wq, bias, x_zp=x.zp, multiplier=mult, y_zp=qy[1], strides=tuple(at.get("strides", [1, 1])),
                              pads=pads, dilations=tuple(at.get("dilations", [1, 1])), group=group, lo=lo, hi=hi)
     xs = c.nhwc_input(x.src)
@@ -614,7 +633,79 @@ def _rule_shape_op(c: Compiler, node):
     return None
 
 
+def _rule_pad(c: Compiler, node):
+    x = c.views.get(node.input[0])
+    if x is None:
+        return "its input is not a dequantized uint8 tensor"
+    at = _attrs(node)
+    mode = at.get("mode", b"constant")
+    mode = mode.decode() if isinstance(mode, bytes) else mode
+    if mode != "constant":
+        return f"mode={mode}"
+    if len(node.input) < 2 or not all(c.is_const(i) for i in node.input[1:]) or (len(node.input) > 3 and node.input[3]):
+        return "pads/value not constant, or an axes input"
+    pads = [int(p) for p in c.consts[node.input[1]]]
+    if len(pads) != 8 or any(pads[i] for i in (0, 1, 4, 5)) or min(pads) < 0:
+        return "padding other than non-negative H/W padding of a rank-4 tensor"
+    src = c.vals[x.src]
+    if not src.nhwc or src.rank not in (4, None):
+        return "input is not an NHWC tensor"
+    oq = c.out_quant(node.output[0])
+    if isinstance(oq, str):
+        return oq
+    qnode, qy, lo, hi, fused = oq
+    if (np.float32(qy[0]), qy[1]) != (np.float32(x.scale), x.zp) or lo != 0 or hi != 255:
+        return "the QuantizeLinear after it changes the scale"
+    value = float(c.consts[node.input[2]].reshape(-1)[0]) if len(node.input) > 2 and node.input[2] else 0.0
+    fill = int(np.clip(np.rint(np.float32(value) / np.float32(x.scale)) + x.zp, 0, 255))
+    v, _ = c.emit_q(qnode, None, nhwc=True, q=qy, rank=4, fused=fused, op_node=node)
+    p4 = (pads[2], pads[3], pads[6], pads[7])
+    st = S.PadStep(node.name or "Pad", src.slot, v.slot, p4, fill)
+    c.steps.append(st)
+    c.pads[qnode.output[0]] = (x.src, p4, fill, st)
+    c.entries.append(Entry(node.name or "Pad", "Pad", "int8", "pad"))
+    return None
+
+
+LUT_OPS = {"Relu", "Clip", "Sigmoid", "HardSigmoid", "HardSwish", "LeakyRelu", "Tanh", "Exp", "Neg", "Abs",
+           "Sqrt", "Erf", "BatchNormalization", "Identity"}
+
+
+def _rule_lut(c: Compiler, node):
+    """DQ -> elementwise op -> Q == a table lookup on the uint8 values (per channel for BN)."""
+    x = c.views.get(node.input[0])
+    if x is None:
+        return "its input is not a dequantized uint8 tensor"
+    if not all(c.is_const(i) for i in node.input[1:]):
+        return "a non-constant second input"
+    oq = c.out_quant(node.output[0])
+    if isinstance(oq, str):
+        return oq
+    qnode, qy, lo, hi, fused = oq
+    src = c.vals[x.src]
+    at = _attrs(node)
+    at["_n_outputs"] = 1
+    vals = ((np.arange(256, dtype=np.int32) - x.zp).astype(np.float32) * np.float32(x.scale)).astype(np.float32)
+    extra = [c.consts[i] if i else None for i in node.input[1:]]
+    if node.op_type == "BatchNormalization":
+        if not (src.nhwc and src.rank == 4) or any(len(node.output) > 1 and o for o in node.output[1:]):
+            return "BatchNormalization on a tensor that is not NHWC rank 4"
+        ch = extra[0].reshape(-1).shape[0]
+        xin = np.ascontiguousarray(np.broadcast_to(vals, (1, ch, 256)))
+    else:
+        xin = vals
+    y = FP32_OPS[node.op_type]([xin] + extra, at)[0].astype(np.float32)
+    q = np.clip(np.clip(np.rint(y / np.float32(qy[0])) + np.float32(qy[1]), 0, 255), lo, hi).astype(np.uint8)
+    lut = q.reshape(-1, 256) if node.op_type == "BatchNormalization" else q.reshape(256)
+    v, _ = c.emit_q(qnode, None, nhwc=src.nhwc, q=qy, rank=src.rank, fused=fused, op_node=node)
+    c.steps.append(S.LutStep(node.name or node.op_type, node.op_type, src.slot, v.slot, lut))
+    c.entries.append(Entry(node.name or node.op_type, node.op_type, "int8", "lookup table" + (" per channel" if lut.ndim == 2 else "")))
+    return None
+
+
 INT_RULES = {
+    **{op: _rule_lut for op in LUT_OPS},
+    "Pad": _rule_pad,
     "Conv": _rule_conv,
     "Gemm": _rule_gemm,
     "MatMul": _rule_matmul,

@@ -364,6 +364,50 @@ class ShapeOpStep(Step):
         env[self.outs[0]] = r
 
 
+class PadStep(Step):
+    """Constant spatial padding of an NHWC uint8 tensor with a quantized fill value."""
+
+    def __init__(self, name, x, y, pads, fill):
+        super().__init__(name, "Pad", [x], [y])
+        self.p, self.fill = pads, np.uint8(fill)  # (top, left, bottom, right)
+        self.kernel = "numpy"
+
+    def run(self, env, out):
+        x = env[self.ins[0]]
+        n, h, w, c = x.shape
+        t, l, b, r = self.p
+        y = out[0] if out else np.empty((n, h + t + b, w + l + r, c), np.uint8)
+        y.fill(self.fill)
+        y[:, t:t + h, l:l + w] = x
+        env[self.outs[0]] = y
+
+
+class LutStep(Step):
+    """uint8 -> uint8 through a 256-entry table (one per channel for per-channel ops): any
+    elementwise fp32 op between a DequantizeLinear and a QuantizeLinear, evaluated once at load."""
+
+    def __init__(self, name, op, x, y, lut):
+        super().__init__(name, op, [x], [y])
+        self.lut = lut  # [256] or [C, 256] (NHWC: channel last)
+        self.flat = np.ascontiguousarray(lut.reshape(-1))
+        self.offs = (np.arange(lut.shape[0], dtype=np.int32) * 256) if lut.ndim == 2 else None
+        self.idx = {}
+        self.kernel = "lut"
+
+    def run(self, env, out):
+        x = env[self.ins[0]]
+        y = out[0] if out else np.empty(x.shape, np.uint8)
+        if self.offs is None:
+            np.take(self.flat, x, out=y)
+        else:
+            i = self.idx.get(x.shape)
+            if i is None:
+                i = self.idx[x.shape] = np.empty(x.shape, np.int32)
+            np.add(x, self.offs, out=i, dtype=np.int32)
+            np.take(self.flat, i, out=y)
+        env[self.outs[0]] = y
+
+
 # ---------------------------------------------------------------- fp32 fallback
 
 class FP32Step(Step):
