@@ -10,8 +10,9 @@ from qtool.commands.common import common_options, say, setup_output, write_json
 
 @click.command("calibrate")
 @click.option("--model", "-m", required=True, type=click.Path(dir_okay=False), help="fp32 ONNX model.")
-@click.option("--data", "-d", required=True, type=click.Path(), help="Folder of sample images (searched recursively).")
-@click.option("--config", "-c", default=None, help="Preprocessing: a TOML file or a preset name in configs/ "
+@click.option("--data", "-d", required=True, type=click.Path(), help="Folder of sample images, or of .npy files (one sample each, one-input models) or .npz files "
+              "(one sample each, one array per model input, named by input); searched recursively, one kind per folder.")
+@click.option("--config", "-c", default=None, help="Image preprocessing (not for tensors): a TOML file or a preset name in configs/ "
               "(efficientnet-lite, imagenet-torchvision, caffe-bgr, tf-inception, ppocr-cls, yolox).")
 @click.option("--method", type=click.Choice(sorted(METHODS)), default="minmax", show_default=True,
               help="Default range method; every method's ranges are stored, `quantize --method` can switch.")
@@ -23,7 +24,7 @@ from qtool.commands.common import common_options, say, setup_output, write_json
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write a summary as JSON here.")
 @common_options
 def command(model, data, config, method, batch, limit, every, threads, json_path, workdir, quiet, verbose, debug):
-    """Stream images through the fp32 model and record activation ranges.
+    """Stream images or tensors through the fp32 model and record activation ranges.
 
     Folds BatchNorm and run-time shape arithmetic first, then keeps one fixed-size
     histogram per tensor to quantize (memory does not grow with the number of images),
@@ -32,6 +33,7 @@ def command(model, data, config, method, batch, limit, every, threads, json_path
     \b
     Example:
       qtool calibrate --model resnet50.onnx --data calib_data/ --config imagenet-torchvision
+      qtool calibrate --model yolox-det.onnx --data calib_npy/      (tensors, fed as they are)
     """
     setup_output(quiet, verbose)
     r = calibrate(model, data, config, method, workdir, batch, limit, show_progress=not quiet, threads=threads,
