@@ -18,6 +18,8 @@ void qt_conv_free(qt_conv* cv) {
   free(cv->zero);
   free(cv->ind);
   free((void*)cv->dw_ind);
+  free(cv->col);
+  pthread_mutex_destroy(&cv->lock);
   free(cv);
 }
 
@@ -36,6 +38,7 @@ qt_conv* qt_conv_create(const int8_t* w, const int32_t* bias, const float* mult,
                         int32_t lo, int32_t hi, int out_f32, int depthwise) {
   qt_conv* cv = (qt_conv*)calloc(1, sizeof(qt_conv));
   if (!cv) return NULL;
+  pthread_mutex_init(&cv->lock, NULL);
   cv->d = qt_get_dispatch();
   cv->kind = depthwise ? QT_CONV_DW : QT_CONV_IGEMM;
   cv->groups = groups; cv->cin_g = cin_g; cv->cout_g = cout_g;
@@ -60,8 +63,14 @@ qt_conv* qt_conv_create(const int8_t* w, const int32_t* bias, const float* mult,
   const qt_igemm_config* gc = &cv->d->igemm;
   cv->kernel_name = gc->name;
   const size_t nr = gc->nr, kr = gc->kr, es = gc->welem;
-  const size_t kcp = round_up(cin_g, kr);
-  cv->panel_bytes = round_up(nr * 8 + ks * kcp * nr * es, 64);
+  /* Few input channels (network stems): K per tap would be mostly padding and tail loads, so
+   * copy the patches once (im2col) and run one tap of K = KH*KW*Cin; the packed weight order
+   * [tap][cin] is the same. */
+  cv->im2col = groups == 1 && ks > 1 && cin_g < 8;
+  cv->gemm_ks = cv->im2col ? 1 : ks;
+  cv->gemm_kc = cv->im2col ? ks * cin_g : cin_g;
+  const size_t kcp = round_up(cv->gemm_kc, kr);
+  cv->panel_bytes = round_up(nr * 8 + cv->gemm_ks * kcp * nr * es, 64);
   cv->panels_per_group = (cout_g + nr - 1) / nr;
   cv->w_bytes = cv->panel_bytes * cv->panels_per_group * groups;
   cv->w = qt_alloc(cv->w_bytes);
@@ -79,10 +88,10 @@ qt_conv* qt_conv_create(const int8_t* w, const int32_t* bias, const float* mult,
         pb[j] = bias[g * cout_g + oc];
         pm[j] = mult[g * cout_g + oc];
         const int8_t* wrow = w + (g * cout_g + oc) * ks * cin_g;  /* [ks][cin_g] */
-        for (size_t t = 0; t < ks; t++)
-          for (size_t k = 0; k < cin_g; k++) {
+        for (size_t t = 0; t < cv->gemm_ks; t++)
+          for (size_t k = 0; k < cv->gemm_kc; k++) {
             size_t idx = ((t * (kcp / kr) + k / kr) * nr + j) * kr + k % kr;
-            int8_t v = wrow[t * cin_g + k];
+            int8_t v = wrow[t * cv->gemm_kc + k];
             if (es == 1) ((int8_t*)pw)[idx] = v;
             else ((int16_t*)pw)[idx] = v;
           }
@@ -102,10 +111,17 @@ static int build_indirection(qt_conv* cv, size_t n, size_t h, size_t w, size_t o
     return 0;
   free(cv->ind);
   cv->ind = NULL;
-  const size_t mr = cv->d->igemm.mr, ks = cv->kh * cv->kw;
+  const size_t mr = cv->d->igemm.mr, ks = cv->gemm_ks;
   const size_t m = n * oh * ow, mblocks = (m + mr - 1) / mr;
   intptr_t* ind = (intptr_t*)malloc(sizeof(intptr_t) * (mblocks * ks * mr + 1));
   if (!ind) return -1;
+  if (cv->im2col) {
+    for (size_t mb = 0; mb < mblocks; mb++)
+      for (size_t i = 0; i < mr; i++) {
+        size_t row = mb * mr + i < m ? mb * mr + i : m - 1;
+        ind[mb * mr + i] = (intptr_t)(row * cv->gemm_kc);
+      }
+  } else
   for (size_t mb = 0; mb < mblocks; mb++)
     for (size_t i = 0; i < mr; i++) {
       size_t row = mb * mr + i;
@@ -138,7 +154,7 @@ static void igemm_task(void* ctx, size_t begin, size_t end) {
   const conv_job* j = (const conv_job*)ctx;
   const qt_conv* cv = j->cv;
   const qt_igemm_config* gc = &cv->d->igemm;
-  const size_t mr = gc->mr, nr = gc->nr, ks = cv->kh * cv->kw;
+  const size_t mr = gc->mr, nr = gc->nr, ks = cv->gemm_ks;
   const size_t es = cv->rq.out_f32 ? 4 : 1;
   for (size_t t = begin; t < end; t++) {
     const size_t gp = t / cv->mblocks, mb = t % cv->mblocks;
@@ -147,7 +163,7 @@ static void igemm_task(void* ctx, size_t begin, size_t end) {
     const size_t rows = j->m - row0 < mr ? j->m - row0 : mr;
     const size_t col0 = p * nr;
     const size_t nc = cv->cout_g - col0 < nr ? cv->cout_g - col0 : nr;
-    gc->ukernel(rows, nc, cv->cin_g, ks, cv->ind + mb * ks * mr, j->x + g * cv->cin_g, cv->zero,
+    gc->ukernel(rows, nc, cv->gemm_kc, ks, cv->ind + mb * ks * mr, j->x + g * cv->cin_g, cv->zero,
                 (const char*)cv->w + gp * cv->panel_bytes,
                 (char*)j->y + (row0 * cv->cout + g * cv->cout_g + col0) * es, cv->cout * es, &cv->rq);
   }
@@ -193,10 +209,78 @@ static void dw_task(void* ctx, size_t begin, size_t end) {
                           (uint8_t*)j->y + r * j->ow * c, c, &cv->rq);
 }
 
-int qt_conv_run(qt_conv* cv, const uint8_t* x, size_t n, size_t h, size_t w, void* y, size_t oh,
-                size_t ow) {
+/* memcpy for the short runs of im2col: overlapping fixed-size moves instead of a libc call. */
+static inline void small_copy(uint8_t* d, const uint8_t* s, size_t n) {
+  if (n >= 16 && n <= 32) {
+    memcpy(d, s, 16);
+    memcpy(d + n - 16, s + n - 16, 16);
+  } else if (n >= 8 && n < 16) {
+    memcpy(d, s, 8);
+    memcpy(d + n - 8, s + n - 8, 8);
+  } else if (n >= 4 && n < 8) {
+    memcpy(d, s, 4);
+    memcpy(d + n - 4, s + n - 4, 4);
+  } else if (n < 4) {
+    for (size_t i = 0; i < n; i++) d[i] = s[i];
+  } else {
+    memcpy(d, s, n);
+  }
+}
+
+static void im2col_task(void* ctx, size_t begin, size_t end) {
+  const conv_job* j = (const conv_job*)ctx;
+  const qt_conv* cv = j->cv;
+  const size_t c = cv->cin, K = cv->gemm_kc;
+  for (size_t r = begin; r < end; r++) {  /* r = output row (b, oy) */
+    const size_t b = r / j->oh, oy = r % j->oh;
+    uint8_t* dst = cv->col + r * j->ow * K;
+    for (size_t ox = 0; ox < j->ow; ox++)
+      for (size_t ky = 0; ky < cv->kh; ky++) {
+        ptrdiff_t iy = (ptrdiff_t)(oy * cv->sh + ky * cv->dh) - (ptrdiff_t)cv->pt;
+        ptrdiff_t ix0 = (ptrdiff_t)(ox * cv->sw) - (ptrdiff_t)cv->pl;
+        if (iy < 0 || iy >= (ptrdiff_t)j->h) {
+          memset(dst, (int)cv->x_zp, cv->kw * c);
+          dst += cv->kw * c;
+          continue;
+        }
+        const uint8_t* row = j->x + (b * j->h + (size_t)iy) * j->w * c;
+        if (cv->dw == 1) {  /* the in-bounds taps of one kernel row are contiguous in NHWC */
+          ptrdiff_t a = ix0 < 0 ? -ix0 : 0;
+          ptrdiff_t e = (ptrdiff_t)j->w - ix0;
+          if (e > (ptrdiff_t)cv->kw) e = (ptrdiff_t)cv->kw;
+          if (e < a) e = a;
+          if (a > 0) memset(dst, (int)cv->x_zp, (size_t)a * c);
+          if (e > a) small_copy(dst + a * c, row + (size_t)(ix0 + a) * c, (size_t)(e - a) * c);
+          if ((size_t)e < cv->kw) memset(dst + e * c, (int)cv->x_zp, (cv->kw - (size_t)e) * c);
+          dst += cv->kw * c;
+          continue;
+        }
+        for (size_t kx = 0; kx < cv->kw; kx++, dst += c) {
+          ptrdiff_t ix = ix0 + (ptrdiff_t)(kx * cv->dw);
+          if (ix >= 0 && ix < (ptrdiff_t)j->w)
+            memcpy(dst, row + (size_t)ix * c, c);
+          else
+            memset(dst, (int)cv->x_zp, c);
+        }
+      }
+  }
+}
+
+static int conv_run_locked(qt_conv* cv, const uint8_t* x, size_t n, size_t h, size_t w, void* y,
+                           size_t oh, size_t ow) {
   conv_job j = {cv, x, y, n, h, w, oh, ow, n * oh * ow};
   if (j.m == 0) return 0;
+  if (cv->im2col) {
+    size_t need = j.m * cv->gemm_kc + 64;
+    if (cv->col_bytes < need) {
+      free(cv->col);
+      cv->col = (uint8_t*)qt_alloc(need);
+      cv->col_bytes = cv->col ? need : 0;
+      if (!cv->col) return -1;
+    }
+    qt_parallel(n * oh, im2col_task, &j);
+    j.x = cv->col;
+  }
   if (cv->kind == QT_CONV_DW) {
     if (build_dw_indirection(cv, x, n, h, w, oh, ow) != 0) return -1;
     qt_parallel(n * oh, dw_task, &j);
@@ -205,6 +289,14 @@ int qt_conv_run(qt_conv* cv, const uint8_t* x, size_t n, size_t h, size_t w, voi
   if (build_indirection(cv, n, h, w, oh, ow) != 0) return -1;
   qt_parallel(cv->groups * cv->panels_per_group * cv->mblocks, igemm_task, &j);
   return 0;
+}
+
+int qt_conv_run(qt_conv* cv, const uint8_t* x, size_t n, size_t h, size_t w, void* y, size_t oh,
+                size_t ow) {
+  pthread_mutex_lock(&cv->lock);
+  int rc = conv_run_locked(cv, x, n, h, w, y, oh, ow);
+  pthread_mutex_unlock(&cv->lock);
+  return rc;
 }
 
 /* ---- pooling ---- */

@@ -1,5 +1,7 @@
 #ifndef QTOOL_OPERATORS_H
 #define QTOOL_OPERATORS_H
+#include <pthread.h>
+
 #include "qtool_kernels.h"
 
 enum { QT_CONV_IGEMM = 0, QT_CONV_DW = 1 };
@@ -18,6 +20,11 @@ typedef struct {
   intptr_t* ind;                 /* igemm: cached indirection (byte offsets, -1 = padding) */
   const uint8_t** dw_ind;        /* dwconv: cached [N*OH][OW][ks] pointers into dw_base */
   const uint8_t* dw_base;
+  size_t gemm_ks, gemm_kc;       /* taps and bytes per tap the igemm microkernel sees */
+  pthread_mutex_t lock;          /* the caches below belong to one call at a time */
+  int im2col;                    /* small Cin: patches copied to a [M][KH*KW*Cin] buffer first */
+  uint8_t* col;
+  size_t col_bytes;
   size_t ind_n, ind_h, ind_w, ind_oh, ind_ow, mblocks;
 } qt_conv;
 
