@@ -198,3 +198,32 @@ def test_unfolded_pad_and_batchnorm(tmp_path):
     s = _compare(path, (1, 3, 9, 9))
     modes = {(e.op, e.mode) for e in s.report_entries()}
     assert ("Pad", "fused") in modes and ("BatchNormalization", "int8") in modes, s.report()
+
+
+def test_every_isa_matches_ort(tmp_path):
+    """The packed kernels of every ISA the CPU has (forced with set_isa) give the same answers."""
+    K = pytest.importorskip("qtool.kernels")
+    if not hasattr(K, "available_isas"):
+        pytest.skip("native kernels not built")
+    path = _quantize(_cnn(), tmp_path, (1, 3, 20, 20))
+    x = RNG.standard_normal((2, 3, 20, 20)).astype(np.float32)
+    ref = _ort(path).run(None, {"x": x})[0]
+    step = _out_scale(path)
+    try:
+        for isa in K.available_isas():
+            K.set_isa(isa)
+            s = NativeSession(path)
+            assert s.backend == "native"
+            y = s.run(None, {"x": x})[0]
+            assert np.abs(y - ref).max() <= step * 1.001, isa
+    finally:
+        K.set_isa(None)
+
+
+def test_numpy_backend_matches_ort(tmp_path):
+    """The executor's own numpy stand-in (used when nothing native is built) is exact too."""
+    path = _quantize(_cnn(), tmp_path, (1, 3, 20, 20))
+    x = RNG.standard_normal((1, 3, 20, 20)).astype(np.float32)
+    s = NativeSession(path, backend="numpy")
+    assert s.backend == "numpy"
+    np.testing.assert_array_equal(s.run(None, {"x": x})[0], _ort(path).run(None, {"x": x})[0])

@@ -1,0 +1,52 @@
+"""`qtool bench` and `qtool info` end to end on a tiny quantized model."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+pytest.importorskip("onnxruntime")
+
+from qtool.cli import cli, main  # noqa: E402
+from tests.test_runtime import RNG, _cnn, _quantize  # noqa: E402
+
+
+def test_info():
+    r = CliRunner().invoke(cli, ["info"])
+    assert r.exit_code == 0, r.output
+    assert "qtool 0.1.0" in r.output and "onnxruntime" in r.output and "kernel" in r.output
+    r = CliRunner().invoke(cli, ["info", "--json"])
+    assert "kernels" in json.loads(r.output)
+
+
+def test_help_has_examples():
+    for cmd in ("bench", "info"):
+        r = CliRunner().invoke(cli, [cmd, "--help"])
+        assert r.exit_code == 0 and "Example:" in r.output and f"qtool {cmd}" in r.output
+
+
+def test_bench_json(tmp_path):
+    import onnx
+    m = _cnn()
+    onnx.save(m, tmp_path / "m.onnx")
+    path = _quantize(m, tmp_path, (1, 3, 20, 20))  # writes m.int8.onnx next to m.onnx
+    out = tmp_path / "bench.json"
+    r = CliRunner().invoke(cli, ["bench", "--model", path, "--batch", "1", "--batch", "2", "--repeats", "3",
+                                 "--shape", "1,3,20,20", "--profile", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "m.onnx" in r.output  # the fp32 sibling was found
+    d = json.loads(out.read_text())
+    for bs in ("1", "2"):
+        b = d["batches"][bs]
+        assert b["native_ms"] > 0 and b["ort_int8_ms"] > 0 and b["ort_fp32_ms"] > 0
+    assert d["profile"]["1"]["by_op"][-1]["op"] == "total"
+
+
+def test_bench_missing_model_is_one_line_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--model", str(tmp_path / "nope.onnx")])
+    assert e.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nope.onnx" in err[0] and "no such file" in err[0]
