@@ -68,12 +68,21 @@ def gemm(w, bias, x, *, x_zp, multiplier, y_zp=0, lo=0, hi=255, out_dtype="uint8
     return requantize(acc, np.asarray(multiplier, np.float32), y_zp, lo, hi)
 
 
+def _fma32(x, y, z):
+    """float32 fused multiply-add: exact product and sum in extended precision, one rounding
+    (u8 x float32 products have <= 32 significant bits; long double carries 64)."""
+    return (x.astype(np.longdouble) * np.longdouble(y) + np.asarray(z).astype(np.longdouble)).astype(np.float32)
+
+
 def add(a, b, *, a_scale, a_zp, b_scale, b_zp, y_scale, y_zp, lo=0, hi=255):
-    ma = np.float32(a_scale) / np.float32(y_scale)
-    mb = np.float32(b_scale) / np.float32(y_scale)
-    y = (a.astype(np.int32) - int(a_zp)).astype(np.float32) * ma + \
-        (b.astype(np.int32) - int(b_zp)).astype(np.float32) * mb
-    return np.clip(np.rint(y) + np.float32(y_zp), lo, hi).astype(np.uint8)
+    """ONNX Runtime's QLinearAdd (MLAS) rounding: zero points folded into one float32 constant,
+    two fused multiply-adds on the raw u8 values, round half to even, clamp."""
+    f32 = np.float32
+    ma = f32(a_scale) / f32(y_scale)
+    mb = f32(b_scale) / f32(y_scale)
+    fixed = f32(f32(y_zp) - f32(f32(ma * f32(a_zp)) + f32(mb * f32(b_zp))))
+    t = _fma32(a, ma, _fma32(b, mb, np.full(b.shape, fixed, np.float32)))
+    return np.clip(np.rint(t), lo, hi).astype(np.uint8)
 
 
 def _pool_windows(x, kernel, strides, pads, dilations, ceil_mode, fill):

@@ -383,6 +383,8 @@ void qt_add(const uint8_t* a, const uint8_t* b, uint8_t* y, size_t n, float ma, 
             int32_t zb, int32_t y_zp, int32_t lo, int32_t hi) {
   add_job j = {qt_get_dispatch(), a, b, y, n, ma, mb, za, zb, {0}};
   fill_requant(&j.rq, y_zp, lo, hi, 0);
+  j.rq.lo_f = (float)lo;  /* the add kernel clamps after adding the output zero point */
+  j.rq.hi_f = (float)hi;
   qt_parallel((n + QT_CHUNK - 1) / QT_CHUNK, add_task, &j);
 }
 

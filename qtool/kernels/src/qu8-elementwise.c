@@ -9,15 +9,18 @@ QT_INLINE uint8_t rq_u8(float y, const qt_requant* rq) {
   return (uint8_t)((int32_t)qt_rint_small(y) + rq->zp);
 }
 
+/* ONNX Runtime's QLinearAdd (MLAS) bit for bit: the zero points are folded into one float32
+ * constant `fixed` = zy - (ma * za + mb * zb); then t = fma(a, ma, fma(b, mb, fixed)) on the raw
+ * u8 values, clamped to [lo, hi] and rounded half to even. (za, zb only enter through `fixed`.) */
 QT_INLINE void add_body(size_t n, const uint8_t* a, const uint8_t* b, uint8_t* y, float ma, int32_t za,
                         float mb, int32_t zb, const qt_requant* rq) {
   const float lo = rq->lo_f, hi = rq->hi_f;
-  const int32_t zp = rq->zp;
+  const float fixed = (float)rq->zp - (ma * (float)za + mb * (float)zb);
   for (size_t i = 0; i < n; i++) {
-    float v = (float)((int32_t)a[i] - za) * ma + (float)((int32_t)b[i] - zb) * mb;
+    float v = __builtin_fmaf((float)a[i], ma, __builtin_fmaf((float)b[i], mb, fixed));
     v = v < lo ? lo : v;
     v = v > hi ? hi : v;
-    y[i] = (uint8_t)((int32_t)qt_rint_small(v) + zp);
+    y[i] = (uint8_t)(int32_t)qt_rint_small(v);
   }
 }
 
