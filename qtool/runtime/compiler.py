@@ -239,17 +239,28 @@ class Compiler:
             return f"its weight is quantized along axis {w.axis}, not {want_axis}"
         return w.q, np.broadcast_to(w.scale.reshape(-1).astype(np.float32), (w.q.shape[want_axis],)).copy()
 
-    def bias(self, name, sx, sw):
-        """int32 bias with scale sx*sw (the int32 initializer as is when its scale agrees)."""
+    def bias(self, name, sx, sw, w=None, x_zp=0):
+        """int32 bias with scale sx*sw (the int32 initializer as is when its scale agrees).
+        With the int8 weights `w` ([Cout, ...]) given, a bias so large that the kernel's
+        accumulator (bias - x_zp*sum(w) + sum(x*w)) could leave int32 is clipped to where it
+        cannot: that output channel saturates either way."""
         if not name:
             return None
         want = (np.float32(sx) * sw).astype(np.float32)
         qc = self.qconst.get(name)
+        b = None
         if qc is not None and qc.q.dtype == np.int32 and np.all(qc.zp == 0):
             if np.allclose(np.broadcast_to(qc.scale.reshape(-1), want.shape), want, rtol=1e-6, atol=0):
-                return qc.q.reshape(-1).astype(np.int32)
-        b = self.consts[name].astype(np.float64).reshape(-1)
-        return np.clip(np.rint(b / want.astype(np.float64)), -2 ** 31, 2 ** 31 - 1).astype(np.int32)
+                b = qc.q.reshape(-1).astype(np.int64)
+        if b is None:
+            f = self.consts[name].astype(np.float64).reshape(-1)
+            b = np.clip(np.rint(f / want.astype(np.float64)), -2 ** 31, 2 ** 31 - 1).astype(np.int64)
+        if w is not None:
+            w2 = w.reshape(w.shape[0], -1).astype(np.int64)
+            zpsum = int(x_zp) * w2.sum(axis=1)
+            span = 255 * np.abs(w2).sum(axis=1)
+            b = np.clip(b, -2 ** 31 + span + np.maximum(zpsum, 0), 2 ** 31 - 1 - span + np.minimum(zpsum, 0))
+        return b.astype(np.int32)
 
     def emit_q(self, qnode, _unused, *, nhwc, q, rank, fused, op_node):
         """Register the uint8 output of an int8 op (named after the Q it absorbs)."""
@@ -404,7 +415,7 @@ def _rule_conv(c: Compiler, node):
         return oq
     qnode, qy, lo, hi, fused = oq
     group = at.get("group", 1)
-    bias = c.bias(node.input[2] if len(node.input) > 2 else "", x.scale, sw)
+    bias = c.bias(node.input[2] if len(node.input) > 2 else "", x.scale, sw, wq, x.zp)
     mult = conv_multiplier(c.K, x.scale, sw, qy[0])
     pads = tuple(at.get("pads", [0, 0, 0, 0])) if ap != "VALID" else (0, 0, 0, 0)
     pd = c.pads.get(x.src)
@@ -433,7 +444,7 @@ def _gemm_like(c: Compiler, node, wq_nk, sw, bias_name, x):
     if src.nhwc and src.rank == 4:
         return "its input is a rank-4 NHWC tensor"
     oq = c.out_quant(node.output[0])
-    bias = c.bias(bias_name, x.scale, sw)
+    bias = c.bias(bias_name, x.scale, sw, wq_nk, x.zp)
     if isinstance(oq, str):  # float output (e.g. the logits): y = acc * s_x * s_w
         mult = (np.float32(x.scale) * sw).astype(np.float32)
         packed = c.K.pack_gemm(wq_nk, bias, x_zp=x.zp, multiplier=mult, out_dtype="float32")
