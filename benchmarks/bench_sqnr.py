@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import glob
 import importlib.util
+import logging
 import os
 import sys
 import tempfile
@@ -56,12 +57,28 @@ def session(path, threads):
     return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
 
 
-def sqnr_db(model_path, int8_path, name, ev, threads):
-    """The anchor's formula: 10 log10(sum ref^2 / sum (ref - out)^2) over all images, first output."""
+def sqnr_db(model_path, int8_path, name, ev, threads, extra=None):
+    """The anchor's formula: 10 log10(sum ref^2 / sum (ref - out)^2) over all images, first output.
+    `extra` (a dict) receives qtool eval's agreement figures for the same outputs."""
+    from qtool.evaluate import OutputStats
     sf, sq = session(model_path, threads), session(int8_path, threads)
     ref = [sf.run(None, {name: x})[0].astype(np.float64) for x in ev]
     out = [sq.run(None, {name: x})[0].astype(np.float64) for x in ev]
+    if extra is not None:
+        st = OutputStats("out")
+        for r, o in zip(ref, out):
+            st.add(r, o)
+        res = st.result()
+        extra.update({k: v for k, v in res.items() if k in ("top1_agreement", "top_rows_agreement")})
     return 10 * np.log10(sum((r ** 2).sum() for r in ref) / sum(((r - o) ** 2).sum() for r, o in zip(ref, out)))
+
+
+def _agree(extra):
+    if "top1_agreement" in extra:
+        return f"top-1 agreement {extra['top1_agreement']:.3f}"
+    if "top_rows_agreement" in extra:
+        return "top rows shared " + " ".join(f"{k} {v:.2f}" for k, v in extra["top_rows_agreement"].items())
+    return ""
 
 
 def main(argv=None):
@@ -79,6 +96,7 @@ def main(argv=None):
     p.add_argument("--keep", help="keep qtool's working folder here")
     a = p.parse_args(argv)
     warnings.simplefilter("ignore")
+    logging.getLogger().setLevel(logging.ERROR)  # ORT's quantizer logs a warning per bias it cannot find
     from qtool.calibrate.run import calibrate
     from qtool.quantize.run import quantize
 
@@ -106,12 +124,13 @@ def main(argv=None):
         t = time.time()
         r = quantize(work, output=os.path.join(work, f"int8-{m}.onnx"), method=m)
         onnx.checker.check_model(r.path)
-        rows[m] = sqnr_db(a.model, r.path, name, ev, a.threads)
+        ex = {}
+        rows[m] = sqnr_db(a.model, r.path, name, ev, a.threads, ex)
         s = r.report["summary"]
         notes = [n for n in r.output.notes if "opset" in n]
         print(f"qtool {m:10s}: output SQNR {rows[m]:5.1f} dB | {time.time() - t:.1f}s | ops int8 {s.get('int8', 0)}, "
               f"passthrough {s.get('passthrough', 0)}, fused {s.get('fused', 0)}, fp32 {s.get('fp32', 0)}"
-              + (f" | {notes[0]}" if notes else ""))
+              + (f" | {notes[0]}" if notes else "") + (f" | {_agree(ex)}" if ex else ""))
     ort_rows = {}
     if not a.no_ort:
         anchor = load_anchor(a.anchor)
@@ -125,8 +144,10 @@ def main(argv=None):
             try:
                 q, secs = anchor.ort_quantize(path, tensors(cal_files, shape, a.mean, a.std), "MinMax", name)
                 onnx.checker.check_model(q)
-                ort_rows[label] = sqnr_db(a.model, q, name, ev, a.threads)
-                print(f"ORT MinMax ({label}): output SQNR {ort_rows[label]:5.1f} dB | {secs:.1f}s")
+                ex = {}
+                ort_rows[label] = sqnr_db(a.model, q, name, ev, a.threads, ex)
+                print(f"ORT MinMax ({label}): output SQNR {ort_rows[label]:5.1f} dB | {secs:.1f}s"
+                      + (f" | {_agree(ex)}" if ex else ""))
             except Exception as e:  # noqa: BLE001 - ORT writes invalid graphs for opset < 13
                 msg = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
                 ort_rows[label] = None
