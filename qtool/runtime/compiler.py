@@ -625,6 +625,10 @@ def _rule_shape_op(c: Compiler, node):
         return "its input is not a dequantized uint8 tensor"
     if not all(c.is_const(i) for i in node.input[1:]):
         return "its shape/axes input is not constant"
+    if node.op_type in ("Resize", "Upsample"):
+        mode = _attrs(node).get("mode", b"nearest")
+        if (mode.decode() if isinstance(mode, bytes) else mode) != "nearest":
+            return "only nearest Resize selects values (others interpolate)"
     oq = c.out_quant(node.output[0])
     if isinstance(oq, str):
         return oq
@@ -730,4 +734,7 @@ INT_RULES = {
     "Squeeze": _rule_shape_op,
     "Unsqueeze": _rule_shape_op,
     "Transpose": _rule_shape_op,
+    "Slice": _rule_shape_op,
+    "Resize": _rule_shape_op,
+    "Upsample": _rule_shape_op,
 }
