@@ -280,7 +280,7 @@ class Compiler:
             if i.name in init_names:
                 continue
             t = i.type.tensor_type
-            dims = [d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim] if t.HasField("shape") else None
+            dims = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None for d in t.shape.dim] if t.HasField("shape") else None
             v = self.add_val(i.name, "f", rank=len(dims) if dims is not None else None)
             inputs.append((i.name, v.slot, dims, t.elem_type))
         for node in g.node:
