@@ -298,3 +298,81 @@ def test_eval_command_on_npy_folder(tmp_path, monkeypatch):
     import json
     res = json.load(open(tmp_path / "e.json"))
     assert res["n_samples"] == 3 and res["outputs"]["y"]["sqnr_db"] > 15 and "top1_agreement" in res["outputs"]["y"]
+
+
+# -- inspect ----------------------------------------------------------------------------------------
+
+def test_inspect_reports_plan_opset_inputs_params_macs(tmp_path):
+    from qtool.inspect import inspect_model, render
+    model = save(_int_input_model(), tmp_path / "ids.onnx")
+    r = inspect_model(model, ["x=2,3,8,8", "ids=2"])
+    assert r.opset == 13 and "kept" in r.opset_note
+    roles = {i["name"]: i["role"] for i in r.inputs}
+    assert roles["x"].startswith("float32: calibrated") and roles["ids"] == "int64: passed through untouched"
+    assert r.params == 4 * 3 * 9 + 4 + 2 * 4
+    assert r.macs == 2 * 4 * 8 * 8 * 27 + 2 * 2 * 8 * 8 * 4  # conv 3x3 (27 products per output) + 1x1 conv
+    status = {n["name"]: n["status"] for n in r.nodes}
+    assert status["conv"] == "int8" and status["cast"] == "fp32"
+    text = render(r)
+    assert "GMAC" in text and "int64" in text
+
+
+def test_inspect_dynamic_shape_and_old_opset(tmp_path):
+    from qtool.inspect import inspect_model, render
+    model = save(_dynamic_model(opset=11), tmp_path / "old.onnx")
+    r = inspect_model(model)
+    assert r.macs is None and "upgraded to 13" in r.opset_note
+    assert "pass --shape" in render(r)
+    assert inspect_model(model, ["1,3,16,16"]).macs > 0
+
+
+def test_inspect_cli(tmp_path, capsys):
+    from qtool.cli import main
+    model = save(small_convnet(middle="Erf"), tmp_path / "m.onnx")
+    with pytest.raises(SystemExit) as e:
+        main(["inspect", model, "--json", str(tmp_path / "i.json")])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "Erf" in out and "no int8 rule for this op" in out and "M parameters" in out
+    with pytest.raises(SystemExit) as e:
+        main(["inspect", model, "--shape", "nope=1,2"])
+    assert e.value.code == 2
+
+
+# -- the shared Paddle and YOLOX exports (skipped where ../shared is absent) ---------------------------
+
+SHARED = os.path.join(os.path.dirname(__file__), "..", "..", "shared")
+
+
+def _shared_images(n, shape, mean, std, start):
+    from PIL import Image
+    folder = os.path.join(SHARED, "imagenet-samples")
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".JPEG"))[start::50][:n]
+    _, c, h, w = shape
+    for f in files:
+        im = Image.open(os.path.join(folder, f)).convert("RGB").resize((w, h), Image.BILINEAR)
+        yield ((np.asarray(im, np.float32) - mean) / std).transpose(2, 0, 1)[None].copy()
+
+
+@pytest.mark.parametrize("name,shape,mean,std,min_db", [
+    ("ppocr-cls-mobilenetv3.onnx", (1, 3, 48, 192), 127.5, 127.5, 12.0),
+    ("yolox-det.onnx", (1, 3, 416, 416), 0.0, 1.0, 20.0),
+])
+def test_shared_models_from_npy(tmp_path, name, shape, mean, std, min_db):
+    path = os.path.join(SHARED, "models", name)
+    if not os.path.exists(path):
+        pytest.skip(f"{path} not present")
+    data = tmp_path / "npy"
+    data.mkdir()
+    n = 8 if shape[2] < 100 else 3  # the detector is slow-ish: a smoke test, the benchmark measures
+    for k, x in enumerate(_shared_images(n, shape, mean, std, start=0)):
+        np.save(data / f"{k}.npy", x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = calibrate(path, str(data), method="mse", workdir=str(tmp_path / "w"), show_progress=False, threads=2)
+        q = quantize(str(tmp_path / "w"))
+    onnx.checker.check_model(q.path)
+    assert any("opset upgraded from 11 to 13" in n for n in q.report["notes"])
+    x = next(_shared_images(1, shape, mean, std, start=5))
+    inp = onnx.load(path).graph.input[0].name
+    assert _sqnr(run(onnx.load(path), {inp: x})[0], run(onnx.load(q.path), {inp: x})[0]) > min_db
