@@ -19,8 +19,10 @@ GUARD = 67  # canary bytes before and after the output
 def isa(request):
     prev = K.get_isa()
     K.set_isa(request.param)
+    K._native.set_parallel_min_ns(0)  # thread even the tiny test ops (tile splits get exercised)
     assert K.get_isa() == request.param
     yield request.param
+    K._native.set_parallel_min_ns(15000)
     K.set_isa(prev)
 
 
@@ -284,3 +286,35 @@ def test_threads_agree():
         assert all((o == outs[0]).all() for o in outs)
     finally:
         K.set_num_threads(prev)
+
+
+@pytest.mark.parametrize("shape", [(1, 3, 17, 9), (2, 5, 4, 3), (3, 40)], ids=str)
+def test_quantize_dequantize(isa, shape):
+    rng = np.random.default_rng(len(shape))
+    x = (rng.standard_normal(shape) * 3).astype(np.float32)
+    x.flat[:4] = [0.5 * 0.05, -1.5 * 0.05, 1e9, -1e9]  # ties and saturation
+    scale, zp = 0.05, 117
+    want = R.quantize_nchw_to_nhwc(x, scale, zp)
+    big, out = canary_out(want.shape, np.uint8, 0xA5)
+    check("quantize", K.quantize_nchw_to_nhwc(x, scale, zp, out=out), want, big, 0xA5, 1, str(shape))
+    want_f = R.dequantize_nhwc_to_nchw(want, scale, zp)
+    big, out = canary_out(want_f.shape, np.float32, 0x5A)
+    check("dequantize", K.dequantize_nhwc_to_nchw(want, scale, zp, out=out), want_f, big, 0x5A, 4, str(shape))
+
+
+def test_bind_reruns_on_same_buffers():
+    rng = np.random.default_rng(11)
+    x = rand_u8(rng, (1, 6, 6, 8))
+    p = K.pack_conv2d(rand_w(rng, (8, 8, 3, 3)), None, x_zp=4, multiplier=0.003, y_zp=6, pads=(1,) * 4)
+    out = np.empty(p.out_shape(1, 6, 6), np.uint8)
+    run = K.bind_conv2d(p, x, out)
+    run()
+    assert (out == K.conv2d(p, x)).all()
+    x[...] = rand_u8(rng, x.shape)  # new data in the same buffer
+    run()
+    assert (out == K.conv2d(p, x)).all()
+    b = rand_u8(rng, x.shape)
+    y = np.empty_like(x)
+    q = dict(a_scale=0.1, a_zp=3, b_scale=0.2, b_zp=4, y_scale=0.3, y_zp=5)
+    K.bind_add(x, b, y, **q)()
+    assert (y == R.add(x, b, **q)).all()

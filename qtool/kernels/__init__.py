@@ -6,6 +6,7 @@ and folds the zero-point compensation into the bias at pack time.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,7 +19,10 @@ ISAS = ("scalar", "avx2", "avx512vnni")
 
 __all__ = ["info", "set_isa", "get_isa", "available_isas", "set_num_threads", "get_num_threads",
            "conv_multiplier", "PackedConv", "pack_conv2d", "conv2d", "pack_gemm", "gemm", "add",
-           "maxpool2d", "avgpool2d", "global_avgpool", "concat", "conv_out_hw"]
+           "maxpool2d", "avgpool2d", "global_avgpool", "concat", "conv_out_hw",
+           "quantize_nchw_to_nhwc", "dequantize_nhwc_to_nchw", "bind_conv2d", "bind_gemm",
+           "bind_add", "bind_maxpool2d", "bind_avgpool2d", "bind_global_avgpool", "bind_concat",
+           "bind_quantize_nchw_to_nhwc", "bind_dequantize_nhwc_to_nchw"]
 
 
 # ---- runtime / dispatch --------------------------------------------------------------------
@@ -198,16 +202,36 @@ def pack_conv2d(w, bias, *, x_zp, multiplier, y_zp, strides=(1, 1), pads=(0, 0, 
                       ci["kernel"], ci["isa"], cap)
 
 
-def conv2d(p: PackedConv, x: np.ndarray, out=None) -> np.ndarray:
-    """uint8 NHWC [N, H, W, Cin] -> uint8 NHWC [N, OH, OW, Cout]."""
+def _plan_conv2d(p: PackedConv, x, out):
     _u8(x, "x")
     if x.ndim != 4 or x.shape[3] != p.cin:
         raise ValueError(f"x: expected NHWC [N, H, W, {p.cin}], got {x.shape}")
     n, h, w, _ = x.shape
     shape = p.out_shape(n, h, w)
     y = _out(out, shape)
-    _native.conv_run(p._cap, x, n, h, w, y, shape[1], shape[2])
+    return y, _native.conv_run, (p._cap, x, n, h, w, y, shape[1], shape[2])
+
+
+def _call(plan):
+    y, fn, args = plan
+    fn(*args)
     return y
+
+
+def _bind(plan):
+    """A zero-argument callable that reruns the op on the same (pre-checked) buffers: the
+    executor binds every op once at plan time and pays no per-call argument checks."""
+    _, fn, args = plan
+    return functools.partial(fn, *args)
+
+
+def conv2d(p: PackedConv, x: np.ndarray, out=None) -> np.ndarray:
+    """uint8 NHWC [N, H, W, Cin] -> uint8 NHWC [N, OH, OW, Cout]."""
+    return _call(_plan_conv2d(p, x, out))
+
+
+def bind_conv2d(p: PackedConv, x: np.ndarray, out: np.ndarray):
+    return _bind(_plan_conv2d(p, x, out))
 
 
 def pack_gemm(w, bias, *, x_zp, multiplier, y_zp=0, lo=0, hi=255, out_dtype="uint8") -> PackedConv:
@@ -231,15 +255,22 @@ def pack_gemm(w, bias, *, x_zp, multiplier, y_zp=0, lo=0, hi=255, out_dtype="uin
                       np.float32 if f32 else np.uint8, ci["kernel"], ci["isa"], cap)
 
 
-def gemm(p: PackedConv, x: np.ndarray, out=None) -> np.ndarray:
-    """uint8 [M, K] -> uint8 (or float32) [M, N]."""
+def _plan_gemm(p: PackedConv, x, out):
     _u8(x, "x")
     if x.ndim != 2 or x.shape[1] != p.cin:
         raise ValueError(f"x: expected [M, {p.cin}], got {x.shape}")
     m = x.shape[0]
     y = _out(out, (m, p.cout), p.out_dtype)
-    _native.conv_run(p._cap, x, m, 1, 1, y, 1, 1)
-    return y
+    return y, _native.conv_run, (p._cap, x, m, 1, 1, y, 1, 1)
+
+
+def gemm(p: PackedConv, x: np.ndarray, out=None) -> np.ndarray:
+    """uint8 [M, K] -> uint8 (or float32) [M, N]."""
+    return _call(_plan_gemm(p, x, out))
+
+
+def bind_gemm(p: PackedConv, x: np.ndarray, out: np.ndarray):
+    return _bind(_plan_gemm(p, x, out))
 
 
 # ---- elementwise / pooling / concat --------------------------------------------------------
@@ -247,16 +278,23 @@ def _ratio(a, b) -> float:
     return float(np.float32(a) / np.float32(b))
 
 
-def add(a, b, *, a_scale, a_zp, b_scale, b_zp, y_scale, y_zp, lo=0, hi=255, out=None):
+def _plan_add(a, b, a_scale, a_zp, b_scale, b_zp, y_scale, y_zp, lo, hi, out):
     _u8(a, "a")
     _u8(b, "b")
     if a.shape != b.shape:
         raise ValueError(f"add: shapes differ: {a.shape} vs {b.shape} (broadcast in the caller)")
     lo, hi = _clamp(lo, hi)
     y = _out(out, a.shape)
-    _native.add(a, b, y, _ratio(a_scale, y_scale), int(a_zp), _ratio(b_scale, y_scale), int(b_zp),
-                int(y_zp), lo, hi)
-    return y
+    return y, _native.add, (a, b, y, _ratio(a_scale, y_scale), int(a_zp), _ratio(b_scale, y_scale),
+                            int(b_zp), int(y_zp), lo, hi)
+
+
+def add(a, b, *, a_scale, a_zp, b_scale, b_zp, y_scale, y_zp, lo=0, hi=255, out=None):
+    return _call(_plan_add(a, b, a_scale, a_zp, b_scale, b_zp, y_scale, y_zp, lo, hi, out))
+
+
+def bind_add(a, b, out, *, a_scale, a_zp, b_scale, b_zp, y_scale, y_zp, lo=0, hi=255):
+    return _bind(_plan_add(a, b, a_scale, a_zp, b_scale, b_zp, y_scale, y_zp, lo, hi, out))
 
 
 def _pool(x, kernel, strides, pads, dilations, ceil_mode, avg, cip, x_zp, mult, y_zp, lo, hi, out):
@@ -271,24 +309,34 @@ def _pool(x, kernel, strides, pads, dilations, ceil_mode, avg, cip, x_zp, mult, 
     n, h, w, c = x.shape
     oh, ow = conv_out_hw(h, w, kernel, strides, pads, dilations, ceil_mode)
     y = _out(out, (n, oh, ow, c))
-    _native.pool(x, y, n, h, w, c, oh, ow, kernel[0], kernel[1], strides[0], strides[1], pads[0],
-                 pads[1], pads[2], pads[3], dilations[0], dilations[1],
-                 int(avg), int(cip), int(x_zp), float(np.float32(mult)), int(y_zp), lo, hi)
-    return y
+    return y, _native.pool, (x, y, n, h, w, c, oh, ow, kernel[0], kernel[1], strides[0], strides[1],
+                             pads[0], pads[1], pads[2], pads[3], dilations[0], dilations[1],
+                             int(avg), int(cip), int(x_zp), float(np.float32(mult)), int(y_zp), lo, hi)
 
 
 def maxpool2d(x, kernel, strides=(1, 1), pads=(0, 0, 0, 0), dilations=(1, 1), ceil_mode=False,
               out=None):
-    return _pool(x, kernel, strides, pads, dilations, ceil_mode, 0, 0, 0, 1.0, 0, 0, 255, out)
+    return _call(_pool(x, kernel, strides, pads, dilations, ceil_mode, 0, 0, 0, 1.0, 0, 0, 255, out))
+
+
+def bind_maxpool2d(x, out, kernel, strides=(1, 1), pads=(0, 0, 0, 0), dilations=(1, 1),
+                   ceil_mode=False):
+    return _bind(_pool(x, kernel, strides, pads, dilations, ceil_mode, 0, 0, 0, 1.0, 0, 0, 255, out))
 
 
 def avgpool2d(x, kernel, strides=(1, 1), pads=(0, 0, 0, 0), count_include_pad=False, *, x_zp,
               multiplier, y_zp, lo=0, hi=255, ceil_mode=False, out=None):
-    return _pool(x, kernel, strides, pads, (1, 1), ceil_mode, 1, count_include_pad, x_zp,
-                 multiplier, y_zp, lo, hi, out)
+    return _call(_pool(x, kernel, strides, pads, (1, 1), ceil_mode, 1, count_include_pad, x_zp,
+                       multiplier, y_zp, lo, hi, out))
 
 
-def global_avgpool(x, *, x_zp, multiplier, y_zp, lo=0, hi=255, out=None):
+def bind_avgpool2d(x, out, kernel, strides=(1, 1), pads=(0, 0, 0, 0), count_include_pad=False, *,
+                   x_zp, multiplier, y_zp, lo=0, hi=255, ceil_mode=False):
+    return _bind(_pool(x, kernel, strides, pads, (1, 1), ceil_mode, 1, count_include_pad, x_zp,
+                       multiplier, y_zp, lo, hi, out))
+
+
+def _plan_gap(x, x_zp, multiplier, y_zp, lo, hi, out):
     _u8(x, "x")
     if x.ndim != 4:
         raise ValueError(f"x: expected NHWC, got shape {x.shape}")
@@ -296,7 +344,15 @@ def global_avgpool(x, *, x_zp, multiplier, y_zp, lo=0, hi=255, out=None):
                  multiplier, y_zp, lo, hi, out)
 
 
-def concat(xs, axis, *, scales, zps, y_scale, y_zp, out=None):
+def global_avgpool(x, *, x_zp, multiplier, y_zp, lo=0, hi=255, out=None):
+    return _call(_plan_gap(x, x_zp, multiplier, y_zp, lo, hi, out))
+
+
+def bind_global_avgpool(x, out, *, x_zp, multiplier, y_zp, lo=0, hi=255):
+    return _bind(_plan_gap(x, x_zp, multiplier, y_zp, lo, hi, out))
+
+
+def _plan_concat(xs, axis, scales, zps, y_scale, y_zp, out):
     xs = [_u8(x, f"xs[{i}]") for i, x in enumerate(xs)]
     if not xs:
         raise ValueError("concat: no inputs")
@@ -319,8 +375,67 @@ def concat(xs, axis, *, scales, zps, y_scale, y_zp, out=None):
         inner = int(np.prod(x.shape[axis:], dtype=np.int64))
         same = np.float32(s) == np.float32(y_scale) and int(z) == int(y_zp)
         items.append((x, inner, bool(same), int(z), _ratio(s, y_scale)))
-    _native.concat(items, outer, y, int(y_zp))
-    return y
+    return y, _native.concat, (items, outer, y, int(y_zp))
+
+
+def concat(xs, axis, *, scales, zps, y_scale, y_zp, out=None):
+    return _call(_plan_concat(xs, axis, scales, zps, y_scale, y_zp, out))
+
+
+def bind_concat(xs, axis, out, *, scales, zps, y_scale, y_zp):
+    return _bind(_plan_concat(xs, axis, scales, zps, y_scale, y_zp, out))
+
+
+# ---- graph boundary ------------------------------------------------------------------------
+def _nchw(shape):
+    if len(shape) == 4:
+        return shape
+    if len(shape) == 2:
+        return (shape[0], shape[1], 1, 1)
+    raise ValueError(f"expected a 4-D NCHW/NHWC or 2-D [N, C] array, got shape {shape}")
+
+
+def _plan_quantize(x, scale, zp, out):
+    if not isinstance(x, np.ndarray) or x.dtype != np.float32 or not x.flags.c_contiguous:
+        raise ValueError(f"x: expected a C-contiguous float32 array, got {getattr(x, 'dtype', type(x))}")
+    n, c, h, w = _nchw(x.shape)
+    y = _out(out, (n, h, w, c) if x.ndim == 4 else (n, c))
+    if not 0 <= int(zp) <= 255:
+        raise ValueError(f"zero point {zp} not in [0, 255]")
+    return y, _native.quantize, (x, y, n, c, h, w, float(np.float32(scale)), int(zp))
+
+
+def quantize_nchw_to_nhwc(x, scale, zp, out=None):
+    """QuantizeLinear to uint8 (y = sat(rint(x / scale) + zp), as ONNX Runtime), NCHW -> NHWC
+    in one pass ([N, C] stays [N, C])."""
+    return _call(_plan_quantize(x, scale, zp, out))
+
+
+def bind_quantize_nchw_to_nhwc(x, out, scale, zp):
+    return _bind(_plan_quantize(x, scale, zp, out))
+
+
+def _plan_dequantize(x, scale, zp, out):
+    _u8(x, "x")
+    if x.ndim == 4:
+        n, h, w, c = x.shape
+        shape = (n, c, h, w)
+    elif x.ndim == 2:
+        (n, c), h, w = x.shape, 1, 1
+        shape = (n, c)
+    else:
+        raise ValueError(f"x: expected NHWC or [N, C], got shape {x.shape}")
+    y = _out(out, shape, np.float32)
+    return y, _native.dequantize, (x, y, n, c, h, w, float(np.float32(scale)), int(zp))
+
+
+def dequantize_nhwc_to_nchw(x, scale, zp, out=None):
+    """DequantizeLinear (y = float32(x - zp) * scale), NHWC -> NCHW in one pass."""
+    return _call(_plan_dequantize(x, scale, zp, out))
+
+
+def bind_dequantize_nhwc_to_nchw(x, out, scale, zp):
+    return _bind(_plan_dequantize(x, scale, zp, out))
 
 
 def _init_from_env():

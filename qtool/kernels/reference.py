@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from qtool.qparams import requantize
+from qtool.qparams import ActQParams, dequantize, quantize, requantize
 
 from . import conv_out_hw
 
@@ -132,3 +132,13 @@ def concat(xs, axis, *, scales, zps, y_scale, y_zp):
             m = np.float32(s) / np.float32(y_scale)
             parts.append(requantize(x.astype(np.int32) - int(z), m, y_zp))
     return np.concatenate(parts, axis=axis)
+
+
+def quantize_nchw_to_nhwc(x, scale, zp):
+    q = quantize(x, ActQParams(float(scale), int(zp)))
+    return np.ascontiguousarray(q.transpose(0, 2, 3, 1)) if q.ndim == 4 else q
+
+
+def dequantize_nhwc_to_nchw(x, scale, zp):
+    y = dequantize(x, ActQParams(float(scale), int(zp)))
+    return np.ascontiguousarray(y.transpose(0, 3, 1, 2)) if y.ndim == 4 else y

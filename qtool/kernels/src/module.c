@@ -72,6 +72,14 @@ static PyObject* py_set_num_threads(PyObject* self, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+static PyObject* py_set_parallel_min_ns(PyObject* self, PyObject* args) {
+  (void)self;
+  double ns;
+  if (!PyArg_ParseTuple(args, "d", &ns)) return NULL;
+  qt_set_parallel_min_ns(ns);
+  Py_RETURN_NONE;
+}
+
 static PyObject* py_get_num_threads(PyObject* self, PyObject* args) {
   (void)self; (void)args;
   return PyLong_FromLong(qt_get_num_threads());
@@ -259,12 +267,47 @@ static PyObject* py_concat(PyObject* self, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+/* quantize(x_f32_nchw, y_u8_nhwc, n, c, h, w, scale, zp) / dequantize(x_u8_nhwc, y_f32_nchw, ...) */
+static PyObject* boundary(PyObject* args, int quant) {
+  PyObject *ox, *oy;
+  Py_ssize_t n, c, h, w;
+  float scale;
+  int zp;
+  if (!PyArg_ParseTuple(args, "OOnnnnfi", &ox, &oy, &n, &c, &h, &w, &scale, &zp)) return NULL;
+  if (n < 0 || c < 0 || h < 0 || w < 0) {
+    PyErr_SetString(PyExc_ValueError, "negative dimension");
+    return NULL;
+  }
+  const Py_ssize_t count = n * c * h * w;
+  buf_t x, y;
+  x.ok = y.ok = 0;
+  int ok = 0;
+  if (get_buf(ox, &x, 0, count * (quant ? 4 : 1), "x") == 0 &&
+      get_buf(oy, &y, 1, count * (quant ? 1 : 4), "out") == 0) {
+    Py_BEGIN_ALLOW_THREADS
+    if (quant) qt_quantize_nchw_to_nhwc((const float*)x.b.buf, (uint8_t*)y.b.buf, n, c, h, w, scale, zp);
+    else qt_dequantize_nhwc_to_nchw((const uint8_t*)x.b.buf, (float*)y.b.buf, n, c, h, w, scale, zp);
+    Py_END_ALLOW_THREADS
+    ok = 1;
+  }
+  rel(&x); rel(&y);
+  if (!ok) return NULL;
+  Py_RETURN_NONE;
+}
+
+static PyObject* py_quantize(PyObject* self, PyObject* args) { (void)self; return boundary(args, 1); }
+static PyObject* py_dequantize(PyObject* self, PyObject* args) { (void)self; return boundary(args, 0); }
+
 static PyMethodDef methods[] = {
+    {"quantize", py_quantize, METH_VARARGS, "float32 NCHW -> uint8 NHWC (QuantizeLinear)"},
+    {"dequantize", py_dequantize, METH_VARARGS, "uint8 NHWC -> float32 NCHW (DequantizeLinear)"},
     {"info", py_info, METH_NOARGS, "CPU features and the selected ISA"},
     {"set_isa", py_set_isa, METH_VARARGS, "force an ISA (0 scalar, 1 avx2, 2 avx512vnni; -1 best)"},
     {"get_isa", py_get_isa, METH_NOARGS, "selected ISA"},
     {"set_num_threads", py_set_num_threads, METH_VARARGS, "threads used by the kernels"},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "threads used by the kernels"},
+    {"set_parallel_min_ns", py_set_parallel_min_ns, METH_VARARGS,
+     "ops estimated below this many ns run on the calling thread"},
     {"conv_create", py_conv_create, METH_VARARGS, "pack a convolution / GEMM"},
     {"conv_info", py_conv_info, METH_VARARGS, "kernel of a packed convolution"},
     {"conv_run", py_conv_run, METH_VARARGS, "run a packed convolution"},

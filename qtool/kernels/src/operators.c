@@ -278,16 +278,18 @@ static int conv_run_locked(qt_conv* cv, const uint8_t* x, size_t n, size_t h, si
       cv->col_bytes = cv->col ? need : 0;
       if (!cv->col) return -1;
     }
-    qt_parallel(n * oh, im2col_task, &j);
+    qt_parallel(n * oh, im2col_task, &j, (double)(j.m * cv->gemm_kc) / 4.0);
     j.x = cv->col;
   }
   if (cv->kind == QT_CONV_DW) {
     if (build_dw_indirection(cv, x, n, h, w, oh, ow) != 0) return -1;
-    qt_parallel(n * oh, dw_task, &j);
+    qt_parallel(n * oh, dw_task, &j, (double)j.m * (double)(cv->cout * cv->kh * cv->kw) / 25.0);
     return 0;
   }
   if (build_indirection(cv, n, h, w, oh, ow) != 0) return -1;
-  qt_parallel(cv->groups * cv->panels_per_group * cv->mblocks, igemm_task, &j);
+  const double macs = (double)j.m * (double)(cv->cout * cv->cin_g * cv->kh * cv->kw);
+  qt_parallel(cv->groups * cv->panels_per_group * cv->mblocks, igemm_task, &j,
+              macs / 150.0 + (double)(j.m * cv->cout) / 8.0);
   return 0;
 }
 
@@ -356,7 +358,7 @@ void qt_pool(const uint8_t* x, uint8_t* y, size_t n, size_t h, size_t w, size_t 
   pool_job j = {qt_get_dispatch(), x, y, n, h, w, c, oh, ow, kh, kw, sh, sw, pt, pl, pb, pr, dh, dw,
                 avg, count_include_pad, x_zp, mult, {0}};
   fill_requant(&j.rq, y_zp, lo, hi, 0);
-  qt_parallel(n * oh, pool_task, &j);
+  qt_parallel(n * oh, pool_task, &j, (double)(n * oh * ow) * (double)(kh * kw * c) / 16.0);
 }
 
 /* ---- add ---- */
@@ -385,7 +387,7 @@ void qt_add(const uint8_t* a, const uint8_t* b, uint8_t* y, size_t n, float ma, 
   fill_requant(&j.rq, y_zp, lo, hi, 0);
   j.rq.lo_f = (float)lo;  /* the add kernel clamps after adding the output zero point */
   j.rq.hi_f = (float)hi;
-  qt_parallel((n + QT_CHUNK - 1) / QT_CHUNK, add_task, &j);
+  qt_parallel((n + QT_CHUNK - 1) / QT_CHUNK, add_task, &j, (double)n / 8.0);
 }
 
 /* ---- concat ---- */
@@ -415,5 +417,57 @@ void qt_concat(const qt_concat_input* in, size_t nin, size_t outer, uint8_t* y, 
   concat_job j = {qt_get_dispatch(), in, nin, outer, 0, y, {0}};
   for (size_t i = 0; i < nin; i++) j.out_inner += in[i].inner;
   fill_requant(&j.rq, y_zp, 0, 255, 0);
-  qt_parallel(outer, concat_task, &j);
+  qt_parallel(outer, concat_task, &j, (double)(outer * j.out_inner) / 8.0);
+}
+
+/* ---- graph boundary: float32 NCHW <-> uint8 NHWC ---- */
+typedef struct {
+  const float* xf;
+  const uint8_t* xq;
+  float* yf;
+  uint8_t* yq;
+  size_t n, c, h, w;
+  float scale, lo, hi;
+  int32_t zp;
+} boundary_job;
+
+static void quantize_task(void* ctx, size_t begin, size_t end) {
+  const boundary_job* j = (const boundary_job*)ctx;
+  for (size_t r = begin; r < end; r++) {  /* r = (b, y) */
+    const size_t b = r / j->h, y = r % j->h;
+    uint8_t* dst = j->yq + r * j->w * j->c;
+    for (size_t ch = 0; ch < j->c; ch++) {
+      const float* src = j->xf + ((b * j->c + ch) * j->h + y) * j->w;
+      for (size_t x = 0; x < j->w; x++) {
+        float v = src[x] / j->scale;
+        v = v > j->lo ? v : j->lo;  /* NaN -> lo, as MLAS's max_ps */
+        v = v < j->hi ? v : j->hi;
+        dst[x * j->c + ch] = (uint8_t)((int32_t)qt_rint_small(v) + j->zp);
+      }
+    }
+  }
+}
+
+static void dequantize_task(void* ctx, size_t begin, size_t end) {
+  const boundary_job* j = (const boundary_job*)ctx;
+  for (size_t r = begin; r < end; r++) {
+    const size_t b = r / j->h, y = r % j->h;
+    const uint8_t* src = j->xq + r * j->w * j->c;
+    for (size_t ch = 0; ch < j->c; ch++) {
+      float* dst = j->yf + ((b * j->c + ch) * j->h + y) * j->w;
+      for (size_t x = 0; x < j->w; x++) dst[x] = (float)((int32_t)src[x * j->c + ch] - j->zp) * j->scale;
+    }
+  }
+}
+
+void qt_quantize_nchw_to_nhwc(const float* x, uint8_t* y, size_t n, size_t c, size_t h, size_t w,
+                              float scale, int32_t zp) {
+  boundary_job j = {x, NULL, NULL, y, n, c, h, w, scale, (float)(0 - zp), (float)(255 - zp), zp};
+  qt_parallel(n * h, quantize_task, &j, (double)(n * c * h * w) / 2.0);
+}
+
+void qt_dequantize_nhwc_to_nchw(const uint8_t* x, float* y, size_t n, size_t c, size_t h, size_t w,
+                                float scale, int32_t zp) {
+  boundary_job j = {NULL, x, y, NULL, n, c, h, w, scale, 0.0f, 0.0f, zp};
+  qt_parallel(n * h, dequantize_task, &j, (double)(n * c * h * w) / 2.0);
 }

@@ -49,4 +49,9 @@ typedef struct {
   float mult;
 } qt_concat_input;
 void qt_concat(const qt_concat_input* in, size_t nin, size_t outer, uint8_t* y, int32_t y_zp);
+
+void qt_quantize_nchw_to_nhwc(const float* x, uint8_t* y, size_t n, size_t c, size_t h, size_t w,
+                              float scale, int32_t zp);
+void qt_dequantize_nhwc_to_nchw(const uint8_t* x, float* y, size_t n, size_t c, size_t h, size_t w,
+                                float scale, int32_t zp);
 #endif

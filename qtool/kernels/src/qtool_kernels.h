@@ -117,9 +117,14 @@ const qt_dispatch* qt_dispatch_for(int isa);
 int qt_set_isa(int isa);                            /* returns the ISA actually selected */
 const char* qt_isa_name(int isa);
 
-/* threadpool.c: run fn(ctx, begin, end) over [0, n) split in contiguous ranges, one per thread. */
+/* threadpool.c: run fn(ctx, begin, end) over [0, n) in contiguous chunks on the pool.
+ * `est_ns` is the caller's estimate of the single-thread run time: jobs below
+ * QT_PARALLEL_MIN_NS run on the calling thread alone (a hand-off costs microseconds, and much
+ * more when the other core is busy with another process). */
+#define QT_PARALLEL_MIN_NS 15000
 typedef void (*qt_task_fn)(void* ctx, size_t begin, size_t end);
-void qt_parallel(size_t n, qt_task_fn fn, void* ctx);
+void qt_parallel(size_t n, qt_task_fn fn, void* ctx, double est_ns);
+void qt_set_parallel_min_ns(double ns);  /* tests set 0 to thread every op */
 void qt_set_num_threads(int n);
 int qt_get_num_threads(void);
 

@@ -34,6 +34,9 @@ static int g_started = 0;               /* workers running (excluding the caller
 static qt_task_fn g_fn;
 static void* g_ctx;
 static size_t g_n, g_nchunks;
+static double g_min_ns = QT_PARALLEL_MIN_NS;
+
+void qt_set_parallel_min_ns(double ns) { g_min_ns = ns; }
 
 static void work(uint32_t gen) {
   for (;;) {
@@ -94,11 +97,12 @@ int qt_get_num_threads(void) {
   return g_nthreads;
 }
 
-void qt_parallel(size_t n, qt_task_fn fn, void* ctx) {
+void qt_parallel(size_t n, qt_task_fn fn, void* ctx, double est_ns) {
   if (n == 0) return;
   pthread_mutex_lock(&g_call_lock);
   int T = qt_get_num_threads();
   if ((size_t)T > n) T = (int)n;
+  if (est_ns < g_min_ns) T = 1;
   if (T <= 1) {
     pthread_mutex_unlock(&g_call_lock);
     fn(ctx, 0, n);
