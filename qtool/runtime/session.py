@@ -36,7 +36,7 @@ class NodeArg:
 
 
 class _Plan:
-    __slots__ = ("env", "calls", "steps_calls", "in_slots", "bytes")
+    __slots__ = ("env", "calls", "steps_calls", "in_slots", "bytes", "bytes_no_reuse", "n_buffers")
 
 
 def _load(model):
@@ -178,12 +178,13 @@ class NativeSession:
         pool = []  # free raw buffers
         owner = {}  # root slot -> raw buffer
         bufs = {}
-        total = 0
+        total = no_reuse = n_buffers = 0
         for k, st in enumerate(steps):
             if st.uses_out and k not in views:
                 for o in st.outs:
                     a = env[o]
                     nb = max(a.nbytes, 1)
+                    no_reuse += nb
                     best = None
                     for j, raw in enumerate(pool):
                         if raw.nbytes >= nb and (best is None or raw.nbytes < pool[best].nbytes):
@@ -193,6 +194,7 @@ class NativeSession:
                         off = (-raw.ctypes.data) % 64
                         raw = raw[off:off + nb]
                         total += nb
+                        n_buffers += 1
                     else:
                         raw = pool.pop(best)
                     owner[o] = raw
@@ -207,7 +209,7 @@ class NativeSession:
                     pool.append(owner.pop(r))
         plan = _Plan()
         plan.env = env
-        plan.bytes = total
+        plan.bytes, plan.bytes_no_reuse, plan.n_buffers = total, no_reuse, n_buffers
         steps_calls = []
         for k, st in enumerate(steps):  # bind in order: every input is a fixed buffer by now
             if k in views:  # a view of a fixed buffer stays valid: make it once
@@ -262,6 +264,9 @@ class NativeSession:
                 lines.append(f"    {x.node} ({x.op}): {x.detail}")
         else:
             lines.append("  fp32 fallback: none")
+        for key, p in self._plans.items():
+            lines.append(f"  plan for input shapes {[list(k) for k in key]}: {p.n_buffers} buffers, "
+                         f"{p.bytes / 1e6:.2f} MB ({p.bytes_no_reuse / 1e6:.2f} MB without reuse), {len(p.calls)} calls")
         return "\n".join(lines)
 
     def report_entries(self):
