@@ -82,8 +82,10 @@ def _clip_bounds(node, model):
     return float(np.asarray(lo).ravel()[0]), float(np.asarray(hi).ravel()[0])
 
 
-def make_plan(model: onnx.ModelProto, exclude: dict | None = None) -> Plan:
-    """`exclude`: node name -> reason, for nodes the user (or --exclude-sensitive) keeps in fp32."""
+def make_plan(model: onnx.ModelProto, exclude: dict | None = None, ranges: dict | None = None) -> Plan:
+    """`exclude`: node name -> reason, for nodes the user (or --exclude-sensitive) keeps in fp32.
+    `ranges` (tensor -> [lo, hi], once calibrated) lets rules refuse on ranges (Concat of very
+    different ranges); without it the plan is the superset calibration observes."""
     exclude = exclude or {}
     plan = Plan()
     types = elem_types(model)
@@ -113,6 +115,10 @@ def make_plan(model: onnx.ModelProto, exclude: dict | None = None) -> Plan:
             reason = "input is not int8"
         if reason is None and any(a in inits for a in acts):
             reason = "an activation input is a constant"
+        if reason is None and rule.int8_input and not any(a in int8_out for a in acts):
+            reason = "no input is int8 (fp32 data movement is exact; int8 readers quantize the result)"
+        if reason is None and ranges is not None:
+            reason = rule.range_check(node, ranges)
         if reason is not None:
             plan.decisions.append(NodeDecision(node.name, node.op_type, "fp32", reason))
             continue

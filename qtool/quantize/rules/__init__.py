@@ -22,6 +22,8 @@ class OpRule:
     weight: Callable = lambda node, model: None  # (node, model) -> (index, axis) or None
     bias: Optional[int] = None
     check: Callable = lambda node, model: None  # (node, model) -> reason it cannot be int8, or None
+    range_check: Callable = lambda node, ranges: None  # (node, tensor -> [lo, hi]) -> reason, once calibrated
+    int8_input: bool = False  # only worth doing in int8 when some input already is (data movement, no arithmetic)
 
 
 RULES: dict = {}
