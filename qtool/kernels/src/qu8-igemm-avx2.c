@@ -8,13 +8,6 @@
 #define MR 4
 #define NR 16
 
-QT_TARGET_AVX2 QT_INLINE __m256i bcast_pair(const uint8_t* p) {
-  uint16_t v;
-  memcpy(&v, p, 2);
-  uint32_t u = ((uint32_t)v | ((uint32_t)v << 8)) & 0x00FF00FFu;
-  return _mm256_set1_epi32((int32_t)u);
-}
-
 QT_TARGET_AVX2 QT_INLINE void store_row(__m256i a0, __m256i a1, const float* mult, void* c, size_t nc,
                                         const qt_requant* rq) {
   __m256 m0 = _mm256_loadu_ps(mult), m1 = _mm256_loadu_ps(mult + 8);
@@ -63,7 +56,9 @@ void qu8_qs8w_igemm_minmax_fp32_ukernel_4x16c2__avx2(size_t mr, size_t nc, size_
   const __m256i b1i = _mm256_loadu_si256((const __m256i*)(bias + 8));
 #pragma GCC unroll 4
   for (size_t i = 0; i < MR; i++) { acc[i][0] = b0i; acc[i][1] = b1i; }
-  const size_t kc2 = kc & ~(size_t)1;
+  const size_t kc4 = kc & ~(size_t)3;
+  const __m256i sh01 = _mm256_set1_epi32((int32_t)0x80018000u);  /* bytes 0, -, 1, - */
+  const __m256i sh23 = _mm256_set1_epi32((int32_t)0x80038002u);  /* bytes 2, -, 3, - */
   for (size_t t = 0; t < ks; t++) {
     const uint8_t* a[MR];
 #pragma GCC unroll 4
@@ -71,27 +66,51 @@ void qu8_qs8w_igemm_minmax_fp32_ukernel_4x16c2__avx2(size_t mr, size_t nc, size_
       intptr_t o = ind[t * MR + i];
       a[i] = o >= 0 ? x + o : zero;
     }
+    /* A: 4 bytes broadcast per row, then vpshufb to (a0, a1) and (a2, a3) zero-extended 16-bit
+     * pairs for vpmaddwd against the int16 weight pairs. */
     size_t k = 0;
-    for (; k < kc2; k += 2) {
+    for (; k < kc4; k += 4) {
       const __m256i w0 = _mm256_loadu_si256((const __m256i*)wp);
       const __m256i w1 = _mm256_loadu_si256((const __m256i*)(wp + 16));
-      wp += 2 * NR;
+      const __m256i w2 = _mm256_loadu_si256((const __m256i*)(wp + 32));
+      const __m256i w3 = _mm256_loadu_si256((const __m256i*)(wp + 48));
+      wp += 4 * NR;
 #pragma GCC unroll 4
       for (size_t i = 0; i < MR; i++) {
-        const __m256i va = bcast_pair(a[i] + k);
-        acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(va, w0));
-        acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(va, w1));
+        int32_t v;
+        memcpy(&v, a[i] + k, 4);
+        const __m256i vb = _mm256_set1_epi32(v);
+        const __m256i va01 = _mm256_shuffle_epi8(vb, sh01);
+        const __m256i va23 = _mm256_shuffle_epi8(vb, sh23);
+        acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(va01, w0));
+        acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(va01, w1));
+        acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(va23, w2));
+        acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(va23, w3));
       }
     }
-    if (k < kc) {
+    if (k < kc) {  /* 1..3 left: one or two zero-padded pairs, no over-read of A */
+      const size_t rem = kc - k;
       const __m256i w0 = _mm256_loadu_si256((const __m256i*)wp);
       const __m256i w1 = _mm256_loadu_si256((const __m256i*)(wp + 16));
       wp += 2 * NR;
+      __m256i w2 = _mm256_setzero_si256(), w3 = _mm256_setzero_si256();
+      if (rem > 2) {
+        w2 = _mm256_loadu_si256((const __m256i*)wp);
+        w3 = _mm256_loadu_si256((const __m256i*)(wp + 16));
+        wp += 2 * NR;
+      }
 #pragma GCC unroll 4
       for (size_t i = 0; i < MR; i++) {
-        const __m256i va = _mm256_set1_epi32((int32_t)a[i][k]);
-        acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(va, w0));
-        acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(va, w1));
+        uint32_t v = a[i][k];
+        if (rem > 1) v |= (uint32_t)a[i][k + 1] << 8;
+        if (rem > 2) v |= (uint32_t)a[i][k + 2] << 16;
+        const __m256i vb = _mm256_set1_epi32((int32_t)v);
+        const __m256i va01 = _mm256_shuffle_epi8(vb, sh01);
+        const __m256i va23 = _mm256_shuffle_epi8(vb, sh23);
+        acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(va01, w0));
+        acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(va01, w1));
+        acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(va23, w2));
+        acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(va23, w3));
       }
     }
   }
