@@ -81,11 +81,13 @@ def unique_name(model: onnx.ModelProto, base: str, taken: set | None = None) -> 
 def remove_unused_initializers(model: onnx.ModelProto) -> int:
     used = {i for n in model.graph.node for i in n.input} | graph_output_names(model)
     keep = [t for t in model.graph.initializer if t.name in used]
-    removed = len(model.graph.initializer) - len(keep)
+    gone = {t.name for t in model.graph.initializer} - {t.name for t in keep}
+    removed = len(gone)
     if removed:
         del model.graph.initializer[:]
         model.graph.initializer.extend(keep)
-        ins = [i for i in model.graph.input if i.name in used or i.name not in {t.name for t in keep}]
+        # old exporters list weights as graph inputs too: those go with their initializer
+        ins = [i for i in model.graph.input if i.name not in gone]
         del model.graph.input[:]
         model.graph.input.extend(ins)
     return removed

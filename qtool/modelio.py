@@ -67,8 +67,11 @@ def model_hash(path: str) -> str:
 def atomic_write_bytes(path: str, data: bytes) -> None:
     """Write to a temporary file in the same folder, then rename: never a half-written file."""
     d = os.path.dirname(os.path.abspath(path)) or "."
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.basename(path), dir=d)
+    try:
+        os.makedirs(d, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.basename(path), dir=d)
+    except OSError as e:
+        raise QtoolError(f"{path}: cannot write ({e.strerror or e})") from None
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -76,14 +79,28 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual mode
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise QtoolError(f"{path}: cannot write ({e.strerror or e})") from None
         raise
 
 
 def atomic_write_text(path: str, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def json_safe(o):
+    """Plain JSON (no NaN/Infinity, which strict parsers reject): inf becomes +-1e308, NaN None."""
+    import math
+    if isinstance(o, float) and not math.isfinite(o):
+        return None if math.isnan(o) else (1e308 if o > 0 else -1e308)
+    if isinstance(o, dict):
+        return {k: json_safe(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [json_safe(v) for v in o]
+    return o
 
 
 def save_model(model: onnx.ModelProto, path: str) -> None:

@@ -211,8 +211,6 @@ def test_missing_model_and_data(project, capsys):
     assert "nodata" in capsys.readouterr().err
 
 
-@pytest.mark.xfail(reason="BUG: a wrongly typed config value (size = 224) escapes config.from_dict as TypeError: "
-                          "the CLI prints a traceback instead of one line naming the file", strict=True)
 def test_wrongly_typed_config_one_line_error(project, capsys):
     (project / "typed.toml").write_text("[input]\nsize = 224\n")
     try:
@@ -318,8 +316,6 @@ def test_quantize_write_failure_mid_file_keeps_previous_state(project, monkeypat
     assert {f: open(wd / f, "rb").read() for f in _listing(wd)} == before
 
 
-@pytest.mark.xfail(reason="BUG: an OSError while writing output (disk full, permission denied) is not turned into "
-                          "a QtoolError: the CLI prints a traceback instead of one line naming the file", strict=True)
 def test_quantize_disk_full_is_one_line_error(project, monkeypatch, capsys):
     assert qtool("calibrate", "-m", "net.onnx", "-d", "data", "-c", "cfg.toml", "-q") == 0
     import qtool.modelio as mio

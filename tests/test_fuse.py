@@ -87,9 +87,6 @@ def test_fold_constants_with_pinned_spatial_dims():
     _check_batches(tf_same_pad_model(hw=("H", "W")), r.model)
 
 
-@pytest.mark.xfail(reason="BUG: fold_constants instantiates every free non-batch dim as 32 and then 64 (both even, "
-                          "both multiples of 32), so TF-SAME padding that depends on H mod stride looks constant and "
-                          "is frozen: an odd input size then gives a wrong output shape", strict=True)
 def test_fold_constants_keeps_spatial_dependent_value_dynamic():
     m0 = tf_same_pad_model(hw=("H", "W"))
     m1 = fuse_model(m0).model
@@ -360,8 +357,6 @@ def test_fuse_model_does_not_modify_its_input():
     assert_same_function(m, r.model, {"x": _x((3, 3, 16, 16))})
 
 
-@pytest.mark.xfail(reason="BUG: graph.remove_unused_initializers keeps graph inputs named after the initializers "
-                          "it removed (the filter tests membership in `keep`, not in the removed set)", strict=True)
 def test_fuse_model_old_ir_weights_listed_as_inputs():
     """Old exporters list every initializer as a graph input too; folded-away BN parameters must not
     remain as inputs ORT then asks the caller to feed."""

@@ -69,18 +69,21 @@ def from_dict(raw: dict, source: str = "(dict)") -> Preprocess:
         set(pre) - {"resize", "resize_to", "crop", "interpolation", "mean", "std"})
     if unknown:
         raise QtoolError(f"{source}: unknown config keys: {', '.join(sorted(unknown))}")
-    c = Preprocess(source=source)
-    c.input_name = inp.get("name")
-    c.layout = str(inp.get("layout", c.layout)).upper()
-    c.size = tuple(int(v) for v in inp.get("size", c.size))
-    c.color = str(inp.get("color", c.color)).upper()
-    c.resize = pre.get("resize", c.resize)
-    c.resize_to = int(pre.get("resize_to", c.resize_to))
-    c.crop = pre.get("crop", c.crop)
-    c.interpolation = pre.get("interpolation", c.interpolation)
-    nch = 1 if c.color == "GRAY" else 3
-    c.mean = tuple(float(v) for v in pre.get("mean", [0.0] * nch))
-    c.std = tuple(float(v) for v in pre.get("std", [1.0] * nch))
+    try:
+        c = Preprocess(source=source)
+        c.input_name = inp.get("name")
+        c.layout = str(inp.get("layout", c.layout)).upper()
+        c.size = tuple(int(v) for v in inp.get("size", c.size))
+        c.color = str(inp.get("color", c.color)).upper()
+        c.resize = pre.get("resize", c.resize)
+        c.resize_to = int(pre.get("resize_to", c.resize_to))
+        c.crop = pre.get("crop", c.crop)
+        c.interpolation = pre.get("interpolation", c.interpolation)
+        nch = 1 if c.color == "GRAY" else 3
+        c.mean = tuple(float(v) for v in pre.get("mean", [0.0] * nch))
+        c.std = tuple(float(v) for v in pre.get("std", [1.0] * nch))
+    except (TypeError, ValueError) as e:
+        raise QtoolError(f"{source}: a config value has the wrong type ({e}); see configs/*.toml for examples") from None
     problems = []
     if c.layout not in ("NCHW", "NHWC"):
         problems.append(f"layout must be NCHW or NHWC, not {c.layout}")
@@ -118,3 +121,16 @@ def config_from_model_shape(c: Preprocess, dims: list) -> Preprocess:
 
 def describe(c: Preprocess) -> str:
     return os.path.basename(c.source)
+
+
+def config_from_any(config) -> Preprocess:
+    """A Preprocess from a preset name or path, a dict as the calibration table stores it, or one already made."""
+    if config is None or isinstance(config, str):
+        return load_config(config)
+    if isinstance(config, Preprocess):
+        return config
+    inp = {k: config[k] for k in ("layout", "size", "color") if k in config}
+    if config.get("input_name"):
+        inp["name"] = config["input_name"]
+    pre = {k: config[k] for k in ("resize", "resize_to", "crop", "interpolation", "mean", "std") if k in config}
+    return from_dict({"input": inp, "preprocess": pre}, config.get("source", "(calibration table)"))

@@ -30,10 +30,19 @@ def image_input(model: onnx.ModelProto, cfg: Preprocess, path: str) -> ModelInpu
         if not match:
             raise QtoolError(f"{path}: model has no float input named '{cfg.input_name}' "
                              f"(it has: {', '.join(i.name for i in ins) or 'none'})")
+        others = [i.name for i in G.real_inputs(model) if i.name != cfg.input_name]
+        if others:
+            raise QtoolError(f"{path}: model needs inputs besides '{cfg.input_name}' ({', '.join(repr(o) for o in others)}); images "
+                             f"feed one input only: calibrate from .npz files holding every input")
         return match[0]
     if not ins:
         raise QtoolError(f"{path}: model has no float32 input to feed images to")
-    return ins[0]
+    chosen = ins[0]
+    others = [i.name for i in G.real_inputs(model) if i.name != chosen.name]
+    if others:
+        raise QtoolError(f"{path}: model needs inputs besides '{chosen.name}' ({', '.join(repr(o) for o in others)}); images feed one "
+                         f"input only: calibrate from .npz files holding every input")
+    return chosen
 
 
 class ImageData:

@@ -75,7 +75,9 @@ class Histogram:
         if self.e is None:
             span = max(hi - lo, abs(hi), abs(lo), 1e-30)
             e = math.frexp(span / (self.nbins - 2))[1]
-            while e > -1000 and self._fits(e - 1, lo, hi):
+            # never finer than float32 can tell apart around the data (a constant tensor fits any width)
+            e_min = math.frexp(max(abs(lo), abs(hi), 1e-30))[1] - 24
+            while e > e_min and self._fits(e - 1, lo, hi):
                 e -= 1
             while not self._fits(e, lo, hi):
                 e += 1

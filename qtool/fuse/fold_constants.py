@@ -5,8 +5,9 @@ After:  Pad(x, pads=<initializer>)
 
 Precondition for each node: every input is a constant, or the node is Shape of a tensor
 whose shape is known. Dynamic dimensions stay dynamic: the graph is evaluated under two
-different instantiations of every unknown dimension (batch 1 and 2, other free dims 32
-and 64), and a value is folded only where both agree, so nothing that depends on the
+different instantiations of every unknown dimension (batch 1 and 2, other free dims 33
+and 64: different parities and residues, so padding that depends on size mod stride shows),
+and a value is folded only where both agree, so nothing that depends on the
 batch (or on a free spatial size) is frozen.
 """
 from __future__ import annotations
@@ -35,7 +36,7 @@ def _pinned(model: onnx.ModelProto, variant: int, pins: dict) -> onnx.ModelProto
             if pin is not None and k < len(pin) and pin[k] and k > 0:
                 d.dim_value = int(pin[k])
             elif not (d.HasField("dim_value") and d.dim_value > 0):
-                d.dim_value = (1 if k == 0 else 32) * (1 + variant)
+                d.dim_value = (1 + variant) if k == 0 else (33, 64)[variant]
     return m
 
 

@@ -39,22 +39,36 @@ def _kl_threshold(counts: np.ndarray, levels: int) -> int:
     return best
 
 
+def _from_zero(hist, fold: bool):
+    """Counts of x (or |x| with fold) in bins from 0 up, at most 2 * NBINS of them.
+
+    Data far from zero at a fine width would need a bin per width from 0: bins merge by
+    powers of two until the span from 0 fits, keeping the memory bounded."""
+    k = np.arange(hist.k0, hist.k0 + hist.nbins, dtype=np.int64)
+    nz = hist.counts > 0
+    k, c = k[nz], hist.counts[nz]
+    if fold:
+        k = np.where(k >= 0, k, -k - 1)  # global bin k < 0 holds |x| of bin -k-1
+    else:
+        k, c = k[k >= 0], c[k >= 0]
+    shift = 0
+    top = int(k.max()) if k.size else 0
+    while (top >> shift) + 1 > 2 * hist.nbins:
+        shift += 1
+    counts = np.bincount(k >> shift, weights=c, minlength=(top >> shift) + 1).astype(np.int64)
+    return counts, hist.width * (1 << shift)
+
+
 def compute(hist):
     if hist.n == 0:
         return 0.0, 0.0
-    w = hist.width
-    k = np.arange(hist.k0, hist.k0 + hist.nbins)
     if hist.min >= 0:
-        pos = k >= 0
-        counts = np.zeros(int(k[-1]) + 1 if k[-1] >= 0 else 1, np.int64)
-        counts[k[pos]] += hist.counts[pos]
+        counts, w = _from_zero(hist, fold=False)
         # the exact zeros a Relu makes are represented exactly by the zero point; left in,
         # their spike dominates the divergence and drags the threshold towards 0
         counts[0] = 0
         t = _kl_threshold(counts, 256) * w
-        return float(hist.min), float(min(hist.max, t))
-    # fold onto |x|: global bin k < 0 covers [(k)w, (k+1)w), i.e. |x| in bin -k-1
-    a = np.where(k >= 0, k, -k - 1)
-    counts = np.bincount(a, weights=hist.counts, minlength=int(a.max()) + 1).astype(np.int64)
+        return float(hist.min), float(min(hist.max, max(t, hist.min)))
+    counts, w = _from_zero(hist, fold=True)
     t = _kl_threshold(counts, 128) * w
     return float(max(hist.min, -t)), float(min(hist.max, t))

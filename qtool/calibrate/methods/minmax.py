@@ -2,4 +2,6 @@
 
 
 def compute(hist):
+    if hist.n == 0:
+        return 0.0, 0.0
     return float(hist.min), float(hist.max)
