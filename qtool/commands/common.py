@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import warnings
 
 import click
 
-from qtool.modelio import atomic_write_text
+from qtool.modelio import atomic_write_text, json_safe
 
 
 def _verbosity(ctx, param, value):
@@ -38,16 +37,6 @@ def say(quiet: bool, text: str = "") -> None:
         click.echo(text)
 
 
-def _clean(o):
-    if isinstance(o, float) and not math.isfinite(o):
-        return None if math.isnan(o) else (1e308 if o > 0 else -1e308)
-    if isinstance(o, dict):
-        return {k: _clean(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple)):
-        return [_clean(v) for v in o]
-    return o
-
-
 def write_json(path: str | None, data: dict) -> None:
     if path:
-        atomic_write_text(path, json.dumps(_clean(data), indent=2))
+        atomic_write_text(path, json.dumps(json_safe(data), indent=2))

@@ -5,7 +5,7 @@ import click
 
 from qtool.calibrate.methods import METHODS
 from qtool.commands.common import common_options, say, setup_output, write_json
-from qtool.quantize.run import fp32_ops_of, quantize
+from qtool.quantize.run import SensitivityOptions, fp32_ops_of, quantize
 
 
 @click.command("quantize")
@@ -16,21 +16,59 @@ from qtool.quantize.run import fp32_ops_of, quantize
 @click.option("--method", type=click.Choice(sorted(METHODS)), default=None, help="Range method (default: calibrate's).")
 @click.option("--exclude", multiple=True, help="Keep this node in fp32 (repeatable; names from `qtool inspect`).")
 @click.option("--no-bias-correction", is_flag=True, help="Do not correct biases for weight rounding.")
+@click.option("--exclude-sensitive", is_flag=True, help="Keep the most sensitive layers in fp32 until the target is met.")
+@click.option("--target-agreement", type=float, default=0.995, show_default=True,
+              help="With --exclude-sensitive: top-1 agreement with fp32 to reach on held-back calibration images.")
+@click.option("--max-drop", type=float, default=None, help="With --exclude-sensitive and labels: largest accuracy "
+              "drop in points to accept (instead of --target-agreement).")
+@click.option("--max-excluded", type=int, default=5, show_default=True, help="At most this many layers kept in fp32.")
+@click.option("--labels", type=click.Path(dir_okay=False), help="Labels file for --max-drop (else class folders).")
+@click.option("--sensitivity-samples", type=int, default=64, show_default=True,
+              help="Calibration images used for the per-layer sensitivity report.")
+@click.option("--no-sensitivity", is_flag=True, help="Skip the sensitivity report.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the quantize summary as JSON here.")
 @common_options
-def command(output, model, table, method, exclude, no_bias_correction, json_path, workdir, quiet, verbose, debug):
+def command(output, model, table, method, exclude, no_bias_correction, exclude_sensitive, target_agreement, max_drop,
+            max_excluded, labels, sensitivity_samples, no_sensitivity, json_path, workdir, quiet, verbose, debug):
     """Write an INT8 ONNX model (QDQ: uint8 activations, int8 per-channel weights).
 
-    Ops without an int8 rule stay fp32 and are listed.
+    Ops without an int8 rule stay fp32 and are listed. On a sample of the calibration
+    images it measures each layer's sensitivity (sensitivity.json and .html in the working
+    directory); --exclude-sensitive keeps the worst layers in fp32 until a target is met.
 
     \b
     Example:
-      qtool quantize
+      qtool quantize --exclude-sensitive
       qtool quantize --method percentile --exclude /_fc/Gemm -o model.int8.onnx
     """
     setup_output(quiet, verbose)
+    if no_sensitivity and exclude_sensitive:
+        raise click.UsageError("--exclude-sensitive needs the sensitivity analysis; drop --no-sensitivity")
+    if sensitivity_samples < 1 or max_excluded < 0 or not 0 < target_agreement <= 1:
+        raise click.UsageError("--sensitivity-samples >= 1, --max-excluded >= 0 and 0 < --target-agreement <= 1")
     ex = {n: "excluded by the user (--exclude)" for n in exclude}
-    r = quantize(workdir, model, table, output, method, ex, not no_bias_correction)
+    opts = SensitivityOptions(not no_sensitivity, sensitivity_samples, exclude_sensitive, target_agreement, max_drop,
+                              max_excluded, labels, show_progress=not quiet)
+    r = quantize(workdir, model, table, output, method, ex, not no_bias_correction, opts,
+                 say=lambda t: say(quiet, t))
+    if r.sensitivity:
+        layers = sorted(r.sensitivity["layers"], key=lambda l: l["rank"])
+        say(quiet, f"sensitivity of {len(layers)} layers on {r.sensitivity['samples']} images "
+                   f"({r.sensitivity['seconds']:.1f}s); most sensitive:")
+        say(quiet, f"  {'rank':>4}  {'layer':44} {'op':8} {'SQNR dB':>8} {'agree':>7} {'w SQNR':>7} {'clip %':>7}")
+        for l in layers[:10]:
+            ws = "-" if l["weight_sqnr_db"] is None else f"{l['weight_sqnr_db']:.1f}"
+            say(quiet, f"  {l['rank']:>4}  {l['name'][-44:]:44} {l['op_type'][:8]:8} {l['output_sqnr_db']:>8.1f} "
+                       f"{l['top1_agreement']:>7.4f} {ws:>7} {100 * l['clip_fraction']:>7.3f}")
+    if r.exclusion is not None:
+        e = r.exclusion
+        say(quiet, f"exclude-sensitive ({e.target}, checked on {e.check_images} held-back images):")
+        say(quiet, f"  {'fp32 layers':>11}  {'agreement':>9}  {'predicted':>9}  {'SQNR dB':>7}  {'ORT int8 ms':>11}")
+        for p in e.curve:
+            ms = "-" if p.ort_int8_ms is None else f"{p.ort_int8_ms:.2f}"
+            say(quiet, f"  {len(p.excluded):>11}  {p.agreement:>9.4f}  {p.predicted_agreement:>9.4f}  {p.sqnr_db:>7.1f}  {ms:>11}")
+        say(quiet, ("  target reached" if e.reached else "  target NOT reached; wrote the best model found")
+                   + f" with {len(e.excluded) - len(ex)} layers kept fp32: {', '.join(n for n in e.excluded if n not in ex) or 'none'}")
     s = r.report["summary"]
     say(quiet, f"quantized in {r.seconds:.1f}s with {r.report['method']} ranges: {s.get('int8', 0)} ops int8, "
                f"{s.get('passthrough', 0)} pass int8 through, {s.get('fused', 0)} activations fused, "
@@ -42,5 +80,7 @@ def command(output, model, table, method, exclude, no_bias_correction, json_path
             say(quiet, f"  note: {note}")
     sb = r.report["size_bytes"]
     say(quiet, f"wrote {r.path} ({sb['int8'] / 1e6:.2f} MB, {100 * sb['int8'] / sb['fp32']:.1f}% of fp32)")
+    if r.sensitivity:
+        say(quiet, f"wrote {r.report['sensitivity']['html']}")
     say(quiet, "next: qtool eval --compare fp32 --data DIR")
     write_json(json_path, r.report)

@@ -54,8 +54,17 @@ def upgrade_opset(model: onnx.ModelProto, notes: list) -> onnx.ModelProto:
     return up
 
 
-def _tensor_qparams(plan: Plan, table, method, tensor):
+def _tensor_qparams(plan: Plan, table, method, tensor, producers=None):
     r = table.range(tensor, method)
+    src = tensor
+    while r is None and producers is not None and src in producers:
+        # a pass-through op (Reshape, Transpose, ...) carries its input's values unchanged
+        node = producers[src]
+        rule = RULES.get(node.op_type)
+        if rule is None or rule.kind != "passthrough":
+            break
+        src = node.input[0]
+        r = table.range(src, method)
     if r is None:
         raise QtoolError(f"calibration table has no range for tensor '{tensor}'; it was made for another graph "
                          f"(run `qtool calibrate` again)")
@@ -67,8 +76,11 @@ def _tensor_qparams(plan: Plan, table, method, tensor):
 
 
 def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exclude: dict | None = None,
-                   bias_correction: bool = True, ranges: dict | None = None) -> QuantizeOutput:
-    """`ranges` (tensor -> (lo, hi)) overrides the table's, for experiments and sensitivity search."""
+                   bias_correction: bool = True, ranges: dict | None = None, weights: bool = True,
+                   activations: bool = True) -> QuantizeOutput:
+    """`ranges` (tensor -> (lo, hi)) overrides the table's, for experiments and sensitivity search.
+    `weights=False` / `activations=False` leave that side fp32: the diagnostic that tells
+    which of the two a model's quantization error comes from."""
     notes: list = []
     m = onnx.ModelProto()
     m.CopyFrom(fused)
@@ -76,11 +88,12 @@ def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exc
     plan = make_plan(m, exclude, {**table.ranges.get(method or table.method, {}), **(ranges or {})})
     nodes = {n.name: n for n in m.graph.node}
     # fused activations: the producer writes the activation's output, the activation goes
-    for act_name, (prod_name, _lo, _hi) in plan.fused.items():
+    for act_name, (prod_name, _lo, _hi) in (plan.fused.items() if activations else ()):
         act = nodes[act_name]
         nodes[prod_name].output[0] = act.output[0]
         m.graph.node.remove(act)
     qp = {}
+    prods = G.producers(m)
     for t in plan.tensors:
         src = t
         while src in plan.shared:
@@ -90,7 +103,7 @@ def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exc
         elif ranges is not None and src in ranges:
             qp[t] = qp[src] = Q.activation_qparams(*ranges[src])
         else:
-            qp[t] = qp[src] = _tensor_qparams(plan, table, method, src)
+            qp[t] = qp[src] = _tensor_qparams(plan, table, method, src, prods)
     inits = G.initializers(m)
     taken = {o for n in m.graph.node for o in n.output} | set(inits) | {i.name for i in m.graph.input}
     new_inits, layers = [], {}
@@ -108,7 +121,7 @@ def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exc
             continue
         rule = RULES[node.op_type]
         wspec = rule.weight(node, m)
-        if wspec is None:
+        if wspec is None or not weights:
             continue
         widx, axis = wspec
         w = numpy_helper.to_array(inits[node.input[widx]]).astype(np.float32)
@@ -139,7 +152,7 @@ def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exc
         layers[node.name] = LayerInfo(node.name, node.op_type, qw.weight_sqnr_db)
     # activations
     cons = G.consumers(m)
-    for t in plan.tensors:
+    for t in plan.tensors if activations else ():
         p = qp[t]
         sn = add_init(t + "_scale", np.array(p.scale, np.float32))
         zn = add_init(t + "_zero_point", np.array(p.zero_point, np.uint8))

@@ -7,17 +7,27 @@ import time
 from dataclasses import dataclass
 
 import onnx
+from tqdm import tqdm
+
+from qtool.calibrate.config import config_from_any
+from qtool.calibrate.data import ImageData
+from qtool.labels import labels_from_file, labels_from_folders
+from qtool.quantize.exclude import exclude_sensitive
+from qtool.quantize.sensitivity import layer_sensitivity, quantizable_layers, run_first_output
+from qtool.report.sensitivity_html import render as render_sensitivity
 
 from qtool.calibrate.run import FUSED, TABLE
 from qtool.calibrate.table import load_table
 from qtool.errors import QtoolError
 from qtool.fuse import fuse_model
-from qtool.modelio import atomic_write_text, load_model, model_hash, save_model
+from qtool.modelio import atomic_write_text, json_safe, load_model, model_hash, save_model
 from qtool.quantize.qdq import QuantizeOutput, quantize_graph
 from qtool.workdir import Workdir
 
 INT8 = "model.int8.onnx"
 REPORT = "quantize.json"
+SENS_JSON = "sensitivity.json"
+SENS_HTML = "sensitivity.html"
 
 
 @dataclass
@@ -26,6 +36,8 @@ class QuantizeResult:
     path: str
     report: dict
     seconds: float
+    sensitivity: dict | None = None
+    exclusion: object = None
 
 
 def load_inputs(workdir: str | None, model: str | None, table_path: str | None):
@@ -66,9 +78,74 @@ def _pins(table) -> dict:
     return {table.input_name: [None, ch, h, w] if c.get("layout", "NCHW") == "NCHW" else [None, h, w, ch]}
 
 
+@dataclass
+class SensitivityOptions:
+    enabled: bool = True
+    samples: int = 64
+    exclude_sensitive: bool = False
+    target_agreement: float = 0.995
+    max_drop: float | None = None
+    max_excluded: int = 5
+    labels: str | None = None  # labels file for --max-drop (else class folders, if any)
+    show_progress: bool = True
+
+
+def _calibration_feeds(fused, table, files: list, batch: int = 16):
+    cfg = config_from_any(table.config)
+    data = ImageData(os.path.dirname(files[0]), cfg, fused, table.model_path, batch=batch, files=files)
+    names, feeds = [], []
+    for n, f in data.batches():
+        names.extend(n)
+        feeds.append(f)
+    return names, feeds
+
+
+def _labels_for(files: list, labels_file: str | None, data_root: str | None):
+    if labels_file:
+        ys = labels_from_file(labels_file, files)
+    else:
+        ys = labels_from_folders(data_root, files) if data_root else None
+    return None if ys is None else [(-1 if y is None else y) for y in ys]
+
+
+def run_sensitivity(fused, table, method, opts: SensitivityOptions, wd: Workdir, user_exclude: dict,
+                    bias_correction: bool, say=print):
+    """Sensitivity on `opts.samples` calibration images, then (optionally) the exclusion search on the rest."""
+    entry = wd.manifest().get("calibrate", {})
+    files = [f for f in entry.get("files", []) if os.path.exists(f)]
+    if not files:
+        say("note: no calibration images recorded in the working directory; sensitivity skipped")
+        return None, None
+    t0 = time.time()
+    step = max(1, len(files) // opts.samples) if len(files) > opts.samples else 1
+    sens_files = files[::step][: opts.samples]
+    held = [f for f in files if f not in set(sens_files)]
+    _, feeds = _calibration_feeds(fused, table, sens_files)
+    ref = run_first_output(fused, feeds)
+    n_layers = len(quantizable_layers(fused))
+    with tqdm(total=n_layers, unit="layer", desc="sensitivity", disable=not opts.show_progress, leave=False) as bar:
+        layers = layer_sensitivity(fused, table, method, feeds, ref, bar.update, bias_correction)
+    secs = time.time() - t0
+    exclusion = None
+    if opts.exclude_sensitive:
+        check_files = held if len(held) >= 16 else files
+        if check_files is files:
+            say(f"note: only {len(held)} calibration images held back; checking exclusions on all {len(files)}")
+        names, cfeeds = _calibration_feeds(fused, table, check_files)
+        cref = run_first_output(fused, cfeeds)
+        labels = _labels_for(names, opts.labels, entry.get("data"))
+        with tqdm(total=1 + opts.max_excluded * 3, unit="model", desc="exclude-sensitive",
+                  disable=not opts.show_progress, leave=False) as bar:
+            exclusion = exclude_sensitive(fused, table, method, layers, cfeeds, cref, opts.target_agreement,
+                                          opts.max_drop, labels, opts.max_excluded, bias_correction, user_exclude,
+                                          bar.update)
+        exclusion.check_images = len(check_files)
+    return {"layers": [l.to_dict() for l in layers], "seconds": secs, "samples": len(sens_files)}, exclusion
+
+
 def quantize(workdir: str | None = None, model: str | None = None, table_path: str | None = None,
              output: str | None = None, method: str | None = None, exclude: dict | None = None,
-             bias_correction: bool = True) -> QuantizeResult:
+             bias_correction: bool = True, sensitivity: SensitivityOptions | None = None, say=print) -> QuantizeResult:
     t0 = time.time()
     fused, table, model_path = load_inputs(workdir, model, table_path)
     exclude = dict(exclude or {})
@@ -77,12 +154,18 @@ def quantize(workdir: str | None = None, model: str | None = None, table_path: s
     if unknown:
         raise QtoolError(f"--exclude: no node named {', '.join(repr(u) for u in unknown)} in the fused graph "
                          f"(`qtool inspect` lists the names)")
-    out = quantize_graph(fused, table, method or table.method, exclude, bias_correction)
+    method = method or table.method
     wd = Workdir(workdir)
+    sens, exclusion = (None, None)
+    if sensitivity is not None and sensitivity.enabled:
+        sens, exclusion = run_sensitivity(fused, table, method, sensitivity, wd, exclude, bias_correction, say)
+    if exclusion is not None:
+        exclude = dict(exclusion.excluded)
+    out = quantize_graph(fused, table, method, exclude, bias_correction)
     path = output or wd.file(INT8)
     save_model(out.model, path)
     report = {
-        "model": model_path, "int8_model": os.path.abspath(path), "method": method or table.method,
+        "model": model_path, "int8_model": os.path.abspath(path), "method": method,
         "bias_correction": bias_correction,
         "summary": out.plan.summary(),
         "excluded": exclude,
@@ -91,10 +174,23 @@ def quantize(workdir: str | None = None, model: str | None = None, table_path: s
         "layers": {k: v.__dict__ for k, v in out.layers.items()},
         "size_bytes": {"fp32": os.path.getsize(model_path), "int8": os.path.getsize(path)},
     }
-    atomic_write_text(wd.file(REPORT), json.dumps(report, indent=1))
+    if sens is not None:
+        srep = {"meta": {"model": os.path.basename(model_path), "method": method, "samples": sens["samples"],
+                         "seconds": sens["seconds"]},
+                "layers": sens["layers"], "excluded": exclude,
+                "exclusion": None if exclusion is None else dict(exclusion.to_dict(),
+                                                                  check_images=exclusion.check_images),
+                "fp32_ops": [d.__dict__ for d in out.plan.decisions if d.status == "fp32"]}
+        atomic_write_text(wd.file(SENS_JSON), json.dumps(json_safe(srep), indent=1))
+        atomic_write_text(wd.file(SENS_HTML), render_sensitivity(srep))
+        report["sensitivity"] = {"json": wd.file(SENS_JSON), "html": wd.file(SENS_HTML), "seconds": sens["seconds"]}
+        if exclusion is not None:
+            report["exclusion"] = srep["exclusion"]
+    atomic_write_text(wd.file(REPORT), json.dumps(json_safe(report), indent=1))
     wd.update(quantize={"int8_path": os.path.abspath(path), "report_path": wd.file(REPORT),
                         "method": report["method"], "excluded": exclude, "bias_correction": bias_correction})
-    return QuantizeResult(out, path, report, time.time() - t0)
+    return QuantizeResult(out, path, report, time.time() - t0, sens, exclusion)
+
 
 
 def fp32_ops_of(out: QuantizeOutput) -> dict:
@@ -104,5 +200,3 @@ def fp32_ops_of(out: QuantizeOutput) -> dict:
             c.setdefault(d.op_type, []).append(d.reason)
     return c
 
-
-__all__ = ["quantize", "QuantizeResult", "INT8", "REPORT", "onnx"]

@@ -1,0 +1,117 @@
+"""--exclude-sensitive: keep the most sensitive layers in fp32 until a target is met.
+
+Greedy: starting from the fully quantized model, each step tries the next few layers of
+the sensitivity ranking, keeps the one whose exclusion helps most on the held-back
+images, and stops as soon as the target holds (or the cap is reached). Top-1 agreement
+is judged both as counted and as predicted from the logit margins (metrics.predicted_
+agreement): a count over a few dozen images cannot tell 99.5 % from 100 %.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import onnx
+
+from qtool.calibrate.collect import session
+from qtool.metrics import predicted_agreement, sqnr_db, top1_agreement
+from qtool.quantize.qdq import quantize_graph
+from qtool.quantize.sensitivity import run_first_output
+
+CANDIDATES_PER_STEP = 3
+
+
+@dataclass
+class TradeoffPoint:
+    excluded: list
+    agreement: float  # counted on the check images
+    predicted_agreement: float
+    sqnr_db: float
+    accuracy_drop_pt: float | None
+    ort_int8_ms: float | None
+
+
+@dataclass
+class ExclusionResult:
+    excluded: dict  # node name -> reason
+    curve: list = field(default_factory=list)  # TradeoffPoint per step
+    reached: bool = False
+    target: str = ""
+    model: onnx.ModelProto | None = None
+
+    def to_dict(self):
+        return {"excluded": self.excluded, "reached": self.reached, "target": self.target,
+                "curve": [asdict(p) for p in self.curve]}
+
+
+def latency_ms(model: onnx.ModelProto, feed: dict, repeats: int = 15) -> float:
+    s = session(model, 0)
+    s.run(None, feed)
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        s.run(None, feed)
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts)) * 1000
+
+
+def exclude_sensitive(fused, table, method, ranking: list, feeds: list, reference: np.ndarray,
+                      target_agreement: float = 0.995, max_drop: float | None = None, labels=None,
+                      max_excluded: int = 5, bias_correction: bool = True, base_exclude: dict | None = None,
+                      progress=None, measure_latency: bool = True) -> ExclusionResult:
+    base_exclude = dict(base_exclude or {})
+    one = {k: v[:1] for k, v in feeds[0].items()}
+    y_true = None if labels is None else np.asarray(labels)
+
+    def evaluate(excl: dict):
+        q = quantize_graph(fused, table, method, excl, bias_correction)
+        y = run_first_output(q.model, feeds)
+        drop = None
+        if y_true is not None:
+            m = y_true >= 0
+            drop = 100 * float((reference[m].argmax(1) == y_true[m]).mean() - (y.reshape(len(y), -1)[m].argmax(1) == y_true[m]).mean())
+        pt = TradeoffPoint(sorted(n for n in excl if n not in base_exclude), top1_agreement(reference, y),
+                           predicted_agreement(reference, y), sqnr_db(reference, y), drop, None)
+        if progress:
+            progress(1)
+        return q, pt
+
+    def good(pt: TradeoffPoint) -> bool:
+        if max_drop is not None and pt.accuracy_drop_pt is not None:
+            return pt.accuracy_drop_pt <= max_drop
+        return min(pt.agreement, pt.predicted_agreement) >= target_agreement
+
+    def score(pt: TradeoffPoint):
+        if max_drop is not None and pt.accuracy_drop_pt is not None:
+            return (-pt.accuracy_drop_pt, pt.predicted_agreement)
+        return (pt.predicted_agreement, pt.sqnr_db)
+
+    target = f"accuracy drop <= {max_drop} pt" if max_drop is not None and y_true is not None \
+        else f"top-1 agreement >= {target_agreement}"
+    excl = dict(base_exclude)
+    q, pt = evaluate(excl)
+    if measure_latency:
+        pt.ort_int8_ms = latency_ms(q.model, one)
+    res = ExclusionResult(dict(excl), [pt], good(pt), target, q.model)
+    best_q, best_pt = q, pt
+    order = [s.name for s in sorted(ranking, key=lambda s: s.rank) if s.name not in excl]
+    while not res.reached and len(excl) - len(base_exclude) < max_excluded and order:
+        tried = []
+        for name in order[:CANDIDATES_PER_STEP]:
+            cand = dict(excl, **{name: f"kept fp32 by --exclude-sensitive (rank {next(s.rank for s in ranking if s.name == name)})"})
+            tried.append((name, cand) + evaluate(cand))
+        name, cand, q, pt = max(tried, key=lambda t: score(t[3]))
+        order.remove(name)
+        excl = cand
+        if measure_latency:
+            pt.ort_int8_ms = latency_ms(q.model, one)
+        res.curve.append(pt)
+        if score(pt) >= score(best_pt):
+            best_q, best_pt = q, pt
+            res.excluded = dict(excl)
+        res.reached = good(pt)
+        if res.reached:
+            best_q, res.excluded = q, dict(excl)
+    res.model = best_q.model
+    return res
