@@ -8,7 +8,7 @@ from helpers import init, make_model, weight
 from qtool.calibrate.histogram import Histogram
 from qtool.calibrate.methods import METHODS
 from qtool.quantize.rules.activations import FUNCTIONS, activation_inputs, activation_mse_range
-from rules_util import quantize_tiny
+from rules_util import output_sqnr, quantize_tiny
 
 
 def _net(rng):
@@ -73,3 +73,47 @@ def test_calibrate_stores_aware_mse_ranges(tmp_path):
     aware = man["calibrate"]["activation_aware_mse"]
     assert aware.get("a") == "silu" and aware.get("d") == "hard-sigmoid"
     assert "b" not in aware  # hard-swish keeps the plain mse range (see the module's note)
+
+
+def test_hard_sigmoid_chain_is_one_fp32_unit(tmp_path):
+    """x -> Add(3) -> Clip(0, 6) -> Div(6) gating features (an exported SE block): the chain runs fp32 between
+    int8 tensors, its input's range is fitted to [-3, 3] where the gate is not flat."""
+    from qtool.quantize.rules.activations import activation_chains
+    rng = np.random.default_rng(4)
+    nodes = [helper.make_node("Conv", ["x", "w0"], ["f"], name="conv0", kernel_shape=[1, 1]),
+             helper.make_node("Conv", ["f", "w1"], ["g1"], name="conv1", kernel_shape=[1, 1]),
+             helper.make_node("Add", ["g1", "f"], ["g"], name="residual"),  # (after a Conv, Add(3) folds into it)
+             helper.make_node("Add", ["g", "three"], ["g3"], name="add3"),
+             helper.make_node("Clip", ["g3", "zero", "six"], ["gc"], name="clip"),
+             helper.make_node("Div", ["gc", "six"], ["gate"], name="div6"),
+             helper.make_node("Mul", ["f", "gate"], ["y0"], name="gate_mul"),
+             helper.make_node("Conv", ["y0", "w2"], ["y"], name="conv2", kernel_shape=[1, 1])]
+    inits = [weight(rng, "w0", 4, 4, 1, 1), weight(rng, "w1", 4, 4, 1, 1, scale=3.0), weight(rng, "w2", 2, 4, 1, 1),
+             init("three", 3.0), init("zero", 0.0), init("six", 6.0)]
+    m = make_model(nodes, inits, [("x", ["N", 4, 6, 6])], [("y", ["N", 2, 6, 6])])
+    assert set(activation_chains(m)) == {"add3", "clip", "div6"}
+    assert activation_inputs(m)["g"][0] == "hard-sigmoid"
+    out, d, _ = quantize_tiny(m, tmp_path, {"x": (2, 4, 6, 6)}, method="mse")
+    assert all(d[n].status == "fp32" and "inside hard-sigmoid" in d[n].reason for n in ("add3", "clip", "div6"))
+    assert d["gate_mul"].status == "int8" and d["residual"].status == "int8"
+    lo, hi = out.qparams["g"].lo, out.qparams["g"].hi
+    assert -3.3 < lo and hi < 3.3
+
+
+def test_hard_sigmoid_after_conv_folds_harmlessly(tmp_path):
+    """Conv -> Add(3) -> Clip(0, 6) -> Div(6): fold_mul_add moves the +3 into the Conv's bias, and the Clip
+    becomes that Conv's output clamp [0, 6] -- exactly the gate's non-flat region; only Div(6) stays fp32."""
+    rng = np.random.default_rng(5)
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["g"], name="conv1", kernel_shape=[1, 1]),
+             helper.make_node("Add", ["g", "three"], ["g3"], name="add3"),
+             helper.make_node("Clip", ["g3", "zero", "six"], ["gc"], name="clip"),
+             helper.make_node("Div", ["gc", "six"], ["gate"], name="div6"),
+             helper.make_node("Mul", ["x", "gate"], ["y0"], name="gate_mul"),
+             helper.make_node("Conv", ["y0", "w2"], ["y"], name="conv2", kernel_shape=[1, 1])]
+    inits = [weight(rng, "w1", 4, 4, 1, 1, scale=3.0), weight(rng, "w2", 2, 4, 1, 1),
+             init("three", 3.0), init("zero", 0.0), init("six", 6.0)]
+    m = make_model(nodes, inits, [("x", ["N", 4, 6, 6])], [("y", ["N", 2, 6, 6])])
+    out, d, feeds = quantize_tiny(m, tmp_path, {"x": (2, 4, 6, 6)})
+    assert "add3" not in d and d["clip"].status == "fused" and d["div6"].status == "fp32"
+    assert out.plan.clamp["gc"] == (0.0, 6.0)
+    assert output_sqnr(m, out.model, feeds) > 25

@@ -1,7 +1,8 @@
 """Activation-aware ranges: a tensor read only by an activation is quantized for the activation's output.
 
 When x feeds only SiLU (Sigmoid(x) and Mul(x, Sigmoid(x))), hard-swish (Add(x, 3) -> Clip(0, 6)
--> Mul(x, .) -> Div(6), as Paddle and PyTorch export it), HardSigmoid or Sigmoid, what matters
+-> Mul(x, .) -> Div(6), as Paddle and PyTorch export it), hard-sigmoid (the HardSigmoid op, or
+Add(x, 3) -> Clip(0, 6) -> Div(6)) or Sigmoid, what matters
 is f(x), not x: hard-swish is 0 below -3, HardSigmoid is flat outside [-beta/alpha,
 (1-beta)/alpha], SiLU is within 0.003 of 0 below -8. The range of x is chosen to minimise the
 expected squared error of f(Q(x)) over the calibration histogram:
@@ -41,38 +42,58 @@ def _const(model, name, inits):
     return None if v is None or v.size != 1 else float(np.asarray(v).ravel()[0])
 
 
-def _hardswish(x, users, cons, model, inits):
-    """x -> Add(3) -> Clip(0, 6) -> [Div(6)] -> Mul(x, .) [-> Div(6)]: x's only readers are the Add and the Mul.
-    Returns the chain's nodes (empty when x does not feed a hard-swish)."""
-    kinds = sorted(u.op_type for u in users)
-    if kinds != ["Add", "Mul"]:
-        return []
-    add = next(u for u in users if u.op_type == "Add")
-    mul = next(u for u in users if u.op_type == "Mul")
+def _relu6_gate(add, x, cons, model, inits):
+    """Add(x, 3) -> Clip(0, 6) [-> Div(6) or Mul(1/6)]: (nodes, output tensor, divided by 6?) or None."""
     other = add.input[1] if add.input[0] == x else add.input[0]
     if _const(model, other, inits) != 3.0:
-        return []
+        return None
     nxt = cons.get(add.output[0], [])
     if len(nxt) != 1 or nxt[0].op_type != "Clip":
-        return []
+        return None
     clip = nxt[0]
     lo = _const(model, clip.input[1], inits) if len(clip.input) > 1 and clip.input[1] else G.attr(clip, "min")
     hi = _const(model, clip.input[2], inits) if len(clip.input) > 2 and clip.input[2] else G.attr(clip, "max")
     if lo != 0.0 or hi != 6.0:
+        return None
+    after = cons.get(clip.output[0], [])
+    if len(after) == 1 and _is_sixth(after[0], clip.output[0], model, inits):
+        return [add, clip, after[0]], after[0].output[0], True
+    return [add, clip], clip.output[0], False
+
+
+def _is_sixth(node, t, model, inits):
+    """Div(t, 6) or Mul(t, 1/6)."""
+    if node.op_type == "Div" and node.input[0] == t:
+        return _const(model, node.input[1], inits) == 6.0
+    if node.op_type == "Mul" and t in node.input:
+        c = _const(model, node.input[1] if node.input[0] == t else node.input[0], inits)
+        return c is not None and abs(c - 1 / 6) < 1e-6
+    return False
+
+
+def _hardswish(x, users, cons, model, inits):
+    """x -> Add(3) -> Clip(0, 6) -> [Div(6)] -> Mul(x, .) [-> Div(6)]: x's only readers are the Add and the Mul.
+    Returns the chain's nodes (empty when x does not feed a hard-swish)."""
+    if sorted(u.op_type for u in users) != ["Add", "Mul"]:
         return []
-    chain = [add, clip]
-    t = clip.output[0]
-    after = cons.get(t, [])
-    if len(after) == 1 and after[0].op_type == "Div":
-        chain.append(after[0])
-        t = after[0].output[0]
-    if t not in mul.input:
+    add = next(u for u in users if u.op_type == "Add")
+    mul = next(u for u in users if u.op_type == "Mul")
+    gate = _relu6_gate(add, x, cons, model, inits)
+    if gate is None or gate[1] not in mul.input:
         return []
-    chain.append(mul)
+    chain = gate[0] + [mul]
     after = cons.get(mul.output[0], [])
-    if len(after) == 1 and after[0].op_type == "Div" and _const(model, after[0].input[1], inits) == 6.0:
+    if not gate[2] and len(after) == 1 and _is_sixth(after[0], mul.output[0], model, inits):
         chain.append(after[0])
     return chain
+
+
+def _hardsigmoid(x, users, cons, model, inits):
+    """x -> Add(3) -> Clip(0, 6) -> Div(6) (PyTorch's hardsigmoid at opsets without the op, Paddle's gates)."""
+    if [u.op_type for u in users] != ["Add"]:
+        return []
+    gate = _relu6_gate(users[0], x, cons, model, inits)
+    return gate[0] if gate is not None and gate[2] else []
 
 
 def activation_chains(model) -> dict:
@@ -84,6 +105,8 @@ def activation_chains(model) -> dict:
         if x not in inits:
             for n in _hardswish(x, users, cons, model, inits):
                 out[n.name] = "hard-swish x * Clip(x + 3, 0, 6) / 6"
+            for n in _hardsigmoid(x, users, cons, model, inits):
+                out[n.name] = "hard-sigmoid Clip(x + 3, 0, 6) / 6"
     return out
 
 
@@ -109,6 +132,8 @@ def activation_inputs(model) -> dict:
                 found[x] = ("silu", FUNCTIONS["silu"])
         elif _hardswish(x, users, cons, model, inits):
             found[x] = ("hard-swish", FUNCTIONS["hard-swish"])
+        elif _hardsigmoid(x, users, cons, model, inits):
+            found[x] = ("hard-sigmoid", lambda v: np.clip(v + 3.0, 0.0, 6.0) / 6.0)
     return found
 
 
