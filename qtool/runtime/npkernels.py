@@ -142,7 +142,8 @@ def add(a, b, *, a_scale, a_zp, b_scale, b_zp, y_scale, y_zp, lo=0, hi=255, out=
     f32 = np.float32
     ra = f32(a_scale) / f32(y_scale)
     rb = f32(b_scale) / f32(y_scale)
-    fixed = f32(f32(y_zp) - f32(f32(ra * f32(a_zp)) + f32(rb * f32(b_zp))))
+    # ORT's build contracts ra*za + rb*zb into fma(ra, za, rb*zb): one rounding, not two
+    fixed = f32(f32(y_zp) - f32(np.float64(ra) * np.float64(a_zp) + np.float64(f32(rb * f32(b_zp)))))
     t = (b.astype(np.float64) * np.float64(rb) + np.float64(fixed)).astype(np.float32)
     t = (a.astype(np.float64) * np.float64(ra) + t.astype(np.float64)).astype(np.float32)
     y = np.clip(np.clip(np.rint(t), 0, 255), lo, hi)

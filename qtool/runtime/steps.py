@@ -306,22 +306,32 @@ class ConcatStep(Step):
         return _bind_concat(self, [env[i] for i in self.ins], self.axis, out) or super().bind(env, out)
 
 
+def requantize_dq_q(x, qx, qy, out=None):
+    """uint8 (s1, z1) -> uint8 (s2, z2) exactly as DequantizeLinear then QuantizeLinear compute it
+    in float32 (what ONNX Runtime runs for a DQ -> Q pair it does not fuse):
+    y = sat(rint(float32((x - z1) * s1) / s2) + z2)."""
+    t = np.subtract(x, np.float32(qx[1]), dtype=np.float32)
+    t *= np.float32(qx[0])
+    t /= np.float32(qy[0])
+    np.rint(t, out=t)
+    t += np.float32(qy[1])
+    np.clip(t, 0, 255, out=t)
+    if out is None:
+        return t.astype(np.uint8)
+    np.copyto(out, t, casting="unsafe")
+    return out
+
+
 class RequantStep(Step):
-    """uint8 (s1, z1) -> uint8 (s2, z2), same layout (a one-input concat)."""
+    """uint8 (s1, z1) -> uint8 (s2, z2), same layout: a DQ -> Q pair with different parameters."""
 
     def __init__(self, name, K, x, y, qx, qy):
         super().__init__(name, "Requantize", [x], [y])
-        self.K = K
-        self.kw = dict(scales=[qx[0]], zps=[qx[1]], y_scale=qy[0], y_zp=qy[1])
-        self.kernel = "concat"
+        self.K, self.qx, self.qy = K, qx, qy
+        self.kernel = "numpy"
 
     def run(self, env, out):
-        x = env[self.ins[0]]
-        env[self.outs[0]] = self.K.concat([x], x.ndim - 1, out=out[0] if out else None, **self.kw)
-
-    def bind(self, env, out):
-        x = env[self.ins[0]]
-        return _bind_concat(self, [x], x.ndim - 1, out) or super().bind(env, out)
+        env[self.outs[0]] = requantize_dq_q(env[self.ins[0]], self.qx, self.qy, out[0] if out else None)
 
 
 def _bind_concat(st, xs, axis, out):
@@ -353,9 +363,7 @@ class ShapeOpStep(Step):
         r = self.fn([x] + self.extra, self.at)[0]
         if self.requant is not None:
             qx, qy = self.requant
-            r = np.ascontiguousarray(r)
-            r = self.K.concat([r], max(r.ndim - 1, 0), scales=[qx[0]], zps=[qx[1]], y_scale=qy[0], y_zp=qy[1],
-                              out=out[0] if out else None)
+            r = requantize_dq_q(r, qx, qy, out[0] if out else None)
         elif out:
             np.copyto(out[0], r)
             r = out[0]
