@@ -230,39 +230,46 @@ static inline void small_copy(uint8_t* d, const uint8_t* s, size_t n) {
 static void im2col_task(void* ctx, size_t begin, size_t end) {
   const conv_job* j = (const conv_job*)ctx;
   const qt_conv* cv = j->cv;
-  const size_t c = cv->cin, K = cv->gemm_kc;
+  /* locals: stores through uint8_t* may alias the job/conv structs, so keep their fields here */
+  const size_t c = cv->cin, kh = cv->kh, kw = cv->kw, sh = cv->sh, sw = cv->sw, dh = cv->dh,
+               dw = cv->dw, oh = j->oh, ow = j->ow, h = j->h, w = j->w, K = cv->gemm_kc;
+  const ptrdiff_t pt = (ptrdiff_t)cv->pt, pl = (ptrdiff_t)cv->pl;
+  const int zp = (int)cv->x_zp;
+  const uint8_t* x = j->x;
+  uint8_t* const col = cv->col;
   for (size_t r = begin; r < end; r++) {  /* r = output row (b, oy) */
-    const size_t b = r / j->oh, oy = r % j->oh;
-    uint8_t* dst = cv->col + r * j->ow * K;
-    for (size_t ox = 0; ox < j->ow; ox++)
-      for (size_t ky = 0; ky < cv->kh; ky++) {
-        ptrdiff_t iy = (ptrdiff_t)(oy * cv->sh + ky * cv->dh) - (ptrdiff_t)cv->pt;
-        ptrdiff_t ix0 = (ptrdiff_t)(ox * cv->sw) - (ptrdiff_t)cv->pl;
-        if (iy < 0 || iy >= (ptrdiff_t)j->h) {
-          memset(dst, (int)cv->x_zp, cv->kw * c);
-          dst += cv->kw * c;
+    const size_t b = r / oh, oy = r % oh;
+    uint8_t* dst = col + r * ow * K;
+    for (size_t ox = 0; ox < ow; ox++) {
+      const ptrdiff_t ix0 = (ptrdiff_t)(ox * sw) - pl;
+      for (size_t ky = 0; ky < kh; ky++) {
+        const ptrdiff_t iy = (ptrdiff_t)(oy * sh + ky * dh) - pt;
+        if (iy < 0 || iy >= (ptrdiff_t)h) {
+          memset(dst, zp, kw * c);
+          dst += kw * c;
           continue;
         }
-        const uint8_t* row = j->x + (b * j->h + (size_t)iy) * j->w * c;
-        if (cv->dw == 1) {  /* the in-bounds taps of one kernel row are contiguous in NHWC */
+        const uint8_t* row = x + (b * h + (size_t)iy) * w * c;
+        if (dw == 1) {  /* the in-bounds taps of one kernel row are contiguous in NHWC */
           ptrdiff_t a = ix0 < 0 ? -ix0 : 0;
-          ptrdiff_t e = (ptrdiff_t)j->w - ix0;
-          if (e > (ptrdiff_t)cv->kw) e = (ptrdiff_t)cv->kw;
+          ptrdiff_t e = (ptrdiff_t)w - ix0;
+          if (e > (ptrdiff_t)kw) e = (ptrdiff_t)kw;
           if (e < a) e = a;
-          if (a > 0) memset(dst, (int)cv->x_zp, (size_t)a * c);
+          if (a > 0) memset(dst, zp, (size_t)a * c);
           if (e > a) small_copy(dst + a * c, row + (size_t)(ix0 + a) * c, (size_t)(e - a) * c);
-          if ((size_t)e < cv->kw) memset(dst + e * c, (int)cv->x_zp, (cv->kw - (size_t)e) * c);
-          dst += cv->kw * c;
+          if ((size_t)e < kw) memset(dst + e * c, zp, (kw - (size_t)e) * c);
+          dst += kw * c;
           continue;
         }
-        for (size_t kx = 0; kx < cv->kw; kx++, dst += c) {
-          ptrdiff_t ix = ix0 + (ptrdiff_t)(kx * cv->dw);
-          if (ix >= 0 && ix < (ptrdiff_t)j->w)
+        for (size_t kx = 0; kx < kw; kx++, dst += c) {
+          const ptrdiff_t ix = ix0 + (ptrdiff_t)(kx * dw);
+          if (ix >= 0 && ix < (ptrdiff_t)w)
             memcpy(dst, row + (size_t)ix * c, c);
           else
-            memset(dst, (int)cv->x_zp, c);
+            memset(dst, zp, c);
         }
       }
+    }
   }
 }
 
