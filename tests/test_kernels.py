@@ -318,3 +318,16 @@ def test_bind_reruns_on_same_buffers():
     q = dict(a_scale=0.1, a_zp=3, b_scale=0.2, b_zp=4, y_scale=0.3, y_zp=5)
     K.bind_add(x, b, y, **q)()
     assert (y == R.add(x, b, **q)).all()
+
+
+@pytest.mark.parametrize("env", ["scalar", "avx2", "avx512vnni"])
+def test_qtool_isa_env_caps_dispatch(env):
+    """QTOOL_ISA forces a lower ISA at import and never raises it above what the CPU supports."""
+    import os
+    import subprocess
+    import sys
+    best = K.info()["best_isa"]
+    want = K.ISAS[min(K.ISAS.index(env), K.ISAS.index(best))]
+    out = subprocess.run([sys.executable, "-c", "import qtool.kernels as K; print(K.info()['isa'])"],
+                         env={**os.environ, "QTOOL_ISA": env}, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == want
