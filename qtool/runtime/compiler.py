@@ -162,7 +162,7 @@ class Compiler:
             if key not in self.float_of:
                 src = self.vals[v.src]
                 fv = self.add_val(name, "f", rank=src.rank)
-                self.steps.append(S.DequantizeStep(f"dequantize {v.src}", src.slot, fv.slot, v.scale, v.zp, src.nhwc))
+                self.steps.append(S.DequantizeStep(f"dequantize {v.src}", src.slot, fv.slot, v.scale, v.zp, src.nhwc, self.K))
                 self.float_of[key] = name
             return self.vals[self.float_of[key]].slot
         v = self.vals.get(name)
@@ -360,7 +360,7 @@ class Compiler:
                 fx = self.vals[x]
                 nhwc = fx.rank == 4 or fx.rank is None
                 nv = self.add_val(node.output[0], "q", nhwc=nhwc, q=q, rank=fx.rank)
-                self.steps.append(S.QuantizeStep(name, fx.slot, nv.slot, q[0], q[1], nhwc))
+                self.steps.append(S.QuantizeStep(name, fx.slot, nv.slot, q[0], q[1], nhwc, self.K))
                 self.entries.append(Entry(name, op, "convert", "float -> uint8" + (" NHWC" if nhwc else "")))
                 return
         rule = INT_RULES.get(op)

@@ -14,13 +14,6 @@ import numpy as np
 from qtool.runtime.fp32_ops import FP32_OPS, conv_pads
 
 
-def _native(K, out):
-    """The C extension behind qtool.kernels, when binding straight to it is possible."""
-    return getattr(K, "_native", None) if out is not None else None
-
-
-def _ratio(a, b):
-    return float(np.float32(a) / np.float32(b))
 
 
 class Step:
@@ -39,9 +32,8 @@ class Step:
         raise NotImplementedError
 
     def bind(self, env, out):
-        """A no-argument callable doing this step on the plan's fixed buffers. Steps whose
-        inputs and outputs are fixed buffers bind the C kernel itself (functools.partial),
-        skipping the Python wrappers' argument checks (the trace run went through them)."""
+        """A no-argument callable doing this step on the plan's fixed buffers. Int8 steps use
+        the kernels' bind_* (a functools.partial of the C function, arguments checked once)."""
         return functools.partial(self.run, env, out)
 
 
@@ -51,16 +43,20 @@ class QuantizeStep(Step):
     """float32 -> uint8 (QuantizeLinear), NCHW -> NHWC for rank 4."""
     mode = "convert"
 
-    def __init__(self, name, x, y, scale, zp, nhwc):
+    def __init__(self, name, x, y, scale, zp, nhwc, K=None):
         super().__init__(name, "QuantizeLinear", [x], [y])
         self.inv = np.float32(scale)
         self.zp = np.float32(zp)
         self.nhwc = nhwc
         self.tmp = {}
-        self.kernel = "numpy"
+        self.native = getattr(K, "quantize_nchw_to_nhwc", None)
+        self.kernel = "native" if self.native else "numpy"
 
     def run(self, env, out):
         x = env[self.ins[0]]
+        if self.native is not None and self.nhwc and x.ndim == 4 and x.dtype == np.float32 and x.flags.c_contiguous:
+            env[self.outs[0]] = self.native(x, self.inv, int(self.zp), out=out[0] if out else None)
+            return
         if self.nhwc and x.ndim == 4:
             x = x.transpose(0, 2, 3, 1)
         t = self.tmp.get(x.shape)
@@ -79,13 +75,17 @@ class DequantizeStep(Step):
     """uint8 (NHWC if rank 4 and nhwc) -> float32 in ONNX layout."""
     mode = "convert"
 
-    def __init__(self, name, x, y, scale, zp, nhwc):
+    def __init__(self, name, x, y, scale, zp, nhwc, K=None):
         super().__init__(name, "DequantizeLinear", [x], [y])
         self.scale, self.zp, self.nhwc = np.float32(scale), np.float32(zp), nhwc
-        self.kernel = "numpy"
+        self.native = getattr(K, "dequantize_nhwc_to_nchw", None)
+        self.kernel = "native" if self.native else "numpy"
 
     def run(self, env, out):
         x = env[self.ins[0]]
+        if self.native is not None and ((self.nhwc and x.ndim == 4) or x.ndim == 2):
+            env[self.outs[0]] = self.native(x, self.scale, int(self.zp), out=out[0] if out else None)
+            return
         if self.nhwc and x.ndim == 4:
             x = x.transpose(0, 3, 1, 2)
         y = out[0] if out else np.empty(x.shape, np.float32)
@@ -135,12 +135,10 @@ class ConvStep(Step):
         env[self.outs[0]] = self.K.conv2d(self.p, env[self.ins[0]], out=out[0] if out else None)
 
     def bind(self, env, out):
-        nat, cap = _native(self.K, out), getattr(self.p, "_cap", None)
-        if nat is None or cap is None:
+        f = getattr(self.K, "bind_conv2d", None)
+        if f is None or out is None:
             return super().bind(env, out)
-        x, y = env[self.ins[0]], out[0]
-        return functools.partial(nat.conv_run, cap, x, x.shape[0], x.shape[1], x.shape[2], y, y.shape[1], y.shape[2])
-
+        return f(self.p, env[self.ins[0]], out[0])
     def macs(self, env):
         return int(env[self.outs[0]].size) * self.cig * self.p.kh * self.p.kw
 
@@ -164,12 +162,11 @@ class GemmStep(Step):
         env[self.outs[0]] = self.K.gemm(self.p, x, out=out[0] if out else None)
 
     def bind(self, env, out):
-        nat, cap = _native(self.K, out), getattr(self.p, "_cap", None)
+        f = getattr(self.K, "bind_gemm", None)
         x = env[self.ins[0]]
-        if nat is None or cap is None or x.ndim != 2:
+        if f is None or out is None or x.ndim != 2:
             return super().bind(env, out)
-        return functools.partial(nat.conv_run, cap, x, x.shape[0], 1, 1, out[0], 1, 1)
-
+        return f(self.p, x, out[0])
     def macs(self, env):
         y = env[self.outs[0]]
         return int(np.prod(y.shape)) * self.k
@@ -190,14 +187,11 @@ class AddStep(Step):
         env[self.outs[0]] = self.K.add(a, b, out=out[0] if out else None, **self.kw)
 
     def bind(self, env, out):
-        nat = _native(self.K, out)
+        f = getattr(self.K, "bind_add", None)
         a, b = env[self.ins[0]], env[self.ins[1]]
-        if nat is None or a.shape != b.shape:
+        if f is None or out is None or a.shape != b.shape:
             return super().bind(env, out)
-        k = self.kw
-        return functools.partial(nat.add, a, b, out[0], _ratio(k["a_scale"], k["y_scale"]), int(k["a_zp"]),
-                                 _ratio(k["b_scale"], k["y_scale"]), int(k["b_zp"]), int(k["y_zp"]), int(k["lo"]), int(k["hi"]))
-
+        return f(a, b, out[0], **self.kw)
     def macs(self, env):
         return int(env[self.outs[0]].size)
 
@@ -230,15 +224,11 @@ class MaxPoolStep(Step):
         env[self.outs[0]] = self.K.maxpool2d(x, self.k, self.s, p, self.d, out=out[0] if out else None)
 
     def bind(self, env, out):
-        nat = _native(self.K, out)
-        if nat is None or not hasattr(nat, "pool"):
+        f = getattr(self.K, "bind_maxpool2d", None)
+        if f is None or out is None:
             return super().bind(env, out)
-        x, y = env[self.ins[0]], out[0]
-        n, h, w, c = x.shape
-        p = self.geo[x.shape]
-        return functools.partial(nat.pool, x, y, n, h, w, c, y.shape[1], y.shape[2], self.k[0], self.k[1], self.s[0], self.s[1],
-                                 p[0], p[1], p[2], p[3], self.d[0], self.d[1], 0, 0, 0, 1.0, 0, 0, 255)
-
+        x = env[self.ins[0]]
+        return f(x, out[0], self.k, self.s, self.geo[x.shape], self.d)
 
 class AvgPoolStep(Step):
     def __init__(self, name, K, x, y, attrs, qx, qy, lo, hi):
@@ -259,16 +249,11 @@ class AvgPoolStep(Step):
         env[self.outs[0]] = self.K.avgpool2d(x, self.k, self.s, p, self.cip, out=out[0] if out else None, **self.kw)
 
     def bind(self, env, out):
-        nat = _native(self.K, out)
-        if nat is None or not hasattr(nat, "pool"):
+        f = getattr(self.K, "bind_avgpool2d", None)
+        if f is None or out is None:
             return super().bind(env, out)
-        x, y = env[self.ins[0]], out[0]
-        n, h, w, c = x.shape
-        p, k = self.geo[x.shape], self.kw
-        return functools.partial(nat.pool, x, y, n, h, w, c, y.shape[1], y.shape[2], self.k[0], self.k[1], self.s[0], self.s[1],
-                                 p[0], p[1], p[2], p[3], 1, 1, 1, int(self.cip), int(k["x_zp"]), float(np.float32(k["multiplier"])),
-                                 int(k["y_zp"]), int(k["lo"]), int(k["hi"]))
-
+        x = env[self.ins[0]]
+        return f(x, out[0], self.k, self.s, self.geo[x.shape], self.cip, **self.kw)
 
 class GlobalAvgPoolStep(Step):
     def __init__(self, name, K, x, y, qx, qy, lo, hi):
@@ -281,15 +266,10 @@ class GlobalAvgPoolStep(Step):
         env[self.outs[0]] = self.K.global_avgpool(env[self.ins[0]], out=out[0] if out else None, **self.kw)
 
     def bind(self, env, out):
-        nat = _native(self.K, out)
-        if nat is None or not hasattr(nat, "pool"):
+        f = getattr(self.K, "bind_global_avgpool", None)
+        if f is None or out is None:
             return super().bind(env, out)
-        x, y = env[self.ins[0]], out[0]
-        n, h, w, c = x.shape
-        k = self.kw
-        return functools.partial(nat.pool, x, y, n, h, w, c, 1, 1, h, w, 1, 1, 0, 0, 0, 0, 1, 1, 1, 0, int(k["x_zp"]),
-                                 float(np.float32(k["multiplier"])), int(k["y_zp"]), int(k["lo"]), int(k["hi"]))
-
+        return f(env[self.ins[0]], out[0], **self.kw)
 
 class ConcatStep(Step):
     def __init__(self, name, K, xs, y, axis, qs, qy):
@@ -303,8 +283,10 @@ class ConcatStep(Step):
         env[self.outs[0]] = self.K.concat(xs, self.axis, out=out[0] if out else None, **self.kw)
 
     def bind(self, env, out):
-        return _bind_concat(self, [env[i] for i in self.ins], self.axis, out) or super().bind(env, out)
-
+        f = getattr(self.K, "bind_concat", None)
+        if f is None or out is None:
+            return super().bind(env, out)
+        return f([env[i] for i in self.ins], self.axis, out[0], **self.kw)
 
 def requantize_dq_q(x, qx, qy, out=None):
     """uint8 (s1, z1) -> uint8 (s2, z2) exactly as DequantizeLinear then QuantizeLinear compute it
@@ -332,20 +314,6 @@ class RequantStep(Step):
 
     def run(self, env, out):
         env[self.outs[0]] = requantize_dq_q(env[self.ins[0]], self.qx, self.qy, out[0] if out else None)
-
-
-def _bind_concat(st, xs, axis, out):
-    nat = _native(st.K, out)
-    if nat is None or not hasattr(nat, "concat"):
-        return None
-    k = st.kw
-    axis %= xs[0].ndim
-    outer = int(np.prod(xs[0].shape[:axis], dtype=np.int64))
-    items = []
-    for x, s, z in zip(xs, k["scales"], k["zps"]):
-        same = np.float32(s) == np.float32(k["y_scale"]) and int(z) == int(k["y_zp"])
-        items.append((x, int(np.prod(x.shape[axis:], dtype=np.int64)), bool(same), int(z), _ratio(s, k["y_scale"])))
-    return functools.partial(nat.concat, items, outer, out[0], int(k["y_zp"]))
 
 
 class ShapeOpStep(Step):
