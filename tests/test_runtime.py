@@ -248,3 +248,16 @@ def test_slice_resize_concat_on_uint8(tmp_path):
     # ORT leaves the Slices on the float input (quantizing after them): those run in fp32
     assert {op for _, op, _ in s.fallback_nodes()} <= {"Slice"}, s.report()
     assert {e.op for e in s.report_entries() if e.mode == "int8"} >= {"Concat", "Conv", "Resize"}, s.report()
+
+
+def test_int8_activations_run_in_fp32_and_say_why(tmp_path):
+    """S8S8 models (int8 activations) have no int8 kernel here: every op runs in fp32 numpy
+    between ONNX-exact Q/DQ, within one step of ORT, and the report names the reason."""
+    f32, i8 = tmp_path / "m.onnx", tmp_path / "m.s8.onnx"
+    onnx.save(_cnn(), f32)
+    xs = [RNG.standard_normal((1, 3, 20, 20)).astype(np.float32) for _ in range(4)]
+    quantize_static(str(f32), str(i8), _Feed(xs), quant_format=QuantFormat.QDQ, per_channel=True,
+                    activation_type=QuantType.QInt8, weight_type=QuantType.QInt8)
+    s = _compare(str(i8), (1, 3, 20, 20), n=1, exact_frac=0.0)  # fp32 emulation: within a step
+    reasons = {op: why for _, op, why in s.fallback_nodes()}
+    assert "Conv" in reasons and "not a dequantized uint8 tensor" in reasons["Conv"], s.report()

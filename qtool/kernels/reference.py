@@ -1,5 +1,9 @@
-"""Naive numpy twins of every native kernel (same signatures as qtool.kernels), built on
-qtool.qparams.requantize. They define what "bit-exact" means for the tests."""
+"""Naive numpy twins of every native kernel, built on qtool.qparams.requantize. They define what
+"bit-exact" means for the tests.
+
+Drop-in with qtool.kernels: `pack_conv2d` / `pack_gemm` here return a `RefPacked` holding the raw
+weights, and `conv2d(p, x)` / `gemm(p, x)` accept it; `conv2d(w, bias, x, **q)` with raw weights
+also works (what the tests use)."""
 from __future__ import annotations
 
 import numpy as np
@@ -52,13 +56,56 @@ def conv2d_acc(w, bias, x, x_zp, strides=(1, 1), pads=(0, 0, 0, 0), dilations=(1
     return acc.astype(np.int32)
 
 
-def conv2d(w, bias, x, *, x_zp, multiplier, y_zp, strides=(1, 1), pads=(0, 0, 0, 0),
-           dilations=(1, 1), group=1, lo=0, hi=255):
-    acc = conv2d_acc(w, bias, x, x_zp, strides, pads, dilations, group)
-    return requantize(acc, np.asarray(multiplier, np.float32), y_zp, lo, hi)
+class RefPacked:
+    """Raw weights and quantization parameters, standing in for a native PackedConv."""
+
+    def __init__(self, w, bias, kind, **q):
+        self.w, self.bias, self.kind, self.q = np.asarray(w), bias, kind, q
+        self.cout = int(self.w.shape[0])
+        self.cin = int(self.w.shape[1]) * int(q.get("group", 1))
+        self.kernel, self.isa = "numpy-reference", "numpy"
+        self.out_dtype = np.dtype(q.get("out_dtype", "uint8")).type
+
+    def out_shape(self, n, h, w):
+        kh, kw = self.w.shape[2:]
+        oh, ow = conv_out_hw(h, w, (kh, kw), _pair(self.q.get("strides", (1, 1))),
+                             _pads(self.q.get("pads", (0, 0, 0, 0))), _pair(self.q.get("dilations", (1, 1))))
+        return (n, oh, ow, self.cout)
 
 
-def gemm(w, bias, x, *, x_zp, multiplier, y_zp=0, lo=0, hi=255, out_dtype="uint8"):
+def _ret(y, out):
+    if out is None:
+        return y
+    out[...] = y
+    return out
+
+
+def pack_conv2d(w, bias, **q):
+    return RefPacked(w, bias, "conv", **q)
+
+
+def pack_gemm(w, bias, **q):
+    return RefPacked(w, bias, "gemm", **q)
+
+
+def conv2d(w, bias=None, x=None, *, out=None, **q):
+    if isinstance(w, RefPacked):  # conv2d(p, x, out=None)
+        p, x = w, bias
+        return _ret(conv2d(p.w, p.bias, x, **p.q), out)
+    acc = conv2d_acc(w, bias, x, q["x_zp"], q.get("strides", (1, 1)), q.get("pads", (0, 0, 0, 0)),
+                     q.get("dilations", (1, 1)), q.get("group", 1))
+    return _ret(requantize(acc, np.asarray(q["multiplier"], np.float32), q["y_zp"], q.get("lo", 0),
+                           q.get("hi", 255)), out)
+
+
+def gemm(w, bias=None, x=None, *, out=None, **q):
+    if isinstance(w, RefPacked):  # gemm(p, x, out=None)
+        p, x = w, bias
+        return _ret(_gemm(p.w, p.bias, x, **p.q), out)
+    return _ret(_gemm(w, bias, x, **q), out)
+
+
+def _gemm(w, bias, x, *, x_zp, multiplier, y_zp=0, lo=0, hi=255, out_dtype="uint8"):
     acc = (x.astype(np.int64) - int(x_zp)) @ np.asarray(w, np.int64).T
     if bias is not None:
         acc = acc + np.asarray(bias, np.int64)
@@ -74,7 +121,7 @@ def _fma32(x, y, z):
     return (x.astype(np.longdouble) * np.longdouble(y) + np.asarray(z).astype(np.longdouble)).astype(np.float32)
 
 
-def add(a, b, *, a_scale, a_zp, b_scale, b_zp, y_scale, y_zp, lo=0, hi=255):
+def _add(a, b, *, a_scale, a_zp, b_scale, b_zp, y_scale, y_zp, lo=0, hi=255):
     """ONNX Runtime's QLinearAdd (MLAS) rounding: zero points folded into one float32 constant,
     two fused multiply-adds on the raw u8 values, round half to even, clamp."""
     f32 = np.float32
@@ -101,12 +148,12 @@ def _pool_windows(x, kernel, strides, pads, dilations, ceil_mode, fill):
     return f(xp), f(valid), f(padded)
 
 
-def maxpool2d(x, kernel, strides=(1, 1), pads=(0, 0, 0, 0), dilations=(1, 1), ceil_mode=False):
+def _maxpool2d(x, kernel, strides=(1, 1), pads=(0, 0, 0, 0), dilations=(1, 1), ceil_mode=False):
     win, _, _ = _pool_windows(x, kernel, strides, pads, dilations, ceil_mode, -1)
     return np.maximum(win.max(axis=(3, 4)), 0).astype(np.uint8)
 
 
-def avgpool2d(x, kernel, strides=(1, 1), pads=(0, 0, 0, 0), count_include_pad=False, *, x_zp,
+def _avgpool2d(x, kernel, strides=(1, 1), pads=(0, 0, 0, 0), count_include_pad=False, *, x_zp,
               multiplier, y_zp, lo=0, hi=255, ceil_mode=False):
     win, valid, padded = _pool_windows(x.astype(np.int64) - int(x_zp), kernel, strides, pads,
                                        (1, 1), ceil_mode, 0)
@@ -116,14 +163,14 @@ def avgpool2d(x, kernel, strides=(1, 1), pads=(0, 0, 0, 0), count_include_pad=Fa
     return requantize(acc, m, y_zp, lo, hi)
 
 
-def global_avgpool(x, *, x_zp, multiplier, y_zp, lo=0, hi=255):
+def _global_avgpool(x, *, x_zp, multiplier, y_zp, lo=0, hi=255):
     n, h, w, c = x.shape
     acc = (x.astype(np.int64) - int(x_zp)).sum(axis=(1, 2), keepdims=True).astype(np.int32)
     m = np.float32(multiplier) / np.float32(h * w)
     return requantize(acc, m, y_zp, lo, hi)
 
 
-def concat(xs, axis, *, scales, zps, y_scale, y_zp):
+def _concat(xs, axis, *, scales, zps, y_scale, y_zp):
     parts = []
     for x, s, z in zip(xs, scales, zps):
         if np.float32(s) == np.float32(y_scale) and int(z) == int(y_zp):
@@ -134,11 +181,49 @@ def concat(xs, axis, *, scales, zps, y_scale, y_zp):
     return np.concatenate(parts, axis=axis)
 
 
-def quantize_nchw_to_nhwc(x, scale, zp):
+def _quantize_nchw_to_nhwc(x, scale, zp):
     q = quantize(x, ActQParams(float(scale), int(zp)))
     return np.ascontiguousarray(q.transpose(0, 2, 3, 1)) if q.ndim == 4 else q
 
 
-def dequantize_nhwc_to_nchw(x, scale, zp):
+def _dequantize_nhwc_to_nchw(x, scale, zp):
     y = dequantize(x, ActQParams(float(scale), int(zp)))
     return np.ascontiguousarray(y.transpose(0, 3, 1, 2)) if y.ndim == 4 else y
+
+
+# out= versions, matching qtool.kernels
+def add(*args, out=None, **kw):
+    return _ret(_add(*args, **kw), out)
+
+
+add.__doc__ = _add.__doc__
+def maxpool2d(*args, out=None, **kw):
+    return _ret(_maxpool2d(*args, **kw), out)
+
+
+maxpool2d.__doc__ = _maxpool2d.__doc__
+def avgpool2d(*args, out=None, **kw):
+    return _ret(_avgpool2d(*args, **kw), out)
+
+
+avgpool2d.__doc__ = _avgpool2d.__doc__
+def global_avgpool(*args, out=None, **kw):
+    return _ret(_global_avgpool(*args, **kw), out)
+
+
+global_avgpool.__doc__ = _global_avgpool.__doc__
+def concat(*args, out=None, **kw):
+    return _ret(_concat(*args, **kw), out)
+
+
+concat.__doc__ = _concat.__doc__
+def quantize_nchw_to_nhwc(*args, out=None, **kw):
+    return _ret(_quantize_nchw_to_nhwc(*args, **kw), out)
+
+
+quantize_nchw_to_nhwc.__doc__ = _quantize_nchw_to_nhwc.__doc__
+def dequantize_nhwc_to_nchw(*args, out=None, **kw):
+    return _ret(_dequantize_nhwc_to_nchw(*args, **kw), out)
+
+
+dequantize_nhwc_to_nchw.__doc__ = _dequantize_nhwc_to_nchw.__doc__
