@@ -433,7 +433,7 @@ def _rule_conv(c: Compiler, node):
                              pads=pads, dilations=tuple(at.get("dilations", [1, 1])), group=group, lo=lo, hi=hi)
     xs = c.nhwc_input(x.src)
     v, st = c.emit_q(qnode, None, nhwc=True, q=qy, rank=4, fused=fused, op_node=node)
-    st = S.ConvStep(node.name or "Conv", c.K, packed, xs, v.slot, wq.shape[1])
+    st = S.ConvStep(node.name or "Conv", c.K, packed, xs, v.slot, wq.shape[1], wq.shape[2], wq.shape[3])
     c.steps.append(st)
     c.entries.append(Entry(node.name or "Conv", "Conv", "int8", st.kernel))
     return None

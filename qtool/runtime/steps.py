@@ -123,13 +123,12 @@ def logical_nchw(x, nhwc):
 # ---------------------------------------------------------------- int8 compute
 
 class ConvStep(Step):
-    def __init__(self, name, K, packed, x, y, cin_per_group):
+    def __init__(self, name, K, packed, x, y, cin_per_group, kh, kw):
         super().__init__(name, "Conv", [x], [y])
-        self.K, self.p, self.cig = K, packed, cin_per_group
-        self.kernel = f"{getattr(packed, 'kind', '')}:{getattr(packed, 'kernel', '')}"
-        self.op = "DwConv" if getattr(packed, "kind", "") == "dwconv" or cin_per_group == 1 else "Conv"
-        if self.op == "Conv" and packed.kh == packed.kw == 1:
-            self.op = "Conv1x1"
+        self.K, self.p, self.cig, self.kh, self.kw = K, packed, cin_per_group, kh, kw
+        kind = getattr(packed, "kind", "")
+        self.kernel = f"{kind}:{getattr(packed, 'kernel', '')}"
+        self.op = "DwConv" if kind == "dwconv" or cin_per_group == 1 else ("Conv1x1" if kh == kw == 1 else "Conv")
 
     def run(self, env, out):
         env[self.outs[0]] = self.K.conv2d(self.p, env[self.ins[0]], out=out[0] if out else None)
@@ -140,7 +139,7 @@ class ConvStep(Step):
             return super().bind(env, out)
         return f(self.p, env[self.ins[0]], out[0])
     def macs(self, env):
-        return int(env[self.outs[0]].size) * self.cig * self.p.kh * self.p.kw
+        return int(env[self.outs[0]].size) * self.cig * self.kh * self.kw
 
 
 class GemmStep(Step):
