@@ -220,12 +220,15 @@ def test_every_isa_matches_ort(tmp_path):
         K.set_isa(None)
 
 
-def test_numpy_backend_matches_ort(tmp_path):
-    """The executor's own numpy stand-in (used when nothing native is built) is exact too."""
+@pytest.mark.parametrize("backend", ["numpy", "reference"])
+def test_numpy_backends_match_ort(tmp_path, backend):
+    """The kernels' numpy reference and the executor's own stand-in (used when nothing native is
+    built) are exact too."""
     path = _quantize(_cnn(), tmp_path, (1, 3, 20, 20))
     x = RNG.standard_normal((1, 3, 20, 20)).astype(np.float32)
-    s = NativeSession(path, backend="numpy")
-    assert s.backend == "numpy"
+    s = NativeSession(path, backend=backend)
+    if s.backend != backend:
+        pytest.skip(f"{backend} backend not importable")
     np.testing.assert_array_equal(s.run(None, {"x": x})[0], _ort(path).run(None, {"x": x})[0])
 
 
