@@ -131,6 +131,13 @@ def main(argv=None):
         print(f"qtool {m:10s}: output SQNR {rows[m]:5.1f} dB | {time.time() - t:.1f}s | ops int8 {s.get('int8', 0)}, "
               f"passthrough {s.get('passthrough', 0)}, fused {s.get('fused', 0)}, fp32 {s.get('fp32', 0)}"
               + (f" | {notes[0]}" if notes else "") + (f" | {_agree(ex)}" if ex else ""))
+    from qtool.evaluate import method_scores
+    picks = [{name: np.load(os.path.join(npy, f))} for f in sorted(os.listdir(npy))[::4]]  # 8 calibration tensors
+    t = time.time()
+    scores = method_scores(cal.fused, cal.table, picks, [m for m in rows], a.threads)
+    auto = max(scores, key=scores.get)
+    print(f"qtool auto: picks '{auto}' on {len(picks)} calibration tensors ({time.time() - t:.1f}s; "
+          + ", ".join(f"{m} {v:.1f}" for m, v in scores.items()) + " dB there)")
     ort_rows = {}
     if not a.no_ort:
         anchor = load_anchor(a.anchor)
@@ -159,6 +166,9 @@ def main(argv=None):
     for m, v in rows.items():
         o = f"{ort_best:8.1f}{v - ort_best:+8.1f}" if ort_best is not None else f"{'n/a':>8s}{'':>8s}"
         print(f"  {m:14s}{v:8.1f}{o}")
+    if ort_best is not None:
+        print(f"  {'auto (' + auto + ')':14s}{rows[auto]:8.1f}{ort_best:8.1f}{rows[auto] - ort_best:+8.1f}"
+              f"   <- method picked on calibration tensors, scored on the evaluation images")
     for label, v in ort_rows.items():
         print(f"  ORT ({label}): {'failed' if v is None else f'{v:.1f} dB'}")
     return 0
