@@ -151,16 +151,18 @@ def main(argv=None):
     p.add_argument("--profile", action="store_true", help="per-op-type time and GMAC/s of the native runtime")
     p.add_argument("--no-speed", action="store_true")
     p.add_argument("--report", action="store_true", help="print which nodes run in int8 / fp32")
+    p.add_argument("--json", help="write the figures here")
     a = p.parse_args(argv)
+    out = {"model": a.model, "fp32": a.fp32, "threads": a.threads}
     native = NativeSession(a.model, threads=a.threads)
     print(native.report() if a.report else native.report().splitlines()[0] + "\n" + "\n".join(
         native.report().splitlines()[1:4]))
     oq = ort_session(a.model, a.threads)
     of = ort_session(a.fp32, a.threads) if a.fp32 else None
     if a.images:
-        fidelity(a, native, oq, of)
+        out["fidelity"] = fidelity(a, native, oq, of)
     if not a.no_speed:
-        speed(a, native, oq, of, a.batch or [1, 8])
+        out["speed"] = speed(a, native, oq, of, a.batch or [1, 8])
     if a.profile:
         name = native.get_inputs()[0].name
         dims = native.get_inputs()[0].shape
@@ -170,7 +172,13 @@ def main(argv=None):
             x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
             rows = native.profile({name: x}, repeats=10)
             print(f"profile batch {bs} ({a.threads} threads, peak {VNNI_GMACS_PER_CORE:.0f} GMAC/s/core):")
-            print(format_table(op_type_table(rows, a.threads)))
+            table = op_type_table(rows, a.threads)
+            print(format_table(table))
+            out.setdefault("profile", {})[bs] = table
+    if a.json:
+        import json
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=2, default=float)
 
 
 if __name__ == "__main__":
