@@ -34,6 +34,27 @@ QT_TARGET_AVX512VNNI QT_INLINE void store16(__m512i acc, const float* mult, void
   _mm_mask_storeu_epi8(c, m, _mm512_cvtepi32_epi8(i));
 }
 
+/* u8 epilogue for two rows x 32 columns: float multiply, clamp to hi - zp, round half to even,
+ * saturating packs (the zero point is added in int16), max with lo, one vpermd to undo the pack
+ * interleave. 24 vector uops per 64 outputs instead of 32 with a vpmovdb per zmm. Equal to
+ * clip(rint(acc * m) + zp, lo, hi): clamping to integer bounds commutes with rint. */
+QT_TARGET_AVX512VNNI QT_INLINE __m512i rq_cvt(__m512i acc, __m512 m, __m512 hi) {
+  __m512 f = _mm512_min_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc), m), hi);
+  return _mm512_cvt_roundps_epi32(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+QT_TARGET_AVX512VNNI QT_INLINE void store_pair_u8(__m512i a0, __m512i a1, __m512i b0, __m512i b1,
+                                                 __m512 m0, __m512 m1, __m512 hi, __m512i zp16,
+                                                 __m512i lo8, __m512i perm, uint8_t* ca,
+                                                 uint8_t* cb, __mmask32 mask, int store_b) {
+  const __m512i pa = _mm512_adds_epi16(_mm512_packs_epi32(rq_cvt(a0, m0, hi), rq_cvt(a1, m1, hi)), zp16);
+  const __m512i pb = _mm512_adds_epi16(_mm512_packs_epi32(rq_cvt(b0, m0, hi), rq_cvt(b1, m1, hi)), zp16);
+  __m512i y = _mm512_max_epu8(_mm512_packus_epi16(pa, pb), lo8);
+  y = _mm512_permutexvar_epi32(perm, y);
+  _mm256_mask_storeu_epi8(ca, mask, _mm512_castsi512_si256(y));
+  if (store_b) _mm256_mask_storeu_epi8(cb, mask, _mm512_extracti64x4_epi64(y, 1));
+}
+
 /* One row (GEMV, e.g. the classifier at batch 1): 2 vpdpbusd per 4 K instead of 16, with two
  * accumulator pairs to hide the vpdpbusd latency. */
 QT_TARGET_AVX512VNNI
@@ -147,14 +168,32 @@ void qu8_qs8w_igemm_minmax_fp32_ukernel_8x32c4__avx512vnni(size_t mr, size_t nc,
               load_tail(a6 + k, krem), load_tail(a7 + k, krem))
 #undef QT_STEP
   }
+  char* cr = (char*)c;
+  if (!rq->out_f32) {
+    const __m512 m0 = _mm512_loadu_ps(mult), m1 = _mm512_loadu_ps(mult + 16);
+    const __m512 hi = _mm512_set1_ps(rq->hi_f);
+    const __m512i zp16 = _mm512_set1_epi16((int16_t)rq->zp), lo8 = _mm512_set1_epi8((char)rq->lo);
+    const __m512i perm = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    const __mmask32 mask = nc >= 32 ? 0xFFFFFFFFu : (__mmask32)((1u << nc) - 1);
+    store_pair_u8(acc00, acc01, acc10, acc11, m0, m1, hi, zp16, lo8, perm, (uint8_t*)cr,
+                  (uint8_t*)cr + cm_stride, mask, mr > 1);
+    if (mr > 2)
+      store_pair_u8(acc20, acc21, acc30, acc31, m0, m1, hi, zp16, lo8, perm, (uint8_t*)cr + 2 * cm_stride,
+                    (uint8_t*)cr + 3 * cm_stride, mask, mr > 3);
+    if (mr > 4)
+      store_pair_u8(acc40, acc41, acc50, acc51, m0, m1, hi, zp16, lo8, perm, (uint8_t*)cr + 4 * cm_stride,
+                    (uint8_t*)cr + 5 * cm_stride, mask, mr > 5);
+    if (mr > 6)
+      store_pair_u8(acc60, acc61, acc70, acc71, m0, m1, hi, zp16, lo8, perm, (uint8_t*)cr + 6 * cm_stride,
+                    (uint8_t*)cr + 7 * cm_stride, mask, mr > 7);
+    return;
+  }
   const __mmask16 m0 = nc >= 16 ? 0xFFFF : (__mmask16)((1u << nc) - 1);
   const __mmask16 m1 = nc >= 32 ? 0xFFFF : nc <= 16 ? 0 : (__mmask16)((1u << (nc - 16)) - 1);
-  const size_t es = rq->out_f32 ? 4 : 1;
-  char* cr = (char*)c;
 #define QT_ROW(I, A0, A1)                                     \
   if (mr > I) {                                               \
     store16(A0, mult, cr + I * cm_stride, m0, rq);            \
-    store16(A1, mult + 16, cr + I * cm_stride + 16 * es, m1, rq); \
+    store16(A1, mult + 16, cr + I * cm_stride + 64, m1, rq);  \
   }
   QT_ROW(0, acc00, acc01) QT_ROW(1, acc10, acc11) QT_ROW(2, acc20, acc21) QT_ROW(3, acc30, acc31)
   QT_ROW(4, acc40, acc41) QT_ROW(5, acc50, acc51) QT_ROW(6, acc60, acc61) QT_ROW(7, acc70, acc71)
