@@ -218,6 +218,23 @@ def test_npy_for_two_inputs(tmp_path):
     _expect_error(tmp_path, model, str(data), ".npz", "2 inputs")
 
 
+def test_corrupt_npy_and_npz(tmp_path):
+    model = save(small_convnet(size=16), tmp_path / "net.onnx")
+    for ext in ("npy", "npz"):
+        data = tmp_path / ext
+        data.mkdir()
+        (data / f"bad.{ext}").write_bytes(b"not an array at all")
+        _expect_error(tmp_path, model, str(data), f"bad.{ext}", f"not a readable .{ext} file")
+
+
+def test_pickled_npy_is_refused(tmp_path):
+    model = save(small_convnet(size=16), tmp_path / "net.onnx")
+    data = tmp_path / "npy"
+    data.mkdir()
+    np.save(data / "obj.npy", np.array([{"x": 1}], dtype=object), allow_pickle=True)
+    _expect_error(tmp_path, model, str(data), "obj.npy", "object")
+
+
 def test_images_and_tensors_mixed(tmp_path):
     model = save(small_convnet(size=16), tmp_path / "net.onnx")
     data = tmp_path / "mixed"
