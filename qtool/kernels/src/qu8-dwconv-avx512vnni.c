@@ -41,25 +41,22 @@ static void pack(size_t channels, size_t ks, const int8_t* w, const int32_t* bia
   }
 }
 
-QT_TARGET_AVX512VNNI QT_INLINE __m512i requant16(__m512i acc, const float* mult, __m512 lo, __m512 hi,
-                                                __m512i zp) {
-  __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_loadu_ps(mult));
-  f = _mm512_min_ps(_mm512_max_ps(f, lo), hi);
-  return _mm512_add_epi32(_mm512_cvt_roundps_epi32(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), zp);
+QT_TARGET_AVX512VNNI QT_INLINE __m512i rq_cvt16(__m512i acc, const float* mult, __m512 hi) {
+  __m512 f = _mm512_min_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_loadu_ps(mult)), hi);
+  return _mm512_cvt_roundps_epi32(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 
-QT_TARGET_AVX512VNNI QT_INLINE __m256i requant8(__m256i acc, const float* mult, __m512 lo, __m512 hi,
-                                               __m512i zp) {
-  __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(acc), _mm256_loadu_ps(mult));
-  f = _mm256_min_ps(_mm256_max_ps(f, _mm512_castps512_ps256(lo)), _mm512_castps512_ps256(hi));
-  return _mm256_add_epi32(_mm256_cvtps_epi32(f), _mm512_castsi512_si256(zp));
+QT_TARGET_AVX512VNNI QT_INLINE __m256i rq_cvt8(__m256i acc, const float* mult, __m512 hi) {
+  __m256 f = _mm256_min_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc), _mm256_loadu_ps(mult)),
+                           _mm512_castps512_ps256(hi));
+  return _mm256_cvtps_epi32(f);
 }
 
 /* P pixels x 64 channels (zmm) of one channel tile. */
 QT_TARGET_AVX512VNNI QT_INLINE void dw_zmm(const size_t P, size_t ks, const uint8_t* const* ip,
                                           ptrdiff_t off, const uint8_t* zero, const int32_t* bias,
                                           const float* mult, const int8_t* wt, size_t c0,
-                                          __mmask64 mask, uint8_t* out, size_t out_stride, __m512 lo,
+                                          __mmask64 mask, uint8_t* out, size_t out_stride, __m512i lo8,
                                           __m512 hi, __m512i zp) {
   __m512i acc[4][4];
 #pragma GCC unroll 4
@@ -78,12 +75,16 @@ QT_TARGET_AVX512VNNI QT_INLINE void dw_zmm(const size_t P, size_t ks, const uint
       DPBUSD(acc[p][3], xv, w3);
     }
   }
+  /* epilogue: float multiply, clamp to hi - zp, round, saturating packs (zero point added in
+   * int16), max with lo; the packs leave lane bytes in (r, j) order, one vpshufb restores 4j + r */
+  const __m512i zp16 = _mm512_set1_epi16((int16_t)_mm_cvtsi128_si32(_mm512_castsi512_si128(zp)));
+  const __m512i tr = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
 #pragma GCC unroll 4
   for (size_t p = 0; p < P; p++) {
-    __m512i y = requant16(acc[p][0], mult, lo, hi, zp);
-    y = _mm512_or_si512(y, _mm512_slli_epi32(requant16(acc[p][1], mult + 16, lo, hi, zp), 8));
-    y = _mm512_or_si512(y, _mm512_slli_epi32(requant16(acc[p][2], mult + 32, lo, hi, zp), 16));
-    y = _mm512_or_si512(y, _mm512_slli_epi32(requant16(acc[p][3], mult + 48, lo, hi, zp), 24));
+    const __m512i p01 = _mm512_adds_epi16(_mm512_packs_epi32(rq_cvt16(acc[p][0], mult, hi), rq_cvt16(acc[p][1], mult + 16, hi)), zp16);
+    const __m512i p23 = _mm512_adds_epi16(_mm512_packs_epi32(rq_cvt16(acc[p][2], mult + 32, hi), rq_cvt16(acc[p][3], mult + 48, hi)), zp16);
+    __m512i y = _mm512_shuffle_epi8(_mm512_packus_epi16(p01, p23), tr);
+    y = _mm512_max_epu8(y, lo8);
     _mm512_mask_storeu_epi8(out + p * out_stride + c0, mask, y);
   }
 }
@@ -93,7 +94,7 @@ QT_TARGET_AVX512VNNI QT_INLINE void dw_zmm(const size_t P, size_t ks, const uint
 QT_TARGET_AVX512VNNI QT_INLINE void dw_ymm(const size_t P, size_t ks, const uint8_t* const* ip,
                                           ptrdiff_t off, const uint8_t* zero, const int32_t* bias,
                                           const float* mult, const int8_t* wt, size_t c0,
-                                          __mmask32 mask, uint8_t* out, size_t out_stride, __m512 lo,
+                                          __mmask32 mask, uint8_t* out, size_t out_stride, __m512i lo8,
                                           __m512 hi, __m512i zp) {
   __m256i acc[4][4];
 #pragma GCC unroll 4
@@ -114,12 +115,14 @@ QT_TARGET_AVX512VNNI QT_INLINE void dw_ymm(const size_t P, size_t ks, const uint
       DPBUSD(acc[p][3], xv, w3);
     }
   }
+  const __m256i zp16 = _mm256_set1_epi16((int16_t)_mm_cvtsi128_si32(_mm512_castsi512_si128(zp)));
+  const __m256i tr = _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
 #pragma GCC unroll 4
   for (size_t p = 0; p < P; p++) {
-    __m256i y = requant8(acc[p][0], mult, lo, hi, zp);
-    y = _mm256_or_si256(y, _mm256_slli_epi32(requant8(acc[p][1], mult + 16, lo, hi, zp), 8));
-    y = _mm256_or_si256(y, _mm256_slli_epi32(requant8(acc[p][2], mult + 32, lo, hi, zp), 16));
-    y = _mm256_or_si256(y, _mm256_slli_epi32(requant8(acc[p][3], mult + 48, lo, hi, zp), 24));
+    const __m256i p01 = _mm256_adds_epi16(_mm256_packs_epi32(rq_cvt8(acc[p][0], mult, hi), rq_cvt8(acc[p][1], mult + 16, hi)), zp16);
+    const __m256i p23 = _mm256_adds_epi16(_mm256_packs_epi32(rq_cvt8(acc[p][2], mult + 32, hi), rq_cvt8(acc[p][3], mult + 48, hi)), zp16);
+    __m256i y = _mm256_shuffle_epi8(_mm256_packus_epi16(p01, p23), tr);
+    y = _mm256_max_epu8(y, _mm512_castsi512_si256(lo8));
     _mm256_mask_storeu_epi8(out + p * out_stride + c0, mask, y);
   }
 }
@@ -130,7 +133,8 @@ void qu8_qs8w_dwconv_minmax_fp32_ukernel_c64__avx512vnni(size_t channels, size_t
                                                          const uint8_t* zero, const void* w,
                                                          uint8_t* out, size_t out_stride,
                                                          const qt_requant* rq) {
-  const __m512 lo = _mm512_set1_ps(rq->lo_f), hi = _mm512_set1_ps(rq->hi_f);
+  const __m512 hi = _mm512_set1_ps(rq->hi_f);
+  const __m512i lo8 = _mm512_set1_epi8((char)rq->lo);
   const __m512i zp = _mm512_set1_epi32(rq->zp);
   const char* wtile = (const char*)w;
   for (size_t c0 = 0; c0 < channels; c0 += CT, wtile += tile_bytes(ks)) {
@@ -143,18 +147,18 @@ void qu8_qs8w_dwconv_minmax_fp32_ukernel_c64__avx512vnni(size_t channels, size_t
       const __mmask64 mask = n == CT ? ~(__mmask64)0 : (((__mmask64)1 << n) - 1);
       for (; p + 4 <= ow; p += 4)
         dw_zmm(4, ks, in + p * ks, in_offset, zero, bias, mult, wt, c0, mask, out + p * out_stride,
-               out_stride, lo, hi, zp);
+               out_stride, lo8, hi, zp);
       for (; p < ow; p++)
         dw_zmm(1, ks, in + p * ks, in_offset, zero, bias, mult, wt, c0, mask, out + p * out_stride,
-               out_stride, lo, hi, zp);
+               out_stride, lo8, hi, zp);
     } else {
       const __mmask32 mask = n == 32 ? ~(__mmask32)0 : (__mmask32)(((uint64_t)1 << n) - 1);
       for (; p + 4 <= ow; p += 4)
         dw_ymm(4, ks, in + p * ks, in_offset, zero, bias, mult, wt, c0, mask, out + p * out_stride,
-               out_stride, lo, hi, zp);
+               out_stride, lo8, hi, zp);
       for (; p < ow; p++)
         dw_ymm(1, ks, in + p * ks, in_offset, zero, bias, mult, wt, c0, mask, out + p * out_stride,
-               out_stride, lo, hi, zp);
+               out_stride, lo8, hi, zp);
     }
   }
 }
