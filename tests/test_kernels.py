@@ -326,8 +326,8 @@ def test_qtool_isa_env_caps_dispatch(env):
     import os
     import subprocess
     import sys
-    best = K.info()["best_isa"]
-    want = K.ISAS[min(K.ISAS.index(env), K.ISAS.index(best))]
-    out = subprocess.run([sys.executable, "-c", "import qtool.kernels as K; print(K.info()['isa'])"],
-                         env={**os.environ, "QTOOL_ISA": env}, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == want
+    code = "import qtool.kernels as K; i = K.info(); print(i['isa'], i['best_isa'])"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "QTOOL_ISA": env},
+                         capture_output=True, text=True, check=True)
+    isa, best = out.stdout.split()  # the child's own best (it may not run under valgrind)
+    assert isa == K.ISAS[min(K.ISAS.index(env), K.ISAS.index(best))]

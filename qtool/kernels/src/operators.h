@@ -20,6 +20,7 @@ typedef struct {
   intptr_t* ind;                 /* igemm: cached indirection (byte offsets, -1 = padding) */
   const uint8_t** dw_ind;        /* dwconv: cached [N*OH][OW][ks] pointers into dw_base */
   const uint8_t* dw_base;
+  size_t dw_row_ptrs, dw_step;   /* pointers per output row, pointer advance per output pixel */
   size_t gemm_ks, gemm_kc;       /* taps and bytes per tap the igemm microkernel sees */
   pthread_mutex_t lock;          /* the caches below belong to one call at a time */
   int im2col;                    /* small Cin: patches copied to a [M][KH*KW*Cin] buffer first */

@@ -59,11 +59,13 @@ typedef void (*qt_igemm_ukernel)(size_t mr, size_t nc, size_t kc, size_t ks, con
                                  size_t cm_stride, const qt_requant* rq);
 
 /* Depthwise microkernel: one output row segment of `ow` pixels, all channels.
- *   in: [ow][ks] input pointers; a pointer equal to `zero` is padding (a zp-filled buffer of
- *       >= channels bytes), any other gets `in_offset` added (XNNPACK-style cached indirection)
+ *   in: input pointers; pixel p's ks tap pointers are in[p * in_step .. + ks) in the packed tap
+ *       order (kx major, ky minor), so with in_step = stride * KH neighbouring pixels share their
+ *       overlapping columns (XNNPACK's indirection "step"). A pointer equal to `zero` is padding
+ *       (a zp-filled buffer of >= channels bytes); any other gets `in_offset` added.
  *   w:  packed per channel tile (ISA layout); out: ow x channels u8, pixels out_stride apart. */
 typedef void (*qt_dwconv_ukernel)(size_t channels, size_t ow, size_t ks, const uint8_t* const* in,
-                                  ptrdiff_t in_offset, const uint8_t* zero, const void* w,
+                                  size_t in_step, ptrdiff_t in_offset, const uint8_t* zero, const void* w,
                                   uint8_t* out, size_t out_stride, const qt_requant* rq);
 #define QT_DW_PTR(ptr, off, zero) ((ptr) != (zero) ? (ptr) + (off) : (zero))
 
@@ -78,7 +80,8 @@ typedef struct {
   const char* name;
   qt_dwconv_ukernel ukernel;
   size_t ct;           /* channel tile */
-  /* packing travels with the kernel: w is [channels][ks] int8, bias int32 (compensated) */
+  /* packing travels with the kernel: w is [channels][ks] int8 in tap order (kx major), bias
+   * int32 (compensated) */
   size_t (*packed_size)(size_t channels, size_t ks);
   void (*pack)(size_t channels, size_t ks, const int8_t* w, const int32_t* bias, const float* mult,
                void* out);

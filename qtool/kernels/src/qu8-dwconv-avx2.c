@@ -38,7 +38,7 @@ QT_TARGET_AVX2 QT_INLINE __m128i requant8(__m256i acc, const float* mult, const 
 }
 
 QT_TARGET_AVX2
-void qu8_qs8w_dwconv_minmax_fp32_ukernel_c16__avx2(size_t channels, size_t ow, size_t ks, const uint8_t* const* in, ptrdiff_t in_offset, const uint8_t* zero, const void* w, uint8_t* out, size_t out_stride, const qt_requant* rq) {
+void qu8_qs8w_dwconv_minmax_fp32_ukernel_c16__avx2(size_t channels, size_t ow, size_t ks, const uint8_t* const* in, size_t in_step, ptrdiff_t in_offset, const uint8_t* zero, const void* w, uint8_t* out, size_t out_stride, const qt_requant* rq) {
   const size_t tile_bytes = CT * 8 + ks * CT * 4;
   const char* wtile = (const char*)w;
   for (size_t c0 = 0; c0 < channels; c0 += CT, wtile += tile_bytes) {
@@ -47,7 +47,7 @@ void qu8_qs8w_dwconv_minmax_fp32_ukernel_c16__avx2(size_t channels, size_t ow, s
     const int32_t* wt0 = (const int32_t*)(mult + CT);
     const size_t n = channels - c0 < CT ? channels - c0 : CT;
     for (size_t p = 0; p < ow; p++) {
-      const uint8_t* const* ip = in + p * ks;
+      const uint8_t* const* ip = in + p * in_step;
       __m256i acc0 = _mm256_loadu_si256((const __m256i*)bias);
       __m256i acc1 = _mm256_loadu_si256((const __m256i*)(bias + 8));
       const int32_t* wt = wt0;

@@ -17,13 +17,13 @@ static void pack(size_t channels, size_t ks, const int8_t* w, const int32_t* bia
   }
 }
 
-void qu8_qs8w_dwconv_minmax_fp32_ukernel__scalar(size_t channels, size_t ow, size_t ks, const uint8_t* const* in, ptrdiff_t in_offset, const uint8_t* zero, const void* w, uint8_t* out, size_t out_stride, const qt_requant* rq) {
+void qu8_qs8w_dwconv_minmax_fp32_ukernel__scalar(size_t channels, size_t ow, size_t ks, const uint8_t* const* in, size_t in_step, ptrdiff_t in_offset, const uint8_t* zero, const void* w, uint8_t* out, size_t out_stride, const qt_requant* rq) {
   const int32_t* bias = (const int32_t*)w;
   const float* mult = (const float*)(bias + channels);
   const int8_t* wp = (const int8_t*)(mult + channels);
   int32_t acc[CHUNK];
   for (size_t p = 0; p < ow; p++) {
-    const uint8_t* const* ip = in + p * ks;
+    const uint8_t* const* ip = in + p * in_step;
     for (size_t c0 = 0; c0 < channels; c0 += CHUNK) {
       size_t n = channels - c0 < CHUNK ? channels - c0 : CHUNK;
       for (size_t c = 0; c < n; c++) acc[c] = bias[c0 + c];
