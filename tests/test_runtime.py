@@ -129,18 +129,35 @@ def test_matmul_transpose_reshape(tmp_path):
 def test_op_without_int8_kernel_runs_in_fp32(tmp_path):
     nodes = [
         helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
-        helper.make_node("Sigmoid", ["c1"], ["s"]),
-        helper.make_node("Mul", ["c1", "s"], ["silu"]),
-        helper.make_node("Conv", ["silu", "w2", "b2"], ["y"]),
+        helper.make_node("Softmax", ["c1"], ["sm"], axis=1),
+        helper.make_node("Conv", ["sm", "w2", "b2"], ["y"]),
     ]
     inits = [_w("w1", 8, 3, 3, 3), _w("b1", 8, scale=0.1), _w("w2", 4, 8, 1, 1), _w("b2", 4, scale=0.1)]
     m = _model(nodes, inits, [1, 3, 8, 8], [1, 4, 8, 8])
     path = _quantize(m, tmp_path, (1, 3, 8, 8))
-    s = _compare(path, (1, 3, 8, 8), exact_frac=0.9)
-    fb = {op for _, op, _ in s.fallback_nodes()}
-    assert "Mul" in fb and "Sigmoid" not in fb, s.report()  # Sigmoid: a 256-entry table; Mul: fp32
+    s = _compare(path, (1, 3, 8, 8), exact_frac=0.5)  # ORT's QLinearSoftmax uses a table of exp
+    assert [op for _, op, _ in s.fallback_nodes()] == ["Softmax"], s.report()
     rep = s.report()
-    assert "fp32 fallback (1 nodes)" in rep and "Mul" in rep and "no int8 kernel" in rep
+    assert "fp32 fallback (1 nodes)" in rep and "Softmax" in rep and "no int8 kernel" in rep
+
+
+def test_silu_is_one_table(tmp_path):
+    """x * Sigmoid(x) between Q/DQ: Sigmoid's table and the Mul compose into one 256-entry table."""
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+        helper.make_node("Sigmoid", ["c1"], ["s"]),
+        helper.make_node("Mul", ["c1", "s"], ["silu"]),
+        helper.make_node("Conv", ["silu", "w2", "b2"], ["c2"]),
+        helper.make_node("Sigmoid", ["c2"], ["s2"]),
+        helper.make_node("Mul", ["c2", "s2"], ["y"]),
+    ]
+    inits = [_w("w1", 8, 3, 3, 3), _w("b1", 8, scale=0.1), _w("w2", 4, 8, 1, 1), _w("b2", 4, scale=0.1)]
+    m = _model(nodes, inits, [1, 3, 8, 8], [1, 4, 8, 8])
+    path = _quantize(m, tmp_path, (1, 3, 8, 8))
+    s = _compare(path, (1, 3, 8, 8), exact_frac=0.9)  # ORT's sigmoid table uses MLAS's approximation
+    assert not s.fallback_nodes(), s.report()
+    modes = {(e.op, e.mode) for e in s.report_entries()}
+    assert ("Sigmoid", "fused") in modes and ("Mul", "int8") in modes, s.report()
 
 
 def test_unknown_op_is_a_load_error(tmp_path):

@@ -121,6 +121,7 @@ class Compiler:
                     self.consumers.setdefault(i, []).append(n)
         self.ranks = _static_value_ranks(model)
         self.pads: dict = {}  # uint8 output of an int8 Pad -> (input name, (t, l, b, r), fill, step)
+        self.luts: dict = {}  # uint8 output of a per-tensor LutStep -> (input name, table, step)
 
     # ------------------------------------------------------------ helpers
     def new_slot(self):
@@ -515,6 +516,50 @@ def _rule_add(c: Compiler, node):
     return None
 
 
+def _rule_mul(c: Compiler, node):
+    a, b = (c.views.get(i) for i in node.input)
+    if a is None or b is None:
+        return "an input is not a dequantized uint8 tensor"
+    oq = c.out_quant(node.output[0])
+    if isinstance(oq, str):
+        return oq
+    qnode, qy, lo, hi, fused = oq
+    for x, g in ((a, b), (b, a)):  # x * f(x) with f a table (SiLU = x * Sigmoid(x)): one table
+        t = c.luts.get(g.src)
+        only_here = len(c.consumers.get(g.src, [])) == 1 and sum(
+            len(c.consumers.get(d.output[0], [])) for d in c.consumers.get(g.src, [])) == 1
+        if t is not None and t[0] == x.src and only_here:
+            src_name, table, lut_step = t
+            xs = np.arange(256, dtype=np.int32)
+            p = (xs - x.zp) * (table.astype(np.int32) - g.zp)
+            ratio = np.float32(np.float32(np.float32(x.scale) * np.float32(g.scale)) / np.float32(qy[0]))
+            f = (p.astype(np.float32) * ratio).astype(np.float32) + np.float32(qy[1])
+            lut = np.clip(np.rint(f), lo, hi).astype(np.uint8)
+            c.steps.remove(lut_step)
+            for e in c.entries:
+                if e.node == lut_step.name and e.mode == "int8":
+                    e.mode, e.detail = "fused", f"into {node.name or 'Mul'} (one table for x * f(x))"
+            src = c.vals[x.src]
+            v, _ = c.emit_q(qnode, None, nhwc=src.nhwc, q=qy, rank=src.rank, fused=fused, op_node=node)
+            st = S.LutStep(node.name or "Mul", "Mul", src.slot, v.slot, lut)
+            c.steps.append(st)
+            c.luts[qnode.output[0]] = (x.src, lut, st)
+            c.entries.append(Entry(node.name or "Mul", "Mul", "int8", "lookup table x * f(x)"))
+            return None
+    va, vb = c.vals[a.src], c.vals[b.src]
+    if va.rank != vb.rank or va.rank is None:
+        return "inputs of different or unknown rank"
+    if va.nhwc != vb.nhwc:
+        sa, sb, nhwc = c.nhwc_input(a.src), c.nhwc_input(b.src), True
+    else:
+        sa, sb, nhwc = va.slot, vb.slot, va.nhwc
+    v, _ = c.emit_q(qnode, None, nhwc=nhwc, q=qy, rank=va.rank, fused=fused, op_node=node)
+    st = S.MulStep(node.name or "Mul", c.K, sa, sb, v.slot, (a.scale, a.zp), (b.scale, b.zp), qy, lo, hi)
+    c.steps.append(st)
+    c.entries.append(Entry(node.name or "Mul", "Mul", "int8", st.kernel))
+    return None
+
+
 def _pool_common(c: Compiler, node):
     x = c.views.get(node.input[0])
     if x is None:
@@ -713,7 +758,10 @@ def _rule_lut(c: Compiler, node):
     q = np.clip(np.clip(np.rint(y / np.float32(qy[0])) + np.float32(qy[1]), 0, 255), lo, hi).astype(np.uint8)
     lut = q.reshape(-1, 256) if node.op_type == "BatchNormalization" else q.reshape(256)
     v, _ = c.emit_q(qnode, None, nhwc=src.nhwc, q=qy, rank=src.rank, fused=fused, op_node=node)
-    c.steps.append(S.LutStep(node.name or node.op_type, node.op_type, src.slot, v.slot, lut))
+    st = S.LutStep(node.name or node.op_type, node.op_type, src.slot, v.slot, lut)
+    c.steps.append(st)
+    if lut.ndim == 1:
+        c.luts[qnode.output[0]] = (x.src, lut, st)
     c.entries.append(Entry(node.name or node.op_type, node.op_type, "int8", "lookup table" + (" per channel" if lut.ndim == 2 else "")))
     return None
 
@@ -725,6 +773,7 @@ INT_RULES = {
     "Gemm": _rule_gemm,
     "MatMul": _rule_matmul,
     "Add": _rule_add,
+    "Mul": _rule_mul,
     "MaxPool": _rule_maxpool,
     "AveragePool": _rule_avgpool,
     "GlobalAveragePool": _rule_gap,

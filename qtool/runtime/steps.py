@@ -205,6 +205,48 @@ def _pool_pads(at, hw, k, strides, dil=(1, 1)):
     return tuple(p)
 
 
+class MulStep(Step):
+    """uint8 x uint8 -> uint8 elementwise product with numpy broadcasting, as ONNX Runtime's
+    QLinearMul (MLAS, x86) computes it: p = (a - za) * (b - zb) in int32,
+    y = sat(rint(float32(p) * float32(sa * sb / sy) + float32(zy)))."""
+
+    def __init__(self, name, K, a, b, y, qa, qb, qy, lo, hi):
+        super().__init__(name, "Mul", [a, b], [y])
+        self.K = K
+        self.za, self.zb = int(qa[1]), int(qb[1])
+        self.ratio = np.float32(np.float32(np.float32(qa[0]) * np.float32(qb[0])) / np.float32(qy[0]))
+        self.zy, self.lo, self.hi = np.float32(qy[1]), lo, hi
+        self.native = getattr(K, "mul", None)
+        self.kw = dict(a_scale=qa[0], a_zp=qa[1], b_scale=qb[0], b_zp=qb[1], y_scale=qy[0], y_zp=qy[1], lo=lo, hi=hi)
+        self.kernel = "native" if self.native else "numpy"
+        self.tmp = {}
+
+    def run(self, env, out):
+        a, b = env[self.ins[0]], env[self.ins[1]]
+        if self.native is not None:
+            try:
+                env[self.outs[0]] = self.native(a, b, out=out[0] if out else None, **self.kw)
+                return
+            except ValueError:  # e.g. a broadcast the kernel does not take
+                pass
+        shape = np.broadcast_shapes(a.shape, b.shape)
+        t = self.tmp.get(shape)
+        if t is None:
+            t = self.tmp[shape] = (np.empty(shape, np.int32), np.empty(shape, np.float32))
+        p, f = t
+        np.multiply(np.subtract(a, self.za, dtype=np.int32), np.subtract(b, self.zb, dtype=np.int32), out=p)
+        np.multiply(p, self.ratio, out=f, dtype=np.float32)
+        f += self.zy
+        np.rint(f, out=f)
+        np.clip(f, self.lo, self.hi, out=f)
+        y = out[0] if out else np.empty(shape, np.uint8)
+        np.copyto(y, f, casting="unsafe")
+        env[self.outs[0]] = y
+
+    def macs(self, env):
+        return int(env[self.outs[0]].size)
+
+
 class MaxPoolStep(Step):
     def __init__(self, name, K, x, y, attrs):
         super().__init__(name, "MaxPool", [x], [y])
@@ -230,29 +272,61 @@ class MaxPoolStep(Step):
         return f(x, out[0], self.k, self.s, self.geo[x.shape], self.d)
 
 class AvgPoolStep(Step):
+    """AveragePool on uint8 NHWC as ONNX Runtime's QLinearAveragePool computes it (numpy): the
+    window's dequantized float32 values summed tap by tap in row-major order, divided by the
+    count, y = sat(rint(avg / s_y + z_y)). AveragePool is rare and small; exactness wins here
+    over the integer kernel, which differs by one step now and then."""
+
     def __init__(self, name, K, x, y, attrs, qx, qy, lo, hi):
         super().__init__(name, "AveragePool", [x], [y])
         self.K, self.at = K, attrs
         self.k = tuple(attrs["kernel_shape"])
         self.s = tuple(attrs.get("strides", [1, 1]))
         self.cip = bool(attrs.get("count_include_pad", 0))
-        self.kw = dict(x_zp=qx[1], multiplier=np.float32(np.float32(qx[0]) / np.float32(qy[0])), y_zp=qy[1], lo=lo, hi=hi)
+        self.qx, self.qy, self.lo, self.hi = qx, qy, lo, hi
         self.geo = {}
-        self.kernel = "avgpool"
+        self.kernel = "numpy"
 
     def run(self, env, out):
         x = env[self.ins[0]]
-        p = self.geo.get(x.shape)
-        if p is None:
-            p = self.geo[x.shape] = _pool_pads(self.at, x.shape[1:3], self.k, self.s)
-        env[self.outs[0]] = self.K.avgpool2d(x, self.k, self.s, p, self.cip, out=out[0] if out else None, **self.kw)
+        g = self.geo.get(x.shape)
+        if g is None:
+            g = self.geo[x.shape] = self._geometry(x.shape)
+        pads, oh, ow, cnt = g
+        n, h, w, c = x.shape
+        t, l, b, r = pads
+        xf = np.zeros((n, h + t + b, w + l + r, c), np.float32)
+        np.multiply(np.float32(self.qx[0]), np.subtract(x, self.qx[1], dtype=np.int32), out=xf[:, t:t + h, l:l + w], dtype=np.float32)
+        acc = np.zeros((n, oh, ow, c), np.float32)
+        sh, sw = self.s
+        for i in range(self.k[0]):
+            for j in range(self.k[1]):
+                acc += xf[:, i:i + sh * (oh - 1) + 1:sh, j:j + sw * (ow - 1) + 1:sw]
+        acc /= cnt
+        acc /= np.float32(self.qy[0])
+        acc += np.float32(self.qy[1])
+        np.rint(acc, out=acc)
+        np.clip(acc, self.lo, self.hi, out=acc)
+        y = out[0] if out else np.empty(acc.shape, np.uint8)
+        np.copyto(y, acc, casting="unsafe")
+        env[self.outs[0]] = y
 
-    def bind(self, env, out):
-        f = getattr(self.K, "bind_avgpool2d", None)
-        if f is None or out is None:
-            return super().bind(env, out)
-        x = env[self.ins[0]]
-        return f(x, out[0], self.k, self.s, self.geo[x.shape], self.cip, **self.kw)
+    def _geometry(self, shape):
+        n, h, w, c = shape
+        pads = _pool_pads(self.at, (h, w), self.k, self.s)
+        t, l, b, r = pads
+        oh = (h + t + b - self.k[0]) // self.s[0] + 1
+        ow = (w + l + r - self.k[1]) // self.s[1] + 1
+        if self.cip:
+            cnt = np.full((1, oh, ow, 1), self.k[0] * self.k[1], np.float32)
+        else:  # valid taps only (ONNX Runtime clips the window to the input)
+            hs = np.arange(oh) * self.s[0] - t
+            ws = np.arange(ow) * self.s[1] - l
+            ch = np.minimum(hs + self.k[0], h) - np.maximum(hs, 0)
+            cw = np.minimum(ws + self.k[1], w) - np.maximum(ws, 0)
+            cnt = (ch[:, None] * cw[None, :]).astype(np.float32).reshape(1, oh, ow, 1)
+        return pads, oh, ow, cnt
+
 
 class GlobalAvgPoolStep(Step):
     def __init__(self, name, K, x, y, qx, qy, lo, hi):
