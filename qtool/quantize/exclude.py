@@ -64,8 +64,10 @@ def exclude_sensitive(fused, table, method, ranking: list, feeds: list, referenc
     one = {k: v[:1] for k, v in feeds[0].items()}
     y_true = None if labels is None else np.asarray(labels)
 
+    cache = {}
+
     def evaluate(excl: dict):
-        q = quantize_graph(fused, table, method, excl, bias_correction)
+        q = quantize_graph(fused, table, method, excl, bias_correction, weight_cache=cache)
         y = run_first_output(q.model, feeds)
         drop = None
         if y_true is not None:

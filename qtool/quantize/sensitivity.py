@@ -48,8 +48,9 @@ def clip_fraction(table, tensor: str, lo: float, hi: float) -> float:
     h = table.histogram(tensor)
     if h.n == 0:
         return 0.0
-    c = h.centers()
-    outside = h.counts[(c < lo) | (c > hi)].sum()
+    e = h.edges()
+    # whole bins beyond the range: a value exactly at a clamp (ReLU6's 6) is not clipped
+    outside = h.counts[(e[1:] <= lo) | (e[:-1] > hi)].sum()
     return float(outside / h.n)
 
 
@@ -65,9 +66,10 @@ def layer_sensitivity(fused: onnx.ModelProto, table, method: str, feeds: list, r
     layers = quantizable_layers(fused)
     names = [d.name for d in layers]
     out = []
+    cache = {}
     for k, d in enumerate(layers):
         others = {n: "sensitivity: only one layer int8" for n in names if n != d.name}
-        q = quantize_graph(fused, table, method, others, bias_correction)
+        q = quantize_graph(fused, table, method, others, bias_correction, weight_cache=cache)
         y = run_first_output(q.model, feeds, threads)
         node_out = next(n.output[0] for n in q.model.graph.node if n.name == d.name)
         qp = q.qparams.get(node_out)
