@@ -541,7 +541,7 @@ def _rule_mul(c: Compiler, node):
                     e.mode, e.detail = "fused", f"into {node.name or 'Mul'} (one table for x * f(x))"
             src = c.vals[x.src]
             v, _ = c.emit_q(qnode, None, nhwc=src.nhwc, q=qy, rank=src.rank, fused=fused, op_node=node)
-            st = S.LutStep(node.name or "Mul", "Mul", src.slot, v.slot, lut)
+            st = S.LutStep(node.name or "Mul", "Mul", src.slot, v.slot, lut, c.K)
             c.steps.append(st)
             c.luts[qnode.output[0]] = (x.src, lut, st)
             c.entries.append(Entry(node.name or "Mul", "Mul", "int8", "lookup table x * f(x)"))
@@ -758,7 +758,7 @@ def _rule_lut(c: Compiler, node):
     q = np.clip(np.clip(np.rint(y / np.float32(qy[0])) + np.float32(qy[1]), 0, 255), lo, hi).astype(np.uint8)
     lut = q.reshape(-1, 256) if node.op_type == "BatchNormalization" else q.reshape(256)
     v, _ = c.emit_q(qnode, None, nhwc=src.nhwc, q=qy, rank=src.rank, fused=fused, op_node=node)
-    st = S.LutStep(node.name or node.op_type, node.op_type, src.slot, v.slot, lut)
+    st = S.LutStep(node.name or node.op_type, node.op_type, src.slot, v.slot, lut, c.K)
     c.steps.append(st)
     if lut.ndim == 1:
         c.luts[qnode.output[0]] = (x.src, lut, st)

@@ -435,17 +435,21 @@ class LutStep(Step):
     """uint8 -> uint8 through a 256-entry table (one per channel for per-channel ops): any
     elementwise fp32 op between a DequantizeLinear and a QuantizeLinear, evaluated once at load."""
 
-    def __init__(self, name, op, x, y, lut):
+    def __init__(self, name, op, x, y, lut, K=None):
         super().__init__(name, op, [x], [y])
         self.lut = lut  # [256] or [C, 256] (NHWC: channel last)
         self.flat = np.ascontiguousarray(lut.reshape(-1))
         self.offs = (np.arange(lut.shape[0], dtype=np.int32) * 256) if lut.ndim == 2 else None
         self.idx = {}
-        self.kernel = "lut"
+        self.native = getattr(K, "lut", None) if K is not None and lut.ndim == 1 else None
+        self.kernel = "native lut" if self.native else "numpy lut"
 
     def run(self, env, out):
         x = env[self.ins[0]]
         y = out[0] if out else np.empty(x.shape, np.uint8)
+        if self.native is not None:
+            env[self.outs[0]] = self.native(x, self.flat, out=y)
+            return
         if self.offs is None:
             np.take(self.flat, x, out=y)
         else:
