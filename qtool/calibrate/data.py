@@ -47,7 +47,26 @@ def image_input(model: onnx.ModelProto, cfg: Preprocess, path: str) -> ModelInpu
 
 class ImageData:
     """Batches {input name: array} from an image folder, shaped for the model.
-    (Tensor data, .npy/.npz/iterables, is calibrate/tensors.py; both have this interface.)"""
+    (Tensor data, .npy/.npz/iterables, is calibrate/tensors.py; both have this interface.)
+
+    Given .npy/.npz files (a tensor folder, or the file list a tensor calibration recorded),
+    it hands back the matching tensor source instead, so a later step that re-reads "the
+    calibration data" (sensitivity, eval) works whatever kind it was; `cfg` is unused then."""
+
+    def __new__(cls, folder: str, cfg=None, model=None, model_path: str = "", batch: int = 8,
+                limit: int | None = None, files: list | None = None):
+        from qtool.calibrate.tensors import TENSOR_EXTS, NpyFolder, NpzFolder, classify_folder
+        if files:
+            kinds = {os.path.splitext(f)[1].lower() for f in files}
+            kind = kinds.pop()[1:] if len(kinds) == 1 and next(iter(kinds)) in TENSOR_EXTS else None
+        else:
+            kind = classify_folder(folder) if os.path.isdir(folder) else None
+            kind = None if kind == "images" else kind
+        if kind is None:
+            return super().__new__(cls)
+        src = (NpyFolder if kind == "npy" else NpzFolder)(folder, model, model_path, batch, files=files, limit=limit)
+        src.inp = ModelInput(src.input_name, src.float_inputs[0].dims)
+        return src
 
     kind = "images"
 
