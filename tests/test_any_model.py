@@ -307,7 +307,7 @@ def test_eval_command_on_npy_folder(tmp_path, monkeypatch):
         for k in range(n):
             np.save(d / f"{k}.npy", rng.standard_normal((3, 12, 12)).astype(np.float32))
     monkeypatch.chdir(tmp_path)
-    for argv in (["calibrate", "-m", model, "-d", str(cal), "-q"], ["quantize", "-q", "--no-sensitivity"],
+    for argv in (["calibrate", "-m", model, "-d", str(cal), "-q"], ["quantize", "-q"],  # sensitivity re-reads .npy
                  ["eval", "--data", str(ev), "--json", "e.json", "-q"]):
         with pytest.raises(SystemExit) as e:
             main(argv)
