@@ -46,9 +46,10 @@ def command(model, fp32, batches, threads, repeats, shape, profile, json_path, w
     log = None if quiet else click.echo
     r = bench(model, fp32, tuple(batches) or (1, 8), threads, repeats, dims, profile, log=log)
     if profile and not quiet:
-        from qtool.runtime.profile import format_table
+        from qtool.runtime.profile import format_table, format_top
         for bs, p in r["profile"].items():
             click.echo(f"\nprofile, batch {bs} ({threads} threads, VNNI peak {p['peak_gmacs']:.0f} GMAC/s):")
             click.echo(format_table(p["by_op"]))
+            click.echo(format_top(p["top"]))
     write_json(json_path, {**r, "batches": {str(k): v for k, v in r["batches"].items()},
                            **({"profile": {str(k): v for k, v in r["profile"].items()}} if profile else {})})

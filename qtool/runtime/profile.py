@@ -38,3 +38,21 @@ def format_table(table):
         lines.append(f"  {a['op']:<24}{a['n']:>4}{a['ms']:>9.3f}{100 * a['share']:>7.1f}%{a['gmac']:>9.4f}"
                      f"{a['gmacs_per_s']:>9.1f}{100 * a['peak_frac']:>7.1f}%")
     return "\n".join(lines)
+
+
+def top_steps(rows, threads: int, n: int = 8):
+    """The n slowest steps: name, op, kernel, ms, GMAC/s, share of the VNNI peak."""
+    peak = VNNI_GMACS_PER_CORE * threads
+    out = []
+    for r in sorted(rows, key=lambda r: -r["ms"])[:n]:
+        g = r["macs"] / (r["ms"] / 1000) / 1e9 if r["ms"] > 0 and r["macs"] else 0.0
+        out.append({**r, "gmacs_per_s": g, "peak_frac": g / peak})
+    return out
+
+
+def format_top(top):
+    lines = [f"  {'slowest steps':<44}{'op':<10}{'ms':>8}{'GMAC/s':>9}{'% peak':>8}  kernel"]
+    for r in top:
+        lines.append(f"  {r['name'][:43]:<44}{r['op'][:9]:<10}{r['ms']:>8.3f}{r['gmacs_per_s']:>9.1f}"
+                     f"{100 * r['peak_frac']:>7.1f}%  {r['kernel']}")
+    return "\n".join(lines)
