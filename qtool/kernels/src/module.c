@@ -46,9 +46,13 @@ static PyObject* py_info(PyObject* self, PyObject* args) {
       "os_zmm", f->os_zmm ? Py_True : Py_False);
   PyObject* ker = Py_BuildValue("{s:s,s:s,s:s}", "igemm", d->igemm.name, "dwconv", d->dwconv.name,
                                 "add", d->add_name);
-  return Py_BuildValue("{s:s,s:s,s:N,s:i,s:N}", "isa", d->isa_name, "best_isa",
+  size_t jobs, chunks, wchunks;
+  qt_pool_stats(&jobs, &chunks, &wchunks);
+  PyObject* pool = Py_BuildValue("{s:n,s:n,s:n}", "parallel_jobs", (Py_ssize_t)jobs, "chunks",
+                                 (Py_ssize_t)chunks, "chunks_run_by_workers", (Py_ssize_t)wchunks);
+  return Py_BuildValue("{s:s,s:s,s:N,s:i,s:N,s:N}", "isa", d->isa_name, "best_isa",
                        qt_isa_name(qt_best_isa()), "supported", sup, "num_threads",
-                       qt_get_num_threads(), "kernels", ker);
+                       qt_get_num_threads(), "kernels", ker, "pool", pool);
 }
 
 static PyObject* py_set_isa(PyObject* self, PyObject* args) {

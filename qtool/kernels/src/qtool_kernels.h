@@ -127,7 +127,8 @@ const char* qt_isa_name(int isa);
 #define QT_PARALLEL_MIN_NS 15000
 typedef void (*qt_task_fn)(void* ctx, size_t begin, size_t end);
 void qt_parallel(size_t n, qt_task_fn fn, void* ctx, double est_ns);
-void qt_set_parallel_min_ns(double ns);  /* tests set 0 to thread every op */
+void qt_set_parallel_min_ns(double ns);
+void qt_pool_stats(size_t* jobs, size_t* chunks, size_t* worker_chunks);  /* tests set 0 to thread every op */
 void qt_set_num_threads(int n);
 int qt_get_num_threads(void);
 

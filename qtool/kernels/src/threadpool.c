@@ -38,7 +38,15 @@ static double g_min_ns = QT_PARALLEL_MIN_NS;
 
 void qt_set_parallel_min_ns(double ns) { g_min_ns = ns; }
 
-static void work(uint32_t gen) {
+static atomic_size_t g_stat_jobs, g_stat_chunks, g_stat_worker_chunks;
+
+void qt_pool_stats(size_t* jobs, size_t* chunks, size_t* worker_chunks) {
+  *jobs = atomic_load(&g_stat_jobs);
+  *chunks = atomic_load(&g_stat_chunks);
+  *worker_chunks = atomic_load(&g_stat_worker_chunks);
+}
+
+static void work(uint32_t gen, int is_worker) {
   for (;;) {
     uint64_t v = atomic_load_explicit(&g_claim, memory_order_acquire);
     if ((uint32_t)(v >> 32) != gen) return;
@@ -50,6 +58,7 @@ static void work(uint32_t gen) {
     /* the job cannot change while a claimed chunk is unfinished */
     size_t b = g_n * c / g_nchunks, e = g_n * (c + 1) / g_nchunks;
     if (b < e) g_fn(g_ctx, b, e);
+    if (is_worker) atomic_fetch_add_explicit(&g_stat_worker_chunks, 1, memory_order_relaxed);
     atomic_fetch_add_explicit(&g_completed, 1, memory_order_acq_rel);
   }
 }
@@ -75,7 +84,7 @@ static void* worker(void* arg) {
       pthread_mutex_unlock(&g_lock);
     }
     seen = gen;
-    work((uint32_t)gen);
+    work((uint32_t)gen, 1);
   }
   return NULL;
 }
@@ -135,7 +144,9 @@ void qt_parallel(size_t n, qt_task_fn fn, void* ctx, double est_ns) {
   atomic_store_explicit(&g_generation, gen, memory_order_release);
   pthread_cond_broadcast(&g_wake);
   pthread_mutex_unlock(&g_lock);
-  work(gen);
+  work(gen, 0);
+  atomic_fetch_add_explicit(&g_stat_jobs, 1, memory_order_relaxed);
+  atomic_fetch_add_explicit(&g_stat_chunks, chunks, memory_order_relaxed);
   int spins = 0;
   while (atomic_load_explicit(&g_completed, memory_order_acquire) < chunks) {
     if (++spins < QT_SPIN) QT_PAUSE();
