@@ -286,3 +286,17 @@ def test_int8_activations_run_in_fp32_and_say_why(tmp_path):
     assert np.abs(a - b).max() <= 3 * step * 1.001
     reasons = {op: why for _, op, why in s.fallback_nodes()}
     assert "Conv" in reasons and "not a dequantized uint8 tensor" in reasons["Conv"], s.report()
+
+
+def test_auto_pad_same(tmp_path):
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], auto_pad="SAME_UPPER", strides=[2, 2]),
+        helper.make_node("Relu", ["c1"], ["r1"]),
+        helper.make_node("MaxPool", ["r1"], ["y"], kernel_shape=[3, 3], strides=[2, 2], auto_pad="SAME_UPPER"),
+    ]
+    inits = [_w("w1", 8, 3, 3, 3), _w("b1", 8, scale=0.1)]
+    m = _model(nodes, inits, ["N", 3, "H", "W"], ["N", 8, "h", "w"])
+    path = _quantize(m, tmp_path, (1, 3, 11, 11))
+    s = _compare(path, (1, 3, 11, 11))
+    assert not s.fallback_nodes(), s.report()
+    _compare(path, (1, 3, 16, 13), n=1)  # another size: packed again with its own pads

@@ -409,7 +409,7 @@ def _rule_conv(c: Compiler, node):
     at = _attrs(node)
     ap = at.get("auto_pad", b"NOTSET")
     ap = ap.decode() if isinstance(ap, bytes) else ap
-    if ap not in ("NOTSET", "VALID", ""):
+    if ap not in ("NOTSET", "VALID", "", "SAME_UPPER", "SAME_LOWER"):
         return f"auto_pad={ap}"
     oq = c.out_quant(node.output[0])
     if isinstance(oq, str):
@@ -430,8 +430,14 @@ def _rule_conv(c: Compiler, node):
             if e.detail == "pad" and e.node == pad_step.name:
                 e.mode, e.detail = "fused", f"into {node.name or 'Conv'}"
         x = QView(src, x.scale, x.zp)
-    packed = c.K.pack_conv2d(wq, bias, x_zp=x.zp, multiplier=mult, y_zp=qy[1], strides=tuple(at.get("strides", [1, 1])),
-                             pads=pads, dilations=tuple(at.get("dilations", [1, 1])), group=group, lo=lo, hi=hi)
+    def pack(p4):
+        return c.K.pack_conv2d(wq, bias, x_zp=x.zp, multiplier=mult, y_zp=qy[1], strides=tuple(at.get("strides", [1, 1])),
+                               pads=p4, dilations=tuple(at.get("dilations", [1, 1])), group=group, lo=lo, hi=hi)
+    if ap.startswith("SAME"):  # pads depend on the input size: pack per input size, at plan time
+        from qtool.runtime.fp32_ops import conv_pads
+        packed = S.SamePadPacker(pack, lambda hw: tuple(conv_pads(at, hw, wq.shape[2:])))
+    else:
+        packed = pack(pads)
     xs = c.nhwc_input(x.src)
     v, st = c.emit_q(qnode, None, nhwc=True, q=qy, rank=4, fused=fused, op_node=node)
     st = S.ConvStep(node.name or "Conv", c.K, packed, xs, v.slot, wq.shape[1], wq.shape[2], wq.shape[3])
@@ -569,7 +575,7 @@ def _pool_common(c: Compiler, node):
     at = _attrs(node)
     ap = at.get("auto_pad", b"NOTSET")
     ap = ap.decode() if isinstance(ap, bytes) else ap
-    if ap not in ("NOTSET", "VALID", ""):
+    if ap not in ("NOTSET", "VALID", "", "SAME_UPPER", "SAME_LOWER"):
         return f"auto_pad={ap}"
     if len(node.output) > 1 and node.output[1]:
         return "MaxPool with an Indices output"

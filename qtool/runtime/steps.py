@@ -122,6 +122,24 @@ def logical_nchw(x, nhwc):
 
 # ---------------------------------------------------------------- int8 compute
 
+class SamePadPacker:
+    """auto_pad=SAME_*: the pads depend on the input size, so the weights are packed per input
+    size (on the first run with that size) and cached."""
+
+    kind, kernel = "same-pad", ""
+
+    def __init__(self, pack, pads_for):
+        self.pack, self.pads_for, self.cache = pack, pads_for, {}
+
+    def for_input(self, x):
+        hw = (x.shape[1], x.shape[2])
+        p = self.cache.get(hw)
+        if p is None:
+            p = self.cache[hw] = self.pack(self.pads_for(hw))
+            self.kind, self.kernel = getattr(p, "kind", ""), getattr(p, "kernel", "")
+        return p
+
+
 class ConvStep(Step):
     def __init__(self, name, K, packed, x, y, cin_per_group, kh, kw):
         super().__init__(name, "Conv", [x], [y])
@@ -130,14 +148,19 @@ class ConvStep(Step):
         self.kernel = f"{kind}:{getattr(packed, 'kernel', '')}"
         self.op = "DwConv" if kind == "dwconv" or cin_per_group == 1 else ("Conv1x1" if kh == kw == 1 else "Conv")
 
+    def packed(self, x):
+        return self.p.for_input(x) if isinstance(self.p, SamePadPacker) else self.p
+
     def run(self, env, out):
-        env[self.outs[0]] = self.K.conv2d(self.p, env[self.ins[0]], out=out[0] if out else None)
+        x = env[self.ins[0]]
+        env[self.outs[0]] = self.K.conv2d(self.packed(x), x, out=out[0] if out else None)
 
     def bind(self, env, out):
         f = getattr(self.K, "bind_conv2d", None)
         if f is None or out is None:
             return super().bind(env, out)
-        return f(self.p, env[self.ins[0]], out[0])
+        x = env[self.ins[0]]
+        return f(self.packed(x), x, out[0])
     def macs(self, env):
         return int(env[self.outs[0]].size) * self.cig * self.kh * self.kw
 
