@@ -331,3 +331,32 @@ def test_qtool_isa_env_caps_dispatch(env):
                          capture_output=True, text=True, check=True)
     isa, best = out.stdout.split()  # the child's own best (it may not run under valgrind)
     assert isa == K.ISAS[min(K.ISAS.index(env), K.ISAS.index(best))]
+
+
+@pytest.mark.parametrize("bshape", ["same", "se"])
+@pytest.mark.parametrize("shape", [(1, 5, 7, 17), (2, 3, 3, 64), (1, 1, 1, 3)], ids=str)
+def test_mul(isa, shape, bshape):
+    rng = np.random.default_rng(int(np.prod(shape)) + len(bshape))
+    a = rand_u8(rng, shape)
+    b = rand_u8(rng, shape if bshape == "same" else (shape[0], 1, 1, shape[3]))
+    q = dict(a_scale=float(rng.uniform(0.01, 0.1)), a_zp=int(rng.integers(0, 256)),
+             b_scale=float(rng.uniform(0.001, 0.01)), b_zp=int(rng.integers(0, 256)),
+             y_scale=float(rng.uniform(0.005, 0.05)), y_zp=int(rng.integers(0, 256)))
+    want = R.mul(a, np.broadcast_to(b, shape), lo=3, hi=250, **q)
+    for canary in CANARIES:
+        big, out = canary_out(shape, np.uint8, canary)
+        check("mul", K.mul(a, b, lo=3, hi=250, out=out, **q), want, big, canary, 1, f"{shape} {bshape} {q}")
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+@pytest.mark.parametrize("shape", [(1, 5, 7, 17), (1, 3, 300, 64), (70,)], ids=str)
+def test_lut(isa, shape, per_channel):
+    if per_channel and len(shape) < 2:
+        pytest.skip("per-channel tables need a channel axis")
+    rng = np.random.default_rng(int(np.prod(shape)))
+    x = rand_u8(rng, shape)
+    table = rng.integers(0, 256, (shape[-1], 256) if per_channel else (256,), dtype=np.uint8)
+    want = R.lut(x, table)
+    for canary in CANARIES:
+        big, out = canary_out(shape, np.uint8, canary)
+        check(K.info()["kernels"]["lut"], K.lut(x, table, out=out), want, big, canary, 1, f"{shape}")

@@ -114,3 +114,41 @@ def test_qlinearadd_matches_ort(seed):
         finally:
             K.set_isa(None)
         assert (got == want).all(), f"{isa}: {(got != want).sum()} of {got.size} differ from ORT"
+
+
+def _run_ms(node, inits, shape, x):
+    graph = helper.make_graph(
+        [node], "g", [helper.make_tensor_value_info("x", TensorProto.UINT8, list(shape))],
+        [helper.make_tensor_value_info("y", TensorProto.UINT8, None)],
+        [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 8
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, {"x": x})[0]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_qlinearmul_matches_ort(seed):
+    rng = np.random.default_rng(seed + 10)
+    shape = (1, 8, 9, 37)
+    a = rng.integers(0, 256, shape, dtype=np.uint8)
+    b = rng.integers(0, 256, shape, dtype=np.uint8)
+    sa, sb = (np.float32(v) for v in rng.uniform(0.01, 0.1, 2))
+    sy = np.float32(sa * sb * 64 * rng.uniform(0.5, 2))
+    za, zb, zy = (np.uint8(v) for v in rng.integers(0, 256, 3))
+    inits = {"as": np.array(sa), "az": np.array(za), "b": b, "bs": np.array(sb), "bz": np.array(zb),
+             "ys": np.array(sy), "yz": np.array(zy)}
+    node = helper.make_node("QLinearMul", ["x", "as", "az", "b", "bs", "bz", "ys", "yz"], ["y"],
+                            domain="com.microsoft")
+    want = _run_ms(node, inits, shape, a)
+    q = dict(a_scale=sa, a_zp=int(za), b_scale=sb, b_zp=int(zb), y_scale=sy, y_zp=int(zy))
+    ref = R.mul(a, b, **q)
+    assert (ref == want).all(), f"reference vs ORT: {(ref != want).sum()} of {ref.size} differ"
+    for isa in K.available_isas():
+        K.set_isa(isa)
+        try:
+            got = K.mul(a, b, **q)
+        finally:
+            K.set_isa(None)
+        assert (got == want).all(), f"{isa}: {(got != want).sum()} of {got.size} differ from ORT"

@@ -22,7 +22,8 @@ __all__ = ["info", "set_isa", "get_isa", "available_isas", "set_num_threads", "g
            "maxpool2d", "avgpool2d", "global_avgpool", "concat", "conv_out_hw",
            "quantize_nchw_to_nhwc", "dequantize_nhwc_to_nchw", "bind_conv2d", "bind_gemm",
            "bind_add", "bind_maxpool2d", "bind_avgpool2d", "bind_global_avgpool", "bind_concat",
-           "bind_quantize_nchw_to_nhwc", "bind_dequantize_nhwc_to_nchw"]
+           "bind_quantize_nchw_to_nhwc", "bind_dequantize_nhwc_to_nchw", "mul", "bind_mul", "lut",
+           "bind_lut"]
 
 
 # ---- runtime / dispatch --------------------------------------------------------------------
@@ -384,6 +385,59 @@ def concat(xs, axis, *, scales, zps, y_scale, y_zp, out=None):
 
 def bind_concat(xs, axis, out, *, scales, zps, y_scale, y_zp):
     return _bind(_plan_concat(xs, axis, scales, zps, y_scale, y_zp, out))
+
+
+def _plan_mul(a, b, a_scale, a_zp, b_scale, b_zp, y_scale, y_zp, lo, hi, out):
+    _u8(a, "a")
+    _u8(b, "b")
+    lo, hi = _clamp(lo, hi)
+    if a.ndim == 0:
+        raise ValueError("mul: scalar inputs are not supported")
+    inner = int(a.shape[-1])
+    rows = a.size // inner if inner else 0
+    if b.shape == a.shape:
+        brp = 0
+    elif a.ndim == 4 and b.shape == (a.shape[0], 1, 1, a.shape[3]):
+        brp = a.shape[1] * a.shape[2]  # squeeze-excitation: b per (image, channel)
+    else:
+        raise ValueError(f"mul: b of shape {b.shape} must equal a's {a.shape} or be [N, 1, 1, C]")
+    y = _out(out, a.shape)
+    ratio = float((np.float32(a_scale) * np.float32(b_scale)) / np.float32(y_scale))
+    return y, _native.mul, (a, b, y, rows, inner, brp, ratio, int(a_zp), int(b_zp), int(y_zp), lo, hi)
+
+
+def mul(a, b, *, a_scale, a_zp, b_scale, b_zp, y_scale, y_zp, lo=0, hi=255, out=None):
+    """ONNX Runtime's QLinearMul rounding: p = (a - a_zp) * (b - b_zp) (int32),
+    y = clip(rint(float32(p) * ratio + y_zp), lo, hi), ratio = float32(a_scale * b_scale) / y_scale."""
+    return _call(_plan_mul(a, b, a_scale, a_zp, b_scale, b_zp, y_scale, y_zp, lo, hi, out))
+
+
+def bind_mul(a, b, out, *, a_scale, a_zp, b_scale, b_zp, y_scale, y_zp, lo=0, hi=255):
+    return _bind(_plan_mul(a, b, a_scale, a_zp, b_scale, b_zp, y_scale, y_zp, lo, hi, out))
+
+
+def _plan_lut(x, table, out):
+    _u8(x, "x")
+    t = np.asarray(table)
+    if t.dtype != np.uint8 or not t.flags.c_contiguous:
+        raise ValueError(f"table: expected a C-contiguous uint8 array, got {t.dtype}")
+    if t.shape == (256,):
+        c = 0
+    elif t.ndim == 2 and t.shape[1] == 256 and x.ndim >= 1 and x.shape[-1] == t.shape[0]:
+        c = int(t.shape[0])
+    else:
+        raise ValueError(f"table: expected [256] or [C, 256] with C = x.shape[-1], got {t.shape} for x {x.shape}")
+    y = _out(out, x.shape)
+    return y, _native.lut, (x, t, y, c)
+
+
+def lut(x, table, out=None):
+    """y = table[x] (one [256] table, or [C, 256] tables over the last (channel) axis)."""
+    return _call(_plan_lut(x, table, out))
+
+
+def bind_lut(x, table, out):
+    return _bind(_plan_lut(x, table, out))
 
 
 # ---- graph boundary ------------------------------------------------------------------------

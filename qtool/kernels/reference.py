@@ -118,7 +118,8 @@ def _gemm(w, bias, x, *, x_zp, multiplier, y_zp=0, lo=0, hi=255, out_dtype="uint
 def _fma32(x, y, z):
     """float32 fused multiply-add: exact product and sum in extended precision, one rounding
     (u8 x float32 products have <= 32 significant bits; long double carries 64)."""
-    return (x.astype(np.longdouble) * np.longdouble(y) + np.asarray(z).astype(np.longdouble)).astype(np.float32)
+    return (np.asarray(x).astype(np.longdouble) * np.longdouble(y)
+            + np.asarray(z).astype(np.longdouble)).astype(np.float32)
 
 
 def _add(a, b, *, a_scale, a_zp, b_scale, b_zp, y_scale, y_zp, lo=0, hi=255):
@@ -127,7 +128,7 @@ def _add(a, b, *, a_scale, a_zp, b_scale, b_zp, y_scale, y_zp, lo=0, hi=255):
     f32 = np.float32
     ma = f32(a_scale) / f32(y_scale)
     mb = f32(b_scale) / f32(y_scale)
-    fixed = f32(f32(y_zp) - f32(f32(ma * f32(a_zp)) + f32(mb * f32(b_zp))))
+    fixed = f32(f32(y_zp) - _fma32(np.asarray(ma), f32(a_zp), f32(mb * f32(b_zp))))  # ORT contracts it
     t = _fma32(a, ma, _fma32(b, mb, np.full(b.shape, fixed, np.float32)))
     return np.clip(np.rint(t), lo, hi).astype(np.uint8)
 
@@ -191,6 +192,23 @@ def _dequantize_nhwc_to_nchw(x, scale, zp):
     return np.ascontiguousarray(y.transpose(0, 3, 1, 2)) if y.ndim == 4 else y
 
 
+def _mul(a, b, *, a_scale, a_zp, b_scale, b_zp, y_scale, y_zp, lo=0, hi=255):
+    """ONNX Runtime's QLinearMul (MLAS x86): int32 product of the centred values, times a float32
+    ratio, plus the output zero point (two roundings), round half to even, clamp."""
+    f32 = np.float32
+    ratio = (f32(a_scale) * f32(b_scale)) / f32(y_scale)
+    p = (a.astype(np.int32) - int(a_zp)) * (b.astype(np.int32) - int(b_zp))
+    t = (p.astype(np.float32) * ratio).astype(np.float32) + f32(y_zp)
+    return np.clip(np.rint(t), lo, hi).astype(np.uint8)
+
+
+def _lut(x, table):
+    t = np.asarray(table, np.uint8)
+    if t.ndim == 1:
+        return t[x]
+    return t[np.arange(t.shape[0]), x]
+
+
 # out= versions, matching qtool.kernels
 def add(*args, out=None, **kw):
     return _ret(_add(*args, **kw), out)
@@ -227,3 +245,9 @@ def dequantize_nhwc_to_nchw(*args, out=None, **kw):
 
 
 dequantize_nhwc_to_nchw.__doc__ = _dequantize_nhwc_to_nchw.__doc__
+def mul(*args, out=None, **kw):
+    return _ret(_mul(*args, **kw), out)
+
+
+def lut(*args, out=None, **kw):
+    return _ret(_lut(*args, **kw), out)

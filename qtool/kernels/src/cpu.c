@@ -41,6 +41,7 @@ const qt_cpu_features* qt_cpu(void) {
       g_cpu.avx512bw = (b >> 30) & 1;
       g_cpu.avx512vl = (b >> 31) & 1;
       g_cpu.avx512vnni = (c >> 11) & 1;
+      g_cpu.avx512vbmi = (c >> 1) & 1;
     }
   }
 #endif
@@ -81,6 +82,15 @@ static void qt_init_tables(void) {
     d->dwconv = isa == QT_ISA_AVX512VNNI ? qt_dwconv_avx512vnni
               : isa == QT_ISA_AVX2 ? qt_dwconv_avx2 : qt_dwconv_scalar;
     qt_fill_elementwise(d, isa);
+    d->lut = qu8_lut_ukernel__scalar;
+    d->lut_name = "qu8_lut_ukernel__scalar";
+#if QT_X86
+    /* the VBMI table lookup rides on the AVX-512 tier (its own feature bit is checked too) */
+    if (isa == QT_ISA_AVX512VNNI && qt_cpu()->avx512vbmi) {
+      d->lut = qu8_lut_ukernel__avx512vbmi;
+      d->lut_name = "qu8_lut_ukernel__avx512vbmi";
+    }
+#endif
   }
   g_tables_done = 1;
 }

@@ -44,8 +44,8 @@ static PyObject* py_info(PyObject* self, PyObject* args) {
       "avx512vl", f->avx512vl ? Py_True : Py_False, "avx512dq", f->avx512dq ? Py_True : Py_False,
       "avx512vnni", f->avx512vnni ? Py_True : Py_False, "os_ymm", f->os_ymm ? Py_True : Py_False,
       "os_zmm", f->os_zmm ? Py_True : Py_False);
-  PyObject* ker = Py_BuildValue("{s:s,s:s,s:s}", "igemm", d->igemm.name, "dwconv", d->dwconv.name,
-                                "add", d->add_name);
+  PyObject* ker = Py_BuildValue("{s:s,s:s,s:s,s:s}", "igemm", d->igemm.name, "dwconv",
+                                d->dwconv.name, "add", d->add_name, "lut", d->lut_name);
   size_t jobs, chunks, wchunks;
   qt_pool_stats(&jobs, &chunks, &wchunks);
   PyObject* pool = Py_BuildValue("{s:n,s:n,s:n}", "parallel_jobs", (Py_ssize_t)jobs, "chunks",
@@ -302,7 +302,65 @@ static PyObject* boundary(PyObject* args, int quant) {
 static PyObject* py_quantize(PyObject* self, PyObject* args) { (void)self; return boundary(args, 1); }
 static PyObject* py_dequantize(PyObject* self, PyObject* args) { (void)self; return boundary(args, 0); }
 
+/* mul(a, b, y, rows, inner, b_rows_per, ratio, za, zb, y_zp, lo, hi) */
+static PyObject* py_mul(PyObject* self, PyObject* args) {
+  (void)self;
+  PyObject *oa, *ob, *oy;
+  Py_ssize_t rows, inner, brp;
+  float ratio;
+  int za, zb, y_zp, lo, hi;
+  if (!PyArg_ParseTuple(args, "OOOnnnfiiiii", &oa, &ob, &oy, &rows, &inner, &brp, &ratio, &za, &zb,
+                        &y_zp, &lo, &hi))
+    return NULL;
+  if (rows < 0 || inner < 0 || brp < 0 || (brp && rows % brp)) {
+    PyErr_SetString(PyExc_ValueError, "mul: bad dimensions");
+    return NULL;
+  }
+  buf_t a, b, y;
+  a.ok = b.ok = y.ok = 0;
+  int ok = 0;
+  if (get_buf(oa, &a, 0, rows * inner, "a") == 0 &&
+      get_buf(ob, &b, 0, brp ? rows / brp * inner : rows * inner, "b") == 0 &&
+      get_buf(oy, &y, 1, rows * inner, "out") == 0) {
+    Py_BEGIN_ALLOW_THREADS
+    qt_mul((const uint8_t*)a.b.buf, (const uint8_t*)b.b.buf, (uint8_t*)y.b.buf, rows, inner, brp,
+           ratio, za, zb, y_zp, lo, hi);
+    Py_END_ALLOW_THREADS
+    ok = 1;
+  }
+  rel(&a); rel(&b); rel(&y);
+  if (!ok) return NULL;
+  Py_RETURN_NONE;
+}
+
+/* lut(x, table, y, c): c = 0 -> one 256-byte table; else [c][256] tables, channel minor */
+static PyObject* py_lut(PyObject* self, PyObject* args) {
+  (void)self;
+  PyObject *ox, *ot, *oy;
+  Py_ssize_t c;
+  if (!PyArg_ParseTuple(args, "OOOn", &ox, &ot, &oy, &c)) return NULL;
+  buf_t x, t, y;
+  x.ok = t.ok = y.ok = 0;
+  int ok = 0;
+  if (c >= 0 && get_buf(ox, &x, 0, -1, "x") == 0 && get_buf(ot, &t, 0, c ? c * 256 : 256, "table") == 0 &&
+      get_buf(oy, &y, 1, x.b.len, "out") == 0) {
+    if (c && x.b.len % c) {
+      PyErr_SetString(PyExc_ValueError, "lut: size is not a multiple of the channel count");
+    } else {
+      Py_BEGIN_ALLOW_THREADS
+      qt_lut((const uint8_t*)x.b.buf, (const uint8_t*)t.b.buf, (uint8_t*)y.b.buf, (size_t)x.b.len, c);
+      Py_END_ALLOW_THREADS
+      ok = 1;
+    }
+  }
+  rel(&x); rel(&t); rel(&y);
+  if (!ok) return NULL;
+  Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"mul", py_mul, METH_VARARGS, "quantized multiply (ORT QLinearMul rounding)"},
+    {"lut", py_lut, METH_VARARGS, "uint8 table lookup"},
     {"quantize", py_quantize, METH_VARARGS, "float32 NCHW -> uint8 NHWC (QuantizeLinear)"},
     {"dequantize", py_dequantize, METH_VARARGS, "uint8 NHWC -> float32 NCHW (DequantizeLinear)"},
     {"info", py_info, METH_NOARGS, "CPU features and the selected ISA"},

@@ -456,19 +456,32 @@ typedef struct {
 
 static void quantize_task(void* ctx, size_t begin, size_t end) {
   const boundary_job* j = (const boundary_job*)ctx;
+  const qt_dispatch* d = qt_get_dispatch();
+  const size_t c = j->c, w = j->w, h = j->h;
+  uint8_t* tmp = c > 1 ? (uint8_t*)malloc(c * w + 1) : NULL;
+  if (c > 1 && !tmp) return;
   for (size_t r = begin; r < end; r++) {  /* r = (b, y) */
-    const size_t b = r / j->h, y = r % j->h;
-    uint8_t* dst = j->yq + r * j->w * j->c;
-    for (size_t ch = 0; ch < j->c; ch++) {
-      const float* src = j->xf + ((b * j->c + ch) * j->h + y) * j->w;
-      for (size_t x = 0; x < j->w; x++) {
-        float v = src[x] / j->scale;
-        v = v > j->lo ? v : j->lo;  /* NaN -> lo, as MLAS's max_ps */
-        v = v < j->hi ? v : j->hi;
-        dst[x * j->c + ch] = (uint8_t)((int32_t)qt_rint_small(v) + j->zp);
+    const size_t b = r / h, y = r % h;
+    uint8_t* dst = j->yq + r * w * c;
+    if (c == 1) {
+      d->quant_row(w, j->xf + (b * h + y) * w, j->scale, j->zp, dst);
+      continue;
+    }
+    for (size_t ch = 0; ch < c; ch++)  /* vectorized per channel row, then interleaved */
+      d->quant_row(w, j->xf + ((b * c + ch) * h + y) * w, j->scale, j->zp, tmp + ch * w);
+    if (c == 3) {
+      const uint8_t *t0 = tmp, *t1 = tmp + w, *t2 = tmp + 2 * w;
+      for (size_t x = 0; x < w; x++) {
+        dst[3 * x] = t0[x];
+        dst[3 * x + 1] = t1[x];
+        dst[3 * x + 2] = t2[x];
       }
+    } else {
+      for (size_t x = 0; x < w; x++)
+        for (size_t ch = 0; ch < c; ch++) dst[x * c + ch] = tmp[ch * w + x];
     }
   }
+  free(tmp);
 }
 
 static void dequantize_task(void* ctx, size_t begin, size_t end) {
@@ -493,4 +506,65 @@ void qt_dequantize_nhwc_to_nchw(const uint8_t* x, float* y, size_t n, size_t c, 
                                 float scale, int32_t zp) {
   boundary_job j = {NULL, x, y, NULL, n, c, h, w, scale, 0.0f, 0.0f, zp};
   qt_parallel(n * h, dequantize_task, &j, (double)(n * c * h * w) / 2.0);
+}
+
+/* ---- mul (ORT QLinearMul rounding), b same shape or broadcast over the pixels ---- */
+typedef struct {
+  const qt_dispatch* d;
+  const uint8_t *a, *b;
+  uint8_t* y;
+  size_t rows, inner, b_rows_per;  /* a: rows x inner; b row = row / b_rows_per (0 = same shape) */
+  float ratio;
+  int32_t za, zb;
+  qt_requant rq;
+} mul_job;
+
+static void mul_task(void* ctx, size_t begin, size_t end) {
+  const mul_job* j = (const mul_job*)ctx;
+  for (size_t r = begin; r < end; r++) {
+    const uint8_t* b = j->b_rows_per ? j->b + (r / j->b_rows_per) * j->inner : j->b + r * j->inner;
+    j->d->mul(j->inner, j->a + r * j->inner, b, j->y + r * j->inner, j->ratio, j->za, j->zb, &j->rq);
+  }
+}
+
+void qt_mul(const uint8_t* a, const uint8_t* b, uint8_t* y, size_t rows, size_t inner,
+            size_t b_rows_per, float ratio, int32_t za, int32_t zb, int32_t y_zp, int32_t lo,
+            int32_t hi) {
+  mul_job j = {qt_get_dispatch(), a, b, y, rows, inner, b_rows_per, ratio, za, zb, {0}};
+  fill_requant(&j.rq, y_zp, lo, hi, 0);
+  j.rq.lo_f = (float)lo;  /* the mul kernel clamps after adding the output zero point */
+  j.rq.hi_f = (float)hi;
+  qt_parallel(rows, mul_task, &j, (double)(rows * inner) / 8.0);
+}
+
+/* ---- table lookup: one table, or one per channel (NHWC, channel minor) ---- */
+typedef struct {
+  const qt_dispatch* d;
+  const uint8_t* x;
+  const uint8_t* t;
+  uint8_t* y;
+  size_t n, c;  /* c = 0: one table */
+} lut_job;
+
+#define QT_LUT_CHUNK 65536
+
+static void lut_task(void* ctx, size_t begin, size_t end) {
+  const lut_job* j = (const lut_job*)ctx;
+  if (j->c == 0) {
+    size_t s = begin * QT_LUT_CHUNK, e = end * QT_LUT_CHUNK;
+    if (e > j->n) e = j->n;
+    if (s < e) j->d->lut(e - s, j->x + s, j->t, j->y + s);
+    return;
+  }
+  for (size_t p = begin; p < end; p++) {  /* p = pixel */
+    const uint8_t* x = j->x + p * j->c;
+    uint8_t* y = j->y + p * j->c;
+    for (size_t ch = 0; ch < j->c; ch++) y[ch] = j->t[ch * 256 + x[ch]];
+  }
+}
+
+void qt_lut(const uint8_t* x, const uint8_t* table, uint8_t* y, size_t n, size_t c) {
+  lut_job j = {qt_get_dispatch(), x, table, y, n, c};
+  if (c == 0) qt_parallel((n + QT_LUT_CHUNK - 1) / QT_LUT_CHUNK, lut_task, &j, (double)n / 8.0);
+  else qt_parallel(n / c, lut_task, &j, (double)n);
 }

@@ -55,4 +55,8 @@ void qt_quantize_nchw_to_nhwc(const float* x, uint8_t* y, size_t n, size_t c, si
                               float scale, int32_t zp);
 void qt_dequantize_nhwc_to_nchw(const uint8_t* x, float* y, size_t n, size_t c, size_t h, size_t w,
                                 float scale, int32_t zp);
+void qt_mul(const uint8_t* a, const uint8_t* b, uint8_t* y, size_t rows, size_t inner,
+            size_t b_rows_per, float ratio, int32_t za, int32_t zb, int32_t y_zp, int32_t lo,
+            int32_t hi);
+void qt_lut(const uint8_t* x, const uint8_t* table, uint8_t* y, size_t n, size_t c);
 #endif

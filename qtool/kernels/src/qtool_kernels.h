@@ -97,6 +97,11 @@ typedef void (*qt_avg_out_fn)(size_t n, const int32_t* acc, int32_t bias, float 
 typedef void (*qt_requant_copy_fn)(size_t n, const uint8_t* x, int32_t zx, float m, uint8_t* y,
                                    const qt_requant* rq);
 
+typedef void (*qt_mul_fn)(size_t n, const uint8_t* a, const uint8_t* b, uint8_t* y, float ratio,
+                          int32_t za, int32_t zb, const qt_requant* rq);
+typedef void (*qt_quant_row_fn)(size_t n, const float* x, float scale, int32_t zp, uint8_t* y);
+typedef void (*qt_lut_fn)(size_t n, const uint8_t* x, const uint8_t* table, uint8_t* y);
+
 typedef struct {
   int isa;
   const char* isa_name;
@@ -107,11 +112,14 @@ typedef struct {
   qt_sum_fn vsum;
   qt_avg_out_fn avg_out;
   qt_requant_copy_fn requant_copy;
+  qt_mul_fn mul;
+  qt_quant_row_fn quant_row;
+  qt_lut_fn lut; const char* lut_name;
 } qt_dispatch;
 
 /* cpu.c */
 typedef struct {
-  int avx2, fma, avx512f, avx512bw, avx512vl, avx512dq, avx512vnni, os_ymm, os_zmm;
+  int avx2, fma, avx512f, avx512bw, avx512vl, avx512dq, avx512vnni, avx512vbmi, os_ymm, os_zmm;
 } qt_cpu_features;
 const qt_cpu_features* qt_cpu(void);
 int qt_best_isa(void);
@@ -136,5 +144,7 @@ int qt_get_num_threads(void);
 extern const qt_igemm_config qt_igemm_scalar, qt_igemm_avx2, qt_igemm_avx512vnni;
 extern const qt_dwconv_config qt_dwconv_scalar, qt_dwconv_avx2, qt_dwconv_avx512vnni;
 void qt_fill_elementwise(qt_dispatch* d, int isa);
+void qu8_lut_ukernel__scalar(size_t n, const uint8_t* x, const uint8_t* t, uint8_t* y);
+void qu8_lut_ukernel__avx512vbmi(size_t n, const uint8_t* x, const uint8_t* t, uint8_t* y);
 
 #endif

@@ -10,12 +10,12 @@ QT_INLINE uint8_t rq_u8(float y, const qt_requant* rq) {
 }
 
 /* ONNX Runtime's QLinearAdd (MLAS) bit for bit: the zero points are folded into one float32
- * constant `fixed` = zy - (ma * za + mb * zb); then t = fma(a, ma, fma(b, mb, fixed)) on the raw
+ * constant `fixed` = zy - fma(ma, za, mb * zb) (ORT's build contracts it); then t = fma(a, ma, fma(b, mb, fixed)) on the raw
  * u8 values, clamped to [lo, hi] and rounded half to even. (za, zb only enter through `fixed`.) */
 QT_INLINE void add_body(size_t n, const uint8_t* a, const uint8_t* b, uint8_t* y, float ma, int32_t za,
                         float mb, int32_t zb, const qt_requant* rq) {
   const float lo = rq->lo_f, hi = rq->hi_f;
-  const float fixed = (float)rq->zp - (ma * (float)za + mb * (float)zb);
+  const float fixed = (float)rq->zp - __builtin_fmaf(ma, (float)za, mb * (float)zb);
   for (size_t i = 0; i < n; i++) {
     float v = __builtin_fmaf((float)a[i], ma, __builtin_fmaf((float)b[i], mb, fixed));
     v = v < lo ? lo : v;
@@ -56,6 +56,32 @@ QT_INLINE void requant_copy_body(size_t n, const uint8_t* x, int32_t zx, float m
   }
 }
 
+/* ONNX Runtime's QLinearMul (MLAS x86): p = (a - za) * (b - zb) in int32, t = float(p) * ratio +
+ * float(zy) (two roundings, no FMA), y = sat_u8(rint(t)), then the fused clamp. */
+QT_INLINE void mul_body(size_t n, const uint8_t* a, const uint8_t* b, uint8_t* y, float ratio,
+                        int32_t za, int32_t zb, const qt_requant* rq) {
+  const float lo = rq->lo_f, hi = rq->hi_f, zy = (float)rq->zp;
+  for (size_t i = 0; i < n; i++) {
+    const int32_t p = ((int32_t)a[i] - za) * ((int32_t)b[i] - zb);
+    float v = (float)p * ratio;
+    v = v + zy;
+    v = v < lo ? lo : v;
+    v = v > hi ? hi : v;
+    y[i] = (uint8_t)(int32_t)qt_rint_small(v);
+  }
+}
+
+/* QuantizeLinear of one contiguous float row: sat_u8(rint(x / scale) + zp) (true division). */
+QT_INLINE void quant_row_body(size_t n, const float* x, float scale, int32_t zp, uint8_t* y) {
+  const float lo = (float)(0 - zp), hi = (float)(255 - zp);
+  for (size_t i = 0; i < n; i++) {
+    float v = x[i] / scale;
+    v = v > lo ? v : lo;  /* NaN -> lo, as MLAS's max_ps */
+    v = v < hi ? v : hi;
+    y[i] = (uint8_t)((int32_t)qt_rint_small(v) + zp);
+  }
+}
+
 #define QT_DEFINE_ISA(SUFFIX, ATTR)                                                              \
   ATTR void qu8_vadd_minmax_fp32_ukernel__##SUFFIX(size_t n, const uint8_t* a, const uint8_t* b, \
                                                    uint8_t* y, float ma, int32_t za, float mb,   \
@@ -75,6 +101,15 @@ QT_INLINE void requant_copy_body(size_t n, const uint8_t* x, int32_t zx, float m
   ATTR void qu8_vrequant_fp32_ukernel__##SUFFIX(size_t n, const uint8_t* x, int32_t zx, float m, \
                                                 uint8_t* y, const qt_requant* rq) {              \
     requant_copy_body(n, x, zx, m, y, rq);                                                       \
+  }                                                                                              \
+  ATTR void qu8_vmul_minmax_fp32_ukernel__##SUFFIX(size_t n, const uint8_t* a, const uint8_t* b, \
+                                                   uint8_t* y, float ratio, int32_t za,          \
+                                                   int32_t zb, const qt_requant* rq) {           \
+    mul_body(n, a, b, y, ratio, za, zb, rq);                                                     \
+  }                                                                                              \
+  ATTR void f32_qu8_vcvt_ukernel__##SUFFIX(size_t n, const float* x, float scale, int32_t zp,    \
+                                           uint8_t* y) {                                         \
+    quant_row_body(n, x, scale, zp, y);                                                          \
   }
 
 QT_DEFINE_ISA(scalar, )
@@ -90,7 +125,9 @@ void qt_fill_elementwise(qt_dispatch* d, int isa) {
   d->vmax = qu8_vmax_ukernel__##SUFFIX;                        \
   d->vsum = qu8_vsum_ukernel__##SUFFIX;                        \
   d->avg_out = qs32_qu8_vrequant_fp32_ukernel__##SUFFIX;       \
-  d->requant_copy = qu8_vrequant_fp32_ukernel__##SUFFIX;
+  d->requant_copy = qu8_vrequant_fp32_ukernel__##SUFFIX;       \
+  d->mul = qu8_vmul_minmax_fp32_ukernel__##SUFFIX;             \
+  d->quant_row = f32_qu8_vcvt_ukernel__##SUFFIX;
 #if QT_X86
   if (isa == QT_ISA_AVX512VNNI) { QT_FILL(avx512vnni) return; }
   if (isa == QT_ISA_AVX2) { QT_FILL(avx2) return; }
@@ -99,3 +136,27 @@ void qt_fill_elementwise(qt_dispatch* d, int isa) {
   QT_FILL(scalar)
 #undef QT_FILL
 }
+
+/* 256-entry table lookup, y[i] = t[x[i]]. */
+void qu8_lut_ukernel__scalar(size_t n, const uint8_t* x, const uint8_t* t, uint8_t* y) {
+  for (size_t i = 0; i < n; i++) y[i] = t[x[i]];
+}
+
+#if QT_X86
+#include <immintrin.h>
+/* AVX-512 VBMI: two vpermi2b lookups (table halves) blended on bit 7; 64 bytes per step. */
+__attribute__((target("avx512f,avx512bw,avx512vbmi")))
+void qu8_lut_ukernel__avx512vbmi(size_t n, const uint8_t* x, const uint8_t* t, uint8_t* y) {
+  const __m512i t0 = _mm512_loadu_si512(t), t1 = _mm512_loadu_si512(t + 64),
+                t2 = _mm512_loadu_si512(t + 128), t3 = _mm512_loadu_si512(t + 192);
+  size_t i = 0;
+  for (; i < n; i += 64) {
+    const __mmask64 m = n - i >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (n - i)) - 1);
+    const __m512i v = _mm512_maskz_loadu_epi8(m, x + i);
+    const __m512i lo = _mm512_permutex2var_epi8(t0, v, t1);  /* index bits 0-6 */
+    const __m512i hi = _mm512_permutex2var_epi8(t2, v, t3);
+    const __mmask64 upper = _mm512_movepi8_mask(v);            /* bit 7 */
+    _mm512_mask_storeu_epi8(y + i, m, _mm512_mask_blend_epi8(upper, lo, hi));
+  }
+}
+#endif
