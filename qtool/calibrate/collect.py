@@ -29,29 +29,35 @@ class Observed:
         return {t: (s / max(self.channel_counts[t], 1)).tolist() for t, s in self.channel_sums.items()}
 
 
+# Observed outputs of one run stay under this: about three sets are alive at once (the run in
+# progress, the one being folded into histograms, ONNX Runtime's own), so large models
+# calibrate in smaller slices of each batch rather than growing memory with batch size.
+MAX_OUTPUT_BYTES = 96 << 20
 MEAN_SAMPLES = 512  # per-channel means (for bias correction) settle long before this
 
 
-def session(model: onnx.ModelProto | str, threads: int = 0, arena: bool = True) -> ort.InferenceSession:
+def session(model: onnx.ModelProto | str | bytes, threads: int = 0, arena: bool = True) -> ort.InferenceSession:
     so = ort.SessionOptions()
     # without the arena, the large extra outputs of a calibration run are returned to the
     # system after each batch instead of pinning the peak for the whole run
     so.enable_cpu_mem_arena = arena
     so.intra_op_num_threads = threads or min(os.cpu_count() or 1, 8)
     so.log_severity_level = 3
-    src = model if isinstance(model, str) else model.SerializeToString()
+    src = model if isinstance(model, (str, bytes)) else model.SerializeToString()
     return ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
 
 
-def with_outputs(model: onnx.ModelProto, names: list) -> onnx.ModelProto:
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    have = {o.name for o in m.graph.output}
-    for n in names:
-        if n not in have:
-            m.graph.output.append(helper.make_empty_tensor_value_info(n))
-            have.add(n)
-    return m
+def with_outputs(model: onnx.ModelProto, names: list) -> bytes:
+    """The serialized model with `names` as extra outputs. The outputs are appended to the
+    model itself only while it is serialized: no second copy of the weights in memory."""
+    have = {o.name for o in model.graph.output}
+    added = [n for n in dict.fromkeys(names) if n not in have]
+    n0 = len(model.graph.output)
+    model.graph.output.extend(helper.make_empty_tensor_value_info(n) for n in added)
+    try:
+        return model.SerializeToString()
+    finally:
+        del model.graph.output[n0:]
 
 
 def collect(model: onnx.ModelProto, range_tensors: list, mean_tensors: list, batches, progress=None,
@@ -63,11 +69,13 @@ def collect(model: onnx.ModelProto, range_tensors: list, mean_tensors: list, bat
     graph_inputs = {i.name for i in sess.get_inputs()}
     # one worker folds batch i into the histograms while ONNX Runtime computes batch i + 1;
     # the native histogram code releases the GIL
+    per_sample = None  # bytes of observed outputs per sample, known after the first run
     with ThreadPoolExecutor(1) as pool:
         pending = None
-        for feeds in batches:
-            feeds = {k: v for k, v in feeds.items() if k in graph_inputs}
+        for feeds in _slices(batches, graph_inputs, lambda: per_sample):
             outs = sess.run(wanted, feeds)
+            n_run = len(next(iter(feeds.values()))) if feeds else 1
+            per_sample = per_sample or max(1, sum(o.nbytes for o in outs) // max(n_run, 1))
             if pending is not None:
                 pending.result()
             n = len(next(iter(feeds.values()))) if feeds else 0
@@ -77,6 +85,21 @@ def collect(model: onnx.ModelProto, range_tensors: list, mean_tensors: list, bat
         if pending is not None:
             pending.result()
     return obs
+
+
+def _slices(batches, graph_inputs, per_sample):
+    """Each batch as it comes, or in slices along axis 0 once a whole batch's outputs would
+    exceed MAX_OUTPUT_BYTES."""
+    for feeds in batches:
+        feeds = {k: v for k, v in feeds.items() if k in graph_inputs}
+        n = len(next(iter(feeds.values()))) if feeds else 0
+        ps = per_sample()
+        step = n if not ps or n * ps <= MAX_OUTPUT_BYTES else max(1, MAX_OUTPUT_BYTES // ps)
+        if step >= n or any(np.ndim(v) == 0 or len(v) != n for v in feeds.values()):
+            yield feeds
+            continue
+        for i in range(0, n, step):
+            yield {k: v[i:i + step] for k, v in feeds.items()}
 
 
 def _observe(obs: Observed, values: dict, range_tensors: list, mean_tensors: list, n: int) -> None:

@@ -56,6 +56,7 @@ def calibrate(model_path: str, data, config: str | None = None, method: str = "p
     elif config is not None:
         raise UsageError(f"--config describes image preprocessing; {_describe(data)} holds tensors, fed as they are")
     fused = fuse_model(model, source.pins)
+    del model  # the fused copy is all that is needed from here on
     ranges, means = calibration_targets(fused.model)
     if not ranges:
         raise QtoolError(f"{model_path}: nothing in this model can be quantized (no op with an int8 rule)")
