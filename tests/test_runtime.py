@@ -300,3 +300,29 @@ def test_auto_pad_same(tmp_path):
     s = _compare(path, (1, 3, 11, 11))
     assert not s.fallback_nodes(), s.report()
     _compare(path, (1, 3, 16, 13), n=1)  # another size: packed again with its own pads
+
+
+def test_float_hard_swish_chain_is_one_table(tmp_path):
+    """x * Clip(x + 3, 0, 6) / 6 with no Q/DQ inside (as qtool's quantizer leaves hard-swish):
+    the whole chain between DQ and Q is a function of the uint8 input, i.e. one table."""
+    f = lambda v, n: numpy_helper.from_array(np.array(v, np.float32), n)  # noqa: E731
+    q = lambda n, s, z: [numpy_helper.from_array(np.array(s, np.float32), n + "_s"),  # noqa: E731
+                         numpy_helper.from_array(np.array(z, np.uint8), n + "_z")]
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "xq_s", "xq_z"], ["xq"]),
+        helper.make_node("DequantizeLinear", ["xq", "xq_s", "xq_z"], ["xd"]),
+        helper.make_node("Add", ["xd", "three"], ["a"]),
+        helper.make_node("Clip", ["a", "zero", "six"], ["cl"]),
+        helper.make_node("Div", ["cl", "six"], ["hs"]),
+        helper.make_node("Mul", ["xd", "hs"], ["m"]),
+        helper.make_node("QuantizeLinear", ["m", "yq_s", "yq_z"], ["yq"]),
+        helper.make_node("DequantizeLinear", ["yq", "yq_s", "yq_z"], ["y"]),
+    ]
+    inits = q("xq", 0.05, 128) + q("yq", 0.04, 20) + [f(3, "three"), f(0, "zero"), f(6, "six")]
+    m = _model(nodes, inits, [1, 4, 5, 5], [1, 4, 5, 5], opset=13)
+    path = tmp_path / "hs.onnx"
+    onnx.save(m, path)
+    s = NativeSession(str(path))
+    assert not s.fallback_nodes(), s.report()
+    x = RNG.standard_normal((1, 4, 5, 5)).astype(np.float32) * 3
+    np.testing.assert_array_equal(s.run(None, {"x": x})[0], _ort(str(path)).run(None, {"x": x})[0])

@@ -371,6 +371,12 @@ class Compiler:
             if r is None:
                 return
             reason = r
+        if op in ELEMENTWISE:
+            r = _rule_region(self, node)
+            if r is None:
+                return
+            if rule is None:
+                reason = f"no int8 kernel for this op ({r})"
         self.fallback(node, reason)
 
     def fallback(self, node, reason):
@@ -769,6 +775,98 @@ def _rule_lut(c: Compiler, node):
     if lut.ndim == 1:
         c.luts[qnode.output[0]] = (x.src, lut, st)
     c.entries.append(Entry(node.name or node.op_type, node.op_type, "int8", "lookup table" + (" per channel" if lut.ndim == 2 else "")))
+    return None
+
+
+ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Pow", "Sqrt", "Relu", "Clip", "Sigmoid", "HardSigmoid", "HardSwish",
+               "Tanh", "LeakyRelu", "Exp", "Log", "Neg", "Abs", "Min", "Max", "Erf", "Identity", "Reciprocal"}
+
+
+def _rule_region(c: Compiler, node):
+    """A chain/DAG of elementwise fp32 ops whose only non-constant input is one uint8 tensor and
+    which ends in one QuantizeLinear (e.g. hard-swish x * Clip(x + 3, 0, 6) / 6 left in float by
+    the quantizer) is a function of that tensor's 256 values: one table (per channel when a
+    constant is per channel). Evaluated once at load with the fp32 ops, as ORT would run them."""
+    views = {i: c.views[i] for i in node.input if i and i in c.views}
+    if not views or any(i and i not in views and not c.is_const(i) for i in node.input):
+        return "inputs are not one uint8 tensor and constants"
+    keys = {(v.src, float(v.scale), v.zp) for v in views.values()}
+    if len(keys) != 1:
+        return "inputs come from different uint8 tensors"
+    src_name, scale, zp = next(iter(keys))
+    names = set(views)
+    region, ids, produced = [node], {id(node)}, {o for o in node.output if o}
+    final = None
+    for _ in range(64):
+        if produced & c.graph_outputs:
+            return "part of the chain is a graph output"
+        ext = [(v, m) for v in produced for m in c.consumers.get(v, []) if id(m) not in ids]
+        if len(ext) == 1 and ext[0][1].op_type == "QuantizeLinear" and c.scalar_q(ext[0][1]) is not None \
+                and all(len([m for m in c.consumers.get(v, []) if id(m) not in ids]) == 0 for v in produced if v != ext[0][0]):
+            final = ext[0]
+            break
+        added = False
+        for v, m in ext:
+            if id(m) in ids or id(m) in c.done:
+                continue
+            if m.op_type in ELEMENTWISE and all(not i or i in produced or i in names or c.is_const(i) for i in m.input):
+                region.append(m)
+                ids.add(id(m))
+                produced |= {o for o in m.output if o}
+                added = True
+        if not added:
+            return "the elementwise chain does not end in one QuantizeLinear"
+    if final is None:
+        return "elementwise chain too long"
+    out_name, qnode = final
+    qy = c.scalar_q(qnode)
+    srcv = c.vals[src_name]
+    consts = [i for m in region for i in m.input if i and c.is_const(i)]
+    per_channel = None
+    for i in consts:
+        a = c.consts[i]
+        if a.size > 1:
+            sq = np.squeeze(a)
+            if sq.ndim != 1 or not (srcv.nhwc and srcv.rank == 4) or a.ndim not in (3, 4) or a.shape[-1] != 1 or a.shape[-2] != 1:
+                return f"constant of shape {list(a.shape)} is neither a scalar nor per channel"
+            if per_channel not in (None, sq.shape[0]):
+                return "per-channel constants of different lengths"
+            per_channel = sq.shape[0]
+    vals = ((np.arange(256, dtype=np.int32) - zp).astype(np.float32) * np.float32(scale)).astype(np.float32)
+    if per_channel:
+        vals = np.ascontiguousarray(np.broadcast_to(vals, (per_channel, 256)))
+    env = {n: vals for n in names}
+    for m in region:
+        ins = []
+        for i in m.input:
+            if not i:
+                ins.append(None)
+            elif i in env:
+                ins.append(env[i])
+            else:
+                a = c.consts[i]
+                ins.append(a.reshape(()) if a.size == 1 else np.squeeze(a).reshape(-1, 1))
+        at = _attrs(m)
+        at["_n_outputs"] = len(m.output)
+        try:
+            ys = FP32_OPS[m.op_type](ins, at)
+        except Exception as e:  # an attribute combination the numpy op does not take
+            return f"cannot tabulate {m.op_type}: {e}"
+        for o, y in zip(m.output, ys):
+            if o:
+                env[o] = np.asarray(y, np.float32)
+    y = np.broadcast_to(env[out_name], vals.shape).astype(np.float32)
+    lut = np.clip(np.rint(y / np.float32(qy[0])) + np.float32(qy[1]), 0, 255).astype(np.uint8)
+    for m in region[1:]:
+        c.done.add(id(m))
+        c.entries.append(Entry(m.name or m.op_type, m.op_type, "fused", f"into the table of {node.name or node.op_type}"))
+    v, _ = c.emit_q(qnode, None, nhwc=srcv.nhwc, q=qy, rank=srcv.rank, fused=[qnode], op_node=node)
+    st = S.LutStep(node.name or node.op_type, node.op_type, srcv.slot, v.slot, lut, c.K)
+    c.steps.append(st)
+    if lut.ndim == 1:
+        c.luts[qnode.output[0]] = (src_name, lut, st)
+    c.entries.append(Entry(node.name or node.op_type, node.op_type, "int8",
+                           f"lookup table of {len(region)} elementwise ops" + (" per channel" if lut.ndim == 2 else "")))
     return None
 
 
