@@ -97,6 +97,8 @@ typedef void (*qt_avg_out_fn)(size_t n, const int32_t* acc, int32_t bias, float 
 typedef void (*qt_requant_copy_fn)(size_t n, const uint8_t* x, int32_t zx, float m, uint8_t* y,
                                    const qt_requant* rq);
 
+typedef void (*qt_maxpix_fn)(size_t n, size_t nt, const uint8_t* const* taps, uint8_t* y);
+typedef void (*qt_sumpix_fn)(size_t n, size_t nt, const uint8_t* const* taps, int32_t* acc);
 typedef void (*qt_mul_fn)(size_t n, const uint8_t* a, const uint8_t* b, uint8_t* y, float ratio,
                           int32_t za, int32_t zb, const qt_requant* rq);
 typedef void (*qt_quant_row_fn)(size_t n, const float* x, float scale, int32_t zp, uint8_t* y);
@@ -113,6 +115,8 @@ typedef struct {
   qt_avg_out_fn avg_out;
   qt_requant_copy_fn requant_copy;
   qt_mul_fn mul;
+  qt_maxpix_fn maxpix;
+  qt_sumpix_fn sumpix;
   qt_quant_row_fn quant_row;
   qt_lut_fn lut; const char* lut_name;
 } qt_dispatch;

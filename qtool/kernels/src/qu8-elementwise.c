@@ -28,6 +28,29 @@ QT_INLINE void max_body(size_t n, const uint8_t* x, uint8_t* acc) {
   for (size_t i = 0; i < n; i++) acc[i] = x[i] > acc[i] ? x[i] : acc[i];
 }
 
+/* One pooled pixel: max over `nt` tap rows of n channels (no taps -> 0). */
+QT_INLINE void maxpix_body(size_t n, size_t nt, const uint8_t* const* taps, uint8_t* y) {
+  if (nt == 0) {
+    memset(y, 0, n);
+    return;
+  }
+  const uint8_t* t0 = taps[0];
+  for (size_t i = 0; i < n; i++) y[i] = t0[i];
+  for (size_t t = 1; t < nt; t++) {
+    const uint8_t* x = taps[t];
+    for (size_t i = 0; i < n; i++) y[i] = x[i] > y[i] ? x[i] : y[i];
+  }
+}
+
+/* One pooled pixel: acc = sum over `nt` tap rows of n channels. */
+QT_INLINE void sumpix_body(size_t n, size_t nt, const uint8_t* const* taps, int32_t* acc) {
+  for (size_t i = 0; i < n; i++) acc[i] = 0;
+  for (size_t t = 0; t < nt; t++) {
+    const uint8_t* x = taps[t];
+    for (size_t i = 0; i < n; i++) acc[i] += x[i];
+  }
+}
+
 QT_INLINE void sum_body(size_t n, const uint8_t* x, int32_t* acc) {
   for (size_t i = 0; i < n; i++) acc[i] += x[i];
 }
@@ -94,6 +117,14 @@ QT_INLINE void quant_row_body(size_t n, const float* x, float scale, int32_t zp,
   ATTR void qu8_vsum_ukernel__##SUFFIX(size_t n, const uint8_t* x, int32_t* acc) {               \
     sum_body(n, x, acc);                                                                         \
   }                                                                                              \
+  ATTR void qu8_maxpool_ukernel__##SUFFIX(size_t n, size_t nt, const uint8_t* const* taps,      \
+                                          uint8_t* y) {                                          \
+    maxpix_body(n, nt, taps, y);                                                                 \
+  }                                                                                              \
+  ATTR void qu8_sumpool_ukernel__##SUFFIX(size_t n, size_t nt, const uint8_t* const* taps,      \
+                                          int32_t* acc) {                                        \
+    sumpix_body(n, nt, taps, acc);                                                               \
+  }                                                                                              \
   ATTR void qs32_qu8_vrequant_fp32_ukernel__##SUFFIX(size_t n, const int32_t* acc, int32_t bias, \
                                                      float m, uint8_t* y, const qt_requant* rq) { \
     avg_out_body(n, acc, bias, m, y, rq);                                                        \
@@ -112,6 +143,15 @@ QT_INLINE void quant_row_body(size_t n, const float* x, float scale, int32_t zp,
     quant_row_body(n, x, scale, zp, y);                                                          \
   }
 
+#if QT_X86
+#include <immintrin.h>
+void qu8_vadd_minmax_fp32_ukernel__avx512skx(size_t n, const uint8_t* a, const uint8_t* b, uint8_t* y,
+                                             float ma, int32_t za, float mb, int32_t zb,
+                                             const qt_requant* rq);
+void qu8_maxpool_ukernel__avx512skx(size_t n, size_t nt, const uint8_t* const* taps, uint8_t* y);
+void qu8_sumpool_ukernel__avx512skx(size_t n, size_t nt, const uint8_t* const* taps, int32_t* acc);
+#endif
+
 QT_DEFINE_ISA(scalar, )
 #if QT_X86
 QT_DEFINE_ISA(avx2, QT_TARGET_AVX2)
@@ -124,12 +164,21 @@ void qt_fill_elementwise(qt_dispatch* d, int isa) {
   d->add_name = "qu8_vadd_minmax_fp32_ukernel__" #SUFFIX;      \
   d->vmax = qu8_vmax_ukernel__##SUFFIX;                        \
   d->vsum = qu8_vsum_ukernel__##SUFFIX;                        \
+  d->maxpix = qu8_maxpool_ukernel__##SUFFIX;                   \
+  d->sumpix = qu8_sumpool_ukernel__##SUFFIX;                   \
   d->avg_out = qs32_qu8_vrequant_fp32_ukernel__##SUFFIX;       \
   d->requant_copy = qu8_vrequant_fp32_ukernel__##SUFFIX;       \
   d->mul = qu8_vmul_minmax_fp32_ukernel__##SUFFIX;             \
   d->quant_row = f32_qu8_vcvt_ukernel__##SUFFIX;
 #if QT_X86
-  if (isa == QT_ISA_AVX512VNNI) { QT_FILL(avx512vnni) return; }
+  if (isa == QT_ISA_AVX512VNNI) {
+    QT_FILL(avx512vnni)
+    d->add = qu8_vadd_minmax_fp32_ukernel__avx512skx;
+    d->add_name = "qu8_vadd_minmax_fp32_ukernel__avx512skx";
+    d->maxpix = qu8_maxpool_ukernel__avx512skx;
+    d->sumpix = qu8_sumpool_ukernel__avx512skx;
+    return;
+  }
   if (isa == QT_ISA_AVX2) { QT_FILL(avx2) return; }
 #endif
   (void)isa;
@@ -157,6 +206,67 @@ void qu8_lut_ukernel__avx512vbmi(size_t n, const uint8_t* x, const uint8_t* t, u
     const __m512i hi = _mm512_permutex2var_epi8(t2, v, t3);
     const __mmask64 upper = _mm512_movepi8_mask(v);            /* bit 7 */
     _mm512_mask_storeu_epi8(y + i, m, _mm512_mask_blend_epi8(upper, lo, hi));
+  }
+}
+#endif
+
+#if QT_X86
+/* AVX-512 add, same arithmetic as add_body (bit-exact): per 64 elements 8 zero-extensions, 8
+ * conversions, 8 FMAs, 4 float clamps to hi, 4 round-half-even conversions, then saturating packs
+ * (an out-of-range negative saturates to 0) and one u8 max/min for [lo, hi]. */
+__attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512dq")))
+void qu8_vadd_minmax_fp32_ukernel__avx512skx(size_t n, const uint8_t* a, const uint8_t* b, uint8_t* y,
+                                             float ma, int32_t za, float mb, int32_t zb,
+                                             const qt_requant* rq) {
+  const float fixed_s = (float)rq->zp - __builtin_fmaf(ma, (float)za, mb * (float)zb);
+  const __m512 vma = _mm512_set1_ps(ma), vmb = _mm512_set1_ps(mb), fixed = _mm512_set1_ps(fixed_s);
+  const __m512 hi = _mm512_set1_ps(rq->hi_f);
+  const __m512i lo8 = _mm512_set1_epi8((char)rq->lo);
+  const __m512i perm = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+#define QT_ADD16(OFF)                                                                          \
+  _mm512_cvt_roundps_epi32(                                                                    \
+      _mm512_min_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(                   \
+                                        _mm_loadu_si128((const __m128i*)(a + i + OFF)))),      \
+                                    vma,                                                       \
+                                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(   \
+                                                        _mm_loadu_si128((const __m128i*)(b + i + OFF)))), \
+                                                    vmb, fixed)),                              \
+                    hi),                                                                       \
+      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+  size_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    const __m512i p01 = _mm512_packs_epi32(QT_ADD16(0), QT_ADD16(16));
+    const __m512i p23 = _mm512_packs_epi32(QT_ADD16(32), QT_ADD16(48));
+    __m512i v = _mm512_permutexvar_epi32(perm, _mm512_packus_epi16(p01, p23));
+    v = _mm512_max_epu8(v, lo8);  /* hi was applied in float */
+    _mm512_storeu_si512(y + i, v);
+  }
+#undef QT_ADD16
+  if (i < n) add_body(n - i, a + i, b + i, y + i, ma, za, mb, zb, rq);
+}
+#endif
+
+#if QT_X86
+/* AVX-512 pooled pixel: the running max/sum stays in registers across the taps (the generic body
+ * stores and reloads it per tap, which serializes on store forwarding). */
+__attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512dq")))
+void qu8_maxpool_ukernel__avx512skx(size_t n, size_t nt, const uint8_t* const* taps, uint8_t* y) {
+  for (size_t c0 = 0; c0 < n; c0 += 64) {
+    const __mmask64 m = n - c0 >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (n - c0)) - 1);
+    __m512i acc = _mm512_setzero_si512();
+    for (size_t t = 0; t < nt; t++) acc = _mm512_max_epu8(acc, _mm512_maskz_loadu_epi8(m, taps[t] + c0));
+    _mm512_mask_storeu_epi8(y + c0, m, acc);
+  }
+}
+
+__attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512dq")))
+void qu8_sumpool_ukernel__avx512skx(size_t n, size_t nt, const uint8_t* const* taps, int32_t* acc) {
+  for (size_t c0 = 0; c0 < n; c0 += 16) {
+    const __mmask16 m = n - c0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - c0)) - 1);
+    __m512i s = _mm512_setzero_si512();
+    for (size_t t = 0; t < nt; t++)
+      s = _mm512_add_epi32(s, _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, taps[t] + c0)));
+    _mm512_mask_storeu_epi32(acc + c0, m, s);
   }
 }
 #endif
