@@ -364,3 +364,18 @@ def test_lut(isa, shape, per_channel):
     for canary in CANARIES:
         big, out = canary_out(shape, np.uint8, canary)
         check(K.info()["kernels"]["lut"], K.lut(x, table, out=out), want, big, canary, 1, f"{shape}")
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs fork()")
+def test_pool_survives_fork():
+    """A forked child (multiprocessing) has no worker threads; kernels must still run there."""
+    import os
+    rng = np.random.default_rng(9)
+    x = rand_u8(rng, (1, 28, 28, 64))
+    p = K.pack_conv2d(rand_w(rng, (64, 64, 3, 3)), None, x_zp=1, multiplier=1e-3, y_zp=2, pads=(1,) * 4)
+    want = K.conv2d(p, x)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        os._exit(0 if (K.conv2d(p, x) == want).all() else 3)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0

@@ -106,8 +106,20 @@ int qt_get_num_threads(void) {
   return g_nthreads;
 }
 
+/* After fork() only the forking thread exists: forget the workers (the child starts its own). */
+static void child_after_fork(void) {
+  pthread_mutex_init(&g_call_lock, NULL);
+  pthread_mutex_init(&g_lock, NULL);
+  pthread_cond_init(&g_wake, NULL);
+  g_started = 0;
+}
+
+static pthread_once_t g_atfork_once = PTHREAD_ONCE_INIT;
+static void register_atfork(void) { pthread_atfork(NULL, NULL, child_after_fork); }
+
 void qt_parallel(size_t n, qt_task_fn fn, void* ctx, double est_ns) {
   if (n == 0) return;
+  pthread_once(&g_atfork_once, register_atfork);
   pthread_mutex_lock(&g_call_lock);
   int T = qt_get_num_threads();
   if ((size_t)T > n) T = (int)n;
