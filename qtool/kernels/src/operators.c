@@ -86,10 +86,12 @@ qt_conv* qt_conv_create(const int8_t* w, const int32_t* bias, const float* mult,
   for (size_t g = 0; g < groups; g++) {
     for (size_t p = 0; p < cv->panels_per_group; p++) {
       char* panel = (char*)cv->w + (g * cv->panels_per_group + p) * cv->panel_bytes;
+      /* the last panel of a group with <= nr/2 columns uses the half-width layout and kernel */
+      const size_t pnr = (gc->ukernel_half && cout_g - p * nr <= nr / 2) ? nr / 2 : nr;
       int32_t* pb = (int32_t*)panel;
-      float* pm = (float*)(pb + nr);
-      char* pw = (char*)(pm + nr);
-      for (size_t j = 0; j < nr; j++) {
+      float* pm = (float*)(pb + pnr);
+      char* pw = (char*)(pm + pnr);
+      for (size_t j = 0; j < pnr; j++) {
         size_t oc = p * nr + j;
         if (oc >= cout_g) break;
         pb[j] = bias[g * cout_g + oc];
@@ -97,7 +99,7 @@ qt_conv* qt_conv_create(const int8_t* w, const int32_t* bias, const float* mult,
         const int8_t* wrow = w + (g * cout_g + oc) * ks * cin_g;  /* [ks][cin_g] */
         for (size_t t = 0; t < cv->gemm_ks; t++)
           for (size_t k = 0; k < cv->gemm_kc; k++) {
-            size_t idx = ((t * (kcp / kr) + k / kr) * nr + j) * kr + k % kr;
+            size_t idx = ((t * (kcp / kr) + k / kr) * pnr + j) * kr + k % kr;
             int8_t v = wrow[t * cv->gemm_kc + k];
             if (es == 1) ((int8_t*)pw)[idx] = v;
             else ((int16_t*)pw)[idx] = v;
@@ -170,7 +172,8 @@ static void igemm_task(void* ctx, size_t begin, size_t end) {
     const size_t rows = j->m - row0 < mr ? j->m - row0 : mr;
     const size_t col0 = p * nr;
     const size_t nc = cv->cout_g - col0 < nr ? cv->cout_g - col0 : nr;
-    gc->ukernel(rows, nc, cv->gemm_kc, ks, cv->ind + mb * ks * mr, j->x + g * cv->cin_g, cv->zero,
+    const qt_igemm_ukernel uk = (gc->ukernel_half && nc <= nr / 2) ? gc->ukernel_half : gc->ukernel;
+    uk(rows, nc, cv->gemm_kc, ks, cv->ind + mb * ks * mr, j->x + g * cv->cin_g, cv->zero,
                 (const char*)cv->w + gp * cv->panel_bytes,
                 (char*)j->y + (row0 * cv->cout + g * cv->cout_g + col0) * es, cv->cout * es, &cv->rq);
   }

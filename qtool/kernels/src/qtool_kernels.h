@@ -74,6 +74,7 @@ typedef struct {
   qt_igemm_ukernel ukernel;
   size_t mr, nr, kr;   /* tile; kr = K grouping of the packed weights */
   size_t welem;        /* bytes per packed weight element (1 = int8, 2 = int16) */
+  qt_igemm_ukernel ukernel_half;  /* optional NR/2-wide variant for a group's last <= NR/2 columns */
 } qt_igemm_config;
 
 typedef struct {

@@ -200,9 +200,122 @@ void qu8_qs8w_igemm_minmax_fp32_ukernel_8x32c4__avx512vnni(size_t mr, size_t nc,
 #undef QT_ROW
 }
 
+/* Half panel: MR=8 x 16 columns, for the last <= 16 output channels of a group (Cout = 16, 40,
+ * ...). Weights int8 [ks][kc/4][16][4]; bias/mult 16 wide. */
+QT_TARGET_AVX512VNNI
+void qu8_qs8w_igemm_minmax_fp32_ukernel_8x16c4__avx512vnni(size_t mr, size_t nc, size_t kc, size_t ks,
+                                                          const intptr_t* ind, const uint8_t* x,
+                                                          const uint8_t* zero, const void* w,
+                                                          void* c, size_t cm_stride,
+                                                          const qt_requant* rq) {
+  const int32_t* bias = (const int32_t*)w;
+  const float* mult = (const float*)(bias + 16);
+  const int8_t* wp = (const int8_t*)(mult + 16);
+  const __m512i b0 = _mm512_loadu_si512(bias);
+  __m512i acc0 = b0, acc1 = b0, acc2 = b0, acc3 = b0, acc4 = b0, acc5 = b0, acc6 = b0, acc7 = b0;
+  const size_t kc4 = kc & ~(size_t)3, krem = kc & 3;
+  for (size_t t = 0; t < ks; t++) {
+    const intptr_t* o = ind + t * MR;
+    const uint8_t* a0 = o[0] >= 0 ? x + o[0] : zero;
+    const uint8_t* a1 = o[1] >= 0 ? x + o[1] : zero;
+    const uint8_t* a2 = o[2] >= 0 ? x + o[2] : zero;
+    const uint8_t* a3 = o[3] >= 0 ? x + o[3] : zero;
+    const uint8_t* a4 = o[4] >= 0 ? x + o[4] : zero;
+    const uint8_t* a5 = o[5] >= 0 ? x + o[5] : zero;
+    const uint8_t* a6 = o[6] >= 0 ? x + o[6] : zero;
+    const uint8_t* a7 = o[7] >= 0 ? x + o[7] : zero;
+#define QT_STEP(L0, L1, L2, L3, L4, L5, L6, L7)                 \
+  {                                                             \
+    const __m512i w0 = _mm512_loadu_si512(wp);                  \
+    wp += 64;                                                   \
+    acc0 = _mm512_dpbusd_epi32(acc0, _mm512_set1_epi32(L0), w0); \
+    acc1 = _mm512_dpbusd_epi32(acc1, _mm512_set1_epi32(L1), w0); \
+    acc2 = _mm512_dpbusd_epi32(acc2, _mm512_set1_epi32(L2), w0); \
+    acc3 = _mm512_dpbusd_epi32(acc3, _mm512_set1_epi32(L3), w0); \
+    acc4 = _mm512_dpbusd_epi32(acc4, _mm512_set1_epi32(L4), w0); \
+    acc5 = _mm512_dpbusd_epi32(acc5, _mm512_set1_epi32(L5), w0); \
+    acc6 = _mm512_dpbusd_epi32(acc6, _mm512_set1_epi32(L6), w0); \
+    acc7 = _mm512_dpbusd_epi32(acc7, _mm512_set1_epi32(L7), w0); \
+  }
+    size_t k = 0;
+    for (; k < kc4; k += 4)
+      QT_STEP(load4(a0 + k), load4(a1 + k), load4(a2 + k), load4(a3 + k), load4(a4 + k),
+              load4(a5 + k), load4(a6 + k), load4(a7 + k))
+    if (krem)
+      QT_STEP(load_tail(a0 + k, krem), load_tail(a1 + k, krem), load_tail(a2 + k, krem),
+              load_tail(a3 + k, krem), load_tail(a4 + k, krem), load_tail(a5 + k, krem),
+              load_tail(a6 + k, krem), load_tail(a7 + k, krem))
+#undef QT_STEP
+  }
+  const __mmask16 m0 = nc >= 16 ? 0xFFFF : (__mmask16)((1u << nc) - 1);
+  char* cr = (char*)c;
+#define QT_ROW(I, A)                                                  \
+  if (mr > I) store16(A, mult, cr + I * cm_stride, m0, rq);
+  QT_ROW(0, acc0) QT_ROW(1, acc1) QT_ROW(2, acc2) QT_ROW(3, acc3)
+  QT_ROW(4, acc4) QT_ROW(5, acc5) QT_ROW(6, acc6) QT_ROW(7, acc7)
+#undef QT_ROW
+}
+
 const qt_igemm_config qt_igemm_avx512vnni = {
     "qu8_qs8w_igemm_minmax_fp32_ukernel_8x32c4__avx512vnni",
-    qu8_qs8w_igemm_minmax_fp32_ukernel_8x32c4__avx512vnni, MR, NR, 4, 1};
+    qu8_qs8w_igemm_minmax_fp32_ukernel_8x32c4__avx512vnni, MR, NR, 4, 1,
+    qu8_qs8w_igemm_minmax_fp32_ukernel_8x16c4__avx512vnni};
 #else
+/* Half panel: MR=8 x 16 columns, for the last <= 16 output channels of a group (Cout = 16, 40,
+ * ...). Weights int8 [ks][kc/4][16][4]; bias/mult 16 wide. */
+QT_TARGET_AVX512VNNI
+void qu8_qs8w_igemm_minmax_fp32_ukernel_8x16c4__avx512vnni(size_t mr, size_t nc, size_t kc, size_t ks,
+                                                          const intptr_t* ind, const uint8_t* x,
+                                                          const uint8_t* zero, const void* w,
+                                                          void* c, size_t cm_stride,
+                                                          const qt_requant* rq) {
+  const int32_t* bias = (const int32_t*)w;
+  const float* mult = (const float*)(bias + 16);
+  const int8_t* wp = (const int8_t*)(mult + 16);
+  const __m512i b0 = _mm512_loadu_si512(bias);
+  __m512i acc0 = b0, acc1 = b0, acc2 = b0, acc3 = b0, acc4 = b0, acc5 = b0, acc6 = b0, acc7 = b0;
+  const size_t kc4 = kc & ~(size_t)3, krem = kc & 3;
+  for (size_t t = 0; t < ks; t++) {
+    const intptr_t* o = ind + t * MR;
+    const uint8_t* a0 = o[0] >= 0 ? x + o[0] : zero;
+    const uint8_t* a1 = o[1] >= 0 ? x + o[1] : zero;
+    const uint8_t* a2 = o[2] >= 0 ? x + o[2] : zero;
+    const uint8_t* a3 = o[3] >= 0 ? x + o[3] : zero;
+    const uint8_t* a4 = o[4] >= 0 ? x + o[4] : zero;
+    const uint8_t* a5 = o[5] >= 0 ? x + o[5] : zero;
+    const uint8_t* a6 = o[6] >= 0 ? x + o[6] : zero;
+    const uint8_t* a7 = o[7] >= 0 ? x + o[7] : zero;
+#define QT_STEP(L0, L1, L2, L3, L4, L5, L6, L7)                 \
+  {                                                             \
+    const __m512i w0 = _mm512_loadu_si512(wp);                  \
+    wp += 64;                                                   \
+    acc0 = _mm512_dpbusd_epi32(acc0, _mm512_set1_epi32(L0), w0); \
+    acc1 = _mm512_dpbusd_epi32(acc1, _mm512_set1_epi32(L1), w0); \
+    acc2 = _mm512_dpbusd_epi32(acc2, _mm512_set1_epi32(L2), w0); \
+    acc3 = _mm512_dpbusd_epi32(acc3, _mm512_set1_epi32(L3), w0); \
+    acc4 = _mm512_dpbusd_epi32(acc4, _mm512_set1_epi32(L4), w0); \
+    acc5 = _mm512_dpbusd_epi32(acc5, _mm512_set1_epi32(L5), w0); \
+    acc6 = _mm512_dpbusd_epi32(acc6, _mm512_set1_epi32(L6), w0); \
+    acc7 = _mm512_dpbusd_epi32(acc7, _mm512_set1_epi32(L7), w0); \
+  }
+    size_t k = 0;
+    for (; k < kc4; k += 4)
+      QT_STEP(load4(a0 + k), load4(a1 + k), load4(a2 + k), load4(a3 + k), load4(a4 + k),
+              load4(a5 + k), load4(a6 + k), load4(a7 + k))
+    if (krem)
+      QT_STEP(load_tail(a0 + k, krem), load_tail(a1 + k, krem), load_tail(a2 + k, krem),
+              load_tail(a3 + k, krem), load_tail(a4 + k, krem), load_tail(a5 + k, krem),
+              load_tail(a6 + k, krem), load_tail(a7 + k, krem))
+#undef QT_STEP
+  }
+  const __mmask16 m0 = nc >= 16 ? 0xFFFF : (__mmask16)((1u << nc) - 1);
+  char* cr = (char*)c;
+#define QT_ROW(I, A)                                                  \
+  if (mr > I) store16(A, mult, cr + I * cm_stride, m0, rq);
+  QT_ROW(0, acc0) QT_ROW(1, acc1) QT_ROW(2, acc2) QT_ROW(3, acc3)
+  QT_ROW(4, acc4) QT_ROW(5, acc5) QT_ROW(6, acc6) QT_ROW(7, acc7)
+#undef QT_ROW
+}
+
 const qt_igemm_config qt_igemm_avx512vnni = {0};
 #endif
