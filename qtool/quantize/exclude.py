@@ -85,9 +85,11 @@ def exclude_sensitive(fused, table, method, ranking: list, feeds: list, referenc
         return min(pt.agreement, pt.predicted_agreement) >= target_agreement
 
     def score(pt: TradeoffPoint):
+        # output SQNR is smooth and well estimated on a few dozen images, where a count of
+        # top-1 flips moves in steps of 1/N: it picks the candidate, the target decides when to stop
         if max_drop is not None and pt.accuracy_drop_pt is not None:
-            return (-pt.accuracy_drop_pt, pt.predicted_agreement)
-        return (pt.predicted_agreement, pt.sqnr_db)
+            return (-pt.accuracy_drop_pt, pt.sqnr_db)
+        return (pt.sqnr_db, pt.predicted_agreement)
 
     target = f"accuracy drop <= {max_drop} pt" if max_drop is not None and y_true is not None \
         else f"top-1 agreement >= {target_agreement}"

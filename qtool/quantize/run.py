@@ -27,6 +27,7 @@ from qtool.workdir import Workdir
 INT8 = "model.int8.onnx"
 REPORT = "quantize.json"
 SENS_JSON = "sensitivity.json"
+MIN_HELD_BACK = 64  # fewer held-back images than this: check exclusions on every calibration image
 SENS_HTML = "sensitivity.html"
 
 
@@ -128,7 +129,7 @@ def run_sensitivity(fused, table, method, opts: SensitivityOptions, wd: Workdir,
     secs = time.time() - t0
     exclusion = None
     if opts.exclude_sensitive:
-        check_files = held if len(held) >= 16 else files
+        check_files = held if len(held) >= MIN_HELD_BACK else files
         if check_files is files:
             say(f"note: only {len(held)} calibration images held back; checking exclusions on all {len(files)}")
         names, cfeeds = _calibration_feeds(fused, table, check_files)
