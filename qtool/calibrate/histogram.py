@@ -61,11 +61,8 @@ class Histogram:
         x = np.ascontiguousarray(x, np.float32).ravel()
         if x.size == 0:
             return
-        if _native is not None:
-            mn, mx, finite = _native.minmax(x)
-        else:
-            mn, mx = float(x.min()), float(x.max())
-            finite = math.isfinite(mn) and math.isfinite(mx)
+        mn, mx = float(x.min()), float(x.max())  # NaN propagates: one check covers NaN and inf
+        finite = math.isfinite(mn) and math.isfinite(mx)
         if not finite:
             x = x[np.isfinite(x)]
             if x.size == 0:
@@ -88,15 +85,14 @@ class Histogram:
                 e += 1
             self._rebin(e, lo)
         self.min, self.max = lo, hi
-        step = -(-x.size // (SAMPLE_PER_IMAGE * max(samples, 1)))
-        if step > 1:
-            x = np.ascontiguousarray(x[(self.n_observed % step)::step])  # rotate the offset so every position is counted over time
+        step = max(1, -(-x.size // (SAMPLE_PER_IMAGE * max(samples, 1))))
+        offset = self.n_observed % step  # rotates, so every position is counted over time
         self.n_observed += 1
-        self.n += x.size
+        self.n += len(range(offset, x.size, step))
         if _native is not None:
-            _native.accumulate(x, self.counts, self.e, self.k0)
+            _native.accumulate(x, self.counts, self.e, self.k0, offset, step)
         else:
-            self.counts += accumulate_reference(x, self.nbins, self.e, self.k0)
+            self.counts += accumulate_reference(x[offset::step], self.nbins, self.e, self.k0)
 
     def _window_has(self, v: float) -> bool:
         k = math.floor(v / self.width)

@@ -1,4 +1,4 @@
-/* Calibration histogram kernels: min/max and the one-pass bin update.
+/* Calibration histogram kernel: the one-pass bin update (numpy's SIMD min/max do the rest).
  *
  * accumulate: counts[clamp(floor(x * 2^-e) - k0, 0, nbins-1)] += 1 for every finite x.
  * The numpy reference is qtool.calibrate.histogram.accumulate_reference. Scaling by a
@@ -23,8 +23,9 @@ static inline int64_t floor_i64(float t) {
     return k - (t < (float)k);
 }
 
-static int get_buffers(PyObject *args, Py_buffer *xb, Py_buffer *cb, int *e, long long *k0) {
-    if (!PyArg_ParseTuple(args, "y*w*iL", xb, cb, e, k0)) return 0;
+static int get_buffers(PyObject *args, Py_buffer *xb, Py_buffer *cb, int *e, long long *k0, Py_ssize_t *offset,
+                       Py_ssize_t *step) {
+    if (!PyArg_ParseTuple(args, "y*w*iL|nn", xb, cb, e, k0, offset, step)) return 0;
     if (xb->len % sizeof(float) || cb->len % sizeof(int64_t) || cb->len == 0) {
         PyBuffer_Release(xb);
         PyBuffer_Release(cb);
@@ -38,10 +39,19 @@ static PyObject *accumulate(PyObject *self, PyObject *args) {
     Py_buffer xb, cb;
     int e;
     long long k0;
-    if (!get_buffers(args, &xb, &cb, &e, &k0)) return NULL;
-    const float *x = (const float *)xb.buf;
+    Py_ssize_t offset = 0, step = 1;
+    if (!get_buffers(args, &xb, &cb, &e, &k0, &offset, &step)) return NULL;
+    if (step < 1 || offset < 0) {
+        PyBuffer_Release(&xb);
+        PyBuffer_Release(&cb);
+        PyErr_SetString(PyExc_ValueError, "accumulate: need offset >= 0 and step >= 1");
+        return NULL;
+    }
+    Py_ssize_t total = xb.len / (Py_ssize_t)sizeof(float);
+    /* every step-th value from offset: a systematic sample, read in place */
+    const float *x = (const float *)xb.buf + (offset < total ? offset : total);
     int64_t *counts = (int64_t *)cb.buf;
-    Py_ssize_t n = xb.len / (Py_ssize_t)sizeof(float);
+    Py_ssize_t n = offset < total ? (total - offset + step - 1) / step : 0;
     int64_t nb = cb.len / (Py_ssize_t)sizeof(int64_t);
     int64_t *sub = (int64_t *)calloc((size_t)(NSUB * nb), sizeof(int64_t));
     if (!sub) {
@@ -57,7 +67,7 @@ static PyObject *accumulate(PyObject *self, PyObject *args) {
     Py_ssize_t i = 0;
     for (; i + NSUB <= n; i += NSUB) {
         for (int j = 0; j < NSUB; j++) {
-            float v = x[i + j];
+            float v = x[(i + j) * step];
             if (!(v - v == 0.0f)) continue; /* NaN or inf */
             int64_t k = exact_f32 ? floor_i64(v * sf) : (int64_t)floor((double)v * sd);
             k -= k0;
@@ -66,7 +76,7 @@ static PyObject *accumulate(PyObject *self, PyObject *args) {
         }
     }
     for (; i < n; i++) {
-        float v = x[i];
+        float v = x[i * step];
         if (!(v - v == 0.0f)) continue;
         int64_t k = exact_f32 ? floor_i64(v * sf) : (int64_t)floor((double)v * sd);
         k -= k0;
@@ -82,48 +92,9 @@ static PyObject *accumulate(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* (min, max, all_finite) of float32 data; min/max over the finite values only. */
-static PyObject *minmax(PyObject *self, PyObject *args) {
-    Py_buffer xb;
-    if (!PyArg_ParseTuple(args, "y*", &xb)) return NULL;
-    if (xb.len % sizeof(float)) {
-        PyBuffer_Release(&xb);
-        PyErr_SetString(PyExc_ValueError, "minmax: need float32 data");
-        return NULL;
-    }
-    const float *x = (const float *)xb.buf;
-    Py_ssize_t n = xb.len / (Py_ssize_t)sizeof(float);
-    float mn[8], mx[8];
-    int finite = 1;
-    for (int j = 0; j < 8; j++) { mn[j] = INFINITY; mx[j] = -INFINITY; }
-    Py_BEGIN_ALLOW_THREADS
-    Py_ssize_t i = 0;
-    float acc = 0.0f;
-    for (; i + 8 <= n; i += 8) {
-        for (int j = 0; j < 8; j++) {
-            float v = x[i + j];
-            acc += v * 0.0f; /* NaN or inf anywhere makes acc NaN: one check at the end */
-            mn[j] = v < mn[j] ? v : mn[j];
-            mx[j] = v > mx[j] ? v : mx[j];
-        }
-    }
-    for (; i < n; i++) {
-        float v = x[i];
-        acc += v * 0.0f;
-        mn[0] = v < mn[0] ? v : mn[0];
-        mx[0] = v > mx[0] ? v : mx[0];
-    }
-    finite = acc == 0.0f;
-    Py_END_ALLOW_THREADS
-    float lo = INFINITY, hi = -INFINITY;
-    for (int j = 0; j < 8; j++) { lo = mn[j] < lo ? mn[j] : lo; hi = mx[j] > hi ? mx[j] : hi; }
-    PyBuffer_Release(&xb);
-    return Py_BuildValue("ddO", (double)lo, (double)hi, finite ? Py_True : Py_False);
-}
-
 static PyMethodDef methods[] = {
-    {"accumulate", accumulate, METH_VARARGS, "accumulate(x_f32, counts_i64, e, k0): add x to the histogram"},
-    {"minmax", minmax, METH_VARARGS, "minmax(x_f32) -> (min, max, all_finite)"},
+    {"accumulate", accumulate, METH_VARARGS,
+     "accumulate(x_f32, counts_i64, e, k0[, offset, step]): add x[offset::step] to the histogram"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_histogram", NULL, -1, methods};
