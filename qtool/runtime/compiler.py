@@ -263,14 +263,13 @@ class Compiler:
             b = np.clip(b, -2 ** 31 + span + np.maximum(zpsum, 0), 2 ** 31 - 1 - span + np.minimum(zpsum, 0))
         return b.astype(np.int32)
 
-    def emit_q(self, qnode, _unused, *, nhwc, q, rank, fused, op_node):
+    def emit_q(self, qnode, *, nhwc, q, rank, fused, op_node):
         """Register the uint8 output of an int8 op (named after the Q it absorbs)."""
         v = self.add_val(qnode.output[0], "q", nhwc=nhwc, q=q, rank=rank)
-        st = None
         self.done.update(id(n) for n in fused)
         for n in fused:
             self.entries.append(Entry(n.name or n.op_type, n.op_type, "fused", f"into {op_node.name or op_node.op_type}"))
-        return v, st
+        return v
 
     # ------------------------------------------------------------ main loop
     def compile(self) -> Program:
@@ -445,7 +444,7 @@ def _rule_conv(c: Compiler, node):
     else:
         packed = pack(pads)
     xs = c.nhwc_input(x.src)
-    v, st = c.emit_q(qnode, None, nhwc=True, q=qy, rank=4, fused=fused, op_node=node)
+    v = c.emit_q(qnode, nhwc=True, q=qy, rank=4, fused=fused, op_node=node)
     st = S.ConvStep(node.name or "Conv", c.K, packed, xs, v.slot, wq.shape[1], wq.shape[2], wq.shape[3])
     c.steps.append(st)
     c.entries.append(Entry(node.name or "Conv", "Conv", "int8", st.kernel))
@@ -467,7 +466,7 @@ def _gemm_like(c: Compiler, node, wq_nk, sw, bias_name, x):
         qnode, qy, lo, hi, fused = oq
         mult = conv_multiplier(c.K, x.scale, sw, qy[0])
         packed = c.K.pack_gemm(wq_nk, bias, x_zp=x.zp, multiplier=mult, y_zp=qy[1], lo=lo, hi=hi)
-        v, _ = c.emit_q(qnode, None, nhwc=False, q=qy, rank=src.rank, fused=fused, op_node=node)
+        v = c.emit_q(qnode, nhwc=False, q=qy, rank=src.rank, fused=fused, op_node=node)
         detail = ""
     st = S.GemmStep(node.name or node.op_type, node.op_type, c.K, packed, src.slot, v.slot)
     st.k = wq_nk.shape[1]
@@ -521,7 +520,7 @@ def _rule_add(c: Compiler, node):
         nhwc = True
     else:
         sa, sb, nhwc = va.slot, vb.slot, va.nhwc
-    v, _ = c.emit_q(qnode, None, nhwc=nhwc, q=qy, rank=va.rank, fused=fused, op_node=node)
+    v = c.emit_q(qnode, nhwc=nhwc, q=qy, rank=va.rank, fused=fused, op_node=node)
     st = S.AddStep(node.name or "Add", c.K, sa, sb, v.slot, (a.scale, a.zp), (b.scale, b.zp), qy, lo, hi)
     c.steps.append(st)
     c.entries.append(Entry(node.name or "Add", "Add", "int8", st.kernel))
@@ -552,7 +551,7 @@ def _rule_mul(c: Compiler, node):
                 if e.node == lut_step.name and e.mode == "int8":
                     e.mode, e.detail = "fused", f"into {node.name or 'Mul'} (one table for x * f(x))"
             src = c.vals[x.src]
-            v, _ = c.emit_q(qnode, None, nhwc=src.nhwc, q=qy, rank=src.rank, fused=fused, op_node=node)
+            v = c.emit_q(qnode, nhwc=src.nhwc, q=qy, rank=src.rank, fused=fused, op_node=node)
             st = S.LutStep(node.name or "Mul", "Mul", src.slot, v.slot, lut, c.K)
             c.steps.append(st)
             c.luts[qnode.output[0]] = (x.src, lut, st)
@@ -565,7 +564,7 @@ def _rule_mul(c: Compiler, node):
         sa, sb, nhwc = c.nhwc_input(a.src), c.nhwc_input(b.src), True
     else:
         sa, sb, nhwc = va.slot, vb.slot, va.nhwc
-    v, _ = c.emit_q(qnode, None, nhwc=nhwc, q=qy, rank=va.rank, fused=fused, op_node=node)
+    v = c.emit_q(qnode, nhwc=nhwc, q=qy, rank=va.rank, fused=fused, op_node=node)
     st = S.MulStep(node.name or "Mul", c.K, sa, sb, v.slot, (a.scale, a.zp), (b.scale, b.zp), qy, lo, hi)
     c.steps.append(st)
     c.entries.append(Entry(node.name or "Mul", "Mul", "int8", st.kernel))
@@ -603,12 +602,12 @@ def _rule_maxpool(c: Compiler, node):
         return "MaxPool followed by Relu/Clip and a different scale"
     xs = c.nhwc_input(x.src)
     if same:
-        v, _ = c.emit_q(qnode, None, nhwc=True, q=qy, rank=4, fused=fused, op_node=node)
+        v = c.emit_q(qnode, nhwc=True, q=qy, rank=4, fused=fused, op_node=node)
         c.steps.append(S.MaxPoolStep(node.name or "MaxPool", c.K, xs, v.slot, at))
     else:  # max commutes with the monotonic requantization: pool, then requantize
         mid = c.add_val(node.output[0] + "#pooled", "q", nhwc=True, q=(x.scale, x.zp), rank=4)
         c.steps.append(S.MaxPoolStep(node.name or "MaxPool", c.K, xs, mid.slot, at))
-        v, _ = c.emit_q(qnode, None, nhwc=True, q=qy, rank=4, fused=fused, op_node=node)
+        v = c.emit_q(qnode, nhwc=True, q=qy, rank=4, fused=fused, op_node=node)
         c.steps.append(S.RequantStep(node.name + " requantize", c.K, mid.slot, v.slot, (x.scale, x.zp), qy))
     c.entries.append(Entry(node.name or "MaxPool", "MaxPool", "int8", "maxpool" + ("" if same else " + requantize")))
     return None
@@ -624,7 +623,7 @@ def _rule_avgpool(c: Compiler, node):
     if tuple(at.get("dilations", [1, 1])) != (1, 1):
         return "dilated AveragePool"
     xs = c.nhwc_input(x.src)
-    v, _ = c.emit_q(qnode, None, nhwc=True, q=qy, rank=4, fused=fused, op_node=node)
+    v = c.emit_q(qnode, nhwc=True, q=qy, rank=4, fused=fused, op_node=node)
     c.steps.append(S.AvgPoolStep(node.name or "AveragePool", c.K, xs, v.slot, at, (x.scale, x.zp), qy, lo, hi))
     c.entries.append(Entry(node.name or "AveragePool", "AveragePool", "int8", "avgpool"))
     return None
@@ -641,7 +640,7 @@ def _rule_gap(c: Compiler, node):
         return oq
     qnode, qy, lo, hi, fused = oq
     xs = c.nhwc_input(x.src)
-    v, _ = c.emit_q(qnode, None, nhwc=True, q=qy, rank=4, fused=fused, op_node=node)
+    v = c.emit_q(qnode, nhwc=True, q=qy, rank=4, fused=fused, op_node=node)
     c.steps.append(S.GlobalAvgPoolStep(node.name or "GlobalAveragePool", c.K, xs, v.slot, (x.scale, x.zp), qy, lo, hi))
     c.entries.append(Entry(node.name or "GlobalAveragePool", "GlobalAveragePool", "int8", "global_avgpool"))
     return None
@@ -670,7 +669,7 @@ def _rule_concat(c: Compiler, node):
     else:
         slots = [v.slot for v in vs]
         nhwc = False
-    v, _ = c.emit_q(qnode, None, nhwc=nhwc, q=qy, rank=rank, fused=fused, op_node=node)
+    v = c.emit_q(qnode, nhwc=nhwc, q=qy, rank=rank, fused=fused, op_node=node)
     c.steps.append(S.ConcatStep(node.name or "Concat", c.K, slots, v.slot, axis, [(x.scale, x.zp) for x in xs], qy))
     c.entries.append(Entry(node.name or "Concat", "Concat", "int8", "concat"))
     return None
@@ -696,7 +695,7 @@ def _rule_shape_op(c: Compiler, node):
     extra = [c.consts[i] if i else None for i in node.input[1:]]
     same = (np.float32(x.scale), x.zp) == (np.float32(qy[0]), qy[1])
     rank = c.ranks.get(node.output[0])
-    v, _ = c.emit_q(qnode, None, nhwc=False, q=qy, rank=rank, fused=fused, op_node=node)
+    v = c.emit_q(qnode, nhwc=False, q=qy, rank=rank, fused=fused, op_node=node)
     at = _attrs(node)
     st = S.ShapeOpStep(node.name or node.op_type, node.op_type, c.K, src.slot, v.slot, extra, at, src.nhwc,
                        None if same else ((x.scale, x.zp), qy))
@@ -730,7 +729,7 @@ def _rule_pad(c: Compiler, node):
         return "the QuantizeLinear after it changes the scale"
     value = float(c.consts[node.input[2]].reshape(-1)[0]) if len(node.input) > 2 and node.input[2] else 0.0
     fill = int(np.clip(np.rint(np.float32(value) / np.float32(x.scale)) + x.zp, 0, 255))
-    v, _ = c.emit_q(qnode, None, nhwc=True, q=qy, rank=4, fused=fused, op_node=node)
+    v = c.emit_q(qnode, nhwc=True, q=qy, rank=4, fused=fused, op_node=node)
     p4 = (pads[2], pads[3], pads[6], pads[7])
     st = S.PadStep(node.name or "Pad", src.slot, v.slot, p4, fill)
     c.steps.append(st)
@@ -769,7 +768,7 @@ def _rule_lut(c: Compiler, node):
     y = FP32_OPS[node.op_type]([xin] + extra, at)[0].astype(np.float32)
     q = np.clip(np.clip(np.rint(y / np.float32(qy[0])) + np.float32(qy[1]), 0, 255), lo, hi).astype(np.uint8)
     lut = q.reshape(-1, 256) if node.op_type == "BatchNormalization" else q.reshape(256)
-    v, _ = c.emit_q(qnode, None, nhwc=src.nhwc, q=qy, rank=src.rank, fused=fused, op_node=node)
+    v = c.emit_q(qnode, nhwc=src.nhwc, q=qy, rank=src.rank, fused=fused, op_node=node)
     st = S.LutStep(node.name or node.op_type, node.op_type, src.slot, v.slot, lut, c.K)
     c.steps.append(st)
     if lut.ndim == 1:
@@ -860,7 +859,7 @@ def _rule_region(c: Compiler, node):
     for m in region[1:]:
         c.done.add(id(m))
         c.entries.append(Entry(m.name or m.op_type, m.op_type, "fused", f"into the table of {node.name or node.op_type}"))
-    v, _ = c.emit_q(qnode, None, nhwc=srcv.nhwc, q=qy, rank=srcv.rank, fused=[qnode], op_node=node)
+    v = c.emit_q(qnode, nhwc=srcv.nhwc, q=qy, rank=srcv.rank, fused=[qnode], op_node=node)
     st = S.LutStep(node.name or node.op_type, node.op_type, srcv.slot, v.slot, lut, c.K)
     c.steps.append(st)
     if lut.ndim == 1:

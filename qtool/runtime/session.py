@@ -11,7 +11,6 @@ binds each step to its buffers; later runs with those shapes only call the bound
 """
 from __future__ import annotations
 
-import functools
 import os
 import time
 from collections import Counter, OrderedDict
