@@ -30,6 +30,7 @@ class TradeoffPoint:
     sqnr_db: float
     accuracy_drop_pt: float | None
     ort_int8_ms: float | None
+    added: str = ""  # the layer this step kept in fp32
 
 
 @dataclass
@@ -106,6 +107,7 @@ def exclude_sensitive(fused, table, method, ranking: list, feeds: list, referenc
             cand = dict(excl, **{name: f"kept fp32 by --exclude-sensitive (rank {next(s.rank for s in ranking if s.name == name)})"})
             tried.append((name, cand) + evaluate(cand))
         name, cand, q, pt = max(tried, key=lambda t: score(t[3]))
+        pt.added = name
         order.remove(name)
         excl = cand
         if measure_latency:

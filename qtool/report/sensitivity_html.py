@@ -106,7 +106,7 @@ def render(report: dict) -> str:
     ex = report.get("exclusion") or {}
     curve = ex.get("curve", [])
     trade = "".join(
-        f'<tr><td>{len(p["excluded"])}</td><td class="l">{escape(", ".join(p["excluded"][-1:]) or "(all int8)")}</td>'
+        f'<tr><td>{len(p["excluded"])}</td><td class="l">{escape(p.get("added") or "(all int8)")}</td>'
         f'<td>{p["agreement"]:.4f}</td><td>{p["predicted_agreement"]:.4f}</td><td>{_fmt(p["sqnr_db"])}</td>'
         f'<td>{_fmt(p.get("accuracy_drop_pt"))}</td><td>{_fmt(p.get("ort_int8_ms"))}</td></tr>' for p in curve)
     fp32_ops = report.get("fp32_ops", [])
