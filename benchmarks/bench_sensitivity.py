@@ -1,0 +1,87 @@
+#!/usr/bin/env python3
+"""Sensitivity report and --exclude-sensitive on an ImageNet classifier, judged on the evaluation split.
+
+Calibrates on the calibration split (sorted index % 10 == 0), computes per-layer sensitivity
+on 64 of those images (timed), then measures on the other 900 images: the model with the
+top-ranked layer alone kept fp32 against the one with the median-ranked layer alone kept fp32,
+and the model --exclude-sensitive writes.
+
+  python benchmarks/bench_sensitivity.py --model M.onnx --images DIR [--config efficientnet-lite]
+"""
+import argparse
+import glob
+import json
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+import onnx
+
+from qtool.calibrate.config import load_config
+from qtool.calibrate.images import load_image
+from qtool.calibrate.run import calibrate
+from qtool.calibrate.table import load_table
+from qtool.metrics import sqnr_db, top1_agreement
+from qtool.quantize.qdq import quantize_graph
+from qtool.quantize.run import SensitivityOptions, quantize
+from qtool.quantize.sensitivity import run_first_output
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--images", required=True)
+    p.add_argument("--config", default="efficientnet-lite")
+    p.add_argument("--method", default="minmax")
+    p.add_argument("--out", default="bench_out")
+    a = p.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    files = sorted(glob.glob(os.path.join(a.images, "*.JPEG")))
+    calib = [f for i, f in enumerate(files) if i % 10 == 0]
+    evals = [f for i, f in enumerate(files) if i % 10]
+    work = tempfile.mkdtemp(prefix="qtool-sens-")
+    cdir = os.path.join(work, "calib")
+    os.makedirs(cdir)
+    for f in calib:
+        os.symlink(os.path.abspath(f), os.path.join(cdir, os.path.basename(f)))
+    calibrate(a.model, cdir, a.config, a.method, workdir=work, show_progress=False)
+    t = time.time()
+    r = quantize(work, sensitivity=SensitivityOptions(samples=64, exclude_sensitive=True, show_progress=False),
+                 say=lambda s: None)
+    total = time.time() - t
+    sens = r.sensitivity
+    layers = sorted(sens["layers"], key=lambda l: l["rank"])
+    cfg = load_config(a.config)
+    xs = np.concatenate([load_image(f, cfg) for f in evals])
+    name = onnx.load(os.path.join(work, "fused.onnx"), load_external_data=False).graph.input[0].name
+    feeds = [{name: xs[k:k + 50]} for k in range(0, len(xs), 50)]
+    fused = onnx.load(os.path.join(work, "fused.onnx"))
+    table = load_table(os.path.join(work, "calibration.json"))
+    ref = run_first_output(fused, feeds)
+
+    def judge(exclude):
+        y = run_first_output(quantize_graph(fused, table, a.method, exclude).model, feeds)
+        return {"agreement": top1_agreement(ref, y), "sqnr_db": sqnr_db(ref, y), "excluded": sorted(exclude)}
+
+    top, median = layers[0]["name"], layers[len(layers) // 2]["name"]
+    res = {"sensitivity_seconds": sens["seconds"], "layers": len(layers), "samples": sens["samples"],
+           "quantize_with_exclusion_seconds": total,
+           "all_int8": judge({}), "top_ranked_fp32": judge({top: "top"}), "median_ranked_fp32": judge({median: "m"}),
+           "exclude_sensitive": judge(r.exclusion.excluded), "exclude_sensitive_reached_on_calibration": r.exclusion.reached}
+    print(f"sensitivity of {len(layers)} layers on {sens['samples']} images: {sens['seconds']:.1f}s "
+          f"(whole quantize with --exclude-sensitive {total:.1f}s)")
+    print(f"evaluation split, {len(evals)} images: agreement / output SQNR")
+    for key, label in (("all_int8", "all int8"), ("top_ranked_fp32", f"rank 1 fp32 ({top})"),
+                       ("median_ranked_fp32", f"rank {len(layers) // 2 + 1} fp32 ({median})"),
+                       ("exclude_sensitive", f"--exclude-sensitive ({len(r.exclusion.excluded)} fp32)")):
+        print(f"  {label:60} {res[key]['agreement']:.4f}  {res[key]['sqnr_db']:.2f} dB")
+    print(f"  --exclude-sensitive kept fp32: {', '.join(r.exclusion.excluded) or 'none'}")
+    with open(os.path.join(a.out, "sensitivity.json"), "w") as f:
+        json.dump(res, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
