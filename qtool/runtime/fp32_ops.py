@@ -383,6 +383,13 @@ def _pool_geometry(x, at):
     return kh, kw, sh, sw, dh, dw, p, oh[0], oh[1]
 
 
+def _taps(xp, kh, kw, sh, sw, dh, dw, oh, ow):
+    """The kh*kw strided views of a padded NCHW tensor, one per kernel tap."""
+    for i in range(kh):
+        for j in range(kw):
+            yield xp[:, :, i * dh:i * dh + sh * (oh - 1) + 1:sh, j * dw:j * dw + sw * (ow - 1) + 1:sw]
+
+
 @op("MaxPool")
 def max_pool(ins, at):
     x = ins[0]
@@ -390,7 +397,10 @@ def max_pool(ins, at):
     eh = max(0, (oh - 1) * sh + (kh - 1) * dh + 1 - x.shape[2] - p[0])
     ew = max(0, (ow - 1) * sw + (kw - 1) * dw + 1 - x.shape[3] - p[1])
     xp = np.pad(x, ((0, 0), (0, 0), (p[0], eh), (p[1], ew)), constant_values=-np.inf)
-    return [_im2col(xp, kh, kw, sh, sw, dh, dw, oh, ow).max(axis=(2, 3)).astype(x.dtype)]
+    y = None
+    for v in _taps(xp, kh, kw, sh, sw, dh, dw, oh, ow):
+        y = v.copy() if y is None else np.maximum(y, v, out=y)
+    return [y.astype(x.dtype)]
 
 
 @op("AveragePool")
@@ -400,7 +410,9 @@ def avg_pool(ins, at):
     eh = max(0, (oh - 1) * sh + (kh - 1) * dh + 1 - x.shape[2] - p[0])
     ew = max(0, (ow - 1) * sw + (kw - 1) * dw + 1 - x.shape[3] - p[1])
     xp = np.pad(x, ((0, 0), (0, 0), (p[0], eh), (p[1], ew)))
-    s = _im2col(xp, kh, kw, sh, sw, dh, dw, oh, ow).sum(axis=(2, 3))
+    s = None
+    for v in _taps(xp, kh, kw, sh, sw, dh, dw, oh, ow):
+        s = v.copy() if s is None else np.add(s, v, out=s)
     if at.get("count_include_pad", 0):
         ones = np.pad(np.ones((1, 1) + x.shape[2:], np.float32), ((0, 0), (0, 0), (p[0], p[2]), (p[1], p[3])))
         ones = np.pad(ones, ((0, 0), (0, 0), (0, max(0, eh - p[2])), (0, max(0, ew - p[3]))))
