@@ -100,6 +100,10 @@ CONV_CASES = [
     (1, 2, 2, 16, 16, 5, 5, 2, (2, 2, 2, 2), 1, 16),
     (1, 7, 7, 1152, 1152, 5, 5, 1, (2, 2, 2, 2), 1, 1152),  # EfficientNet-Lite0's last depthwise
     (1, 3, 3, 2, 4, 3, 3, 2, (1, 1, 1, 1), 1, 1),        # im2col with padding everywhere
+    (1, 7, 6, 96, 40, 3, 3, 1, (1, 1, 1, 1), 1, 1),      # K-blocked taps (8 + 1), half panel
+    (2, 9, 9, 256, 33, 3, 3, 2, (1, 1, 1, 1), 1, 1),     # K-blocked taps (3 x 3), batch 2
+    (1, 6, 7, 66, 64, 5, 5, 1, (2, 2, 2, 2), 1, 1),      # K-blocked taps (11 + 11 + 3), K % 4
+    (1, 5, 5, 200, 70, 3, 3, 1, (1, 1, 1, 1), 1, 2),     # K-blocked with groups
 ]
 
 

@@ -6,6 +6,8 @@
 
 static size_t round_up(size_t v, size_t m) { return (v + m - 1) / m * m; }
 
+#define QT_L1_SLICE (24 * 1024)
+
 static void* qt_alloc(size_t n) {
   void* p = NULL;
   if (posix_memalign(&p, 64, n ? round_up(n, 64) : 64) != 0) return NULL;
@@ -78,6 +80,12 @@ qt_conv* qt_conv_create(const int8_t* w, const int32_t* bias, const float* mult,
   cv->gemm_kc = cv->im2col ? ks * cin_g : cin_g;
   const size_t kcp = round_up(cv->gemm_kc, kr);
   cv->panel_bytes = round_up(nr * 8 + cv->gemm_ks * kcp * nr * es, 64);
+  /* K blocking: when a panel's weights exceed ~L1, run blocks of taps over several row blocks
+   * with int32 partial sums, so each weight slice is read from L2 once per row-block run. */
+  if (gc->ukernel_acc && cv->gemm_ks > 1 && cv->gemm_ks * kcp * nr * es > QT_L1_SLICE) {
+    size_t tb = QT_L1_SLICE / (kcp * nr * es);
+    cv->tap_block = tb < 1 ? 1 : tb;
+  }
   cv->panels_per_group = (cout_g + nr - 1) / nr;
   cv->w_bytes = cv->panel_bytes * cv->panels_per_group * groups;
   cv->w = qt_alloc(cv->w_bytes);
@@ -163,20 +171,50 @@ static void igemm_task(void* ctx, size_t begin, size_t end) {
   const conv_job* j = (const conv_job*)ctx;
   const qt_conv* cv = j->cv;
   const qt_igemm_config* gc = &cv->d->igemm;
-  const size_t mr = gc->mr, nr = gc->nr, ks = cv->gemm_ks;
+  const size_t mr = gc->mr, nr = gc->nr, ks = cv->gemm_ks, kc = cv->gemm_kc;
   const size_t es = cv->rq.out_f32 ? 4 : 1;
-  for (size_t t = begin; t < end; t++) {
-    const size_t gp = t / cv->mblocks, mb = t % cv->mblocks;
-    const size_t g = gp / cv->panels_per_group, p = gp % cv->panels_per_group;
-    const size_t row0 = mb * mr;
-    const size_t rows = j->m - row0 < mr ? j->m - row0 : mr;
+  const size_t mblocks = cv->mblocks, ppg = cv->panels_per_group;
+  int32_t* scratch = NULL;
+  size_t t = begin;
+  while (t < end) {
+    const size_t gp = t / mblocks, mb0 = t % mblocks;
+    const size_t g = gp / ppg, p = gp % ppg;
     const size_t col0 = p * nr;
     const size_t nc = cv->cout_g - col0 < nr ? cv->cout_g - col0 : nr;
-    const qt_igemm_ukernel uk = (gc->ukernel_half && nc <= nr / 2) ? gc->ukernel_half : gc->ukernel;
-    uk(rows, nc, cv->gemm_kc, ks, cv->ind + mb * ks * mr, j->x + g * cv->cin_g, cv->zero,
-                (const char*)cv->w + gp * cv->panel_bytes,
-                (char*)j->y + (row0 * cv->cout + g * cv->cout_g + col0) * es, cv->cout * es, &cv->rq);
+    size_t mb1 = mblocks;                       /* this run: row blocks of one panel */
+    if ((gp + 1) * mblocks > end) mb1 = end - gp * mblocks;
+    const uint8_t* xg = j->x + g * cv->cin_g;
+    const char* panel = (const char*)cv->w + gp * cv->panel_bytes;
+    char* cbase = (char*)j->y + (g * cv->cout_g + col0) * es;
+    const size_t cstride = cv->cout * es;
+    if (cv->tap_block && nc > nr / 2) {
+      if (!scratch) scratch = (int32_t*)malloc(sizeof(int32_t) * mr * nr * mblocks);
+    }
+    if (cv->tap_block && nc > nr / 2 && scratch) {
+      for (size_t t0 = 0; t0 < ks; t0 += cv->tap_block) {
+        const size_t nt = ks - t0 < cv->tap_block ? ks - t0 : cv->tap_block;
+        const int first = t0 == 0, last = t0 + nt >= ks;
+        for (size_t mb = mb0; mb < mb1; mb++) {
+          const size_t row0 = mb * mr;
+          const size_t rows = j->m - row0 < mr ? j->m - row0 : mr;
+          int32_t* acc = scratch + (mb - mb0) * mr * nr;
+          gc->ukernel_acc(rows, nc, kc, t0, nt, cv->ind + (mb * ks + t0) * mr, xg, cv->zero, panel,
+                          first ? NULL : acc, last ? NULL : acc, cbase + row0 * cstride, cstride,
+                          &cv->rq);
+        }
+      }
+    } else {
+      const qt_igemm_ukernel uk = (gc->ukernel_half && nc <= nr / 2) ? gc->ukernel_half : gc->ukernel;
+      for (size_t mb = mb0; mb < mb1; mb++) {
+        const size_t row0 = mb * mr;
+        const size_t rows = j->m - row0 < mr ? j->m - row0 : mr;
+        uk(rows, nc, kc, ks, cv->ind + mb * ks * mr, xg, cv->zero, panel, cbase + row0 * cstride,
+           cstride, &cv->rq);
+      }
+    }
+    t = gp * mblocks + mb1;
   }
+  free(scratch);
 }
 
 /* Depthwise indirection, cached per input shape. Pointers point into the input seen when it was

@@ -69,12 +69,20 @@ typedef void (*qt_dwconv_ukernel)(size_t channels, size_t ow, size_t ks, const u
                                   uint8_t* out, size_t out_stride, const qt_requant* rq);
 #define QT_DW_PTR(ptr, off, zero) ((ptr) != (zero) ? (ptr) + (off) : (zero))
 
+/* K-blocked igemm: taps [t0, t0 + ks) of a full panel; acc_in NULL = start from the bias;
+ * acc_out non-NULL = write MR x NR int32 partial sums instead of the output. */
+typedef void (*qt_igemm_acc_ukernel)(size_t mr, size_t nc, size_t kc, size_t t0, size_t ks,
+                                     const intptr_t* ind, const uint8_t* x, const uint8_t* zero,
+                                     const void* w, const int32_t* acc_in, int32_t* acc_out,
+                                     void* c, size_t cm_stride, const qt_requant* rq);
+
 typedef struct {
   const char* name;
   qt_igemm_ukernel ukernel;
   size_t mr, nr, kr;   /* tile; kr = K grouping of the packed weights */
   size_t welem;        /* bytes per packed weight element (1 = int8, 2 = int16) */
   qt_igemm_ukernel ukernel_half;  /* optional NR/2-wide variant for a group's last <= NR/2 columns */
+  qt_igemm_acc_ukernel ukernel_acc; /* optional K-blocked variant (int32 partial sums in/out) */
 } qt_igemm_config;
 
 typedef struct {
