@@ -414,7 +414,7 @@ def avg_pool(ins, at):
     for v in _taps(xp, kh, kw, sh, sw, dh, dw, oh, ow):
         s = v.copy() if s is None else np.add(s, v, out=s)
     if at.get("count_include_pad", 0):
-        ones = np.pad(np.ones((1, 1) + x.shape[2:], np.float32), ((0, 0), (0, 0), (p[0], p[2]), (p[1], p[3])))
+        ones = np.pad(np.ones((1, 1) + x.shape[2:], np.float32), ((0, 0), (0, 0), (p[0], p[2]), (p[1], p[3])), constant_values=1)
         ones = np.pad(ones, ((0, 0), (0, 0), (0, max(0, eh - p[2])), (0, max(0, ew - p[3]))))
     else:
         ones = np.pad(np.ones((1, 1) + x.shape[2:], np.float32), ((0, 0), (0, 0), (p[0], eh), (p[1], ew)))

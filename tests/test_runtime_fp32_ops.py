@@ -1,0 +1,57 @@
+"""The runtime's fp32 numpy fallbacks against ONNX Runtime, one node at a time."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+ort = pytest.importorskip("onnxruntime")
+
+from qtool.runtime.fp32_ops import FP32_OPS  # noqa: E402
+
+X = np.random.default_rng(0).standard_normal((2, 5, 12, 11)).astype(np.float32)
+I64 = lambda *v: np.array(v, np.int64)  # noqa: E731
+F32 = lambda *v: np.array(v, np.float32)  # noqa: E731
+
+CASES = [
+    ("MaxPool", [], dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])),
+    ("MaxPool", [], dict(kernel_shape=[3, 3], strides=[2, 2], ceil_mode=1)),
+    ("MaxPool", [], dict(kernel_shape=[2, 3], strides=[1, 2], dilations=[2, 1], pads=[0, 1, 1, 0])),
+    ("AveragePool", [], dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])),
+    ("AveragePool", [], dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1], count_include_pad=1)),
+    ("AveragePool", [], dict(kernel_shape=[2, 2], strides=[2, 2], ceil_mode=1)),
+    ("GlobalAveragePool", [], {}),
+    ("Conv", [np.random.default_rng(1).standard_normal((6, 5, 3, 3)).astype(np.float32)], dict(pads=[1, 0, 1, 2], strides=[2, 1])),
+    ("Conv", [np.random.default_rng(2).standard_normal((5, 1, 3, 3)).astype(np.float32)], dict(group=5, auto_pad="SAME_UPPER")),
+    ("Softmax", [], dict(axis=1)),
+    ("Sigmoid", [], {}),
+    ("HardSigmoid", [], dict(alpha=0.2, beta=0.5)),
+    ("HardSwish", [], {}),
+    ("LeakyRelu", [], dict(alpha=0.1)),
+    ("Resize", [np.zeros(0, np.float32), F32(1, 1, 2, 2)], dict(mode="nearest")),
+    ("Resize", [np.zeros(0, np.float32), np.zeros(0, np.float32), I64(2, 5, 7, 30)],
+     dict(mode="nearest", coordinate_transformation_mode="asymmetric", nearest_mode="floor")),
+    ("Slice", [I64(1, 2), I64(10, 100), I64(2, 3), I64(2, 3)], {}),
+    ("Pad", [I64(0, 0, 1, 2, 0, 0, 3, 0), F32(0.5)], dict(mode="constant")),
+    ("Transpose", [], dict(perm=[0, 2, 3, 1])),
+    ("ReduceMean", [], dict(axes=[2, 3], keepdims=1)),
+    ("Flatten", [], dict(axis=1)),
+]
+
+
+@pytest.mark.parametrize("op,extra,attrs", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_fp32_op_matches_ort(op, extra, attrs):
+    names = ["x"] + [f"in{i}" for i in range(len(extra))]
+    inits = [numpy_helper.from_array(a, n) for a, n in zip(extra, names[1:])]
+    node = helper.make_node(op, names, ["y"], **attrs)
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, X.shape)],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=inits)
+    opset = 17 if op not in ("ReduceMean",) else 13
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = 8
+    ref = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": X})[0]
+    at = dict(attrs)
+    at["_n_outputs"] = 1
+    y = FP32_OPS[op]([X] + [e if e.size else None for e in extra], at)[0]
+    assert y.shape == ref.shape
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
