@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -97,6 +98,22 @@ def load_image(path: str, cfg: Preprocess) -> np.ndarray:
     return np.ascontiguousarray(x[None], np.float32)
 
 
+def _bounded_map(pool, fn, items, ahead: int):
+    """(item, fn(item)) in order, with at most `ahead` calls submitted but not yet consumed."""
+    pending = deque()
+    it = iter(items)
+    for item in it:
+        pending.append((item, pool.submit(fn, item)))
+        if len(pending) >= ahead:
+            break
+    while pending:
+        item, fut = pending.popleft()
+        nxt = next(it, None)
+        if nxt is not None:
+            pending.append((nxt, pool.submit(fn, nxt)))
+        yield item, fut.result()
+
+
 @dataclass
 class ImageStream:
     """Iterates (names, batch) over image files; bad files are skipped and recorded."""
@@ -113,8 +130,9 @@ class ImageStream:
     def __iter__(self):
         names, xs = [], []
         with ThreadPoolExecutor(self.workers) as pool:
-            # Pillow releases the GIL while decoding and resizing: two files at once
-            for path, res in zip(self.files, pool.map(self._safe_load, self.files)):
+            # Pillow releases the GIL while decoding and resizing: two files at once, and at
+            # most two batches decoded ahead, so memory does not grow with the folder
+            for path, res in _bounded_map(pool, self._safe_load, self.files, 2 * self.batch + self.workers):
                 if isinstance(res, str):
                     self.skipped.append(res)
                     warnings.warn(f"skipping unreadable image {res}", stacklevel=2)
