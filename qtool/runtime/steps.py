@@ -244,13 +244,33 @@ class MulStep(Step):
         self.kernel = "native" if self.native else "numpy"
         self.tmp = {}
 
+    def _args(self, env):
+        """(a, b, kw) with the full-size operand first (the product is symmetric)."""
+        a, b = env[self.ins[0]], env[self.ins[1]]
+        kw = self.kw
+        if a.size < b.size:
+            a, b = b, a
+            kw = dict(kw, a_scale=kw["b_scale"], a_zp=kw["b_zp"], b_scale=kw["a_scale"], b_zp=kw["a_zp"])
+        return a, b, kw
+
+    def bind(self, env, out):
+        f = getattr(self.K, "bind_mul", None)
+        if f is not None and out is not None:
+            a, b, kw = self._args(env)
+            try:
+                return f(a, b, out[0], **kw)
+            except ValueError:  # a broadcast the kernel does not take: numpy
+                pass
+        return super().bind(env, out)
+
     def run(self, env, out):
         a, b = env[self.ins[0]], env[self.ins[1]]
         if self.native is not None:
             try:
-                env[self.outs[0]] = self.native(a, b, out=out[0] if out else None, **self.kw)
+                a2, b2, kw = self._args(env)
+                env[self.outs[0]] = self.native(a2, b2, out=out[0] if out else None, **kw)
                 return
-            except ValueError:  # e.g. a broadcast the kernel does not take
+            except ValueError:  # a broadcast the kernel does not take
                 pass
         shape = np.broadcast_shapes(a.shape, b.shape)
         t = self.tmp.get(shape)
@@ -464,14 +484,22 @@ class LutStep(Step):
         self.flat = np.ascontiguousarray(lut.reshape(-1))
         self.offs = (np.arange(lut.shape[0], dtype=np.int32) * 256) if lut.ndim == 2 else None
         self.idx = {}
-        self.native = getattr(K, "lut", None) if K is not None and lut.ndim == 1 else None
+        self.K = K
+        self.native = getattr(K, "lut", None) if K is not None else None
+        self.table = np.ascontiguousarray(lut)
         self.kernel = "native lut" if self.native else "numpy lut"
+
+    def bind(self, env, out):
+        f = getattr(self.K, "bind_lut", None)
+        if f is None or out is None:
+            return super().bind(env, out)
+        return f(env[self.ins[0]], self.table, out[0])
 
     def run(self, env, out):
         x = env[self.ins[0]]
         y = out[0] if out else np.empty(x.shape, np.uint8)
         if self.native is not None:
-            env[self.outs[0]] = self.native(x, self.flat, out=y)
+            env[self.outs[0]] = self.native(x, self.table, out=y)
             return
         if self.offs is None:
             np.take(self.flat, x, out=y)
