@@ -78,6 +78,18 @@ qt_conv* qt_conv_create(const int8_t* w, const int32_t* bias, const float* mult,
   cv->im2col = groups == 1 && ks > 1 && cin_g < 8;
   cv->gemm_ks = cv->im2col ? 1 : ks;
   cv->gemm_kc = cv->im2col ? ks * cin_g : cin_g;
+  cv->ksplit = 1;
+  if (gc->ukernel_acc && !cv->im2col && ks == 1 && cin_g * nr * es > QT_L1_SLICE) {
+    /* 1x1 with a long K: split K into S "virtual taps" (kc/S a multiple of 4) so the K blocking
+     * below applies; the packed order [K/4][NR][4] is unchanged. */
+    for (size_t sp = 2; sp <= cin_g / 4; sp++)
+      if (cin_g % (4 * sp) == 0 && (cin_g / sp) * nr * es <= QT_L1_SLICE) {
+        cv->ksplit = sp;
+        break;
+      }
+    cv->gemm_ks = cv->ksplit;
+    cv->gemm_kc = cin_g / cv->ksplit;
+  }
   const size_t kcp = round_up(cv->gemm_kc, kr);
   cv->panel_bytes = round_up(nr * 8 + cv->gemm_ks * kcp * nr * es, 64);
   /* K blocking: when a panel's weights exceed ~L1, run blocks of taps over several row blocks
@@ -144,6 +156,7 @@ static int build_indirection(qt_conv* cv, size_t n, size_t h, size_t w, size_t o
       size_t row = mb * mr + i;
       if (row >= m) row = m - 1;  /* rows past the end repeat the last one (stores are skipped) */
       size_t b = row / (oh * ow), rem = row % (oh * ow), oy = rem / ow, ox = rem % ow;
+      const size_t S = cv->ksplit;  /* virtual taps per real tap (K split), usually 1 */
       for (size_t ky = 0; ky < cv->kh; ky++)
         for (size_t kx = 0; kx < cv->kw; kx++) {
           ptrdiff_t iy = (ptrdiff_t)(oy * cv->sh + ky * cv->dh) - (ptrdiff_t)cv->pt;
@@ -151,7 +164,9 @@ static int build_indirection(qt_conv* cv, size_t n, size_t h, size_t w, size_t o
           intptr_t off = -1;
           if (iy >= 0 && iy < (ptrdiff_t)h && ix >= 0 && ix < (ptrdiff_t)w)
             off = (intptr_t)(((b * h + (size_t)iy) * w + (size_t)ix) * cv->cin);
-          ind[(mb * ks + ky * cv->kw + kx) * mr + i] = off;
+          for (size_t vt = 0; vt < S; vt++)
+            ind[(mb * ks + (ky * cv->kw + kx) * S + vt) * mr + i] =
+                off < 0 ? -1 : off + (intptr_t)(vt * cv->gemm_kc);
         }
     }
   cv->ind = ind;
@@ -187,10 +202,10 @@ static void igemm_task(void* ctx, size_t begin, size_t end) {
     const char* panel = (const char*)cv->w + gp * cv->panel_bytes;
     char* cbase = (char*)j->y + (g * cv->cout_g + col0) * es;
     const size_t cstride = cv->cout * es;
-    if (cv->tap_block && nc > nr / 2) {
-      if (!scratch) scratch = (int32_t*)malloc(sizeof(int32_t) * mr * nr * mblocks);
-    }
-    if (cv->tap_block && nc > nr / 2 && scratch) {
+    /* K blocking pays off only when a weight slice is reused by several row blocks */
+    const int blocked = cv->tap_block && nc > nr / 2 && mb1 - mb0 >= 2;
+    if (blocked && !scratch) scratch = (int32_t*)malloc(sizeof(int32_t) * mr * nr * mblocks);
+    if (blocked && scratch) {
       for (size_t t0 = 0; t0 < ks; t0 += cv->tap_block) {
         const size_t nt = ks - t0 < cv->tap_block ? ks - t0 : cv->tap_block;
         const int first = t0 == 0, last = t0 + nt >= ks;

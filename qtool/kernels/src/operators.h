@@ -22,6 +22,7 @@ typedef struct {
   const uint8_t* dw_base;
   size_t dw_row_ptrs, dw_step;   /* pointers per output row, pointer advance per output pixel */
   size_t gemm_ks, gemm_kc;       /* taps and bytes per tap the igemm microkernel sees */
+  size_t ksplit;                 /* 1x1 with long K: K split into this many virtual taps */
   size_t tap_block;              /* > 0: K-blocked over taps so a panel slice stays in L1 */
   pthread_mutex_t lock;          /* the caches below belong to one call at a time */
   int im2col;                    /* small Cin: patches copied to a [M][KH*KW*Cin] buffer first */
