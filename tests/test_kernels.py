@@ -100,13 +100,13 @@ CONV_CASES = [
     (1, 2, 2, 16, 16, 5, 5, 2, (2, 2, 2, 2), 1, 16),
     (1, 7, 7, 1152, 1152, 5, 5, 1, (2, 2, 2, 2), 1, 1152),  # EfficientNet-Lite0's last depthwise
     (1, 3, 3, 2, 4, 3, 3, 2, (1, 1, 1, 1), 1, 1),        # im2col with padding everywhere
-    (1, 7, 6, 96, 40, 3, 3, 1, (1, 1, 1, 1), 1, 1),      # K-blocked taps (8 + 1), half panel
-    (2, 9, 9, 256, 33, 3, 3, 2, (1, 1, 1, 1), 1, 1),     # K-blocked taps (3 x 3), batch 2
-    (1, 6, 7, 66, 64, 5, 5, 1, (2, 2, 2, 2), 1, 1),      # K-blocked taps (11 + 11 + 3), K % 4
-    (1, 5, 5, 200, 70, 3, 3, 1, (1, 1, 1, 1), 1, 2),     # K-blocked with groups
-    (1, 5, 4, 1024, 36, 1, 1, 1, (0, 0, 0, 0), 1, 1),    # 1x1, K split into virtual taps
+    (1, 9, 8, 96, 40, 3, 3, 1, (1, 1, 1, 1), 1, 1),      # K-blocked taps (8 + 1), half panel
+    (2, 15, 15, 256, 33, 3, 3, 2, (1, 1, 1, 1), 1, 1),   # K-blocked taps (3 x 3), batch 2
+    (1, 9, 9, 66, 64, 5, 5, 1, (2, 2, 2, 2), 1, 1),      # K-blocked taps (11 + 11 + 3), K % 4
+    (1, 8, 9, 200, 70, 3, 3, 1, (1, 1, 1, 1), 1, 2),     # K-blocked with groups
+    (1, 9, 8, 1024, 36, 1, 1, 1, (0, 0, 0, 0), 1, 1),    # 1x1, K split into virtual taps
     (1, 7, 7, 2048, 32, 1, 1, 2, (0, 0, 0, 0), 1, 1),    # 1x1 stride 2, K split
-    (1, 3, 5, 1000, 17, 1, 1, 1, (1, 0, 0, 1), 1, 1),    # 1x1 padded, K split (1000 = 4 * 250)
+    (1, 7, 9, 1000, 17, 1, 1, 1, (1, 0, 0, 1), 1, 1),    # 1x1 padded, K split (1000 = 4 * 250)
 ]
 
 
@@ -133,6 +133,14 @@ def test_conv2d(isa, case):
         got = K.conv2d(p, x, out=out)
         check(p.kernel, got, want, big, canary, 1, f"case {case}, x_zp={x_zp} y_zp={y_zp} [{lo},{hi}]")
     assert (K.conv2d(p, x) == want).all()  # second call reuses the cached indirection
+    if cin // g * kh * kw * 32 > 24 * 1024:  # large panels: also the K-blocked path on every run
+        K._native.set_kblock(2)
+        try:
+            pb = K.pack_conv2d(wt, bias, **kw_args)
+        finally:
+            K._native.set_kblock(1)
+        check(pb.kernel + " (K-blocked)", K.conv2d(pb, x), want, np.full(2 * GUARD, 0, np.uint8), 0, 1,
+              f"case {case}")
 
 
 GEMM_CASES = [(m, k, nn) for m, k, nn in [

@@ -84,6 +84,14 @@ static PyObject* py_set_parallel_min_ns(PyObject* self, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+static PyObject* py_set_kblock(PyObject* self, PyObject* args) {
+  (void)self;
+  int mode;
+  if (!PyArg_ParseTuple(args, "i", &mode)) return NULL;
+  qt_set_kblock(mode);
+  Py_RETURN_NONE;
+}
+
 static PyObject* py_get_num_threads(PyObject* self, PyObject* args) {
   (void)self; (void)args;
   return PyLong_FromLong(qt_get_num_threads());
@@ -368,6 +376,7 @@ static PyMethodDef methods[] = {
     {"get_isa", py_get_isa, METH_NOARGS, "selected ISA"},
     {"set_num_threads", py_set_num_threads, METH_VARARGS, "threads used by the kernels"},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "threads used by the kernels"},
+    {"set_kblock", py_set_kblock, METH_VARARGS, "K blocking of large igemm panels: 0 off, 1 on, 2 forced (objects packed later)"},
     {"set_parallel_min_ns", py_set_parallel_min_ns, METH_VARARGS,
      "ops estimated below this many ns run on the calling thread"},
     {"conv_create", py_conv_create, METH_VARARGS, "pack a convolution / GEMM"},

@@ -23,7 +23,8 @@ typedef struct {
   size_t dw_row_ptrs, dw_step;   /* pointers per output row, pointer advance per output pixel */
   size_t gemm_ks, gemm_kc;       /* taps and bytes per tap the igemm microkernel sees */
   size_t ksplit;                 /* 1x1 with long K: K split into this many virtual taps */
-  size_t tap_block;              /* > 0: K-blocked over taps so a panel slice stays in L1 */
+  size_t tap_block;
+  int kblock_forced;              /* > 0: K-blocked over taps so a panel slice stays in L1 */
   pthread_mutex_t lock;          /* the caches below belong to one call at a time */
   int im2col;                    /* small Cin: patches copied to a [M][KH*KW*Cin] buffer first */
   uint8_t* col;
@@ -36,6 +37,7 @@ qt_conv* qt_conv_create(const int8_t* w, const int32_t* bias, const float* mult,
                         size_t pt, size_t pl, size_t dh, size_t dw, int32_t x_zp, int32_t y_zp,
                         int32_t lo, int32_t hi, int out_f32, int depthwise);
 void qt_conv_free(qt_conv* cv);
+void qt_set_kblock(int on);
 int qt_conv_run(qt_conv* cv, const uint8_t* x, size_t n, size_t h, size_t w, void* y, size_t oh,
                 size_t ow);
 void qt_pool(const uint8_t* x, uint8_t* y, size_t n, size_t h, size_t w, size_t c, size_t oh,
