@@ -74,7 +74,12 @@ def bench(model: str, fp32: str | None = None, batches=(1, 8), threads: int = 2,
     if fp32:
         engines["ort_fp32"] = ort_session(fp32, threads)
     from qtool.runtime.backend import kernel_info
-    res = {"model": os.path.abspath(model), "fp32": os.path.abspath(fp32) if fp32 else None, "threads": threads,
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    cpus = os.cpu_count() or 1
+    if log and load is not None and load > 0.5 * cpus:
+        log(f"note: load average {load:.1f} on {cpus} CPUs: other processes share the cores, absolute times are "
+            f"inflated; compare the ratios (the engines take turns in every repetition)")
+    res = {"load_average": load, "cpus": cpus, "model": os.path.abspath(model), "fp32": os.path.abspath(fp32) if fp32 else None, "threads": threads,
            "isa": kernel_info(native.K).get("isa"), "backend": native.backend,
            "fallback_nodes": len(native.fallback_nodes()), "batches": {}}
     for bs in batches:
