@@ -1,7 +1,6 @@
 """Preprocessing configuration: a TOML file (configs/*.toml) -> a plain dataclass."""
 from __future__ import annotations
 
-import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,8 +118,6 @@ def config_from_model_shape(c: Preprocess, dims: list) -> Preprocess:
     return c
 
 
-def describe(c: Preprocess) -> str:
-    return os.path.basename(c.source)
 
 
 def config_from_any(config) -> Preprocess:
