@@ -37,6 +37,7 @@ test: install
 
 # Benchmarks take the shared models and images as arguments (never copied into the repo).
 bench: install
+	$(PY) -m pip install -q --no-build-isolation -e '.[test,bench]'
 	$(PY) benchmarks/bench_accuracy.py --model $(SHARED)/models/efficientnet-lite0.onnx \
 	    --images $(SHARED)/imagenet-samples --anchor $(SHARED)/anchors/ort_anchor.py --out bench_out
 	$(PY) benchmarks/bench_calibration_memory.py --images $(SHARED)/imagenet-samples --out bench_out
