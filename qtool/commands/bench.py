@@ -22,7 +22,7 @@ def command(model, fp32, batches, threads, repeats, shape, profile, json_path, w
     """Time qtool's native int8 runtime, ONNX Runtime int8 (same file) and ONNX Runtime fp32.
 
     Prints the median ms/image of each engine per batch size and the ratios; the engines take
-    turns inside every repetition, so a busy machine slows them alike.
+    turns in short blocks (each after an untimed run), so a busy machine slows them alike.
 
     \b
     Example:

@@ -1,6 +1,7 @@
 """Speed of qtool's native runtime against ONNX Runtime (int8 on the same file, fp32 on the
-original), measured side by side: the engines take turns within each repetition, so load from
-other processes hits all of them alike. Library side of `qtool bench`."""
+original), measured side by side: the engines take turns in short blocks (each block starts with
+an untimed run), so load from other processes hits all of them alike while one engine's spinning
+thread pool does not slow the next. Library side of `qtool bench`."""
 from __future__ import annotations
 
 import os
@@ -78,7 +79,7 @@ def bench(model: str, fp32: str | None = None, batches=(1, 8), threads: int = 2,
     cpus = os.cpu_count() or 1
     if log and load is not None and load > 0.5 * cpus:
         log(f"note: load average {load:.1f} on {cpus} CPUs: other processes share the cores, absolute times are "
-            f"inflated; compare the ratios (the engines take turns in every repetition)")
+            f"inflated; compare the ratios (the engines take turns in short blocks)")
     res = {"load_average": load, "cpus": cpus, "model": os.path.abspath(model), "fp32": os.path.abspath(fp32) if fp32 else None, "threads": threads,
            "isa": kernel_info(native.K).get("isa"), "backend": native.backend,
            "fallback_nodes": len(native.fallback_nodes()), "batches": {}}
@@ -88,12 +89,17 @@ def bench(model: str, fp32: str | None = None, batches=(1, 8), threads: int = 2,
             e.run(None, feeds)
         times = {k: [] for k in engines}
         n_min = repeats if bs == 1 else max(4, repeats // 4)
+        block = 5 if bs == 1 else 2
         t_end = time.perf_counter() + budget_s
         while True:
+            # engines take turns in blocks: a block starts with an untimed run, so that the
+            # previous engine's spinning worker threads have gone quiet before timing starts
             for k, e in engines.items():
-                t = time.perf_counter()
                 e.run(None, feeds)
-                times[k].append(time.perf_counter() - t)
+                for _ in range(block):
+                    t = time.perf_counter()
+                    e.run(None, feeds)
+                    times[k].append(time.perf_counter() - t)
             n = len(times["native"])
             if n >= n_min and (time.perf_counter() > t_end or n >= 5 * n_min):
                 break
