@@ -64,18 +64,16 @@ def collect(model: onnx.ModelProto, range_tensors: list, mean_tensors: list, bat
             threads: int = 0) -> Observed:
     """`batches` yields dicts input name -> array; `progress(k)` is told of k more samples."""
     wanted = list(dict.fromkeys(list(range_tensors) + list(mean_tensors)))
-    sess = session(with_outputs(model, wanted), threads, arena=False)
+    sess = session(with_outputs(model, wanted), threads, arena=True)
     obs = Observed({t: Histogram() for t in range_tensors})
     graph_inputs = {i.name for i in sess.get_inputs()}
-    # one worker folds batch i into the histograms while ONNX Runtime computes batch i + 1;
-    # the native histogram code releases the GIL
-    per_sample = None  # bytes of observed outputs per sample, known after the first run
+    runner = _BoundRunner(sess, wanted)
+    # one worker folds batch i into the histograms while ONNX Runtime computes batch i + 1
+    # into the other set of output buffers; the native histogram code releases the GIL
     with ThreadPoolExecutor(1) as pool:
         pending = None
-        for feeds in _slices(batches, graph_inputs, lambda: per_sample):
-            outs = sess.run(wanted, feeds)
-            n_run = len(next(iter(feeds.values()))) if feeds else 1
-            per_sample = per_sample or max(1, sum(o.nbytes for o in outs) // max(n_run, 1))
+        for k, feeds in enumerate(_slices(batches, graph_inputs, lambda: runner.per_sample_bytes)):
+            outs = runner.run(feeds, slot=k % 2)
             if pending is not None:
                 pending.result()
             n = len(next(iter(feeds.values()))) if feeds else 0
@@ -85,6 +83,62 @@ def collect(model: onnx.ModelProto, range_tensors: list, mean_tensors: list, bat
         if pending is not None:
             pending.result()
     return obs
+
+
+class _BoundRunner:
+    """Runs the session into output buffers allocated once per batch size and slot.
+
+    Letting ONNX Runtime allocate fresh outputs for every run costs more than the
+    inference itself when dozens of activations are read out (allocation, page faults,
+    copies); bound buffers are written in place. The first run, and any whose outputs
+    do not scale with the batch, goes the ordinary way."""
+
+    def __init__(self, sess, names: list):
+        self.sess, self.names = sess, names
+        self.shapes = {}  # per-sample input shapes -> per-sample output shapes (None: not batch-major)
+        self.per_sample_bytes = None
+        self.bufs = {}  # (input shapes, batch, slot) -> (io_binding, [arrays])
+
+    def run(self, feeds: dict, slot: int) -> list:
+        n = len(next(iter(feeds.values()))) if feeds else 1
+        sig = tuple((k, np.shape(v)[1:]) for k, v in sorted(feeds.items()))
+        if sig not in self.shapes:
+            outs = self.sess.run(self.names, feeds)
+            self.per_sample_bytes = self.per_sample_bytes or max(1, sum(o.nbytes for o in outs) // max(n, 1))
+            batch_major = all(o.ndim >= 1 and o.shape[0] == n for o in outs)
+            self.shapes[sig] = [o.shape[1:] for o in outs] if batch_major else None
+            return outs
+        if self.shapes[sig] is None:
+            return self.sess.run(self.names, feeds)
+        key = (sig, n, slot)
+        fresh = key not in self.bufs
+        if fresh:
+            if len(self.bufs) >= 4:  # a new batch size or image size: drop the old buffers
+                self.bufs.clear()
+            arrays = [None if name in feeds else np.empty((n,) + tuple(sh), np.float32)
+                      for name, sh in zip(self.names, self.shapes[sig])]
+            io = self.sess.io_binding()
+            for name, arr in zip(self.names, arrays):
+                if arr is not None:  # a model input read back as an output is served from the feed
+                    io.bind_output(name, "cpu", 0, np.float32, list(arr.shape), arr.ctypes.data)
+                else:
+                    io.bind_output(name, "cpu")
+            self.bufs[key] = [io, arrays, set()]
+        io, arrays, fetch = self.bufs[key]
+        for name, value in feeds.items():
+            io.bind_cpu_input(name, np.ascontiguousarray(value))
+        self.sess.run_with_iobinding(io)
+        if fresh:
+            # ONNX Runtime may hand back its own tensor instead of filling a bound buffer:
+            # those outputs are read from the binding on every run
+            for i, (ov, arr) in enumerate(zip(io.get_outputs(), arrays)):
+                if arr is not None and ov.data_ptr() != arr.ctypes.data:
+                    fetch.add(i)
+        if not fetch:
+            return [feeds[nm] if a is None else a for nm, a in zip(self.names, arrays)]
+        got = io.get_outputs()
+        return [feeds[nm] if a is None else (got[i].numpy() if i in fetch else a)
+                for i, (nm, a) in enumerate(zip(self.names, arrays))]
 
 
 def _slices(batches, graph_inputs, per_sample):
