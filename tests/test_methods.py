@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from qtool.calibrate import histogram as H
-from qtool.calibrate.histogram import NBINS, Histogram, accumulate_reference
+from qtool.calibrate.histogram import NBINS, SAMPLE_PER_IMAGE, Histogram, accumulate_reference
 from qtool import qparams as Q
 from qtool.calibrate.methods import METHODS
 
@@ -142,7 +142,7 @@ def _outlier_data(signed, n):
     return x
 
 
-def _hist_chunked(x, chunk=200_000):
+def _hist_chunked(x, chunk=SAMPLE_PER_IMAGE):
     """Observed in chunks small enough that every value is counted (no per-call subsampling)."""
     return _hist(*(x[k:k + chunk] for k in range(0, x.size, chunk)))
 
