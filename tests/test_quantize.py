@@ -359,3 +359,34 @@ def test_gemm_untransposed_matmul_and_shared_weights(tmp_path):
     assert mm["c2"].input[1] != mm["c3"].input[1]
     x = _inputs(tmp_path / "cfg.toml", tmp_path / "data")
     assert _sqnr(run(m, {"x": x})[0], run(out.model, {"x": x})[0]) > 20
+
+
+def test_dead_channel_bias_fits_int32_and_onnxruntime_agrees(tmp_path):
+    """A channel with weights ~1e-7 and a real bias: a max-scaled weight scale of ~1e-9 would put
+    bias / (s_in * s_w) far past int32 (saturated by qtool, wrapped around by ONNX Runtime)."""
+    import onnx
+    from onnx import numpy_helper
+
+    from helpers import init, make_model, run, save, write_config, write_images
+    from qtool.calibrate.run import calibrate
+    from qtool.quantize.run import quantize
+
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((4, 3, 3, 3)).astype(np.float32) * 0.3
+    w[2] = rng.standard_normal((3, 3, 3)) * 1e-7  # dead channel
+    b = np.array([0.1, -0.2, 0.75, 0.05], np.float32)
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["y"], name="conv", kernel_shape=[3, 3], pads=[1, 1, 1, 1])]
+    m = make_model(nodes, [init("w", w), init("b", b)], [("x", ["N", 3, 16, 16])], [("y", None)])
+    model = save(m, tmp_path / "dead.onnx")
+    write_images(str(tmp_path / "img"), 8, seed=1)
+    wd = str(tmp_path / "work")
+    calibrate(model, str(tmp_path / "img"), write_config(str(tmp_path / "c.toml"), size=16), "minmax", workdir=wd,
+              show_progress=False)
+    r = quantize(wd, say=lambda s: None)
+    q = onnx.load(r.path)
+    bias = next(numpy_helper.to_array(t) for t in q.graph.initializer if t.data_type == onnx.TensorProto.INT32)
+    assert np.abs(bias.astype(np.int64)).max() < 2 ** 31 - 1
+    x = np.random.default_rng(2).uniform(-1, 1, (2, 3, 16, 16)).astype(np.float32)
+    ref, got = run(m, {"x": x})[0], run(q, {"x": x})[0]
+    # the dead channel is just its bias, in int8 as in fp32
+    np.testing.assert_allclose(got[:, 2], ref[:, 2], atol=0.02)

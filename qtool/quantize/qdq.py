@@ -134,7 +134,8 @@ def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exc
         qw = weight_cache.get(key) if weight_cache is not None else None
         if qw is None:
             qw = quantize_weight(w, axis, b, table.channel_means.get(x_name), node.op_type,
-                                 G.attr(node, "group", 1), correct_bias=bias_correction and rule.bias is not None)
+                                 G.attr(node, "group", 1), correct_bias=bias_correction and rule.bias is not None,
+                                 s_in=qp[x_name].scale if rule.bias is not None else None)
             if weight_cache is not None:
                 weight_cache[key] = qw
         base = node.input[widx]

@@ -37,17 +37,36 @@ def _expected_input_per_weight(w_shape, axis, mean_x, op_type, groups):
     return m[:, None] if axis == 1 else m[None, :]
 
 
+BIAS_HEADROOM = 2.0 ** 30  # an int32 bias stays within half the int32 range
+
+
 def quantize_weight(w: np.ndarray, axis: int, bias: np.ndarray | None, mean_x, op_type: str,
-                    groups: int = 1, correct_bias: bool = True) -> QuantizedWeight:
+                    groups: int = 1, correct_bias: bool = True, s_in: float | None = None) -> QuantizedWeight:
+    """`s_in`: the input's activation scale. With it, a channel whose weights are almost zero
+    (a dead channel: max |w| ~ 1e-7) gets a larger weight scale, enough that bias / (s_in * s_w)
+    fits in int32 with room to spare; otherwise the int32 bias saturates (ONNX Runtime even
+    wraps it around). Those weights round to 0 either way."""
     scale = Q.weight_scales(w, axis)
-    q = Q.quantize_weight(w, scale, axis)
+    q, corrected = _round_and_correct(w, axis, scale, bias, mean_x, op_type, groups, correct_bias)
+    if s_in is not None and corrected is not None:
+        floor = (np.abs(corrected.astype(np.float64)) / (float(s_in) * BIAS_HEADROOM)).astype(np.float32)
+        if (floor > scale).any():
+            scale = np.maximum(scale, floor).astype(np.float32)
+            q, corrected = _round_and_correct(w, axis, scale, bias, mean_x, op_type, groups, correct_bias)
     dw = Q.dequantize_weight(q, scale, axis).astype(np.float64) - w.astype(np.float64)
     err = float(np.sum(dw ** 2))
     sqnr = float(10 * np.log10(np.sum(w.astype(np.float64) ** 2) / err)) if err > 0 else float("inf")
+    return QuantizedWeight(q, scale, axis, corrected, sqnr)
+
+
+def _round_and_correct(w, axis, scale, bias, mean_x, op_type, groups, correct_bias):
+    """int8 weights at `scale`, and the bias corrected for their rounding (None if no bias)."""
+    q = Q.quantize_weight(w, scale, axis)
     cout = w.shape[axis]
     if correct_bias and mean_x is not None:
+        dw = Q.dequantize_weight(q, scale, axis).astype(np.float64) - w.astype(np.float64)
         e = _expected_input_per_weight(w.shape, axis, mean_x, op_type, groups)
         if e.size and np.broadcast_shapes(e.shape, dw.shape) == dw.shape:
             shift = np.sum(dw * e, axis=tuple(k for k in range(dw.ndim) if k != axis))
             bias = (np.zeros(cout) if bias is None else bias.astype(np.float64)) - shift
-    return QuantizedWeight(q, scale, axis, None if bias is None else np.asarray(bias, np.float32).ravel(), sqnr)
+    return q, None if bias is None else np.asarray(bias, np.float32).ravel()
