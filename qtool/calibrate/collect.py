@@ -36,8 +36,12 @@ MAX_OUTPUT_BYTES = 96 << 20
 MEAN_SAMPLES = 128  # per-channel means (for bias correction): 128 images x every pixel settle them
 
 
-def session(model: onnx.ModelProto | str | bytes, threads: int = 0, arena: bool = True) -> ort.InferenceSession:
+def session(model: onnx.ModelProto | str | bytes, threads: int = 0, arena: bool = True,
+            spin: bool = True) -> ort.InferenceSession:
     so = ort.SessionOptions()
+    if not spin:
+        # idle ORT workers spin by default, taking the core that the histogram thread needs
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     # without the arena, the large extra outputs of a calibration run are returned to the
     # system after each batch instead of pinning the peak for the whole run
     so.enable_cpu_mem_arena = arena
@@ -64,7 +68,7 @@ def collect(model: onnx.ModelProto, range_tensors: list, mean_tensors: list, bat
             threads: int = 0) -> Observed:
     """`batches` yields dicts input name -> array; `progress(k)` is told of k more samples."""
     wanted = list(dict.fromkeys(list(range_tensors) + list(mean_tensors)))
-    sess = session(with_outputs(model, wanted), threads, arena=True)
+    sess = session(with_outputs(model, wanted), threads, arena=True, spin=False)
     obs = Observed({t: Histogram() for t in range_tensors})
     graph_inputs = {i.name for i in sess.get_inputs()}
     runner = _BoundRunner(sess, wanted)
