@@ -514,17 +514,21 @@ def _rule_add(c: Compiler, node):
     if isinstance(oq, str):
         return oq
     qnode, qy, lo, hi, fused = oq
-    va, vb = c.vals[a.src], c.vals[b.src]
-    if va.nhwc != vb.nhwc:
-        sa, sb = c.nhwc_input(a.src), c.nhwc_input(b.src)
-        nhwc = True
-    else:
-        sa, sb, nhwc = va.slot, vb.slot, va.nhwc
+    va = c.vals[a.src]
+    sa, sb, nhwc = _binary_slots(c, a, b)
     v = c.emit_q(qnode, nhwc=nhwc, q=qy, rank=va.rank, fused=fused, op_node=node)
     st = S.AddStep(node.name or "Add", c.K, sa, sb, v.slot, (a.scale, a.zp), (b.scale, b.zp), qy, lo, hi)
     c.steps.append(st)
     c.entries.append(Entry(node.name or "Add", "Add", "int8", st.kernel))
     return None
+
+
+def _binary_slots(c: Compiler, a, b):
+    """Buffers for a two-input op: both as they are when their layouts agree, else both NHWC."""
+    va, vb = c.vals[a.src], c.vals[b.src]
+    if va.nhwc != vb.nhwc:
+        return c.nhwc_input(a.src), c.nhwc_input(b.src), True
+    return va.slot, vb.slot, va.nhwc
 
 
 def _rule_mul(c: Compiler, node):
@@ -560,10 +564,7 @@ def _rule_mul(c: Compiler, node):
     va, vb = c.vals[a.src], c.vals[b.src]
     if va.rank != vb.rank or va.rank is None:
         return "inputs of different or unknown rank"
-    if va.nhwc != vb.nhwc:
-        sa, sb, nhwc = c.nhwc_input(a.src), c.nhwc_input(b.src), True
-    else:
-        sa, sb, nhwc = va.slot, vb.slot, va.nhwc
+    sa, sb, nhwc = _binary_slots(c, a, b)
     v = c.emit_q(qnode, nhwc=nhwc, q=qy, rank=va.rank, fused=fused, op_node=node)
     st = S.MulStep(node.name or "Mul", c.K, sa, sb, v.slot, (a.scale, a.zp), (b.scale, b.zp), qy, lo, hi)
     c.steps.append(st)
