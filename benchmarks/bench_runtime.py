@@ -33,18 +33,15 @@ from qtool.runtime.profile import op_type_table, format_table, VNNI_GMACS_PER_CO
 import onnx  # noqa: E402
 import onnxruntime as ort  # noqa: E402
 from onnx import numpy_helper  # noqa: E402
-from PIL import Image  # noqa: E402
+from qtool.calibrate.config import load_config  # noqa: E402
+from qtool.calibrate.images import load_image  # noqa: E402
 
 
 def preprocess(path, size=224):
-    im = Image.open(path).convert("RGB")
-    w, h = im.size
-    s = round(size * 256 / 224) / min(w, h)
-    im = im.resize((round(w * s), round(h * s)), Image.BICUBIC)
-    w, h = im.size
-    left, top = (w - size) // 2, (h - size) // 2
-    im = im.crop((left, top, left + size, top + size))
-    return ((np.asarray(im, np.float32) - 127.0) / 128.0).transpose(2, 0, 1)[None]
+    """EfficientNet-Lite preprocessing: qtool's efficientnet-lite preset (bit-identical to the ORT anchor's)."""
+    cfg = load_config("efficientnet-lite")
+    cfg.size, cfg.resize_to = (size, size), round(size * 256 / 224)
+    return load_image(path, cfg)
 
 
 def ort_session(path, threads):
