@@ -390,3 +390,17 @@ def test_dead_channel_bias_fits_int32_and_onnxruntime_agrees(tmp_path):
     ref, got = run(m, {"x": x})[0], run(q, {"x": x})[0]
     # the dead channel is just its bias, in int8 as in fp32
     np.testing.assert_allclose(got[:, 2], ref[:, 2], atol=0.02)
+
+
+def test_method_auto_picks_the_best_measured_method(calibrated, tmp_path):
+    """--method auto scores every range method on calibration samples and keeps the best."""
+    from qtool.calibrate.methods import METHODS
+    from qtool.quantize.run import quantize
+
+    root = calibrated[0]
+    work = tmp_path / "work"
+    shutil.copytree(root / "work", work)  # the shared fixture's folder stays as it is
+    r = quantize(str(work), method="auto", say=lambda s: None)
+    scores = r.report["method_scores_db"]
+    assert set(scores) == set(METHODS)
+    assert r.report["method"] == max(scores, key=scores.get)

@@ -13,7 +13,9 @@ from qtool.quantize.run import SensitivityOptions, fp32_ops_of, quantize
               "(default: WORKDIR/model.int8.onnx).")
 @click.option("--model", "-m", type=click.Path(dir_okay=False), help="The fp32 model (default: the calibrated one).")
 @click.option("--table", type=click.Path(dir_okay=False), help="Calibration table (default: WORKDIR/calibration.json).")
-@click.option("--method", type=click.Choice(sorted(METHODS)), default=None, help="Range method (default: calibrate's).")
+@click.option("--method", type=click.Choice(sorted(METHODS) + ["auto"]), default=None,
+              help="Range method (default: calibrate's); auto picks the one whose int8 output is closest to fp32 "
+                   "on a few calibration samples.")
 @click.option("--exclude", multiple=True, help="Keep this node in fp32 (repeatable; names from `qtool inspect`).")
 @click.option("--no-bias-correction", is_flag=True, help="Do not correct biases for weight rounding.")
 @click.option("--exclude-sensitive", is_flag=True, help="Keep the most sensitive layers in fp32 until the target is met.")

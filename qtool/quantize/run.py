@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from qtool.calibrate.config import config_from_any
 from qtool.calibrate.data import ImageData
+from qtool.evaluate import method_scores
 from qtool.labels import labels_from_file, labels_from_folders
 from qtool.quantize.exclude import exclude_sensitive
 from qtool.quantize.sensitivity import layer_sensitivity, quantizable_layers, run_first_output
@@ -144,6 +145,26 @@ def run_sensitivity(fused, table, method, opts: SensitivityOptions, wd: Workdir,
     return {"layers": [l.to_dict() for l in layers], "seconds": secs, "samples": len(sens_files)}, exclusion
 
 
+AUTO = "auto"
+AUTO_SAMPLES = 8
+
+
+def pick_method(fused, table, wd: Workdir, bias_correction: bool, say=print):
+    """The range method whose int8 model has the best output SQNR on a few calibration samples
+    (never the evaluation data): (method, {method: dB})."""
+    files = [f for f in wd.manifest().get("calibrate", {}).get("files", []) if os.path.exists(f)]
+    if not files:
+        say(f"note: --method auto needs the calibration samples; none recorded, using {table.method}")
+        return table.method, None
+    step = max(1, len(files) // AUTO_SAMPLES)
+    _, feeds = _calibration_feeds(fused, table, files[::step][:AUTO_SAMPLES])
+    scores = method_scores(fused, table, feeds, None, bias_correction=bias_correction)
+    best = max(scores, key=scores.get)
+    say(f"method auto: {best} (output SQNR on {min(len(files), AUTO_SAMPLES)} calibration samples: "
+        + ", ".join(f"{m} {v:.1f} dB" for m, v in scores.items()) + ")")
+    return best, scores
+
+
 def quantize(workdir: str | None = None, model: str | None = None, table_path: str | None = None,
              output: str | None = None, method: str | None = None, exclude: dict | None = None,
              bias_correction: bool = True, sensitivity: SensitivityOptions | None = None, say=print) -> QuantizeResult:
@@ -157,6 +178,9 @@ def quantize(workdir: str | None = None, model: str | None = None, table_path: s
                          f"(`qtool inspect` lists the names)")
     method = method or table.method
     wd = Workdir(workdir)
+    method_scores_db = None
+    if method == AUTO:
+        method, method_scores_db = pick_method(fused, table, wd, bias_correction, say)
     sens, exclusion = (None, None)
     if sensitivity is not None and sensitivity.enabled:
         sens, exclusion = run_sensitivity(fused, table, method, sensitivity, wd, exclude, bias_correction, say)
@@ -167,6 +191,7 @@ def quantize(workdir: str | None = None, model: str | None = None, table_path: s
     save_model(out.model, path)
     report = {
         "model": model_path, "int8_model": os.path.abspath(path), "method": method,
+        "method_scores_db": method_scores_db,
         "bias_correction": bias_correction,
         "summary": out.plan.summary(),
         "excluded": exclude,
