@@ -39,14 +39,9 @@ def main():
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     files = sorted(glob.glob(os.path.join(a.images, "*.JPEG")))
-    calib = [f for i, f in enumerate(files) if i % 10 == 0]
     evals = [f for i, f in enumerate(files) if i % 10]
     work = tempfile.mkdtemp(prefix="qtool-sens-")
-    cdir = os.path.join(work, "calib")
-    os.makedirs(cdir)
-    for f in calib:
-        os.symlink(os.path.abspath(f), os.path.join(cdir, os.path.basename(f)))
-    calibrate(a.model, cdir, a.config, a.method, workdir=work, show_progress=False)
+    calibrate(a.model, a.images, a.config, a.method, workdir=work, show_progress=False, every=10)
     t = time.time()
     r = quantize(work, sensitivity=SensitivityOptions(samples=64, exclude_sensitive=True, show_progress=False),
                  say=lambda s: None)
