@@ -131,7 +131,7 @@ def main(argv=None):
         print(f"qtool {m:10s}: output SQNR {rows[m]:5.1f} dB | {time.time() - t:.1f}s | ops int8 {s.get('int8', 0)}, "
               f"passthrough {s.get('passthrough', 0)}, fused {s.get('fused', 0)}, fp32 {s.get('fp32', 0)}"
               + (f" | {notes[0]}" if notes else "") + (f" | {_agree(ex)}" if ex else ""))
-    from qtool.evaluate import method_scores
+    from qtool.quantize.method_choice import method_scores
     picks = [{name: np.load(os.path.join(npy, f))} for f in sorted(os.listdir(npy))[::4]]  # 8 calibration tensors
     t = time.time()
     scores = method_scores(cal.fused, cal.table, picks, [m for m in rows], a.threads)

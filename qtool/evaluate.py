@@ -209,21 +209,3 @@ def _size(path: str) -> int:
     total = os.path.getsize(path)
     data = path + ".data"
     return total + (os.path.getsize(data) if os.path.exists(data) else 0)
-
-
-def method_scores(fused, table, feeds: list, methods=None, threads: int = 2, bias_correction: bool = True) -> dict:
-    """Output SQNR (dB, first output, over `feeds`) of the int8 model each range method gives, against the
-    fused fp32 graph. Meant for calibration samples: choosing the method on them never looks at the
-    evaluation data ("pick what measures best", per model)."""
-    from qtool.calibrate.methods import METHODS
-    from qtool.quantize.qdq import quantize_graph
-    sf = session(fused, threads)
-    name = sf.get_outputs()[0].name
-    ref = [sf.run([name], f)[0].astype(np.float64) for f in feeds]
-    sig = sum(float((r ** 2).sum()) for r in ref)
-    scores = {}
-    for m in methods or METHODS:
-        sq = session(quantize_graph(fused, table, m, bias_correction=bias_correction).model, threads)
-        noise = sum(float(((r - sq.run([name], f)[0]) ** 2).sum()) for r, f in zip(ref, feeds))
-        scores[m] = float(10 * np.log10(sig / noise)) if noise > 0 else float("inf")
-    return scores

@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from qtool.calibrate.config import config_from_any
 from qtool.calibrate.data import ImageData
-from qtool.evaluate import method_scores
+from qtool.quantize.method_choice import method_scores
 from qtool.labels import labels_from_file, labels_from_folders
 from qtool.quantize.exclude import exclude_sensitive
 from qtool.quantize.sensitivity import layer_sensitivity, quantizable_layers, run_first_output
