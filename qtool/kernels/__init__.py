@@ -15,7 +15,7 @@ from qtool.qparams import U8_MAX, U8_MIN
 
 from . import _native
 
-ISAS = ("scalar", "avx2", "avx512vnni")
+ISAS = ("scalar", "avx2", "avx512vnni", "amx")
 
 __all__ = ["info", "set_isa", "get_isa", "available_isas", "set_num_threads", "get_num_threads",
            "conv_multiplier", "PackedConv", "pack_conv2d", "conv2d", "pack_gemm", "gemm", "add",
@@ -33,7 +33,7 @@ def info() -> dict:
 
 
 def set_isa(name: str | None) -> str:
-    """Force 'avx512vnni' | 'avx2' | 'scalar' (capped at what the CPU supports); None = best."""
+    """Force 'amx' | 'avx512vnni' | 'avx2' | 'scalar' (capped at what the CPU supports); None = best."""
     if name is None:
         return ISAS[_native.set_isa(-1)]
     if name not in ISAS:

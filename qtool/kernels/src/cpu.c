@@ -3,6 +3,10 @@
  * what the CPU and the OS (saved zmm/ymm state) support. */
 #include <stdlib.h>
 #include <string.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "qtool_kernels.h"
 
@@ -42,7 +46,14 @@ const qt_cpu_features* qt_cpu(void) {
       g_cpu.avx512vl = (b >> 31) & 1;
       g_cpu.avx512vnni = (c >> 11) & 1;
       g_cpu.avx512vbmi = (c >> 1) & 1;
+      g_cpu.amx_int8 = ((d >> 24) & 1) && ((d >> 25) & 1);  /* AMX-TILE, AMX-INT8 */
     }
+#if defined(__linux__) && defined(__x86_64__) && defined(SYS_arch_prctl)
+    /* Linux enables the 8 KB tile state per process on request (ARCH_REQ_XCOMP_PERM, 0x1023,
+     * feature 18 = XTILEDATA); XCR0 bits 17-18 say the OS manages it at all. */
+    if (g_cpu.amx_int8 && osxsave && (qt_xgetbv0() & 0x60000) == 0x60000)
+      g_cpu.os_amx = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+#endif
   }
 #endif
   g_cpu_done = 1;
@@ -52,6 +63,9 @@ const qt_cpu_features* qt_cpu(void) {
 int qt_best_isa(void) {
   const qt_cpu_features* f = qt_cpu();
   if (f->os_zmm && f->avx512f && f->avx512bw && f->avx512vl && f->avx512dq && f->avx512vnni &&
+      f->avx2 && f->fma && f->amx_int8 && f->os_amx)
+    return QT_ISA_AMX;
+  if (f->os_zmm && f->avx512f && f->avx512bw && f->avx512vl && f->avx512dq && f->avx512vnni &&
       f->avx2 && f->fma)
     return QT_ISA_AVX512VNNI;
   if (f->os_ymm && f->avx2 && f->fma) return QT_ISA_AVX2;
@@ -60,6 +74,7 @@ int qt_best_isa(void) {
 
 const char* qt_isa_name(int isa) {
   switch (isa) {
+    case QT_ISA_AMX: return "amx";
     case QT_ISA_AVX512VNNI: return "avx512vnni";
     case QT_ISA_AVX2: return "avx2";
     default: return "scalar";
@@ -77,16 +92,20 @@ static void qt_init_tables(void) {
     memset(d, 0, sizeof(*d));
     d->isa = isa;
     d->isa_name = qt_isa_name(isa);
-    d->igemm = isa == QT_ISA_AVX512VNNI ? qt_igemm_avx512vnni
-             : isa == QT_ISA_AVX2 ? qt_igemm_avx2 : qt_igemm_scalar;
-    d->dwconv = isa == QT_ISA_AVX512VNNI ? qt_dwconv_avx512vnni
-              : isa == QT_ISA_AVX2 ? qt_dwconv_avx2 : qt_dwconv_scalar;
-    qt_fill_elementwise(d, isa);
+    /* the AMX tier is the AVX-512 VNNI tier with convolutions and GEMMs on tiles (depthwise,
+     * elementwise and pools stay on AVX-512) */
+    const int vec = isa == QT_ISA_AMX ? QT_ISA_AVX512VNNI : isa;
+    d->igemm = vec == QT_ISA_AVX512VNNI ? qt_igemm_avx512vnni
+             : vec == QT_ISA_AVX2 ? qt_igemm_avx2 : qt_igemm_scalar;
+    if (isa == QT_ISA_AMX) d->amx = qt_gemm_amx;
+    d->dwconv = vec == QT_ISA_AVX512VNNI ? qt_dwconv_avx512vnni
+              : vec == QT_ISA_AVX2 ? qt_dwconv_avx2 : qt_dwconv_scalar;
+    qt_fill_elementwise(d, vec);
     d->lut = qu8_lut_ukernel__scalar;
     d->lut_name = "qu8_lut_ukernel__scalar";
 #if QT_X86
     /* the VBMI table lookup rides on the AVX-512 tier (its own feature bit is checked too) */
-    if (isa == QT_ISA_AVX512VNNI && qt_cpu()->avx512vbmi) {
+    if (vec == QT_ISA_AVX512VNNI && qt_cpu()->avx512vbmi) {
       d->lut = qu8_lut_ukernel__avx512vbmi;
       d->lut_name = "qu8_lut_ukernel__avx512vbmi";
     }
@@ -116,6 +135,7 @@ const qt_dispatch* qt_get_dispatch(void) {
       if (!strcmp(env, "scalar")) isa = QT_ISA_SCALAR;
       else if (!strcmp(env, "avx2")) isa = isa < QT_ISA_AVX2 ? isa : QT_ISA_AVX2;
       else if (!strcmp(env, "avx512vnni")) isa = isa < QT_ISA_AVX512VNNI ? isa : QT_ISA_AVX512VNNI;
+      else if (!strcmp(env, "amx")) isa = isa < QT_ISA_AMX ? isa : QT_ISA_AMX;
     }
     g_isa = isa;
   }

@@ -38,13 +38,14 @@ static PyObject* py_info(PyObject* self, PyObject* args) {
   (void)self; (void)args;
   const qt_cpu_features* f = qt_cpu();
   const qt_dispatch* d = qt_get_dispatch();
-  PyObject* sup = Py_BuildValue("{s:O,s:O,s:O,s:O,s:O,s:O,s:O,s:O,s:O}",
+  PyObject* sup = Py_BuildValue("{s:O,s:O,s:O,s:O,s:O,s:O,s:O,s:O,s:O,s:O,s:O}",
       "avx2", f->avx2 ? Py_True : Py_False, "fma", f->fma ? Py_True : Py_False,
       "avx512f", f->avx512f ? Py_True : Py_False, "avx512bw", f->avx512bw ? Py_True : Py_False,
       "avx512vl", f->avx512vl ? Py_True : Py_False, "avx512dq", f->avx512dq ? Py_True : Py_False,
       "avx512vnni", f->avx512vnni ? Py_True : Py_False, "os_ymm", f->os_ymm ? Py_True : Py_False,
-      "os_zmm", f->os_zmm ? Py_True : Py_False);
-  PyObject* ker = Py_BuildValue("{s:s,s:s,s:s,s:s}", "igemm", d->igemm.name, "dwconv",
+      "os_zmm", f->os_zmm ? Py_True : Py_False, "amx_int8", f->amx_int8 ? Py_True : Py_False,
+      "os_amx", f->os_amx ? Py_True : Py_False);
+  PyObject* ker = Py_BuildValue("{s:s,s:s,s:s,s:s}", "igemm", d->amx.ukernel ? d->amx.name : d->igemm.name, "dwconv",
                                 d->dwconv.name, "add", d->add_name, "lut", d->lut_name);
   size_t jobs, chunks, wchunks;
   qt_pool_stats(&jobs, &chunks, &wchunks);
@@ -372,7 +373,7 @@ static PyMethodDef methods[] = {
     {"quantize", py_quantize, METH_VARARGS, "float32 NCHW -> uint8 NHWC (QuantizeLinear)"},
     {"dequantize", py_dequantize, METH_VARARGS, "uint8 NHWC -> float32 NCHW (DequantizeLinear)"},
     {"info", py_info, METH_NOARGS, "CPU features and the selected ISA"},
-    {"set_isa", py_set_isa, METH_VARARGS, "force an ISA (0 scalar, 1 avx2, 2 avx512vnni; -1 best)"},
+    {"set_isa", py_set_isa, METH_VARARGS, "force an ISA (0 scalar, 1 avx2, 2 avx512vnni, 3 amx; -1 best)"},
     {"get_isa", py_get_isa, METH_NOARGS, "selected ISA"},
     {"set_num_threads", py_set_num_threads, METH_VARARGS, "threads used by the kernels"},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "threads used by the kernels"},

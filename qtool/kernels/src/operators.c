@@ -74,8 +74,37 @@ qt_conv* qt_conv_create(const int8_t* w, const int32_t* bias, const float* mult,
     free(wt);
     return cv;
   }
+  if (cv->d->amx.ukernel) {
+    /* AMX: packing A is an im2col of one row block, so no separate im2col or K split */
+    const qt_amx_gemm_config* ac = &cv->d->amx;
+    const size_t nr = ac->nr, kk_n = ks * cin_g;
+    cv->amx = 1;
+    cv->mr = ac->mr;
+    cv->kernel_name = ac->name;
+    cv->gemm_ks = ks;
+    cv->gemm_kc = cin_g;
+    cv->ksplit = 1;
+    cv->amx_kp = round_up(kk_n, 64);
+    cv->panel_bytes = round_up(nr * 8 + cv->amx_kp * nr, 64);
+    cv->panels_per_group = (cout_g + nr - 1) / nr;
+    cv->w_bytes = cv->panel_bytes * cv->panels_per_group * groups;
+    cv->w = qt_alloc(cv->w_bytes);
+    if (!cv->w) goto fail;
+    memset(cv->w, 0, cv->w_bytes);
+    const int8_t* wrows[64];
+    for (size_t g = 0; g < groups; g++)
+      for (size_t p = 0; p < cv->panels_per_group; p++) {
+        const size_t oc0 = g * cout_g + p * nr;
+        const size_t cols = cout_g - p * nr < nr ? cout_g - p * nr : nr;
+        for (size_t j = 0; j < cols; j++) wrows[j] = w + (oc0 + j) * kk_n;  /* [ks][cin_g] */
+        ac->pack_panel(cv->amx_kp, kk_n, cols, wrows, bias + oc0, mult + oc0,
+                       (char*)cv->w + (g * cv->panels_per_group + p) * cv->panel_bytes);
+      }
+    return cv;
+  }
   const qt_igemm_config* gc = &cv->d->igemm;
   cv->kernel_name = gc->name;
+  cv->mr = gc->mr;
   const size_t nr = gc->nr, kr = gc->kr, es = gc->welem;
   /* Few input channels (network stems): K per tap would be mostly padding and tail loads, so
    * copy the patches once (im2col) and run one tap of K = KH*KW*Cin; the packed weight order
@@ -146,7 +175,7 @@ static int build_indirection(qt_conv* cv, size_t n, size_t h, size_t w, size_t o
     return 0;
   free(cv->ind);
   cv->ind = NULL;
-  const size_t mr = cv->d->igemm.mr, ks = cv->gemm_ks;
+  const size_t mr = cv->mr, ks = cv->gemm_ks;
   const size_t m = n * oh * ow, mblocks = (m + mr - 1) / mr;
   intptr_t* ind = (intptr_t*)malloc(sizeof(intptr_t) * (mblocks * ks * mr + 1));
   if (!ind) return -1;
@@ -186,7 +215,55 @@ typedef struct {
   const uint8_t* x;
   void* y;
   size_t n, h, w, oh, ow, m;
+  size_t nch;                    /* AMX: panel chunks per row block */
 } conv_job;
+
+/* AMX: per-thread packed-A block and accumulator scratch (pool threads live for the process) */
+static __thread uint8_t* tl_amx_a;
+static __thread size_t tl_amx_cap;
+static __thread int32_t* tl_amx_c;
+
+/* task t = (group, row block, panel chunk), chunk fastest so that a thread packs each row block
+ * once for its run of chunks */
+static void amx_task(void* ctx, size_t begin, size_t end) {
+  const conv_job* j = (const conv_job*)ctx;
+  const qt_conv* cv = j->cv;
+  const qt_amx_gemm_config* ac = &cv->d->amx;
+  const size_t mr = ac->mr, nr = ac->nr, kp = cv->amx_kp, ks = cv->gemm_ks;
+  const size_t mblocks = cv->mblocks, nch = j->nch, ppg = cv->panels_per_group;
+  const size_t es = cv->rq.out_f32 ? 4 : 1, cstride = cv->cout * es;
+  const size_t need = mr * kp;
+  if (tl_amx_cap < need) {
+    free(tl_amx_a);
+    tl_amx_a = (uint8_t*)qt_alloc(need);
+    tl_amx_cap = tl_amx_a ? need : 0;
+    if (!tl_amx_a) return;
+    memset(tl_amx_a, 0, need);
+  }
+  if (!tl_amx_c) {
+    tl_amx_c = (int32_t*)qt_alloc(sizeof(int32_t) * mr * nr);
+    if (!tl_amx_c) return;
+  }
+  ac->begin();
+  size_t packed = (size_t)-1;
+  for (size_t t = begin; t < end; t++) {
+    const size_t ch = t % nch, gm = t / nch, mb = gm % mblocks, g = gm / mblocks;
+    const size_t row0 = mb * mr, rows = j->m - row0 < mr ? j->m - row0 : mr;
+    if (gm != packed) {
+      ac->pack_a(rows, cv->gemm_kc, ks, cv->ind + mb * ks * mr, j->x + g * cv->cin_g, cv->zero,
+                 tl_amx_a, kp);
+      packed = gm;
+    }
+    const size_t p0 = ppg * ch / nch, p1 = ppg * (ch + 1) / nch;
+    for (size_t p = p0; p < p1; p++) {
+      const size_t col0 = p * nr, nc = cv->cout_g - col0 < nr ? cv->cout_g - col0 : nr;
+      ac->ukernel(rows, nc, kp, tl_amx_a, (const char*)cv->w + (g * ppg + p) * cv->panel_bytes,
+                  (char*)j->y + row0 * cstride + (g * cv->cout_g + col0) * es, cstride, &cv->rq,
+                  tl_amx_c);
+    }
+  }
+  ac->end();
+}
 
 static void igemm_task(void* ctx, size_t begin, size_t end) {
   const conv_job* j = (const conv_job*)ctx;
@@ -354,7 +431,7 @@ static void im2col_task(void* ctx, size_t begin, size_t end) {
 
 static int conv_run_locked(qt_conv* cv, const uint8_t* x, size_t n, size_t h, size_t w, void* y,
                            size_t oh, size_t ow) {
-  conv_job j = {cv, x, y, n, h, w, oh, ow, n * oh * ow};
+  conv_job j = {cv, x, y, n, h, w, oh, ow, n * oh * ow, 1};
   if (j.m == 0) return 0;
   if (cv->im2col) {
     size_t need = j.m * cv->gemm_kc + 64;
@@ -373,6 +450,16 @@ static int conv_run_locked(qt_conv* cv, const uint8_t* x, size_t n, size_t h, si
     return 0;
   }
   if (build_indirection(cv, n, h, w, oh, ow) != 0) return -1;
+  if (cv->amx) {
+    /* enough tasks to balance two threads when there are few row blocks (batch 1, 7x7) */
+    const size_t gm = cv->groups * cv->mblocks;
+    j.nch = gm >= 8 ? 1 : (8 + gm - 1) / gm;
+    if (j.nch > cv->panels_per_group) j.nch = cv->panels_per_group;
+    const double macs = (double)j.m * (double)(cv->cout * cv->amx_kp);
+    qt_parallel(gm * j.nch, amx_task, &j,
+                macs / 500.0 + (double)(j.m * cv->cout) / 4.0 + (double)(j.m * cv->amx_kp) / 16.0);
+    return 0;
+  }
   const double macs = (double)j.m * (double)(cv->cout * cv->cin_g * cv->kh * cv->kw);
   qt_parallel(cv->groups * cv->panels_per_group * cv->mblocks, igemm_task, &j,
               macs / 150.0 + (double)(j.m * cv->cout) / 8.0);

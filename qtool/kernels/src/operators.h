@@ -30,6 +30,9 @@ typedef struct {
   uint8_t* col;
   size_t col_bytes;
   size_t ind_n, ind_h, ind_w, ind_oh, ind_ow, mblocks;
+  size_t mr;                     /* rows per indirection block (the microkernel's MR) */
+  int amx;                       /* AMX tier: A row blocks packed, K padded to amx_kp */
+  size_t amx_kp;
 } qt_conv;
 
 qt_conv* qt_conv_create(const int8_t* w, const int32_t* bias, const float* mult, size_t groups,

@@ -25,7 +25,7 @@
 #define QT_TARGET_AVX512VNNI __attribute__((target("avx2,fma,bmi2,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 #define QT_INLINE static inline __attribute__((always_inline))
 
-enum qt_isa { QT_ISA_SCALAR = 0, QT_ISA_AVX2 = 1, QT_ISA_AVX512VNNI = 2, QT_ISA_COUNT = 3 };
+enum qt_isa { QT_ISA_SCALAR = 0, QT_ISA_AVX2 = 1, QT_ISA_AVX512VNNI = 2, QT_ISA_AMX = 3, QT_ISA_COUNT = 4 };
 
 /* Requantization parameters shared by all u8-output kernels. */
 typedef struct {
@@ -85,6 +85,21 @@ typedef struct {
   qt_igemm_acc_ukernel ukernel_acc; /* optional K-blocked variant (int32 partial sums in/out) */
 } qt_igemm_config;
 
+/* AMX tile GEMM (the "amx" tier; see qu8-gemm-amx.c): A row blocks are packed to [mr][kp]
+ * (kp = ks*kc rounded up to 64), weights to 32-column panels of two [kp/4][16][4] halves. */
+typedef struct {
+  const char* name;
+  size_t mr, nr;
+  void (*ukernel)(size_t mr, size_t nc, size_t kp, const uint8_t* a, const void* w, void* c,
+                  size_t cm_stride, const qt_requant* rq, int32_t* cbuf);
+  void (*pack_a)(size_t rows, size_t kc, size_t ks, const intptr_t* ind, const uint8_t* x,
+                 const uint8_t* zero, uint8_t* a, size_t kp);
+  void (*pack_panel)(size_t kp, size_t kk_n, size_t cols, const int8_t* const* wrows,
+                     const int32_t* bias, const float* mult, void* panel);
+  void (*begin)(void);   /* configure the tiles on the calling thread */
+  void (*end)(void);     /* release them */
+} qt_amx_gemm_config;
+
 typedef struct {
   const char* name;
   qt_dwconv_ukernel ukernel;
@@ -117,6 +132,7 @@ typedef struct {
   int isa;
   const char* isa_name;
   qt_igemm_config igemm;
+  qt_amx_gemm_config amx;        /* ukernel NULL below the AMX tier */
   qt_dwconv_config dwconv;
   qt_add_fn add; const char* add_name;
   qt_max_fn vmax;
@@ -133,6 +149,7 @@ typedef struct {
 /* cpu.c */
 typedef struct {
   int avx2, fma, avx512f, avx512bw, avx512vl, avx512dq, avx512vnni, avx512vbmi, os_ymm, os_zmm;
+  int amx_int8, os_amx;  /* os_amx: XCR0 tile state enabled and the process got permission */
 } qt_cpu_features;
 const qt_cpu_features* qt_cpu(void);
 int qt_best_isa(void);
@@ -155,6 +172,7 @@ int qt_get_num_threads(void);
 
 /* Per-ISA kernel tables (defined in the kernel files). */
 extern const qt_igemm_config qt_igemm_scalar, qt_igemm_avx2, qt_igemm_avx512vnni;
+extern const qt_amx_gemm_config qt_gemm_amx;
 extern const qt_dwconv_config qt_dwconv_scalar, qt_dwconv_avx2, qt_dwconv_avx512vnni;
 void qt_fill_elementwise(qt_dispatch* d, int isa);
 void qu8_lut_ukernel__scalar(size_t n, const uint8_t* x, const uint8_t* t, uint8_t* y);

@@ -1,0 +1,165 @@
+/* AMX-INT8 GEMM (Sapphire Rapids and later): tdpbusd multiplies u8 activations by s8 weights,
+ * 4-way dot products into int32, on 16 x 64-byte tiles: one instruction is 16 x 16 x 64 MACs.
+ * The integer sums are exact, so results equal the VNNI kernels' (and numpy's) bit for bit.
+ *
+ * Operands:
+ *   A: one row block of up to MR=32 rows, packed by qt_amx_pack_a into [32][kp] bytes
+ *      (the ks taps of kc bytes each, back to back; kp = ks*kc rounded up to 64; the bytes past
+ *      ks*kc may hold anything, since they meet zero weights).
+ *   w: a 32-column panel: int32 bias[32], float mult[32], then two 16-column halves, each
+ *      int8 [kp/4][16][4] (the VNNI layout: 16 rows of 64 bytes per 64 K).
+ * Tiles (palette 1, all 16 rows x 64 bytes): 0-3 accumulators (rows 0-15 / 16-31 x columns
+ * 0-15 / 16-31), 4-5 A, 6-7 B. */
+#include "qtool_kernels.h"
+#if QT_X86
+#include <immintrin.h>
+
+#define QT_TARGET_AMX \
+  __attribute__((target("avx2,fma,bmi2,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,amx-tile,amx-int8")))
+
+#define MR 32
+#define NR 32
+
+typedef struct {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+} qt_tilecfg;
+
+QT_TARGET_AMX void qt_amx_begin(void) {
+  qt_tilecfg cfg;
+  memset(&cfg, 0, sizeof(cfg));
+  cfg.palette = 1;
+  for (int i = 0; i < 8; i++) {
+    cfg.colsb[i] = 64;
+    cfg.rows[i] = 16;
+  }
+  /* not _tile_loadconfig: GCC 12's version names only the first 8 bytes of the config as its
+   * memory operand, so the stores to the rest may be dropped */
+  __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
+}
+
+QT_TARGET_AMX void qt_amx_end(void) { _tile_release(); }
+
+/* Pack rows [0, rows) of one row block: row i, tap t reads kc bytes at x + ind[t * MR + i]
+ * (ind < 0: the zero-point buffer). Masked moves never touch bytes past kc. */
+QT_TARGET_AMX void qt_amx_pack_a(size_t rows, size_t kc, size_t ks, const intptr_t* ind,
+                                 const uint8_t* x, const uint8_t* zero, uint8_t* a, size_t kp) {
+  const size_t full = kc & ~(size_t)63, rem = kc & 63;
+  const __mmask64 mrem = rem ? (~(__mmask64)0 >> (64 - rem)) : 0;
+  for (size_t i = 0; i < rows; i++) {
+    uint8_t* dst = a + i * kp;
+    for (size_t t = 0; t < ks; t++, dst += kc) {
+      const intptr_t o = ind[t * MR + i];
+      const uint8_t* src = o >= 0 ? x + o : zero;
+      size_t k = 0;
+      for (; k < full; k += 64) _mm512_storeu_si512(dst + k, _mm512_loadu_si512(src + k));
+      if (rem) _mm512_mask_storeu_epi8(dst + k, mrem, _mm512_maskz_loadu_epi8(mrem, src + k));
+    }
+  }
+}
+
+QT_TARGET_AMX QT_INLINE void store16(__m512i acc, const float* mult, void* c, __mmask16 m,
+                                     const qt_requant* rq) {
+  __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_loadu_ps(mult));
+  if (rq->out_f32) {
+    _mm512_mask_storeu_ps(c, m, f);
+    return;
+  }
+  f = _mm512_min_ps(_mm512_max_ps(f, _mm512_set1_ps(rq->lo_f)), _mm512_set1_ps(rq->hi_f));
+  __m512i i = _mm512_add_epi32(_mm512_cvt_roundps_epi32(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                               _mm512_set1_epi32(rq->zp));
+  _mm_mask_storeu_epi8(c, m, _mm512_cvtepi32_epi8(i));
+}
+
+/* One row block (mr <= 32 rows of packed A) x one panel (nc <= 32 columns). cbuf: 32 x 32
+ * int32 scratch. Tiles must be configured (qt_amx_begin) on the calling thread. */
+QT_TARGET_AMX
+void qu8_qs8w_gemm_minmax_fp32_ukernel_32x32c4__amx(size_t mr, size_t nc, size_t kp,
+                                                    const uint8_t* a, const void* w, void* c,
+                                                    size_t cm_stride, const qt_requant* rq,
+                                                    int32_t* cbuf) {
+  const int32_t* bias = (const int32_t*)w;
+  const float* mult = (const float*)(bias + NR);
+  const int8_t* b0 = (const int8_t*)(mult + NR);
+  const int8_t* b1 = b0 + kp * 16;
+  const uint8_t* a1 = a + 16 * kp;
+  const size_t nk = kp / 64;
+  const long sa = (long)kp;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  if (mr > 16 && nc > 16) {
+    for (size_t kb = 0; kb < nk; kb++) {
+      _tile_loadd(4, a + kb * 64, sa);
+      _tile_loadd(6, b0 + kb * 1024, 64);
+      _tile_dpbusd(0, 4, 6);
+      _tile_loadd(7, b1 + kb * 1024, 64);
+      _tile_dpbusd(1, 4, 7);
+      _tile_loadd(5, a1 + kb * 64, sa);
+      _tile_dpbusd(2, 5, 6);
+      _tile_dpbusd(3, 5, 7);
+    }
+  } else if (mr > 16) {
+    for (size_t kb = 0; kb < nk; kb++) {
+      _tile_loadd(4, a + kb * 64, sa);
+      _tile_loadd(6, b0 + kb * 1024, 64);
+      _tile_dpbusd(0, 4, 6);
+      _tile_loadd(5, a1 + kb * 64, sa);
+      _tile_dpbusd(2, 5, 6);
+    }
+  } else if (nc > 16) {
+    for (size_t kb = 0; kb < nk; kb++) {
+      _tile_loadd(4, a + kb * 64, sa);
+      _tile_loadd(6, b0 + kb * 1024, 64);
+      _tile_dpbusd(0, 4, 6);
+      _tile_loadd(7, b1 + kb * 1024, 64);
+      _tile_dpbusd(1, 4, 7);
+    }
+  } else {
+    for (size_t kb = 0; kb < nk; kb++) {
+      _tile_loadd(4, a + kb * 64, sa);
+      _tile_loadd(6, b0 + kb * 1024, 64);
+      _tile_dpbusd(0, 4, 6);
+    }
+  }
+  _tile_stored(0, cbuf, 128);
+  _tile_stored(1, cbuf + 16, 128);
+  if (mr > 16) {
+    _tile_stored(2, cbuf + 16 * 32, 128);
+    _tile_stored(3, cbuf + 16 * 32 + 16, 128);
+  }
+  const __m512i bias0 = _mm512_loadu_si512(bias), bias1 = _mm512_loadu_si512(bias + 16);
+  const __mmask16 m0 = nc >= 16 ? 0xFFFF : (__mmask16)((1u << nc) - 1);
+  const __mmask16 m1 = nc >= 32 ? 0xFFFF : nc <= 16 ? 0 : (__mmask16)((1u << (nc - 16)) - 1);
+  const size_t es = rq->out_f32 ? 4 : 1;
+  char* cr = (char*)c;
+  for (size_t i = 0; i < mr; i++, cr += cm_stride) {
+    const int32_t* row = cbuf + i * 32;
+    store16(_mm512_add_epi32(_mm512_loadu_si512(row), bias0), mult, cr, m0, rq);
+    if (m1) store16(_mm512_add_epi32(_mm512_loadu_si512(row + 16), bias1), mult + 16, cr + 16 * es, m1, rq);
+  }
+}
+
+/* Weight packing for one panel: column j (< pnr valid), flattened K index kk (tap-major). */
+static void pack_panel(size_t kp, size_t kk_n, size_t cols, const int8_t* const* wrows,
+                       const int32_t* bias, const float* mult, void* panel) {
+  int32_t* pb = (int32_t*)panel;
+  float* pm = (float*)(pb + NR);
+  int8_t* pw = (int8_t*)(pm + NR);
+  for (size_t j = 0; j < cols; j++) {
+    pb[j] = bias[j];
+    pm[j] = mult[j];
+    int8_t* half = pw + (j / 16) * kp * 16;
+    for (size_t kk = 0; kk < kk_n; kk++) half[((kk / 4) * 16 + j % 16) * 4 + kk % 4] = wrows[j][kk];
+  }
+}
+
+const qt_amx_gemm_config qt_gemm_amx = {
+    "qu8_qs8w_gemm_minmax_fp32_ukernel_32x32c4__amx", MR, NR,
+    qu8_qs8w_gemm_minmax_fp32_ukernel_32x32c4__amx, qt_amx_pack_a, pack_panel, qt_amx_begin,
+    qt_amx_end};
+#else
+const qt_amx_gemm_config qt_gemm_amx = {0};
+#endif
