@@ -45,6 +45,86 @@ def test_native_accumulate_adds_to_existing_counts():
     np.testing.assert_array_equal(counts - 10, accumulate_reference(x, 8, 0, -2))
 
 
+@pytest.fixture(params=["avx512", "avx2", "scalar"])
+def stats_isa(request):
+    """Each compiled path of the statistics kernels in turn (capped at what this CPU has)."""
+    if H._native is None:
+        pytest.skip("native histogram update not built")
+    prev = H._native.set_isa(request.param)
+    if H._native.isa() != request.param:
+        H._native.set_isa(prev)
+        pytest.skip(f"this CPU has no {request.param}")
+    yield request.param
+    H._native.set_isa(prev)
+
+
+def _tricky(rng, size, e, k0):
+    """Half exact zeros (the hot bin after a ReLU), values on bin edges, beyond the window on
+    both sides, negative zero, NaN and infinities."""
+    w = 2.0 ** e
+    x = rng.standard_normal(size) * 40 * w + (k0 + 32) * w
+    x[rng.random(size) < 0.5] = 0.0
+    edges = rng.random(size) < 0.1
+    x[edges] = (k0 + rng.integers(-4, 70, edges.sum())) * w
+    x = x.astype(np.float32)
+    for v in (np.nan, np.inf, -np.inf, -0.0):
+        x[rng.integers(0, size, 3)] = v
+    return x
+
+
+@pytest.mark.parametrize("e,k0", [(-8, -300), (-3, 0), (0, -40), (2, 5), (-9, 10), (-20, -(1 << 20)),
+                                  (-30, (1 << 24) - 10), (120, -40), (-130, 3)])
+@pytest.mark.parametrize("size,offset,step", [(16 * 37, 0, 1), (16 * 37 + 5, 0, 1), (16 * 37 + 5, 3, 4),
+                                              (1000, 62, 1), (15, 0, 1), (5003, 1, 7)])
+def test_every_isa_accumulates_bit_exact(stats_isa, e, k0, size, offset, step):
+    rng = np.random.default_rng(size + step + abs(e))
+    x = _tricky(rng, size, e, k0)
+    counts = np.full(64, 7, np.int64)
+    H._native.accumulate(x, counts, e, k0, offset, step)
+    sampled = H.sampled_blocks(x, offset, step)
+    # NaN and infinities are not counted
+    np.testing.assert_array_equal(counts - 7, accumulate_reference(sampled[np.isfinite(sampled)], 64, e, k0))
+
+
+@pytest.mark.parametrize("shape", [(1, 3, 7, 7), (2, 16, 5, 3), (4, 33, 1, 1), (1, 1, 1, 1), (3, 17), (1, 64, 112, 112)])
+def test_every_isa_scans_min_max_and_channel_sums(stats_isa, shape):
+    rng = np.random.default_rng(int(np.prod(shape)))
+    x = (rng.standard_normal(shape) * 3 + 1).astype(np.float32)
+    x.flat[rng.integers(0, x.size)] = -50.0
+    x.flat[rng.integers(0, x.size)] = 60.0
+    inner = int(np.prod(shape[2:]))
+    sums = np.zeros(shape[1], np.float64)
+    mn, mx, has_nan = H._native.scan(x, inner, sums)
+    finite = not has_nan
+    ref_sums = np.zeros(shape[1], np.float64)
+    assert (mn, mx, finite) == H.scan_reference(x, inner, ref_sums)  # min and max: exact
+    np.testing.assert_allclose(sums, ref_sums, rtol=1e-5, atol=1e-3)  # sums: float, any order
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("pos", [0, 31, 32, 50])
+def test_every_isa_scan_reports_non_finite(stats_isa, bad, pos):
+    x = np.linspace(-1, 2, 51, dtype=np.float32)
+    x[pos] = bad
+    mn, mx, finite = H.scan(x)
+    assert not finite
+    if bad != bad:  # NaN is skipped by min and max
+        rest = np.delete(x, pos)
+        assert (mn, mx) == (float(rest.min()), float(rest.max()))
+
+
+def test_scan_rejects_a_shape_that_is_not_n_runs_per_channel():
+    if H._native is None:
+        pytest.skip("native histogram update not built")
+    with pytest.raises(ValueError, match="runs"):
+        H._native.scan(np.zeros(10, np.float32), 3, np.zeros(2))
+
+
+def test_observe_with_nan_and_inf_counts_only_finite_values():
+    h = _hist(np.array([np.nan, 1.0, -np.inf, 2.0, 0.5] * 4, np.float32))
+    assert h.n == 12 and h.counts.sum() == 12 and (h.min, h.max) == (0.5, 2.0)
+
+
 def test_growth_keeps_exact_counts_min_max_and_memory():
     """Ranges growing on both sides force repeated width doublings; the result must equal the
     histogram of all the data binned directly at the final resolution."""

@@ -15,7 +15,7 @@ import onnx
 import onnxruntime as ort
 from onnx import helper
 
-from qtool.calibrate.histogram import Histogram
+from qtool.calibrate.histogram import Histogram, scan
 
 
 @dataclass
@@ -29,9 +29,9 @@ class Observed:
         return {t: (s / max(self.channel_counts[t], 1)).tolist() for t, s in self.channel_sums.items()}
 
 
-# Observed outputs of one run stay under this: about three sets are alive at once (the run in
-# progress, the one being folded into histograms, ONNX Runtime's own), so large models
-# calibrate in smaller slices of each batch rather than growing memory with batch size.
+# Observed outputs of one run stay under this (ONNX Runtime's working set comes on top), so
+# large models calibrate in smaller slices of each batch rather than growing memory with
+# batch size.
 MAX_OUTPUT_BYTES = 96 << 20
 MEAN_SAMPLES = 128  # per-channel means (for bias correction): 128 images x every pixel settle them
 
@@ -68,29 +68,26 @@ def collect(model: onnx.ModelProto, range_tensors: list, mean_tensors: list, bat
             threads: int = 0) -> Observed:
     """`batches` yields dicts input name -> array; `progress(k)` is told of k more samples."""
     wanted = list(dict.fromkeys(list(range_tensors) + list(mean_tensors)))
+    threads = threads or min(os.cpu_count() or 1, 8)
     sess = session(with_outputs(model, wanted), threads, arena=True, spin=False)
     obs = Observed({t: Histogram() for t in range_tensors})
     graph_inputs = {i.name for i in sess.get_inputs()}
     runner = _BoundRunner(sess, wanted)
-    # one worker folds batch i into the histograms while ONNX Runtime computes batch i + 1
-    # into the other set of output buffers; the native histogram code releases the GIL
-    with ThreadPoolExecutor(1) as pool:
-        pending = None
-        for k, feeds in enumerate(_slices(batches, graph_inputs, lambda: runner.per_sample_bytes)):
-            outs = runner.run(feeds, slot=k % 2)
-            if pending is not None:
-                pending.result()
+    # Inference and statistics take turns, each with every core: folding one batch while
+    # ONNX Runtime computes the next puts a third thread on the cores, and ORT's parallel
+    # loops stall whenever one of their threads is descheduled (measured slower on 2 cores).
+    with ThreadPoolExecutor(threads) as pool:
+        for feeds in _slices(batches, graph_inputs, lambda: runner.per_sample_bytes):
+            outs = runner.run(feeds)
             n = len(next(iter(feeds.values()))) if feeds else 0
-            pending = pool.submit(_observe, obs, dict(zip(wanted, outs)), range_tensors, mean_tensors, n)
+            _observe(obs, dict(zip(wanted, outs)), range_tensors, mean_tensors, n, pool if threads > 1 else None)
             if progress:
                 progress(n)
-        if pending is not None:
-            pending.result()
     return obs
 
 
 class _BoundRunner:
-    """Runs the session into output buffers allocated once per batch size and slot.
+    """Runs the session into output buffers allocated once per batch size.
 
     Letting ONNX Runtime allocate fresh outputs for every run costs more than the
     inference itself when dozens of activations are read out (allocation, page faults,
@@ -101,9 +98,9 @@ class _BoundRunner:
         self.sess, self.names = sess, names
         self.shapes = {}  # per-sample input shapes -> per-sample output shapes (None: not batch-major)
         self.per_sample_bytes = None
-        self.bufs = {}  # (input shapes, batch, slot) -> (io_binding, [arrays])
+        self.bufs = {}  # (input shapes, batch) -> (io_binding, [arrays])
 
-    def run(self, feeds: dict, slot: int) -> list:
+    def run(self, feeds: dict) -> list:
         n = len(next(iter(feeds.values()))) if feeds else 1
         sig = tuple((k, np.shape(v)[1:]) for k, v in sorted(feeds.items()))
         if sig not in self.shapes:
@@ -114,10 +111,10 @@ class _BoundRunner:
             return outs
         if self.shapes[sig] is None:
             return self.sess.run(self.names, feeds)
-        key = (sig, n, slot)
+        key = (sig, n)
         fresh = key not in self.bufs
         if fresh:
-            if len(self.bufs) >= 4:  # a new batch size or image size: drop the old buffers
+            if len(self.bufs) >= 2:  # a new batch size or image size: drop the old buffers
                 self.bufs.clear()
             arrays = [None if name in feeds else np.empty((n,) + tuple(sh), np.float32)
                       for name, sh in zip(self.names, self.shapes[sig])]
@@ -160,17 +157,37 @@ def _slices(batches, graph_inputs, per_sample):
             yield {k: v[i:i + step] for k, v in feeds.items()}
 
 
-def _observe(obs: Observed, values: dict, range_tensors: list, mean_tensors: list, n: int) -> None:
-    for t in range_tensors:
-        obs.histograms[t].observe(values[t], n)
-    for t in mean_tensors if obs.n_samples < MEAN_SAMPLES else ():
-        v = np.asarray(values[t], np.float32)
-        if v.ndim < 2:
+def _observe(obs: Observed, values: dict, range_tensors: list, mean_tensors: list, n: int, pool=None) -> None:
+    """Fold one run's outputs into the histograms (and, for the first MEAN_SAMPLES samples, the
+    channel sums). Tensors are independent, so `pool` may fold several at once: the native
+    code releases the GIL."""
+    means = set(mean_tensors) if obs.n_samples < MEAN_SAMPLES else set()
+    todo = list(dict.fromkeys([t for t in range_tensors] + [t for t in mean_tensors if t in means]))
+    todo.sort(key=lambda t: -np.size(values[t]))  # largest first: the workers finish together
+    jobs = [(obs.histograms.get(t), t, values[t], n, t in means) for t in todo]
+    for t, sums, count in (pool.map(_observe_one, *zip(*jobs)) if pool and jobs else
+                           (_observe_one(*j) for j in jobs)):
+        if sums is None:
             continue
         if t not in obs.channel_sums:
-            obs.channel_sums[t] = np.zeros(v.shape[1], np.float64)
+            obs.channel_sums[t] = np.zeros(sums.size, np.float64)
             obs.channel_counts[t] = 0
-        # sum along the contiguous spatial axis first: one fast pass instead of a strided reduction
-        obs.channel_sums[t] += v.reshape(v.shape[0], v.shape[1], -1).sum(axis=2, dtype=np.float64).sum(axis=0)
-        obs.channel_counts[t] += v.size // v.shape[1]
+        obs.channel_sums[t] += sums
+        obs.channel_counts[t] += count
     obs.n_samples += n
+
+
+def _observe_one(hist: Histogram | None, t: str, v, n: int, mean: bool):
+    """One tensor: a single read gives min, max and (when asked) the channel sums; then the
+    histogram counts its sampled blocks."""
+    v = np.ascontiguousarray(v, np.float32)
+    sums = count = None
+    if mean and v.ndim >= 2 and v.size:
+        sums = np.zeros(v.shape[1], np.float64)
+        count = v.size // v.shape[1]
+        scanned = scan(v, v.size // (v.shape[0] * v.shape[1]), sums)
+    else:
+        scanned = scan(v) if hist is not None else None
+    if hist is not None:
+        hist.observe(v, n, scanned)
+    return t, sums, count

@@ -56,13 +56,13 @@ class Histogram:
             self.counts = np.rint(counts[: self.nbins]).astype(np.int64)
         self.e, self.k0 = e_new, k0_new
 
-    def observe(self, x: np.ndarray, samples: int = 1) -> None:
-        """Add a tensor holding `samples` samples (its batch size) to the histogram."""
+    def observe(self, x: np.ndarray, samples: int = 1, scanned: tuple | None = None) -> None:
+        """Add a tensor holding `samples` samples (its batch size) to the histogram.
+        `scanned`: what scan(x) returned, when the caller already read x for other reasons."""
         x = np.ascontiguousarray(x, np.float32).ravel()
         if x.size == 0:
             return
-        mn, mx = float(x.min()), float(x.max())  # NaN propagates: one check covers NaN and inf
-        finite = math.isfinite(mn) and math.isfinite(mx)
+        mn, mx, finite = scanned if scanned is not None else scan(x)
         if not finite:
             x = x[np.isfinite(x)]
             if x.size == 0:
@@ -120,6 +120,32 @@ class Histogram:
         c = np.asarray(d["counts"], np.int64)
         h.counts[: c.size] = c
         return h
+
+
+def scan(x: np.ndarray, inner: int = 0, sums: np.ndarray | None = None) -> tuple:
+    """(min, max, finite) of a float32 tensor in one read. With `sums` (float64 [C]), the sum of
+    each run of `inner` values is also added to sums[run % C]: an NCHW tensor's channel sums
+    when inner = H*W. min and max are exact; the sums are float sums (not bit-exact across
+    ISAs). When finite is False (NaN or inf present), min and max are not to be used."""
+    x = np.ascontiguousarray(x, np.float32).ravel()
+    if _native is not None:
+        mn, mx, has_nan = _native.scan(x, inner, sums) if sums is not None else _native.scan(x)
+        return mn, mx, not has_nan and math.isfinite(mn) and math.isfinite(mx)
+    return scan_reference(x, inner, sums)
+
+
+def scan_reference(x: np.ndarray, inner: int = 0, sums: np.ndarray | None = None) -> tuple:
+    x = np.ascontiguousarray(x, np.float32).ravel()
+    if sums is not None:
+        sums += x.reshape(-1, sums.size, inner).sum(axis=2, dtype=np.float64).sum(axis=0)
+    if x.size == 0:
+        return math.inf, -math.inf, True
+    fin = np.isfinite(x)
+    ok = bool(fin.all())
+    v = x if ok else x[~np.isnan(x)]
+    if v.size == 0:
+        return math.inf, -math.inf, False
+    return float(v.min()), float(v.max()), ok
 
 
 BLOCK = 16  # values per sampled block: one 64-byte cache line of float32
