@@ -8,7 +8,7 @@ without another pass over the images.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 
 from qtool.calibrate.histogram import Histogram
 from qtool.calibrate.methods import METHODS
@@ -39,7 +39,8 @@ class CalibrationTable:
         return Histogram.from_dict(self.histograms[tensor])
 
     def save(self, path: str) -> None:
-        d = {"format": FORMAT, **asdict(self)}
+        # shallow: asdict() would deep-copy every histogram's counts first
+        d = {"format": FORMAT, **{f.name: getattr(self, f.name) for f in fields(self)}}
         atomic_write_text(path, json.dumps(d))
 
 

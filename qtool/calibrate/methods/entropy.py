@@ -9,7 +9,13 @@ import numpy as np
 
 
 def _kl_threshold(counts: np.ndarray, levels: int) -> int:
-    """Index (exclusive) of the best threshold bin."""
+    """Index (exclusive) of the best threshold bin.
+
+    For each candidate threshold i: p is counts[:i] with everything beyond folded into bin
+    i-1; q quantizes counts[:i] into `levels` groups of consecutive bins, each group's mass
+    spread evenly over its non-zero bins. Within a group q is constant, so
+    sum(p log(p/q)) over a group needs only the group's sum of c log c and its mass: every
+    candidate is scored from prefix sums in O(levels), not O(bins)."""
     n = counts.size
     nz = np.nonzero(counts)[0]
     if nz.size == 0:
@@ -17,26 +23,33 @@ def _kl_threshold(counts: np.ndarray, levels: int) -> int:
     last = int(nz[-1]) + 1
     if last <= levels:
         return last
-    candidates = np.unique(np.linspace(levels, last, num=min(256, last - levels + 1)).astype(int))
-    best, best_kl = last, np.inf
-    for i in candidates:
-        p = counts[:i].astype(np.float64).copy()
-        p[i - 1] += counts[i:].sum()
-        # quantize the first i bins into `levels` groups, spreading each group over its non-zero bins
-        groups = np.minimum((np.arange(i) * levels) // i, levels - 1)
-        ref = counts[:i].astype(np.float64)
-        gsum = np.bincount(groups, weights=ref, minlength=levels)
-        gnz = np.bincount(groups, weights=(ref > 0).astype(np.float64), minlength=levels)
-        q = np.where(ref > 0, gsum[groups] / np.maximum(gnz[groups], 1), 0.0)
-        mask = p > 0
-        ps, qs = p.sum(), q.sum()
-        if qs == 0:
-            continue
-        pn, qn = p[mask] / ps, q[mask] / qs
-        kl = np.sum(pn * np.log(pn / np.maximum(qn, 1e-12)))
-        if kl < best_kl:
-            best, best_kl = int(i), kl
-    return best
+    cand = np.unique(np.linspace(levels, last, num=min(256, last - levels + 1)).astype(np.int64))
+    c = counts.astype(np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        clogc = np.where(c > 0, c * np.log(c), 0.0)
+    csum = np.concatenate([[0.0], np.cumsum(c)])  # mass of bins [0, j)
+    cl = np.concatenate([[0.0], np.cumsum(clogc)])
+    cnz = np.concatenate([[0], np.cumsum(counts > 0)])  # non-zero bins among [0, j)
+    total = csum[-1]
+    # group g of threshold i holds bins [ceil(g*i/levels), ceil((g+1)*i/levels)); bin i-1 is in the last one
+    bounds = -(-(np.arange(levels + 1)[None, :] * cand[:, None]) // levels)
+    gsum = np.diff(csum[bounds], axis=1)
+    gnz = np.diff(cnz[bounds], axis=1)
+    qmass = csum[cand]  # q's total: all of counts[:i] sits on non-zero bins
+    with np.errstate(divide="ignore", invalid="ignore"):
+        logq = np.where(gnz > 0, np.log(gsum / np.maximum(gnz, 1)), 0.0)  # log of q on the group's bins
+        lb = cand - 1
+        mass = gsum.copy()
+        mass[:, -1] -= c[lb]  # bins below i-1 only: bin i-1 is scored with the tail below
+        below = csum[lb]
+        kl = (cl[lb] - below * np.log(total) - (mass * logq).sum(axis=1) + below * np.log(qmass)) / total
+        p_last = (c[lb] + (total - csum[cand])) / total
+        q_last = np.where(c[lb] > 0, gsum[:, -1] / np.maximum(gnz[:, -1], 1), 0.0) / qmass
+        kl += np.where(p_last > 0, p_last * np.log(p_last / np.maximum(q_last, 1e-12)), 0.0)
+    kl[~(qmass > 0)] = np.inf
+    if not np.isfinite(kl).any():
+        return last
+    return int(cand[int(np.argmin(kl))])
 
 
 def _from_zero(hist, fold: bool):
