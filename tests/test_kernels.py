@@ -107,6 +107,9 @@ CONV_CASES = [
     (1, 9, 8, 1024, 36, 1, 1, 1, (0, 0, 0, 0), 1, 1),    # 1x1, K split into virtual taps
     (1, 7, 7, 2048, 32, 1, 1, 2, (0, 0, 0, 0), 1, 1),    # 1x1 stride 2, K split
     (1, 7, 9, 1000, 17, 1, 1, 1, (1, 0, 0, 1), 1, 1),    # 1x1 padded, K split (1000 = 4 * 250)
+    (1, 10, 10, 100, 40, 1, 1, 1, (0, 0, 0, 0), 1, 1),   # AMX: rows read in place, K % 64 != 0
+    (1, 4, 80, 112, 24, 1, 1, 2, (0, 0, 0, 0), 1, 1),    # AMX: stride-2 rows read in place
+    (1, 8, 12, 256, 48, 1, 1, 1, (0, 0, 0, 0), 1, 2),    # AMX: grouped 1x1 read in place
 ]
 
 
@@ -128,8 +131,10 @@ def test_conv2d(isa, case):
     assert p.isa == isa
     if g == cin == cout and g > 1:
         assert p.kind == "dwconv"
-    # the AMX tier runs depthwise on its AVX-512 kernel, everything else on tiles
-    assert (isa if p.kind != "dwconv" or isa != "amx" else "avx512").split("vnni")[0] in p.kernel
+    # the AMX tier runs depthwise and short-K convolutions (K < 96, operators.c QT_AMX_MIN_K)
+    # on its AVX-512 kernels, everything else on tiles
+    on_tiles = p.kind != "dwconv" and cin // g * kh * kw >= 96
+    assert (isa if on_tiles or isa != "amx" else "avx512").split("vnni")[0] in p.kernel
     for canary in CANARIES:
         big, out = canary_out(want.shape, np.uint8, canary)
         got = K.conv2d(p, x, out=out)
@@ -147,7 +152,8 @@ def test_conv2d(isa, case):
 
 GEMM_CASES = [(m, k, nn) for m, k, nn in [
     (1, 1, 1), (1, 3, 15), (2, 4, 16), (7, 5, 17), (8, 31, 32), (9, 64, 33), (17, 129, 100),
-    (33, 7, 64), (3, 1280, 1000), (16, 2048, 31), (1, 2051, 40), (1, 13, 70), (1, 1280, 1000)]]
+    (33, 7, 64), (3, 1280, 1000), (16, 2048, 31), (1, 2051, 40), (1, 13, 70), (1, 1280, 1000),
+    (100, 100, 40), (96, 128, 33), (65, 200, 17)]]
 
 
 @pytest.mark.parametrize("out_dtype", ["uint8", "float32"])

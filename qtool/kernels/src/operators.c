@@ -8,6 +8,11 @@ static size_t round_up(size_t v, size_t m) { return (v + m - 1) / m * m; }
 
 #define QT_L1_SLICE (24 * 1024)
 
+/* The AMX tier runs a convolution on tiles only when K = KH*KW*Cin/group >= this: below it the
+ * padding of K to 64 and the trip of the sums through memory lose to the VNNI kernel (measured
+ * on EfficientNet-Lite0's 1x1s: K <= 80 1.1-1.5x slower on tiles, K >= 96 0.4-0.9x). */
+#define QT_AMX_MIN_K 96
+
 /* K blocking: 0 off, 1 on (row-block runs >= 8), 2 forced on every run (tests). Applies to
  * objects packed afterwards. */
 static int g_kblock = 1;
@@ -74,7 +79,7 @@ qt_conv* qt_conv_create(const int8_t* w, const int32_t* bias, const float* mult,
     free(wt);
     return cv;
   }
-  if (cv->d->amx.ukernel) {
+  if (cv->d->amx.ukernel && ks * cin_g >= QT_AMX_MIN_K) {
     /* AMX: packing A is an im2col of one row block, so no separate im2col or K split */
     const qt_amx_gemm_config* ac = &cv->d->amx;
     const size_t nr = ac->nr, kk_n = ks * cin_g;
@@ -246,18 +251,36 @@ static void amx_task(void* ctx, size_t begin, size_t end) {
   }
   ac->begin();
   size_t packed = (size_t)-1;
+  const uint8_t* a = tl_amx_a;
+  size_t a_stride = kp;
+  const size_t x_bytes = j->n * j->h * j->w * cv->cin;
   for (size_t t = begin; t < end; t++) {
     const size_t ch = t % nch, gm = t / nch, mb = gm % mblocks, g = gm / mblocks;
     const size_t row0 = mb * mr, rows = j->m - row0 < mr ? j->m - row0 : mr;
     if (gm != packed) {
-      ac->pack_a(rows, cv->gemm_kc, ks, cv->ind + mb * ks * mr, j->x + g * cv->cin_g, cv->zero,
-                 tl_amx_a, kp);
+      const intptr_t* ind = cv->ind + mb * ks * mr;
+      const uint8_t* xg = j->x + g * cv->cin_g;
+      a = tl_amx_a;
+      a_stride = kp;
+      /* 1x1 over a full block of equally spaced pixels: tile loads read the input in place.
+       * They read kp bytes per row: those past kc meet zero weights, and must stay inside x. */
+      if (ks == 1 && rows == mr && ind[0] >= 0 && ind[1] > ind[0] &&
+          (size_t)ind[mr - 1] + kp <= x_bytes - g * cv->cin_g) {
+        const intptr_t d = ind[1] - ind[0];
+        size_t i = 2;
+        while (i < mr && ind[i] - ind[i - 1] == d) i++;
+        if (i == mr) {
+          a = xg + ind[0];
+          a_stride = (size_t)d;
+        }
+      }
+      if (a == tl_amx_a) ac->pack_a(rows, cv->gemm_kc, ks, ind, xg, cv->zero, tl_amx_a, kp);
       packed = gm;
     }
     const size_t p0 = ppg * ch / nch, p1 = ppg * (ch + 1) / nch;
     for (size_t p = p0; p < p1; p++) {
       const size_t col0 = p * nr, nc = cv->cout_g - col0 < nr ? cv->cout_g - col0 : nr;
-      ac->ukernel(rows, nc, kp, tl_amx_a, (const char*)cv->w + (g * ppg + p) * cv->panel_bytes,
+      ac->ukernel(rows, nc, kp, a, a_stride, (const char*)cv->w + (g * ppg + p) * cv->panel_bytes,
                   (char*)j->y + row0 * cstride + (g * cv->cout_g + col0) * es, cstride, &cv->rq,
                   tl_amx_c);
     }

@@ -72,25 +72,35 @@ QT_TARGET_AMX QT_INLINE void store16(__m512i acc, const float* mult, void* c, __
   _mm_mask_storeu_epi8(c, m, _mm512_cvtepi32_epi8(i));
 }
 
-/* One row block (mr <= 32 rows of packed A) x one panel (nc <= 32 columns). cbuf: 32 x 32
- * int32 scratch. Tiles must be configured (qt_amx_begin) on the calling thread. */
+/* u8 epilogue for two rows x 32 columns (as in the VNNI kernel): float multiply, clamp to
+ * hi - zp, round half to even, saturating packs with the zero point added in int16, max with lo,
+ * one vpermd to undo the pack interleave. Equal to clip(rint(acc * m) + zp, lo, hi). */
+QT_TARGET_AMX QT_INLINE __m512i rq_cvt(const int32_t* acc, __m512 m, __m512 hi) {
+  __m512 f = _mm512_min_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(acc)), m), hi);
+  return _mm512_cvt_roundps_epi32(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+/* One row block (mr <= 32 rows of A, rows a_stride bytes apart, kp bytes each of which those
+ * past the real K meet zero weights) x one panel (nc <= 32 columns). cbuf: 32 x 32 int32
+ * scratch. Tiles must be configured (qt_amx_begin) on the calling thread. */
 QT_TARGET_AMX
 void qu8_qs8w_gemm_minmax_fp32_ukernel_32x32c4__amx(size_t mr, size_t nc, size_t kp,
-                                                    const uint8_t* a, const void* w, void* c,
-                                                    size_t cm_stride, const qt_requant* rq,
-                                                    int32_t* cbuf) {
+                                                    const uint8_t* a, size_t a_stride,
+                                                    const void* w, void* c, size_t cm_stride,
+                                                    const qt_requant* rq, int32_t* cbuf) {
   const int32_t* bias = (const int32_t*)w;
   const float* mult = (const float*)(bias + NR);
   const int8_t* b0 = (const int8_t*)(mult + NR);
   const int8_t* b1 = b0 + kp * 16;
-  const uint8_t* a1 = a + 16 * kp;
+  const uint8_t* a1 = a + 16 * a_stride;
   const size_t nk = kp / 64;
-  const long sa = (long)kp;
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  const long sa = (long)a_stride;
+  /* accumulators start from the bias (a zero-stride load repeats it on every row) */
+  _tile_loadd(0, bias, 0);
+  _tile_loadd(1, bias + 16, 0);
   if (mr > 16 && nc > 16) {
+    _tile_loadd(2, bias, 0);
+    _tile_loadd(3, bias + 16, 0);
     for (size_t kb = 0; kb < nk; kb++) {
       _tile_loadd(4, a + kb * 64, sa);
       _tile_loadd(6, b0 + kb * 1024, 64);
@@ -102,6 +112,7 @@ void qu8_qs8w_gemm_minmax_fp32_ukernel_32x32c4__amx(size_t mr, size_t nc, size_t
       _tile_dpbusd(3, 5, 7);
     }
   } else if (mr > 16) {
+    _tile_loadd(2, bias, 0);
     for (size_t kb = 0; kb < nk; kb++) {
       _tile_loadd(4, a + kb * 64, sa);
       _tile_loadd(6, b0 + kb * 1024, 64);
@@ -130,15 +141,29 @@ void qu8_qs8w_gemm_minmax_fp32_ukernel_32x32c4__amx(size_t mr, size_t nc, size_t
     _tile_stored(2, cbuf + 16 * 32, 128);
     _tile_stored(3, cbuf + 16 * 32 + 16, 128);
   }
-  const __m512i bias0 = _mm512_loadu_si512(bias), bias1 = _mm512_loadu_si512(bias + 16);
+  char* cr = (char*)c;
+  if (!rq->out_f32) {
+    const __m512 m0 = _mm512_loadu_ps(mult), m1 = _mm512_loadu_ps(mult + 16);
+    const __m512 hi = _mm512_set1_ps(rq->hi_f);
+    const __m512i zp16 = _mm512_set1_epi16((int16_t)rq->zp), lo8 = _mm512_set1_epi8((char)rq->lo);
+    const __m512i perm = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    const __mmask32 mask = nc >= 32 ? 0xFFFFFFFFu : (__mmask32)((1u << nc) - 1);
+    for (size_t i = 0; i < mr; i += 2, cr += 2 * cm_stride) {
+      const int32_t* r0 = cbuf + i * 32;
+      const __m512i pa = _mm512_adds_epi16(_mm512_packs_epi32(rq_cvt(r0, m0, hi), rq_cvt(r0 + 16, m1, hi)), zp16);
+      const __m512i pb = _mm512_adds_epi16(_mm512_packs_epi32(rq_cvt(r0 + 32, m0, hi), rq_cvt(r0 + 48, m1, hi)), zp16);
+      const __m512i y = _mm512_permutexvar_epi32(perm, _mm512_max_epu8(_mm512_packus_epi16(pa, pb), lo8));
+      _mm256_mask_storeu_epi8(cr, mask, _mm512_castsi512_si256(y));
+      if (i + 1 < mr) _mm256_mask_storeu_epi8(cr + cm_stride, mask, _mm512_extracti64x4_epi64(y, 1));
+    }
+    return;
+  }
   const __mmask16 m0 = nc >= 16 ? 0xFFFF : (__mmask16)((1u << nc) - 1);
   const __mmask16 m1 = nc >= 32 ? 0xFFFF : nc <= 16 ? 0 : (__mmask16)((1u << (nc - 16)) - 1);
-  const size_t es = rq->out_f32 ? 4 : 1;
-  char* cr = (char*)c;
   for (size_t i = 0; i < mr; i++, cr += cm_stride) {
     const int32_t* row = cbuf + i * 32;
-    store16(_mm512_add_epi32(_mm512_loadu_si512(row), bias0), mult, cr, m0, rq);
-    if (m1) store16(_mm512_add_epi32(_mm512_loadu_si512(row + 16), bias1), mult + 16, cr + 16 * es, m1, rq);
+    store16(_mm512_loadu_si512(row), mult, cr, m0, rq);
+    if (m1) store16(_mm512_loadu_si512(row + 16), mult + 16, cr + 64, m1, rq);
   }
 }
 
