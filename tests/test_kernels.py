@@ -107,6 +107,10 @@ CONV_CASES = [
     (1, 9, 8, 1024, 36, 1, 1, 1, (0, 0, 0, 0), 1, 1),    # 1x1, K split into virtual taps
     (1, 7, 7, 2048, 32, 1, 1, 2, (0, 0, 0, 0), 1, 1),    # 1x1 stride 2, K split
     (1, 7, 9, 1000, 17, 1, 1, 1, (1, 0, 0, 1), 1, 1),    # 1x1 padded, K split (1000 = 4 * 250)
+    (2, 20, 17, 3, 8, 3, 3, 1, (1, 1, 1, 1), 1, 1),      # im2col: wide moves inside, exact at edges
+    (1, 16, 16, 5, 8, 3, 3, 2, (0, 0, 1, 1), 1, 1),      # im2col: TF padding, stride 2
+    (1, 20, 20, 4, 16, 7, 7, 2, (3, 3, 3, 3), 1, 1),     # im2col: 28-byte kernel rows (32-byte moves)
+    (1, 12, 12, 3, 8, 3, 3, 1, (2, 2, 2, 2), 2, 1),      # im2col with dilation
     (1, 10, 10, 100, 40, 1, 1, 1, (0, 0, 0, 0), 1, 1),   # AMX: rows read in place, K % 64 != 0
     (1, 4, 80, 112, 24, 1, 1, 2, (0, 0, 0, 0), 1, 1),    # AMX: stride-2 rows read in place
     (1, 8, 12, 256, 48, 1, 1, 1, (0, 0, 0, 0), 1, 2),    # AMX: grouped 1x1 read in place
@@ -315,7 +319,7 @@ def test_threads_agree():
         K.set_num_threads(prev)
 
 
-@pytest.mark.parametrize("shape", [(1, 3, 17, 9), (2, 5, 4, 3), (3, 40)], ids=str)
+@pytest.mark.parametrize("shape", [(1, 3, 17, 9), (2, 5, 4, 3), (3, 40), (2, 3, 6, 37), (1, 3, 4, 16)], ids=str)
 def test_quantize_dequantize(isa, shape):
     rng = np.random.default_rng(len(shape))
     x = (rng.standard_normal(shape) * 3).astype(np.float32)

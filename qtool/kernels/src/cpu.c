@@ -103,11 +103,13 @@ static void qt_init_tables(void) {
     qt_fill_elementwise(d, vec);
     d->lut = qu8_lut_ukernel__scalar;
     d->lut_name = "qu8_lut_ukernel__scalar";
+    d->interleave3 = qu8_interleave3_ukernel__scalar;
 #if QT_X86
     /* the VBMI table lookup rides on the AVX-512 tier (its own feature bit is checked too) */
     if (vec == QT_ISA_AVX512VNNI && qt_cpu()->avx512vbmi) {
       d->lut = qu8_lut_ukernel__avx512vbmi;
       d->lut_name = "qu8_lut_ukernel__avx512vbmi";
+      d->interleave3 = qu8_interleave3_ukernel__avx512vbmi;
     }
 #endif
   }

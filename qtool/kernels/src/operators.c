@@ -416,9 +416,47 @@ static void im2col_task(void* ctx, size_t begin, size_t end) {
   const int zp = (int)cv->x_zp;
   const uint8_t* x = j->x;
   uint8_t* const col = cv->col;
+  /* interior pixels copy each kernel row (kw * c bytes, contiguous in NHWC) with one fixed
+   * 16- or 32-byte move: the bytes past the run are overwritten by the next tap or pixel of the
+   * same output row, filled later by the same thread (a row's last pixel takes the exact path,
+   * so nothing spills into another task's row), and the source read stays inside x */
+  const size_t run = kw * c, wide = run <= 16 ? 16 : 32;
+  const uint8_t* const x_end = x + j->n * h * w * c;
+  const size_t ox_lo = pl > 0 ? ((size_t)pl + sw - 1) / sw : 0;  /* first ox with ix0 >= 0 */
   for (size_t r = begin; r < end; r++) {  /* r = output row (b, oy) */
     const size_t b = r / oh, oy = r % oh;
     uint8_t* dst = col + r * ow * K;
+    int rows_in = 1;
+    for (size_t ky = 0; ky < kh; ky++) {
+      const ptrdiff_t iy = (ptrdiff_t)(oy * sh + ky * dh) - pt;
+      rows_in &= iy >= 0 && iy < (ptrdiff_t)h;
+    }
+    if (dw == 1 && run <= 32 && rows_in) {
+      size_t ox = 0;
+      for (; ox < ow; ox++, dst += K) {
+        const ptrdiff_t ix0 = (ptrdiff_t)(ox * sw) - pl;
+        if (ox >= ox_lo && ox + 1 < ow && ix0 + (ptrdiff_t)kw <= (ptrdiff_t)w) {
+          const uint8_t* src = x + ((b * h + (oy * sh - (size_t)pt)) * w + (size_t)ix0) * c;
+          if (src + (kh - 1) * dh * w * c + wide <= x_end) {
+            for (size_t ky = 0; ky < kh; ky++, src += dh * w * c) {
+              if (wide == 16) memcpy(dst + ky * run, src, 16);
+              else memcpy(dst + ky * run, src, 32);
+            }
+            continue;
+          }
+        }
+        for (size_t ky = 0; ky < kh; ky++) {  /* left/right border (or the end of x) */
+          const uint8_t* row = x + (b * h + (oy * sh + ky * dh - (size_t)pt)) * w * c;
+          uint8_t* d = dst + ky * run;
+          for (size_t kx = 0; kx < kw; kx++) {
+            const ptrdiff_t ix = ix0 + (ptrdiff_t)kx;
+            if (ix >= 0 && ix < (ptrdiff_t)w) small_copy(d + kx * c, row + (size_t)ix * c, c);
+            else memset(d + kx * c, zp, c);
+          }
+        }
+      }
+      continue;
+    }
     for (size_t ox = 0; ox < ow; ox++) {
       const ptrdiff_t ix0 = (ptrdiff_t)(ox * sw) - pl;
       for (size_t ky = 0; ky < kh; ky++) {
@@ -658,12 +696,7 @@ static void quantize_task(void* ctx, size_t begin, size_t end) {
     for (size_t ch = 0; ch < c; ch++)  /* vectorized per channel row, then interleaved */
       d->quant_row(w, j->xf + ((b * c + ch) * h + y) * w, j->scale, j->zp, tmp + ch * w);
     if (c == 3) {
-      const uint8_t *t0 = tmp, *t1 = tmp + w, *t2 = tmp + 2 * w;
-      for (size_t x = 0; x < w; x++) {
-        dst[3 * x] = t0[x];
-        dst[3 * x + 1] = t1[x];
-        dst[3 * x + 2] = t2[x];
-      }
+      d->interleave3(w, tmp, tmp + w, tmp + 2 * w, dst);
     } else {
       for (size_t x = 0; x < w; x++)
         for (size_t ch = 0; ch < c; ch++) dst[x * c + ch] = tmp[ch * w + x];

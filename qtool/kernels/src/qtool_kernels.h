@@ -144,6 +144,7 @@ typedef struct {
   qt_sumpix_fn sumpix;
   qt_quant_row_fn quant_row;
   qt_lut_fn lut; const char* lut_name;
+  void (*interleave3)(size_t n, const uint8_t* p0, const uint8_t* p1, const uint8_t* p2, uint8_t* y);
 } qt_dispatch;
 
 /* cpu.c */
@@ -177,5 +178,9 @@ extern const qt_dwconv_config qt_dwconv_scalar, qt_dwconv_avx2, qt_dwconv_avx512
 void qt_fill_elementwise(qt_dispatch* d, int isa);
 void qu8_lut_ukernel__scalar(size_t n, const uint8_t* x, const uint8_t* t, uint8_t* y);
 void qu8_lut_ukernel__avx512vbmi(size_t n, const uint8_t* x, const uint8_t* t, uint8_t* y);
+void qu8_interleave3_ukernel__scalar(size_t n, const uint8_t* p0, const uint8_t* p1,
+                                     const uint8_t* p2, uint8_t* y);
+void qu8_interleave3_ukernel__avx512vbmi(size_t n, const uint8_t* p0, const uint8_t* p1,
+                                         const uint8_t* p2, uint8_t* y);
 
 #endif

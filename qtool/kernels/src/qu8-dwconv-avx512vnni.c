@@ -53,7 +53,7 @@ QT_TARGET_AVX512VNNI QT_INLINE __m256i rq_cvt8(__m256i acc, const float* mult, _
 }
 
 /* P pixels x 64 channels (zmm) of one channel tile. */
-QT_TARGET_AVX512VNNI QT_INLINE void dw_zmm(const size_t P, size_t ks, size_t step, const uint8_t* const* ip,
+QT_TARGET_AVX512VNNI QT_INLINE void dw_zmm(const int same, const size_t P, size_t ks, size_t step, const uint8_t* const* ip,
                                           ptrdiff_t off, const uint8_t* zero, const int32_t* bias,
                                           const float* mult, const int8_t* wt, size_t c0,
                                           __mmask64 mask, uint8_t* out, size_t out_stride, __m512i lo8,
@@ -68,7 +68,7 @@ QT_TARGET_AVX512VNNI QT_INLINE void dw_zmm(const size_t P, size_t ks, size_t ste
                   w2 = _mm512_loadu_si512(wt + 128), w3 = _mm512_loadu_si512(wt + 192);
 #pragma GCC unroll 4
     for (size_t p = 0; p < P; p++) {
-      const __m512i xv = _mm512_maskz_loadu_epi8(mask, QT_DW_PTR(ip[p * step + t], off, zero) + c0);
+      const __m512i xv = _mm512_maskz_loadu_epi8(mask, (same ? ip[p * step + t] : QT_DW_PTR(ip[p * step + t], off, zero)) + c0);
       DPBUSD(acc[p][0], xv, w0);
       DPBUSD(acc[p][1], xv, w1);
       DPBUSD(acc[p][2], xv, w2);
@@ -91,7 +91,7 @@ QT_TARGET_AVX512VNNI QT_INLINE void dw_zmm(const size_t P, size_t ks, size_t ste
 
 /* P pixels x 32 channels (ymm) for tail tiles of <= 32 channels: the first half of each packed
  * weight vector holds channels 0..31 in the same (4j + r) order. */
-QT_TARGET_AVX512VNNI QT_INLINE void dw_ymm(const size_t P, size_t ks, size_t step, const uint8_t* const* ip,
+QT_TARGET_AVX512VNNI QT_INLINE void dw_ymm(const int same, const size_t P, size_t ks, size_t step, const uint8_t* const* ip,
                                           ptrdiff_t off, const uint8_t* zero, const int32_t* bias,
                                           const float* mult, const int8_t* wt, size_t c0,
                                           __mmask32 mask, uint8_t* out, size_t out_stride, __m512i lo8,
@@ -108,7 +108,7 @@ QT_TARGET_AVX512VNNI QT_INLINE void dw_ymm(const size_t P, size_t ks, size_t ste
                   w3 = _mm256_loadu_si256((const __m256i*)(wt + 192));
 #pragma GCC unroll 4
     for (size_t p = 0; p < P; p++) {
-      const __m256i xv = _mm256_maskz_loadu_epi8(mask, QT_DW_PTR(ip[p * step + t], off, zero) + c0);
+      const __m256i xv = _mm256_maskz_loadu_epi8(mask, (same ? ip[p * step + t] : QT_DW_PTR(ip[p * step + t], off, zero)) + c0);
       DPBUSD(acc[p][0], xv, w0);
       DPBUSD(acc[p][1], xv, w1);
       DPBUSD(acc[p][2], xv, w2);
@@ -127,12 +127,12 @@ QT_TARGET_AVX512VNNI QT_INLINE void dw_ymm(const size_t P, size_t ks, size_t ste
   }
 }
 
-QT_TARGET_AVX512VNNI
-void qu8_qs8w_dwconv_minmax_fp32_ukernel_c64__avx512vnni(size_t channels, size_t ow, size_t ks,
-                                                         const uint8_t* const* in, size_t in_step, ptrdiff_t in_offset,
-                                                         const uint8_t* zero, const void* w,
-                                                         uint8_t* out, size_t out_stride,
-                                                         const qt_requant* rq) {
+/* SAME: the input is where the indirection was built (in_offset 0, the executor's case), so the
+ * tap pointers are used as they are, without the padding test. */
+QT_TARGET_AVX512VNNI QT_INLINE void dw_rows(const int same, size_t channels, size_t ow, size_t ks,
+                                           const uint8_t* const* in, size_t in_step,
+                                           ptrdiff_t in_offset, const uint8_t* zero, const void* w,
+                                           uint8_t* out, size_t out_stride, const qt_requant* rq) {
   const __m512 hi = _mm512_set1_ps(rq->hi_f);
   const __m512i lo8 = _mm512_set1_epi8((char)rq->lo);
   const __m512i zp = _mm512_set1_epi32(rq->zp);
@@ -146,21 +146,33 @@ void qu8_qs8w_dwconv_minmax_fp32_ukernel_c64__avx512vnni(size_t channels, size_t
     if (n > 32) {
       const __mmask64 mask = n == CT ? ~(__mmask64)0 : (((__mmask64)1 << n) - 1);
       for (; p + 4 <= ow; p += 4)
-        dw_zmm(4, ks, in_step, in + p * in_step, in_offset, zero, bias, mult, wt, c0, mask, out + p * out_stride,
-               out_stride, lo8, hi, zp);
+        dw_zmm(same, 4, ks, in_step, in + p * in_step, in_offset, zero, bias, mult, wt, c0, mask,
+               out + p * out_stride, out_stride, lo8, hi, zp);
       for (; p < ow; p++)
-        dw_zmm(1, ks, in_step, in + p * in_step, in_offset, zero, bias, mult, wt, c0, mask, out + p * out_stride,
-               out_stride, lo8, hi, zp);
+        dw_zmm(same, 1, ks, in_step, in + p * in_step, in_offset, zero, bias, mult, wt, c0, mask,
+               out + p * out_stride, out_stride, lo8, hi, zp);
     } else {
       const __mmask32 mask = n == 32 ? ~(__mmask32)0 : (__mmask32)(((uint64_t)1 << n) - 1);
       for (; p + 4 <= ow; p += 4)
-        dw_ymm(4, ks, in_step, in + p * in_step, in_offset, zero, bias, mult, wt, c0, mask, out + p * out_stride,
-               out_stride, lo8, hi, zp);
+        dw_ymm(same, 4, ks, in_step, in + p * in_step, in_offset, zero, bias, mult, wt, c0, mask,
+               out + p * out_stride, out_stride, lo8, hi, zp);
       for (; p < ow; p++)
-        dw_ymm(1, ks, in_step, in + p * in_step, in_offset, zero, bias, mult, wt, c0, mask, out + p * out_stride,
-               out_stride, lo8, hi, zp);
+        dw_ymm(same, 1, ks, in_step, in + p * in_step, in_offset, zero, bias, mult, wt, c0, mask,
+               out + p * out_stride, out_stride, lo8, hi, zp);
     }
   }
+}
+
+QT_TARGET_AVX512VNNI
+void qu8_qs8w_dwconv_minmax_fp32_ukernel_c64__avx512vnni(size_t channels, size_t ow, size_t ks,
+                                                         const uint8_t* const* in, size_t in_step, ptrdiff_t in_offset,
+                                                         const uint8_t* zero, const void* w,
+                                                         uint8_t* out, size_t out_stride,
+                                                         const qt_requant* rq) {
+  if (in_offset == 0)
+    dw_rows(1, channels, ow, ks, in, in_step, 0, zero, w, out, out_stride, rq);
+  else
+    dw_rows(0, channels, ow, ks, in, in_step, in_offset, zero, w, out, out_stride, rq);
 }
 
 const qt_dwconv_config qt_dwconv_avx512vnni = {"qu8_qs8w_dwconv_minmax_fp32_ukernel_c64__avx512vnni",

@@ -210,7 +210,37 @@ void qu8_lut_ukernel__avx512vbmi(size_t n, const uint8_t* x, const uint8_t* t, u
 }
 #endif
 
+/* Three planes -> interleaved triples: y[3i + k] = plane k [i] (the NCHW -> NHWC step of the
+ * graph-boundary quantize for RGB input). */
+void qu8_interleave3_ukernel__scalar(size_t n, const uint8_t* p0, const uint8_t* p1,
+                                     const uint8_t* p2, uint8_t* y) {
+  for (size_t i = 0; i < n; i++) {
+    y[3 * i] = p0[i];
+    y[3 * i + 1] = p1[i];
+    y[3 * i + 2] = p2[i];
+  }
+}
+
 #if QT_X86
+/* VBMI: 16 bytes of each plane side by side in one zmm, one vpermb to the 48 interleaved bytes. */
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi")))
+void qu8_interleave3_ukernel__avx512vbmi(size_t n, const uint8_t* p0, const uint8_t* p1,
+                                         const uint8_t* p2, uint8_t* y) {
+  uint8_t idx[64];
+  for (int i = 0; i < 64; i++) idx[i] = (uint8_t)(i < 48 ? (i % 3) * 16 + i / 3 : 0);
+  const __m512i perm = _mm512_loadu_si512(idx);
+  size_t i = 0;
+  for (; i < n; i += 16) {
+    const size_t r = n - i < 16 ? n - i : 16;
+    const __mmask16 m = (__mmask16)((1u << r) - 1);
+    __m512i v = _mm512_castsi128_si512(_mm_maskz_loadu_epi8(m, p0 + i));
+    v = _mm512_inserti32x4(v, _mm_maskz_loadu_epi8(m, p1 + i), 1);
+    v = _mm512_inserti32x4(v, _mm_maskz_loadu_epi8(m, p2 + i), 2);
+    const __mmask64 sm = r == 16 ? (__mmask64)0xFFFFFFFFFFFFull : (((__mmask64)1 << (3 * r)) - 1);
+    _mm512_mask_storeu_epi8(y + 3 * i, sm, _mm512_permutexvar_epi8(perm, v));
+  }
+}
+
 /* AVX-512 add, same arithmetic as add_body (bit-exact): per 64 elements 8 zero-extensions, 8
  * conversions, 8 FMAs, 4 float clamps to hi, 4 round-half-even conversions, then saturating packs
  * (an out-of-range negative saturates to 0) and one u8 max/min for [lo, hi]. */
