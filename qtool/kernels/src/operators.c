@@ -8,10 +8,13 @@ static size_t round_up(size_t v, size_t m) { return (v + m - 1) / m * m; }
 
 #define QT_L1_SLICE (24 * 1024)
 
-/* The AMX tier runs a convolution on tiles only when K = KH*KW*Cin/group >= this: below it the
- * padding of K to 64 and the trip of the sums through memory lose to the VNNI kernel (measured
- * on EfficientNet-Lite0's 1x1s: K <= 80 1.1-1.5x slower on tiles, K >= 96 0.4-0.9x). */
-#define QT_AMX_MIN_K 96
+/* The AMX tier runs a convolution on tiles only when K = KH*KW*Cin/group >= QT_AMX_MIN_K and a
+ * group has more than 16 output channels: below that the padding of K to 64 (and of N to 32) and
+ * the trip of the sums through memory lose to the VNNI kernel. Single-thread A/B on
+ * EfficientNet-Lite0's and ResNet-50's 1x1 shapes: K = 16: 1.4x slower on tiles, K = 24-32:
+ * 0.95-1.07x, K = 40-80: 0.6-0.8x, K = 64 (N = 256): 0.55x, K >= 96: 0.6-0.85x. */
+#define QT_AMX_MIN_K 32
+#define QT_AMX_MIN_N 17
 
 /* K blocking: 0 off, 1 on (row-block runs >= 8), 2 forced on every run (tests). Applies to
  * objects packed afterwards. */
@@ -79,15 +82,18 @@ qt_conv* qt_conv_create(const int8_t* w, const int32_t* bias, const float* mult,
     free(wt);
     return cv;
   }
-  if (cv->d->amx.ukernel && ks * cin_g >= QT_AMX_MIN_K) {
-    /* AMX: packing A is an im2col of one row block, so no separate im2col or K split */
+  if (cv->d->amx.ukernel && ks * cin_g >= QT_AMX_MIN_K && cout_g >= QT_AMX_MIN_N) {
+    /* AMX: packing A is an im2col of one row block, so no K split. Stems (Cin < 8) are
+     * im2col'd whole first, and the tiles read those rows in place (packing them tap by tap,
+     * a few bytes each, cost twice the GEMM). */
     const qt_amx_gemm_config* ac = &cv->d->amx;
     const size_t nr = ac->nr, kk_n = ks * cin_g;
     cv->amx = 1;
     cv->mr = ac->mr;
     cv->kernel_name = ac->name;
-    cv->gemm_ks = ks;
-    cv->gemm_kc = cin_g;
+    cv->im2col = groups == 1 && ks > 1 && cin_g < 8;
+    cv->gemm_ks = cv->im2col ? 1 : ks;
+    cv->gemm_kc = cv->im2col ? kk_n : cin_g;
     cv->ksplit = 1;
     cv->amx_kp = round_up(kk_n, 64);
     cv->panel_bytes = round_up(nr * 8 + cv->amx_kp * nr, 64);
@@ -253,7 +259,7 @@ static void amx_task(void* ctx, size_t begin, size_t end) {
   size_t packed = (size_t)-1;
   const uint8_t* a = tl_amx_a;
   size_t a_stride = kp;
-  const size_t x_bytes = j->n * j->h * j->w * cv->cin;
+  const size_t x_bytes = cv->im2col ? cv->col_bytes : j->n * j->h * j->w * cv->cin;
   for (size_t t = begin; t < end; t++) {
     const size_t ch = t % nch, gm = t / nch, mb = gm % mblocks, g = gm / mblocks;
     const size_t row0 = mb * mr, rows = j->m - row0 < mr ? j->m - row0 : mr;
@@ -495,7 +501,7 @@ static int conv_run_locked(qt_conv* cv, const uint8_t* x, size_t n, size_t h, si
   conv_job j = {cv, x, y, n, h, w, oh, ow, n * oh * ow, 1};
   if (j.m == 0) return 0;
   if (cv->im2col) {
-    size_t need = j.m * cv->gemm_kc + 64;
+    size_t need = j.m * cv->gemm_kc + (cv->amx ? cv->amx_kp : 0) + 64;
     if (cv->col_bytes < need) {
       free(cv->col);
       cv->col = (uint8_t*)qt_alloc(need);
