@@ -89,6 +89,58 @@ QT_TARGET_AVX512VNNI QT_INLINE void dw_zmm(const int same, const size_t P, size_
   }
 }
 
+/* 2P pixels x 32 channels for tiles of <= 32 channels: a zmm holds two pixels (one per 256-bit
+ * half), the ymm weights, bias and multipliers are repeated in both halves, so the lane layout
+ * (and the epilogue) is dw_zmm's, at half the vpdpbusd count of dw_ymm. */
+QT_TARGET_AVX512VNNI QT_INLINE void dw_pair(const int same, const size_t P, size_t ks, size_t step,
+                                           const uint8_t* const* ip, ptrdiff_t off,
+                                           const uint8_t* zero, const int32_t* bias,
+                                           const float* mult, const int8_t* wt, size_t c0,
+                                           __mmask32 mask, uint8_t* out, size_t out_stride,
+                                           __m512i lo8, __m512 hi, __m512i zp) {
+  __m512i acc[4][4];
+#pragma GCC unroll 4
+  for (size_t p = 0; p < P; p++)
+#pragma GCC unroll 4
+    for (size_t r = 0; r < 4; r++)
+      acc[p][r] = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(bias + 16 * r)));
+  for (size_t t = 0; t < ks; t++, wt += 4 * CT) {
+    const __m512i w0 = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)wt)),
+                  w1 = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(wt + 64))),
+                  w2 = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(wt + 128))),
+                  w3 = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(wt + 192)));
+#pragma GCC unroll 4
+    for (size_t p = 0; p < P; p++) {
+      const uint8_t* a = same ? ip[2 * p * step + t] : QT_DW_PTR(ip[2 * p * step + t], off, zero);
+      const uint8_t* b = same ? ip[(2 * p + 1) * step + t] : QT_DW_PTR(ip[(2 * p + 1) * step + t], off, zero);
+      const __m512i xv = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_maskz_loadu_epi8(mask, a + c0)),
+                                            _mm256_maskz_loadu_epi8(mask, b + c0), 1);
+      DPBUSD(acc[p][0], xv, w0);
+      DPBUSD(acc[p][1], xv, w1);
+      DPBUSD(acc[p][2], xv, w2);
+      DPBUSD(acc[p][3], xv, w3);
+    }
+  }
+  const __m512i zp16 = _mm512_set1_epi16((int16_t)_mm_cvtsi128_si32(_mm512_castsi512_si128(zp)));
+  const __m512i tr = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
+  const __m512 m0 = _mm512_broadcast_f32x8(_mm256_loadu_ps(mult)),
+               m1 = _mm512_broadcast_f32x8(_mm256_loadu_ps(mult + 16)),
+               m2 = _mm512_broadcast_f32x8(_mm256_loadu_ps(mult + 32)),
+               m3 = _mm512_broadcast_f32x8(_mm256_loadu_ps(mult + 48));
+#pragma GCC unroll 4
+  for (size_t p = 0; p < P; p++) {
+#define QT_RQ(A, M) _mm512_cvt_roundps_epi32(_mm512_min_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(A), M), hi), \
+                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+    const __m512i p01 = _mm512_adds_epi16(_mm512_packs_epi32(QT_RQ(acc[p][0], m0), QT_RQ(acc[p][1], m1)), zp16);
+    const __m512i p23 = _mm512_adds_epi16(_mm512_packs_epi32(QT_RQ(acc[p][2], m2), QT_RQ(acc[p][3], m3)), zp16);
+#undef QT_RQ
+    __m512i y = _mm512_shuffle_epi8(_mm512_packus_epi16(p01, p23), tr);
+    y = _mm512_max_epu8(y, lo8);
+    _mm256_mask_storeu_epi8(out + 2 * p * out_stride + c0, mask, _mm512_castsi512_si256(y));
+    _mm256_mask_storeu_epi8(out + (2 * p + 1) * out_stride + c0, mask, _mm512_extracti64x4_epi64(y, 1));
+  }
+}
+
 /* P pixels x 32 channels (ymm) for tail tiles of <= 32 channels: the first half of each packed
  * weight vector holds channels 0..31 in the same (4j + r) order. */
 QT_TARGET_AVX512VNNI QT_INLINE void dw_ymm(const int same, const size_t P, size_t ks, size_t step, const uint8_t* const* ip,
@@ -153,9 +205,12 @@ QT_TARGET_AVX512VNNI QT_INLINE void dw_rows(const int same, size_t channels, siz
                out + p * out_stride, out_stride, lo8, hi, zp);
     } else {
       const __mmask32 mask = n == 32 ? ~(__mmask32)0 : (__mmask32)(((uint64_t)1 << n) - 1);
-      for (; p + 4 <= ow; p += 4)
-        dw_ymm(same, 4, ks, in_step, in + p * in_step, in_offset, zero, bias, mult, wt, c0, mask,
-               out + p * out_stride, out_stride, lo8, hi, zp);
+      for (; p + 8 <= ow; p += 8)
+        dw_pair(same, 4, ks, in_step, in + p * in_step, in_offset, zero, bias, mult, wt, c0, mask,
+                out + p * out_stride, out_stride, lo8, hi, zp);
+      for (; p + 2 <= ow; p += 2)
+        dw_pair(same, 1, ks, in_step, in + p * in_step, in_offset, zero, bias, mult, wt, c0, mask,
+                out + p * out_stride, out_stride, lo8, hi, zp);
       for (; p < ow; p++)
         dw_ymm(same, 1, ks, in_step, in + p * in_step, in_offset, zero, bias, mult, wt, c0, mask,
                out + p * out_stride, out_stride, lo8, hi, zp);
