@@ -404,3 +404,29 @@ def test_method_auto_picks_the_best_measured_method(calibrated, tmp_path):
     scores = r.report["method_scores_db"]
     assert set(scores) == set(METHODS)
     assert r.report["method"] == max(scores, key=scores.get)
+
+
+def test_exclusion_drops_the_quantizer_only_the_excluded_layer_read(calibrated):
+    """pw_conv excluded: dw's output (its Relu fused into the clamp) was quantized only for pw_conv, so it
+    is no longer quantized and the Relu runs again as an fp32 op; dw_conv itself stays int8."""
+    root, model, data, cfg, r = calibrated
+    x = _inputs(cfg, data)
+    ex = {"pw_conv": "excluded by the user (--exclude)"}
+    pruned = quantize_graph(r.fused, r.table, exclude=ex)
+    kept = quantize_graph(r.fused, r.table, exclude=ex, prune_excluded=False)
+    dw_out = next(n.output[0] for n in r.fused.graph.node if n.name == "dw_relu")
+    assert dw_out in kept.plan.tensors and dw_out not in pruned.plan.tensors
+    assert kept.plan.decision("dw_relu").status == "fused"
+    assert pruned.plan.decision("dw_relu").status == "fp32" and pruned.plan.decision("dw_conv").status == "int8"
+    relu = next(n for n in pruned.model.graph.node if n.name == "dw_relu")
+    assert _producer(pruned.model, relu.input[0]).name == "dw_conv"  # fp32 conv output, no DQ in between
+    assert _producer(pruned.model, relu.output[0]) is relu
+    assert not any(n.op_type == "QuantizeLinear" and n.input[0] == dw_out for n in pruned.model.graph.node)
+    # stem output still feeds the int8 residual Add: its quantizer stays
+    stem_out = next(n.output[0] for n in r.fused.graph.node if n.name == "stem_relu")
+    assert stem_out in pruned.plan.tensors
+    ref = run(r.fused, {"x": x})[0]
+    assert _sqnr(ref, run(pruned.model, {"x": x})[0]) > 20
+    # the first conv excluded: nothing int8 reads the graph input, so it is not quantized
+    first = quantize_graph(r.fused, r.table, exclude={"stem_conv": "x"})
+    assert "x" not in first.plan.tensors

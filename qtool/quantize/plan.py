@@ -82,8 +82,11 @@ def _clip_bounds(node, model):
     return float(np.asarray(lo).ravel()[0]), float(np.asarray(hi).ravel()[0])
 
 
-def make_plan(model: onnx.ModelProto, exclude: dict | None = None, ranges: dict | None = None) -> Plan:
+def make_plan(model: onnx.ModelProto, exclude: dict | None = None, ranges: dict | None = None,
+              prune_excluded: bool = True) -> Plan:
     """`exclude`: node name -> reason, for nodes the user (or --exclude-sensitive) keeps in fp32.
+    With `prune_excluded`, an int8 output read only by excluded nodes is not quantized (sensitivity
+    turns it off: a layer measured alone keeps its own output quantizer).
     `ranges` (tensor -> [lo, hi], once calibrated) lets rules refuse on ranges (Concat of very
     different ranges); without it the plan is the superset calibration observes."""
     exclude = exclude or {}
@@ -157,6 +160,8 @@ def make_plan(model: onnx.ModelProto, exclude: dict | None = None, ranges: dict 
             if out not in plan.tensors:
                 plan.tensors.append(out)
     _drop_unread_outputs(model, plan, cons)
+    if prune_excluded:
+        _drop_excluded_only(model, plan, cons, exclude)
     _explain_chains(model, plan, chains)
     return plan
 
@@ -180,10 +185,37 @@ def _drop_unread_outputs(model: onnx.ModelProto, plan: Plan, cons: dict) -> None
         node = produced.get(t)
         if node is None or t in plan.shared or t in plan.shared.values() or downstream_int8(t):
             continue
-        plan.tensors.remove(t)
-        plan.clamp.pop(t, None)
+        _unquantize(model, plan, t, "activation runs fp32: its output is left fp32")
         d = plan.decision(node.name)
         d.reason = "output left fp32: only fp32 ops read it on the way to the graph output"
+
+
+def _drop_excluded_only(model: onnx.ModelProto, plan: Plan, cons: dict, exclude: dict) -> None:
+    """An int8 op's output that only excluded nodes read keeps no Q/DQ pair: the pair was there for
+    the excluded reader, which now runs fp32 and reads the fp32 value instead. Excluding a layer thus
+    removes its input quantizer too when no int8 op shares it (the graph input, read only by an
+    excluded first conv, is not quantized at all). A fused Relu/Clip whose clamp lived in that
+    quantizer runs as an fp32 op again."""
+    if not exclude:
+        return
+    outputs = G.graph_output_names(model)
+    for t in list(plan.tensors):
+        users = cons.get(t, [])
+        if t in outputs or t in plan.shared or t in plan.shared.values() or not users \
+                or not all(u.name in exclude for u in users):
+            continue
+        _unquantize(model, plan, t, "activation runs fp32: only excluded nodes read its output")
+
+
+def _unquantize(model: onnx.ModelProto, plan: Plan, t: str, why: str) -> None:
+    """Take tensor `t` out of the quantized set; a Relu/Clip fused into its clamp runs as an fp32 op again."""
+    plan.tensors.remove(t)
+    if plan.clamp.pop(t, None) is not None:
+        act = next((n for n in model.graph.node if n.output and n.output[0] == t), None)
+        if act is not None and act.name in plan.fused:
+            plan.fused.pop(act.name)
+            d = plan.decision(act.name)
+            d.status, d.reason = "fp32", why
 
 
 def _explain_chains(model: onnx.ModelProto, plan: Plan, chain: dict) -> None:

@@ -77,7 +77,8 @@ def _tensor_qparams(plan: Plan, table, method, tensor, producers=None):
 
 def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exclude: dict | None = None,
                    bias_correction: bool = True, ranges: dict | None = None, weights: bool = True,
-                   activations: bool = True, weight_cache: dict | None = None) -> QuantizeOutput:
+                   activations: bool = True, weight_cache: dict | None = None,
+                   prune_excluded: bool = True) -> QuantizeOutput:
     """`ranges` (tensor -> (lo, hi)) overrides the table's, for experiments and sensitivity search.
     `weights=False` / `activations=False` leave that side fp32: the diagnostic that tells
     which of the two a model's quantization error comes from.
@@ -87,7 +88,7 @@ def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exc
     m = onnx.ModelProto()
     m.CopyFrom(fused)
     m = upgrade_opset(m, notes)
-    plan = make_plan(m, exclude, {**table.ranges.get(method or table.method, {}), **(ranges or {})})
+    plan = make_plan(m, exclude, {**table.ranges.get(method or table.method, {}), **(ranges or {})}, prune_excluded)
     nodes = {n.name: n for n in m.graph.node}
     # fused activations: the producer writes the activation's output, the activation goes
     for act_name, (prod_name, _lo, _hi) in (plan.fused.items() if activations else ()):

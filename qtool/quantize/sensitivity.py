@@ -69,7 +69,7 @@ def layer_sensitivity(fused: onnx.ModelProto, table, method: str, feeds: list, r
     cache = {}
     for k, d in enumerate(layers):
         others = {n: "sensitivity: only one layer int8" for n in names if n != d.name}
-        q = quantize_graph(fused, table, method, others, bias_correction, weight_cache=cache)
+        q = quantize_graph(fused, table, method, others, bias_correction, weight_cache=cache, prune_excluded=False)
         y = run_first_output(q.model, feeds, threads)
         node_out = next(n.output[0] for n in q.model.graph.node if n.name == d.name)
         qp = q.qparams.get(node_out)
