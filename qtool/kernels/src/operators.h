@@ -31,6 +31,7 @@ typedef struct {
   size_t col_bytes;
   size_t ind_n, ind_h, ind_w, ind_oh, ind_ow, mblocks;
   size_t mr;                     /* rows per indirection block (the microkernel's MR) */
+  int rows_outer;                /* a group's panels fit in L1: row block outer, panels inner */
   int amx;                       /* AMX tier: A row blocks packed, K padded to amx_kp */
   size_t amx_kp;
 } qt_conv;
