@@ -250,7 +250,7 @@ def pack_gemm(w, bias, *, x_zp, multiplier, y_zp=0, lo=0, hi=255, out_dtype="uin
     wt = np.ascontiguousarray(w)
     b, m = _bias_mult(bias, multiplier, n, wt, x_zp)
     cap = _native.conv_create(wt, b, m, 1, k, n, 1, 1, 1, 1, 0, 0, 1, 1, int(x_zp),
-                              0 if f32 else int(y_zp), lo, hi, int(f32), 0)
+                              0 if f32 else int(y_zp), lo, hi, int(f32), 2)  # 2: fully connected
     ci = _native.conv_info(cap)
     return PackedConv(k, n, 1, 1, (1, 1), (0, 0, 0, 0), (1, 1), 1, "gemm",
                       np.float32 if f32 else np.uint8, ci["kernel"], ci["isa"], cap)

@@ -99,7 +99,7 @@ static PyObject* py_get_num_threads(PyObject* self, PyObject* args) {
 }
 
 /* conv_create(w, bias, mult, groups, cin_g, cout_g, kh, kw, sh, sw, pt, pl, dh, dw,
- *             x_zp, y_zp, lo, hi, out_f32, depthwise) */
+ *             x_zp, y_zp, lo, hi, out_f32, kind)   kind: 0 conv, 1 depthwise, 2 fully connected */
 static PyObject* py_conv_create(PyObject* self, PyObject* args) {
   (void)self;
   PyObject *ow, *ob, *om;

@@ -5,8 +5,10 @@
 #include "qtool_kernels.h"
 
 enum { QT_CONV_IGEMM = 0, QT_CONV_DW = 1 };
+/* qt_conv_create's `kind`: a convolution, a depthwise one, or a fully connected layer (Gemm) */
+enum { QT_KIND_CONV = 0, QT_KIND_DEPTHWISE = 1, QT_KIND_FC = 2 };
 
-typedef struct {
+typedef struct qt_conv_s {
   int kind;
   const qt_dispatch* d;          /* table active at pack time */
   const char* kernel_name;
@@ -34,12 +36,13 @@ typedef struct {
   int rows_outer;                /* a group's panels fit in L1: row block outer, panels inner */
   int amx;                       /* AMX tier: A row blocks packed, K padded to amx_kp */
   size_t amx_kp;
+  struct qt_conv_s* small_m;     /* AMX fully connected: VNNI-packed twin for a few rows */
 } qt_conv;
 
 qt_conv* qt_conv_create(const int8_t* w, const int32_t* bias, const float* mult, size_t groups,
                         size_t cin_g, size_t cout_g, size_t kh, size_t kw, size_t sh, size_t sw,
                         size_t pt, size_t pl, size_t dh, size_t dw, int32_t x_zp, int32_t y_zp,
-                        int32_t lo, int32_t hi, int out_f32, int depthwise);
+                        int32_t lo, int32_t hi, int out_f32, int kind);
 void qt_conv_free(qt_conv* cv);
 void qt_set_kblock(int on);
 int qt_conv_run(qt_conv* cv, const uint8_t* x, size_t n, size_t h, size_t w, void* y, size_t oh,
