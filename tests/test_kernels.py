@@ -112,6 +112,7 @@ CONV_CASES = [
     (1, 20, 20, 4, 16, 7, 7, 2, (3, 3, 3, 3), 1, 1),     # im2col: 28-byte kernel rows (32-byte moves)
     (1, 12, 12, 3, 8, 3, 3, 1, (2, 2, 2, 2), 2, 1),      # im2col with dilation
     (2, 33, 30, 3, 64, 7, 7, 2, (3, 3, 3, 3), 1, 1),     # AMX stem: im2col rows read in place
+    (1, 20, 20, 3, 32, 3, 3, 2, (0, 0, 1, 1), 1, 1),     # AMX 3x3 stem: K = 27 padded to 64
     (1, 10, 10, 100, 40, 1, 1, 1, (0, 0, 0, 0), 1, 1),   # AMX: rows read in place, K % 64 != 0
     (1, 8, 8, 40, 48, 1, 1, 1, (0, 0, 0, 0), 1, 1),      # AMX: K = 40 in place, then packed (end of x)
     (1, 4, 80, 112, 24, 1, 1, 2, (0, 0, 0, 0), 1, 1),    # AMX: stride-2 rows read in place
@@ -137,9 +138,9 @@ def test_conv2d(isa, case):
     assert p.isa == isa
     if g == cin == cout and g > 1:
         assert p.kind == "dwconv"
-    # the AMX tier runs depthwise, short-K and narrow convolutions (K < 32 or Cout/group <= 16,
+    # the AMX tier runs depthwise, short-K and narrow convolutions (K < 24 or Cout/group <= 16,
     # operators.c QT_AMX_MIN_K/N) on its AVX-512 kernels, everything else on tiles
-    on_tiles = p.kind != "dwconv" and cin // g * kh * kw >= 32 and cout // g > 16
+    on_tiles = p.kind != "dwconv" and cin // g * kh * kw >= 24 and cout // g > 16
     assert (isa if on_tiles or isa != "amx" else "avx512").split("vnni")[0] in p.kernel
     for canary in CANARIES:
         big, out = canary_out(want.shape, np.uint8, canary)

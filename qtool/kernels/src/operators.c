@@ -11,9 +11,10 @@ static size_t round_up(size_t v, size_t m) { return (v + m - 1) / m * m; }
 /* The AMX tier runs a convolution on tiles only when K = KH*KW*Cin/group >= QT_AMX_MIN_K and a
  * group has more than 16 output channels: below that the padding of K to 64 (and of N to 32) and
  * the trip of the sums through memory lose to the VNNI kernel. Single-thread A/B on
- * EfficientNet-Lite0's and ResNet-50's 1x1 shapes: K = 16: 1.4x slower on tiles, K = 24-32:
- * 0.95-1.07x, K = 40-80: 0.6-0.8x, K = 64 (N = 256): 0.55x, K >= 96: 0.6-0.85x. */
-#define QT_AMX_MIN_K 32
+ * EfficientNet-Lite0's and ResNet-50's 1x1 shapes: K = 16: 1.1-1.4x slower on tiles, K = 24:
+ * 0.85-1.0x, K = 32 with N = 16: 1.07x, K = 40-80: 0.6-0.8x, K = 64 (N = 256): 0.55x,
+ * K >= 96: 0.6-0.85x; the 3x3 stem with Cin = 3 (K = 27): a tie. */
+#define QT_AMX_MIN_K 24
 #define QT_AMX_MIN_N 17
 #define QT_AMX_MIN_M 4   /* fully connected layers with fewer rows run on their VNNI twin */
 
