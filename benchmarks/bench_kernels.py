@@ -1,5 +1,5 @@
 """Micro-benchmark of the native INT8 kernels on the conv / GEMM / depthwise shapes of ResNet-50
-and EfficientNet-Lite0 (batch 1, NHWC). Reports GMAC/s and the fraction of the vpdpbusd peak
+and EfficientNet-Lite0 (batch 1, NHWC). Reports GMAC/s and the fraction of the vpdpbusd (or, on the AMX tier, tdpbusd) peak
 (about 233 GMAC/s per core here), plus the summed time of each model's conv layers.
 
     .venv/bin/python benchmarks/bench_kernels.py [--threads 2] [--isa avx512vnni] [--model resnet50]
@@ -14,6 +14,9 @@ import numpy as np
 import qtool.kernels as K
 
 PEAK_PER_CORE = 233.0  # GMAC/s, vpdpbusd zmm register-only loop (ANCHORS.md)
+# AMX tier: tdpbusd (16 x 16 x 64 MACs) register-only loop, one per 16 cycles, measured on the
+# Sapphire Rapids VM (0.166 G tdpbusd/s per core)
+AMX_PEAK_PER_CORE = 2700.0
 
 # name, h(=w), cin, cout, k, stride, pad, group, count in the model
 RESNET50 = [
@@ -103,7 +106,7 @@ def bench(fn, min_time=0.05, repeat=5):
 
 def run_model(name, layers, threads, min_time):
     rng = np.random.default_rng(0)
-    peak = PEAK_PER_CORE * threads
+    peak = (AMX_PEAK_PER_CORE if K.get_isa() == "amx" else PEAK_PER_CORE) * threads
     print(f"\n== {name}: ISA {K.get_isa()}, {threads} thread(s), peak {peak:.0f} GMAC/s ==")
     print(f"{'layer':22s} {'kernel':56s} {'MMAC':>8s} {'us':>9s} {'GMAC/s':>7s} {'%peak':>6s} {'x':>2s}")
     total_t = total_mac = 0.0
