@@ -1,6 +1,7 @@
 """Micro-benchmark of the native INT8 kernels on the conv / GEMM / depthwise shapes of ResNet-50
-and EfficientNet-Lite0 (batch 1, NHWC). Reports GMAC/s and the fraction of the vpdpbusd (or, on the AMX tier, tdpbusd) peak
-(about 233 GMAC/s per core here), plus the summed time of each model's conv layers.
+and EfficientNet-Lite0 (batch 1, NHWC). Reports GMAC/s and the fraction of the vpdpbusd peak
+(about 233 GMAC/s per core here; on the AMX tier the tdpbusd peak, about 2.7 TMAC/s per core),
+plus the summed time of each model's conv layers.
 
     .venv/bin/python benchmarks/bench_kernels.py [--threads 2] [--isa avx512vnni] [--model resnet50]
 """
