@@ -4,7 +4,8 @@
 Calibrates on the calibration split (sorted index % 10 == 0), computes per-layer sensitivity
 on 64 of those images (timed), then measures on the other 900 images: the model with the
 top-ranked layer alone kept fp32 against the one with the median-ranked layer alone kept fp32,
-and the model --exclude-sensitive writes.
+and the model --exclude-sensitive writes (which tunes ranges and rounds weights by output error,
+from calibration images only; the all-int8 lines show each step of that on its own).
 
   python benchmarks/bench_sensitivity.py --model M.onnx --images DIR [--config efficientnet-lite]
 """
@@ -56,19 +57,33 @@ def main():
     table = load_table(os.path.join(work, "calibration.json"))
     ref = run_first_output(fused, feeds)
 
-    def judge(exclude):
-        y = run_first_output(quantize_graph(fused, table, a.method, exclude).model, feeds)
+    tn = r.tuning
+    cache = {}
+
+    def judge(exclude, tuned=True, hessians=True):
+        q = quantize_graph(fused, table, a.method, exclude, ranges=tn.ranges if tuned else None,
+                           hessians=tn.hessians if hessians else None, weight_cache=cache)
+        y = run_first_output(q.model, feeds)
         return {"agreement": top1_agreement(ref, y), "sqnr_db": sqnr_db(ref, y), "excluded": sorted(exclude)}
 
+    y = run_first_output(onnx.load(r.path), feeds)
+    written = {"agreement": top1_agreement(ref, y), "sqnr_db": sqnr_db(ref, y), "excluded": sorted(r.exclusion.excluded)}
     top, median = layers[0]["name"], layers[len(layers) // 2]["name"]
     res = {"sensitivity_seconds": sens["seconds"], "layers": len(layers), "samples": sens["samples"],
-           "quantize_with_exclusion_seconds": total,
+           "quantize_with_exclusion_seconds": total, "tuning_seconds": tn.seconds,
+           "tuned_ranges": len(tn.ranges or {}), "rounded_layers": len(tn.hessians or {}),
+           "all_int8_nearest_default_ranges": judge({}, tuned=False, hessians=False),
+           "all_int8_output_rounding": judge({}, tuned=False),
            "all_int8": judge({}), "top_ranked_fp32": judge({top: "top"}), "median_ranked_fp32": judge({median: "m"}),
-           "exclude_sensitive": judge(r.exclusion.excluded), "exclude_sensitive_reached_on_calibration": r.exclusion.reached}
+           "exclude_sensitive": written, "exclude_sensitive_reached_on_calibration": r.exclusion.reached}
     print(f"sensitivity of {len(layers)} layers on {sens['samples']} images: {sens['seconds']:.1f}s "
-          f"(whole quantize with --exclude-sensitive {total:.1f}s)")
+          f"(whole quantize with --exclude-sensitive {total:.1f}s, of which rounding and range tuning "
+          f"{tn.seconds:.1f}s: {len(tn.hessians or {})} layers rounded, {len(tn.ranges or {})} ranges changed)")
     print(f"evaluation split, {len(evals)} images: agreement / output SQNR")
-    for key, label in (("all_int8", "all int8"), ("top_ranked_fp32", f"rank 1 fp32 ({top})"),
+    for key, label in (("all_int8_nearest_default_ranges", "all int8, nearest rounding, default ranges"),
+                       ("all_int8_output_rounding", "all int8, output-aware rounding"),
+                       ("all_int8", "all int8, output-aware rounding and tuned ranges"),
+                       ("top_ranked_fp32", f"rank 1 fp32 ({top})"),
                        ("median_ranked_fp32", f"rank {len(layers) // 2 + 1} fp32 ({median})"),
                        ("exclude_sensitive", f"--exclude-sensitive ({len(r.exclusion.excluded)} fp32)")):
         print(f"  {label:60} {res[key]['agreement']:.4f}  {res[key]['sqnr_db']:.2f} dB")

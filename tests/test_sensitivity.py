@@ -66,3 +66,15 @@ def test_exclude_sensitive_keeps_the_damaged_layer_fp32(damaged_workdir):
     assert r.report["excluded"] == r.exclusion.excluded
     status = {d["name"]: d["status"] for d in r.report["nodes"]}
     assert status["c2"] == "fp32"
+    # --exclude-sensitive first rounds weights by output error and tunes ranges, on calibration images only
+    assert r.report["rounding"] == "output-aware" and r.report["rounded_layers"]
+    assert r.report["tuned_ranges"] is not None and r.report["tuned_ranges"]["probes"] > 0
+    assert set(r.exclusion.leave_one_out) <= {l["name"] for l in r.sensitivity["layers"]}
+
+
+def test_plain_quantize_keeps_nearest_rounding_and_calibrated_ranges(damaged_workdir):
+    r = quantize(damaged_workdir, sensitivity=SensitivityOptions(enabled=False), say=lambda s: None)
+    assert r.report["rounding"] == "nearest" and r.report["tuned_ranges"] is None
+    r = quantize(damaged_workdir, sensitivity=SensitivityOptions(enabled=False), say=lambda s: None,
+                 rounding=True, tune_ranges=True)
+    assert r.report["rounding"] == "output-aware" and r.report["tuned_ranges"]["probes"] > 0

@@ -28,10 +28,18 @@ from qtool.quantize.run import SensitivityOptions, fp32_ops_of, quantize
 @click.option("--sensitivity-samples", type=int, default=64, show_default=True,
               help="Calibration images used for the per-layer sensitivity report.")
 @click.option("--no-sensitivity", is_flag=True, help="Skip the sensitivity report.")
+@click.option("--rounding", type=click.Choice(["output", "nearest"]), default=None,
+              help="Weight rounding: 'output' rounds each weight down or up to lower its layer's output error on "
+                   "calibration images; 'nearest' rounds to the nearest step (default: output with "
+                   "--exclude-sensitive, nearest otherwise).")
+@click.option("--tune-ranges/--no-tune-ranges", default=None,
+              help="Choose each activation's clip range by the model output on calibration images "
+                   "(default: on with --exclude-sensitive, off otherwise).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the quantize summary as JSON here.")
 @common_options
 def command(output, model, table, method, exclude, no_bias_correction, exclude_sensitive, target_agreement, max_drop,
-            max_excluded, labels, sensitivity_samples, no_sensitivity, json_path, workdir, quiet, verbose, debug):
+            max_excluded, labels, sensitivity_samples, no_sensitivity, rounding, tune_ranges, json_path, workdir, quiet,
+            verbose, debug):
     """Write an INT8 ONNX model (QDQ: uint8 activations, int8 per-channel weights).
 
     Ops without an int8 rule stay fp32 and are listed. On a sample of the calibration
@@ -52,7 +60,8 @@ def command(output, model, table, method, exclude, no_bias_correction, exclude_s
     opts = SensitivityOptions(not no_sensitivity, sensitivity_samples, exclude_sensitive, target_agreement, max_drop,
                               max_excluded, labels, show_progress=not quiet)
     r = quantize(workdir, model, table, output, method, ex, not no_bias_correction, opts,
-                 say=lambda t: say(quiet, t))
+                 say=lambda t: say(quiet, t), rounding=None if rounding is None else rounding == "output",
+                 tune_ranges=tune_ranges)
     if r.sensitivity:
         layers = sorted(r.sensitivity["layers"], key=lambda l: l["rank"])
         say(quiet, f"sensitivity of {len(layers)} layers on {r.sensitivity['samples']} images "

@@ -1,8 +1,13 @@
 """--exclude-sensitive: keep the most sensitive layers in fp32 until a target is met.
 
-Greedy: starting from the fully quantized model, each step tries the next few layers of
-the sensitivity ranking, keeps the one whose exclusion helps most on the held-back
-images, and stops as soon as the target holds (or the cap is reached). Top-1 agreement
+Greedy: starting from the fully quantized model, each step tries the next few candidates,
+keeps the one whose exclusion helps most on the held-back images, and stops as soon as the
+target holds (or the cap is reached). The candidates are the top of the sensitivity ranking
+(each layer alone in int8), re-ordered by what excluding each one alone gains on the fully
+quantized model: the two differ where a layer's noise adds to, or cancels, the others'.
+"Helps most" is the lowest softmax KL divergence from fp32: like top-1 agreement it weighs
+the error on the few classes that carry the probability, where output SQNR weighs all
+logits alike; unlike a count of flips it is smooth on a few dozen images. Top-1 agreement
 is judged both as counted and as predicted from the logit margins (metrics.predicted_
 agreement): a count over a few dozen images cannot tell 99.5 % from 100 %.
 """
@@ -15,11 +20,12 @@ import numpy as np
 import onnx
 
 from qtool.calibrate.collect import session
-from qtool.metrics import predicted_agreement, sqnr_db, top1_agreement
+from qtool.metrics import kl_softmax, predicted_agreement, sqnr_db, top1_agreement
 from qtool.quantize.qdq import quantize_graph
 from qtool.quantize.sensitivity import run_first_output
 
 CANDIDATES_PER_STEP = 3
+POOL = 12  # layers from the top of the sensitivity ranking whose leave-one-out gain is measured
 
 
 @dataclass
@@ -31,6 +37,7 @@ class TradeoffPoint:
     accuracy_drop_pt: float | None
     ort_int8_ms: float | None
     added: str = ""  # the layer this step kept in fp32
+    kl: float = 0.0  # mean softmax KL divergence from fp32 (nats)
 
 
 @dataclass
@@ -40,10 +47,11 @@ class ExclusionResult:
     reached: bool = False
     target: str = ""
     model: onnx.ModelProto | None = None
+    leave_one_out: dict = field(default_factory=dict)  # layer -> the fully quantized model with it alone fp32
 
     def to_dict(self):
         return {"excluded": self.excluded, "reached": self.reached, "target": self.target,
-                "curve": [asdict(p) for p in self.curve]}
+                "curve": [asdict(p) for p in self.curve], "leave_one_out": self.leave_one_out}
 
 
 def latency_ms(model: onnx.ModelProto, feed: dict, repeats: int = 15) -> float:
@@ -60,22 +68,25 @@ def latency_ms(model: onnx.ModelProto, feed: dict, repeats: int = 15) -> float:
 def exclude_sensitive(fused, table, method, ranking: list, feeds: list, reference: np.ndarray,
                       target_agreement: float = 0.995, max_drop: float | None = None, labels=None,
                       max_excluded: int = 5, bias_correction: bool = True, base_exclude: dict | None = None,
-                      progress=None, measure_latency: bool = True) -> ExclusionResult:
+                      progress=None, measure_latency: bool = True, ranges: dict | None = None,
+                      hessians: dict | None = None, weight_cache: dict | None = None) -> ExclusionResult:
     base_exclude = dict(base_exclude or {})
     one = {k: v[:1] for k, v in feeds[0].items()}
     y_true = None if labels is None else np.asarray(labels)
 
-    cache = {}
+    cache = {} if weight_cache is None else weight_cache
 
     def evaluate(excl: dict):
-        q = quantize_graph(fused, table, method, excl, bias_correction, weight_cache=cache)
+        q = quantize_graph(fused, table, method, excl, bias_correction, ranges=ranges, weight_cache=cache,
+                           hessians=hessians)
         y = run_first_output(q.model, feeds)
         drop = None
         if y_true is not None:
             m = y_true >= 0
             drop = 100 * float((reference[m].argmax(1) == y_true[m]).mean() - (y.reshape(len(y), -1)[m].argmax(1) == y_true[m]).mean())
         pt = TradeoffPoint(sorted(n for n in excl if n not in base_exclude), top1_agreement(reference, y),
-                           predicted_agreement(reference, y), sqnr_db(reference, y), drop, None)
+                           predicted_agreement(reference, y), sqnr_db(reference, y), drop, None,
+                           kl=kl_softmax(reference, y) if y.ndim == 2 else -sqnr_db(reference, y))
         if progress:
             progress(1)
         return q, pt
@@ -86,11 +97,11 @@ def exclude_sensitive(fused, table, method, ranking: list, feeds: list, referenc
         return min(pt.agreement, pt.predicted_agreement) >= target_agreement
 
     def score(pt: TradeoffPoint):
-        # output SQNR is smooth and well estimated on a few dozen images, where a count of
-        # top-1 flips moves in steps of 1/N: it picks the candidate, the target decides when to stop
+        # KL is smooth and well estimated on a few dozen images, where a count of top-1 flips
+        # moves in steps of 1/N: it picks the candidate, the target decides when to stop
         if max_drop is not None and pt.accuracy_drop_pt is not None:
-            return (-pt.accuracy_drop_pt, pt.sqnr_db)
-        return (pt.sqnr_db, pt.predicted_agreement)
+            return (-pt.accuracy_drop_pt, -pt.kl)
+        return (-pt.kl, pt.sqnr_db)
 
     target = f"accuracy drop <= {max_drop} pt" if max_drop is not None and y_true is not None \
         else f"top-1 agreement >= {target_agreement}"
@@ -101,6 +112,11 @@ def exclude_sensitive(fused, table, method, ranking: list, feeds: list, referenc
     res = ExclusionResult(dict(excl), [pt], good(pt), target, q.model)
     best_q, best_pt = q, pt
     order = [s.name for s in sorted(ranking, key=lambda s: s.rank) if s.name not in excl]
+    if not res.reached and max_excluded > 0:
+        # leave-one-out from the fully quantized model, for the top of the ranking
+        alone = {name: evaluate(dict(excl, **{name: "leave-one-out"}))[1] for name in order[:POOL]}
+        order = sorted(order[:POOL], key=lambda n: score(alone[n]), reverse=True) + order[POOL:]
+        res.leave_one_out = {n: {"kl": p.kl, "sqnr_db": p.sqnr_db, "agreement": p.agreement} for n, p in alone.items()}
     while not res.reached and len(excl) - len(base_exclude) < max_excluded and order:
         tried = []
         for name in order[:CANDIDATES_PER_STEP]:

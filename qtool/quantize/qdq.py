@@ -78,12 +78,14 @@ def _tensor_qparams(plan: Plan, table, method, tensor, producers=None):
 def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exclude: dict | None = None,
                    bias_correction: bool = True, ranges: dict | None = None, weights: bool = True,
                    activations: bool = True, weight_cache: dict | None = None,
-                   prune_excluded: bool = True) -> QuantizeOutput:
+                   prune_excluded: bool = True, hessians: dict | None = None) -> QuantizeOutput:
     """`ranges` (tensor -> (lo, hi)) overrides the table's, for experiments and sensitivity search.
     `weights=False` / `activations=False` leave that side fp32: the diagnostic that tells
     which of the two a model's quantization error comes from.
     `weight_cache` (node -> QuantizedWeight) is filled and reused across calls: a layer's
-    weights do not depend on which other layers are excluded."""
+    weights do not depend on which other layers are excluded.
+    `hessians` (node -> input covariance, rounding.layer_hessians): round those layers' weights
+    to lower their output error (rounding.py) instead of to the nearest step."""
     notes: list = []
     m = onnx.ModelProto()
     m.CopyFrom(fused)
@@ -131,12 +133,13 @@ def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exc
         x_name = plan.weight_inputs[node.name]
         has_bias = rule.bias is not None and len(node.input) > rule.bias and node.input[rule.bias]
         b = numpy_helper.to_array(inits[node.input[rule.bias]]).astype(np.float32).ravel() if has_bias else None
-        key = (node.name, bias_correction)
+        hess = (hessians or {}).get(node.name)
+        key = (node.name, bias_correction, hess is not None, qp[x_name].scale if rule.bias is not None else None)
         qw = weight_cache.get(key) if weight_cache is not None else None
         if qw is None:
             qw = quantize_weight(w, axis, b, table.channel_means.get(x_name), node.op_type,
                                  G.attr(node, "group", 1), correct_bias=bias_correction and rule.bias is not None,
-                                 s_in=qp[x_name].scale if rule.bias is not None else None)
+                                 s_in=qp[x_name].scale if rule.bias is not None else None, hessian=hess)
             if weight_cache is not None:
                 weight_cache[key] = qw
         base = node.input[widx]

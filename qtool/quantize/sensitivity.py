@@ -60,16 +60,19 @@ def quantizable_layers(fused: onnx.ModelProto) -> list:
 
 
 def layer_sensitivity(fused: onnx.ModelProto, table, method: str, feeds: list, reference: np.ndarray | None = None,
-                      progress=None, bias_correction: bool = True, threads: int = 0) -> list:
-    """Sensitivity of every int8 layer; `feeds` is a list of input dicts (batches)."""
+                      progress=None, bias_correction: bool = True, threads: int = 0, ranges: dict | None = None,
+                      hessians: dict | None = None, weight_cache: dict | None = None) -> list:
+    """Sensitivity of every int8 layer; `feeds` is a list of input dicts (batches). `ranges`,
+    `hessians`: as quantize_graph takes them (tuned ranges, output-aware rounding)."""
     ref = run_first_output(fused, feeds, threads) if reference is None else reference
     layers = quantizable_layers(fused)
     names = [d.name for d in layers]
     out = []
-    cache = {}
+    cache = {} if weight_cache is None else weight_cache
     for k, d in enumerate(layers):
         others = {n: "sensitivity: only one layer int8" for n in names if n != d.name}
-        q = quantize_graph(fused, table, method, others, bias_correction, weight_cache=cache, prune_excluded=False)
+        q = quantize_graph(fused, table, method, others, bias_correction, ranges=ranges, weight_cache=cache,
+                           prune_excluded=False, hessians=hessians)
         y = run_first_output(q.model, feeds, threads)
         node_out = next(n.output[0] for n in q.model.graph.node if n.name == d.name)
         qp = q.qparams.get(node_out)

@@ -1,0 +1,202 @@
+"""Activation ranges chosen at the model output: per tensor, the clip range that hurts the output least.
+
+A range method judges a tensor by its own squared error, where clipping a rare large value
+costs little. At the model output the same clipped value can matter more (or less) than the
+rounding noise it saves. So, per quantized tensor, a few candidate ranges (every calibration
+method's range from the histogram, and the default range shrunk by a few factors) are each
+tried with only that tensor quantized, on calibration samples, and the one with the least
+output noise power is kept if it beats the default range by a clear margin.
+
+One ONNX Runtime session does all the probes: every tunable tensor T is rewritten to
+T + g_T * (DQ(Q(T, s_T, z_T)) - T), with the scale, zero point and gate g_T fed as inputs;
+a probe switches one gate on. Noise adds up roughly over tensors, so the per-tensor choices
+combine; the combined ranges are then checked with the whole int8 model against the default
+ones on the same samples and kept only if the output is closer to fp32.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper
+
+from qtool import qparams as Q
+from qtool.calibrate.methods import METHODS
+from qtool.metrics import sqnr_db
+from qtool.quantize.plan import make_plan
+
+SHRINK = (0.75, 0.6)  # factors applied to the default range of an unclamped tensor
+CLIP_METHODS = ("percentile", "mse")  # histogram methods whose ranges are candidates
+MIN_GAIN = 0.1  # a candidate must cut that tensor's output noise by 10 % to replace the default
+TOP_SHARE = 0.9  # tune the tensors that carry this share of the (tunable) activation noise, noisiest first
+
+
+@dataclass
+class RangeChoice:
+    tensor: str
+    default: tuple
+    chosen: tuple
+    label: str  # which candidate ("minmax", "mse", "x0.75", ...)
+    noise_default: float  # output noise power / signal power with only this tensor quantized
+    noise_chosen: float
+
+
+@dataclass
+class RangeSearch:
+    ranges: dict = field(default_factory=dict)  # tensor -> (lo, hi) that differ from the method's
+    choices: list = field(default_factory=list)  # RangeChoice per tuned tensor
+    sqnr_default_db: float = 0.0  # whole int8 model on the probe samples
+    sqnr_tuned_db: float = 0.0
+    kept: bool = False  # tuned ranges kept (they beat the default on the whole model)
+    probes: int = 0
+
+    def to_dict(self):
+        return {"kept": self.kept, "probes": self.probes, "sqnr_default_db": self.sqnr_default_db,
+                "sqnr_tuned_db": self.sqnr_tuned_db,
+                "changed": [c.__dict__ for c in self.choices if c.label != "default"]}
+
+
+def _close(a, b, rel=0.01):
+    span = max(abs(a[0]), abs(a[1]), abs(b[0]), abs(b[1]), 1e-12)
+    return abs(a[0] - b[0]) <= rel * span and abs(a[1] - b[1]) <= rel * span
+
+
+def candidates(table, method: str, tensor: str, clamp=None) -> list:
+    """(label, (lo, hi)) candidates for one tensor, the default (the method's range) first, deduplicated."""
+    def clamped(r):
+        lo, hi = r
+        if clamp is not None:
+            lo, hi = max(lo, clamp[0]), min(hi, clamp[1])
+        return float(min(lo, 0.0)), float(max(hi, 0.0))
+
+    default = clamped(table.range(tensor, method))
+    out = [("default", default)]
+    raw = [(m, table.range(tensor, m)) for m in CLIP_METHODS + ("minmax",)
+           if m != method and m in METHODS and table.range(tensor, m) is not None]
+    if clamp is None:
+        raw += [(f"x{f}", (default[0] * f, default[1] * f)) for f in SHRINK]
+    for label, r in raw:
+        r = clamped(r)
+        if r[1] - r[0] > 1e-8 and not any(_close(r, o) for _, o in out):
+            out.append((label, r))
+    return out
+
+
+def probe_model(fused: onnx.ModelProto, tensors: list) -> onnx.ModelProto:
+    """The fp32 graph with a switchable fake quantizer on each of `tensors` (inputs T__s, T__z, T__g)."""
+    m = onnx.ModelProto()
+    m.CopyFrom(fused)
+    new_nodes = []
+    for k, t in enumerate(tensors):
+        s, z, g = f"rs{k}__s", f"rs{k}__z", f"rs{k}__g"
+        m.graph.input.extend([helper.make_tensor_value_info(s, TensorProto.FLOAT, []),
+                              helper.make_tensor_value_info(z, TensorProto.UINT8, []),
+                              helper.make_tensor_value_info(g, TensorProto.FLOAT, [])])
+        y = f"rs{k}__y"
+        for n in m.graph.node:
+            for i, name in enumerate(n.input):
+                if name == t:
+                    n.input[i] = y
+        for o in m.graph.output:
+            if o.name == t:  # a graph output is left fp32 by the plan; nothing to probe
+                raise ValueError(f"{t} is a graph output")
+        new_nodes.append((t, [
+            helper.make_node("QuantizeLinear", [t, s, z], [f"rs{k}__q"]),
+            helper.make_node("DequantizeLinear", [f"rs{k}__q", s, z], [f"rs{k}__dq"]),
+            helper.make_node("Sub", [f"rs{k}__dq", t], [f"rs{k}__d"]),
+            helper.make_node("Mul", [f"rs{k}__d", g], [f"rs{k}__gd"]),
+            helper.make_node("Add", [t, f"rs{k}__gd"], [y])]))
+    # insert each probe right after the producer of its tensor (graph inputs: at the front)
+    produced_at = {o: i for i, n in enumerate(m.graph.node) for o in n.output}
+    order = list(m.graph.node)
+    after = {}
+    for t, nodes in new_nodes:
+        after.setdefault(produced_at.get(t, -1), []).extend(nodes)
+    out = list(after.get(-1, []))
+    for i, n in enumerate(order):
+        out.append(n)
+        out.extend(after.get(i, []))
+    del m.graph.node[:]
+    m.graph.node.extend(out)
+    return m
+
+
+def _session(model: onnx.ModelProto, threads: int = 0) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    # basic only: the extended level's QDQ fusions are meant for int8 graphs, not for these probes
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    if threads:
+        so.intra_op_num_threads = threads
+    so.log_severity_level = 3
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def search_ranges(fused: onnx.ModelProto, table, method: str, feeds: list, reference: np.ndarray,
+                  exclude: dict | None = None, bias_correction: bool = True, progress=None,
+                  threads: int = 0, hessians: dict | None = None, weight_cache: dict | None = None) -> RangeSearch:
+    """Tuned activation ranges from calibration `feeds` (list of input dicts) and the fp32 `reference` output."""
+    from qtool.quantize.qdq import quantize_graph  # (qdq imports the plan; avoid a cycle at import time)
+    from qtool.quantize.sensitivity import run_first_output
+
+    plan = make_plan(fused, exclude, table.ranges.get(method, {}))
+    out_names = {o.name for o in fused.graph.output}
+    tensors = [t for t in plan.tensors if t not in plan.shared and t not in out_names
+               and table.range(t, method) is not None]
+    cands = {t: candidates(table, method, t, plan.clamp.get(t)) for t in tensors}
+    tensors = [t for t in tensors if len(cands[t]) > 1]  # (a ReLU6 output at [0, 6] has nothing to choose)
+    if not tensors:
+        return RangeSearch()
+    sess = _session(probe_model(fused, tensors), threads)
+    out_name = sess.get_outputs()[0].name
+    ref = np.asarray(reference, np.float64)
+    power = float((ref ** 2).sum())
+    base = {}
+    for k, t in enumerate(tensors):
+        p = Q.activation_qparams(*cands[t][0][1])
+        base.update({f"rs{k}__s": np.array(p.scale, np.float32), f"rs{k}__z": np.array(p.zero_point, np.uint8),
+                     f"rs{k}__g": np.array(0.0, np.float32)})
+    res = RangeSearch()
+
+    def noise(k, r):
+        p = Q.activation_qparams(*r)
+        over = dict(base)
+        over.update({f"rs{k}__s": np.array(p.scale, np.float32), f"rs{k}__z": np.array(p.zero_point, np.uint8),
+                     f"rs{k}__g": np.array(1.0, np.float32)})
+        y = np.concatenate([sess.run([out_name], {**f, **over})[0] for f in feeds]).astype(np.float64)
+        res.probes += 1
+        if progress:
+            progress(1)
+        return float(((y - ref) ** 2).sum()) / max(power, 1e-300)
+
+    # 1. each tensor alone at its default range; 2. the noisiest tensors try their candidates
+    default_noise = {t: noise(k, cands[t][0][1]) for k, t in enumerate(tensors)}
+    total = sum(default_noise.values())
+    acc = 0.0
+    for t in sorted(tensors, key=lambda t: -default_noise[t]):
+        if total <= 0 or acc >= TOP_SHARE * total:
+            break
+        acc += default_noise[t]
+        k = tensors.index(t)
+        best = ("default", cands[t][0][1], default_noise[t])
+        for label, r in cands[t][1:]:
+            n = noise(k, r)
+            if n < best[2]:
+                best = (label, r, n)
+        if best[2] > (1 - MIN_GAIN) * default_noise[t]:
+            best = ("default", cands[t][0][1], default_noise[t])
+        res.choices.append(RangeChoice(t, cands[t][0][1], best[1], best[0], default_noise[t], best[2]))
+    tuned = {c.tensor: c.chosen for c in res.choices if c.label != "default"}
+    # 3. the whole int8 model, default against tuned ranges, on the same samples
+    cache = {} if weight_cache is None else weight_cache
+    y0 = run_first_output(quantize_graph(fused, table, method, exclude, bias_correction, weight_cache=cache,
+                                         hessians=hessians).model, feeds, threads)
+    res.sqnr_default_db = res.sqnr_tuned_db = sqnr_db(reference, y0)
+    if tuned:
+        y1 = run_first_output(quantize_graph(fused, table, method, exclude, bias_correction, ranges=tuned,
+                                             weight_cache=cache, hessians=hessians).model, feeds, threads)
+        res.sqnr_tuned_db = sqnr_db(reference, y1)
+    res.kept = bool(tuned) and res.sqnr_tuned_db > res.sqnr_default_db
+    res.ranges = tuned if res.kept else {}
+    return res
