@@ -417,3 +417,13 @@ def test_eval_with_every_path_explicit(project):
                  "-c", "cfg.toml", "--limit", "5", "--json", "e.json") == 0
     r = json.load(open("e.json"))
     assert r["n_images"] == 5 and r["int8_model"] == str(project / "int8.onnx")
+
+
+def test_quantize_rounding_and_range_tuning_flags(project):
+    assert qtool("calibrate", "-m", "net.onnx", "-d", "data", "-c", "cfg.toml", "-q") == 0
+    assert qtool("quantize", "-q", "--rounding", "output", "--tune-ranges", "--no-sensitivity", "--json", "a.json") == 0
+    a = json.load(open("a.json"))
+    assert a["rounding"] == "output-aware" and a["rounded_layers"] and a["tuned_ranges"]["probes"] > 0
+    assert qtool("quantize", "-q", "--no-sensitivity", "--json", "b.json") == 0
+    b = json.load(open("b.json"))
+    assert b["rounding"] == "nearest" and b["tuned_ranges"] is None

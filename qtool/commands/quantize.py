@@ -50,6 +50,7 @@ def command(output, model, table, method, exclude, no_bias_correction, exclude_s
     Example:
       qtool quantize --exclude-sensitive
       qtool quantize --method percentile --exclude /_fc/Gemm -o model.int8.onnx
+      qtool quantize --rounding output --tune-ranges --no-sensitivity
     """
     setup_output(quiet, verbose)
     if no_sensitivity and exclude_sensitive:
