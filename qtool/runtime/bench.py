@@ -1,7 +1,10 @@
 """Speed of qtool's native runtime against ONNX Runtime (int8 on the same file, fp32 on the
-original), measured side by side: the engines take turns in short blocks (each block starts with
-an untimed run), so load from other processes hits all of them alike while one engine's spinning
-thread pool does not slow the next. Library side of `qtool bench`."""
+original), measured side by side: the engines take turns in short blocks, so load from other
+processes hits all of them alike. Each block starts after a pause (`settle_s`) and an untimed run,
+so that one engine's thread pool, still spinning after its last run, does not slow the next: ONNX
+Runtime's intra-op workers keep spinning for tens of milliseconds after a run (measured on the
+2-vCPU box: a native EfficientNet-Lite0 run right after an ORT run took 9-11 ms with a 0-20 ms
+pause, 4.7 ms after 100 ms, 2.8 ms alone). Library side of `qtool bench`."""
 from __future__ import annotations
 
 import os
@@ -63,7 +66,8 @@ def make_feeds(sess: NativeSession, batch: int, shape=None, seed: int = 0) -> di
 
 
 def bench(model: str, fp32: str | None = None, batches=(1, 8), threads: int = 2, repeats: int = 20,
-          shape=None, profile: bool = False, budget_s: float = 4.0, log=print) -> dict:
+          shape=None, profile: bool = False, budget_s: float = 4.0, settle_s: float = 0.1,
+          log=print) -> dict:
     """-> {'batches': {bs: {'native_ms', 'ort_int8_ms', 'ort_fp32_ms', ...}}, 'profile': ...}
     Times are medians, in ms per image."""
     if not os.path.exists(model):
@@ -92,9 +96,12 @@ def bench(model: str, fp32: str | None = None, batches=(1, 8), threads: int = 2,
         block = 5 if bs == 1 else 2
         t_end = time.perf_counter() + budget_s
         while True:
-            # engines take turns in blocks: a block starts with an untimed run, so that the
-            # previous engine's spinning worker threads have gone quiet before timing starts
+            # engines take turns in blocks: a block starts after a pause, in which the previous
+            # engine's spinning worker threads go quiet, and an untimed run (wakes this engine's
+            # workers, warms the caches)
             for k, e in engines.items():
+                if settle_s > 0:
+                    time.sleep(settle_s)
                 e.run(None, feeds)
                 for _ in range(block):
                     t = time.perf_counter()
