@@ -318,10 +318,11 @@ static void amx_task(void* ctx, size_t begin, size_t end) {
       packed = gm;
     }
     const size_t p0 = ppg * ch / nch, p1 = ppg * (ch + 1) / nch;
-    for (size_t p = p0; p < p1; p++) {
-      const size_t col0 = p * nr, nc = cv->cout_g - col0 < nr ? cv->cout_g - col0 : nr;
-      ac->ukernel(rows, nc, kp, a, a_stride, (const char*)cv->w + (g * ppg + p) * cv->panel_bytes,
-                  (char*)j->y + row0 * cstride + (g * cv->cout_g + col0) * es, cstride, &cv->rq,
+    if (p1 > p0) {
+      const size_t last = (p1 - 1) * nr, nc_last = cv->cout_g - last < nr ? cv->cout_g - last : nr;
+      ac->ukernel(rows, p1 - p0, nc_last, kp, a, a_stride,
+                  (const char*)cv->w + (g * ppg + p0) * cv->panel_bytes, cv->panel_bytes,
+                  (char*)j->y + row0 * cstride + (g * cv->cout_g + p0 * nr) * es, cstride, &cv->rq,
                   tl_amx_c);
     }
   }

@@ -90,8 +90,10 @@ typedef struct {
 typedef struct {
   const char* name;
   size_t mr, nr;
-  void (*ukernel)(size_t mr, size_t nc, size_t kp, const uint8_t* a, size_t a_stride,
-                  const void* w, void* c, size_t cm_stride, const qt_requant* rq, int32_t* cbuf);
+  /* mr rows x np panels (panel_bytes apart, the last with nc_last columns); cbuf 32 x 32 */
+  void (*ukernel)(size_t mr, size_t np, size_t nc_last, size_t kp, const uint8_t* a,
+                  size_t a_stride, const void* w, size_t panel_bytes, void* c, size_t cm_stride,
+                  const qt_requant* rq, int32_t* cbuf);
   void (*pack_a)(size_t rows, size_t kc, size_t ks, const intptr_t* ind, const uint8_t* x,
                  const uint8_t* zero, uint8_t* a, size_t kp);
   void (*pack_panel)(size_t kp, size_t kk_n, size_t cols, const int8_t* const* wrows,

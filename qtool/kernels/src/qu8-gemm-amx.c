@@ -80,49 +80,45 @@ QT_TARGET_AMX QT_INLINE __m512i rq_cvt(const int32_t* acc, __m512 m, __m512 hi) 
   return _mm512_cvt_roundps_epi32(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 
-/* One row block (mr <= 32 rows of A, rows a_stride bytes apart, kp bytes each of which those
- * past the real K meet zero weights) x one panel (nc <= 32 columns). cbuf: 32 x 32 int32
- * scratch. Tiles must be configured (qt_amx_begin) on the calling thread. */
-QT_TARGET_AMX
-void qu8_qs8w_gemm_minmax_fp32_ukernel_32x32c4__amx(size_t mr, size_t nc, size_t kp,
-                                                    const uint8_t* a, size_t a_stride,
-                                                    const void* w, void* c, size_t cm_stride,
-                                                    const qt_requant* rq, int32_t* cbuf) {
+/* Tile part of one row block (mr <= 32 rows of A, rows a_stride bytes apart, kp bytes each of
+ * which those past the real K meet zero weights) x one panel (nc <= 32 columns): accumulators
+ * 0-3 start from the panel's bias (a zero-stride load repeats it on every row). With a_loaded
+ * (kp = 64) the A tiles 4-5 already hold the block and are not reloaded. */
+QT_TARGET_AMX QT_INLINE void amx_compute(size_t mr, size_t nc, size_t kp, const uint8_t* a,
+                                         size_t a_stride, const void* w, int a_loaded) {
   const int32_t* bias = (const int32_t*)w;
-  const float* mult = (const float*)(bias + NR);
-  const int8_t* b0 = (const int8_t*)(mult + NR);
+  const int8_t* b0 = (const int8_t*)((const float*)(bias + NR) + NR);
   const int8_t* b1 = b0 + kp * 16;
   const uint8_t* a1 = a + 16 * a_stride;
   const size_t nk = kp / 64;
   const long sa = (long)a_stride;
-  /* accumulators start from the bias (a zero-stride load repeats it on every row) */
   _tile_loadd(0, bias, 0);
   _tile_loadd(1, bias + 16, 0);
   if (mr > 16 && nc > 16) {
     _tile_loadd(2, bias, 0);
     _tile_loadd(3, bias + 16, 0);
     for (size_t kb = 0; kb < nk; kb++) {
-      _tile_loadd(4, a + kb * 64, sa);
+      if (!a_loaded) _tile_loadd(4, a + kb * 64, sa);
       _tile_loadd(6, b0 + kb * 1024, 64);
       _tile_dpbusd(0, 4, 6);
       _tile_loadd(7, b1 + kb * 1024, 64);
       _tile_dpbusd(1, 4, 7);
-      _tile_loadd(5, a1 + kb * 64, sa);
+      if (!a_loaded) _tile_loadd(5, a1 + kb * 64, sa);
       _tile_dpbusd(2, 5, 6);
       _tile_dpbusd(3, 5, 7);
     }
   } else if (mr > 16) {
     _tile_loadd(2, bias, 0);
     for (size_t kb = 0; kb < nk; kb++) {
-      _tile_loadd(4, a + kb * 64, sa);
+      if (!a_loaded) _tile_loadd(4, a + kb * 64, sa);
       _tile_loadd(6, b0 + kb * 1024, 64);
       _tile_dpbusd(0, 4, 6);
-      _tile_loadd(5, a1 + kb * 64, sa);
+      if (!a_loaded) _tile_loadd(5, a1 + kb * 64, sa);
       _tile_dpbusd(2, 5, 6);
     }
   } else if (nc > 16) {
     for (size_t kb = 0; kb < nk; kb++) {
-      _tile_loadd(4, a + kb * 64, sa);
+      if (!a_loaded) _tile_loadd(4, a + kb * 64, sa);
       _tile_loadd(6, b0 + kb * 1024, 64);
       _tile_dpbusd(0, 4, 6);
       _tile_loadd(7, b1 + kb * 1024, 64);
@@ -130,17 +126,25 @@ void qu8_qs8w_gemm_minmax_fp32_ukernel_32x32c4__amx(size_t mr, size_t nc, size_t
     }
   } else {
     for (size_t kb = 0; kb < nk; kb++) {
-      _tile_loadd(4, a + kb * 64, sa);
+      if (!a_loaded) _tile_loadd(4, a + kb * 64, sa);
       _tile_loadd(6, b0 + kb * 1024, 64);
       _tile_dpbusd(0, 4, 6);
     }
   }
+}
+
+/* requantize mr rows x nc columns of the accumulator tiles (through cbuf, 32 x 32 int32) into c
+ * (u8, or f32 with rq->out_f32) */
+QT_TARGET_AMX QT_INLINE void amx_store_epilogue(size_t mr, size_t nc, const void* w,
+                                                int32_t* cbuf, void* c, size_t cm_stride,
+                                                const qt_requant* rq) {
   _tile_stored(0, cbuf, 128);
   _tile_stored(1, cbuf + 16, 128);
   if (mr > 16) {
     _tile_stored(2, cbuf + 16 * 32, 128);
     _tile_stored(3, cbuf + 16 * 32 + 16, 128);
   }
+  const float* mult = (const float*)((const int32_t*)w + NR);
   char* cr = (char*)c;
   if (!rq->out_f32) {
     const __m512 m0 = _mm512_loadu_ps(mult), m1 = _mm512_loadu_ps(mult + 16);
@@ -164,6 +168,29 @@ void qu8_qs8w_gemm_minmax_fp32_ukernel_32x32c4__amx(size_t mr, size_t nc, size_t
     const int32_t* row = cbuf + i * 32;
     store16(_mm512_loadu_si512(row), mult, cr, m0, rq);
     if (m1) store16(_mm512_loadu_si512(row + 16), mult + 16, cr + 64, m1, rq);
+  }
+}
+
+/* One row block x np consecutive panels (panel_bytes apart; the last one has nc_last <= 32
+ * columns, the others 32), outputs 32 columns apart in c. With K <= 64 the A tiles are loaded
+ * once for all panels. Tiles must be configured (qt_amx_begin) on the calling thread. */
+QT_TARGET_AMX
+void qu8_qs8w_gemm_minmax_fp32_ukernel_32x32c4__amx(size_t mr, size_t np, size_t nc_last,
+                                                    size_t kp, const uint8_t* a, size_t a_stride,
+                                                    const void* w, size_t panel_bytes, void* c,
+                                                    size_t cm_stride, const qt_requant* rq,
+                                                    int32_t* cbuf) {
+  const size_t cstep = NR * (rq->out_f32 ? 4 : 1);
+  const int a_loaded = kp == 64 && np > 1;
+  if (a_loaded) {
+    _tile_loadd(4, a, (long)a_stride);
+    if (mr > 16) _tile_loadd(5, a + 16 * a_stride, (long)a_stride);
+  }
+  for (size_t p = 0; p < np; p++) {
+    const char* wp = (const char*)w + p * panel_bytes;
+    const size_t nc = p + 1 == np ? nc_last : NR;
+    amx_compute(mr, nc, kp, a, a_stride, wp, a_loaded);
+    amx_store_epilogue(mr, nc, wp, cbuf, (char*)c + p * cstep, cm_stride, rq);
   }
 }
 
