@@ -125,8 +125,8 @@ class Histogram:
 def scan(x: np.ndarray, inner: int = 0, sums: np.ndarray | None = None) -> tuple:
     """(min, max, finite) of a float32 tensor in one read. With `sums` (float64 [C]), the sum of
     each run of `inner` values is also added to sums[run % C]: an NCHW tensor's channel sums
-    when inner = H*W. min and max are exact; the sums are float sums (not bit-exact across
-    ISAs). When finite is False (NaN or inf present), min and max are not to be used."""
+    when inner = H*W. min and max are exact; the sums are float64 like the reference's, equal
+    to it up to the order of summation. When finite is False (NaN or inf present), min and max are not to be used."""
     x = np.ascontiguousarray(x, np.float32).ravel()
     if _native is not None:
         mn, mx, has_nan = _native.scan(x, inner, sums) if sums is not None else _native.scan(x)

@@ -236,13 +236,17 @@ static void run_scalar(const float *x, Py_ssize_t n, scan_out *o, int want_sum, 
 }
 
 #ifdef QT_X86
+__attribute__((target("avx512f"))) static inline __m256 hi256(__m512 a) {
+    return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
+}
+
 /* min/max ignore NaN lanes here (vminps keeps its second operand when either is NaN, and the
  * running value is that operand); NaN is tracked separately, so the caller can refuse the
- * tensor. Sums run in float lanes (a run is at most an image plane) and end in double. */
+ * tensor. Sums run in double lanes, like the numpy reference. */
 __attribute__((target("avx512f"))) static void run_avx512(const float *x, Py_ssize_t n, scan_out *o, int want_sum,
                                                           double *sum) {
     __m512 mn0 = _mm512_set1_ps(o->mn), mx0 = _mm512_set1_ps(o->mx), mn1 = mn0, mx1 = mx0;
-    __m512 s0 = _mm512_setzero_ps(), s1 = s0;
+    __m512d s0 = _mm512_setzero_pd(), s1 = s0;
     __mmask16 nan = 0;
     Py_ssize_t i = 0;
     for (; i + 32 <= n; i += 32) {
@@ -253,8 +257,9 @@ __attribute__((target("avx512f"))) static void run_avx512(const float *x, Py_ssi
         mn1 = _mm512_min_ps(b, mn1);
         mx1 = _mm512_max_ps(b, mx1);
         if (want_sum) {
-            s0 = _mm512_add_ps(s0, a);
-            s1 = _mm512_add_ps(s1, b);
+            s0 = _mm512_add_pd(s0, _mm512_add_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(a)),
+                                                 _mm512_cvtps_pd(_mm512_castps512_ps256(b))));
+            s1 = _mm512_add_pd(s1, _mm512_add_pd(_mm512_cvtps_pd(hi256(a)), _mm512_cvtps_pd(hi256(b))));
         }
     }
     for (; i < n; i += 16) {
@@ -263,23 +268,22 @@ __attribute__((target("avx512f"))) static void run_avx512(const float *x, Py_ssi
         nan |= _mm512_mask_cmp_ps_mask(m, a, a, _CMP_UNORD_Q);
         mn0 = _mm512_mask_min_ps(mn0, m, a, mn0);
         mx0 = _mm512_mask_max_ps(mx0, m, a, mx0);
-        if (want_sum) s0 = _mm512_add_ps(s0, a); /* masked-off lanes loaded as 0 */
+        if (want_sum) { /* masked-off lanes loaded as 0 */
+            s0 = _mm512_add_pd(s0, _mm512_cvtps_pd(_mm512_castps512_ps256(a)));
+            s1 = _mm512_add_pd(s1, _mm512_cvtps_pd(hi256(a)));
+        }
     }
     o->mn = _mm512_reduce_min_ps(_mm512_min_ps(mn0, mn1));
     o->mx = _mm512_reduce_max_ps(_mm512_max_ps(mx0, mx1));
     o->nan |= nan != 0;
-    if (want_sum) {
-        __m512 s = _mm512_add_ps(s0, s1);
-        __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(s));
-        __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
-        *sum += _mm512_reduce_add_pd(_mm512_add_pd(lo, hi));
-    }
+    if (want_sum) *sum += _mm512_reduce_add_pd(_mm512_add_pd(s0, s1));
 }
 
 __attribute__((target("avx2"))) static void run_avx2(const float *x, Py_ssize_t n, scan_out *o, int want_sum,
                                                     double *sum) {
     __m256 mn0 = _mm256_set1_ps(o->mn), mx0 = _mm256_set1_ps(o->mx), mn1 = mn0, mx1 = mx0;
-    __m256 s0 = _mm256_setzero_ps(), s1 = s0, nan = _mm256_setzero_ps();
+    __m256d s0 = _mm256_setzero_pd(), s1 = s0;
+    __m256 nan = _mm256_setzero_ps();
     Py_ssize_t i = 0;
     for (; i + 16 <= n; i += 16) {
         __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8);
@@ -289,20 +293,22 @@ __attribute__((target("avx2"))) static void run_avx2(const float *x, Py_ssize_t 
         mn1 = _mm256_min_ps(b, mn1);
         mx1 = _mm256_max_ps(b, mx1);
         if (want_sum) {
-            s0 = _mm256_add_ps(s0, a);
-            s1 = _mm256_add_ps(s1, b);
+            s0 = _mm256_add_pd(s0, _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(a)),
+                                                 _mm256_cvtps_pd(_mm256_castps256_ps128(b))));
+            s1 = _mm256_add_pd(s1, _mm256_add_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(a, 1)),
+                                                 _mm256_cvtps_pd(_mm256_extractf128_ps(b, 1))));
         }
     }
-    float lmn[8], lmx[8], ls[8];
+    float lmn[8], lmx[8];
+    double ls[4];
     _mm256_storeu_ps(lmn, _mm256_min_ps(mn0, mn1));
     _mm256_storeu_ps(lmx, _mm256_max_ps(mx0, mx1));
-    _mm256_storeu_ps(ls, _mm256_add_ps(s0, s1));
+    _mm256_storeu_pd(ls, _mm256_add_pd(s0, s1));
     o->nan |= _mm256_movemask_ps(nan) != 0;
-    double s = 0.0;
+    double s = ls[0] + ls[1] + ls[2] + ls[3];
     for (int j = 0; j < 8; j++) {
         o->mn = lmn[j] < o->mn ? lmn[j] : o->mn;
         o->mx = lmx[j] > o->mx ? lmx[j] : o->mx;
-        s += ls[j];
     }
     if (want_sum) *sum += s;
     run_scalar(x + i, n - i, o, want_sum, sum);
