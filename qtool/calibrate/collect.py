@@ -76,7 +76,9 @@ def collect(model: onnx.ModelProto, range_tensors: list, mean_tensors: list, bat
     runner = _BoundRunner(sess, wanted)
     # Inference and statistics take turns, each with every core: folding one batch while
     # ONNX Runtime computes the next puts a third thread on the cores, and ORT's parallel
-    # loops stall whenever one of their threads is descheduled (measured slower on 2 cores).
+    # loops stall whenever one of their threads is descheduled (slower on this 2-vCPU machine
+    # under load; on an idle machine both orders measured about 1.8x plain inference, the
+    # tapped ORT run itself being ~1.5x: see the calibration-time note on issue 2).
     with ThreadPoolExecutor(threads) as pool:
         for feeds in _slices(batches, graph_inputs, lambda: runner.per_sample_bytes):
             outs = runner.run(feeds)
