@@ -14,6 +14,8 @@
 #if QT_X86
 #include <immintrin.h>
 
+#include "qu8-requant-avx512.h"
+
 #define QT_TARGET_AMX \
   __attribute__((target("avx2,fma,bmi2,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,amx-tile,amx-int8")))
 
@@ -57,19 +59,6 @@ QT_TARGET_AMX void qt_amx_pack_a(size_t rows, size_t kc, size_t ks, const intptr
       if (rem) _mm512_mask_storeu_epi8(dst + k, mrem, _mm512_maskz_loadu_epi8(mrem, src + k));
     }
   }
-}
-
-QT_TARGET_AMX QT_INLINE void store16(__m512i acc, const float* mult, void* c, __mmask16 m,
-                                     const qt_requant* rq) {
-  __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_loadu_ps(mult));
-  if (rq->out_f32) {
-    _mm512_mask_storeu_ps(c, m, f);
-    return;
-  }
-  f = _mm512_min_ps(_mm512_max_ps(f, _mm512_set1_ps(rq->lo_f)), _mm512_set1_ps(rq->hi_f));
-  __m512i i = _mm512_add_epi32(_mm512_cvt_roundps_epi32(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
-                               _mm512_set1_epi32(rq->zp));
-  _mm_mask_storeu_epi8(c, m, _mm512_cvtepi32_epi8(i));
 }
 
 /* u8 epilogue for two rows x 32 columns (as in the VNNI kernel): float multiply, clamp to

@@ -5,6 +5,8 @@
 #if QT_X86
 #include <immintrin.h>
 
+#include "qu8-requant-avx512.h"
+
 #define MR 8
 #define NR 32
 
@@ -19,19 +21,6 @@ QT_INLINE int32_t load_tail(const uint8_t* p, size_t n) {
   if (n > 1) v |= (uint32_t)p[1] << 8;
   if (n > 2) v |= (uint32_t)p[2] << 16;
   return (int32_t)v;
-}
-
-QT_TARGET_AVX512VNNI QT_INLINE void store16(__m512i acc, const float* mult, void* c, __mmask16 m,
-                                           const qt_requant* rq) {
-  __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_loadu_ps(mult));
-  if (rq->out_f32) {
-    _mm512_mask_storeu_ps(c, m, f);
-    return;
-  }
-  f = _mm512_min_ps(_mm512_max_ps(f, _mm512_set1_ps(rq->lo_f)), _mm512_set1_ps(rq->hi_f));
-  __m512i i = _mm512_add_epi32(_mm512_cvt_roundps_epi32(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
-                               _mm512_set1_epi32(rq->zp));
-  _mm_mask_storeu_epi8(c, m, _mm512_cvtepi32_epi8(i));
 }
 
 /* u8 epilogue for two rows x 32 columns: float multiply, clamp to hi - zp, round half to even,
