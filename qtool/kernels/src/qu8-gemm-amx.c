@@ -64,11 +64,6 @@ QT_TARGET_AMX void qt_amx_pack_a(size_t rows, size_t kc, size_t ks, const intptr
 /* u8 epilogue for two rows x 32 columns (as in the VNNI kernel): float multiply, clamp to
  * hi - zp, round half to even, saturating packs with the zero point added in int16, max with lo,
  * one vpermd to undo the pack interleave. Equal to clip(rint(acc * m) + zp, lo, hi). */
-QT_TARGET_AMX QT_INLINE __m512i rq_cvt(const int32_t* acc, __m512 m, __m512 hi) {
-  __m512 f = _mm512_min_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(acc)), m), hi);
-  return _mm512_cvt_roundps_epi32(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-}
-
 /* Tile part of one row block (mr <= 32 rows of A, rows a_stride bytes apart, kp bytes each of
  * which those past the real K meet zero weights) x one panel (nc <= 32 columns): accumulators
  * 0-3 start from the panel's bias (a zero-stride load repeats it on every row). With a_loaded
@@ -143,11 +138,9 @@ QT_TARGET_AMX QT_INLINE void amx_store_epilogue(size_t mr, size_t nc, const void
     const __mmask32 mask = nc >= 32 ? 0xFFFFFFFFu : (__mmask32)((1u << nc) - 1);
     for (size_t i = 0; i < mr; i += 2, cr += 2 * cm_stride) {
       const int32_t* r0 = cbuf + i * 32;
-      const __m512i pa = _mm512_adds_epi16(_mm512_packs_epi32(rq_cvt(r0, m0, hi), rq_cvt(r0 + 16, m1, hi)), zp16);
-      const __m512i pb = _mm512_adds_epi16(_mm512_packs_epi32(rq_cvt(r0 + 32, m0, hi), rq_cvt(r0 + 48, m1, hi)), zp16);
-      const __m512i y = _mm512_permutexvar_epi32(perm, _mm512_max_epu8(_mm512_packus_epi16(pa, pb), lo8));
-      _mm256_mask_storeu_epi8(cr, mask, _mm512_castsi512_si256(y));
-      if (i + 1 < mr) _mm256_mask_storeu_epi8(cr + cm_stride, mask, _mm512_extracti64x4_epi64(y, 1));
+      store_pair_u8(_mm512_loadu_si512(r0), _mm512_loadu_si512(r0 + 16), _mm512_loadu_si512(r0 + 32),
+                    _mm512_loadu_si512(r0 + 48), m0, m1, hi, zp16, lo8, perm, (uint8_t*)cr,
+                    (uint8_t*)cr + cm_stride, mask, i + 1 < mr);
     }
     return;
   }

@@ -27,23 +27,6 @@ QT_INLINE int32_t load_tail(const uint8_t* p, size_t n) {
  * saturating packs (the zero point is added in int16), max with lo, one vpermd to undo the pack
  * interleave. 24 vector uops per 64 outputs instead of 32 with a vpmovdb per zmm. Equal to
  * clip(rint(acc * m) + zp, lo, hi): clamping to integer bounds commutes with rint. */
-QT_TARGET_AVX512VNNI QT_INLINE __m512i rq_cvt(__m512i acc, __m512 m, __m512 hi) {
-  __m512 f = _mm512_min_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc), m), hi);
-  return _mm512_cvt_roundps_epi32(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-}
-
-QT_TARGET_AVX512VNNI QT_INLINE void store_pair_u8(__m512i a0, __m512i a1, __m512i b0, __m512i b1,
-                                                 __m512 m0, __m512 m1, __m512 hi, __m512i zp16,
-                                                 __m512i lo8, __m512i perm, uint8_t* ca,
-                                                 uint8_t* cb, __mmask32 mask, int store_b) {
-  const __m512i pa = _mm512_adds_epi16(_mm512_packs_epi32(rq_cvt(a0, m0, hi), rq_cvt(a1, m1, hi)), zp16);
-  const __m512i pb = _mm512_adds_epi16(_mm512_packs_epi32(rq_cvt(b0, m0, hi), rq_cvt(b1, m1, hi)), zp16);
-  __m512i y = _mm512_max_epu8(_mm512_packus_epi16(pa, pb), lo8);
-  y = _mm512_permutexvar_epi32(perm, y);
-  _mm256_mask_storeu_epi8(ca, mask, _mm512_castsi512_si256(y));
-  if (store_b) _mm256_mask_storeu_epi8(cb, mask, _mm512_extracti64x4_epi64(y, 1));
-}
-
 /* One row (GEMV, e.g. the classifier at batch 1): 2 vpdpbusd per 4 K instead of 16, with two
  * accumulator pairs to hide the vpdpbusd latency. */
 QT_TARGET_AVX512VNNI

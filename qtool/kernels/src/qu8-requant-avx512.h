@@ -1,6 +1,6 @@
-/* The AVX-512 requantizing store shared by the VNNI and AMX GEMMs: 16 int32 sums times their
+/* The AVX-512 requantizing stores shared by the VNNI and AMX GEMMs: int32 sums times their
  * per-channel multipliers, then either float32 out, or clamp, round half to even, add the zero
- * point and narrow to uint8. One copy, so both tiers stay bit-identical by construction; the
+ * point and narrow to uint8 (store16: one row of 16; store_pair_u8: two rows of 32 at once). One copy, so both tiers stay bit-identical by construction; the
  * AMX target is a superset of this one, so its kernels inline it too. */
 #ifndef QU8_REQUANT_AVX512_H
 #define QU8_REQUANT_AVX512_H
@@ -19,6 +19,23 @@ QT_TARGET_AVX512VNNI QT_INLINE void store16(__m512i acc, const float* mult, void
   __m512i i = _mm512_add_epi32(_mm512_cvt_roundps_epi32(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
                                _mm512_set1_epi32(rq->zp));
   _mm_mask_storeu_epi8(c, m, _mm512_cvtepi32_epi8(i));
+}
+
+QT_TARGET_AVX512VNNI QT_INLINE __m512i rq_cvt(__m512i acc, __m512 m, __m512 hi) {
+  __m512 f = _mm512_min_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc), m), hi);
+  return _mm512_cvt_roundps_epi32(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+QT_TARGET_AVX512VNNI QT_INLINE void store_pair_u8(__m512i a0, __m512i a1, __m512i b0, __m512i b1,
+                                                 __m512 m0, __m512 m1, __m512 hi, __m512i zp16,
+                                                 __m512i lo8, __m512i perm, uint8_t* ca,
+                                                 uint8_t* cb, __mmask32 mask, int store_b) {
+  const __m512i pa = _mm512_adds_epi16(_mm512_packs_epi32(rq_cvt(a0, m0, hi), rq_cvt(a1, m1, hi)), zp16);
+  const __m512i pb = _mm512_adds_epi16(_mm512_packs_epi32(rq_cvt(b0, m0, hi), rq_cvt(b1, m1, hi)), zp16);
+  __m512i y = _mm512_max_epu8(_mm512_packus_epi16(pa, pb), lo8);
+  y = _mm512_permutexvar_epi32(perm, y);
+  _mm256_mask_storeu_epi8(ca, mask, _mm512_castsi512_si256(y));
+  if (store_b) _mm256_mask_storeu_epi8(cb, mask, _mm512_extracti64x4_epi64(y, 1));
 }
 
 #endif
