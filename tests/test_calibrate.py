@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import threading
 import warnings
 
 import numpy as np
@@ -323,6 +325,55 @@ def test_channel_means_match_direct_computation(calibrated):
     root, model, data, cfg, r = calibrated
     xs = np.concatenate([load_image(f, lc(cfg)) for f in list_images(data)])
     np.testing.assert_allclose(r.table.channel_means["x"], xs.mean(axis=(0, 2, 3)), rtol=1e-5, atol=1e-6)
+
+
+def test_two_workers_give_the_same_table_as_one(tmp_path, net):
+    """Slices dealt to two workers, each with its own histograms, merge into what one worker
+    builds alone (these tensors are small enough that every value is counted)."""
+    d = tmp_path / "d"
+    write_images(d, 11, seed=3)
+    (tmp_path / "1").mkdir()
+    (tmp_path / "2").mkdir()
+    one = _calibrate(net, d, tmp_path / "1", threads=1).table
+    two = _calibrate(net, d, tmp_path / "2", threads=2).table
+    assert one.n_samples == two.n_samples == 11
+    assert one.histograms.keys() == two.histograms.keys()
+    for t in one.histograms:
+        assert one.histograms[t] == two.histograms[t], t
+    for t in one.channel_means:
+        np.testing.assert_allclose(one.channel_means[t], two.channel_means[t], rtol=1e-12, atol=1e-12)
+    assert one.ranges == two.ranges
+
+
+def test_a_failing_run_in_one_worker_stops_collection(net):
+    """A batch ONNX Runtime rejects raises its error from collect, whichever worker ran it,
+    without waiting for the rest of the batches."""
+    from qtool.calibrate.collect import collect
+    from qtool.quantize.plan import calibration_targets
+    model = onnx.load(str(net))
+    ranges, means = calibration_targets(model)
+    pulled = []
+
+    def batches():
+        for k in range(50):
+            pulled.append(k)
+            shape = (2, 3, 16, 16) if k != 3 else (2, 3, 16)
+            yield {"x": np.zeros(shape, np.float32)}
+
+    raised = []
+
+    def go():
+        try:
+            collect(model, ranges, means, batches(), threads=2)
+        except Exception as e:  # noqa: BLE001
+            raised.append(e)
+
+    th = threading.Thread(target=go, daemon=True)
+    th.start()
+    th.join(60)
+    assert not th.is_alive(), "collect hung after a worker failed"
+    assert raised and re.search("(?i)rank|dimension|shape|invalid", str(raised[0])), raised
+    assert len(pulled) < 50
 
 
 def test_every_and_limit_select_images(tmp_path, net):

@@ -125,6 +125,38 @@ def test_observe_with_nan_and_inf_counts_only_finite_values():
     assert h.n == 12 and h.counts.sum() == 12 and (h.min, h.max) == (0.5, 2.0)
 
 
+def _same(a: Histogram, b: Histogram):
+    assert (a.e, a.k0, a.n, a.n_observed, a.min, a.max) == (b.e, b.k0, b.n, b.n_observed, b.min, b.max)
+    np.testing.assert_array_equal(a.counts, b.counts)
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2, 3), (3, 2, 1, 0), (1, 3, 0, 2)])
+def test_merge_equals_one_histogram_of_all_values(order):
+    """Two workers' histograms (one of them coarser, with a range the other never saw) merge into
+    exactly the histogram one accumulator would have built from all the values."""
+    rng = np.random.default_rng(1)
+    chunks = [rng.standard_normal(3000).astype(np.float32) * s + o for s, o in [(0.01, 0), (5, -2), (0.2, 0.3), (50, 40)]]
+    chunks = [chunks[k] for k in order]
+    one = _hist(*chunks)
+    a, b = _hist(*chunks[0::2]), _hist(*chunks[1::2])
+    assert a.e != b.e or a.k0 != b.k0
+    a.merge(b)
+    _same(a, one)
+    np.testing.assert_array_equal(a.counts, accumulate_reference(np.concatenate(chunks), NBINS, a.e, a.k0))
+
+
+def test_merge_with_empty_histograms():
+    full = _hist(np.linspace(-1, 3, 500))
+    empty = Histogram()
+    empty.merge(full)
+    _same(empty, full)
+    before = full.counts.copy()
+    full.merge(Histogram())
+    np.testing.assert_array_equal(full.counts, before)
+    with pytest.raises(ValueError):
+        full.merge(Histogram(64))
+
+
 def test_growth_keeps_exact_counts_min_max_and_memory():
     """Ranges growing on both sides force repeated width doublings; the result must equal the
     histogram of all the data binned directly at the final resolution."""

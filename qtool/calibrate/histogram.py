@@ -94,6 +94,30 @@ class Histogram:
         else:
             self.counts += accumulate_reference(sampled_blocks(x, offset, step), self.nbins, self.e, self.k0)
 
+    def merge(self, other: "Histogram") -> None:
+        """Add another histogram of the same tensor (another worker's share of the samples).
+        Both grids are anchored at 0 with power-of-two widths, so coarsening either one is
+        exact: the result is the histogram of all values at the finest width that spans them."""
+        if other.nbins != self.nbins:
+            raise ValueError("histograms with different bin counts")
+        if other.e is None:
+            return
+        if self.e is None:
+            self.counts, self.k0, self.e = other.counts.copy(), other.k0, other.e
+            self.min, self.max, self.n, self.n_observed = other.min, other.max, other.n, other.n_observed
+            return
+        lo, hi = min(self.min, other.min), max(self.max, other.max)
+        e = max(self.e, other.e)
+        while not self._fits(e, lo, hi):
+            e += 1
+        self._rebin(e, lo)
+        k = (np.arange(other.k0, other.k0 + other.nbins, dtype=np.int64) >> (e - other.e)) - self.k0
+        nz = other.counts != 0
+        np.add.at(self.counts, k[nz], other.counts[nz])
+        self.min, self.max = lo, hi
+        self.n += other.n
+        self.n_observed += other.n_observed
+
     def _window_has(self, v: float) -> bool:
         k = math.floor(v / self.width)
         return self.k0 <= k < self.k0 + self.nbins
