@@ -3,7 +3,10 @@
 against plain fp32 ONNX Runtime inference over the same images, in one run.
 
 Each side runs in its own process so its peak resident memory (ru_maxrss) is its own;
-both include reading and preprocessing the images the same way. The model is
+both include reading and preprocessing the images the same way. With --repeat 2 (the default)
+the sides run in the order ORT, qtool, qtool, ORT, and the time ratio is total qtool time over
+total ORT time: this machine's speed drifts by tens of percent over minutes, and the mirrored
+order cancels a steady drift that a single ORT-then-qtool pair would book to one side. The model is
 ResNet-50 v1.5 with BatchNorm unfolded, written by benchmarks/resnet50_builder.py from
 seeded weights (never a downloaded file).
 
@@ -67,6 +70,7 @@ def main():
     p.add_argument("--n", type=int, default=1000)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--model", help="ResNet-50 ONNX (default: build one with resnet50_builder.py)")
+    p.add_argument("--repeat", type=int, default=2, help="runs of each side, in mirrored order (default 2)")
     p.add_argument("--out", default="bench_out")
     p.add_argument("--child", choices=["ort", "qtool"], help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -81,23 +85,38 @@ def main():
         from resnet50_builder import build_resnet50
         model = os.path.join(tempfile.mkdtemp(prefix="qtool-r50-"), "resnet50.onnx")
         build_resnet50(model, seed=0)
-    res = {}
-    for side in ("ort", "qtool"):
+    runs = {"ort": [], "qtool": []}
+    order = []
+    for r in range(max(1, a.repeat)):
+        order += ["ort", "qtool"] if r % 2 == 0 else ["qtool", "ort"]
+    for side in order:
         out = subprocess.run([sys.executable, __file__, "--child", side, "--model", model, "--images", a.images,
                               "--n", str(a.n), "--batch", str(a.batch)], capture_output=True, text=True)
         if out.returncode:
             print(out.stderr, file=sys.stderr)
             return 1
-        res[side] = json.loads(out.stdout.strip().splitlines()[-1])
-    o, q = res["ort"], res["qtool"]
-    res["time_ratio"] = q["seconds"] / o["seconds"]
-    print(f"ResNet-50 v1.5 (BatchNorm unfolded), {q['images']} images, batch {a.batch}:")
-    print(f"  ORT fp32 inference:           {o['seconds']:7.1f} s  peak RSS {o['peak_rss_mb']:7.0f} MB")
-    print(f"  qtool percentile calibration: {q['seconds']:7.1f} s  peak RSS {q['peak_rss_mb']:7.0f} MB "
-          f"({q['tensors']} tensors observed)")
-    res["cpu_ratio"] = q["cpu_seconds"] / o["cpu_seconds"]
+        runs[side].append(json.loads(out.stdout.strip().splitlines()[-1]))
+
+    def total(side, key):
+        return sum(r[key] for r in runs[side])
+
+    o, q = runs["ort"], runs["qtool"]
+
+    def secs(rs):
+        return ", ".join(f"{r['seconds']:.1f}" for r in rs)
+
+    res = {"order": order, "runs": runs, "images": q[0]["images"], "tensors": q[0]["tensors"],
+           "time_ratio": total("qtool", "seconds") / total("ort", "seconds"),
+           "cpu_ratio": total("qtool", "cpu_seconds") / total("ort", "cpu_seconds"),
+           "ort_peak_rss_mb": max(r["peak_rss_mb"] for r in o), "qtool_peak_rss_mb": max(r["peak_rss_mb"] for r in q)}
+    print(f"ResNet-50 v1.5 (BatchNorm unfolded), {res['images']} images, batch {a.batch}, "
+          f"runs in order {', '.join(order)}:")
+    print(f"  ORT fp32 inference:           {secs(o)} s  "
+          f"peak RSS {res['ort_peak_rss_mb']:7.0f} MB")
+    print(f"  qtool percentile calibration: {secs(q)} s  "
+          f"peak RSS {res['qtool_peak_rss_mb']:7.0f} MB ({res['tensors']} tensors observed)")
     print(f"  time ratio qtool / ORT fp32: {res['time_ratio']:.2f}x (goal <= 1.5x); peak RSS goal < 1536 MB")
-    print(f"  CPU time (all threads): ORT {o['cpu_seconds']:.1f} s, qtool {q['cpu_seconds']:.1f} s, "
+    print(f"  CPU time (all threads): ORT {total('ort', 'cpu_seconds'):.1f} s, qtool {total('qtool', 'cpu_seconds'):.1f} s, "
           f"ratio {res['cpu_ratio']:.2f}x; load average at the end {os.getloadavg()[0]:.1f}")
     with open(os.path.join(a.out, "calibration_memory.json"), "w") as f:
         json.dump(res, f, indent=2)
