@@ -214,6 +214,30 @@ def test_exclude_keeps_node_fp32(calibrated):
     assert any(n.op_type == "Relu" for n in out.model.graph.node)
 
 
+@pytest.mark.parametrize("layer", ["dw_conv", "fc"])
+def test_excluded_layer_stays_fp32_in_onnx_runtime(calibrated, layer):
+    """dw_conv's input also feeds the int8 residual Add, so it stays quantized; left as a plain
+    DQ -> Conv(fp32 weights) -> Q, ONNX Runtime would quantize the excluded layer's weights itself
+    (per tensor) and run it in int8. The model must compute the same with that pass on or off.
+    fc writes the graph output, not a QuantizeLinear: that pass leaves it alone, and so does qtool."""
+    import onnxruntime as ort
+    root, model, data, cfg, r = calibrated
+    out = quantize_graph(r.fused, r.table, exclude={layer: "excluded by the user (--exclude)"})
+    x = np.random.default_rng(0).standard_normal((4, 3, 16, 16)).astype(np.float32)
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+
+    def run_ort(**kw):
+        s = ort.InferenceSession(out.model.SerializeToString(), so, providers=["CPUExecutionProvider"], **kw)
+        return s.run(None, {"x": x})[0]
+
+    default, without = run_ort(), run_ort(disabled_optimizers=["WeightBiasQuantization"])
+    np.testing.assert_allclose(default, without, rtol=1e-5, atol=1e-6)
+    conv = next(n for n in out.model.graph.node if n.name == layer)
+    dq = _producer(out.model, conv.input[0])
+    assert dq.op_type == "DequantizeLinear" and (_inits(out.model)[dq.input[1]].size > 1) == (layer == "dw_conv")
+
+
 def test_quantize_writes_model_report_and_manifest(calibrated, tmp_path):
     root, model, data, cfg, r = calibrated
     wd = tmp_path / "work"

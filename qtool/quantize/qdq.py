@@ -164,6 +164,7 @@ def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exc
         layers[node.name] = LayerInfo(node.name, node.op_type, qw.weight_sqnr_db)
     # activations
     cons = G.consumers(m)
+    dq_of = {}  # dequantized tensor -> (quantized tensor, qparams)
     for t in plan.tensors if activations else ():
         p = qp[t]
         sn = add_init(t + "_scale", np.array(p.scale, np.float32))
@@ -172,12 +173,14 @@ def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exc
         td = G.unique_name(m, t + "_dequantized", taken)
         m.graph.node.append(helper.make_node("QuantizeLinear", [t, sn, zn], [tq], name=tq))
         m.graph.node.append(helper.make_node("DequantizeLinear", [tq, sn, zn], [td], name=td))
+        dq_of[td] = (tq, p)
         for c in cons.get(t, []):
             if t in graph_inputs and c.name not in plan.int8_nodes:
                 continue  # an fp32 consumer of a model input reads the original
             for k, i in enumerate(c.input):
                 if i == t:
                     c.input[k] = td
+    _shield_fp32_layers(m, plan, inits, dq_of, add_init, taken)
     m.graph.initializer.extend(new_inits)
     G.remove_unused_initializers(m)
     _toposort(m)
@@ -191,6 +194,50 @@ def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exc
     except Exception as e:
         raise QtoolError(f"internal error: the quantized graph fails onnx.checker ({e})") from None
     return QuantizeOutput(m, plan, qp, layers, notes)
+
+
+def _shield_fp32_layers(m, plan, inits, dq_of, add_init, taken) -> None:
+    """A Conv/ConvTranspose/Gemm kept fp32 that reads a per-tensor DequantizeLinear and writes
+    into a QuantizeLinear is, to ONNX Runtime (1.20+, its WeightBiasQuantization pass), a layer
+    whose weights someone forgot to quantize: it quantizes them itself, per tensor, and runs the
+    layer in int8. Kept fp32 must mean fp32, so such a layer reads its input through its own
+    DequantizeLinear with the same scale repeated per channel: the same values, a form that pass
+    leaves alone. (That happens when a layer is excluded but its input also feeds an int8 op.)"""
+    cons = G.consumers(m)
+
+    def writes_into_quantize(node):  # ORT's condition: one reader, through Relu/Clip at most, then Q
+        while len(node.output) == 1 and len(cons.get(node.output[0], [])) == 1:
+            node = cons[node.output[0]][0]
+            if node.op_type == "QuantizeLinear":
+                return True
+            if node.op_type not in ("Relu", "Clip"):
+                return False
+        return False
+
+    for node in list(m.graph.node):
+        if node.op_type not in ("Conv", "ConvTranspose", "Gemm") or node.name in plan.int8_nodes:
+            continue
+        if len(node.input) < 2 or node.input[0] not in dq_of or node.input[1] not in inits:
+            continue
+        if not writes_into_quantize(node):
+            continue
+        w = inits[node.input[1]]
+        if w.data_type != TensorProto.FLOAT or len(w.dims) < 2:
+            continue
+        axis, channels = 1, None
+        if node.op_type == "Conv":
+            channels = w.dims[1] * G.attr(node, "group", 1)
+        elif node.op_type == "ConvTranspose":
+            channels = w.dims[0]
+        else:
+            channels = w.dims[1] if G.attr(node, "transB", 0) else w.dims[0]
+            axis = 0 if G.attr(node, "transA", 0) else 1
+        tq, p = dq_of[node.input[0]]
+        sn = add_init(tq + "_scale_per_channel", np.full(channels, p.scale, np.float32))
+        zn = add_init(tq + "_zero_point_per_channel", np.full(channels, p.zero_point, np.uint8))
+        td = G.unique_name(m, node.name + "_input_dequantized", taken)
+        m.graph.node.append(helper.make_node("DequantizeLinear", [tq, sn, zn], [td], name=td, axis=axis))
+        node.input[0] = td
 
 
 def _toposort(model: onnx.ModelProto) -> None:
