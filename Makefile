@@ -43,6 +43,8 @@ bench: install
 	$(PY) benchmarks/bench_calibration_memory.py --images $(SHARED)/imagenet-samples --out bench_out
 	$(PY) benchmarks/bench_sensitivity.py --model $(SHARED)/models/efficientnet-lite0.onnx \
 	    --images $(SHARED)/imagenet-samples --out bench_out
+	$(PY) benchmarks/bench_agreement_floor.py --model $(SHARED)/models/efficientnet-lite0.onnx \
+	    --images $(SHARED)/imagenet-samples --out bench_out
 	$(PY) benchmarks/bench_sqnr.py --model $(SHARED)/models/ppocr-cls-mobilenetv3.onnx --images $(SHARED)/imagenet-samples \
 	    --shape 1,3,48,192 --mean 127.5 --std 127.5 --anchor $(SHARED)/anchors/ort_anchor.py
 	$(PY) benchmarks/bench_sqnr.py --model $(SHARED)/models/yolox-det.onnx --images $(SHARED)/imagenet-samples \
