@@ -345,6 +345,57 @@ def test_two_workers_give_the_same_table_as_one(tmp_path, net):
     assert one.ranges == two.ranges
 
 
+def test_sampled_histograms_do_not_depend_on_threads_or_batch(tmp_path):
+    """At 96x96 every tensor holds more values per image than a histogram counts (blocks are
+    sampled); which blocks of image j are counted depends on j alone, so one worker with batches
+    of 4 and two workers with batches of 3 build the same histograms."""
+    model = save(small_convnet(size=96), tmp_path / "net96.onnx")
+    d = tmp_path / "d"
+    write_images(d, 9, seed=5, h=100, w=110)
+    cfg = write_config(tmp_path / "cfg96.toml", size=96)
+    tables = []
+    for k, (threads, batch) in enumerate([(1, 4), (2, 3)]):
+        (tmp_path / str(k)).mkdir()
+        tables.append(_calibrate(model, d, tmp_path / str(k), threads=threads, batch=batch, config=cfg).table)
+    a, b = tables
+    assert any(h["n"] < 9 * 8 * 96 * 96 for h in a.histograms.values())  # sampling did happen
+    for t in a.histograms:
+        assert {k: v for k, v in a.histograms[t].items() if k != "n_observed"} == \
+            {k: v for k, v in b.histograms[t].items() if k != "n_observed"}, t
+    assert a.ranges == b.ranges
+
+
+def test_fixed_batch_model_is_not_cut_into_slices(tmp_path):
+    """A model whose input has a fixed batch of 2 gets whole batches of 2, never one sample."""
+    m = small_convnet()
+    m.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 2
+    model = save(m, tmp_path / "fixed.onnx")
+    d = tmp_path / "d"
+    write_images(d, 4, seed=2)
+    r = _calibrate(model, d, tmp_path, threads=2, batch=2)
+    assert r.table.n_samples == 4
+
+
+def test_a_source_that_refills_one_array_is_read_correctly(tmp_path, net):
+    """Workers hold slices while the source produces the next: a source that refills the same
+    array must give the statistics of the data it yielded, not of whatever the array holds later."""
+    rng = np.random.default_rng(4)
+    data = [rng.standard_normal((1, 3, 16, 16)).astype(np.float32) * (1 + k) for k in range(8)]
+
+    def refilled():
+        buf = np.empty((1, 3, 16, 16), np.float32)
+        for x in data:
+            buf[...] = x
+            yield {"x": buf}
+
+    fresh = calibrate(str(net), [{"x": x} for x in data], method="minmax", workdir=str(tmp_path / "a"),
+                      batch=1, show_progress=False, threads=2).table
+    reused = calibrate(str(net), refilled(), method="minmax", workdir=str(tmp_path / "b"),
+                       batch=1, show_progress=False, threads=2).table
+    assert fresh.ranges == reused.ranges
+    assert fresh.histograms == reused.histograms
+
+
 def test_a_failing_run_in_one_worker_stops_collection(net):
     """A batch ONNX Runtime rejects raises its error from collect, whichever worker ran it,
     without waiting for the rest of the batches."""

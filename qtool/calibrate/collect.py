@@ -98,7 +98,9 @@ def collect(model: onnx.ModelProto, range_tensors: list, mean_tensors: list, bat
     n_workers = WORKERS if threads >= WORKERS else 1
     per_worker = max(1, threads // n_workers)
     sess = session(with_outputs(model, wanted), per_worker, arena=True, spin=False)
-    graph_inputs = {i.name for i in sess.get_inputs()}
+    # name -> the size of axis 0 when fixed (a fixed batch is never cut into slices), else None
+    graph_inputs = {i.name: (i.shape[0] if i.shape and isinstance(i.shape[0], int) and i.shape[0] > 0 else None)
+                    for i in sess.get_inputs()}
     workers = [_Worker(sess, wanted, range_tensors, mean_tensors, per_worker, progress) for _ in range(n_workers)]
     per_sample = lambda: next((w.runner.per_sample_bytes for w in workers if w.runner.per_sample_bytes), None)
     slices = _slices(batches, graph_inputs, per_sample, MAX_OUTPUT_BYTES // n_workers)
@@ -163,12 +165,15 @@ class _Worker:
             time.sleep(0.005)
 
     def stop(self):
-        if self.thread.is_alive():
+        # the worker takes every item until it sees None (after a failure it only drains),
+        # so the put goes through once the slice ahead of it is done, however long that takes
+        while self.thread.is_alive():
             try:
-                self.queue.put(None, timeout=60)
+                self.queue.put(None, timeout=0.1)
+                break
             except queue.Full:
-                pass
-            self.thread.join()
+                continue
+        self.thread.join()
 
     def raise_error(self):
         if self.error is not None:
@@ -187,7 +192,7 @@ class _Worker:
                     first, n, feeds = item
                     outs = self.runner.run(feeds)
                     _observe(self.obs, dict(zip(self.names, outs)), self.range_tensors, self.mean_tensors, n,
-                             first < MEAN_SAMPLES, pool)
+                             first, pool)
                     if self.progress:
                         with _PROGRESS_LOCK:
                             self.progress(n)
@@ -263,33 +268,37 @@ class _BoundRunner:
                 for i, (nm, a) in enumerate(zip(self.names, arrays))]
 
 
-def _slices(batches, graph_inputs, per_sample, budget: int = MAX_OUTPUT_BYTES):
+def _slices(batches, graph_inputs: dict, per_sample, budget: int = MAX_OUTPUT_BYTES):
     """Each batch as it comes, or in slices along axis 0 once a whole batch's outputs would
     exceed `budget` bytes. Until a run has measured the outputs per sample (`per_sample()`
     is None), slices hold one sample: a first run on a whole batch of a large model would
-    set the memory peak for the whole calibration."""
+    set the memory peak for the whole calibration. An input whose axis 0 has a fixed size
+    (`graph_inputs`: name -> that size, or None when dynamic) is never cut.
+    Slices are copies: the caller may refill its arrays while a worker still holds a slice."""
     for feeds in batches:
         feeds = {k: v for k, v in feeds.items() if k in graph_inputs}
         n = len(next(iter(feeds.values()))) if feeds else 0
-        if n <= 1 or any(np.ndim(v) == 0 or len(v) != n for v in feeds.values()):
-            yield feeds
+        if (n <= 1 or any(np.ndim(v) == 0 or len(v) != n for v in feeds.values())
+                or any(isinstance(graph_inputs[k], int) for k in feeds)):
+            yield {k: np.array(v) for k, v in feeds.items()}
             continue
         i = 0
         while i < n:
             ps = per_sample()
             step = 1 if not ps else n - i if (n - i) * ps <= budget else max(1, budget // ps)
-            yield {k: v[i:i + step] for k, v in feeds.items()}
+            yield {k: np.array(v[i:i + step]) for k, v in feeds.items()}
             i += step
 
 
-def _observe(obs: Observed, values: dict, range_tensors: list, mean_tensors: list, n: int, take_means: bool,
+def _observe(obs: Observed, values: dict, range_tensors: list, mean_tensors: list, n: int, first: int,
              pool=None) -> None:
-    """Fold one run's outputs into the histograms (and, with `take_means`, the channel sums).
-    Tensors are independent, so `pool` may fold several at once: the native code releases the GIL."""
-    means = set(mean_tensors) if take_means else set()
+    """Fold one run's outputs (samples first .. first + n - 1 of the stream) into the histograms
+    and, while first < MEAN_SAMPLES, the channel sums. Tensors are independent, so `pool` may
+    fold several at once: the native code releases the GIL."""
+    means = set(mean_tensors) if first < MEAN_SAMPLES else set()
     todo = list(dict.fromkeys([t for t in range_tensors] + [t for t in mean_tensors if t in means]))
     todo.sort(key=lambda t: -np.size(values[t]))  # largest first: the workers finish together
-    jobs = [(obs.histograms.get(t), t, values[t], n, t in means) for t in todo]
+    jobs = [(obs.histograms.get(t), t, values[t], n, t in means, first) for t in todo]
     for t, sums, count in (pool.map(_observe_one, *zip(*jobs)) if pool and jobs else
                            (_observe_one(*j) for j in jobs)):
         if sums is None:
@@ -302,7 +311,7 @@ def _observe(obs: Observed, values: dict, range_tensors: list, mean_tensors: lis
     obs.n_samples += n
 
 
-def _observe_one(hist: Histogram | None, t: str, v, n: int, mean: bool):
+def _observe_one(hist: Histogram | None, t: str, v, n: int, mean: bool, first: int):
     """One tensor: a single read gives min, max and (when asked) the channel sums; then the
     histogram counts its sampled blocks."""
     v = np.ascontiguousarray(v, np.float32)
@@ -314,5 +323,5 @@ def _observe_one(hist: Histogram | None, t: str, v, n: int, mean: bool):
     else:
         scanned = scan(v) if hist is not None else None
     if hist is not None:
-        hist.observe(v, n, scanned)
+        hist.observe(v, n, scanned, first_sample=first)
     return t, sums, count

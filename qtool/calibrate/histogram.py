@@ -56,9 +56,14 @@ class Histogram:
             self.counts = np.rint(counts[: self.nbins]).astype(np.int64)
         self.e, self.k0 = e_new, k0_new
 
-    def observe(self, x: np.ndarray, samples: int = 1, scanned: tuple | None = None) -> None:
+    def observe(self, x: np.ndarray, samples: int = 1, scanned: tuple | None = None,
+                first_sample: int | None = None) -> None:
         """Add a tensor holding `samples` samples (its batch size) to the histogram.
-        `scanned`: what scan(x) returned, when the caller already read x for other reasons."""
+        `scanned`: what scan(x) returned, when the caller already read x for other reasons.
+        `first_sample`: the index of x's first sample in the whole stream. With it, which blocks
+        of sample j are counted depends on j alone, so the histogram is the same however the
+        stream was cut into batches or dealt to workers; without it, the offset rotates per call."""
+        shape = np.shape(x)
         x = np.ascontiguousarray(x, np.float32).ravel()
         if x.size == 0:
             return
@@ -85,9 +90,19 @@ class Histogram:
                 e += 1
             self._rebin(e, lo)
         self.min, self.max = lo, hi
-        step = max(1, -(-x.size // (SAMPLE_PER_IMAGE * max(samples, 1))))
-        offset = self.n_observed % step  # rotates, so every block is counted over time
         self.n_observed += 1
+        if first_sample is None or not finite or samples <= 1 or not shape or shape[0] != samples:
+            # one run of blocks over all of x; the offset rotates, so every block is counted over time
+            step = max(1, -(-x.size // (SAMPLE_PER_IMAGE * max(samples, 1))))
+            offset = (self.n_observed - 1 if first_sample is None else first_sample) % step
+            self._accumulate(x, offset, step)
+            return
+        per = x.size // samples
+        step = max(1, -(-per // SAMPLE_PER_IMAGE))
+        for j in range(samples):
+            self._accumulate(x[j * per:(j + 1) * per], (first_sample + j) % step, step)
+
+    def _accumulate(self, x: np.ndarray, offset: int, step: int) -> None:
         self.n += _sampled_size(x.size, offset, step)
         if _native is not None:
             _native.accumulate(x, self.counts, self.e, self.k0, offset, step)

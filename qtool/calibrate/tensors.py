@@ -269,7 +269,9 @@ class IterableData(TensorData):
             if not isinstance(feeds, dict):
                 raise QtoolError(f"{where}: expected a dict input name -> array, got {type(feeds).__name__}")
             self.files.append(where)
-            yield where, check_sample(feeds, self.inputs, where)
+            # copied: batching reads the next sample before the last batch goes out, and a
+            # caller may refill one array for every sample
+            yield where, {k: np.array(v) for k, v in check_sample(feeds, self.inputs, where).items()}
 
 
 def tensor_source(data, model: onnx.ModelProto, model_path: str, batch: int = 8, files: list | None = None,
