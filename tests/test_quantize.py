@@ -238,6 +238,46 @@ def test_excluded_layer_stays_fp32_in_onnx_runtime(calibrated, layer):
     assert dq.op_type == "DequantizeLinear" and (_inits(out.model)[dq.input[1]].size > 1) == (layer == "dw_conv")
 
 
+def _same_with_and_without_weight_bias_quantization(model, feeds):
+    import onnxruntime as ort
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+
+    def run_ort(**kw):
+        return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"],
+                                    **kw).run(None, feeds)[0]
+
+    np.testing.assert_allclose(run_ort(), run_ort(disabled_optimizers=["WeightBiasQuantization"]), rtol=1e-5, atol=1e-6)
+
+
+def test_weights_false_leaves_every_weight_fp32_in_onnx_runtime(calibrated):
+    """The activations-only diagnostic: ORT must not quantize the fp32 weights it finds between DQ and Q."""
+    root, model, data, cfg, r = calibrated
+    out = quantize_graph(r.fused, r.table, weights=False)
+    _same_with_and_without_weight_bias_quantization(
+        out.model, {"x": np.random.default_rng(1).standard_normal((2, 3, 16, 16)).astype(np.float32)})
+
+
+def test_excluded_layer_on_a_one_channel_input_stays_fp32(tmp_path):
+    """A [1] scale counts as a scalar to ORT, so a one-channel input cannot get a per-channel DQ:
+    the excluded layer reads the tensor before quantization instead."""
+    rng = np.random.default_rng(3)
+    nodes = [helper.make_node("Conv", ["x", "wa", "ba"], ["t"], name="conv_a", pads=[1, 1, 1, 1]),
+             helper.make_node("Conv", ["t", "wb", "bb"], ["u"], name="conv_b"),
+             helper.make_node("Conv", ["t", "wc", "bc"], ["v"], name="conv_c"),
+             helper.make_node("Add", ["u", "v"], ["y"], name="add")]
+    inits = [weight(rng, "wa", 1, 3, 3, 3), weight(rng, "ba", 1), weight(rng, "wb", 4, 1, 1, 1),
+             weight(rng, "bb", 4), weight(rng, "wc", 4, 1, 1, 1), weight(rng, "bc", 4)]
+    m = make_model(nodes, inits, [("x", ["N", 3, 8, 8])], [("y", ["N", 4, 8, 8])])
+    path = save(m, tmp_path / "one.onnx")
+    feeds = [{"x": rng.standard_normal((2, 3, 8, 8)).astype(np.float32)} for _ in range(3)]
+    r = calibrate(path, feeds, method="minmax", workdir=str(tmp_path / "w"), show_progress=False, threads=1)
+    out = quantize_graph(r.fused, r.table, exclude={"conv_b": "excluded by the user"})
+    conv_b = next(n for n in out.model.graph.node if n.name == "conv_b")
+    assert conv_b.input[0] == "t"  # the fp32 value, not a DequantizeLinear of it
+    _same_with_and_without_weight_bias_quantization(out.model, feeds[0])
+
+
 def test_quantize_writes_model_report_and_manifest(calibrated, tmp_path):
     root, model, data, cfg, r = calibrated
     wd = tmp_path / "work"

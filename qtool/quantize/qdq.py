@@ -173,7 +173,7 @@ def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exc
         td = G.unique_name(m, t + "_dequantized", taken)
         m.graph.node.append(helper.make_node("QuantizeLinear", [t, sn, zn], [tq], name=tq))
         m.graph.node.append(helper.make_node("DequantizeLinear", [tq, sn, zn], [td], name=td))
-        dq_of[td] = (tq, p)
+        dq_of[td] = (tq, p, t)
         for c in cons.get(t, []):
             if t in graph_inputs and c.name not in plan.int8_nodes:
                 continue  # an fp32 consumer of a model input reads the original
@@ -202,7 +202,9 @@ def _shield_fp32_layers(m, plan, inits, dq_of, add_init, taken) -> None:
     whose weights someone forgot to quantize: it quantizes them itself, per tensor, and runs the
     layer in int8. Kept fp32 must mean fp32, so such a layer reads its input through its own
     DequantizeLinear with the same scale repeated per channel: the same values, a form that pass
-    leaves alone. (That happens when a layer is excluded but its input also feeds an int8 op.)"""
+    leaves alone (a one-channel input, whose scale ORT would still take for a scalar, is read
+    before quantization instead). That happens when a layer is excluded but its input also feeds
+    an int8 op, and to every layer under weights=False."""
     cons = G.consumers(m)
 
     def writes_into_quantize(node):  # ORT's condition: one reader, through Relu/Clip at most, then Q
@@ -214,8 +216,8 @@ def _shield_fp32_layers(m, plan, inits, dq_of, add_init, taken) -> None:
                 return False
         return False
 
-    for node in list(m.graph.node):
-        if node.op_type not in ("Conv", "ConvTranspose", "Gemm") or node.name in plan.int8_nodes:
+    for node in list(m.graph.node):  # (an int8 layer's weight is a DQ output by now, unless weights=False)
+        if node.op_type not in ("Conv", "ConvTranspose", "Gemm"):
             continue
         if len(node.input) < 2 or node.input[0] not in dq_of or node.input[1] not in inits:
             continue
@@ -232,7 +234,11 @@ def _shield_fp32_layers(m, plan, inits, dq_of, add_init, taken) -> None:
         else:
             channels = w.dims[1] if G.attr(node, "transB", 0) else w.dims[0]
             axis = 0 if G.attr(node, "transA", 0) else 1
-        tq, p = dq_of[node.input[0]]
+        tq, p, src = dq_of[node.input[0]]
+        if channels < 2:
+            # ORT takes a scale of shape [1] for a scalar too: read the value before quantization
+            node.input[0] = src
+            continue
         sn = add_init(tq + "_scale_per_channel", np.full(channels, p.scale, np.float32))
         zn = add_init(tq + "_zero_point_per_channel", np.full(channels, p.zero_point, np.uint8))
         td = G.unique_name(m, node.name + "_input_dequantized", taken)
