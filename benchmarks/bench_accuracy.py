@@ -9,7 +9,6 @@ ORT's quantize_static (the anchor script's own function) runs on the same images
   python benchmarks/bench_accuracy.py --model M.onnx --images DIR --anchor ../shared/anchors/ort_anchor.py
 """
 import argparse
-import glob
 import importlib.util
 import json
 import os
@@ -20,8 +19,8 @@ import time
 import numpy as np
 import onnxruntime as ort
 
+import imagenet_split as split
 from qtool.calibrate.config import load_config
-from qtool.calibrate.images import load_image
 from qtool.calibrate.methods import METHODS
 from qtool.calibrate.run import calibrate
 from qtool.quantize.run import quantize
@@ -36,7 +35,7 @@ def sess(path, threads=2):
 
 def logits(path, xs, name):
     s = sess(path)
-    return np.concatenate([s.run(None, {name: xs[k:k + 50]})[0] for k in range(0, len(xs), 50)])
+    return np.concatenate([s.run(None, f)[0] for f in split.feeds(xs, name)])
 
 
 def score(lf, lq, y):
@@ -55,16 +54,12 @@ def main():
     p.add_argument("--limit", type=int, default=0, help="evaluate on at most this many images")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    files = sorted(glob.glob(os.path.join(a.images, "*.JPEG")))
-    synsets = sorted({os.path.basename(f).split("_")[0] for f in files})
-    label = {s: i for i, s in enumerate(synsets)}
-    calib = [f for i, f in enumerate(files) if i % 10 == 0]
-    evals = [f for i, f in enumerate(files) if i % 10]
+    calib, evals = split.split(a.images)
     if a.limit:
         evals = evals[: a.limit]
     cfg = load_config(a.config)
-    xs = np.concatenate([load_image(f, cfg) for f in evals])
-    y = np.array([label[os.path.basename(f).split("_")[0]] for f in evals])
+    xs = split.images(evals, cfg)
+    y = split.class_indices(a.images, evals)
     name = sess(a.model).get_inputs()[0].name
     lf = logits(a.model, xs, name)
     rows, results = [], {"n_eval": len(evals), "n_calib": len(calib)}
@@ -72,7 +67,7 @@ def main():
     work = tempfile.mkdtemp(prefix="qtool-bench-")
     t = time.time()
     # every=10 is the calibration split itself (sorted index % 10 == 0), as `qtool calibrate --every 10`
-    cal = calibrate(a.model, a.images, a.config, "minmax", workdir=work, show_progress=False, every=10)
+    cal = calibrate(a.model, a.images, a.config, "minmax", workdir=work, show_progress=False, every=split.EVERY)
     t_cal = time.time() - t
     for method in METHODS:
         t = time.time()

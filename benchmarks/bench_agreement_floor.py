@@ -14,7 +14,6 @@ Calibrates on the calibration split (sorted index % 10 == 0) and judges on the o
   python benchmarks/bench_agreement_floor.py --model M.onnx --images DIR [--config efficientnet-lite]
 """
 import argparse
-import glob
 import json
 import os
 import tempfile
@@ -22,8 +21,8 @@ import tempfile
 import numpy as np
 import onnx
 
+import imagenet_split as split
 from qtool.calibrate.config import load_config
-from qtool.calibrate.images import load_image
 from qtool.calibrate.run import calibrate
 from qtool.calibrate.table import load_table
 from qtool.metrics import sqnr_db, top1_agreement
@@ -40,21 +39,15 @@ def main():
     p.add_argument("--out", default="bench_out")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    files = sorted(glob.glob(os.path.join(a.images, "*.JPEG")))
-    cal = [f for i, f in enumerate(files) if i % 10 == 0]
-    evals = [f for i, f in enumerate(files) if i % 10]
+    cal, evals = split.split(a.images)
     work = tempfile.mkdtemp(prefix="qtool-floor-")
-    calibrate(a.model, a.images, a.config, "minmax", workdir=work, show_progress=False, every=10)
+    calibrate(a.model, a.images, a.config, "minmax", workdir=work, show_progress=False, every=split.EVERY)
     fused = onnx.load(os.path.join(work, "fused.onnx"))
     table = load_table(os.path.join(work, "calibration.json"))
     cfg = load_config(a.config)
     name = fused.graph.input[0].name
 
-    def feeds_of(paths):
-        xs = np.concatenate([load_image(f, cfg) for f in paths])
-        return [{name: xs[k:k + 50]} for k in range(0, len(xs), 50)]
-
-    cal_feeds, eval_feeds = feeds_of(cal), feeds_of(evals)
+    cal_feeds, eval_feeds = (split.feeds(split.images(f, cfg), name) for f in (cal, evals))
     cal_ref, ref = run_first_output(fused, cal_feeds), run_first_output(fused, eval_feeds)
     top2 = np.sort(ref, axis=1)[:, -2:]
     margin = top2[:, 1] - top2[:, 0]

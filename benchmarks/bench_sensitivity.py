@@ -10,18 +10,16 @@ from calibration images only; the all-int8 lines show each step of that on its o
   python benchmarks/bench_sensitivity.py --model M.onnx --images DIR [--config efficientnet-lite]
 """
 import argparse
-import glob
 import json
 import os
 import sys
 import tempfile
 import time
 
-import numpy as np
 import onnx
 
+import imagenet_split as split
 from qtool.calibrate.config import load_config
-from qtool.calibrate.images import load_image
 from qtool.calibrate.run import calibrate
 from qtool.calibrate.table import load_table
 from qtool.metrics import sqnr_db, top1_agreement
@@ -39,10 +37,9 @@ def main():
     p.add_argument("--out", default="bench_out")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    files = sorted(glob.glob(os.path.join(a.images, "*.JPEG")))
-    evals = [f for i, f in enumerate(files) if i % 10]
+    _, evals = split.split(a.images)
     work = tempfile.mkdtemp(prefix="qtool-sens-")
-    calibrate(a.model, a.images, a.config, a.method, workdir=work, show_progress=False, every=10)
+    calibrate(a.model, a.images, a.config, a.method, workdir=work, show_progress=False, every=split.EVERY)
     t = time.time()
     r = quantize(work, sensitivity=SensitivityOptions(samples=64, exclude_sensitive=True, show_progress=False),
                  say=lambda s: None)
@@ -50,9 +47,8 @@ def main():
     sens = r.sensitivity
     layers = sorted(sens["layers"], key=lambda l: l["rank"])
     cfg = load_config(a.config)
-    xs = np.concatenate([load_image(f, cfg) for f in evals])
     name = onnx.load(os.path.join(work, "fused.onnx"), load_external_data=False).graph.input[0].name
-    feeds = [{name: xs[k:k + 50]} for k in range(0, len(xs), 50)]
+    feeds = split.feeds(split.images(evals, cfg), name)
     fused = onnx.load(os.path.join(work, "fused.onnx"))
     table = load_table(os.path.join(work, "calibration.json"))
     ref = run_first_output(fused, feeds)
