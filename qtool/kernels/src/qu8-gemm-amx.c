@@ -131,21 +131,15 @@ QT_TARGET_AMX QT_INLINE void amx_store_epilogue(size_t mr, size_t nc, const void
   const float* mult = (const float*)((const int32_t*)w + NR);
   char* cr = (char*)c;
   if (!rq->out_f32) {
-    const __m512 m0 = _mm512_loadu_ps(mult), m1 = _mm512_loadu_ps(mult + 16);
-    const __m512 hi = _mm512_set1_ps(rq->hi_f);
-    const __m512i zp16 = _mm512_set1_epi16((int16_t)rq->zp), lo8 = _mm512_set1_epi8((char)rq->lo);
-    const __m512i perm = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    const __mmask32 mask = nc >= 32 ? 0xFFFFFFFFu : (__mmask32)((1u << nc) - 1);
+    const u8_pair k = u8_pair_setup(mult, nc, rq);
     for (size_t i = 0; i < mr; i += 2, cr += 2 * cm_stride) {
       const int32_t* r0 = cbuf + i * 32;
       store_pair_u8(_mm512_loadu_si512(r0), _mm512_loadu_si512(r0 + 16), _mm512_loadu_si512(r0 + 32),
-                    _mm512_loadu_si512(r0 + 48), m0, m1, hi, zp16, lo8, perm, (uint8_t*)cr,
-                    (uint8_t*)cr + cm_stride, mask, i + 1 < mr);
+                    _mm512_loadu_si512(r0 + 48), &k, (uint8_t*)cr, (uint8_t*)cr + cm_stride, i + 1 < mr);
     }
     return;
   }
-  const __mmask16 m0 = nc >= 16 ? 0xFFFF : (__mmask16)((1u << nc) - 1);
-  const __mmask16 m1 = nc >= 32 ? 0xFFFF : nc <= 16 ? 0 : (__mmask16)((1u << (nc - 16)) - 1);
+  const __mmask16 m0 = col_mask16(nc, 0), m1 = col_mask16(nc, 16);
   for (size_t i = 0; i < mr; i++, cr += cm_stride) {
     const int32_t* row = cbuf + i * 32;
     store16(_mm512_loadu_si512(row), mult, cr, m0, rq);

@@ -65,8 +65,7 @@ static void igemm_1x32c4(size_t nc, size_t kc, size_t ks, const intptr_t* ind, c
   }
   acc0 = _mm512_add_epi32(acc0, acc2);
   acc1 = _mm512_add_epi32(acc1, acc3);
-  const __mmask16 m0 = nc >= 16 ? 0xFFFF : (__mmask16)((1u << nc) - 1);
-  const __mmask16 m1 = nc >= 32 ? 0xFFFF : nc <= 16 ? 0 : (__mmask16)((1u << (nc - 16)) - 1);
+  const __mmask16 m0 = col_mask16(nc, 0), m1 = col_mask16(nc, 16);
   store16(acc0, mult, c, m0, rq);
   store16(acc1, mult + 16, (char*)c + 16 * (rq->out_f32 ? 4 : 1), m1, rq);
 }
@@ -157,26 +156,17 @@ QT_TARGET_AVX512VNNI QT_INLINE void igemm_8x32c4_core(size_t mr, size_t nc, size
   }
   char* cr = (char*)c;
   if (!rq->out_f32) {
-    const __m512 m0 = _mm512_loadu_ps(mult), m1 = _mm512_loadu_ps(mult + 16);
-    const __m512 hi = _mm512_set1_ps(rq->hi_f);
-    const __m512i zp16 = _mm512_set1_epi16((int16_t)rq->zp), lo8 = _mm512_set1_epi8((char)rq->lo);
-    const __m512i perm = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    const __mmask32 mask = nc >= 32 ? 0xFFFFFFFFu : (__mmask32)((1u << nc) - 1);
-    store_pair_u8(acc00, acc01, acc10, acc11, m0, m1, hi, zp16, lo8, perm, (uint8_t*)cr,
-                  (uint8_t*)cr + cm_stride, mask, mr > 1);
+    const u8_pair k = u8_pair_setup(mult, nc, rq);
+    store_pair_u8(acc00, acc01, acc10, acc11, &k, (uint8_t*)cr, (uint8_t*)cr + cm_stride, mr > 1);
     if (mr > 2)
-      store_pair_u8(acc20, acc21, acc30, acc31, m0, m1, hi, zp16, lo8, perm, (uint8_t*)cr + 2 * cm_stride,
-                    (uint8_t*)cr + 3 * cm_stride, mask, mr > 3);
+      store_pair_u8(acc20, acc21, acc30, acc31, &k, (uint8_t*)cr + 2 * cm_stride, (uint8_t*)cr + 3 * cm_stride, mr > 3);
     if (mr > 4)
-      store_pair_u8(acc40, acc41, acc50, acc51, m0, m1, hi, zp16, lo8, perm, (uint8_t*)cr + 4 * cm_stride,
-                    (uint8_t*)cr + 5 * cm_stride, mask, mr > 5);
+      store_pair_u8(acc40, acc41, acc50, acc51, &k, (uint8_t*)cr + 4 * cm_stride, (uint8_t*)cr + 5 * cm_stride, mr > 5);
     if (mr > 6)
-      store_pair_u8(acc60, acc61, acc70, acc71, m0, m1, hi, zp16, lo8, perm, (uint8_t*)cr + 6 * cm_stride,
-                    (uint8_t*)cr + 7 * cm_stride, mask, mr > 7);
+      store_pair_u8(acc60, acc61, acc70, acc71, &k, (uint8_t*)cr + 6 * cm_stride, (uint8_t*)cr + 7 * cm_stride, mr > 7);
     return;
   }
-  const __mmask16 m0 = nc >= 16 ? 0xFFFF : (__mmask16)((1u << nc) - 1);
-  const __mmask16 m1 = nc >= 32 ? 0xFFFF : nc <= 16 ? 0 : (__mmask16)((1u << (nc - 16)) - 1);
+  const __mmask16 m0 = col_mask16(nc, 0), m1 = col_mask16(nc, 16);
 #define QT_ROW(I, A0, A1)                                     \
   if (mr > I) {                                               \
     store16(A0, mult, cr + I * cm_stride, m0, rq);            \
@@ -262,7 +252,7 @@ void qu8_qs8w_igemm_minmax_fp32_ukernel_8x16c4__avx512vnni(size_t mr, size_t nc,
               load_tail(a6 + k, krem), load_tail(a7 + k, krem))
 #undef QT_STEP
   }
-  const __mmask16 m0 = nc >= 16 ? 0xFFFF : (__mmask16)((1u << nc) - 1);
+  const __mmask16 m0 = col_mask16(nc, 0);
   char* cr = (char*)c;
 #define QT_ROW(I, A)                                                  \
   if (mr > I) store16(A, mult, cr + I * cm_stride, m0, rq);
