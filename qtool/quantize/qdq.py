@@ -180,12 +180,10 @@ def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exc
             for k, i in enumerate(c.input):
                 if i == t:
                     c.input[k] = td
-    _shield_fp32_layers(m, plan, inits, dq_of, add_init, taken)
+    _shield_fp32_layers(m, inits, dq_of, add_init, taken)
     m.graph.initializer.extend(new_inits)
     G.remove_unused_initializers(m)
     _toposort(m)
-    for name, info in layers.items():
-        node = next(n for n in m.graph.node if n.name == name)
     for d in plan.decisions:
         if d.status == "fp32" and d.op_type in RULES:
             notes.append(f"{d.name} ({d.op_type}) stays fp32: {d.reason}")
@@ -196,7 +194,7 @@ def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exc
     return QuantizeOutput(m, plan, qp, layers, notes)
 
 
-def _shield_fp32_layers(m, plan, inits, dq_of, add_init, taken) -> None:
+def _shield_fp32_layers(m, inits, dq_of, add_init, taken) -> None:
     """A Conv/ConvTranspose/Gemm kept fp32 that reads a per-tensor DequantizeLinear and writes
     into a QuantizeLinear is, to ONNX Runtime (1.20+, its WeightBiasQuantization pass), a layer
     whose weights someone forgot to quantize: it quantizes them itself, per tensor, and runs the
@@ -226,7 +224,7 @@ def _shield_fp32_layers(m, plan, inits, dq_of, add_init, taken) -> None:
         w = inits[node.input[1]]
         if w.data_type != TensorProto.FLOAT or len(w.dims) < 2:
             continue
-        axis, channels = 1, None
+        axis = 1
         if node.op_type == "Conv":
             channels = w.dims[1] * G.attr(node, "group", 1)
         elif node.op_type == "ConvTranspose":
