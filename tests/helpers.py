@@ -159,3 +159,27 @@ def old_ir_conv_bn(seed=7, hw=16):
     m.ir_version = 3
     onnx.checker.check_model(m)
     return m
+
+
+def qdq_conv_model(w_q, rng, hw=6, x_zp=7, pad=1):
+    """A QDQ Conv (int8 weights `w_q` [Cout, Cin, k, k], per-channel scales, int32 bias) as qtool
+    writes it, and an input whose uint8 values are mostly large: (model, x)."""
+    cout, cin, k, _ = w_q.shape
+    xu8 = rng.choice(np.array([255, 250, 240, 0, 128], np.uint8), size=(1, cin, hw, hw))
+    sx, sw = 0.02, rng.uniform(0.5, 1.5, cout).astype(np.float32) * 1e-3
+    x = ((xu8.astype(np.float32) - x_zp) * np.float32(sx)).astype(np.float32)
+    acc_max = float(255 * np.abs(w_q.astype(np.int64)).reshape(cout, -1).sum(1).max())
+    sy = acc_max * sx * float(sw.max()) / 400.0
+    nodes = [helper.make_node("QuantizeLinear", ["x", "sx", "zx"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "sx", "zx"], ["xd"]),
+             helper.make_node("DequantizeLinear", ["wq", "sw", "zw"], ["wd"], axis=0),
+             helper.make_node("DequantizeLinear", ["bq", "sb", "zb"], ["bd"], axis=0),
+             helper.make_node("Conv", ["xd", "wd", "bd"], ["y"], kernel_shape=[k, k], pads=[pad] * 4),
+             helper.make_node("QuantizeLinear", ["y", "sy", "zy"], ["yq"]),
+             helper.make_node("DequantizeLinear", ["yq", "sy", "zy"], ["out"])]
+    inits = [init("sx", sx), init("zx", x_zp, np.uint8), init("wq", w_q, np.int8), init("sw", sw),
+             init("zw", np.zeros(cout), np.int8), init("bq", rng.integers(-2000, 2000, cout), np.int32),
+             init("sb", np.float32(sx) * sw), init("zb", np.zeros(cout), np.int32), init("sy", sy),
+             init("zy", 128, np.uint8)]
+    model = make_model(nodes, inits, [("x", list(x.shape))], [("out", None)])
+    return model, x

@@ -54,9 +54,10 @@ def _producer(m, name):
 
 @pytest.fixture(scope="module")
 def q(calibrated):
-    """The session's calibrated small net quantized without bias correction (so biases are checkable)."""
+    """The session's calibrated small net quantized without bias correction (so biases are checkable),
+    with plain int8 weights (the vnni target: max |q| is 127 in every channel)."""
     root, model, data, cfg, r = calibrated
-    return quantize_graph(r.fused, r.table, bias_correction=False), r
+    return quantize_graph(r.fused, r.table, bias_correction=False, target="vnni"), r
 
 
 def test_quantized_graph_is_valid_and_clean(q):
@@ -176,7 +177,7 @@ def test_bias_correction_reduces_mean_output_error(tmp_path):
     ref = run(r.fused, {"x": x})[0]
     errs = {}
     for bc in (False, True):
-        out = quantize_graph(r.fused, r.table, bias_correction=bc)
+        out = quantize_graph(r.fused, r.table, bias_correction=bc, target="vnni")  # (its weights round with a bias)
         d = run(out.model, {"x": x})[0].astype(np.float64) - ref
         errs[bc] = np.abs(d.mean(axis=(0, 2, 3)))  # per-channel mean (systematic) error
     assert errs[False].mean() > 0.02, errs  # the model really has a rounding bias
@@ -494,3 +495,83 @@ def test_exclusion_drops_the_quantizer_only_the_excluded_layer_read(calibrated):
     # the first conv excluded: nothing int8 reads the graph input, so it is not quantized
     first = quantize_graph(r.fused, r.table, exclude={"stem_conv": "x"})
     assert "x" not in first.plan.tensors
+
+
+# --- targets: how the weights are encoded for the CPUs that run the model --------------------------------
+
+def _weight_tensors(m):
+    """(node, int weights as stored, zero points, scales, axis) of every Conv/Gemm/MatMul."""
+    inits = _inits(m)
+    for node in m.graph.node:
+        if node.op_type in ("Conv", "Gemm", "MatMul"):
+            dq = _producer(m, node.input[1])
+            axis = next((a.i for a in dq.attribute if a.name == "axis"), 1)
+            yield node, inits[dq.input[0]], inits[dq.input[2]], inits[dq.input[1]], axis
+
+
+def test_targets_encode_the_same_layers_three_ways(calibrated):
+    """portable: int8 weights with no same-sign pair (in ONNX Runtime's K order) past 128, so ORT's
+    saturating int16 pairs are exact; vnni: plain int8; u8-weights: vnni's values stored as uint8 + 128.
+    The model records its target; the runtime gives the same output under both arithmetics wherever
+    the target promises it."""
+    from qtool.arithmetic import ARITHMETICS, conv_rows, saturating_pairs
+    from qtool.runtime import NativeSession
+    root, model, data, cfg, r = calibrated
+    outs = {t: quantize_graph(r.fused, r.table, target=t) for t in ("portable", "vnni", "u8-weights")}
+    for t, out in outs.items():
+        assert {p.key: p.value for p in out.model.metadata_props}["qtool.target"] == t
+    n_paired = 0
+    for node, wq, wz, ws, axis in _weight_tensors(outs["portable"].model):
+        assert wq.dtype == np.int8 and not wz.any()
+        group = next((a.i for a in node.attribute if a.name == "group"), 1)
+        if node.op_type == "Conv" and group > 1 and wq.shape[1] == 1:
+            assert outs["portable"].layers[node.name].encoding == "s8"  # depthwise: exact anyway
+            continue
+        rows = conv_rows(wq) if node.op_type == "Conv" else (wq if axis == 0 else wq.T)
+        assert len(saturating_pairs(rows)[0]) == 0, node.name
+        assert outs["portable"].layers[node.name].encoding == "pair-safe"
+        n_paired += 1
+    assert n_paired >= 3
+    vnni = {n.name: (wq, ws) for n, wq, _, ws, _ in _weight_tensors(outs["vnni"].model)}
+    assert any(len(saturating_pairs(conv_rows(w) if w.ndim == 4 else w)[0]) for w, _ in vnni.values())
+    for node, wq, wz, ws, _ in _weight_tensors(outs["u8-weights"].model):
+        w8, s8 = vnni[node.name]
+        if wq.dtype == np.uint8:
+            assert (wz == 128).all()
+            np.testing.assert_array_equal(wq.astype(np.int16) - 128, w8)
+        else:
+            np.testing.assert_array_equal(wq, w8)
+        np.testing.assert_array_equal(ws, s8)
+    x = np.random.default_rng(0).standard_normal((3, 3, 16, 16)).astype(np.float32) * 30
+    res = {}
+    for t, out in outs.items():
+        res[t] = [NativeSession(out.model, threads=1, arithmetic=a).run(None, {"x": x})[0] for a in ARITHMETICS]
+    np.testing.assert_array_equal(*res["portable"])
+    np.testing.assert_array_equal(*res["u8-weights"])
+    np.testing.assert_array_equal(res["u8-weights"][0], res["vnni"][0])  # same values, exact sums
+
+
+def test_pair_safe_rounding_stays_close_and_bounded():
+    """Pair-safe weights: every pair within the limit, every weight in [-127, 127], each channel's
+    error no worse than the plain int8 error of the same channel at the same scale plus the trim,
+    and a channel that needs nothing keeps the plain scale."""
+    from qtool.arithmetic import PAIR_LIMIT, pair_sums
+    from qtool.quantize.encoding import pair_partners, pair_safe_scales, project, violations
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((6, 5, 3, 3)).astype(np.float32)
+    w[0] = 0.01 * np.sign(w[0])  # a flat channel: every same-sign pair would sum to 254 at max/127
+    w[1, :, :, :] *= 0.1
+    w[1, 0, 0, 0], w[1, 1, 0, 0] = 3.0, -0.05  # one big weight, its partner of the other sign: nothing to do
+    partners = pair_partners(w.shape, "Conv", 0)
+    rows = w.reshape(6, -1)
+    q, s = pair_safe_scales(rows, partners)
+    assert np.abs(q).max() <= 127 and not violations(q, partners).any()
+    ort_rows = q.reshape(w.shape).transpose(0, 2, 3, 1).reshape(6, -1)  # ONNX Runtime's K order
+    assert pair_sums(ort_rows).max() <= PAIR_LIMIT
+    s_plain = Q.weight_scales(w, 0)
+    assert s[1] == s_plain[1] and s[0] > 1.9 * s_plain[0]
+    err = ((q * s[:, None] - rows) ** 2).sum(1)
+    plain = ((Q.quantize_weight(rows, s_plain, 0) * s_plain[:, None] - rows) ** 2).sum(1)
+    assert err[1] == pytest.approx(plain[1])
+    v = np.array([[100.2, 90.7, -3.0, 127.0]])
+    np.testing.assert_array_equal(project(v, np.rint(v), np.array([1, 0, 3, 2])), [[69, 59, -3, 127]])

@@ -16,6 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 from qtool import graph as G
 from qtool import qparams as Q
 from qtool.errors import QtoolError
+from qtool.quantize.encoding import DEFAULT_TARGET, PAIR_SAFE, S8, TARGETS, U8, pair_partners
 from qtool.quantize.plan import Plan, make_plan
 from qtool.quantize.rules import RULES
 from qtool.quantize.weights import quantize_weight
@@ -28,6 +29,7 @@ class LayerInfo:
     node: str
     op_type: str
     weight_sqnr_db: float | None = None
+    encoding: str | None = None  # encoding.S8 / PAIR_SAFE / U8
     input_range: list | None = None
     output_range: list | None = None
 
@@ -78,14 +80,18 @@ def _tensor_qparams(plan: Plan, table, method, tensor, producers=None):
 def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exclude: dict | None = None,
                    bias_correction: bool = True, ranges: dict | None = None, weights: bool = True,
                    activations: bool = True, weight_cache: dict | None = None,
-                   prune_excluded: bool = True, hessians: dict | None = None) -> QuantizeOutput:
+                   prune_excluded: bool = True, hessians: dict | None = None, target: str = DEFAULT_TARGET,
+                   u8_storage: bool = False) -> QuantizeOutput:
     """`ranges` (tensor -> (lo, hi)) overrides the table's, for experiments and sensitivity search.
     `weights=False` / `activations=False` leave that side fp32: the diagnostic that tells
     which of the two a model's quantization error comes from.
     `weight_cache` (node -> QuantizedWeight) is filled and reused across calls: a layer's
     weights do not depend on which other layers are excluded.
     `hessians` (node -> input covariance, rounding.layer_hessians): round those layers' weights
-    to lower their output error (rounding.py) instead of to the nearest step."""
+    to lower their output error (rounding.py) instead of to the nearest step.
+    `target` (encoding.TARGETS): how the weights are encoded for the CPUs that will run the model.
+    `u8_storage`: store every paired layer's weights as uint8 + 128 whatever the target, the same
+    values in a form ONNX Runtime computes exactly on any CPU (for scoring experiments)."""
     notes: list = []
     m = onnx.ModelProto()
     m.CopyFrom(fused)
@@ -134,18 +140,26 @@ def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exc
         has_bias = rule.bias is not None and len(node.input) > rule.bias and node.input[rule.bias]
         b = numpy_helper.to_array(inits[node.input[rule.bias]]).astype(np.float32).ravel() if has_bias else None
         hess = (hessians or {}).get(node.name)
-        key = (node.name, bias_correction, hess is not None, qp[x_name].scale if rule.bias is not None else None)
+        partners = pair_partners(w.shape, node.op_type, axis, G.attr(node, "group", 1))
+        enc = S8 if partners is None else TARGETS[target].encoding
+        key = (node.name, bias_correction, hess is not None, qp[x_name].scale if rule.bias is not None else None,
+               enc == PAIR_SAFE)
         qw = weight_cache.get(key) if weight_cache is not None else None
         if qw is None:
             qw = quantize_weight(w, axis, b, table.channel_means.get(x_name), node.op_type,
                                  G.attr(node, "group", 1), correct_bias=bias_correction and rule.bias is not None,
-                                 s_in=qp[x_name].scale if rule.bias is not None else None, hessian=hess)
+                                 s_in=qp[x_name].scale if rule.bias is not None else None, hessian=hess,
+                                 partners=partners if enc == PAIR_SAFE else None)
             if weight_cache is not None:
                 weight_cache[key] = qw
         base = node.input[widx]
-        wq = add_init(base + "_quantized", qw.q)
+        if enc == U8 or (u8_storage and partners is not None):
+            wq = add_init(base + "_quantized", (qw.q.astype(np.int16) + 128).astype(np.uint8))
+            wz = add_init(base + "_zero_point", np.full(qw.scale.shape, 128, np.uint8))
+        else:
+            wq = add_init(base + "_quantized", qw.q)
+            wz = add_init(base + "_zero_point", np.zeros(qw.scale.shape, np.int8))
         ws = add_init(base + "_scale", qw.scale)
-        wz = add_init(base + "_zero_point", np.zeros(qw.scale.shape, np.int8))
         wd = G.unique_name(m, base + "_dequantized", taken)
         m.graph.node.append(helper.make_node("DequantizeLinear", [wq, ws, wz], [wd], name=wd, axis=axis))
         node.input[widx] = wd
@@ -161,7 +175,7 @@ def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exc
             while len(node.input) <= rule.bias:
                 node.input.append("")
             node.input[rule.bias] = bd
-        layers[node.name] = LayerInfo(node.name, node.op_type, qw.weight_sqnr_db)
+        layers[node.name] = LayerInfo(node.name, node.op_type, qw.weight_sqnr_db, encoding=enc)
     # activations
     cons = G.consumers(m)
     dq_of = {}  # dequantized tensor -> (quantized tensor, qparams)
@@ -183,6 +197,7 @@ def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exc
     _shield_fp32_layers(m, inits, dq_of, add_init, taken)
     m.graph.initializer.extend(new_inits)
     G.remove_unused_initializers(m)
+    _set_metadata(m, "qtool.target", target)
     _toposort(m)
     for d in plan.decisions:
         if d.status == "fp32" and d.op_type in RULES:
@@ -242,6 +257,14 @@ def _shield_fp32_layers(m, inits, dq_of, add_init, taken) -> None:
         td = G.unique_name(m, node.name + "_input_dequantized", taken)
         m.graph.node.append(helper.make_node("DequantizeLinear", [tq, sn, zn], [td], name=td, axis=axis))
         node.input[0] = td
+
+
+def _set_metadata(m: onnx.ModelProto, key: str, value: str) -> None:
+    for p in m.metadata_props:
+        if p.key == key:
+            p.value = value
+            return
+    m.metadata_props.add(key=key, value=value)
 
 
 def _toposort(model: onnx.ModelProto) -> None:

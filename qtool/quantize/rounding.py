@@ -18,6 +18,8 @@ from __future__ import annotations
 import numpy as np
 
 from qtool import qparams as Q
+from qtool.arithmetic import PAIR_LIMIT
+from qtool.quantize.encoding import project
 
 SWEEPS = 4
 MAX_POSITIONS = 1024  # sampled output positions per image and layer
@@ -73,11 +75,14 @@ def conv_patches(x: np.ndarray, kernel, strides, pads, groups: int, rng, max_pos
     return np.concatenate(out).transpose(1, 0, 2)
 
 
-def round_weights(w: np.ndarray, scale: np.ndarray, axis: int, hessian: np.ndarray,
-                  sweeps: int = SWEEPS) -> np.ndarray:
+def round_weights(w: np.ndarray, scale: np.ndarray, axis: int, hessian: np.ndarray | None,
+                  sweeps: int = SWEEPS, partners: np.ndarray | None = None) -> np.ndarray:
     """int8 weights (same shape as `w`) minimising sum over output channels of dw^T H_g dw, each
     weight rounded down or up. `hessian` [G, K, K]; w's output channels split evenly into G groups,
-    each reading K inputs: Conv [Cout, Cin_g, kh, kw] (axis 0), or a [K, N] / [N, K] matrix."""
+    each reading K inputs: Conv [Cout, Cin_g, kh, kw] (axis 0), or a [K, N] / [N, K] matrix.
+    With `partners` (encoding.pair_partners) the result is pair-safe: see round_pair_safe."""
+    if partners is not None:
+        return round_pair_safe(w, scale, axis, hessian, partners, sweeps)
     wm = np.moveaxis(np.asarray(w, np.float64), axis, 0)
     cout = wm.shape[0]
     wm = wm.reshape(cout, -1)
@@ -110,6 +115,82 @@ def round_weights(w: np.ndarray, scale: np.ndarray, axis: int, hessian: np.ndarr
             break
     q = q.reshape(cout, *np.moveaxis(np.asarray(w), axis, 0).shape[1:])
     return np.moveaxis(q, 0, axis).astype(np.int8)
+
+
+def round_pair_safe(w: np.ndarray, scale: np.ndarray, axis: int, hessian: np.ndarray | None,
+                    partners: np.ndarray, sweeps: int = SWEEPS) -> np.ndarray:
+    """int8 weights at `scale` in which no same-sign pair of ONNX Runtime's K order sums past 128
+    (encoding.py). Start: nearest rounding, each offending pair trimmed to 128. With `hessian`,
+    exact coordinate descent on dw^T H dw then moves single weights by one step (staying within
+    a step of their unrounded value, or moving toward it) and shifts one step between the two
+    weights of a pair at the limit, only ever to a pair-safe point: never worse than the start."""
+    wm = np.moveaxis(np.asarray(w, np.float64), axis, 0)
+    shape = wm.shape
+    cout = shape[0]
+    wm = wm.reshape(cout, -1)
+    s = np.asarray(scale, np.float64).reshape(cout, 1)
+    v = wm / s
+    q = project(v, np.clip(np.rint(v), -Q.W_MAX, Q.W_MAX), partners).astype(np.float64)
+    if hessian is not None:
+        q = _descend_pair_safe(q, v, wm, s, hessian, partners, sweeps)
+    return np.moveaxis(q.reshape(shape), 0, axis).astype(np.int8)
+
+
+def _descend_pair_safe(q, v, wm, s, hessian, partners, sweeps):
+    g = hessian.shape[0]
+    cout, k = q.shape
+    q, v, wg = (a.reshape(g, cout // g, k) for a in (q, v, wm))
+    sg = np.broadcast_to(s, (cout, 1)).reshape(g, cout // g, 1)[:, :, 0]
+    grad = np.einsum("gck,gkl->gcl", q * sg[:, :, None] - wg, hessian)
+    hd = np.einsum("gkk->gk", hessian)
+    pairs = [(a, int(partners[a])) for a in range(k) if partners[a] > a]
+
+    def safe(x, y):
+        return ~((x * y > 0) & (np.abs(x + y) > PAIR_LIMIT))
+
+    def apply(j, take, d):
+        q[:, :, j] = np.where(take, q[:, :, j] + d, q[:, :, j])
+        grad[...] += np.where(take, d * sg, 0.0)[:, :, None] * hessian[:, j, :][:, None, :]
+
+    for _ in range(sweeps):
+        changed = False
+        for j in range(k):
+            p = partners[j]
+            best_gain, best_d = np.zeros_like(sg), np.zeros_like(sg)
+            for d in (-1.0, 1.0):
+                alt = q[:, :, j] + d
+                ok = (np.abs(alt) <= Q.W_MAX) & ((np.abs(alt - v[:, :, j]) < 1)
+                                                 | (np.abs(alt - v[:, :, j]) < np.abs(q[:, :, j] - v[:, :, j])))
+                if p >= 0:
+                    ok &= safe(alt, q[:, :, p])
+                dd = d * sg
+                gain = np.where(ok, 2 * dd * grad[:, :, j] + dd * dd * hd[:, j][:, None], 0.0)
+                better = gain < best_gain
+                best_gain, best_d = np.where(better, gain, best_gain), np.where(better, d, best_d)
+            take = best_gain < -1e-18
+            if take.any():
+                changed = True
+                apply(j, take, best_d)
+        for a, b in pairs:  # one step from one weight of a pair at the limit to the other
+            qa, qb = q[:, :, a], q[:, :, b]
+            best_gain, best_d = np.zeros_like(sg), np.zeros_like(sg)
+            for d in (-1.0, 1.0):
+                na, nb = qa + d, qb - d
+                ok = (np.abs(na) <= Q.W_MAX) & (np.abs(nb) <= Q.W_MAX) & safe(na, nb) & (qa * qb > 0)
+                da, db = d * sg, -d * sg
+                gain = (2 * da * grad[:, :, a] + 2 * db * grad[:, :, b] + da * da * hd[:, a][:, None]
+                        + db * db * hd[:, b][:, None] + 2 * da * db * hessian[:, a, b][:, None])
+                gain = np.where(ok, gain, 0.0)
+                better = gain < best_gain
+                best_gain, best_d = np.where(better, gain, best_gain), np.where(better, d, best_d)
+            take = best_gain < -1e-18
+            if take.any():
+                changed = True
+                apply(a, take, best_d)
+                apply(b, take, -best_d)
+        if not changed:
+            break
+    return q.reshape(cout, k)
 
 
 def layer_hessians(fused, feeds: list, exclude: dict | None = None, threads: int = 0, seed: int = 0,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from qtool import qparams as Q
+from qtool.quantize import encoding
 from qtool.quantize.rounding import round_weights
 
 
@@ -43,29 +44,45 @@ BIAS_HEADROOM = 2.0 ** 30  # an int32 bias stays within half the int32 range
 
 def quantize_weight(w: np.ndarray, axis: int, bias: np.ndarray | None, mean_x, op_type: str,
                     groups: int = 1, correct_bias: bool = True, s_in: float | None = None,
-                    hessian: np.ndarray | None = None) -> QuantizedWeight:
+                    hessian: np.ndarray | None = None, partners: np.ndarray | None = None) -> QuantizedWeight:
     """`hessian` ([G, K, K] input covariance, rounding.py): round each weight down or up to lower
     the layer's output error instead of to the nearest step.
     `s_in`: the input's activation scale. With it, a channel whose weights are almost zero
     (a dead channel: max |w| ~ 1e-7) gets a larger weight scale, enough that bias / (s_in * s_w)
     fits in int32 with room to spare; otherwise the int32 bias saturates (ONNX Runtime even
-    wraps it around). Those weights round to 0 either way."""
-    scale = Q.weight_scales(w, axis)
-    q, corrected = _round_and_correct(w, axis, scale, bias, mean_x, op_type, groups, correct_bias, hessian)
+    wraps it around). Those weights round to 0 either way.
+    `partners` (encoding.pair_partners): make the weights pair-safe for ONNX Runtime's int16 pair
+    sums (encoding.py); each channel's scale is then chosen by the same error."""
+    if partners is None:
+        scale = Q.weight_scales(w, axis)
+    else:
+        scale = encoding.pair_safe_scales(_rows(w, axis), partners, hessian)[1]
+    q, corrected = _round_and_correct(w, axis, scale, bias, mean_x, op_type, groups, correct_bias, hessian, partners)
     if s_in is not None and corrected is not None:
         floor = (np.abs(corrected.astype(np.float64)) / (float(s_in) * BIAS_HEADROOM)).astype(np.float32)
         if (floor > scale).any():
             scale = np.maximum(scale, floor).astype(np.float32)
-            q, corrected = _round_and_correct(w, axis, scale, bias, mean_x, op_type, groups, correct_bias, hessian)
+            q, corrected = _round_and_correct(w, axis, scale, bias, mean_x, op_type, groups, correct_bias, hessian,
+                                              partners)
     dw = Q.dequantize_weight(q, scale, axis).astype(np.float64) - w.astype(np.float64)
     err = float(np.sum(dw ** 2))
     sqnr = float(10 * np.log10(np.sum(w.astype(np.float64) ** 2) / err)) if err > 0 else float("inf")
     return QuantizedWeight(q, scale, axis, corrected, sqnr)
 
 
-def _round_and_correct(w, axis, scale, bias, mean_x, op_type, groups, correct_bias, hessian):
+def _rows(w, axis):
+    """[C, K]: one row per output channel, in the order qtool rounds (and pair_partners indexes)."""
+    return np.moveaxis(np.asarray(w), axis, 0).reshape(w.shape[axis], -1)
+
+
+def _round_and_correct(w, axis, scale, bias, mean_x, op_type, groups, correct_bias, hessian, partners=None):
     """int8 weights at `scale`, and the bias corrected for their rounding (None if no bias)."""
-    q = Q.quantize_weight(w, scale, axis) if hessian is None else round_weights(w, scale, axis, hessian)
+    if partners is not None:
+        q = round_weights(w, scale, axis, hessian, partners=partners)
+    elif hessian is None:
+        q = Q.quantize_weight(w, scale, axis)
+    else:
+        q = round_weights(w, scale, axis, hessian)
     cout = w.shape[axis]
     if correct_bias and mean_x is not None:
         dw = Q.dequantize_weight(q, scale, axis).astype(np.float64) - w.astype(np.float64)

@@ -25,7 +25,9 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from qtool.arithmetic import EXACT, ORT_X86_NOVNNI, check_arithmetic, conv_rows, is_depthwise
 from qtool.errors import QtoolError
+from qtool.runtime import saturating
 from qtool.runtime import steps as S
 from qtool.runtime.backend import conv_multiplier
 from qtool.runtime.fp32_ops import FP32_OPS
@@ -99,8 +101,9 @@ def _static_value_ranks(model):
 
 
 class Compiler:
-    def __init__(self, model: onnx.ModelProto, K, where: str = "model"):
+    def __init__(self, model: onnx.ModelProto, K, where: str = "model", arithmetic: str = EXACT):
         self.m, self.K, self.where = model, K, where
+        self.arithmetic = check_arithmetic(arithmetic)
         g = model.graph
         self.g = g
         self.consts = {i.name: numpy_helper.to_array(i) for i in g.initializer}
@@ -228,17 +231,31 @@ class Compiler:
         return n, q, lo, hi, fused + [n]
 
     def weight(self, name, want_axis):
-        """int8 per-channel/per-tensor symmetric weight behind DQ `name` -> (q, scales) or reason."""
+        """Symmetric per-channel/per-tensor weight behind DQ `name` -> (int8 q, scales) or reason:
+        int8 with zero point 0, or uint8 with zero point 128 (the same values, shifted)."""
         w = self.qconst.get(name)
         if w is None:
             return "its weight is not a DequantizeLinear of an int8 initializer"
-        if w.q.dtype != np.int8:
+        if w.q.dtype == np.uint8:
+            if np.any(w.zp != 128):
+                return "its uint8 weight zero point is not 128"
+            q = (w.q.astype(np.int16) - 128).astype(np.int8)
+        elif w.q.dtype == np.int8:
+            if np.any(w.zp != 0):
+                return "its weight zero point is not 0"
+            q = w.q
+        else:
             return f"its weight is {w.q.dtype}, not int8"
-        if np.any(w.zp != 0):
-            return "its weight zero point is not 0"
         if w.scale.size > 1 and w.axis % w.q.ndim != want_axis:
             return f"its weight is quantized along axis {w.axis}, not {want_axis}"
-        return w.q, np.broadcast_to(w.scale.reshape(-1).astype(np.float32), (w.q.shape[want_axis],)).copy()
+        return q, np.broadcast_to(w.scale.reshape(-1).astype(np.float32), (w.q.shape[want_axis],)).copy()
+
+    def saturates(self, name, rows, group=1) -> bool:
+        """Whether this layer's sums differ under the chosen arithmetic from the exact ones:
+        ORT-x86-novnni with int8 weights (uint8 weights take ORT's exact u8 x u8 kernels) and a
+        pair that can leave int16. `rows` [Cout, K] in the kernel's K order."""
+        return (self.arithmetic == ORT_X86_NOVNNI and self.qconst[name].q.dtype == np.int8
+                and saturating.has_saturating_pairs(rows, group))
 
     def bias(self, name, sx, sw, w=None, x_zp=0):
         """int32 bias with scale sx*sw (the int32 initializer as is when its scale agrees).
@@ -435,9 +452,11 @@ def _rule_conv(c: Compiler, node):
             if e.detail == "pad" and e.node == pad_step.name:
                 e.mode, e.detail = "fused", f"into {node.name or 'Conv'}"
         x = QView(src, x.scale, x.zp)
+    K = saturating if not is_depthwise(wq.shape, group) and c.saturates(node.input[1], conv_rows(wq), group) else c.K
+
     def pack(p4):
-        return c.K.pack_conv2d(wq, bias, x_zp=x.zp, multiplier=mult, y_zp=qy[1], strides=tuple(at.get("strides", [1, 1])),
-                               pads=p4, dilations=tuple(at.get("dilations", [1, 1])), group=group, lo=lo, hi=hi)
+        return K.pack_conv2d(wq, bias, x_zp=x.zp, multiplier=mult, y_zp=qy[1], strides=tuple(at.get("strides", [1, 1])),
+                             pads=p4, dilations=tuple(at.get("dilations", [1, 1])), group=group, lo=lo, hi=hi)
     if ap.startswith("SAME"):  # pads depend on the input size: pack per input size, at plan time
         from qtool.runtime.fp32_ops import conv_pads
         packed = S.SamePadPacker(pack, lambda hw: tuple(conv_pads(at, hw, wq.shape[2:])))
@@ -445,7 +464,7 @@ def _rule_conv(c: Compiler, node):
         packed = pack(pads)
     xs = c.nhwc_input(x.src)
     v = c.emit_q(qnode, nhwc=True, q=qy, rank=4, fused=fused, op_node=node)
-    st = S.ConvStep(node.name or "Conv", c.K, packed, xs, v.slot, wq.shape[1], wq.shape[2], wq.shape[3])
+    st = S.ConvStep(node.name or "Conv", K, packed, xs, v.slot, wq.shape[1], wq.shape[2], wq.shape[3])
     c.steps.append(st)
     c.entries.append(Entry(node.name or "Conv", "Conv", "int8", st.kernel))
     return None
@@ -457,18 +476,19 @@ def _gemm_like(c: Compiler, node, wq_nk, sw, bias_name, x):
         return "its input is a rank-4 NHWC tensor"
     oq = c.out_quant(node.output[0])
     bias = c.bias(bias_name, x.scale, sw, wq_nk, x.zp)
+    K = saturating if c.saturates(node.input[1], wq_nk) else c.K
     if isinstance(oq, str):  # float output (e.g. the logits): y = acc * s_x * s_w
         mult = (np.float32(x.scale) * sw).astype(np.float32)
-        packed = c.K.pack_gemm(wq_nk, bias, x_zp=x.zp, multiplier=mult, out_dtype="float32")
+        packed = K.pack_gemm(wq_nk, bias, x_zp=x.zp, multiplier=mult, out_dtype="float32")
         v = c.add_val(node.output[0], "f", rank=src.rank)
         detail = "float output"
     else:
         qnode, qy, lo, hi, fused = oq
         mult = conv_multiplier(c.K, x.scale, sw, qy[0])
-        packed = c.K.pack_gemm(wq_nk, bias, x_zp=x.zp, multiplier=mult, y_zp=qy[1], lo=lo, hi=hi)
+        packed = K.pack_gemm(wq_nk, bias, x_zp=x.zp, multiplier=mult, y_zp=qy[1], lo=lo, hi=hi)
         v = c.emit_q(qnode, nhwc=False, q=qy, rank=src.rank, fused=fused, op_node=node)
         detail = ""
-    st = S.GemmStep(node.name or node.op_type, node.op_type, c.K, packed, src.slot, v.slot)
+    st = S.GemmStep(node.name or node.op_type, node.op_type, K, packed, src.slot, v.slot)
     st.k = wq_nk.shape[1]
     c.steps.append(st)
     c.entries.append(Entry(node.name or node.op_type, node.op_type, "int8", (st.kernel + " " + detail).strip()))

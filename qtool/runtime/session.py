@@ -51,14 +51,18 @@ def _load(model):
 
 
 class NativeSession:
-    def __init__(self, model, threads: int = 2, backend: str | None = None, reuse_buffers: bool = True):
+    def __init__(self, model, threads: int = 2, backend: str | None = None, reuse_buffers: bool = True,
+                 arithmetic: str = "exact"):
+        """`arithmetic` (qtool/arithmetic.py): "exact" int32 sums, or "ort-x86-novnni", what ONNX
+        Runtime computes on an x86 CPU without VNNI (its int16 pair saturation, emulated)."""
         m, self.where = _load(model)
+        self.arithmetic = arithmetic
         self.reuse_buffers = reuse_buffers  # False keeps every intermediate (for debugging)
         self.K, self.backend = load_backend(backend)
         self.threads = int(threads)
         self._set_threads()
         t = time.perf_counter()
-        self.program = Compiler(m, self.K, self.where).compile()
+        self.program = Compiler(m, self.K, self.where, arithmetic).compile()
         self.load_seconds = time.perf_counter() - t
         self._plans: OrderedDict = OrderedDict()
         self._inputs = [NodeArg(n, [d if d is not None else "N" for d in dims] if dims is not None else None,

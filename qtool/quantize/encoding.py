@@ -1,0 +1,136 @@
+"""How a layer's int8 weights are encoded for the CPUs that will run the model (`--target`).
+
+The QDQ model is quantized once and then runs wherever its user deploys it. ONNX Runtime is
+exact on CPUs with VNNI, AMX or ARM dot products; on x86 without VNNI it adds neighbouring
+u8 x s8 products in a saturating int16 (qtool/arithmetic.py), and a model whose weights can
+saturate loses accuracy there. Three encodings give the exact int8 result on every ORT path:
+
+  pair-safe  int8 weights in which no same-sign neighbouring pair (ORT's K order) sums past 128
+             in magnitude. Same kernels, same speed as plain int8 everywhere; the channels whose
+             largest pairs are too big get a larger scale (or, where cheaper in output error, the
+             offending pair is trimmed), at some precision cost, measured per layer.
+  u8         the same int8 values stored as uint8 with zero point 128: ORT takes its u8 x u8
+             kernels, exact everywhere with no precision cost, but slower on CPUs without VNNI.
+  s8         plain int8 (the vnni target): exact only where ORT's int8 path is exact.
+
+Depthwise convolutions are exact on every path and stay s8.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from qtool import qparams as Q
+from qtool.arithmetic import PAIR_LIMIT, is_depthwise
+
+S8, PAIR_SAFE, U8 = "s8", "pair-safe", "u8"
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    encoding: str  # the encoding of every layer ORT pairs (depthwise layers are always s8)
+    description: str
+
+
+TARGETS = {
+    "portable": Target("portable", PAIR_SAFE, "exact int8 on every ONNX Runtime CPU path (x86 with or without VNNI, "
+                                              "AMX, ARM) at full int8 speed: pair-safe int8 weights"),
+    "vnni": Target("vnni", S8, "plain int8 weights: exact on CPUs with VNNI, AMX or ARM dot products and on qtool's "
+                               "runtime; on x86 without VNNI ONNX Runtime saturates and loses accuracy"),
+    "u8-weights": Target("u8-weights", U8, "int8 weights stored as uint8 + 128: exact everywhere without a precision "
+                                           "cost, but ONNX Runtime is slower on CPUs without VNNI"),
+}
+DEFAULT_TARGET = "portable"
+
+
+def pair_partners(w_shape, op_type: str, axis: int, group: int = 1) -> np.ndarray | None:
+    """For the rows qtool rounds (w moved to output-channel-first and flattened, the order of
+    np.moveaxis(w, axis, 0).reshape(C, -1)), the index of each weight's pair partner in ONNX
+    Runtime's K order (-1: paired with padding), or None where ORT never pairs (depthwise)."""
+    if op_type == "Conv":
+        if len(w_shape) != 4 or is_depthwise(w_shape, group):
+            return None if len(w_shape) == 4 else _flat_partners(int(np.prod(w_shape[1:])))
+        _, cin, kh, kw = w_shape
+        c, ky, kx = np.meshgrid(np.arange(cin), np.arange(kh), np.arange(kw), indexing="ij")
+        ort = ((ky * kw + kx) * cin + c).ravel()  # row index (c, ky, kx) -> ORT's K index (ky, kx, c)
+        row_of = np.empty_like(ort)
+        row_of[ort] = np.arange(ort.size)
+        mate = ort ^ 1
+        return np.where(mate < ort.size, row_of[np.minimum(mate, ort.size - 1)], -1)
+    k = int(np.prod(w_shape)) // w_shape[axis]
+    return _flat_partners(k)
+
+
+def _flat_partners(k: int) -> np.ndarray:
+    mate = np.arange(k) ^ 1
+    return np.where(mate < k, mate, -1)
+
+
+def violations(q_rows: np.ndarray, partners: np.ndarray) -> np.ndarray:
+    """[C, K] bool: weights in a same-sign pair whose sum leaves [-128, 128]."""
+    q = np.asarray(q_rows, np.int64)
+    m = np.where(partners >= 0, q[:, np.maximum(partners, 0)], 0)
+    return (q * m > 0) & (np.abs(q + m) > PAIR_LIMIT)
+
+
+def _first_of_pairs(partners: np.ndarray) -> np.ndarray:
+    k = np.arange(len(partners))
+    return k[(partners > k)]
+
+
+def project(v: np.ndarray, q: np.ndarray, partners: np.ndarray) -> np.ndarray:
+    """Integer rows `q` [C, K] made pair-safe: each same-sign pair summing past 128 in magnitude is
+    trimmed to exactly 128, the cut split so the two stay closest to their unrounded values `v`."""
+    q = np.array(q, np.int64)
+    a = _first_of_pairs(partners)
+    b = partners[a]
+    qa, qb = q[:, a], q[:, b]
+    bad = (qa * qb > 0) & (np.abs(qa + qb) > PAIR_LIMIT)
+    if bad.any():
+        sign = np.sign(qa)
+        ua, ub = np.abs(v[:, a]) , np.abs(v[:, b])
+        xa = np.clip(np.rint(ua - (ua + ub - PAIR_LIMIT) / 2), PAIR_LIMIT - Q.W_MAX, Q.W_MAX)
+        q[:, a] = np.where(bad, sign * xa, qa)
+        q[:, b] = np.where(bad, sign * (PAIR_LIMIT - xa), qb)
+    return q
+
+
+SCALE_STEPS = 9  # candidate scales per channel between the plain scale and the one that needs no trim
+
+
+def pair_safe_scales(w_rows: np.ndarray, partners: np.ndarray, hessian: np.ndarray | None = None):
+    """Per output channel, the scale (and nearest-rounded, trimmed int weights) with the least
+    weight error among SCALE_STEPS candidates from max|w|/127 up to the scale at which the
+    largest same-sign pair sums to 128 (where nothing needs trimming). The error is dw^T H dw
+    with the layer's input covariance `hessian` [G, K, K] when given (channels split evenly into
+    G groups), else sum dw^2. -> (q [C, K] int64, scale [C] float32)."""
+    w = np.asarray(w_rows, np.float64)
+    c, k = w.shape
+    s0 = Q.weight_scales(w.astype(np.float32), 0).astype(np.float64)
+    a = _first_of_pairs(partners)
+    b = partners[a]
+    same = np.sign(w[:, a]) * np.sign(w[:, b]) > 0
+    top = np.where(same, np.abs(w[:, a] + w[:, b]), 0).max(axis=1, initial=0.0) / s0
+    fmax = np.maximum(1.0, top / PAIR_LIMIT * (1 + 1e-6))
+    best_q, best_s, best_e = None, None, None
+    for t in np.linspace(0.0, 1.0, SCALE_STEPS):
+        s = (s0 * (1 + (fmax - 1) * t)).astype(np.float32)
+        v = w / s.astype(np.float64)[:, None]
+        q = project(v, np.clip(np.rint(v), -Q.W_MAX, Q.W_MAX), partners)
+        dw = q * s.astype(np.float64)[:, None] - w
+        if hessian is None:
+            e = (dw ** 2).sum(axis=1)
+        else:
+            g = hessian.shape[0]
+            d = dw.reshape(g, c // g, k)
+            e = np.einsum("gck,gkl,gcl->gc", d, hessian, d).reshape(c)
+        if best_e is None:
+            best_q, best_s, best_e = q, s, e
+        else:
+            take = e < best_e
+            best_q = np.where(take[:, None], q, best_q)
+            best_s = np.where(take, s, best_s)
+            best_e = np.where(take, e, best_e)
+    return best_q, best_s.astype(np.float32)
