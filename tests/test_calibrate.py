@@ -313,7 +313,7 @@ def test_calibrate_writes_fused_graph_and_hashes(calibrated):
     root, model, data, cfg, r = calibrated
     fused = onnx.load(r.fused_path)
     assert not any(n.op_type == "BatchNormalization" for n in fused.graph.node)
-    assert r.fuse_counts == {"fold_batchnorm": 3}
+    assert r.fuse_counts == {"fold_batchnorm": 3, "pair_channels": 1}  # (the residual stream reordered)
     assert r.table.model_sha256 == model_hash(model) and r.table.fused_sha256 == model_hash(r.fused_path)
     m = json.load(open(os.path.join(os.path.dirname(r.table_path), "manifest.json")))["calibrate"]
     assert m["n_samples"] == 6 and len(m["files"]) == 6 and m["table_path"] == r.table_path

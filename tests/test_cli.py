@@ -98,7 +98,7 @@ def test_calibrate_quantize_eval_flow_in_workdir(project, capsys):
     assert {"fused.onnx", "calibration.json", "manifest.json"} <= set(os.listdir(wd))
     cal = json.load(open("cal.json"))
     assert cal["n_samples"] == 6 and cal["skipped"] == [] and cal["method"] == "minmax"
-    assert cal["graph_cleanup"] == {"fold_batchnorm": 3} and cal["tensors"] >= 6
+    assert cal["graph_cleanup"] == {"fold_batchnorm": 3, "pair_channels": 1} and cal["tensors"] >= 6
 
     assert qtool("quantize", "-q", "--json", "q.json") == 0  # no paths: everything from the workdir
     assert os.path.exists(wd / "model.int8.onnx") and os.path.exists(wd / "quantize.json")

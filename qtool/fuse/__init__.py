@@ -2,6 +2,8 @@
 
 Each pass is one small module with a `run(model, ctx) -> changed` function, listed in
 PASSES in the order they are tried; the list is applied until no pass changes anything.
+FINAL_PASSES then run once on the simplified graph: they choose among equivalent graphs
+(pair_channels reorders channels for ONNX Runtime's int16 pairs) instead of simplifying one.
 """
 from __future__ import annotations
 
@@ -9,8 +11,8 @@ from dataclasses import dataclass, field
 
 import onnx
 
-from qtool.fuse import (fold_batchnorm, fold_constants, fold_mul_add, fold_pad, fold_reshape_shape, remove_dead,
-                        remove_identity)
+from qtool.fuse import (fold_batchnorm, fold_constants, fold_mul_add, fold_pad, fold_reshape_shape, pair_channels,
+                        remove_dead, remove_identity)
 
 PASSES = [
     ("remove_identity", remove_identity.run),
@@ -20,6 +22,10 @@ PASSES = [
     ("fold_batchnorm", fold_batchnorm.run),
     ("fold_mul_add", fold_mul_add.run),
     ("remove_dead", remove_dead.run),
+]
+# once the graph is final: passes that choose among equivalent graphs rather than simplify one
+FINAL_PASSES = [
+    ("pair_channels", pair_channels.run),
 ]
 
 
@@ -75,6 +81,8 @@ def fuse_model(model: onnx.ModelProto, input_pins: dict | None = None, passes=No
             changed |= bool(fn(m, ctx))
         if not changed:
             break
+    for _name, fn in ([] if passes else FINAL_PASSES):
+        fn(m, ctx)
     del m.graph.value_info[:]
     from qtool.quantize.plan import name_nodes
     name_nodes(m)
