@@ -35,9 +35,62 @@ def _latency_ms(run, x, repeats: int = 10) -> float:
     return float(np.median(ts)) * 1000
 
 
+CHECK_SAMPLES = 32  # samples on which ORT's int8 output is compared with the exact int8 arithmetic
+CHECK_MIN_DB = 50.0  # below this SQNR between ORT int8 and exact int8, ORT's arithmetic differs (not float noise)
+
+
+class ExactCheck:
+    """ORT's int8 output against the exact int8 arithmetic (qtool's runtime) on the first samples:
+    does the int8 path of this machine's ONNX Runtime compute what the QDQ model defines?"""
+
+    def __init__(self, int8_path: str, threads: int, n: int = CHECK_SAMPLES):
+        self.n, self.rows = n, {"ort": [], "exact": []}
+        self.session = None
+        try:
+            from qtool.runtime import NativeSession
+            self.session = NativeSession(int8_path, threads=threads)  # exact int32 sums
+        except Exception as e:  # a model the runtime cannot load: say so, do not fail eval
+            self.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+    def add(self, feeds: dict, ort_first: np.ndarray) -> None:
+        have = sum(len(r) for r in self.rows["ort"])
+        if self.session is None or have >= self.n:
+            return
+        k = min(self.n - have, len(ort_first))
+        part = {name: v[:k] for name, v in feeds.items()}
+        self.rows["exact"].append(self.session.run(None, part)[0].reshape(k, -1))
+        self.rows["ort"].append(ort_first[:k].reshape(k, -1))
+
+    def result(self) -> dict:
+        if self.session is None:
+            return {"checked": 0, "error": self.error}
+        a, b = np.concatenate(self.rows["exact"]), np.concatenate(self.rows["ort"])
+        from qtool.metrics import sqnr_db
+        from qtool.ort_arithmetic import ort_int8_arithmetic
+        db = sqnr_db(a, b)
+        r = {"checked": len(a), "sqnr_ort_vs_exact_db": db, "max_abs_diff": float(np.abs(a - b).max()),
+             "ort_int8_arithmetic": ort_int8_arithmetic(), "exact": bool(db >= CHECK_MIN_DB)}
+        if a.shape[1] > 1:
+            r["top1_agreement_ort_vs_exact"] = float((a.argmax(1) == b.argmax(1)).mean())
+        return r
+
+
+def check_warning(c: dict) -> str | None:
+    """The one line `qtool eval` prints when ORT's int8 output is not the exact int8 result."""
+    if not c or c.get("exact", True) or not c.get("checked"):
+        return None
+    agree = f"top-1 agreement {c['top1_agreement_ort_vs_exact']:.4f}, " if "top1_agreement_ort_vs_exact" in c else ""
+    return (f"warning: on this CPU ONNX Runtime's int8 output is not the exact int8 result ({agree}SQNR "
+            f"{c['sqnr_ort_vs_exact_db']:.1f} dB between the two on {c['checked']} samples): its int8 path here adds "
+            f"weight pairs in a saturating int16 (no VNNI); the figures above are what this CPU gives. Fix: "
+            f"`qtool quantize --target portable` (exact on every CPU), or run the model on qtool's runtime")
+
+
 def evaluate(fp32_path: str, int8_path: str, data: str, config=None, labels: str | None = None,
              limit: int | None = None, files: list | None = None, threads: int = 2, batch: int = 16,
-             show_progress: bool = True, runtime: str = "ort", latency: bool = True) -> dict:
+             show_progress: bool = True, runtime: str = "ort", latency: bool = True, check: bool = True) -> dict:
+    """`check`: also run the exact int8 arithmetic on the first CHECK_SAMPLES images and compare it
+    with ONNX Runtime's int8 output (res["runtime_check"])."""
     fp32 = load_model(fp32_path)
     load_model(int8_path, check=False)
     cfg = config_from_any(config)
@@ -53,6 +106,7 @@ def evaluate(fp32_path: str, int8_path: str, data: str, config=None, labels: str
     if runtime in ("native", "both"):
         from qtool.runtime import NativeSession
         native = NativeSession(int8_path, threads=threads)
+    exact = ExactCheck(int8_path, threads) if check else None
     out_name = sf.get_outputs()[0].name
     out_names = [o.name for o in sf.get_outputs()]
     stats = {n: OutputStats(n) for n in out_names}
@@ -66,6 +120,8 @@ def evaluate(fp32_path: str, int8_path: str, data: str, config=None, labels: str
             for name, u, v in zip(out_names, outs_f, outs_q):
                 stats[name].add(u, v)
             a, b = outs_f[0], outs_q[0]
+            if exact is not None:
+                exact.add(feeds, b)
             rows["fp32"].append(a.reshape(len(a), -1))
             rows["int8"].append(b.reshape(len(b), -1))
             if native is not None:
@@ -107,6 +163,8 @@ def evaluate(fp32_path: str, int8_path: str, data: str, config=None, labels: str
         res["native"] = {"top1_agreement_vs_fp32": float((lf.argmax(1) == ln.argmax(1)).mean()),
                          "top1_agreement_vs_ort_int8": float((lq.argmax(1) == ln.argmax(1)).mean()),
                          "max_abs_diff_vs_ort_int8": float(np.abs(ln - lq).max())}
+    if exact is not None:
+        res["runtime_check"] = exact.result()
     if latency and sample is not None:
         res["latency_ms"] = {"ort_fp32": _latency_ms(lambda x: sf.run(None, x), sample),
                              "ort_int8": _latency_ms(lambda x: sq.run(None, x), sample)}
@@ -168,7 +226,7 @@ def row_scores(rows: np.ndarray) -> np.ndarray:
 
 
 def evaluate_tensors(fp32_path: str, int8_path: str, data, limit: int | None = None, files: list | None = None,
-                     threads: int = 2, batch: int = 8, latency: bool = True) -> dict:
+                     threads: int = 2, batch: int = 8, latency: bool = True, check: bool = True) -> dict:
     """Every output of int8 vs fp32 over tensor data (a .npy/.npz folder or an iterable of input dicts)."""
     from qtool.calibrate.tensors import tensor_source
     fp32 = load_model(fp32_path)
@@ -180,9 +238,13 @@ def evaluate_tensors(fp32_path: str, int8_path: str, data, limit: int | None = N
     sf, sq = session(fp32_path, threads), session(int8_path, threads)
     names = [o.name for o in sf.get_outputs()]
     stats = {n: OutputStats(n) for n in names}
+    exact = ExactCheck(int8_path, threads) if check else None
     sample, n_samples = None, 0
     for _, feeds in src.batches():
-        for name, a, b in zip(names, sf.run(names, feeds), sq.run(names, feeds)):
+        outs_q = sq.run(names, feeds)
+        if exact is not None:
+            exact.add(feeds, outs_q[0])
+        for name, a, b in zip(names, sf.run(names, feeds), outs_q):
             stats[name].add(a, b)
         n_samples += len(next(iter(feeds.values())))
         sample = sample or feeds
@@ -197,6 +259,8 @@ def evaluate_tensors(fp32_path: str, int8_path: str, data, limit: int | None = N
            "size_bytes": {"fp32": _size(fp32_path), "int8": _size(int8_path)}}
     if "top1_agreement" in first:
         res["top1_agreement"] = first["top1_agreement"]
+    if exact is not None:
+        res["runtime_check"] = exact.result()
     res["size_ratio"] = res["size_bytes"]["int8"] / res["size_bytes"]["fp32"]
     if latency and sample is not None:
         one = {k: v[:1] for k, v in sample.items()}

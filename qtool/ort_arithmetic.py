@@ -96,6 +96,6 @@ def describe(arithmetic: str) -> str:
     if arithmetic == EXACT:
         return "exact: int8 x int8 sums in int32 (VNNI, AMX or ARM dot products)"
     if arithmetic == ORT_X86_NOVNNI:
-        return ("NOT exact for int8 weights: this CPU has no VNNI, so ONNX Runtime adds neighbouring u8 x s8 "
-                "products in a saturating int16 (models quantized with --target portable are exact here)")
+        return ("NOT exact for int8 weights: ONNX Runtime adds neighbouring u8 x s8 products in a saturating int16 "
+                "here (its x86 path without VNNI); models quantized with the default --target portable are exact")
     return "unknown: differs from both the exact and the x86-without-VNNI arithmetic qtool knows"

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import warnings
 
+import numpy as np
 import pytest
 
 from helpers import save, small_convnet, write_config, write_images
@@ -105,6 +106,10 @@ def test_calibrate_quantize_eval_flow_in_workdir(project, capsys):
     rep = json.load(open("q.json"))
     assert rep["summary"]["int8"] == 6 and rep["int8_model"] == str(wd / "model.int8.onnx")
     assert {"nodes", "notes", "layers", "size_bytes", "method", "excluded", "bias_correction"} <= set(rep)
+    assert rep["target"] == "portable" and rep["encodings"].get("pair-safe", 0) >= 2  # the default target
+    import onnx
+    meta = {p.key: p.value for p in onnx.load(wd / "model.int8.onnx").metadata_props}
+    assert meta["qtool.target"] == "portable"
 
     capsys.readouterr()
     assert qtool("eval", "--json", "e.json") == 0  # no paths either
@@ -427,3 +432,39 @@ def test_quantize_rounding_and_range_tuning_flags(project):
     assert qtool("quantize", "-q", "--no-sensitivity", "--json", "b.json") == 0
     b = json.load(open("b.json"))
     assert b["rounding"] == "nearest" and b["tuned_ranges"] is None
+
+
+def test_eval_says_when_ort_int8_is_not_the_exact_result(project, capsys, monkeypatch):
+    """ONNX Runtime's int8 path as on x86 without VNNI (emulated, so this holds on any CPU): a model with
+    plain int8 weights whose pairs saturate gets one warning line with the figures, and the JSON has them;
+    the default portable model, exact there, gets no warning."""
+    from onnx import numpy_helper
+
+    from qtool import evaluate as E
+    from qtool.runtime import NativeSession
+    m = small_convnet()
+    w = next(t for t in m.graph.initializer if t.name == "stem_w")
+    w.CopyFrom(numpy_helper.from_array(np.abs(numpy_helper.to_array(w)) + 0.5, "stem_w"))  # same-sign pairs
+    save(m, project / "net.onnx")
+    real = E.session
+
+    def ort_without_vnni(path, threads=0, *a, **kw):
+        if str(path).endswith(".int8.onnx"):
+            return NativeSession(path, threads=1, arithmetic="ort-x86-novnni")
+        return real(path, threads, *a, **kw)
+
+    monkeypatch.setattr(E, "session", ort_without_vnni)
+    assert qtool("calibrate", "-m", "net.onnx", "-d", "data", "-c", "cfg.toml", "--every", "2", "-q") == 0
+    for target, warned in (("vnni", True), ("portable", False)):
+        assert qtool("quantize", "-q", "--no-sensitivity", "--target", target) == 0
+        capsys.readouterr()
+        assert qtool("eval", "-q", "--json", f"e_{target}.json") == 0
+        err = capsys.readouterr().err
+        check = json.load(open(f"e_{target}.json"))["runtime_check"]
+        assert check["checked"] == 6 and check["exact"] is (not warned), check
+        if warned:
+            lines = [l for l in err.splitlines() if l.startswith("warning:")]
+            assert len(lines) == 1 and "not the exact int8 result" in lines[0] and "--target portable" in lines[0]
+            assert check["sqnr_ort_vs_exact_db"] < 50
+        else:
+            assert "warning" not in err and check["sqnr_ort_vs_exact_db"] > 1e300  # (inf: identical)

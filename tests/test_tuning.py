@@ -8,7 +8,9 @@ from onnx import helper
 from helpers import init, make_model, run, save
 from qtool.calibrate.run import calibrate
 from qtool.quantize.qdq import quantize_graph
+from qtool.quantize.context import QuantizeContext
 from qtool.quantize.range_search import search_ranges
+from qtool.quantize.samples import SampleSet
 from qtool.quantize.rounding import conv_patches, layer_hessians, round_weights
 from qtool.quantize.sensitivity import run_first_output
 from qtool import qparams as Q
@@ -100,7 +102,7 @@ def test_range_search_clips_what_the_output_does_not_need(tmp_path):
     r = _calibrated(_outlier_channel_chain(rng), tmp_path, [{"x": xs[k:k + 4]} for k in range(0, 16, 4)])
     feeds = [{"x": xs}]
     ref = run_first_output(r.fused, feeds)
-    res = search_ranges(r.fused, r.table, "minmax", feeds, ref)
+    res = search_ranges(QuantizeContext(r.fused, r.table, "minmax"), SampleSet(list(range(16)), {"x": xs}, ref))
     lo, hi = r.table.range("t", "minmax")
     assert res.kept and "t" in res.ranges, res.to_dict()
     assert res.ranges["t"][1] - res.ranges["t"][0] < 0.8 * (hi - lo)
@@ -120,5 +122,6 @@ def test_range_search_keeps_the_default_when_clipping_hurts(tmp_path):
     xs = rng.standard_normal((16, 4, 6, 6)).astype(np.float32)
     r = _calibrated(m, tmp_path, [{"x": xs[k:k + 4]} for k in range(0, 16, 4)])
     feeds = [{"x": xs}]
-    res = search_ranges(r.fused, r.table, "minmax", feeds, run_first_output(r.fused, feeds))
+    res = search_ranges(QuantizeContext(r.fused, r.table, "minmax"),
+                        SampleSet(list(range(16)), {"x": xs}, run_first_output(r.fused, feeds)))
     assert "t" not in res.ranges, res.to_dict()

@@ -9,7 +9,7 @@ from qtool.calibrate.images import list_images
 from qtool.calibrate.tensors import classify_folder, list_tensor_files
 from qtool.commands.common import common_options, say, setup_output, write_json
 from qtool.errors import QtoolError
-from qtool.evaluate import evaluate, evaluate_tensors
+from qtool.evaluate import check_warning, evaluate, evaluate_tensors
 from qtool.workdir import Workdir
 
 
@@ -72,6 +72,7 @@ def command(compare, data, labels, model, int8_path, config, limit, runtime, thr
     r = evaluate(model, int8_path, data, cfg, labels, limit, files=files, threads=threads, show_progress=not quiet,
                  runtime=runtime)
     say(quiet, render(r))
+    _warn_runtime(r)
     write_json(json_path, r)
     wd.update(eval={k: r[k] for k in ("n_images", "top1_agreement", "output_sqnr_db") if k in r}
               | ({"top1_delta_pt": r["top1_delta_pt"]} if "top1_delta_pt" in r else {}))
@@ -90,9 +91,17 @@ def _eval_tensors(model, int8_path, data, kind, cal, limit, threads, json_path, 
                    f"(pass --data with held-out samples for an unbiased figure)")
     r = evaluate_tensors(model, int8_path, data, limit, files=files, threads=threads)
     say(quiet, render_outputs(r))
+    _warn_runtime(r)
     write_json(json_path, r)
     wd.update(eval={"n_samples": r["n_samples"], "output_sqnr_db": r["output_sqnr_db"],
                     "outputs": {k: v["sqnr_db"] for k, v in r["outputs"].items()}})
+
+
+def _warn_runtime(r: dict) -> None:
+    """Said even with -q: the numbers above are not what the model computes elsewhere."""
+    line = check_warning(r.get("runtime_check"))
+    if line:
+        click.echo(line, err=True)
 
 
 def render_outputs(r: dict) -> str:

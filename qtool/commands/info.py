@@ -13,9 +13,12 @@ def gather() -> dict:
     import qtool
     d = {"qtool": qtool.__version__, "python": platform.python_version(), "numpy": numpy.__version__,
          "onnx": onnx.__version__, "machine": platform.machine()}
+    d["cpu"] = _cpu_name()
     try:
         import onnxruntime
         d["onnxruntime"] = onnxruntime.__version__
+        from qtool.ort_arithmetic import ort_int8_arithmetic
+        d["ort_int8_arithmetic"] = ort_int8_arithmetic()
     except ImportError:
         d["onnxruntime"] = None
     try:
@@ -24,6 +27,17 @@ def gather() -> dict:
     except Exception as e:  # not built: say so rather than fail
         d["kernels"] = {"error": f"{type(e).__name__}: {e}"}
     return d
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 @click.command("info")
@@ -43,7 +57,11 @@ def command(as_json):
         return
     k = d["kernels"]
     click.echo(f"qtool {d['qtool']} (python {d['python']}, numpy {d['numpy']}, onnx {d['onnx']}, {d['machine']})")
+    click.echo(f"cpu: {d['cpu']}")
     click.echo(f"onnxruntime {d['onnxruntime'] or 'not installed'}")
+    if d.get("ort_int8_arithmetic"):
+        from qtool.ort_arithmetic import describe
+        click.echo(f"onnxruntime int8 on this CPU: {describe(d['ort_int8_arithmetic'])}")
     if "error" in k:
         click.echo(f"kernels: not available ({k['error']}); the runtime falls back to numpy")
         return

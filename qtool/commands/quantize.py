@@ -5,6 +5,7 @@ import click
 
 from qtool.calibrate.methods import METHODS
 from qtool.commands.common import common_options, say, setup_output, write_json
+from qtool.quantize.encoding import DEFAULT_TARGET, TARGETS
 from qtool.quantize.run import SensitivityOptions, fp32_ops_of, quantize
 
 
@@ -35,22 +36,32 @@ from qtool.quantize.run import SensitivityOptions, fp32_ops_of, quantize
 @click.option("--tune-ranges/--no-tune-ranges", default=None,
               help="Choose each activation's clip range by the model output on calibration images "
                    "(default: on with --exclude-sensitive, off otherwise).")
+@click.option("--target", type=click.Choice(list(TARGETS)), default=DEFAULT_TARGET, show_default=True,
+              help="The CPUs the model must give the exact int8 result on. portable: every ONNX Runtime CPU path "
+                   "(x86 with or without VNNI, AMX, ARM) at full int8 speed; vnni: CPUs with VNNI/AMX/ARM dot "
+                   "products and qtool's runtime (ONNX Runtime on x86 without VNNI loses accuracy); u8-weights: "
+                   "exact everywhere, slower in ONNX Runtime without VNNI.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the quantize summary as JSON here.")
 @common_options
 def command(output, model, table, method, exclude, no_bias_correction, exclude_sensitive, target_agreement, max_drop,
-            max_excluded, labels, sensitivity_samples, no_sensitivity, rounding, tune_ranges, json_path, workdir, quiet,
-            verbose, debug):
+            max_excluded, labels, sensitivity_samples, no_sensitivity, rounding, tune_ranges, target, json_path, workdir,
+            quiet, verbose, debug):
     """Write an INT8 ONNX model (QDQ: uint8 activations, int8 per-channel weights).
 
     Ops without an int8 rule stay fp32 and are listed. On a sample of the calibration
     images it measures each layer's sensitivity (sensitivity.json and .html in the working
     directory); --exclude-sensitive keeps the worst layers in fp32 until a target is met.
 
+    The default target, portable, writes int8 weights that ONNX Runtime computes exactly on
+    every CPU, including x86 CPUs without VNNI (where it adds weight pairs in a saturating
+    int16); --target vnni writes plain int8 weights for CPUs that have VNNI.
+
     \b
     Example:
       qtool quantize --exclude-sensitive
       qtool quantize --method percentile --exclude /_fc/Gemm -o model.int8.onnx
       qtool quantize --rounding output --tune-ranges --no-sensitivity
+      qtool quantize --target vnni
     """
     setup_output(quiet, verbose)
     if no_sensitivity and exclude_sensitive:
@@ -62,7 +73,7 @@ def command(output, model, table, method, exclude, no_bias_correction, exclude_s
                               max_excluded, labels, show_progress=not quiet)
     r = quantize(workdir, model, table, output, method, ex, not no_bias_correction, opts,
                  say=lambda t: say(quiet, t), rounding=None if rounding is None else rounding == "output",
-                 tune_ranges=tune_ranges)
+                 tune_ranges=tune_ranges, target=target)
     if r.sensitivity:
         layers = sorted(r.sensitivity["layers"], key=lambda l: l["rank"])
         say(quiet, f"sensitivity of {len(layers)} layers on {r.sensitivity['samples']} images "
@@ -85,6 +96,13 @@ def command(output, model, table, method, exclude, no_bias_correction, exclude_s
     say(quiet, f"quantized in {r.seconds:.1f}s with {r.report['method']} ranges: {s.get('int8', 0)} ops int8, "
                f"{s.get('passthrough', 0)} pass int8 through, {s.get('fused', 0)} activations fused, "
                f"{s.get('fp32', 0)} stay fp32")
+    enc = r.report["encodings"]
+    line = f"target {target}: weights " + ", ".join(f"{k} x{v}" for k, v in sorted(enc.items()))
+    cost = r.report.get("target_cost")
+    if cost:
+        line += (f"; output SQNR on {cost['samples']} calibration images {cost['output_sqnr_db']:.2f} dB "
+                 f"(plain int8 weights: {cost['output_sqnr_plain_int8_db']:.2f} dB)")
+    say(quiet, line)
     for op, reasons in sorted(fp32_ops_of(r.output).items()):
         say(quiet, f"  fp32: {op} x{len(reasons)} ({reasons[0]})")
     for note in r.output.notes:

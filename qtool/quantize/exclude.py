@@ -21,8 +21,8 @@ import onnx
 
 from qtool.calibrate.collect import session
 from qtool.metrics import kl_softmax, predicted_agreement, sqnr_db, top1_agreement
-from qtool.quantize.qdq import quantize_graph
-from qtool.quantize.sensitivity import run_first_output
+from qtool.quantize.context import QuantizeContext
+from qtool.quantize.samples import SampleSet
 
 CANDIDATES_PER_STEP = 3
 POOL = 12  # layers from the top of the sensitivity ranking whose leave-one-out gain is measured
@@ -65,21 +65,22 @@ def latency_ms(model: onnx.ModelProto, feed: dict, repeats: int = 15) -> float:
     return float(np.median(ts)) * 1000
 
 
-def exclude_sensitive(fused, table, method, ranking: list, feeds: list, reference: np.ndarray,
-                      target_agreement: float = 0.995, max_drop: float | None = None, labels=None,
-                      max_excluded: int = 5, bias_correction: bool = True, base_exclude: dict | None = None,
-                      progress=None, measure_latency: bool = True, ranges: dict | None = None,
-                      hessians: dict | None = None, weight_cache: dict | None = None) -> ExclusionResult:
-    base_exclude = dict(base_exclude or {})
+def _deployed(ctx: QuantizeContext, scored, excl: dict):
+    """The model as it will be written (a scoring model may store its weights otherwise)."""
+    return ctx.build(excl).model if ctx.exact_storage else scored.model
+
+
+def exclude_sensitive(ctx: QuantizeContext, ranking: list, samples: SampleSet, target_agreement: float = 0.995,
+                      max_drop: float | None = None, labels=None, max_excluded: int = 5, progress=None,
+                      measure_latency: bool = True) -> ExclusionResult:
+    """Layers kept fp32 on top of the user's (ctx.exclude), judged on `samples` (held back)."""
+    base_exclude = dict(ctx.exclude)
+    feeds, reference = samples.feeds, samples.reference
     one = {k: v[:1] for k, v in feeds[0].items()}
     y_true = None if labels is None else np.asarray(labels)
 
-    cache = {} if weight_cache is None else weight_cache
-
     def evaluate(excl: dict):
-        q = quantize_graph(fused, table, method, excl, bias_correction, ranges=ranges, weight_cache=cache,
-                           hessians=hessians)
-        y = run_first_output(q.model, feeds)
+        y, q = ctx.score(feeds, excl)
         drop = None
         if y_true is not None:
             m = y_true >= 0
@@ -108,7 +109,7 @@ def exclude_sensitive(fused, table, method, ranking: list, feeds: list, referenc
     excl = dict(base_exclude)
     q, pt = evaluate(excl)
     if measure_latency:
-        pt.ort_int8_ms = latency_ms(q.model, one)
+        pt.ort_int8_ms = latency_ms(_deployed(ctx, q, excl), one)
     res = ExclusionResult(dict(excl), [pt], good(pt), target, q.model)
     best_q, best_pt = q, pt
     order = [s.name for s in sorted(ranking, key=lambda s: s.rank) if s.name not in excl]
@@ -127,7 +128,7 @@ def exclude_sensitive(fused, table, method, ranking: list, feeds: list, referenc
         order.remove(name)
         excl = cand
         if measure_latency:
-            pt.ort_int8_ms = latency_ms(q.model, one)
+            pt.ort_int8_ms = latency_ms(_deployed(ctx, q, excl), one)
         res.curve.append(pt)
         if score(pt) >= score(best_pt):
             best_q, best_pt = q, pt

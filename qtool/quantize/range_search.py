@@ -133,19 +133,30 @@ def _session(model: onnx.ModelProto, threads: int = 0) -> ort.InferenceSession:
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
-def search_ranges(fused: onnx.ModelProto, table, method: str, feeds: list, reference: np.ndarray,
-                  exclude: dict | None = None, bias_correction: bool = True, progress=None,
-                  threads: int = 0, hessians: dict | None = None, weight_cache: dict | None = None) -> RangeSearch:
-    """Tuned activation ranges from calibration `feeds` (list of input dicts) and the fp32 `reference` output."""
-    from qtool.quantize.qdq import quantize_graph  # (qdq imports the plan; avoid a cycle at import time)
-    from qtool.quantize.sensitivity import run_first_output
-
-    plan = make_plan(fused, exclude, table.ranges.get(method, {}))
+def tunable(ctx) -> tuple:
+    """(tensors whose range has more than one candidate, tensor -> candidates)."""
+    fused, table, method = ctx.fused, ctx.table, ctx.method
+    plan = make_plan(fused, ctx.exclude, table.ranges.get(method, {}))
     out_names = {o.name for o in fused.graph.output}
     tensors = [t for t in plan.tensors if t not in plan.shared and t not in out_names
                and table.range(t, method) is not None]
     cands = {t: candidates(table, method, t, plan.clamp.get(t)) for t in tensors}
     tensors = [t for t in tensors if len(cands[t]) > 1]  # (a ReLU6 output at [0, 6] has nothing to choose)
+    return tensors, cands
+
+
+def probe_count(ctx) -> int:
+    """Probes search_ranges makes at most (each tensor once, then every candidate of each)."""
+    tensors, cands = tunable(ctx)
+    return sum(len(cands[t]) for t in tensors)
+
+
+def search_ranges(ctx, samples, progress=None) -> RangeSearch:
+    """Tuned activation ranges (QuantizeContext `ctx`, its method, exclusions and rounding) from
+    calibration `samples` (a SampleSet: inputs and the fp32 reference output)."""
+    fused, table, method, threads = ctx.fused, ctx.table, ctx.method, ctx.threads
+    feeds, reference = samples.feeds, samples.reference
+    tensors, cands = tunable(ctx)
     if not tensors:
         return RangeSearch()
     sess = _session(probe_model(fused, tensors), threads)
@@ -189,14 +200,9 @@ def search_ranges(fused: onnx.ModelProto, table, method: str, feeds: list, refer
         res.choices.append(RangeChoice(t, cands[t][0][1], best[1], best[0], default_noise[t], best[2]))
     tuned = {c.tensor: c.chosen for c in res.choices if c.label != "default"}
     # 3. the whole int8 model, default against tuned ranges, on the same samples
-    cache = {} if weight_cache is None else weight_cache
-    y0 = run_first_output(quantize_graph(fused, table, method, exclude, bias_correction, weight_cache=cache,
-                                         hessians=hessians).model, feeds, threads)
-    res.sqnr_default_db = res.sqnr_tuned_db = sqnr_db(reference, y0)
+    res.sqnr_default_db = res.sqnr_tuned_db = sqnr_db(reference, ctx.score(feeds, ranges=None)[0])
     if tuned:
-        y1 = run_first_output(quantize_graph(fused, table, method, exclude, bias_correction, ranges=tuned,
-                                             weight_cache=cache, hessians=hessians).model, feeds, threads)
-        res.sqnr_tuned_db = sqnr_db(reference, y1)
+        res.sqnr_tuned_db = sqnr_db(reference, ctx.score(feeds, ranges=tuned)[0])
     res.kept = bool(tuned) and res.sqnr_tuned_db > res.sqnr_default_db
     res.ranges = tuned if res.kept else {}
     return res

@@ -9,14 +9,16 @@ from dataclasses import dataclass
 import onnx
 from tqdm import tqdm
 
-from qtool.calibrate.config import config_from_any
-from qtool.calibrate.data import ImageData
-from qtool.quantize.method_choice import method_scores
 from qtool.labels import labels_from_file, labels_from_folders
+from qtool.metrics import sqnr_db
+from qtool.quantize.context import QuantizeContext
+from qtool.quantize.encoding import DEFAULT_TARGET, S8, TARGETS
 from qtool.quantize.exclude import exclude_sensitive
+from qtool.quantize.method_choice import method_scores
 from qtool.quantize.range_search import search_ranges
 from qtool.quantize.rounding import layer_hessians
-from qtool.quantize.sensitivity import layer_sensitivity, quantizable_layers, run_first_output
+from qtool.quantize.samples import SampleSet, load_samples
+from qtool.quantize.sensitivity import layer_sensitivity, quantizable_layers
 from qtool.report.sensitivity_html import render as render_sensitivity
 
 from qtool.calibrate.run import FUSED, TABLE
@@ -96,16 +98,6 @@ class SensitivityOptions:
     show_progress: bool = True
 
 
-def _calibration_feeds(fused, table, files: list, batch: int = 16):
-    cfg = config_from_any(table.config)
-    data = ImageData(os.path.dirname(files[0]), cfg, fused, table.model_path, batch=batch, files=files)
-    names, feeds = [], []
-    for n, f in data.batches():
-        names.extend(n)
-        feeds.append(f)
-    return names, feeds
-
-
 def _labels_for(files: list, labels_file: str | None, data_root: str | None):
     if labels_file:
         ys = labels_from_file(labels_file, files)
@@ -118,10 +110,34 @@ def _calibration_files(wd: Workdir) -> list:
     return [f for f in wd.manifest().get("calibrate", {}).get("files", []) if os.path.exists(f)]
 
 
-def _sensitivity_files(files: list, samples: int) -> list:
-    """The calibration images sensitivity (and tuning) use; the others are held back to check exclusions."""
-    step = max(1, len(files) // samples) if len(files) > samples else 1
-    return files[::step][:samples]
+def _evenly(files: list, n: int) -> list:
+    """At most n of `files`, evenly spaced."""
+    step = max(1, len(files) // n) if len(files) > n else 1
+    return files[::step][:n]
+
+
+@dataclass
+class SampleSplit:
+    """Which calibration samples each step uses: sensitivity (and tuning, its first TUNE_SAMPLES),
+    the held-back rest for checking exclusions, a few for --method auto. Decoded once together."""
+    sensitivity: list
+    held_back: list
+    auto: list
+
+    @classmethod
+    def of(cls, files: list, sensitivity_samples: int) -> "SampleSplit":
+        sens = _evenly(files, sensitivity_samples)
+        taken = set(sens)
+        held = _evenly([f for f in files if f not in taken], MAX_HELD_BACK)
+        return cls(sens, held, _evenly(files, AUTO_SAMPLES))
+
+    def needed(self, auto: bool, tune: bool, sensitivity: bool, exclusion: bool) -> list:
+        want = (self.auto if auto else []) + (self.sensitivity[:TUNE_SAMPLES] if tune else []) \
+            + (self.sensitivity if sensitivity or exclusion else []) + (self.held_back if exclusion else [])
+        return list(dict.fromkeys(want))
+
+
+MAX_HELD_BACK = 512  # held-back samples decoded for the exclusion check, at most
 
 
 @dataclass
@@ -134,105 +150,97 @@ class Tuning:
     samples: int = 0
 
 
-def tune(fused, table, method, wd: Workdir, exclude: dict, bias_correction: bool, rounding: bool, ranges: bool,
-         samples: int, weight_cache: dict, say=print, show_progress: bool = True) -> Tuning:
-    """Layer input covariances and tuned ranges from `TUNE_SAMPLES` of the sensitivity images (calibration only)."""
-    res = Tuning()
-    files = _calibration_files(wd)
-    if not (rounding or ranges):
-        return res
-    if not files:
-        say("note: no calibration images recorded in the working directory; weights rounded to nearest, "
-            "ranges not tuned")
+def tune(ctx: QuantizeContext, samples: SampleSet, rounding: bool, ranges: bool, say=print,
+         show_progress: bool = True) -> Tuning:
+    """Output-aware rounding and tuned ranges from calibration `samples`; sets ctx.hessians and ctx.ranges."""
+    res = Tuning(samples=len(samples))
+    if not (rounding or ranges) or not len(samples):
         return res
     t0 = time.time()
-    tfiles = _sensitivity_files(files, samples)[:TUNE_SAMPLES]
-    _, feeds = _calibration_feeds(fused, table, tfiles)
-    res.samples = len(tfiles)
     if rounding:
-        res.hessians = layer_hessians(fused, feeds)
+        say(f"output-aware rounding: input covariances of every layer on {len(samples)} calibration images")
+        ctx.hessians = res.hessians = layer_hessians(ctx.fused, samples.feeds)
     if ranges:
-        ref = run_first_output(fused, feeds)
-        with tqdm(unit="probe", desc="tune ranges", disable=not show_progress, leave=False) as bar:
-            res.search = search_ranges(fused, table, method, feeds, ref, exclude, bias_correction, bar.update,
-                                       hessians=res.hessians, weight_cache=weight_cache)
-        res.ranges = res.search.ranges or None
+        from qtool.quantize.range_search import probe_count
+        total = probe_count(ctx)
+        say(f"tuning activation ranges at the output on {len(samples)} calibration images")
+        with tqdm(total=total, unit="probe", desc="tune ranges", disable=not show_progress, leave=False) as bar:
+            res.search = search_ranges(ctx, samples, bar.update)
+        ctx.ranges = res.ranges = res.search.ranges or None
         s = res.search
-        say(f"tuned ranges: {len(s.ranges)} tensors changed ({s.probes} probes), output SQNR on {len(tfiles)} "
+        say(f"tuned ranges: {len(s.ranges)} tensors changed ({s.probes} probes), output SQNR on {len(samples)} "
             f"calibration images {s.sqnr_default_db:.1f} -> {s.sqnr_tuned_db:.1f} dB"
             + ("" if s.kept or not s.choices else "; not better, default ranges kept"))
-    if res.hessians:
-        # round every layer once now, at the ranges that will be used: later builds reuse the cache
-        quantize_graph(fused, table, method, exclude, bias_correction, ranges=res.ranges, weight_cache=weight_cache,
-                       hessians=res.hessians)
+    if ctx.hessians:
+        say(f"rounding the weights of {len(ctx.hessians)} layers by their output error")
+        ctx.build()  # round every layer once now, at the final ranges: later builds reuse the cache
     res.seconds = time.time() - t0
     return res
 
 
-def run_sensitivity(fused, table, method, opts: SensitivityOptions, wd: Workdir, user_exclude: dict,
-                    bias_correction: bool, say=print, tuning: Tuning | None = None, weight_cache: dict | None = None):
-    """Sensitivity on `opts.samples` calibration images, then (optionally) the exclusion search on the rest."""
-    entry = wd.manifest().get("calibrate", {})
-    files = _calibration_files(wd)
-    if not files:
-        say("note: no calibration images recorded in the working directory; sensitivity skipped")
-        return None, None
-    tuning = tuning or Tuning()
+def run_sensitivity(ctx: QuantizeContext, samples: SampleSet, opts: "SensitivityOptions", say=print):
+    say(f"sensitivity: each of {len(quantizable_layers(ctx.fused))} layers alone in int8 on {len(samples)} "
+        f"calibration images")
     t0 = time.time()
-    sens_files = _sensitivity_files(files, opts.samples)
-    held = [f for f in files if f not in set(sens_files)]
-    _, feeds = _calibration_feeds(fused, table, sens_files)
-    ref = run_first_output(fused, feeds)
-    n_layers = len(quantizable_layers(fused))
-    with tqdm(total=n_layers, unit="layer", desc="sensitivity", disable=not opts.show_progress, leave=False) as bar:
-        layers = layer_sensitivity(fused, table, method, feeds, ref, bar.update, bias_correction,
-                                   ranges=tuning.ranges, hessians=tuning.hessians, weight_cache=weight_cache)
-    secs = time.time() - t0
-    exclusion = None
-    if opts.exclude_sensitive:
-        check_files = held if len(held) >= MIN_HELD_BACK else files
-        if check_files is files:
-            say(f"note: only {len(held)} calibration images held back; checking exclusions on all {len(files)}")
-        names, cfeeds = _calibration_feeds(fused, table, check_files)
-        cref = run_first_output(fused, cfeeds)
-        labels = _labels_for(names, opts.labels, entry.get("data"))
-        with tqdm(total=1 + opts.max_excluded * 3 + 12, unit="model", desc="exclude-sensitive",
-                  disable=not opts.show_progress, leave=False) as bar:
-            exclusion = exclude_sensitive(fused, table, method, layers, cfeeds, cref, opts.target_agreement,
-                                          opts.max_drop, labels, opts.max_excluded, bias_correction, user_exclude,
-                                          bar.update, ranges=tuning.ranges, hessians=tuning.hessians,
-                                          weight_cache=weight_cache)
-        exclusion.check_images = len(check_files)
-    return {"layers": [l.to_dict() for l in layers], "seconds": secs, "samples": len(sens_files)}, exclusion
+    with tqdm(total=len(quantizable_layers(ctx.fused)), unit="layer", desc="sensitivity",
+              disable=not opts.show_progress, leave=False) as bar:
+        layers = layer_sensitivity(ctx, samples, bar.update)
+    return {"layers": [l.to_dict() for l in layers], "seconds": time.time() - t0, "samples": len(samples)}, layers
 
 
+def run_exclusion(ctx: QuantizeContext, ranking: list, check: SampleSet, opts: "SensitivityOptions",
+                  data_root: str | None, say=print):
+    labels = _labels_for(check.names, opts.labels, data_root)
+    say(f"exclude-sensitive: keeping layers fp32 until {opts.target_agreement if opts.max_drop is None else opts.max_drop}"
+        f" holds on {len(check)} held-back calibration images")
+    with tqdm(total=1 + POOL_FOR_PROGRESS + opts.max_excluded * 3, unit="model", desc="exclude-sensitive",
+              disable=not opts.show_progress, leave=False) as bar:
+        exclusion = exclude_sensitive(ctx, ranking, check, opts.target_agreement, opts.max_drop, labels,
+                                      opts.max_excluded, bar.update)
+    exclusion.check_images = len(check)
+    return exclusion
+
+
+POOL_FOR_PROGRESS = 12
 AUTO = "auto"
 AUTO_SAMPLES = 8
 
 
-def pick_method(fused, table, wd: Workdir, bias_correction: bool, say=print):
+def pick_method(ctx: QuantizeContext, samples: SampleSet, say=print):
     """The range method whose int8 model has the best output SQNR on a few calibration samples
     (never the evaluation data): (method, {method: dB})."""
-    files = [f for f in wd.manifest().get("calibrate", {}).get("files", []) if os.path.exists(f)]
-    if not files:
-        say(f"note: --method auto needs the calibration samples; none recorded, using {table.method}")
-        return table.method, None
-    step = max(1, len(files) // AUTO_SAMPLES)
-    _, feeds = _calibration_feeds(fused, table, files[::step][:AUTO_SAMPLES])
-    scores = method_scores(fused, table, feeds, None, bias_correction=bias_correction)
+    if not len(samples):
+        say(f"note: --method auto needs the calibration samples; none recorded, using {ctx.table.method}")
+        return ctx.table.method, None
+    scores = method_scores(ctx, samples)
     best = max(scores, key=scores.get)
-    say(f"method auto: {best} (output SQNR on {min(len(files), AUTO_SAMPLES)} calibration samples: "
+    say(f"method auto: {best} (output SQNR on {len(samples)} calibration samples: "
         + ", ".join(f"{m} {v:.1f} dB" for m, v in scores.items()) + ")")
     return best, scores
+
+
+def target_cost(ctx: QuantizeContext, samples: SampleSet, excluded: dict) -> dict | None:
+    """What the target's weight encoding costs at the output, against plain int8 weights (the exact
+    int8 result of both), on calibration samples."""
+    if not len(samples) or TARGETS[ctx.target].encoding == S8:
+        return None
+    plain = QuantizeContext(ctx.fused, ctx.table, ctx.method, "vnni", ctx.bias_correction, ctx.exclude, ctx.ranges,
+                            ctx.hessians, {}, ctx.threads)
+    y_t, y_p = ctx.score(samples.feeds, excluded)[0], plain.score(samples.feeds, excluded)[0]
+    return {"samples": len(samples), "output_sqnr_db": sqnr_db(samples.reference, y_t),
+            "output_sqnr_plain_int8_db": sqnr_db(samples.reference, y_p)}
 
 
 def quantize(workdir: str | None = None, model: str | None = None, table_path: str | None = None,
              output: str | None = None, method: str | None = None, exclude: dict | None = None,
              bias_correction: bool = True, sensitivity: SensitivityOptions | None = None, say=print,
-             rounding: bool | None = None, tune_ranges: bool | None = None) -> QuantizeResult:
+             rounding: bool | None = None, tune_ranges: bool | None = None,
+             target: str = DEFAULT_TARGET) -> QuantizeResult:
     """`rounding`: output-aware weight rounding from calibration images (rounding.py), nearest otherwise.
     `tune_ranges`: activation ranges chosen at the model output (range_search.py). None (both): on
-    with --exclude-sensitive, which tries them before it gives up any layer, off otherwise."""
+    with --exclude-sensitive, which tries them before it gives up any layer, off otherwise.
+    `target` (encoding.TARGETS): the CPUs the model must be exact on; every experiment is scored
+    with the exact int8 arithmetic the target promises, whatever CPU this is."""
     t0 = time.time()
     fused, table, model_path = load_inputs(workdir, model, table_path)
     exclude = dict(exclude or {})
@@ -241,48 +249,68 @@ def quantize(workdir: str | None = None, model: str | None = None, table_path: s
     if unknown:
         raise QtoolError(f"--exclude: no node named {', '.join(repr(u) for u in unknown)} in the fused graph "
                          f"(`qtool inspect` lists the names)")
-    method = method or table.method
+    if target not in TARGETS:
+        raise QtoolError(f"--target: no target named {target!r}; choose one of {', '.join(TARGETS)}")
     wd = Workdir(workdir)
+    opts = sensitivity or SensitivityOptions(enabled=False, show_progress=False)
+    sens_on = opts.enabled
+    exclusion_on = bool(sens_on and opts.exclude_sensitive)
+    tune_ranges = exclusion_on if tune_ranges is None else tune_ranges
+    rounding = exclusion_on if rounding is None else rounding
+    auto = (method or table.method) == AUTO
+    ctx = QuantizeContext(fused, table, table.method if auto else (method or table.method), target, bias_correction,
+                          exclude)
+    files = _calibration_files(wd)
+    split = SampleSplit.of(files, opts.samples)
+    need = split.needed(auto, rounding or tune_ranges, sens_on, exclusion_on)
+    if need:
+        say(f"decoding {len(need)} calibration images and running fp32 on them once")
+    elif auto or rounding or tune_ranges or sens_on:
+        say("note: no calibration images recorded in the working directory; method choice, output-aware rounding, "
+            "range tuning and sensitivity skipped")
+    samples = load_samples(fused, table, need)
     method_scores_db = None
-    if method == AUTO:
-        method, method_scores_db = pick_method(fused, table, wd, bias_correction, say)
-    sens, exclusion = (None, None)
-    sens_on = sensitivity is not None and sensitivity.enabled
-    auto = bool(sens_on and sensitivity.exclude_sensitive)
-    tune_ranges = auto if tune_ranges is None else tune_ranges
-    rounding = auto if rounding is None else rounding
-    cache = {}
-    tuning = tune(fused, table, method, wd, exclude, bias_correction, rounding, tune_ranges,
-                  sensitivity.samples if sensitivity is not None else 64, cache, say,
-                  sensitivity.show_progress if sensitivity is not None else False)
-    if sens_on:
-        sens, exclusion = run_sensitivity(fused, table, method, sensitivity, wd, exclude, bias_correction, say,
-                                          tuning, cache)
-    if exclusion is not None:
-        exclude = dict(exclusion.excluded)
-    out = quantize_graph(fused, table, method, exclude, bias_correction, ranges=tuning.ranges,
-                         weight_cache=cache, hessians=tuning.hessians)
+    if auto:
+        ctx.method, method_scores_db = pick_method(ctx, samples.pick(split.auto), say)
+    sens_samples = samples.pick(split.sensitivity)
+    tuning = tune(ctx, sens_samples.subset(range(min(TUNE_SAMPLES, len(sens_samples)))), rounding, tune_ranges,
+                  say, opts.show_progress)
+    sens, exclusion, ranking = None, None, None
+    if sens_on and len(sens_samples):
+        sens, ranking = run_sensitivity(ctx, sens_samples, opts, say)
+        if exclusion_on:
+            check = samples.pick(split.held_back)
+            if len(check) < MIN_HELD_BACK:
+                say(f"note: only {len(check)} calibration images held back (fewer than {MIN_HELD_BACK}); "
+                    f"checking exclusions on all {len(samples.pick(files))}")
+                check = samples.pick(files)
+            exclusion = run_exclusion(ctx, ranking, check, opts, wd.manifest().get("calibrate", {}).get("data"), say)
+    final_exclude = dict(exclusion.excluded) if exclusion is not None else dict(exclude)
+    out = ctx.build(final_exclude)
     path = output or wd.file(INT8)
     save_model(out.model, path)
+    cost = target_cost(ctx, sens_samples, final_exclude)
     report = {
-        "model": model_path, "int8_model": os.path.abspath(path), "method": method,
-        "method_scores_db": method_scores_db,
+        "model": model_path, "int8_model": os.path.abspath(path), "method": ctx.method,
+        "method_scores_db": method_scores_db, "target": target, "target_description": TARGETS[target].description,
+        "target_cost": cost,
+        "encodings": _encoding_counts(out),
         "bias_correction": bias_correction,
         "rounding": "output-aware" if tuning.hessians else "nearest",
         "rounded_layers": sorted(tuning.hessians or []),
         "tuned_ranges": None if tuning.search is None else dict(tuning.search.to_dict(), samples=tuning.samples),
         "tuning_seconds": tuning.seconds,
         "summary": out.plan.summary(),
-        "excluded": exclude,
+        "excluded": final_exclude,
         "nodes": [d.__dict__ for d in out.plan.decisions],
         "notes": out.notes,
         "layers": {k: v.__dict__ for k, v in out.layers.items()},
         "size_bytes": {"fp32": os.path.getsize(model_path), "int8": os.path.getsize(path)},
     }
     if sens is not None:
-        srep = {"meta": {"model": os.path.basename(model_path), "method": method, "samples": sens["samples"],
-                         "seconds": sens["seconds"]},
-                "layers": sens["layers"], "excluded": exclude,
+        srep = {"meta": {"model": os.path.basename(model_path), "method": ctx.method, "target": target,
+                         "samples": sens["samples"], "seconds": sens["seconds"]},
+                "layers": sens["layers"], "excluded": final_exclude,
                 "exclusion": None if exclusion is None else dict(exclusion.to_dict(),
                                                                   check_images=exclusion.check_images),
                 "fp32_ops": [d.__dict__ for d in out.plan.decisions if d.status == "fp32"]}
@@ -293,9 +321,17 @@ def quantize(workdir: str | None = None, model: str | None = None, table_path: s
             report["exclusion"] = srep["exclusion"]
     atomic_write_text(wd.file(REPORT), json.dumps(json_safe(report), indent=1))
     wd.update(quantize={"int8_path": os.path.abspath(path), "report_path": wd.file(REPORT),
-                        "method": report["method"], "excluded": exclude, "bias_correction": bias_correction})
+                        "method": report["method"], "target": target, "excluded": final_exclude,
+                        "bias_correction": bias_correction})
     return QuantizeResult(out, path, report, time.time() - t0, sens, exclusion, tuning)
 
+
+def _encoding_counts(out: QuantizeOutput) -> dict:
+    c = {}
+    for l in out.layers.values():
+        if l.encoding:
+            c[l.encoding] = c.get(l.encoding, 0) + 1
+    return c
 
 
 def fp32_ops_of(out: QuantizeOutput) -> dict:

@@ -14,10 +14,10 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import onnx
 
-from qtool.calibrate.collect import session
 from qtool.metrics import kl_softmax, sqnr_db, top1_agreement
+from qtool.quantize.context import QuantizeContext, run_first_output  # noqa: F401  (run_first_output: re-exported)
 from qtool.quantize.plan import make_plan
-from qtool.quantize.qdq import quantize_graph
+from qtool.quantize.samples import SampleSet
 
 
 @dataclass
@@ -34,12 +34,6 @@ class LayerSensitivity:
 
     def to_dict(self):
         return asdict(self)
-
-
-def run_first_output(model: onnx.ModelProto | str, feeds: list, threads: int = 0) -> np.ndarray:
-    s = session(model, threads)
-    name = s.get_outputs()[0].name
-    return np.concatenate([s.run([name], f)[0] for f in feeds])
 
 
 def clip_fraction(table, tensor: str, lo: float, hi: float) -> float:
@@ -59,24 +53,19 @@ def quantizable_layers(fused: onnx.ModelProto) -> list:
     return [d for d in plan.decisions if d.status == "int8"]
 
 
-def layer_sensitivity(fused: onnx.ModelProto, table, method: str, feeds: list, reference: np.ndarray | None = None,
-                      progress=None, bias_correction: bool = True, threads: int = 0, ranges: dict | None = None,
-                      hessians: dict | None = None, weight_cache: dict | None = None) -> list:
-    """Sensitivity of every int8 layer; `feeds` is a list of input dicts (batches). `ranges`,
-    `hessians`: as quantize_graph takes them (tuned ranges, output-aware rounding)."""
-    ref = run_first_output(fused, feeds, threads) if reference is None else reference
-    layers = quantizable_layers(fused)
+def layer_sensitivity(ctx: QuantizeContext, samples: SampleSet, progress=None) -> list:
+    """Sensitivity of every int8 layer on `samples`, with the context's settings (target, tuned
+    ranges, output-aware rounding) for the one layer quantized."""
+    ref, feeds = samples.reference, samples.feeds
+    layers = quantizable_layers(ctx.fused)
     names = [d.name for d in layers]
     out = []
-    cache = {} if weight_cache is None else weight_cache
     for k, d in enumerate(layers):
         others = {n: "sensitivity: only one layer int8" for n in names if n != d.name}
-        q = quantize_graph(fused, table, method, others, bias_correction, ranges=ranges, weight_cache=cache,
-                           prune_excluded=False, hessians=hessians)
-        y = run_first_output(q.model, feeds, threads)
+        y, q = ctx.score(feeds, others, prune_excluded=False)
         node_out = next(n.output[0] for n in q.model.graph.node if n.name == d.name)
         qp = q.qparams.get(node_out)
-        clip = clip_fraction(table, node_out, qp.lo, qp.hi) if qp else 0.0
+        clip = clip_fraction(ctx.table, node_out, qp.lo, qp.hi) if qp else 0.0
         li = q.layers.get(d.name)
         out.append(LayerSensitivity(d.name, d.op_type, k, sqnr_db(ref, y), top1_agreement(ref, y),
                                     kl_softmax(ref, y) if y.ndim == 2 else 0.0,

@@ -1,0 +1,72 @@
+"""What every step inside `qtool quantize` shares: the graph, the table, the choices made so far.
+
+The steps (method choice, output-aware rounding, range tuning, sensitivity, exclusion, writing)
+each read the context and add to it; every experiment among them is `ctx.build(...)` with a few
+settings changed, and `ctx.score(...)` runs it on a SampleSet. Weights are quantized once per
+layer and setting (`weight_cache`), and the QDQ graph written to disk is built once, at the end.
+
+Experiments are scored with the arithmetic the target promises (the exact int8 result), whatever
+CPU qtool runs on: where this machine's ONNX Runtime adds int8 weight pairs in a saturating int16
+(qtool/arithmetic.py) and the target's weights are plain int8, the scoring models store the same
+weights as uint8 + 128, which ORT computes exactly on every CPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+
+from qtool.arithmetic import EXACT
+from qtool.calibrate.collect import session
+from qtool.quantize.encoding import DEFAULT_TARGET, S8, TARGETS
+from qtool.quantize.qdq import QuantizeOutput, quantize_graph
+
+
+def run_first_output(model: onnx.ModelProto | str, feeds: list, threads: int = 0) -> np.ndarray:
+    s = session(model, threads)
+    name = s.get_outputs()[0].name
+    return np.concatenate([s.run([name], f)[0] for f in feeds])
+
+
+def exact_storage_needed(target: str) -> bool:
+    """Whether scoring models must store int8 weights as uint8 to get exact sums from this ORT."""
+    if TARGETS[target].encoding != S8:
+        return False  # pair-safe and uint8 weights are exact on every ORT path
+    from qtool.ort_arithmetic import ort_int8_arithmetic
+    return ort_int8_arithmetic() != EXACT
+
+
+@dataclass
+class QuantizeContext:
+    fused: onnx.ModelProto
+    table: object  # calibrate.table.CalibrationTable
+    method: str
+    target: str = DEFAULT_TARGET
+    bias_correction: bool = True
+    exclude: dict = field(default_factory=dict)  # node -> reason: kept fp32 by the user
+    ranges: dict | None = None  # tensor -> (lo, hi): activation ranges tuned at the output
+    hessians: dict | None = None  # node -> input covariance: output-aware weight rounding
+    weight_cache: dict = field(default_factory=dict)
+    threads: int = 0
+    exact_storage: bool | None = None  # None: decided from the target and this machine's ORT
+
+    def __post_init__(self):
+        if self.target not in TARGETS:
+            raise ValueError(f"unknown target {self.target!r}; choose one of {', '.join(TARGETS)}")
+        if self.exact_storage is None:
+            self.exact_storage = exact_storage_needed(self.target)
+
+    def build(self, exclude: dict | None = None, *, scoring: bool = False, **over) -> QuantizeOutput:
+        """The QDQ graph with the context's settings; `exclude` adds to the user's exclusions and
+        `over` replaces any other quantize_graph argument (method, ranges, prune_excluded, ...)."""
+        kw = dict(method=self.method, exclude={**self.exclude, **(exclude or {})},
+                  bias_correction=self.bias_correction, ranges=self.ranges, hessians=self.hessians,
+                  weight_cache=self.weight_cache, target=self.target, u8_storage=scoring and self.exact_storage)
+        kw.update(over)
+        return quantize_graph(self.fused, self.table, **kw)
+
+    def score(self, feeds: list, exclude: dict | None = None, **over) -> tuple:
+        """(first output of the int8 model over `feeds`, the QuantizeOutput it came from)."""
+        q = self.build(exclude, scoring=True, **over)
+        return run_first_output(q.model, feeds, self.threads), q

@@ -1,0 +1,65 @@
+"""Calibration samples decoded once, with their fp32 outputs computed once, for every step of quantize.
+
+Method choice, rounding, range tuning, sensitivity and the exclusion check each use a subset of
+the calibration samples; a SampleSet holds the inputs of those samples and the fp32 model's first
+output for each, and hands out subsets without decoding an image or running fp32 again.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+BATCH = 16
+
+
+@dataclass
+class SampleSet:
+    names: list  # file (or sample) names, one per sample
+    inputs: dict  # input name -> array [N, ...]
+    reference: np.ndarray  # the fp32 model's first output, [N, ...]
+    batch: int = BATCH
+    fixed_batch: bool = False  # the model's batch dimension is fixed: every feed has exactly `batch`
+
+    def __len__(self):
+        return len(self.names)
+
+    @property
+    def feeds(self) -> list:
+        n = len(self.names)
+        if self.fixed_batch:
+            n -= n % self.batch  # (a model with a fixed batch of b takes whole batches only)
+        return [{k: v[a:a + self.batch] for k, v in self.inputs.items()} for a in range(0, n, self.batch)]
+
+    def subset(self, index) -> "SampleSet":
+        idx = np.asarray(index, np.int64)
+        return SampleSet([self.names[i] for i in idx], {k: v[idx] for k, v in self.inputs.items()},
+                         self.reference[idx], self.batch, self.fixed_batch)
+
+    def pick(self, names: list) -> "SampleSet":
+        pos = {n: i for i, n in enumerate(self.names)}
+        return self.subset([pos[n] for n in names if n in pos])
+
+
+def load_samples(fused, table, files: list, threads: int = 0) -> SampleSet:
+    """Decode `files` with the calibration's preprocessing and run the fp32 graph on them once."""
+    from qtool.calibrate.config import config_from_any
+    from qtool.calibrate.data import ImageData
+    from qtool.quantize.context import run_first_output
+
+    if not files:
+        return SampleSet([], {}, np.zeros((0,)))
+    data = ImageData(os.path.dirname(files[0]), config_from_any(table.config), fused, table.model_path,
+                     batch=BATCH, files=files)
+    names, parts = [], {}
+    for n, f in data.batches():
+        names.extend(n)
+        for k, v in f.items():
+            parts.setdefault(k, []).append(v)
+    inputs = {k: np.concatenate(v) for k, v in parts.items()}
+    from qtool import graph as G
+    fixed = [d[0] for d in (G.input_dims(i) for i in G.real_inputs(fused)) if d and isinstance(d[0], int)]
+    s = SampleSet(names, inputs, np.zeros((0,)), fixed[0] if fixed else BATCH, bool(fixed))
+    s.reference = run_first_output(fused, s.feeds, threads) if names else np.zeros((0,))
+    return s
