@@ -47,11 +47,12 @@ def activation_qparams(lo: float, hi: float) -> ActQParams:
     return ActQParams(float(scale), zp)
 
 
-def weight_scales(w: np.ndarray, axis: int = 0) -> np.ndarray:
-    """Per-output-channel symmetric scales (float32, one per index of `axis`)."""
+def weight_scales(w: np.ndarray, axis: int = 0, w_max: int = W_MAX) -> np.ndarray:
+    """Per-output-channel symmetric scales (float32, one per index of `axis`); `w_max` < 127 for
+    narrower weights (ONNX Runtime's reduce_range uses 7 bits)."""
     w = np.moveaxis(np.asarray(w, np.float32), axis, 0).reshape(w.shape[axis], -1)
     absmax = np.abs(w).max(axis=1) if w.shape[1] else np.zeros(w.shape[0], np.float32)
-    scale = (absmax / np.float32(W_MAX)).astype(np.float32)
+    scale = (absmax / np.float32(w_max)).astype(np.float32)
     return np.where(scale > 0, scale, np.float32(1.0)).astype(np.float32)
 
 
@@ -61,10 +62,10 @@ def _bcast(v: np.ndarray, ndim: int, axis: int) -> np.ndarray:
     return np.asarray(v).reshape(shape)
 
 
-def quantize_weight(w: np.ndarray, scale: np.ndarray, axis: int = 0) -> np.ndarray:
-    """int8 weights, rounded half to even and clipped to [-127, 127]."""
+def quantize_weight(w: np.ndarray, scale: np.ndarray, axis: int = 0, w_max: int = W_MAX) -> np.ndarray:
+    """int8 weights, rounded half to even and clipped to [-w_max, w_max] ([-127, 127])."""
     s = _bcast(np.asarray(scale, np.float32), w.ndim, axis)
-    return np.clip(np.rint(np.asarray(w, np.float32) / s), -W_MAX, W_MAX).astype(np.int8)
+    return np.clip(np.rint(np.asarray(w, np.float32) / s), -w_max, w_max).astype(np.int8)
 
 
 def dequantize_weight(q: np.ndarray, scale: np.ndarray, axis: int = 0) -> np.ndarray:

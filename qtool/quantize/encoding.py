@@ -24,7 +24,8 @@ import numpy as np
 from qtool import qparams as Q
 from qtool.arithmetic import PAIR_LIMIT, is_depthwise
 
-S8, PAIR_SAFE, U8 = "s8", "pair-safe", "u8"
+S8, PAIR_SAFE, U8, S7 = "s8", "pair-safe", "u8", "s7"
+W_MAX_OF = {S7: 63}  # 7-bit weights: no pair of two can pass 126
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,8 @@ TARGETS = {
                                "runtime; on x86 without VNNI ONNX Runtime saturates and loses accuracy"),
     "u8-weights": Target("u8-weights", U8, "int8 weights stored as uint8 + 128: exact everywhere without a precision "
                                            "cost, but ONNX Runtime is slower on CPUs without VNNI"),
+    "7bit": Target("7bit", S7, "7-bit weights in [-63, 63] (ONNX Runtime's reduce_range): exact everywhere at full "
+                               "speed, half the weight precision; the baseline portable improves on"),
 }
 DEFAULT_TARGET = "portable"
 

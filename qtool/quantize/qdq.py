@@ -16,7 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 from qtool import graph as G
 from qtool import qparams as Q
 from qtool.errors import QtoolError
-from qtool.quantize.encoding import DEFAULT_TARGET, PAIR_SAFE, S8, TARGETS, U8, pair_partners
+from qtool.quantize.encoding import DEFAULT_TARGET, PAIR_SAFE, S7, S8, TARGETS, U8, W_MAX_OF, pair_partners
 from qtool.quantize.plan import Plan, make_plan
 from qtool.quantize.rules import RULES
 from qtool.quantize.weights import quantize_weight
@@ -143,13 +143,13 @@ def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exc
         partners = pair_partners(w.shape, node.op_type, axis, G.attr(node, "group", 1))
         enc = S8 if partners is None else TARGETS[target].encoding
         key = (node.name, bias_correction, hess is not None, qp[x_name].scale if rule.bias is not None else None,
-               enc == PAIR_SAFE)
+               enc if enc in (PAIR_SAFE, S7) else S8)
         qw = weight_cache.get(key) if weight_cache is not None else None
         if qw is None:
             qw = quantize_weight(w, axis, b, table.channel_means.get(x_name), node.op_type,
                                  G.attr(node, "group", 1), correct_bias=bias_correction and rule.bias is not None,
                                  s_in=qp[x_name].scale if rule.bias is not None else None, hessian=hess,
-                                 partners=partners if enc == PAIR_SAFE else None)
+                                 partners=partners if enc == PAIR_SAFE else None, w_max=W_MAX_OF.get(enc, Q.W_MAX))
             if weight_cache is not None:
                 weight_cache[key] = qw
         base = node.input[widx]

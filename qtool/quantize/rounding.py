@@ -76,7 +76,7 @@ def conv_patches(x: np.ndarray, kernel, strides, pads, groups: int, rng, max_pos
 
 
 def round_weights(w: np.ndarray, scale: np.ndarray, axis: int, hessian: np.ndarray | None,
-                  sweeps: int = SWEEPS, partners: np.ndarray | None = None) -> np.ndarray:
+                  sweeps: int = SWEEPS, partners: np.ndarray | None = None, w_max: int = Q.W_MAX) -> np.ndarray:
     """int8 weights (same shape as `w`) minimising sum over output channels of dw^T H_g dw, each
     weight rounded down or up. `hessian` [G, K, K]; w's output channels split evenly into G groups,
     each reading K inputs: Conv [Cout, Cin_g, kh, kw] (axis 0), or a [K, N] / [N, K] matrix.
@@ -90,9 +90,9 @@ def round_weights(w: np.ndarray, scale: np.ndarray, axis: int, hessian: np.ndarr
     g = hessian.shape[0]
     v = wm / s
     v = np.where(np.abs(v - np.rint(v)) < 1e-4, np.rint(v), v)  # (a channel's largest weight sits on +-127)
-    lo = np.clip(np.floor(v), -Q.W_MAX, Q.W_MAX)
-    hi = np.clip(np.ceil(v), -Q.W_MAX, Q.W_MAX)
-    q = Q.quantize_weight(wm, scale.reshape(-1), 0).astype(np.float64)  # nearest, half to even
+    lo = np.clip(np.floor(v), -w_max, w_max)
+    hi = np.clip(np.ceil(v), -w_max, w_max)
+    q = Q.quantize_weight(wm, scale.reshape(-1), 0, w_max).astype(np.float64)  # nearest, half to even
     k = wm.shape[1]
     q = q.reshape(g, cout // g, k)
     lo, hi, wg, sg = (a.reshape(g, cout // g, -1) for a in (lo, hi, wm, np.broadcast_to(s, (cout, 1))))

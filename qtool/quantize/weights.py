@@ -44,7 +44,8 @@ BIAS_HEADROOM = 2.0 ** 30  # an int32 bias stays within half the int32 range
 
 def quantize_weight(w: np.ndarray, axis: int, bias: np.ndarray | None, mean_x, op_type: str,
                     groups: int = 1, correct_bias: bool = True, s_in: float | None = None,
-                    hessian: np.ndarray | None = None, partners: np.ndarray | None = None) -> QuantizedWeight:
+                    hessian: np.ndarray | None = None, partners: np.ndarray | None = None,
+                    w_max: int = Q.W_MAX) -> QuantizedWeight:
     """`hessian` ([G, K, K] input covariance, rounding.py): round each weight down or up to lower
     the layer's output error instead of to the nearest step.
     `s_in`: the input's activation scale. With it, a channel whose weights are almost zero
@@ -54,16 +55,17 @@ def quantize_weight(w: np.ndarray, axis: int, bias: np.ndarray | None, mean_x, o
     `partners` (encoding.pair_partners): make the weights pair-safe for ONNX Runtime's int16 pair
     sums (encoding.py); each channel's scale is then chosen by the same error."""
     if partners is None:
-        scale = Q.weight_scales(w, axis)
+        scale = Q.weight_scales(w, axis, w_max)
     else:
         scale = encoding.pair_safe_scales(_rows(w, axis), partners, hessian)[1]
-    q, corrected = _round_and_correct(w, axis, scale, bias, mean_x, op_type, groups, correct_bias, hessian, partners)
+    q, corrected = _round_and_correct(w, axis, scale, bias, mean_x, op_type, groups, correct_bias, hessian, partners,
+                                      w_max)
     if s_in is not None and corrected is not None:
         floor = (np.abs(corrected.astype(np.float64)) / (float(s_in) * BIAS_HEADROOM)).astype(np.float32)
         if (floor > scale).any():
             scale = np.maximum(scale, floor).astype(np.float32)
             q, corrected = _round_and_correct(w, axis, scale, bias, mean_x, op_type, groups, correct_bias, hessian,
-                                              partners)
+                                              partners, w_max)
     dw = Q.dequantize_weight(q, scale, axis).astype(np.float64) - w.astype(np.float64)
     err = float(np.sum(dw ** 2))
     sqnr = float(10 * np.log10(np.sum(w.astype(np.float64) ** 2) / err)) if err > 0 else float("inf")
@@ -75,14 +77,15 @@ def _rows(w, axis):
     return np.moveaxis(np.asarray(w), axis, 0).reshape(w.shape[axis], -1)
 
 
-def _round_and_correct(w, axis, scale, bias, mean_x, op_type, groups, correct_bias, hessian, partners=None):
+def _round_and_correct(w, axis, scale, bias, mean_x, op_type, groups, correct_bias, hessian, partners=None,
+                       w_max=Q.W_MAX):
     """int8 weights at `scale`, and the bias corrected for their rounding (None if no bias)."""
     if partners is not None:
         q = round_weights(w, scale, axis, hessian, partners=partners)
     elif hessian is None:
-        q = Q.quantize_weight(w, scale, axis)
+        q = Q.quantize_weight(w, scale, axis, w_max)
     else:
-        q = round_weights(w, scale, axis, hessian)
+        q = round_weights(w, scale, axis, hessian, w_max=w_max)
     cout = w.shape[axis]
     if correct_bias and mean_x is not None:
         dw = Q.dequantize_weight(q, scale, axis).astype(np.float64) - w.astype(np.float64)
