@@ -8,7 +8,9 @@ The calibration tensors are written as .npy files to a temporary folder and qtoo
 calibrates from that folder (the tensor data path), then quantizes with each range
 method; ORT's quantize_static runs through the anchor's own functions (imported by
 path), on the model as it is and, with --opset, on a by-hand opset-upgraded copy.
-SQNR over all evaluation images of the first output, as the anchor computes it.
+SQNR over all evaluation images of the first output, as the anchor computes it: on this CPU's ONNX
+Runtime, and on qtool's runtime under the exact int8 arithmetic and under ONNX Runtime's arithmetic
+on x86 without VNNI (emulated: the figure a user of such a CPU gets), for each --targets.
 
   benchmarks/bench_sqnr.py --model ../shared/models/ppocr-cls-mobilenetv3.onnx \
       --images ../shared/imagenet-samples --shape 1,3,48,192 --mean 127.5 --std 127.5 \
@@ -73,6 +75,15 @@ def sqnr_db(model_path, int8_path, name, ev, threads, extra=None):
     return 10 * np.log10(sum((r ** 2).sum() for r in ref) / sum(((r - o) ** 2).sum() for r, o in zip(ref, out)))
 
 
+def native_sqnr(model_path, int8_path, name, ev, threads, arithmetic):
+    """SQNR of qtool's runtime under `arithmetic` (qtool/arithmetic.py) against ORT fp32."""
+    from qtool.runtime import NativeSession
+    sf, sq = session(model_path, threads), NativeSession(int8_path, threads=threads, arithmetic=arithmetic)
+    ref = [sf.run(None, {name: x})[0].astype(np.float64) for x in ev]
+    out = [sq.run(None, {name: x})[0].astype(np.float64) for x in ev]
+    return 10 * np.log10(sum((r ** 2).sum() for r in ref) / sum(((r - o) ** 2).sum() for r, o in zip(ref, out)))
+
+
 def _agree(extra):
     if "top1_agreement" in extra:
         return f"top-1 agreement {extra['top1_agreement']:.3f}"
@@ -90,6 +101,7 @@ def main(argv=None):
     p.add_argument("--std", type=float, default=1.0)
     p.add_argument("--anchor", required=True, help="path to ort_anchor.py")
     p.add_argument("--methods", default="minmax,percentile,entropy,mse", help="qtool range methods to measure")
+    p.add_argument("--targets", default="portable", help="qtool --target values to measure (comma-separated)")
     p.add_argument("--ort-opset", type=int, default=0, help="also run ORT on a copy upgraded to this opset")
     p.add_argument("--no-ort", action="store_true", help="skip ORT's quantizer (qtool figures only)")
     p.add_argument("--threads", type=int, default=2)
@@ -119,22 +131,34 @@ def main(argv=None):
     print(f"qtool calibrate: {time.time() - t:.1f}s, {cal.table.n_samples} samples, {len(cal.table.histograms)} tensors")
     fused_db = sqnr_db(a.model, cal.fused_path, name, ev, a.threads)
     print(f"qtool fused fp32 graph vs original: {fused_db:.1f} dB (graph cleanup must not change the function)")
-    rows = {}
-    for m in a.methods.split(","):
-        t = time.time()
-        r = quantize(work, output=os.path.join(work, f"int8-{m}.onnx"), method=m)
-        onnx.checker.check_model(r.path)
-        ex = {}
-        rows[m] = sqnr_db(a.model, r.path, name, ev, a.threads, ex)
-        s = r.report["summary"]
-        notes = [n for n in r.output.notes if "opset" in n]
-        print(f"qtool {m:10s}: output SQNR {rows[m]:5.1f} dB | {time.time() - t:.1f}s | ops int8 {s.get('int8', 0)}, "
-              f"passthrough {s.get('passthrough', 0)}, fused {s.get('fused', 0)}, fp32 {s.get('fp32', 0)}"
-              + (f" | {notes[0]}" if notes else "") + (f" | {_agree(ex)}" if ex else ""))
+    from qtool.arithmetic import ARITHMETICS
+    from qtool.ort_arithmetic import ort_int8_arithmetic
+    print(f"this CPU's ONNX Runtime int8 arithmetic: {ort_int8_arithmetic()}")
+    rows, arith_rows = {}, {}
+    targets = a.targets.split(",")
+    for target in targets:
+        for m in a.methods.split(","):
+            t = time.time()
+            r = quantize(work, output=os.path.join(work, f"int8-{m}-{target}.onnx"), method=m, target=target)
+            onnx.checker.check_model(r.path)
+            ex = {}
+            key = m if target == targets[0] else f"{m} ({target})"
+            rows[key] = sqnr_db(a.model, r.path, name, ev, a.threads, ex)
+            arith_rows[key] = {ar: native_sqnr(a.model, r.path, name, ev, a.threads, ar) for ar in ARITHMETICS}
+            s = r.report["summary"]
+            notes = [n for n in r.output.notes if "opset" in n]
+            print(f"qtool {key:10s}: output SQNR {rows[key]:5.1f} dB on this ORT, "
+                  + ", ".join(f"{v:5.1f} dB {ar}" for ar, v in arith_rows[key].items())
+                  + f" | {time.time() - t:.1f}s | ops int8 {s.get('int8', 0)}, "
+                  f"passthrough {s.get('passthrough', 0)}, fused {s.get('fused', 0)}, fp32 {s.get('fp32', 0)}"
+                  + (f" | {notes[0]}" if notes else "") + (f" | {_agree(ex)}" if ex else ""))
+    from qtool.quantize.context import QuantizeContext
     from qtool.quantize.method_choice import method_scores
-    picks = [{name: np.load(os.path.join(npy, f))} for f in sorted(os.listdir(npy))[::4]]  # 8 calibration tensors
+    from qtool.quantize.samples import load_samples
+    picks = [os.path.join(npy, f) for f in sorted(os.listdir(npy))[::4]]  # 8 calibration tensors
     t = time.time()
-    scores = method_scores(cal.fused, cal.table, picks, [m for m in rows], a.threads)
+    scores = method_scores(QuantizeContext(cal.fused, cal.table, cal.table.method, targets[0]),
+                           load_samples(cal.fused, cal.table, picks), [m for m in a.methods.split(",")])
     auto = max(scores, key=scores.get)
     print(f"qtool auto: picks '{auto}' on {len(picks)} calibration tensors ({time.time() - t:.1f}s; "
           + ", ".join(f"{m} {v:.1f}" for m, v in scores.items()) + " dB there)")
@@ -162,12 +186,12 @@ def main(argv=None):
     print()
     ort_best = max((v for v in ort_rows.values() if v is not None), default=None)
     print(f"{model}: output SQNR, dB over {len(ev)} images (first output)")
-    print(f"  {'qtool method':14s}{'qtool':>8s}{'ORT':>8s}{'diff':>8s}")
+    print(f"  {'qtool method':22s}{'qtool':>8s}{'ORT':>8s}{'diff':>8s}" + "".join(f"{ar:>16s}" for ar in ARITHMETICS))
     for m, v in rows.items():
         o = f"{ort_best:8.1f}{v - ort_best:+8.1f}" if ort_best is not None else f"{'n/a':>8s}{'':>8s}"
-        print(f"  {m:14s}{v:8.1f}{o}")
+        print(f"  {m:22s}{v:8.1f}{o}" + "".join(f"{arith_rows[m][ar]:16.1f}" for ar in ARITHMETICS))
     if ort_best is not None:
-        print(f"  {'auto (' + auto + ')':14s}{rows[auto]:8.1f}{ort_best:8.1f}{rows[auto] - ort_best:+8.1f}"
+        print(f"  {'auto (' + auto + ')':22s}{rows[auto]:8.1f}{ort_best:8.1f}{rows[auto] - ort_best:+8.1f}"
               f"   <- method picked on calibration tensors, scored on the evaluation images")
     for label, v in ort_rows.items():
         print(f"  ORT ({label}): {'failed' if v is None else f'{v:.1f} dB'}")

@@ -1,0 +1,162 @@
+#!/usr/bin/env python3
+"""The same int8 classifier on every CPU: each --target's model under each arithmetic, and its ORT speed.
+
+Calibrates on the calibration split of an ImageNet-style folder (sorted index % 10 == 0), quantizes
+once per target (`qtool quantize --target T`, no sensitivity), and judges on the other images:
+
+- accuracy against the labels, top-1 agreement with fp32 (with a 95 % interval: a few hundred
+  images resolve agreement to a few tenths of a point) and output SQNR, under
+  * exact:           the int8 model as it is defined (ORT on a CPU with VNNI/AMX/ARM dot products, or
+                     qtool's runtime anywhere; here qtool's runtime),
+  * ort-x86-novnni:  what ONNX Runtime computes on x86 without VNNI, emulated bit for bit
+                     (qtool/arithmetic.py): what a user of an AMD Zen 2/3 or older Intel CPU gets,
+  * this ORT:        this machine's ONNX Runtime, whichever of the two it is;
+- ONNX Runtime int8 latency of every target's model at batch 1 and 8, measured in interleaved rounds
+  in one run (ratios against the vnni target's model).
+
+A model whose weights can saturate under the emulated arithmetic runs its saturating layers in numpy
+there: --emulate-limit caps the images for those (others are exact under both, and run natively).
+
+  python benchmarks/bench_targets.py --model ../shared/models/efficientnet-lite0.onnx \\
+      --images ../shared/imagenet-samples --config efficientnet-lite
+"""
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+import warnings
+
+import numpy as np
+import onnxruntime as ort
+
+import imagenet_split as split
+from qtool.arithmetic import ARITHMETICS
+from qtool.calibrate.config import load_config
+from qtool.calibrate.run import calibrate
+from qtool.metrics import sqnr_db, top1_agreement
+from qtool.ort_arithmetic import ort_int8_arithmetic
+from qtool.quantize.encoding import TARGETS
+from qtool.quantize.run import quantize
+from qtool.runtime import NativeSession
+
+
+def wilson(k, n, z=1.96):
+    """95 % interval of a proportion k / n."""
+    if n == 0:
+        return (0.0, 1.0)
+    p = k / n
+    d = 1 + z * z / n
+    c = (p + z * z / (2 * n)) / d
+    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return (c - h, c + h)
+
+
+def run_all(sess, feeds):
+    name = sess.get_outputs()[0].name
+    return np.concatenate([sess.run([name], f)[0] for f in feeds])
+
+
+def ort_session(path, threads):
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.log_severity_level = 3
+    return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+
+
+def judge(ref, out, y):
+    n = len(out)
+    agree = int((ref[:n].argmax(1) == out.argmax(1)).sum())
+    lo, hi = wilson(agree, n)
+    return {"images": n, "top1_agreement": agree / n, "agreement_95": [lo, hi],
+            "top1": float((out.argmax(1) == y[:n]).mean()),
+            "delta_pt": 100 * float((out.argmax(1) == y[:n]).mean() - (ref[:n].argmax(1) == y[:n]).mean()),
+            "sqnr_db": sqnr_db(ref[:n], out)}
+
+
+def latency(sessions, x, repeats, rounds=5):
+    """Median ms per image for each session on input x, in interleaved rounds (the host's drift is shared)."""
+    name = {k: s.get_inputs()[0].name for k, s in sessions.items()}
+    times = {k: [] for k in sessions}
+    for s in sessions.values():
+        s.run(None, {s.get_inputs()[0].name: x})
+    for _ in range(rounds):
+        for k, s in sessions.items():
+            time.sleep(0.1)  # ORT's workers spin after a run; let them settle before the next engine
+            for _ in range(repeats):
+                t = time.perf_counter()
+                s.run(None, {name[k]: x})
+                times[k].append((time.perf_counter() - t) * 1000 / len(x))
+    return {k: float(np.median(v)) for k, v in times.items()}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--images", required=True)
+    p.add_argument("--config", default="efficientnet-lite")
+    p.add_argument("--targets", default=",".join(TARGETS))
+    p.add_argument("--emulate-limit", type=int, default=150,
+                   help="images for a model that saturates under the emulated arithmetic (numpy layers)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--no-speed", action="store_true")
+    p.add_argument("--out", default="bench_out")
+    a = p.parse_args(argv)
+    warnings.simplefilter("ignore")
+    os.makedirs(a.out, exist_ok=True)
+    here = ort_int8_arithmetic()
+    print(f"this CPU's ONNX Runtime int8 arithmetic: {here}")
+    cal, evals = split.split(a.images)
+    work = tempfile.mkdtemp(prefix="qtool-targets-")
+    t = time.time()
+    calibrate(a.model, a.images, a.config, "minmax", workdir=work, show_progress=False, every=split.EVERY)
+    print(f"calibrated on {len(cal)} images in {time.time() - t:.1f}s")
+    cfg = load_config(a.config)
+    xs = split.images(evals, cfg)
+    y = split.class_indices(a.images, evals)
+    ref_sess = ort_session(a.model, a.threads)
+    name = ref_sess.get_inputs()[0].name
+    feeds = split.feeds(xs, name)
+    ref = run_all(ref_sess, feeds)
+    print(f"fp32 top-1 on {len(evals)} images: {(ref.argmax(1) == y).mean():.4f}")
+    res, paths = {}, {}
+    for target in a.targets.split(","):
+        t = time.time()
+        r = quantize(work, output=os.path.join(work, f"{target}.onnx"), target=target, say=lambda *_: None)
+        paths[target] = r.path
+        row = {"quantize_seconds": time.time() - t, "encodings": r.report["encodings"]}
+        for ar in ARITHMETICS:
+            s = NativeSession(r.path, threads=a.threads, arithmetic=ar)
+            numpy_layers = sum("ort-x86-novnni" in st.kernel for st in s.program.steps)
+            n = len(xs) if not numpy_layers else min(len(xs), a.emulate_limit)
+            t = time.time()
+            row[ar] = judge(ref, run_all(s, split.feeds(xs[:n], name)), y)
+            row[ar]["seconds"], row[ar]["numpy_layers"] = time.time() - t, numpy_layers
+        row["this_ort"] = judge(ref, run_all(ort_session(r.path, a.threads), feeds), y)
+        res[target] = row
+        for ar in ARITHMETICS + ("this_ort",):
+            j = row[ar]
+            print(f"{target:11s} {ar:15s} {j['images']:4d} images: agreement {j['top1_agreement']:.4f} "
+                  f"[{j['agreement_95'][0]:.4f}, {j['agreement_95'][1]:.4f}], top-1 {j['top1']:.4f} "
+                  f"({j['delta_pt']:+.2f} pt), SQNR {j['sqnr_db']:.2f} dB")
+    speed = {}
+    if not a.no_speed:
+        for b in (1, 8):
+            sess = {t: ort_session(pth, a.threads) for t, pth in paths.items()}
+            speed[b] = latency(sess, xs[:b], a.repeats)
+            base = speed[b].get("vnni")
+            print(f"ORT int8 latency, batch {b} (ms/image): " + ", ".join(
+                f"{t} {ms:.2f}" + (f" ({ms / base:.2f}x vnni)" if base else "") for t, ms in speed[b].items()))
+    out = {"ort_int8_arithmetic": here, "fp32_top1": float((ref.argmax(1) == y).mean()), "targets": res,
+           "ort_latency_ms": speed}
+    with open(os.path.join(a.out, "bench_targets.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"wrote {os.path.join(a.out, 'bench_targets.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
