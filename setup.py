@@ -5,9 +5,25 @@ attributes, so one portable binary carries AVX-512 VNNI, AVX2 and plain C paths
 and picks one at run time from the CPU's features.
 """
 import glob
+import os
+import shutil
 import sys
 
 from setuptools import Extension, setup
+from setuptools.command.build_py import build_py
+
+
+class BuildPyWithPresets(build_py):
+    """Ship the preprocessing presets (configs/*.toml, the one copy in the repository) inside the
+    package as qtool/data/presets, where an installed qtool finds them by name."""
+
+    def run(self):
+        super().run()
+        dst = os.path.join(self.build_lib, "qtool", "data", "presets")
+        os.makedirs(dst, exist_ok=True)
+        for f in sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "*.toml"))):
+            shutil.copy(f, dst)
+
 
 sources = sorted(glob.glob("qtool/kernels/src/*.c"))
 args = ["-O3", "-std=c11", "-fno-strict-aliasing"] if sys.platform != "win32" else ["/O2"]
@@ -21,4 +37,6 @@ ext = [Extension("qtool.kernels._native", sources=sources, include_dirs=["qtool/
 # the calibration histogram's one-pass update (plain C, no ISA-specific code)
 ext.append(Extension("qtool.calibrate._histogram", sources=["qtool/calibrate/src/histogram.c"],
                      extra_compile_args=args))
-setup(ext_modules=ext)
+if os.environ.get("QTOOL_NO_EXTENSIONS"):  # packaging tests: what goes into the wheel, without compiling
+    ext = []
+setup(ext_modules=ext, cmdclass={"build_py": BuildPyWithPresets})

@@ -20,7 +20,7 @@ import numpy as np
 import onnxruntime as ort
 
 import imagenet_split as split
-from qtool.calibrate.config import load_config
+from qtool.data.config import load_config
 from qtool.calibrate.methods import METHODS
 from qtool.calibrate.run import calibrate
 from qtool.quantize.run import quantize

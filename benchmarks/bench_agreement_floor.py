@@ -22,12 +22,13 @@ import numpy as np
 import onnx
 
 import imagenet_split as split
-from qtool.calibrate.config import load_config
+from qtool.data.config import load_config
 from qtool.calibrate.run import calibrate
 from qtool.calibrate.table import load_table
 from qtool.metrics import sqnr_db, top1_agreement
 from qtool.quantize.qdq import quantize_graph
-from qtool.quantize.sensitivity import quantizable_layers, run_first_output
+from qtool.ortsession import run_first_output
+from qtool.quantize.sensitivity import quantizable_layers
 
 
 def main():

@@ -47,9 +47,9 @@ def _peak_rss_mb():
 
 def child_ort(model, images, n, batch):
 
-    from qtool.calibrate.collect import session
-    from qtool.calibrate.config import load_config
-    from qtool.calibrate.images import ImageStream, list_images
+    from qtool.ortsession import session
+    from qtool.data.config import load_config
+    from qtool.data.images import ImageStream, list_images
     t = time.time()
     s = session(model)
     files = list_images(images)[:n]

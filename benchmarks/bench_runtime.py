@@ -33,8 +33,8 @@ from qtool.runtime.profile import op_type_table, format_table, VNNI_GMACS_PER_CO
 import onnx  # noqa: E402
 import onnxruntime as ort  # noqa: E402
 from onnx import numpy_helper  # noqa: E402
-from qtool.calibrate.config import load_config  # noqa: E402
-from qtool.calibrate.images import load_image  # noqa: E402
+from qtool.data.config import load_config  # noqa: E402
+from qtool.data.images import load_image  # noqa: E402
 
 
 def preprocess(path, size=224):

@@ -19,13 +19,13 @@ import time
 import onnx
 
 import imagenet_split as split
-from qtool.calibrate.config import load_config
+from qtool.data.config import load_config
 from qtool.calibrate.run import calibrate
 from qtool.calibrate.table import load_table
 from qtool.metrics import sqnr_db, top1_agreement
 from qtool.quantize.qdq import quantize_graph
 from qtool.quantize.run import SensitivityOptions, quantize
-from qtool.quantize.sensitivity import run_first_output
+from qtool.ortsession import run_first_output
 
 
 def main():

@@ -34,7 +34,7 @@ import onnxruntime as ort
 
 import imagenet_split as split
 from qtool.arithmetic import ARITHMETICS
-from qtool.calibrate.config import load_config
+from qtool.data.config import load_config
 from qtool.calibrate.run import calibrate
 from qtool.metrics import sqnr_db, top1_agreement
 from qtool.ort_arithmetic import ort_int8_arithmetic

@@ -22,8 +22,8 @@ import time
 import numpy as np
 import onnxruntime as ort
 
-from qtool.calibrate.config import load_config
-from qtool.calibrate.images import load_image
+from qtool.data.config import load_config
+from qtool.data.images import load_image
 
 
 def preprocess(path, size=224):

@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 
-from qtool.calibrate.images import load_image
+from qtool.data.images import load_image
 
 EVERY = 10
 

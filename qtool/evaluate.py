@@ -13,10 +13,10 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from qtool.calibrate.collect import session
-from qtool.calibrate.config import config_from_any
-from qtool.calibrate.data import ImageData
-from qtool.calibrate.images import list_images
+from qtool.ortsession import session
+from qtool.data.config import config_from_any
+from qtool.data.sources import ImageData
+from qtool.data.images import list_images
 from qtool.labels import labels_from_file, labels_from_folders
 from qtool.modelio import load_model
 
@@ -228,7 +228,7 @@ def row_scores(rows: np.ndarray) -> np.ndarray:
 def evaluate_tensors(fp32_path: str, int8_path: str, data, limit: int | None = None, files: list | None = None,
                      threads: int = 2, batch: int = 8, latency: bool = True, check: bool = True) -> dict:
     """Every output of int8 vs fp32 over tensor data (a .npy/.npz folder or an iterable of input dicts)."""
-    from qtool.calibrate.tensors import tensor_source
+    from qtool.data.tensors import tensor_source
     fp32 = load_model(fp32_path)
     load_model(int8_path, check=False)
     src = tensor_source(data, fp32, fp32_path, batch=batch, files=files, limit=limit)

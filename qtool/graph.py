@@ -141,3 +141,16 @@ def skeleton(model: onnx.ModelProto, max_elems: int = SKELETON_MAX_ELEMS) -> onn
         if t.name not in have:
             m.graph.input.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
     return m
+
+
+def name_nodes(model: onnx.ModelProto) -> None:
+    """Give every node a unique name: plans, reports and exclusions refer to nodes by name."""
+    seen = set()
+    for k, n in enumerate(model.graph.node):
+        if not n.name or n.name in seen:
+            base = n.name or f"{n.op_type}_{k}"
+            name, j = base, 1
+            while name in seen:
+                name, j = f"{base}_{j}", j + 1
+            n.name = name
+        seen.add(n.name)

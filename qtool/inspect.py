@@ -16,12 +16,12 @@ import onnx
 from onnx import helper
 
 from qtool import graph as G
-from qtool.calibrate.tensors import model_inputs
+from qtool.data.tensors import model_inputs
 from qtool.errors import UsageError
 from qtool.fuse import fuse_model
 from qtool.modelio import load_model
-from qtool.quantize.plan import make_plan
-from qtool.quantize.rules.activations import activation_inputs
+from qtool.plan import make_plan
+from qtool.rules.activations import activation_inputs
 
 MIN_OPSET = 13  # per-axis DequantizeLinear (quantize/qdq.py upgrades older models to this)
 

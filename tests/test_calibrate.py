@@ -13,8 +13,8 @@ import pytest
 from PIL import Image
 
 from helpers import save, small_convnet, write_config, write_images
-from qtool.calibrate.config import Preprocess, from_dict, load_config, preset_names
-from qtool.calibrate.images import ImageStream, list_images, load_image
+from qtool.data.config import Preprocess, from_dict, load_config, preset_names
+from qtool.data.images import ImageStream, list_images, load_image
 from qtool.calibrate.methods import METHODS
 from qtool.calibrate.run import calibrate
 from qtool.calibrate.table import load_table
@@ -321,7 +321,7 @@ def test_calibrate_writes_fused_graph_and_hashes(calibrated):
 
 def test_channel_means_match_direct_computation(calibrated):
     """The per-channel input means bias correction uses equal a direct numpy mean over the same inputs."""
-    from qtool.calibrate.config import load_config as lc
+    from qtool.data.config import load_config as lc
     root, model, data, cfg, r = calibrated
     xs = np.concatenate([load_image(f, lc(cfg)) for f in list_images(data)])
     np.testing.assert_allclose(r.table.channel_means["x"], xs.mean(axis=(0, 2, 3)), rtol=1e-5, atol=1e-6)
@@ -400,7 +400,7 @@ def test_a_failing_run_in_one_worker_stops_collection(net):
     """A batch ONNX Runtime rejects raises its error from collect, whichever worker ran it,
     without waiting for the rest of the batches."""
     from qtool.calibrate.collect import collect
-    from qtool.quantize.plan import calibration_targets
+    from qtool.plan import calibration_targets
     model = onnx.load(str(net))
     ranges, means = calibration_targets(model)
     pulled = []

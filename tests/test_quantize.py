@@ -13,12 +13,12 @@ from onnx import helper, numpy_helper
 
 from helpers import init, make_model, ops, run, save, small_convnet, weight, write_config, write_images
 from qtool import qparams as Q
-from qtool.calibrate.config import load_config
-from qtool.calibrate.images import list_images, load_image
+from qtool.data.config import load_config
+from qtool.data.images import list_images, load_image
 from qtool.calibrate.run import calibrate
 from qtool.calibrate.table import load_table
 from qtool.errors import QtoolError
-from qtool.quantize.plan import make_plan
+from qtool.plan import make_plan
 from qtool.quantize.qdq import quantize_graph
 from qtool.quantize.run import quantize
 
@@ -188,7 +188,7 @@ def test_bias_correction_reduces_mean_output_error(tmp_path):
 
 @pytest.mark.parametrize("op", ["Softmax", "Erf"])
 def test_op_without_rule_stays_fp32(tmp_path, op):
-    from qtool.quantize.rules import RULES
+    from qtool.rules import RULES
     if op in RULES:
         pytest.skip(f"{op} has an int8 rule now")
     r = _cal(small_convnet(middle=op), tmp_path)

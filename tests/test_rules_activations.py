@@ -7,7 +7,7 @@ from onnx import helper
 from helpers import init, make_model, weight
 from qtool.calibrate.histogram import Histogram
 from qtool.calibrate.methods import METHODS
-from qtool.quantize.rules.activations import FUNCTIONS, activation_inputs, activation_mse_range
+from qtool.rules.activations import FUNCTIONS, activation_inputs, activation_mse_range
 from rules_util import output_sqnr, quantize_tiny
 
 
@@ -78,7 +78,7 @@ def test_calibrate_stores_aware_mse_ranges(tmp_path):
 def test_hard_sigmoid_chain_is_one_fp32_unit(tmp_path):
     """x -> Add(3) -> Clip(0, 6) -> Div(6) gating features (an exported SE block): the chain runs fp32 between
     int8 tensors, its input's range is fitted to [-3, 3] where the gate is not flat."""
-    from qtool.quantize.rules.activations import activation_chains
+    from qtool.rules.activations import activation_chains
     rng = np.random.default_rng(4)
     nodes = [helper.make_node("Conv", ["x", "w0"], ["f"], name="conv0", kernel_shape=[1, 1]),
              helper.make_node("Conv", ["f", "w1"], ["g1"], name="conv1", kernel_shape=[1, 1]),

@@ -5,8 +5,8 @@ import numpy as np
 from onnx import helper
 
 from helpers import init, make_model, weight
-from qtool.quantize.plan import make_plan
-from qtool.quantize.rules.concat import MAX_SPAN_RATIO
+from qtool.plan import make_plan
+from qtool.rules.concat import MAX_SPAN_RATIO
 from rules_util import output_sqnr, quantize_tiny
 
 

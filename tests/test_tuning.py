@@ -12,7 +12,7 @@ from qtool.quantize.context import QuantizeContext
 from qtool.quantize.range_search import search_ranges
 from qtool.quantize.samples import SampleSet
 from qtool.quantize.rounding import conv_patches, layer_hessians, round_weights
-from qtool.quantize.sensitivity import run_first_output
+from qtool.ortsession import run_first_output
 from qtool import qparams as Q
 
 

@@ -17,9 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnx import helper
-
 from qtool.calibrate.histogram import Histogram, scan
+from qtool.ortsession import session, with_outputs  # noqa: F401  (with_outputs: used by callers)
 
 
 @dataclass
@@ -51,34 +50,6 @@ class Observed:
 MAX_OUTPUT_BYTES = 160 << 20
 WORKERS = 2  # runs in flight at once (see collect)
 MEAN_SAMPLES = 128  # per-channel means (for bias correction): 128 images x every pixel settle them
-
-
-def session(model: onnx.ModelProto | str | bytes, threads: int = 0, arena: bool = True,
-            spin: bool = True) -> ort.InferenceSession:
-    so = ort.SessionOptions()
-    if not spin:
-        # idle ORT workers spin by default, taking the core that the histogram thread needs
-        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    # without the arena, the large extra outputs of a calibration run are returned to the
-    # system after each batch instead of pinning the peak for the whole run
-    so.enable_cpu_mem_arena = arena
-    so.intra_op_num_threads = threads or min(os.cpu_count() or 1, 8)
-    so.log_severity_level = 3
-    src = model if isinstance(model, (str, bytes)) else model.SerializeToString()
-    return ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
-
-
-def with_outputs(model: onnx.ModelProto, names: list) -> bytes:
-    """The serialized model with `names` as extra outputs. The outputs are appended to the
-    model itself only while it is serialized: no second copy of the weights in memory."""
-    have = {o.name for o in model.graph.output}
-    added = [n for n in dict.fromkeys(names) if n not in have]
-    n0 = len(model.graph.output)
-    model.graph.output.extend(helper.make_empty_tensor_value_info(n) for n in added)
-    try:
-        return model.SerializeToString()
-    finally:
-        del model.graph.output[n0:]
 
 
 def collect(model: onnx.ModelProto, range_tensors: list, mean_tensors: list, batches, progress=None,

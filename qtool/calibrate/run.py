@@ -9,17 +9,17 @@ import onnx
 from tqdm import tqdm
 
 from qtool.calibrate.collect import collect
-from qtool.calibrate.config import load_config
-from qtool.calibrate.data import ImageData
-from qtool.calibrate.images import list_images
+from qtool.data.config import load_config
+from qtool.data.sources import ImageData
+from qtool.data.images import list_images
 from qtool.calibrate.methods import METHODS
-from qtool.calibrate.tensors import tensor_source
+from qtool.data.tensors import tensor_source
 from qtool.calibrate.table import CalibrationTable, ranges_for_all_methods
 from qtool.errors import QtoolError, UsageError
 from qtool.fuse import fuse_model
 from qtool.modelio import load_model, model_hash, save_model
-from qtool.quantize.plan import calibration_targets
-from qtool.quantize.rules.activations import AWARE, activation_inputs, activation_mse_range
+from qtool.plan import calibration_targets
+from qtool.rules.activations import AWARE, activation_inputs, activation_mse_range
 from qtool.workdir import Workdir
 
 FUSED = "fused.onnx"

@@ -5,8 +5,8 @@ import os
 
 import click
 
-from qtool.calibrate.images import list_images
-from qtool.calibrate.tensors import classify_folder, list_tensor_files
+from qtool.data.images import list_images
+from qtool.data.tensors import classify_folder, list_tensor_files
 from qtool.commands.common import common_options, say, setup_output, write_json
 from qtool.errors import QtoolError
 from qtool.evaluate import check_warning, evaluate, evaluate_tensors

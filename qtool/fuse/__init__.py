@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import onnx
 
+from qtool import graph as G
 from qtool.fuse import (fold_batchnorm, fold_constants, fold_mul_add, fold_pad, fold_reshape_shape, pair_channels,
                         remove_dead, remove_identity)
 
@@ -84,6 +85,5 @@ def fuse_model(model: onnx.ModelProto, input_pins: dict | None = None, passes=No
     for _name, fn in ([] if passes else FINAL_PASSES):
         fn(m, ctx)
     del m.graph.value_info[:]
-    from qtool.quantize.plan import name_nodes
-    name_nodes(m)
+    G.name_nodes(m)
     return FuseResult(m, ctx.counts, ctx.messages, before, _op_counts(m))

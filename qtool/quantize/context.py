@@ -18,15 +18,9 @@ import numpy as np
 import onnx
 
 from qtool.arithmetic import EXACT
-from qtool.calibrate.collect import session
+from qtool.ortsession import run_first_output
 from qtool.quantize.encoding import DEFAULT_TARGET, S8, TARGETS
 from qtool.quantize.qdq import QuantizeOutput, quantize_graph
-
-
-def run_first_output(model: onnx.ModelProto | str, feeds: list, threads: int = 0) -> np.ndarray:
-    s = session(model, threads)
-    name = s.get_outputs()[0].name
-    return np.concatenate([s.run([name], f)[0] for f in feeds])
 
 
 def exact_storage_needed(target: str) -> bool:

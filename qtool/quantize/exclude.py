@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import onnx
 
-from qtool.calibrate.collect import session
+from qtool.ortsession import session
 from qtool.metrics import kl_softmax, predicted_agreement, sqnr_db, top1_agreement
 from qtool.quantize.context import QuantizeContext
 from qtool.quantize.samples import SampleSet

@@ -17,8 +17,8 @@ from qtool import graph as G
 from qtool import qparams as Q
 from qtool.errors import QtoolError
 from qtool.quantize.encoding import DEFAULT_TARGET, PAIR_SAFE, S7, S8, TARGETS, U8, W_MAX_OF, pair_partners
-from qtool.quantize.plan import Plan, make_plan
-from qtool.quantize.rules import RULES
+from qtool.plan import Plan, make_plan
+from qtool.rules import RULES
 from qtool.quantize.weights import quantize_weight
 
 MIN_OPSET = 13  # per-axis DequantizeLinear

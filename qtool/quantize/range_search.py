@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from qtool import qparams as Q
 from qtool.calibrate.methods import METHODS
 from qtool.metrics import sqnr_db
-from qtool.quantize.plan import make_plan
+from qtool.ortsession import session
+from qtool.plan import make_plan
 
 SHRINK = (0.75, 0.6)  # factors applied to the default range of an unclamped tensor
 CLIP_METHODS = ("percentile", "mse")  # histogram methods whose ranges are candidates
@@ -123,16 +123,6 @@ def probe_model(fused: onnx.ModelProto, tensors: list) -> onnx.ModelProto:
     return m
 
 
-def _session(model: onnx.ModelProto, threads: int = 0) -> ort.InferenceSession:
-    so = ort.SessionOptions()
-    # basic only: the extended level's QDQ fusions are meant for int8 graphs, not for these probes
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    if threads:
-        so.intra_op_num_threads = threads
-    so.log_severity_level = 3
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-
-
 def tunable(ctx) -> tuple:
     """(tensors whose range has more than one candidate, tensor -> candidates)."""
     fused, table, method = ctx.fused, ctx.table, ctx.method
@@ -159,7 +149,8 @@ def search_ranges(ctx, samples, progress=None) -> RangeSearch:
     tensors, cands = tunable(ctx)
     if not tensors:
         return RangeSearch()
-    sess = _session(probe_model(fused, tensors), threads)
+    # basic optimizations only: the extended level's QDQ fusions are meant for int8 graphs, not these probes
+    sess = session(probe_model(fused, tensors), threads, basic=True)
     out_name = sess.get_outputs()[0].name
     ref = np.asarray(reference, np.float64)
     power = float((ref ** 2).sum())

@@ -198,9 +198,9 @@ def layer_hessians(fused, feeds: list, exclude: dict | None = None, threads: int
     """node name -> [G, K, K] input covariance of every int8 layer with a weight, from the fp32
     graph run on calibration `feeds` (list of input dicts), `chunk` samples at a time."""
     from qtool import graph as G
-    from qtool.calibrate.collect import session, with_outputs
-    from qtool.quantize.plan import make_plan
-    from qtool.quantize.rules import RULES
+    from qtool.ortsession import session, with_outputs
+    from qtool.plan import make_plan
+    from qtool.rules import RULES
 
     plan = make_plan(fused, exclude)
     layers = {}

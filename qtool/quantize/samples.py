@@ -44,9 +44,9 @@ class SampleSet:
 
 def load_samples(fused, table, files: list, threads: int = 0) -> SampleSet:
     """Decode `files` with the calibration's preprocessing and run the fp32 graph on them once."""
-    from qtool.calibrate.config import config_from_any
-    from qtool.calibrate.data import ImageData
-    from qtool.quantize.context import run_first_output
+    from qtool.data.config import config_from_any
+    from qtool.data.sources import ImageData
+    from qtool.ortsession import run_first_output
 
     if not files:
         return SampleSet([], {}, np.zeros((0,)))

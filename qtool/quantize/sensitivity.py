@@ -15,8 +15,8 @@ import numpy as np
 import onnx
 
 from qtool.metrics import kl_softmax, sqnr_db, top1_agreement
-from qtool.quantize.context import QuantizeContext, run_first_output  # noqa: F401  (run_first_output: re-exported)
-from qtool.quantize.plan import make_plan
+from qtool.quantize.context import QuantizeContext
+from qtool.plan import make_plan
 from qtool.quantize.samples import SampleSet
 
 

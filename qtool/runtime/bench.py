@@ -40,14 +40,8 @@ def find_fp32(int8_path: str, workdir: str | None = None) -> str | None:
 
 
 def ort_session(path: str, threads: int):
-    import onnxruntime as ort
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    so.log_severity_level = 3
-    try:
-        return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
-    except Exception as e:
-        raise QtoolError(f"{path}: ONNX Runtime cannot load it ({str(e).splitlines()[0][:200]})") from None
+    from qtool.ortsession import session
+    return session(path, threads)
 
 
 def make_feeds(sess: NativeSession, batch: int, shape=None, seed: int = 0) -> dict:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from PIL import Image, ImageOps
 
-from qtool.calibrate.config import Preprocess
+from qtool.data.config import Preprocess
 from qtool.errors import QtoolError
 
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".gif", ".ppm", ".pgm")

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import onnx
 
 from qtool import graph as G
-from qtool.calibrate.config import Preprocess, config_from_model_shape
-from qtool.calibrate.images import IMAGE_EXTS, ImageStream, list_images
+from qtool.data.config import Preprocess, config_from_model_shape
+from qtool.data.images import IMAGE_EXTS, ImageStream, list_images
 from qtool.errors import QtoolError
 
 
@@ -55,7 +55,7 @@ class ImageData:
 
     def __new__(cls, folder: str, cfg=None, model=None, model_path: str = "", batch: int = 8,
                 limit: int | None = None, files: list | None = None):
-        from qtool.calibrate.tensors import TENSOR_EXTS, NpyFolder, NpzFolder, classify_folder
+        from qtool.data.tensors import TENSOR_EXTS, NpyFolder, NpzFolder, classify_folder
         if files:
             kinds = {os.path.splitext(f)[1].lower() for f in files}
             kind = kinds.pop()[1:] if len(kinds) == 1 and next(iter(kinds)) in TENSOR_EXTS else None

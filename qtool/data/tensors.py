@@ -21,7 +21,7 @@ import onnx
 from onnx import helper
 
 from qtool import graph as G
-from qtool.calibrate.images import IMAGE_EXTS
+from qtool.data.images import IMAGE_EXTS
 from qtool.errors import QtoolError
 
 TENSOR_EXTS = (".npy", ".npz")

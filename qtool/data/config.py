@@ -1,4 +1,9 @@
-"""Preprocessing configuration: a TOML file (configs/*.toml) -> a plain dataclass."""
+"""Preprocessing configuration: a TOML file or a preset by name -> a plain dataclass.
+
+Presets are the repository's configs/*.toml; a built package carries them as qtool/data/presets
+(setup.py copies them there), so a wheel install finds them by name. The current folder is never
+searched: a stray configs/ there must not change the preprocessing silently (pass a path for that).
+"""
 from __future__ import annotations
 
 import tomllib
@@ -7,7 +12,8 @@ from pathlib import Path
 
 from qtool.errors import QtoolError
 
-PRESET_DIRS = [Path.cwd() / "configs", Path(__file__).resolve().parents[2] / "configs"]
+PRESET_DIRS = [Path(__file__).resolve().parent / "presets",  # inside an installed package
+               Path(__file__).resolve().parents[2] / "configs"]  # a source checkout (editable install)
 _INTERP = ("nearest", "bilinear", "bicubic", "lanczos")
 
 

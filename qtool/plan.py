@@ -12,8 +12,8 @@ import numpy as np
 import onnx
 
 from qtool import graph as G
-from qtool.quantize.rules import FUSABLE_ACTIVATIONS, RULES
-from qtool.quantize.rules.activations import activation_chains
+from qtool.rules import FUSABLE_ACTIVATIONS, RULES
+from qtool.rules.activations import activation_chains
 
 FLOAT = onnx.TensorProto.FLOAT
 
@@ -44,19 +44,6 @@ class Plan:
         for d in self.decisions:
             out[d.status] = out.get(d.status, 0) + 1
         return out
-
-
-def name_nodes(model: onnx.ModelProto) -> None:
-    """Give every node a unique name: plans, reports and exclusions refer to nodes by name."""
-    seen = set()
-    for k, n in enumerate(model.graph.node):
-        if not n.name or n.name in seen:
-            base = n.name or f"{n.op_type}_{k}"
-            name, j = base, 1
-            while name in seen:
-                name, j = f"{base}_{j}", j + 1
-            n.name = name
-        seen.add(n.name)
 
 
 def elem_types(model: onnx.ModelProto) -> dict:

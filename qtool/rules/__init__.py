@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from qtool.quantize.rules import add, concat, conv, elementwise, gemm, passthrough, pool, shape
+from qtool.rules import add, concat, conv, elementwise, gemm, passthrough, pool, shape
 
 
 @dataclass(frozen=True)
