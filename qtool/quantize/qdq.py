@@ -77,6 +77,48 @@ def _tensor_qparams(plan: Plan, table, method, tensor, producers=None):
     return Q.activation_qparams(lo, hi)
 
 
+def activation_qparams(model: onnx.ModelProto, plan: Plan, table, method: str | None, ranges: dict | None) -> dict:
+    """tensor -> ActQParams for every tensor the plan quantizes: the method's range (or `ranges`'
+    override), narrowed by a fused Relu/Clip; a pass-through output shares its source's."""
+    qp = {}
+    prods = G.producers(model)
+    for t in plan.tensors:
+        src = t
+        while src in plan.shared:
+            src = plan.shared[src]
+        if src in qp:
+            qp[t] = qp[src]
+        elif ranges is not None and src in ranges:
+            qp[t] = qp[src] = Q.activation_qparams(*ranges[src])
+        else:
+            qp[t] = qp[src] = _tensor_qparams(plan, table, method, src, prods)
+    return qp
+
+
+def layer_weights(model, node, inits, s_in, mean_x, bias_correction: bool, hessian, target: str,
+                  weight_cache: dict | None):
+    """(QuantizedWeight, encoding, whether ORT pairs this layer's weights) of an int8 layer with a
+    weight, as the target encodes it; cached per layer and setting in `weight_cache`."""
+    rule = RULES[node.op_type]
+    widx, axis = rule.weight(node, model)
+    w = numpy_helper.to_array(inits[node.input[widx]]).astype(np.float32)
+    has_bias = rule.bias is not None and len(node.input) > rule.bias and node.input[rule.bias]
+    b = numpy_helper.to_array(inits[node.input[rule.bias]]).astype(np.float32).ravel() if has_bias else None
+    partners = pair_partners(w.shape, node.op_type, axis, G.attr(node, "group", 1))
+    enc = S8 if partners is None else TARGETS[target].encoding
+    key = (node.name, bias_correction, hessian is not None, s_in if rule.bias is not None else None,
+           enc if enc in (PAIR_SAFE, S7) else S8)
+    qw = weight_cache.get(key) if weight_cache is not None else None
+    if qw is None:
+        qw = quantize_weight(w, axis, b, mean_x, node.op_type, G.attr(node, "group", 1),
+                             correct_bias=bias_correction and rule.bias is not None,
+                             s_in=s_in if rule.bias is not None else None, hessian=hessian,
+                             partners=partners if enc == PAIR_SAFE else None, w_max=W_MAX_OF.get(enc, Q.W_MAX))
+        if weight_cache is not None:
+            weight_cache[key] = qw
+    return qw, enc, partners is not None
+
+
 def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exclude: dict | None = None,
                    bias_correction: bool = True, ranges: dict | None = None, weights: bool = True,
                    activations: bool = True, weight_cache: dict | None = None,
@@ -103,18 +145,7 @@ def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exc
         act = nodes[act_name]
         nodes[prod_name].output[0] = act.output[0]
         m.graph.node.remove(act)
-    qp = {}
-    prods = G.producers(m)
-    for t in plan.tensors:
-        src = t
-        while src in plan.shared:
-            src = plan.shared[src]
-        if src in qp:
-            qp[t] = qp[src]
-        elif ranges is not None and src in ranges:
-            qp[t] = qp[src] = Q.activation_qparams(*ranges[src])
-        else:
-            qp[t] = qp[src] = _tensor_qparams(plan, table, method, src, prods)
+    qp = activation_qparams(m, plan, table, method, ranges)
     inits = G.initializers(m)
     taken = {o for n in m.graph.node for o in n.output} | set(inits) | {i.name for i in m.graph.input}
     new_inits, layers = [], {}
@@ -135,25 +166,12 @@ def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exc
         if wspec is None or not weights:
             continue
         widx, axis = wspec
-        w = numpy_helper.to_array(inits[node.input[widx]]).astype(np.float32)
         x_name = plan.weight_inputs[node.name]
         has_bias = rule.bias is not None and len(node.input) > rule.bias and node.input[rule.bias]
-        b = numpy_helper.to_array(inits[node.input[rule.bias]]).astype(np.float32).ravel() if has_bias else None
-        hess = (hessians or {}).get(node.name)
-        partners = pair_partners(w.shape, node.op_type, axis, G.attr(node, "group", 1))
-        enc = S8 if partners is None else TARGETS[target].encoding
-        key = (node.name, bias_correction, hess is not None, qp[x_name].scale if rule.bias is not None else None,
-               enc if enc in (PAIR_SAFE, S7) else S8)
-        qw = weight_cache.get(key) if weight_cache is not None else None
-        if qw is None:
-            qw = quantize_weight(w, axis, b, table.channel_means.get(x_name), node.op_type,
-                                 G.attr(node, "group", 1), correct_bias=bias_correction and rule.bias is not None,
-                                 s_in=qp[x_name].scale if rule.bias is not None else None, hessian=hess,
-                                 partners=partners if enc == PAIR_SAFE else None, w_max=W_MAX_OF.get(enc, Q.W_MAX))
-            if weight_cache is not None:
-                weight_cache[key] = qw
+        qw, enc, paired = layer_weights(m, node, inits, qp[x_name].scale, table.channel_means.get(x_name),
+                                        bias_correction, (hessians or {}).get(node.name), target, weight_cache)
         base = node.input[widx]
-        if enc == U8 or (u8_storage and partners is not None):
+        if enc == U8 or (u8_storage and paired):
             wq = add_init(base + "_quantized", (qw.q.astype(np.int16) + 128).astype(np.uint8))
             wz = add_init(base + "_zero_point", np.full(qw.scale.shape, 128, np.uint8))
         else:
