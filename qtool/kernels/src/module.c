@@ -93,6 +93,14 @@ static PyObject* py_set_kblock(PyObject* self, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+static PyObject* py_set_exact_only(PyObject* self, PyObject* args) {
+  (void)self;
+  int on;
+  if (!PyArg_ParseTuple(args, "i", &on)) return NULL;
+  qt_set_exact_only(on);
+  Py_RETURN_NONE;
+}
+
 static PyObject* py_get_num_threads(PyObject* self, PyObject* args) {
   (void)self; (void)args;
   return PyLong_FromLong(qt_get_num_threads());
@@ -139,8 +147,12 @@ static PyObject* py_conv_info(PyObject* self, PyObject* args) {
   if (!PyArg_ParseTuple(args, "O", &cap)) return NULL;
   qt_conv* cv = (qt_conv*)PyCapsule_GetPointer(cap, CAPSULE_NAME);
   if (!cv) return NULL;
-  return Py_BuildValue("{s:s,s:s,s:n}", "kernel", cv->kernel_name, "isa", cv->d->isa_name,
-                       "packed_bytes", (Py_ssize_t)cv->w_bytes);
+  /* pairing: (column, block) counts of a vpmaddubsw kernel's packer: natural pairs, reordered,
+   * split into two passes (all 0 for other kernels) */
+  return Py_BuildValue("{s:s,s:s,s:n,s:{s:n,s:n,s:n,s:n}}", "kernel", cv->kernel_name, "isa",
+                       cv->d->isa_name, "packed_bytes", (Py_ssize_t)cv->w_bytes, "pairing",
+                       "blocks", (Py_ssize_t)cv->pairs.blocks, "natural", (Py_ssize_t)cv->pairs.natural,
+                       "reordered", (Py_ssize_t)cv->pairs.reordered, "split", (Py_ssize_t)cv->pairs.split);
 }
 
 /* conv_run(cap, x, n, h, w, y, oh, ow) */
@@ -378,6 +390,8 @@ static PyMethodDef methods[] = {
     {"set_num_threads", py_set_num_threads, METH_VARARGS, "threads used by the kernels"},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "threads used by the kernels"},
     {"set_kblock", py_set_kblock, METH_VARARGS, "K blocking of large igemm panels: 0 off, 1 on, 2 forced (objects packed later)"},
+    {"set_exact_only", py_set_exact_only, METH_VARARGS,
+     "1: objects packed afterwards use the exact 16-bit kernels where the tier has them (AVX2)"},
     {"set_parallel_min_ns", py_set_parallel_min_ns, METH_VARARGS,
      "ops estimated below this many ns run on the calling thread"},
     {"conv_create", py_conv_create, METH_VARARGS, "pack a convolution / GEMM"},
