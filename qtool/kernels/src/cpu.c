@@ -105,7 +105,7 @@ static void qt_init_tables(void) {
     }
     if (isa == QT_ISA_AMX) d->amx = qt_gemm_amx;
     d->dwconv = vec == QT_ISA_AVX512VNNI ? qt_dwconv_avx512vnni
-              : vec == QT_ISA_AVX2 ? qt_dwconv_avx2 : qt_dwconv_scalar;
+              : vec == QT_ISA_AVX2 ? qt_dwconv_avx2_maddubs : qt_dwconv_scalar;
     qt_fill_elementwise(d, vec);
     d->lut = qu8_lut_ukernel__scalar;
     d->lut_name = "qu8_lut_ukernel__scalar";

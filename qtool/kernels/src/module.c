@@ -148,11 +148,11 @@ static PyObject* py_conv_info(PyObject* self, PyObject* args) {
   qt_conv* cv = (qt_conv*)PyCapsule_GetPointer(cap, CAPSULE_NAME);
   if (!cv) return NULL;
   /* pairing: (column, block) counts of a vpmaddubsw kernel's packer: natural pairs, reordered,
-   * split into two passes (all 0 for other kernels) */
+   * fallback (igemm: split into two passes; depthwise: on the 16-bit form); all 0 for other kernels */
   return Py_BuildValue("{s:s,s:s,s:n,s:{s:n,s:n,s:n,s:n}}", "kernel", cv->kernel_name, "isa",
                        cv->d->isa_name, "packed_bytes", (Py_ssize_t)cv->w_bytes, "pairing",
                        "blocks", (Py_ssize_t)cv->pairs.blocks, "natural", (Py_ssize_t)cv->pairs.natural,
-                       "reordered", (Py_ssize_t)cv->pairs.reordered, "split", (Py_ssize_t)cv->pairs.split);
+                       "reordered", (Py_ssize_t)cv->pairs.reordered, "fallback", (Py_ssize_t)cv->pairs.fallback);
 }
 
 /* conv_run(cap, x, n, h, w, y, oh, ow) */

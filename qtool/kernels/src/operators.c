@@ -94,7 +94,8 @@ static qt_conv* conv_create(const qt_dispatch* d, const int8_t* w, const int32_t
   memset(cv->zero, (int)x_zp, cv->zero_len);
   if (depthwise) {
     const qt_dwconv_config* dc =
-        g_exact_only && cv->d->dwconv_exact.ukernel ? &cv->d->dwconv_exact : &cv->d->dwconv;
+        cv->d->dwconv_exact.ukernel && (g_exact_only || ks > QT_DW_MADDUBS_MAX_KS)
+            ? &cv->d->dwconv_exact : &cv->d->dwconv;
     cv->dc = dc;
     cv->kernel_name = dc->name;
     cv->w_bytes = dc->packed_size(cv->cout, ks);

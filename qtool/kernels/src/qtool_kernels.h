@@ -67,6 +67,7 @@ typedef void (*qt_igemm_ukernel)(size_t mr, size_t nc, size_t kc, size_t ks, con
 typedef void (*qt_dwconv_ukernel)(size_t channels, size_t ow, size_t ks, const uint8_t* const* in,
                                   size_t in_step, ptrdiff_t in_offset, const uint8_t* zero, const void* w,
                                   uint8_t* out, size_t out_stride, const qt_requant* rq);
+#define QT_DW_MADDUBS_MAX_KS 255  /* its packed tap indices are bytes */
 #define QT_DW_PTR(ptr, off, zero) ((ptr) != (zero) ? (ptr) + (off) : (zero))
 
 /* K-blocked igemm: taps [t0, t0 + ks) of a full panel; acc_in NULL = start from the bias;
@@ -88,7 +89,7 @@ int qt_pair_block(const int8_t* w, size_t L, uint8_t* perm);
 
 /* What a pairing packer did with a layer's blocks (one block = one column's L weights). */
 typedef struct {
-  size_t blocks, natural, reordered, split;
+  size_t blocks, natural, reordered, fallback;  /* fallback: igemm split into hi + lo, dwconv on the 16-bit form */
 } qt_pair_stats;
 
 typedef struct {

@@ -82,7 +82,7 @@ static size_t pack_panel(size_t ks, size_t kc, size_t cols, const int8_t* const*
             st->blocks++;
             if (r == 1) st->natural++;
             else if (r == 2) st->reordered++;
-            else st->split++;
+            else st->fallback++;
           }
           for (size_t q = 0; q < Lp; q++) {
             int8_t v = wb[pj[q]];
