@@ -93,6 +93,20 @@ static PyObject* py_set_kblock(PyObject* self, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+static PyObject* py_peak_gmacs(PyObject* self, PyObject* args) {
+  (void)self;
+  int kind;
+  double seconds;
+  if (!PyArg_ParseTuple(args, "id", &kind, &seconds)) return NULL;
+  const int need = kind == QT_PEAK_AVX512VNNI ? QT_ISA_AVX512VNNI : QT_ISA_AVX2;
+  if (kind < QT_PEAK_AVX2 || kind > QT_PEAK_AVX512VNNI || qt_best_isa() < need) return PyFloat_FromDouble(0.0);
+  double r;
+  Py_BEGIN_ALLOW_THREADS
+  r = qt_peak_gmacs(kind, seconds);
+  Py_END_ALLOW_THREADS
+  return PyFloat_FromDouble(r);
+}
+
 static PyObject* py_set_exact_only(PyObject* self, PyObject* args) {
   (void)self;
   int on;
@@ -390,6 +404,8 @@ static PyMethodDef methods[] = {
     {"set_num_threads", py_set_num_threads, METH_VARARGS, "threads used by the kernels"},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "threads used by the kernels"},
     {"set_kblock", py_set_kblock, METH_VARARGS, "K blocking of large igemm panels: 0 off, 1 on, 2 forced (objects packed later)"},
+    {"peak_gmacs", py_peak_gmacs, METH_VARARGS,
+     "GMAC/s of a register-only loop of a GEMM mix on this thread (1 avx2, 2 avx2 exact, 3 avx512vnni)"},
     {"set_exact_only", py_set_exact_only, METH_VARARGS,
      "1: objects packed afterwards use the exact 16-bit kernels where the tier has them (AVX2)"},
     {"set_parallel_min_ns", py_set_parallel_min_ns, METH_VARARGS,

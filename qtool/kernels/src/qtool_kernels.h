@@ -208,6 +208,10 @@ extern const qt_igemm_config qt_igemm_scalar, qt_igemm_avx2, qt_igemm_avx2_maddu
 extern const qt_amx_gemm_config qt_gemm_amx;
 extern const qt_dwconv_config qt_dwconv_scalar, qt_dwconv_avx2, qt_dwconv_avx2_maddubs,
     qt_dwconv_avx512vnni;
+/* qu8-peak.c: GMAC/s of a register-only loop of a GEMM kernel's instruction mix, one thread
+ * (0 if the CPU cannot run it; check the ISA first) */
+enum { QT_PEAK_AVX2 = 1, QT_PEAK_AVX2_EXACT = 2, QT_PEAK_AVX512VNNI = 3 };
+double qt_peak_gmacs(int kind, double seconds);
 void qt_set_exact_only(int on);   /* 1: pack later objects with igemm_exact/dwconv_exact if any */
 int qt_get_exact_only(void);
 void qt_fill_elementwise(qt_dispatch* d, int isa);

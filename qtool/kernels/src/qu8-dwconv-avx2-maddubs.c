@@ -189,9 +189,17 @@ QT_TARGET_AVX2 QT_INLINE void tile_pixels(const size_t FULL, size_t n, size_t c0
   const size_t nn = FULL ? CT : n;
   const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(nn / 4)),
                                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-#define TAP(t) load32(((t) < ks ? QT_DW_PTR(ip[t], in_offset, zero) : zero) + c0, nn, mask)
+  /* pp[t]: tap t's channels c0.. of this pixel, pp[ks] the padding (what a tap index of ks means) */
+  const uint8_t* pp[QT_DW_MADDUBS_MAX_KS + 1];
+  pp[ks] = zero + c0;
+#define TAP(t) load32(pp[t], nn, mask)
   for (size_t p = 0; p < ow; p++) {
     const uint8_t* const* ip = in + p * in_step;
+    if (in_offset == 0) {
+      for (size_t t = 0; t < ks; t++) pp[t] = ip[t] + c0;
+    } else {
+      for (size_t t = 0; t < ks; t++) pp[t] = QT_DW_PTR(ip[t], in_offset, zero) + c0;
+    }
     __m256i a0 = _mm256_loadu_si256((const __m256i*)bias);
     __m256i a1 = _mm256_loadu_si256((const __m256i*)(bias + 8));
     __m256i a2 = _mm256_loadu_si256((const __m256i*)(bias + 16));
