@@ -107,6 +107,11 @@ static PyObject* py_peak_gmacs(PyObject* self, PyObject* args) {
   return PyFloat_FromDouble(r);
 }
 
+static PyObject* py_get_exact_only(PyObject* self, PyObject* args) {
+  (void)self; (void)args;
+  return PyLong_FromLong(qt_get_exact_only());
+}
+
 static PyObject* py_set_exact_only(PyObject* self, PyObject* args) {
   (void)self;
   int on;
@@ -406,6 +411,7 @@ static PyMethodDef methods[] = {
     {"set_kblock", py_set_kblock, METH_VARARGS, "K blocking of large igemm panels: 0 off, 1 on, 2 forced (objects packed later)"},
     {"peak_gmacs", py_peak_gmacs, METH_VARARGS,
      "GMAC/s of a register-only loop of a GEMM mix on this thread (1 avx2, 2 avx2 exact, 3 avx512vnni)"},
+    {"get_exact_only", py_get_exact_only, METH_NOARGS, "see set_exact_only"},
     {"set_exact_only", py_set_exact_only, METH_VARARGS,
      "1: objects packed afterwards use the exact 16-bit kernels where the tier has them (AVX2)"},
     {"set_parallel_min_ns", py_set_parallel_min_ns, METH_VARARGS,

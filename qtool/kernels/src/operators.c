@@ -161,6 +161,10 @@ static qt_conv* conv_create(const qt_dispatch* d, const int8_t* w, const int32_t
    * copy the patches once (im2col) and run one tap of K = KH*KW*Cin; the packed weight order
    * [tap][cin] is the same. */
   cv->im2col = groups == 1 && ks > 1 && cin_g < 8;
+  /* A pairing packer pairs within a tap; with an odd Cin, ONNX Runtime's pairs (even K over
+   * (kh, kw, cin)) cross taps, so weights made safe for that order are paired in it: one tap of
+   * K = KH*KW*Cin (im2col) */
+  if (gc->pack_panel && groups == 1 && ks > 1 && cin_g % 2) cv->im2col = 1;
   cv->gemm_ks = cv->im2col ? 1 : ks;
   cv->gemm_kc = cv->im2col ? ks * cin_g : cin_g;
   cv->ksplit = 1;
