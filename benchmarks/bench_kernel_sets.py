@@ -67,19 +67,20 @@ def main():
               f"{100 * gn / (peak * a.threads):>7.1f}%{te[op] / tn[op]:>9.2f}x")
     tot_e, tot_n = sum(te.values()), sum(tn.values())
     print(f"{'all steps':<14}{'':>8}{tot_e:>10.3f}{'':>8}{tot_n:>9.3f}{'':>8}{'':>8}{tot_e / tot_n:>9.2f}x")
-    pairs = defaultdict(int)
-    for st in new.program.steps if hasattr(new.program, "steps") else []:
+    pairs = {"gemm": defaultdict(int), "dwconv": defaultdict(int)}
+    for st in new.program.steps:
         p = getattr(st, "p", None)
         cap = getattr(p, "_cap", None)
         if cap is not None:
+            kind = "dwconv" if getattr(p, "kind", "") == "dwconv" else "gemm"
             for k, v in K._native.conv_info(cap)["pairing"].items():
-                pairs[k] += v
-    if pairs:
-        b = max(pairs["blocks"], 1)
-        print(f"pairing (column x block): natural {100 * pairs['natural'] / b:.1f}%, reordered "
-              f"{100 * pairs['reordered'] / b:.1f}%, fallback {100 * pairs['fallback'] / b:.1f}% "
-              f"(igemm: second pass; depthwise: 16-bit form)")
-
+                pairs[kind][k] += v
+    for kind, what, fb in (("gemm", "column x block", "second pass"), ("dwconv", "channels", "16-bit form")):
+        pr = pairs[kind]
+        if pr["blocks"]:
+            b = pr["blocks"]
+            print(f"{kind} pairing ({what}): natural {100 * pr['natural'] / b:.1f}%, reordered "
+                  f"{100 * pr['reordered'] / b:.1f}%, fallback ({fb}) {100 * pr['fallback'] / b:.1f}%")
 
 if __name__ == "__main__":
     main()
