@@ -1,6 +1,7 @@
-/* AVX2 indirect GEMM, exact: u8 zero-extended and s8 sign-extended to 16 bits, vpmaddwd into
- * int32 (no vpmaddubsw, whose 16-bit pair sums saturate for 255 * 127 * 2).
- * MR=4 x NR=16, weights int16 [ks][kc/2][NR][2] per panel (kc padded to 2). */
+/* AVX2 indirect GEMM, exact for any weights: u8 zero-extended and s8 sign-extended to 16 bits,
+ * vpmaddwd into int32. The AVX2 tier runs qu8-igemm-avx2-maddubs.c (vpmaddubsw, pairs proven
+ * safe at pack time); this one stays for comparisons (qt_set_exact_only) and as the reference
+ * point of its speed-up. MR=4 x NR=16, weights int16 [ks][kc/2][NR][2] per panel (kc padded to 2). */
 #include "qtool_kernels.h"
 #if QT_X86
 #include <immintrin.h>
