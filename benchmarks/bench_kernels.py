@@ -14,7 +14,6 @@ import numpy as np
 
 import qtool.kernels as K
 
-PEAK_PER_CORE = 233.0  # GMAC/s, vpdpbusd zmm register-only loop (ANCHORS.md)
 # AMX tier: tdpbusd (16 x 16 x 64 MACs) register-only loop, one per 16 cycles, measured on the
 # Sapphire Rapids VM (0.166 G tdpbusd/s per core)
 AMX_PEAK_PER_CORE = 2700.0
@@ -105,36 +104,60 @@ def bench(fn, min_time=0.05, repeat=5):
     return float(np.min(best))
 
 
-def run_model(name, layers, threads, min_time):
+def weights(rng, shape, kind):
+    if kind == "uniform":
+        return rng.integers(-127, 128, shape, dtype=np.int8)
+    f = rng.standard_normal(shape)
+    f = f / np.abs(f).reshape(shape[0], -1).max(1).reshape((-1,) + (1,) * (len(shape) - 1)) * 127
+    return np.rint(f).astype(np.int8)
+
+
+def layer_fn(lname, x, w, bias, cin, cout, k, s, p, g):
+    if lname.startswith("fc"):
+        pk = K.pack_gemm(w.reshape(cout, cin), bias, x_zp=3, multiplier=np.float32(1e-3), y_zp=5)
+        xx = x.reshape(1, cin)
+        out = np.empty((1, cout), np.uint8)
+        return pk, (lambda: K.gemm(pk, xx, out=out)), cin * cout
+    pk = K.pack_conv2d(w, bias, x_zp=3, multiplier=np.float32(1e-3), y_zp=5, strides=(s, s),
+                       pads=(p,) * 4, group=g)
+    out = np.empty(pk.out_shape(1, x.shape[1], x.shape[2]), np.uint8)
+    return pk, (lambda: K.conv2d(pk, x, out=out)), out.shape[1] * out.shape[2] * cout * (cin // g) * k * k
+
+
+def run_model(name, layers, threads, min_time, wkind="normal", compare=False):
     rng = np.random.default_rng(0)
-    peak = (AMX_PEAK_PER_CORE if K.get_isa() == "amx" else PEAK_PER_CORE) * threads
-    print(f"\n== {name}: ISA {K.get_isa()}, {threads} thread(s), peak {peak:.0f} GMAC/s ==")
-    print(f"{'layer':22s} {'kernel':56s} {'MMAC':>8s} {'us':>9s} {'GMAC/s':>7s} {'%peak':>6s} {'x':>2s}")
-    total_t = total_mac = 0.0
+    isa = K.get_isa()
+    per = AMX_PEAK_PER_CORE if isa == "amx" else K.peak_gmacs(isa)[0]
+    peak = per * threads
+    compare = compare and isa == "avx2"
+    print(f"\n== {name}: ISA {isa}, {threads} thread(s), {wkind} weights, peak {peak:.0f} GMAC/s "
+          f"(measured here: {K.peak_gmacs(isa)[1]}) ==")
+    print(f"{'layer':22s} {'kernel':56s} {'MMAC':>8s} {'us':>9s} {'GMAC/s':>7s} {'%peak':>6s} {'x':>2s}"
+          + ("  exact GMAC/s  speed-up" if compare else ""))
+    total_t = total_mac = total_te = 0.0
     for lname, h, cin, cout, k, s, p, g, count in layers:
         x = rng.integers(0, 256, (1, h, h, cin), dtype=np.uint8)
-        w = rng.integers(-127, 128, (cout, cin // g, k, k), dtype=np.int8)
+        w = weights(rng, (cout, cin // g, k, k), wkind)
         bias = rng.integers(-1000, 1000, cout, dtype=np.int32)
-        if lname.startswith("fc"):
-            pk = K.pack_gemm(w.reshape(cout, cin), bias, x_zp=3, multiplier=np.float32(1e-3), y_zp=5)
-            xx = x.reshape(1, cin)
-            out = np.empty((1, cout), np.uint8)
-            fn = lambda pk=pk, xx=xx, out=out: K.gemm(pk, xx, out=out)
-            macs = cin * cout
+        pk, fn, macs = layer_fn(lname, x, w, bias, cin, cout, k, s, p, g)
+        if compare:  # in turns, so a busy machine slows both alike
+            K.set_exact_only(True)
+            _, fe, _ = layer_fn(lname, x, w, bias, cin, cout, k, s, p, g)
+            K.set_exact_only(False)
+            t, te = 1e9, 1e9
+            for _ in range(3):
+                te, t = min(te, bench(fe, min_time / 3)), min(t, bench(fn, min_time / 3))
+            total_te += te * count
         else:
-            pk = K.pack_conv2d(w, bias, x_zp=3, multiplier=np.float32(1e-3), y_zp=5, strides=(s, s),
-                               pads=(p,) * 4, group=g)
-            out = np.empty(pk.out_shape(1, h, h), np.uint8)
-            fn = lambda pk=pk, x=x, out=out: K.conv2d(pk, x, out=out)
-            oh = out.shape[1]
-            macs = oh * oh * cout * (cin // g) * k * k
-        t = bench(fn, min_time)
+            t = bench(fn, min_time)
         gm = macs / t / 1e9
         total_t += t * count
         total_mac += macs * count
-        print(f"{lname:22s} {pk.kernel:56s} {macs / 1e6:8.1f} {t * 1e6:9.1f} {gm:7.1f} {100 * gm / peak:5.1f}% {count:2d}")
+        print(f"{lname:22s} {pk.kernel:56s} {macs / 1e6:8.1f} {t * 1e6:9.1f} {gm:7.1f} {100 * gm / peak:5.1f}% {count:2d}"
+              + (f"  {macs / te / 1e9:12.1f}  {te / t:7.2f}x" if compare else ""))
     print(f"-- {name} conv/gemm layers total: {total_mac / 1e9:.2f} GMAC in {total_t * 1e3:.2f} ms "
-          f"= {total_mac / total_t / 1e9:.0f} GMAC/s ({100 * total_mac / total_t / 1e9 / peak:.0f}% of peak)")
+          f"= {total_mac / total_t / 1e9:.0f} GMAC/s ({100 * total_mac / total_t / 1e9 / peak:.0f}% of peak)"
+          + (f"; exact kernels {total_te * 1e3:.2f} ms ({total_te / total_t:.2f}x)" if compare else ""))
 
 
 def main():
@@ -146,6 +169,9 @@ def main():
     ap.add_argument("--cpu-time", action="store_true",
                     help="time with the thread's CPU clock (only meaningful with --threads 1; "
                          "ignores time lost to other processes on a shared machine)")
+    ap.add_argument("--weights", choices=["normal", "uniform"], default="normal")
+    ap.add_argument("--compare-exact", action="store_true",
+                    help="AVX2 tier: also time the exact 16-bit kernels on each layer, in turns")
     a = ap.parse_args()
     if a.cpu_time:
         global CLOCK
@@ -154,7 +180,7 @@ def main():
     K.set_isa(a.isa)
     print({k: v for k, v in K.info().items() if k != "supported"})
     for name in (MODELS if a.model == "all" else [a.model]):
-        run_model(name, MODELS[name], a.threads, a.min_time)
+        run_model(name, MODELS[name], a.threads, a.min_time, a.weights, a.compare_exact)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """One parametrized tester for every native kernel under every ISA this CPU supports
-(AVX-512 VNNI, AVX2 and portable C are forced through qtool.kernels.set_isa), against the numpy
-reference in qtool.kernels.reference. Shapes sit around the tile edges (MR, NR, K groups, channel
-tiles); the output buffer is surrounded and pre-filled by a canary; equality must be exact."""
+(AVX-512 VNNI, AVX2 and portable C are forced through qtool.kernels.set_isa; the AVX2 tier's
+exact 16-bit kernels, kept beside its vpmaddubsw ones, through set_exact_only as "avx2-exact"),
+against the numpy reference in qtool.kernels.reference. Shapes sit around the tile edges (MR, NR,
+K groups and blocks, channel tiles); the output buffer is surrounded and pre-filled by a canary;
+equality must be exact."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,18 +13,23 @@ K = pytest.importorskip("qtool.kernels")
 from qtool.kernels import reference as R  # noqa: E402
 
 ISAS = K.available_isas()
+# every registered kernel set: each tier, and the AVX2 tier's exact kernels
+KERNEL_SETS = ISAS + (["avx2-exact"] if "avx2" in ISAS else [])
 CANARIES = (0xA5, 0x5A)
 GUARD = 67  # canary bytes before and after the output
 
 
-@pytest.fixture(params=ISAS)
+@pytest.fixture(params=KERNEL_SETS)
 def isa(request):
     prev = K.get_isa()
-    K.set_isa(request.param)
+    tier = request.param.replace("-exact", "")
+    K.set_isa(tier)
+    K.set_exact_only(request.param.endswith("-exact"))
     K._native.set_parallel_min_ns(0)  # thread even the tiny test ops (tile splits get exercised)
-    assert K.get_isa() == request.param
-    yield request.param
+    assert K.get_isa() == tier
+    yield tier
     K._native.set_parallel_min_ns(15000)
+    K.set_exact_only(False)
     K.set_isa(prev)
 
 
@@ -143,6 +150,8 @@ def test_conv2d(isa, case):
     # operators.c QT_AMX_MIN_K/N) on its AVX-512 kernels, everything else on tiles
     on_tiles = p.kind != "dwconv" and cin // g * kh * kw >= 24 and cout // g > 16
     assert (isa if on_tiles or isa != "amx" else "avx512").split("vnni")[0] in p.kernel
+    if isa == "avx2":
+        assert ("maddubs" in p.kernel) != bool(K._native.get_exact_only()), p.kernel
     for canary in CANARIES:
         big, out = canary_out(want.shape, np.uint8, canary)
         got = K.conv2d(p, x, out=out)
@@ -412,3 +421,169 @@ def test_pool_survives_fork():
         os._exit(0 if (K.conv2d(p, x) == want).all() else 3)
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+# ---- the AVX2 vpmaddubsw kernels: which int16 pairs they may form -------------------------------
+# vpmaddubsw adds two u8 x s8 products into a saturating int16: exact when the weights' signs
+# differ or |w_a + w_b| <= 128 (255 * 128 = 32640), not at 129 (255 * 129 = 32895 > 32767).
+
+def pairing(p):
+    return K._native.conv_info(p._cap)["pairing"]
+
+
+def gaussian_w(rng, shape):
+    """int8 weights as quantized trained layers look: per output channel, max |w| = 127."""
+    f = rng.standard_normal(shape)
+    f = f / np.abs(f).reshape(shape[0], -1).max(1).reshape((-1,) + (1,) * (len(shape) - 1)) * 127
+    return np.rint(f).astype(np.int8)
+
+
+def portable(w, axis_order):
+    """Make every same-sign pair at even K (ONNX Runtime's order: Conv (kh, kw, cin) with cin
+    fastest, Gemm along K, depthwise the taps row-major) sum to at most 128 in magnitude, by
+    shrinking such pairs toward 0: what the 'portable' quantization target guarantees."""
+    flat = np.ascontiguousarray(w.transpose(axis_order)).reshape(w.shape[0], -1).astype(np.int64)
+    for r in flat:
+        for k in range(0, len(r) - 1, 2):
+            a, b = r[k], r[k + 1]
+            if a * b > 0 and abs(a + b) > 128:
+                s = 128 / (abs(a) + abs(b))
+                r[k], r[k + 1] = np.sign(a) * int(abs(a) * s), np.sign(b) * int(abs(b) * s)
+    inv = np.argsort(axis_order)
+    shape = tuple(w.shape[i] for i in axis_order)
+    return flat.astype(np.int8).reshape(shape).transpose(inv)
+
+
+def run_conv(isa, w, x, g=1, s=1, pad=0, x_zp=0):
+    rng = np.random.default_rng(w.size)
+    cout = w.shape[0]
+    bias = rng.integers(-5000, 5000, size=cout, dtype=np.int32)
+    acc = R.conv2d_acc(w, bias, x, x_zp, (s, s), (pad,) * 4, (1, 1), g)
+    q = dict(x_zp=x_zp, multiplier=pick_multiplier(rng, acc.std(), cout), y_zp=77, strides=(s, s),
+             pads=(pad,) * 4, group=g)
+    p = K.pack_conv2d(w, bias, **q)
+    want = R.conv2d(w, bias, x, **q)
+    big, out = canary_out(want.shape, np.uint8, 0xA5)
+    check(p.kernel, K.conv2d(p, x, out=out), want, big, 0xA5, 1, f"w {w.shape} pairing {pairing(p)}")
+    return p
+
+
+EDGE_PAIRS = {  # (w_a, w_b) repeated along K: sums at exactly 128 are safe, 129 are not
+    "pos128": (64, 64), "pos127+1": (127, 1), "neg128": (-64, -64), "neg127-1": (-127, -1),
+    "pos129": (127, 2), "neg129": (-65, -64), "opposite": (127, -127),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EDGE_PAIRS))
+@pytest.mark.parametrize("k", [4, 16, 27, 64])
+def test_pairing_edges_gemm(isa, name, k):
+    """Inputs at 255 everywhere make any unsafe pair saturate; the result must stay exact."""
+    a, b = EDGE_PAIRS[name]
+    w = np.tile(np.array([a, b], np.int8), (5, (k + 1) // 2))[:, :k].copy()
+    w[1] = w[1, ::-1]           # other columns: the other order, a single weight, random
+    w[2, 1:] = 0
+    w[3] = np.random.default_rng(k).integers(-127, 128, k)
+    x = np.full((9, k), 255, np.uint8)
+    x[4:] = np.random.default_rng(1).integers(0, 256, (5, k))
+    p = K.pack_gemm(w, None, x_zp=3, multiplier=np.float32(1e-4), y_zp=0, out_dtype="float32")
+    want = R.gemm(w, None, x, x_zp=3, multiplier=np.float32(1e-4), out_dtype="float32")
+    big, out = canary_out(want.shape, np.float32, 0x5A)
+    check(p.kernel, K.gemm(p, x, out=out), want, big, 0x5A, 4, f"{name} k={k} {pairing(p)}")
+    if isa == "avx2" and "maddubs" in p.kernel:
+        pr = pairing(p)
+        if name in ("pos128", "pos127+1", "neg128", "neg127-1", "opposite"):
+            # safe in the natural order: every column-block of the first two columns stays natural
+            assert pr["natural"] >= 2 * pr["blocks"] // 5, pr
+        if name in ("pos129", "neg129") and k >= 4:
+            # every pair of columns 0/1 would saturate: reordered or split, never natural there
+            assert pr["reordered"] + pr["fallback"] > 0, pr
+
+
+@pytest.mark.parametrize("value", [64, 65, 100, 127])
+def test_pairing_no_safe_pair_splits(isa, value):
+    """All weights equal and > 64: no pairing is safe (each pair sums > 128), so every block takes
+    the exact path (two passes); at 64 the natural pairs are safe."""
+    w = np.full((20, 3, 3, 40), value, np.int8)
+    w[::2] *= -1
+    x = np.full((1, 6, 7, 40), 255, np.uint8)
+    x[0, 3:] = np.random.default_rng(value).integers(0, 256, (3, 7, 40))
+    p = run_conv(isa, w.transpose(0, 3, 1, 2).copy(), x, pad=1, x_zp=200)
+    if isa == "avx2" and "maddubs" in p.kernel:
+        pr = pairing(p)
+        assert (pr["fallback"] == pr["blocks"]) if value > 64 else (pr["natural"] == pr["blocks"]), pr
+
+
+@pytest.mark.parametrize("value", [64, 65, 127])
+@pytest.mark.parametrize("k", [3, 5])
+def test_pairing_depthwise_edges(isa, k, value):
+    """Depthwise: taps paired per 32-channel tile; equal taps > 64 leave no safe pairing (the tile
+    runs the 16-bit form), 64 is safe in ONNX's row-major order."""
+    c = 70
+    w = np.full((c, 1, k, k), value, np.int8)
+    w[1::3] *= -1
+    x = np.full((1, 9, 8, c), 255, np.uint8)
+    x[0, 5:] = np.random.default_rng(k).integers(0, 256, (4, 8, c))
+    p = run_conv(isa, w, x, g=c, pad=k // 2, x_zp=0)
+    if isa == "avx2" and "maddubs" in p.kernel:
+        pr = pairing(p)
+        assert (pr["fallback"] == c) if value > 64 else (pr["natural"] == c), pr
+
+
+# (n, h, w, cin, cout, kh, kw, stride, pad, group)
+PORTABLE_CASES = [(1, 6, 6, 64, 40, 1, 1, 1, 0, 1), (1, 7, 7, 32, 33, 3, 3, 1, 1, 1),
+                  (1, 9, 9, 3, 24, 3, 3, 2, 1, 1), (1, 8, 8, 17, 20, 3, 3, 1, 1, 1),
+                  (1, 5, 5, 200, 17, 1, 1, 1, 0, 1), (1, 9, 9, 48, 48, 3, 3, 1, 1, 48),
+                  (1, 9, 9, 40, 40, 5, 5, 2, 2, 40)]
+
+
+@pytest.mark.parametrize("case", PORTABLE_CASES, ids=lambda c: "c{}o{}k{}g{}".format(c[3], c[4], c[5], c[9]))
+def test_portable_weights_take_the_fast_path(isa, case):
+    """Weights whose same-sign pairs in ONNX Runtime's K order sum to <= 128 (the 'portable'
+    target) are accepted as they are: no reordering, no second pass, no 16-bit fallback."""
+    n, h, wd, cin, cout, kh, kw, s, pad, g = case
+    rng = np.random.default_rng(cin * 7 + cout)
+    w = gaussian_w(rng, (cout, cin // g, kh, kw))
+    # ONNX Runtime's K order: (kh, kw, cin) with cin fastest; depthwise: (kh, kw)
+    w = portable(w, (0, 2, 3, 1))
+    x = rand_u8(rng, (n, h, wd, cin))
+    x[0, 0] = 255
+    p = run_conv(isa, w, x, g=g, s=s, pad=pad, x_zp=int(rng.integers(0, 256)))
+    if isa == "avx2" and "maddubs" in p.kernel:
+        pr = pairing(p)
+        assert pr["natural"] == pr["blocks"] and pr["blocks"] > 0, pr
+
+
+def test_portable_gemm_takes_the_fast_path(isa):
+    rng = np.random.default_rng(3)
+    w = portable(gaussian_w(rng, (40, 1281)), (0, 1))
+    x = rand_u8(rng, (3, 1281))
+    p = K.pack_gemm(w, None, x_zp=9, multiplier=np.float32(1e-4), y_zp=0, out_dtype="float32")
+    want = R.gemm(w, None, x, x_zp=9, multiplier=np.float32(1e-4), out_dtype="float32")
+    check(p.kernel, K.gemm(p, x), want, np.full(2 * GUARD, 0, np.uint8), 0, 4, "portable gemm")
+    if isa == "avx2" and "maddubs" in p.kernel:
+        pr = pairing(p)
+        assert pr["natural"] == pr["blocks"], pr
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 7, 8, 9, 12, 15, 16, 17, 20, 24, 28, 31, 32, 33, 47, 48])
+def test_gemm_k_blocks(isa, k):
+    """K around the vpmaddubsw kernel's blocks (16, then 8, 4 and 1-3 at the end), Gaussian and
+    uniform weights (reordered pairs, split blocks), rows and columns around its 4 x 16 tile."""
+    rng = np.random.default_rng(k)
+    for wt in (gaussian_w(rng, (17, k)), rand_w(rng, (17, k))):
+        for m in (1, 4, 5):
+            x = rand_u8(rng, (m, k))
+            p = K.pack_gemm(wt, None, x_zp=200, multiplier=np.float32(1e-3), out_dtype="float32")
+            want = R.gemm(wt, None, x, x_zp=200, multiplier=np.float32(1e-3), out_dtype="float32")
+            big, out = canary_out(want.shape, np.float32, 0xA5)
+            check(p.kernel, K.gemm(p, x, out=out), want, big, 0xA5, 4, f"k={k} m={m}")
+
+
+@pytest.mark.parametrize("c", [1, 4, 15, 16, 17, 31, 32, 33, 48, 63, 64, 65, 100])
+def test_depthwise_channel_tiles(isa, c):
+    """Channel counts around the 32-channel tile (16-byte, masked and byte-copied tails) with
+    Gaussian weights (16-bit form) and small ones (vpmaddubsw form)."""
+    rng = np.random.default_rng(c)
+    x = rand_u8(rng, (1, 7, 6, c))
+    for w in (gaussian_w(rng, (c, 1, 3, 3)), rng.integers(-60, 61, (c, 1, 3, 3), dtype=np.int8)):
+        run_conv(isa, w, x, g=c, pad=1, x_zp=int(rng.integers(0, 256)))

@@ -15,7 +15,8 @@ from qtool.errors import QtoolError
 @click.option("--threads", "-t", default=2, show_default=True, help="Threads for every engine.")
 @click.option("--repeats", default=20, show_default=True, help="Minimum timed runs at batch 1 (a quarter at larger batches).")
 @click.option("--shape", help="Input shape when the model's is dynamic beyond the batch, e.g. 1,3,224,224.")
-@click.option("--profile", is_flag=True, help="Per-op-type time, GMAC/s and share of the VNNI peak (native runtime).")
+@click.option("--profile", is_flag=True,
+              help="Per-op-type time, GMAC/s and share of the active tier's peak, measured here (native runtime).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write all figures as JSON here.")
 @common_options
 def command(model, fp32, batches, threads, repeats, shape, profile, json_path, workdir, quiet, verbose, debug):
@@ -48,7 +49,7 @@ def command(model, fp32, batches, threads, repeats, shape, profile, json_path, w
     if profile and not quiet:
         from qtool.runtime.profile import format_table, format_top
         for bs, p in r["profile"].items():
-            click.echo(f"\nprofile, batch {bs} ({threads} threads, VNNI peak {p['peak_gmacs']:.0f} GMAC/s):")
+            click.echo(f"\nprofile, batch {bs} ({threads} threads; % of {p['peak_gmacs']:.0f} GMAC/s = {p['peak']}):")
             click.echo(format_table(p["by_op"]))
             click.echo(format_top(p["top"]))
     write_json(json_path, {**r, "batches": {str(k): v for k, v in r["batches"].items()},

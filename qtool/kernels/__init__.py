@@ -23,7 +23,7 @@ __all__ = ["info", "set_isa", "get_isa", "available_isas", "set_num_threads", "g
            "quantize_nchw_to_nhwc", "dequantize_nhwc_to_nchw", "bind_conv2d", "bind_gemm",
            "bind_add", "bind_maxpool2d", "bind_avgpool2d", "bind_global_avgpool", "bind_concat",
            "bind_quantize_nchw_to_nhwc", "bind_dequantize_nhwc_to_nchw", "mul", "bind_mul", "lut",
-           "bind_lut"]
+           "bind_lut", "peak_gmacs", "set_exact_only"]
 
 
 # ---- runtime / dispatch --------------------------------------------------------------------
@@ -56,6 +56,28 @@ def set_num_threads(n: int) -> None:
 
 def get_num_threads() -> int:
     return _native.get_num_threads()
+
+
+_PEAK_KIND = {"avx2": (1, "vpshufb+vpmaddubsw+vpmaddwd+vpaddd"), "avx2-exact": (2, "2 vpshufb + 4 vpmaddwd/vpaddd"),
+              "avx512vnni": (3, "vpdpbusd zmm"), "amx": (3, "vpdpbusd zmm (AVX-512 part of the tier)")}
+_peak_cache: dict = {}
+
+
+def peak_gmacs(isa: str | None = None, seconds: float = 0.05) -> tuple[float, str]:
+    """(GMAC/s on one thread, what was timed): a register-only loop of the GEMM instruction mix
+    of `isa` (default: the active one; 'avx2-exact' = the 16-bit kernel's mix), measured on this
+    machine once per process. (0.0, ...) when the CPU cannot run it or the tier has no loop."""
+    isa = isa or get_isa()
+    if isa not in _peak_cache:
+        kind, what = _PEAK_KIND.get(isa, (0, "none"))
+        _peak_cache[isa] = (_native.peak_gmacs(kind, float(seconds)) if kind else 0.0, what)
+    return _peak_cache[isa]
+
+
+def set_exact_only(on: bool) -> None:
+    """Objects packed afterwards use the tier's exact 16-bit kernels where it has them (AVX2:
+    vpmaddwd instead of vpmaddubsw), for comparisons. Both are bit-exact."""
+    _native.set_exact_only(int(bool(on)))
 
 
 def conv_multiplier(x_scale, w_scales, y_scale) -> np.ndarray:

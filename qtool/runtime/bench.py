@@ -13,7 +13,7 @@ import time
 import numpy as np
 
 from qtool.errors import QtoolError
-from qtool.runtime.profile import VNNI_GMACS_PER_CORE, op_type_table, top_steps
+from qtool.runtime.profile import measured_peak, op_type_table, top_steps
 from qtool.runtime.session import NativeSession
 
 
@@ -116,8 +116,9 @@ def bench(model: str, fp32: str | None = None, batches=(1, 8), threads: int = 2,
                 + f"   [{r['runs']} runs, median]")
     if profile:
         res["profile"] = {}
+        peak, label = measured_peak(native.K, threads)
         for bs in batches:
             rows = native.profile(make_feeds(native, bs, shape), repeats=max(5, repeats // 2))
-            res["profile"][bs] = {"steps": rows, "by_op": op_type_table(rows, threads), "top": top_steps(rows, threads),
-                                  "peak_gmacs": VNNI_GMACS_PER_CORE * threads}
+            res["profile"][bs] = {"steps": rows, "by_op": op_type_table(rows, threads, peak),
+                                  "top": top_steps(rows, threads, peak=peak), "peak_gmacs": peak, "peak": label}
     return res

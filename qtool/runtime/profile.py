@@ -3,12 +3,26 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-# vpdpbusd on Zen 4: 64 MAC per instruction, ~3.6 G instructions/s per core (shared/anchors/ANCHORS.md)
+# vpdpbusd on Zen 4: 64 MAC per instruction, ~3.6 G instructions/s per core (shared/anchors/ANCHORS.md);
+# used only when the kernels cannot measure a peak (numpy backends)
 VNNI_GMACS_PER_CORE = 233.0
 
 
-def op_type_table(rows, threads: int):
-    """rows: NativeSession.profile() output -> list of dicts per op type, biggest time first."""
+def measured_peak(K, threads: int) -> tuple[float, str]:
+    """(GMAC/s, label): the active tier's GEMM mix in a register-only loop, timed on this machine
+    (qtool.kernels.peak_gmacs), times the threads; the recorded VNNI figure for other backends."""
+    f = getattr(K, "peak_gmacs", None)
+    isa = K.get_isa() if hasattr(K, "get_isa") else None
+    if f is not None and isa:
+        g, what = f(isa)
+        if g > 0:
+            return g * threads, f"{isa} peak, measured ({what} loop, {g:.0f} GMAC/s per thread)"
+    return VNNI_GMACS_PER_CORE * threads, "VNNI peak (recorded, not measured here)"
+
+
+def op_type_table(rows, threads: int, peak: float | None = None):
+    """rows: NativeSession.profile() output -> list of dicts per op type, biggest time first.
+    peak: GMAC/s the shares are of (default: the recorded VNNI figure times threads)."""
     agg = OrderedDict()
     total = sum(r["ms"] for r in rows) or 1e-9
     for r in rows:
@@ -17,7 +31,7 @@ def op_type_table(rows, threads: int):
         a["n"] += 1
         a["ms"] += r["ms"]
         a["macs"] += r["macs"]
-    peak = VNNI_GMACS_PER_CORE * threads
+    peak = peak or VNNI_GMACS_PER_CORE * threads
     out = []
     for a in sorted(agg.values(), key=lambda a: -a["ms"]):
         a["share"] = a["ms"] / total
@@ -40,9 +54,9 @@ def format_table(table):
     return "\n".join(lines)
 
 
-def top_steps(rows, threads: int, n: int = 8):
-    """The n slowest steps: name, op, kernel, ms, GMAC/s, share of the VNNI peak."""
-    peak = VNNI_GMACS_PER_CORE * threads
+def top_steps(rows, threads: int, n: int = 8, peak: float | None = None):
+    """The n slowest steps: name, op, kernel, ms, GMAC/s, share of the peak."""
+    peak = peak or VNNI_GMACS_PER_CORE * threads
     out = []
     for r in sorted(rows, key=lambda r: -r["ms"])[:n]:
         g = r["macs"] / (r["ms"] / 1000) / 1e9 if r["ms"] > 0 and r["macs"] else 0.0

@@ -146,7 +146,7 @@ class ConvStep(Step):
         self.K, self.p, self.cig, self.kh, self.kw = K, packed, cin_per_group, kh, kw
         kind = getattr(packed, "kind", "")
         self.kernel = f"{kind}:{getattr(packed, 'kernel', '')}"
-        self.op = "DwConv" if kind == "dwconv" or cin_per_group == 1 else ("Conv1x1" if kh == kw == 1 else "Conv")
+        self.op = "DwConv" if kind == "dwconv" or cin_per_group == 1 else f"Conv{kh}x{kw}"
 
     def packed(self, x):
         return self.p.for_input(x) if isinstance(self.p, SamePadPacker) else self.p

@@ -95,11 +95,17 @@ static void qt_init_tables(void) {
     /* the AMX tier is the AVX-512 VNNI tier with convolutions and GEMMs on tiles (depthwise,
      * elementwise and pools stay on AVX-512) */
     const int vec = isa == QT_ISA_AMX ? QT_ISA_AVX512VNNI : isa;
+    /* AVX2: vpmaddubsw where the packer proves (or makes) every int16 pair safe, the exact
+     * 16-bit kernels kept beside it for comparison (qt_set_exact_only) */
     d->igemm = vec == QT_ISA_AVX512VNNI ? qt_igemm_avx512vnni
-             : vec == QT_ISA_AVX2 ? qt_igemm_avx2 : qt_igemm_scalar;
+             : vec == QT_ISA_AVX2 ? qt_igemm_avx2_maddubs : qt_igemm_scalar;
+    if (vec == QT_ISA_AVX2) {
+      d->igemm_exact = qt_igemm_avx2;
+      d->dwconv_exact = qt_dwconv_avx2;
+    }
     if (isa == QT_ISA_AMX) d->amx = qt_gemm_amx;
     d->dwconv = vec == QT_ISA_AVX512VNNI ? qt_dwconv_avx512vnni
-              : vec == QT_ISA_AVX2 ? qt_dwconv_avx2 : qt_dwconv_scalar;
+              : vec == QT_ISA_AVX2 ? qt_dwconv_avx2_maddubs : qt_dwconv_scalar;
     qt_fill_elementwise(d, vec);
     d->lut = qu8_lut_ukernel__scalar;
     d->lut_name = "qu8_lut_ukernel__scalar";

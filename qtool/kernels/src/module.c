@@ -93,6 +93,33 @@ static PyObject* py_set_kblock(PyObject* self, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+static PyObject* py_peak_gmacs(PyObject* self, PyObject* args) {
+  (void)self;
+  int kind;
+  double seconds;
+  if (!PyArg_ParseTuple(args, "id", &kind, &seconds)) return NULL;
+  const int need = kind == QT_PEAK_AVX512VNNI ? QT_ISA_AVX512VNNI : QT_ISA_AVX2;
+  if (kind < QT_PEAK_AVX2 || kind > QT_PEAK_AVX512VNNI || qt_best_isa() < need) return PyFloat_FromDouble(0.0);
+  double r;
+  Py_BEGIN_ALLOW_THREADS
+  r = qt_peak_gmacs(kind, seconds);
+  Py_END_ALLOW_THREADS
+  return PyFloat_FromDouble(r);
+}
+
+static PyObject* py_get_exact_only(PyObject* self, PyObject* args) {
+  (void)self; (void)args;
+  return PyLong_FromLong(qt_get_exact_only());
+}
+
+static PyObject* py_set_exact_only(PyObject* self, PyObject* args) {
+  (void)self;
+  int on;
+  if (!PyArg_ParseTuple(args, "i", &on)) return NULL;
+  qt_set_exact_only(on);
+  Py_RETURN_NONE;
+}
+
 static PyObject* py_get_num_threads(PyObject* self, PyObject* args) {
   (void)self; (void)args;
   return PyLong_FromLong(qt_get_num_threads());
@@ -139,8 +166,12 @@ static PyObject* py_conv_info(PyObject* self, PyObject* args) {
   if (!PyArg_ParseTuple(args, "O", &cap)) return NULL;
   qt_conv* cv = (qt_conv*)PyCapsule_GetPointer(cap, CAPSULE_NAME);
   if (!cv) return NULL;
-  return Py_BuildValue("{s:s,s:s,s:n}", "kernel", cv->kernel_name, "isa", cv->d->isa_name,
-                       "packed_bytes", (Py_ssize_t)cv->w_bytes);
+  /* pairing: (column, block) counts of a vpmaddubsw kernel's packer: natural pairs, reordered,
+   * fallback (igemm: split into two passes; depthwise: on the 16-bit form); all 0 for other kernels */
+  return Py_BuildValue("{s:s,s:s,s:n,s:{s:n,s:n,s:n,s:n}}", "kernel", cv->kernel_name, "isa",
+                       cv->d->isa_name, "packed_bytes", (Py_ssize_t)cv->w_bytes, "pairing",
+                       "blocks", (Py_ssize_t)cv->pairs.blocks, "natural", (Py_ssize_t)cv->pairs.natural,
+                       "reordered", (Py_ssize_t)cv->pairs.reordered, "fallback", (Py_ssize_t)cv->pairs.fallback);
 }
 
 /* conv_run(cap, x, n, h, w, y, oh, ow) */
@@ -378,6 +409,11 @@ static PyMethodDef methods[] = {
     {"set_num_threads", py_set_num_threads, METH_VARARGS, "threads used by the kernels"},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "threads used by the kernels"},
     {"set_kblock", py_set_kblock, METH_VARARGS, "K blocking of large igemm panels: 0 off, 1 on, 2 forced (objects packed later)"},
+    {"peak_gmacs", py_peak_gmacs, METH_VARARGS,
+     "GMAC/s of a register-only loop of a GEMM mix on this thread (1 avx2, 2 avx2 exact, 3 avx512vnni)"},
+    {"get_exact_only", py_get_exact_only, METH_NOARGS, "see set_exact_only"},
+    {"set_exact_only", py_set_exact_only, METH_VARARGS,
+     "1: objects packed afterwards use the exact 16-bit kernels where the tier has them (AVX2)"},
     {"set_parallel_min_ns", py_set_parallel_min_ns, METH_VARARGS,
      "ops estimated below this many ns run on the calling thread"},
     {"conv_create", py_conv_create, METH_VARARGS, "pack a convolution / GEMM"},

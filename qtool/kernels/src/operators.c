@@ -23,6 +23,12 @@ static size_t round_up(size_t v, size_t m) { return (v + m - 1) / m * m; }
 static int g_kblock = 1;
 void qt_set_kblock(int mode) { g_kblock = mode; }
 
+/* 1: objects packed afterwards use the tier's exact 16-bit kernels where it has them (AVX2), so
+ * benchmarks and tests can compare them with the vpmaddubsw kernels in one process */
+static int g_exact_only = 0;
+void qt_set_exact_only(int on) { g_exact_only = on; }
+int qt_get_exact_only(void) { return g_exact_only; }
+
 static void* qt_alloc(size_t n) {
   void* p = NULL;
   if (posix_memalign(&p, 64, n ? round_up(n, 64) : 64) != 0) return NULL;
@@ -33,6 +39,7 @@ void qt_conv_free(qt_conv* cv) {
   if (!cv) return;
   qt_conv_free(cv->small_m);
   free(cv->w);
+  free(cv->panel_off);
   free(cv->zero);
   free(cv->ind);
   free((void*)cv->dw_ind);
@@ -86,7 +93,10 @@ static qt_conv* conv_create(const qt_dispatch* d, const int8_t* w, const int32_t
   if (!cv->zero) goto fail;
   memset(cv->zero, (int)x_zp, cv->zero_len);
   if (depthwise) {
-    const qt_dwconv_config* dc = &cv->d->dwconv;
+    const qt_dwconv_config* dc =
+        cv->d->dwconv_exact.ukernel && (g_exact_only || ks > QT_DW_MADDUBS_MAX_KS)
+            ? &cv->d->dwconv_exact : &cv->d->dwconv;
+    cv->dc = dc;
     cv->kernel_name = dc->name;
     cv->w_bytes = dc->packed_size(cv->cout, ks);
     cv->w = qt_alloc(cv->w_bytes);
@@ -97,7 +107,8 @@ static qt_conv* conv_create(const qt_dispatch* d, const int8_t* w, const int32_t
     for (size_t ch = 0; ch < cv->cout; ch++)
       for (size_t ky = 0; ky < kh; ky++)
         for (size_t kx = 0; kx < kw; kx++) wt[ch * ks + kx * kh + ky] = w[ch * ks + ky * kw + kx];
-    dc->pack(cv->cout, ks, wt, bias, mult, cv->w);
+    if (dc->pack_paired) dc->pack_paired(cv->cout, kh, kw, wt, bias, mult, cv->w, &cv->pairs);
+    else dc->pack(cv->cout, ks, wt, bias, mult, cv->w);
     free(wt);
     return cv;
   }
@@ -140,7 +151,9 @@ static qt_conv* conv_create(const qt_dispatch* d, const int8_t* w, const int32_t
     }
     return cv;
   }
-  const qt_igemm_config* gc = &cv->d->igemm;
+  const qt_igemm_config* gc =
+      g_exact_only && cv->d->igemm_exact.ukernel ? &cv->d->igemm_exact : &cv->d->igemm;
+  cv->gc = gc;
   cv->kernel_name = gc->name;
   cv->mr = gc->mr;
   const size_t nr = gc->nr, kr = gc->kr, es = gc->welem;
@@ -148,6 +161,10 @@ static qt_conv* conv_create(const qt_dispatch* d, const int8_t* w, const int32_t
    * copy the patches once (im2col) and run one tap of K = KH*KW*Cin; the packed weight order
    * [tap][cin] is the same. */
   cv->im2col = groups == 1 && ks > 1 && cin_g < 8;
+  /* A pairing packer pairs within a tap; with an odd Cin, ONNX Runtime's pairs (even K over
+   * (kh, kw, cin)) cross taps, so weights made safe for that order are paired in it: one tap of
+   * K = KH*KW*Cin (im2col) */
+  if (gc->pack_panel && groups == 1 && ks > 1 && cin_g % 2) cv->im2col = 1;
   cv->gemm_ks = cv->im2col ? 1 : ks;
   cv->gemm_kc = cv->im2col ? ks * cin_g : cin_g;
   cv->ksplit = 1;
@@ -178,6 +195,39 @@ static qt_conv* conv_create(const qt_dispatch* d, const int8_t* w, const int32_t
    * but ~10 % slower with one (conv_run_locked decides per call). */
   cv->rows_outer = !cv->tap_block && cv->panels_per_group > 1 &&
                    cv->panels_per_group * cv->panel_bytes <= QT_L1_SLICE / 2;
+  if (gc->pack_panel) {
+    /* the kernel packs its own panels, whose size depends on the weights (pairing) */
+    const size_t np = groups * cv->panels_per_group;
+    cv->panel_off = (size_t*)malloc(sizeof(size_t) * (np + 1));
+    if (!cv->panel_off) goto fail;
+    const int8_t* wrows[64];
+    size_t off = 0, maxb = 0;
+    for (int pass = 0; pass < 2; pass++) {
+      off = 0;
+      for (size_t g = 0; g < groups; g++)
+        for (size_t p = 0; p < cv->panels_per_group; p++) {
+          const size_t oc0 = g * cout_g + p * nr;
+          const size_t cols = cout_g - p * nr < nr ? cout_g - p * nr : nr;
+          for (size_t j = 0; j < cols; j++) wrows[j] = w + (oc0 + j) * ks * cin_g;
+          qt_pair_stats st = {0, 0, 0, 0};
+          void* dst = pass ? (char*)cv->w + off : NULL;
+          size_t b = round_up(gc->pack_panel(cv->gemm_ks, cv->gemm_kc, cols, wrows, bias + oc0,
+                                             mult + oc0, dst, pass ? &cv->pairs : &st), 64);
+          if (!pass) cv->panel_off[g * cv->panels_per_group + p] = off;
+          maxb = b > maxb ? b : maxb;
+          off += b;
+        }
+      if (!pass) {
+        cv->w_bytes = off;
+        cv->panel_bytes = maxb;
+        cv->rows_outer = cv->panels_per_group > 1 && off / groups <= QT_L1_SLICE / 2;
+        cv->w = qt_alloc(cv->w_bytes);
+        if (!cv->w) goto fail;
+        memset(cv->w, 0, cv->w_bytes);
+      }
+    }
+    return cv;
+  }
   cv->w_bytes = cv->panel_bytes * cv->panels_per_group * groups;
   cv->w = qt_alloc(cv->w_bytes);
   if (!cv->w) goto fail;
@@ -329,10 +379,14 @@ static void amx_task(void* ctx, size_t begin, size_t end) {
   ac->end();
 }
 
+static inline const char* panel_at(const qt_conv* cv, size_t gp) {
+  return (const char*)cv->w + (cv->panel_off ? cv->panel_off[gp] : gp * cv->panel_bytes);
+}
+
 static void igemm_task(void* ctx, size_t begin, size_t end) {
   const conv_job* j = (const conv_job*)ctx;
   const qt_conv* cv = j->cv;
-  const qt_igemm_config* gc = &cv->d->igemm;
+  const qt_igemm_config* gc = cv->gc;
   const size_t mr = gc->mr, nr = gc->nr, ks = cv->gemm_ks, kc = cv->gemm_kc;
   const size_t es = cv->rq.out_f32 ? 4 : 1;
   const size_t mblocks = cv->mblocks, ppg = cv->panels_per_group;
@@ -345,7 +399,7 @@ static void igemm_task(void* ctx, size_t begin, size_t end) {
       const size_t row0 = mb * mr, rows = j->m - row0 < mr ? j->m - row0 : mr;
       const qt_igemm_ukernel uk = (gc->ukernel_half && nc <= nr / 2) ? gc->ukernel_half : gc->ukernel;
       uk(rows, nc, kc, ks, cv->ind + mb * ks * mr, j->x + g * cv->cin_g, cv->zero,
-         (const char*)cv->w + (g * ppg + p) * cv->panel_bytes,
+         panel_at(cv, g * ppg + p),
          (char*)j->y + row0 * cstride + (g * cv->cout_g + col0) * es, cstride, &cv->rq);
     }
     return;
@@ -359,7 +413,7 @@ static void igemm_task(void* ctx, size_t begin, size_t end) {
     size_t mb1 = mblocks;                       /* this run: row blocks of one panel */
     if ((gp + 1) * mblocks > end) mb1 = end - gp * mblocks;
     const uint8_t* xg = j->x + g * cv->cin_g;
-    const char* panel = (const char*)cv->w + gp * cv->panel_bytes;
+    const char* panel = panel_at(cv, gp);
     char* cbase = (char*)j->y + (g * cv->cout_g + col0) * es;
     const size_t cstride = cv->cout * es;
     /* K blocking pays off only when a weight slice is reused by many row blocks (measured: it
@@ -438,7 +492,7 @@ static void dw_task(void* ctx, size_t begin, size_t end) {
   const size_t ks = cv->kh * cv->kw, c = cv->cout;
   const ptrdiff_t off = (const char*)j->x - (const char*)cv->dw_base;
   for (size_t r = begin; r < end; r++)
-    cv->d->dwconv.ukernel(c, j->ow, ks, cv->dw_ind + r * cv->dw_row_ptrs, cv->dw_step, off,
+    cv->dc->ukernel(c, j->ow, ks, cv->dw_ind + r * cv->dw_row_ptrs, cv->dw_step, off,
                           cv->zero, cv->w, (uint8_t*)j->y + r * j->ow * c, c, &cv->rq);
 }
 

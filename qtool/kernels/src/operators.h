@@ -11,6 +11,10 @@ enum { QT_KIND_CONV = 0, QT_KIND_DEPTHWISE = 1, QT_KIND_FC = 2 };
 typedef struct qt_conv_s {
   int kind;
   const qt_dispatch* d;          /* table active at pack time */
+  const qt_igemm_config* gc;     /* the igemm / depthwise kernels chosen at pack time */
+  const qt_dwconv_config* dc;
+  size_t* panel_off;             /* kernels that pack their own panels: byte offset of each */
+  qt_pair_stats pairs;           /* vpmaddubsw kernels: how the weights were paired */
   const char* kernel_name;
   size_t groups, cin, cout, cin_g, cout_g, kh, kw, sh, sw, pt, pl, dh, dw;
   int32_t x_zp;

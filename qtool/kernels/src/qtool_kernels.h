@@ -67,6 +67,7 @@ typedef void (*qt_igemm_ukernel)(size_t mr, size_t nc, size_t kc, size_t ks, con
 typedef void (*qt_dwconv_ukernel)(size_t channels, size_t ow, size_t ks, const uint8_t* const* in,
                                   size_t in_step, ptrdiff_t in_offset, const uint8_t* zero, const void* w,
                                   uint8_t* out, size_t out_stride, const qt_requant* rq);
+#define QT_DW_MADDUBS_MAX_KS 255  /* its packed tap indices are bytes */
 #define QT_DW_PTR(ptr, off, zero) ((ptr) != (zero) ? (ptr) + (off) : (zero))
 
 /* K-blocked igemm: taps [t0, t0 + ks) of a full panel; acc_in NULL = start from the bias;
@@ -76,6 +77,21 @@ typedef void (*qt_igemm_acc_ukernel)(size_t mr, size_t nc, size_t kc, size_t t0,
                                      const void* w, const int32_t* acc_in, int32_t* acc_out,
                                      void* c, size_t cm_stride, const qt_requant* rq);
 
+/* vpmaddubsw pairing (qs8-pairing.c): a pair (w_a, w_b) cannot saturate the int16 sum for any u8
+ * input when the signs differ (or one is 0) or |w_a + w_b| <= QT_PAIR_LIMIT. */
+#define QT_PAIR_LIMIT 128
+#define QT_PAIR_BLOCK 16
+int qt_pair_is_safe(int a, int b);
+/* perm[0..L) (L even, <= QT_PAIR_BLOCK): (perm[2p], perm[2p+1]) are pairs, every one safe.
+ * Returns 1 for the natural pairing (0,1), (2,3), ... (tried first), 2 for another, 0 if the
+ * greedy search found none (perm is then the natural order). */
+int qt_pair_block(const int8_t* w, size_t L, uint8_t* perm);
+
+/* What a pairing packer did with a layer's blocks (one block = one column's L weights). */
+typedef struct {
+  size_t blocks, natural, reordered, fallback;  /* fallback: igemm split into hi + lo, dwconv on the 16-bit form */
+} qt_pair_stats;
+
 typedef struct {
   const char* name;
   qt_igemm_ukernel ukernel;
@@ -83,6 +99,11 @@ typedef struct {
   size_t welem;        /* bytes per packed weight element (1 = int8, 2 = int16) */
   qt_igemm_ukernel ukernel_half;  /* optional NR/2-wide variant for a group's last <= NR/2 columns */
   qt_igemm_acc_ukernel ukernel_acc; /* optional K-blocked variant (int32 partial sums in/out) */
+  /* optional: the kernel packs its own panels (layout chosen per column, e.g. the vpmaddubsw
+   * pairing). wrows[j]: column j's weights [ks][kc]; returns the bytes written (out NULL: the
+   * bytes needed) and adds to *st. */
+  size_t (*pack_panel)(size_t ks, size_t kc, size_t cols, const int8_t* const* wrows,
+                       const int32_t* bias, const float* mult, void* out, qt_pair_stats* st);
 } qt_igemm_config;
 
 /* AMX tile GEMM (the "amx" tier; see qu8-gemm-amx.c): A row blocks are packed to [mr][kp]
@@ -111,6 +132,10 @@ typedef struct {
   size_t (*packed_size)(size_t channels, size_t ks);
   void (*pack)(size_t channels, size_t ks, const int8_t* w, const int32_t* bias, const float* mult,
                void* out);
+  /* optional, instead of pack: a packer that also reports its pairing (kernels on vpmaddubsw);
+   * w in the same packed tap order, kh x kw given so it can pair in ONNX's row-major order */
+  void (*pack_paired)(size_t channels, size_t kh, size_t kw, const int8_t* w, const int32_t* bias,
+                      const float* mult, void* out, qt_pair_stats* st);
 } qt_dwconv_config;
 
 /* Elementwise / pooling kernels, compiled once per ISA from the same C bodies. */
@@ -136,6 +161,10 @@ typedef struct {
   qt_igemm_config igemm;
   qt_amx_gemm_config amx;        /* ukernel NULL below the AMX tier */
   qt_dwconv_config dwconv;
+  /* AVX2: the exact 16-bit (vpmaddwd) kernels, chosen instead of igemm/dwconv for objects packed
+   * while qt_set_exact_only(1) (benchmarks and tests compare the two); zero on other tiers */
+  qt_igemm_config igemm_exact;
+  qt_dwconv_config dwconv_exact;
   qt_add_fn add; const char* add_name;
   qt_max_fn vmax;
   qt_sum_fn vsum;
@@ -174,9 +203,17 @@ void qt_set_num_threads(int n);
 int qt_get_num_threads(void);
 
 /* Per-ISA kernel tables (defined in the kernel files). */
-extern const qt_igemm_config qt_igemm_scalar, qt_igemm_avx2, qt_igemm_avx512vnni;
+extern const qt_igemm_config qt_igemm_scalar, qt_igemm_avx2, qt_igemm_avx2_maddubs,
+    qt_igemm_avx512vnni;
 extern const qt_amx_gemm_config qt_gemm_amx;
-extern const qt_dwconv_config qt_dwconv_scalar, qt_dwconv_avx2, qt_dwconv_avx512vnni;
+extern const qt_dwconv_config qt_dwconv_scalar, qt_dwconv_avx2, qt_dwconv_avx2_maddubs,
+    qt_dwconv_avx512vnni;
+/* qu8-peak.c: GMAC/s of a register-only loop of a GEMM kernel's instruction mix, one thread
+ * (0 if the CPU cannot run it; check the ISA first) */
+enum { QT_PEAK_AVX2 = 1, QT_PEAK_AVX2_EXACT = 2, QT_PEAK_AVX512VNNI = 3 };
+double qt_peak_gmacs(int kind, double seconds);
+void qt_set_exact_only(int on);   /* 1: pack later objects with igemm_exact/dwconv_exact if any */
+int qt_get_exact_only(void);
 void qt_fill_elementwise(qt_dispatch* d, int isa);
 void qu8_lut_ukernel__scalar(size_t n, const uint8_t* x, const uint8_t* t, uint8_t* y);
 void qu8_lut_ukernel__avx512vbmi(size_t n, const uint8_t* x, const uint8_t* t, uint8_t* y);

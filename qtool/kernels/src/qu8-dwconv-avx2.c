@@ -1,4 +1,5 @@
-/* AVX2 depthwise convolution, 16 channels per tile: inputs zero-extended to int32 (vpmovzxbd),
+/* AVX2 depthwise convolution, 16 channels per tile (kept for comparisons, qt_set_exact_only; the
+ * tier runs qu8-dwconv-avx2-maddubs.c): inputs zero-extended to int32 (vpmovzxbd),
  * weights stored as int32 whose high 16 bits are 0, so vpmaddwd gives x * w exactly.
  * Tile: int32 bias[16], float mult[16], int32 w[ks][16]. */
 #include "qtool_kernels.h"

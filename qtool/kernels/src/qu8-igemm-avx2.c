@@ -1,47 +1,15 @@
-/* AVX2 indirect GEMM, exact: u8 zero-extended and s8 sign-extended to 16 bits, vpmaddwd into
- * int32 (no vpmaddubsw, whose 16-bit pair sums saturate for 255 * 127 * 2).
- * MR=4 x NR=16, weights int16 [ks][kc/2][NR][2] per panel (kc padded to 2). */
+/* AVX2 indirect GEMM, exact for any weights: u8 zero-extended and s8 sign-extended to 16 bits,
+ * vpmaddwd into int32. The AVX2 tier runs qu8-igemm-avx2-maddubs.c (vpmaddubsw, pairs proven
+ * safe at pack time); this one stays for comparisons (qt_set_exact_only) and as the reference
+ * point of its speed-up. MR=4 x NR=16, weights int16 [ks][kc/2][NR][2] per panel (kc padded to 2). */
 #include "qtool_kernels.h"
 #if QT_X86
 #include <immintrin.h>
 
+#include "qu8-requant-avx2.h"
+
 #define MR 4
 #define NR 16
-
-QT_TARGET_AVX2 QT_INLINE void store_row(__m256i a0, __m256i a1, const float* mult, void* c, size_t nc,
-                                        const qt_requant* rq) {
-  __m256 m0 = _mm256_loadu_ps(mult), m1 = _mm256_loadu_ps(mult + 8);
-  __m256 f0 = _mm256_mul_ps(_mm256_cvtepi32_ps(a0), m0);
-  __m256 f1 = _mm256_mul_ps(_mm256_cvtepi32_ps(a1), m1);
-  if (rq->out_f32) {
-    float tmp[NR];
-    float* cf = (float*)c;
-    if (nc == NR) {
-      _mm256_storeu_ps(cf, f0);
-      _mm256_storeu_ps(cf + 8, f1);
-    } else {
-      _mm256_storeu_ps(tmp, f0);
-      _mm256_storeu_ps(tmp + 8, f1);
-      memcpy(cf, tmp, nc * sizeof(float));
-    }
-    return;
-  }
-  const __m256 lo = _mm256_set1_ps(rq->lo_f), hi = _mm256_set1_ps(rq->hi_f);
-  f0 = _mm256_min_ps(_mm256_max_ps(f0, lo), hi);
-  f1 = _mm256_min_ps(_mm256_max_ps(f1, lo), hi);
-  const __m256i zp = _mm256_set1_epi32(rq->zp);
-  __m256i i0 = _mm256_add_epi32(_mm256_cvtps_epi32(f0), zp);
-  __m256i i1 = _mm256_add_epi32(_mm256_cvtps_epi32(f1), zp);
-  __m256i w16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i1), 0xD8); /* 16 x i16 in order */
-  __m128i b = _mm_packus_epi16(_mm256_castsi256_si128(w16), _mm256_extracti128_si256(w16, 1));
-  if (nc == NR) {
-    _mm_storeu_si128((__m128i*)c, b);
-  } else {
-    uint8_t tmp[NR];
-    _mm_storeu_si128((__m128i*)tmp, b);
-    memcpy(c, tmp, nc);
-  }
-}
 
 QT_TARGET_AVX2
 void qu8_qs8w_igemm_minmax_fp32_ukernel_4x16c2__avx2(size_t mr, size_t nc, size_t kc, size_t ks,
@@ -115,7 +83,7 @@ void qu8_qs8w_igemm_minmax_fp32_ukernel_4x16c2__avx2(size_t mr, size_t nc, size_
     }
   }
   for (size_t i = 0; i < mr; i++)
-    store_row(acc[i][0], acc[i][1], mult, (char*)c + i * cm_stride, nc, rq);
+    qt_avx2_store_row16(acc[i][0], acc[i][1], mult, (char*)c + i * cm_stride, nc, rq);
 }
 
 const qt_igemm_config qt_igemm_avx2 = {
