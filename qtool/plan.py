@@ -70,7 +70,7 @@ def _clip_bounds(node, model):
 
 
 def make_plan(model: onnx.ModelProto, exclude: dict | None = None, ranges: dict | None = None,
-              prune_excluded: bool = True) -> Plan:
+              prune_excluded: bool = True, types: dict | None = None) -> Plan:
     """`exclude`: node name -> reason, for nodes the user (or --exclude-sensitive) keeps in fp32.
     With `prune_excluded`, an int8 output read only by excluded nodes is not quantized (sensitivity
     turns it off: a layer measured alone keeps its own output quantizer).
@@ -78,7 +78,7 @@ def make_plan(model: onnx.ModelProto, exclude: dict | None = None, ranges: dict 
     different ranges); without it the plan is the superset calibration observes."""
     exclude = exclude or {}
     plan = Plan()
-    types = elem_types(model)
+    types = elem_types(model) if types is None else types  # (shape inference: callers planning often pass it)
     cons = G.consumers(model)
     outputs = G.graph_output_names(model)
     inits = G.initializers(model)

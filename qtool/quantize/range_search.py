@@ -7,24 +7,22 @@ method's range from the histogram, and the default range shrunk by a few factors
 tried with only that tensor quantized, on calibration samples, and the one with the least
 output noise power is kept if it beats the default range by a clear margin.
 
-One ONNX Runtime session does all the probes: every tunable tensor T is rewritten to
-T + g_T * (DQ(Q(T, s_T, z_T)) - T), with the scale, zero point and gate g_T fed as inputs;
-a probe switches one gate on. Noise adds up roughly over tensors, so the per-tensor choices
-combine; the combined ranges are then checked with the whole int8 model against the default
-ones on the same samples and kept only if the output is closer to fp32.
+The probes run in simulate.py's Simulator: a probe is the fp32 graph with one tensor quantized,
+re-run from the last cut before that tensor, its scale and zero point fed per run. Noise adds up
+roughly over tensors, so the per-tensor choices combine; the combined ranges are then checked
+with the whole int8 model (the QDQ model itself) against the default ones on the same samples and
+kept only if the output is closer to fp32.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import numpy as np
-import onnx
-from onnx import TensorProto, helper
 
 from qtool import qparams as Q
 from qtool.calibrate.methods import METHODS
 from qtool.metrics import sqnr_db
-from qtool.ortsession import session
+from qtool.quantize.simulate import Simulator, Variant
 from qtool.plan import make_plan
 
 SHRINK = (0.75, 0.6)  # factors applied to the default range of an unclamped tensor
@@ -84,45 +82,6 @@ def candidates(table, method: str, tensor: str, clamp=None) -> list:
     return out
 
 
-def probe_model(fused: onnx.ModelProto, tensors: list) -> onnx.ModelProto:
-    """The fp32 graph with a switchable fake quantizer on each of `tensors` (inputs T__s, T__z, T__g)."""
-    m = onnx.ModelProto()
-    m.CopyFrom(fused)
-    new_nodes = []
-    for k, t in enumerate(tensors):
-        s, z, g = f"rs{k}__s", f"rs{k}__z", f"rs{k}__g"
-        m.graph.input.extend([helper.make_tensor_value_info(s, TensorProto.FLOAT, []),
-                              helper.make_tensor_value_info(z, TensorProto.UINT8, []),
-                              helper.make_tensor_value_info(g, TensorProto.FLOAT, [])])
-        y = f"rs{k}__y"
-        for n in m.graph.node:
-            for i, name in enumerate(n.input):
-                if name == t:
-                    n.input[i] = y
-        for o in m.graph.output:
-            if o.name == t:  # a graph output is left fp32 by the plan; nothing to probe
-                raise ValueError(f"{t} is a graph output")
-        new_nodes.append((t, [
-            helper.make_node("QuantizeLinear", [t, s, z], [f"rs{k}__q"]),
-            helper.make_node("DequantizeLinear", [f"rs{k}__q", s, z], [f"rs{k}__dq"]),
-            helper.make_node("Sub", [f"rs{k}__dq", t], [f"rs{k}__d"]),
-            helper.make_node("Mul", [f"rs{k}__d", g], [f"rs{k}__gd"]),
-            helper.make_node("Add", [t, f"rs{k}__gd"], [y])]))
-    # insert each probe right after the producer of its tensor (graph inputs: at the front)
-    produced_at = {o: i for i, n in enumerate(m.graph.node) for o in n.output}
-    order = list(m.graph.node)
-    after = {}
-    for t, nodes in new_nodes:
-        after.setdefault(produced_at.get(t, -1), []).extend(nodes)
-    out = list(after.get(-1, []))
-    for i, n in enumerate(order):
-        out.append(n)
-        out.extend(after.get(i, []))
-    del m.graph.node[:]
-    m.graph.node.extend(out)
-    return m
-
-
 def tunable(ctx) -> tuple:
     """(tensors whose range has more than one candidate, tensor -> candidates)."""
     fused, table, method = ctx.fused, ctx.table, ctx.method
@@ -143,54 +102,44 @@ def probe_count(ctx) -> int:
 
 def search_ranges(ctx, samples, progress=None) -> RangeSearch:
     """Tuned activation ranges (QuantizeContext `ctx`, its method, exclusions and rounding) from
-    calibration `samples` (a SampleSet: inputs and the fp32 reference output)."""
-    fused, table, method, threads = ctx.fused, ctx.table, ctx.method, ctx.threads
-    feeds, reference = samples.feeds, samples.reference
+    calibration `samples` (a SampleSet: inputs and the fp32 reference output). Each probe is the
+    fp32 model with one tensor quantized, simulated from the last cut before it (simulate.py)."""
     tensors, cands = tunable(ctx)
     if not tensors:
         return RangeSearch()
-    # basic optimizations only: the extended level's QDQ fusions are meant for int8 graphs, not these probes
-    sess = session(probe_model(fused, tensors), threads, basic=True)
-    out_name = sess.get_outputs()[0].name
-    ref = np.asarray(reference, np.float64)
-    power = float((ref ** 2).sum())
-    base = {}
-    for k, t in enumerate(tensors):
-        p = Q.activation_qparams(*cands[t][0][1])
-        base.update({f"rs{k}__s": np.array(p.scale, np.float32), f"rs{k}__z": np.array(p.zero_point, np.uint8),
-                     f"rs{k}__g": np.array(0.0, np.float32)})
+    sim = Simulator(ctx)
+    ref = np.asarray(samples.reference, np.float64)
+    power = max(float((ref ** 2).sum()), 1e-300)
     res = RangeSearch()
 
-    def noise(k, r):
-        p = Q.activation_qparams(*r)
-        over = dict(base)
-        over.update({f"rs{k}__s": np.array(p.scale, np.float32), f"rs{k}__z": np.array(p.zero_point, np.uint8),
-                     f"rs{k}__g": np.array(1.0, np.float32)})
-        y = np.concatenate([sess.run([out_name], {**f, **over})[0] for f in feeds]).astype(np.float64)
-        res.probes += 1
-        if progress:
-            progress(1)
-        return float(((y - ref) ** 2).sum()) / max(power, 1e-300)
+    def noise(probes: list) -> list:
+        """Output noise power / signal power with only tensor t quantized to range r, per (t, r)."""
+        ys = sim.run(samples, [Variant(set(), {t: Q.activation_qparams(*r)}) for t, r in probes], progress)
+        res.probes += len(probes)
+        return [float(((y.astype(np.float64) - ref) ** 2).sum()) / power for y in ys]
 
     # 1. each tensor alone at its default range; 2. the noisiest tensors try their candidates
-    default_noise = {t: noise(k, cands[t][0][1]) for k, t in enumerate(tensors)}
+    default_noise = dict(zip(tensors, noise([(t, cands[t][0][1]) for t in tensors])))
     total = sum(default_noise.values())
-    acc = 0.0
+    chosen, acc = [], 0.0
     for t in sorted(tensors, key=lambda t: -default_noise[t]):
         if total <= 0 or acc >= TOP_SHARE * total:
             break
         acc += default_noise[t]
-        k = tensors.index(t)
+        chosen.append(t)
+    probes = [(t, label, r) for t in chosen for label, r in cands[t][1:]]
+    tried = noise([(t, r) for t, _, r in probes])
+    for t in chosen:
         best = ("default", cands[t][0][1], default_noise[t])
-        for label, r in cands[t][1:]:
-            n = noise(k, r)
-            if n < best[2]:
+        for (u, label, r), n in zip(probes, tried):
+            if u == t and n < best[2]:
                 best = (label, r, n)
         if best[2] > (1 - MIN_GAIN) * default_noise[t]:
             best = ("default", cands[t][0][1], default_noise[t])
         res.choices.append(RangeChoice(t, cands[t][0][1], best[1], best[0], default_noise[t], best[2]))
     tuned = {c.tensor: c.chosen for c in res.choices if c.label != "default"}
     # 3. the whole int8 model, default against tuned ranges, on the same samples
+    feeds, reference = samples.feeds, samples.reference
     res.sqnr_default_db = res.sqnr_tuned_db = sqnr_db(reference, ctx.score(feeds, ranges=None)[0])
     if tuned:
         res.sqnr_tuned_db = sqnr_db(reference, ctx.score(feeds, ranges=tuned)[0])

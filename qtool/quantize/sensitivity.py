@@ -18,6 +18,7 @@ from qtool.metrics import kl_softmax, sqnr_db, top1_agreement
 from qtool.quantize.context import QuantizeContext
 from qtool.plan import make_plan
 from qtool.quantize.samples import SampleSet
+from qtool.quantize.simulate import Simulator
 
 
 @dataclass
@@ -55,23 +56,22 @@ def quantizable_layers(fused: onnx.ModelProto) -> list:
 
 def layer_sensitivity(ctx: QuantizeContext, samples: SampleSet, progress=None) -> list:
     """Sensitivity of every int8 layer on `samples`, with the context's settings (target, tuned
-    ranges, output-aware rounding) for the one layer quantized."""
-    ref, feeds = samples.reference, samples.feeds
+    ranges, output-aware rounding) for the one layer quantized. Each layer's model is simulated
+    from the last cut before it (simulate.py): only the part of the network after it re-runs."""
+    sim = Simulator(ctx)
     layers = quantizable_layers(ctx.fused)
     names = [d.name for d in layers]
+    variants = [sim.variant({n: "sensitivity: only one layer int8" for n in names if n != d.name},
+                            prune_excluded=False) for d in layers]
+    outs = sim.run(samples, variants, progress)
+    ref = samples.reference
     out = []
-    for k, d in enumerate(layers):
-        others = {n: "sensitivity: only one layer int8" for n in names if n != d.name}
-        y, q = ctx.score(feeds, others, prune_excluded=False)
-        node_out = next(n.output[0] for n in q.model.graph.node if n.name == d.name)
-        qp = q.qparams.get(node_out)
-        clip = clip_fraction(ctx.table, node_out, qp.lo, qp.hi) if qp else 0.0
-        li = q.layers.get(d.name)
+    for k, (d, v, y) in enumerate(zip(layers, variants, outs)):
+        t = sim.output_tensor(d.name)
+        qp = v.tensors.get(t)
+        clip = clip_fraction(ctx.table, t, qp.lo, qp.hi) if qp else 0.0
         out.append(LayerSensitivity(d.name, d.op_type, k, sqnr_db(ref, y), top1_agreement(ref, y),
-                                    kl_softmax(ref, y) if y.ndim == 2 else 0.0,
-                                    li.weight_sqnr_db if li else None, clip))
-        if progress:
-            progress(1)
+                                    kl_softmax(ref, y) if y.ndim == 2 else 0.0, sim.weight_sqnr(d.name), clip))
     for r, s in enumerate(sorted(out, key=lambda s: (s.output_sqnr_db, -s.kl)), 1):
         s.rank = r
     return out

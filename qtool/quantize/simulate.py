@@ -1,0 +1,397 @@
+"""The int8 experiments inside `quantize`, run as small graphs that re-run only what changes.
+
+Sensitivity asks "the model with only this layer int8", range tuning "this tensor quantized to that
+range": dozens to hundreds of variants of one graph. Building, checking and loading each as a full
+QDQ model, and running it from the input, costs far more than what the variant changes. Here a
+variant is the fp32 graph with only its own quantizers (QuantizeLinear -> DequantizeLinear on its
+tensors) and its layers' int8 weights (dequantized) put in, run in float by ONNX Runtime (basic
+optimizations, no int8 kernel), which is the target's exact int8 result up to fp32 rounding of the
+sums (a value within float rounding of a rounding boundary may land one step away). Its session
+shares every weight with the others (no copy) and loads in a few milliseconds.
+
+Re-running only what changes: the graph is cut at a few points of its topological order, where few
+fp32 tensors cross; the fp32 prefix runs once per batch of samples and keeps those tensors; a
+variant starts at the last cut before the first node that reads anything it changes. A layer deep
+in the network costs a fraction of a pass.
+
+Whole int8 models (the exclusion search) are not simulated: they run as the QDQ model itself, whose
+many requantizations (ORT's QLinearAdd rounding, for one) a float simulation only matches in
+distribution, not sample by sample.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from qtool import graph as G
+from qtool import qparams as Q
+from qtool.metrics import kl_softmax
+from qtool.ortsession import session, with_outputs
+from qtool.plan import elem_types, make_plan
+from qtool.quantize.qdq import activation_qparams, layer_weights, upgrade_opset
+from qtool.rules import RULES
+
+SESSION_COST = 0.15  # making a session, in fp32 passes over the samples (EfficientNet-Lite0, 64 images)
+SWITCH_COST = 0.03  # a switch that is off, per run, in passes: the layout changes ORT puts around it
+CACHE_BYTES = 256 << 20  # fp32 tensors crossing the cuts, per batch of samples
+SMALL = 1024  # initializers up to this size stay in each variant's graph; larger ones are shared OrtValues
+
+
+@dataclass
+class Variant:
+    """One experiment: these layers' weights int8, these tensors quantized (to these parameters)."""
+    weights: set = field(default_factory=set)  # node names
+    tensors: dict = field(default_factory=dict)  # tensor -> ActQParams
+
+
+class Simulator:
+    def __init__(self, ctx):
+        self.ctx = ctx
+        base = onnx.ModelProto()
+        base.CopyFrom(ctx.fused)
+        self.base = upgrade_opset(base, [])  # what the plans are made on and the variants cut from
+        self.types = elem_types(self.base)
+        self.shapes = _shapes(self.base)
+        self.plan = self.plan_for({})
+        self.qparams = activation_qparams(self.base, self.plan, ctx.table, ctx.method, ctx.ranges)
+        self.output = self.base.graph.output[0].name
+        self.nodes = list(self.base.graph.node)
+        self.pos = {n.name: k for k, n in enumerate(self.nodes)}
+        self.first_read = {}
+        for k, n in enumerate(self.nodes):
+            for i in n.input:
+                self.first_read.setdefault(i, k)
+        self.shared = {}  # initializer name -> OrtValue, created once, shared by every variant session
+        self.small = [t for t in self.base.graph.initializer if int(np.prod(t.dims)) <= SMALL]
+        self.big_names = {t.name for t in self.base.graph.initializer if int(np.prod(t.dims)) > SMALL}
+        self._weights, self._sqnr = {}, {}
+        self._share = None  # each node's share of an fp32 pass, profiled on the first run
+
+    # ------------------------------------------------------------------ what a variant switches on
+    def plan_for(self, exclude: dict, prune_excluded: bool = True):
+        ctx = self.ctx
+        ranges = {**ctx.table.ranges.get(ctx.method, {}), **(ctx.ranges or {})}
+        return make_plan(self.base, {**ctx.exclude, **exclude}, ranges, prune_excluded, types=self.types)
+
+    def variant(self, exclude: dict, prune_excluded: bool = True, ranges: dict | None = None) -> Variant:
+        """The variant ctx.build(exclude) would write (ranges: tensor -> (lo, hi) overrides)."""
+        plan = self.plan_for(exclude, prune_excluded)
+        tensors = {}
+        for t in plan.tensors:
+            src = t
+            while src in plan.shared:
+                src = plan.shared[src]
+            if ranges and src in ranges:
+                tensors[t] = Q.activation_qparams(*ranges[src])
+            elif t in self.qparams:
+                tensors[t] = self.qparams[t]
+        return Variant({n for n in plan.int8_nodes if n in self.plan.weight_inputs}, tensors)
+
+    def output_tensor(self, name: str) -> str:
+        """The tensor layer `name` writes: its own output, or that of the Relu/Clip fused into it."""
+        out = self.nodes[self.pos[name]].output[0]
+        for act, (prod, _, _) in self.plan.fused.items():
+            if prod == name:
+                out = self.nodes[self.pos[act]].output[0]
+        return out
+
+    def weight_sqnr(self, name: str) -> float | None:
+        """SQNR of layer `name`'s int8 weights against its fp32 weights (None: no weight)."""
+        if name not in self.plan.weight_inputs:
+            return None
+        self.layer_weights(name)
+        return self._sqnr[name]
+
+    def layer_weights(self, name: str) -> list:
+        """[(input index, dequantized int8 value)] of int8 layer `name`'s weight and bias."""
+        if name not in self._weights:
+            ctx, m = self.ctx, self.base
+            node = self.nodes[self.pos[name]]
+            rule = RULES[node.op_type]
+            widx, axis = rule.weight(node, m)
+            x = self.plan.weight_inputs[name]
+            qw, _, _ = layer_weights(m, node, G.initializers(m), self.qparams[x].scale, ctx.table.channel_means.get(x),
+                                     ctx.bias_correction, (ctx.hessians or {}).get(name), ctx.target, ctx.weight_cache)
+            self._sqnr[name] = qw.weight_sqnr_db
+            out = [(widx, Q.dequantize_weight(qw.q, qw.scale, axis))]
+            if qw.bias is not None:
+                bq, bs = Q.quantize_bias(qw.bias, self.qparams[x].scale, qw.scale)
+                out.append((rule.bias, (bq.astype(np.float64) * bs).astype(np.float32)))
+            self._weights[name] = out
+        return self._weights[name]
+
+    # ------------------------------------------------------------------ cuts
+    def _frontier(self, p: int) -> list:
+        """Tensors produced before node p (or graph inputs) and read from node p on."""
+        inits = {t.name for t in self.base.graph.initializer}
+        before = {o for n in self.nodes[:p] for o in n.output} | {i.name for i in G.real_inputs(self.base)}
+        need = []
+        for n in self.nodes[p:]:
+            for i in n.input:
+                if i and i in before and i not in inits and i not in need:
+                    need.append(i)
+        return need
+
+    def _costs(self, feed: dict) -> np.ndarray:
+        """Each node's share of an fp32 pass, from ONNX Runtime's profile of one run on `feed` (its
+        fused and NCHWc nodes are named after the tensor they write); where the profile does not
+        name a node, its output size times its reduction length stands in."""
+        import json
+        import onnxruntime as ort
+        so = ort.SessionOptions()
+        so.enable_profiling = True
+        so.intra_op_num_threads = self.ctx.threads or 2
+        so.log_severity_level = 3
+        import tempfile
+        with tempfile.TemporaryDirectory() as tmp:
+            so.profile_file_prefix = f"{tmp}/qtool-sim"
+            sess = ort.InferenceSession(self.ctx.fused.SerializeToString(), so, providers=["CPUExecutionProvider"])
+            sess.run(None, feed)
+            with open(sess.end_profiling(), encoding="utf-8") as f:
+                events = json.load(f)
+        writer = {o: k for k, n in enumerate(self.nodes) for o in n.output}
+        by_name = {n.name: k for k, n in enumerate(self.nodes)}
+        measured = np.zeros(len(self.nodes))
+        for e in events:
+            name = e.get("name", "")
+            if e.get("cat") != "Node" or not name.endswith("_kernel_time"):
+                continue
+            name = name[:-len("_kernel_time")]
+            k = by_name.get(name, writer.get(name[:-6] if name.endswith("_nchwc") else name))
+            if k is not None:
+                measured[k] += e.get("dur", 0)
+        modelled = np.array([_node_cost(n, self.shapes) for n in self.nodes], np.float64)
+        if measured.sum() <= 0.5 * sum(e.get("dur", 0) for e in events if e.get("cat") == "Node"):
+            return modelled / max(modelled.sum(), 1.0)  # the profile's names did not match: model it
+        return measured / measured.sum()
+
+    def plan_cuts(self, firsts: list, share: np.ndarray) -> dict:
+        """Cut points for variants starting at `firsts`, each cut one session serving the variants
+        from it to the next: minimises, in fp32 passes, the suffix each variant runs (share: each
+        node's fraction of a pass), SESSION_COST per session, and SWITCH_COST per variant per other
+        variant's switch in its session (a switch that is off still costs its layout changes), by
+        dynamic programming over the distinct first positions. -> first position -> its cut."""
+        tail = np.concatenate([np.cumsum(share[::-1])[::-1], [0.0]])  # tail[p]: pass share from node p on
+        q = sorted(set(firsts))
+        count = [firsts.count(f) for f in q]
+        m = len(q)
+
+        def serve(j, i):  # one session at q[j] for the variants starting in q[j] .. q[i - 1]
+            n = sum(count[j:i])
+            return n * tail[q[j]] + SWITCH_COST * n * (n - 1) + SESSION_COST
+
+        best, back = [0.0] * (m + 1), [0] * (m + 1)  # best[i]: the first i positions served
+        for i in range(1, m + 1):
+            best[i], back[i] = min((best[j] + serve(j, i), j) for j in range(i))
+        cuts, i = [], m
+        while i > 0:
+            cuts.append(q[back[i]])
+            i = back[i]
+        cuts.sort()
+        return {f: max(c for c in cuts if c <= f) for f in q}
+
+    def first(self, v: Variant) -> int:
+        """The first node position that reads anything the variant changes."""
+        at = [self.first_read.get(t, 0) for t in v.tensors] + [self.pos[n] for n in v.weights]
+        return min(at, default=len(self.nodes))
+
+    # ------------------------------------------------------------------ one variant's graph and session
+    def _value(self, name: str, array=None):
+        if name not in self.shared:
+            import onnxruntime as ort
+            arr = G.const_value(self.base, name) if array is None else array
+            self.shared[name] = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(arr))
+        return self.shared[name]
+
+    def session(self, p: int, variants: list):
+        """A session for the graph from cut p on, with a switch on everything `variants` change:
+        T -> T + g_T (DQ(Q(T, s_T, z_T)) - T) and W -> W + g_N (W_int8 - W), the g, s and z fed per
+        run. -> (session, frontier tensors it reads, the switch inputs it has)."""
+        import onnxruntime as ort
+        frontier = self._frontier(p)
+        tensors = sorted({t for v in variants for t in v.tensors} - G.graph_output_names(self.base))
+        weights = sorted({n for v in variants for n in v.weights})
+        nodes = [_copy(n) for n in self.nodes[p:]]
+        inits = list(self.small)
+        big = {}
+        before = {}  # node name -> switch nodes placed right before it
+        for n in nodes:
+            if n.name not in weights:
+                continue
+            for idx, val in self.layer_weights(n.name):
+                stem = f"sim:{n.name}:{idx}"
+                fp = n.input[idx] if len(n.input) > idx and n.input[idx] else None
+                base = G.const_value(self.base, fp) if fp else np.zeros_like(val)
+                big[stem + ":w"] = self._value(stem + ":w", np.asarray(base, np.float32).reshape(val.shape))
+                big[stem + ":d"] = self._value(stem + ":d", (val - np.asarray(base, np.float32).reshape(val.shape)))
+                before.setdefault(n.name, []).extend([
+                    helper.make_node("Mul", [stem + ":d", f"sim:{n.name}"], [stem + ":gd"]),
+                    helper.make_node("Add", [stem + ":w", stem + ":gd"], [stem + ":v"])])
+                while len(n.input) <= idx:
+                    n.input.append("")
+                n.input[idx] = stem + ":v"
+        rename = {t: f"sim:{t}:y" for t in tensors}
+        for n in nodes:
+            for k, i in enumerate(n.input):
+                if i in rename:
+                    n.input[k] = rename[i]
+        produced = {o: n.name for n in nodes for o in n.output}
+        after = {}
+        for t in tensors:
+            # If, not arithmetic on a gate: a switch that is off then costs one copy, not five passes
+            sc, z = f"sim:{t}:s", f"sim:{t}:z"
+            on = helper.make_graph([helper.make_node("QuantizeLinear", [t, sc, z], [f"sim:{t}:q"]),
+                                    helper.make_node("DequantizeLinear", [f"sim:{t}:q", sc, z], [f"sim:{t}:dq"])],
+                                   "on", [], [helper.make_tensor_value_info(f"sim:{t}:dq", TensorProto.FLOAT, None)])
+            off = helper.make_graph([helper.make_node("Identity", [t], [f"sim:{t}:id"])], "off", [],
+                                    [helper.make_tensor_value_info(f"sim:{t}:id", TensorProto.FLOAT, None)])
+            after.setdefault(produced.get(t), []).append(
+                helper.make_node("If", [f"sim:{t}"], [rename[t]], then_branch=on, else_branch=off))
+        ordered = list(after.get(None, []))
+        for n in nodes:
+            ordered.extend(before.get(n.name, []) + [n] + after.get(n.name, []))
+        used = {i for n in ordered for i in n.input}
+        for name in sorted(used):
+            if name not in big and name not in frontier and name in self.big_names:
+                big[name] = self._value(name)
+        switches = [helper.make_tensor_value_info(f"sim:{n}", TensorProto.FLOAT, []) for n in weights]
+        for t in tensors:
+            switches += [helper.make_tensor_value_info(f"sim:{t}", TensorProto.BOOL, []),
+                         helper.make_tensor_value_info(f"sim:{t}:s", TensorProto.FLOAT, []),
+                         helper.make_tensor_value_info(f"sim:{t}:z", TensorProto.UINT8, [])]
+        g = helper.make_graph(
+            ordered, "variants",
+            [helper.make_tensor_value_info(t, self.types.get(t, TensorProto.FLOAT), _dims(self.shapes.get(t)))
+             for t in frontier] + switches,
+            [o for o in self.base.graph.output if o.name == self.output],
+            [t for t in inits if t.name in used] + [_external(n, val) for n, val in big.items()])
+        m = helper.make_model(g, opset_imports=self.base.opset_import)
+        m.ir_version = max(self.base.ir_version, 8)
+        so = ort.SessionOptions()
+        # every optimization (NCHWc convolutions: 2.4x faster than the basic level on Lite0); no int8
+        # kernel can take part, as no DequantizeLinear feeds a Conv or Gemm directly here
+        so.intra_op_num_threads = self.ctx.threads or 2
+        so.log_severity_level = 3
+        # the weights come from OrtValues made once, not through a serialized graph
+        so.add_external_initializers(list(big), list(big.values()))
+        sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        return sess, frontier, (weights, tensors)
+
+    def _switch_feed(self, v: Variant, switches) -> dict:
+        weights, tensors = switches
+        f = {f"sim:{n}": np.array(1.0 if n in v.weights else 0.0, np.float32) for n in weights}
+        for t in tensors:
+            qp = v.tensors.get(t) or self.qparams.get(t) or Q.ActQParams(1.0, 0)
+            f.update({f"sim:{t}": np.array(t in v.tensors),
+                      f"sim:{t}:s": np.array(qp.scale, np.float32), f"sim:{t}:z": np.array(qp.zero_point, np.uint8)})
+        return f
+
+    # ------------------------------------------------------------------ running variants
+    def run(self, samples, variants: list, progress=None) -> list:
+        """The first output of each variant over `samples` (SampleSet): [array [N, ...]] per variant."""
+        if self._share is None:
+            n = samples.batch if samples.fixed_batch else min(4, len(samples))
+            self._share = self._costs({k: v[:n] for k, v in samples.inputs.items()})
+        firsts = [self.first(v) for v in variants]
+        cut_at = self.plan_cuts(firsts, self._share)
+        cut_of = [cut_at[f] for f in firsts]
+        cuts = sorted(set(cut_of))
+        cross = []
+        for p in cuts:
+            for t in self._frontier(p):
+                if t not in cross and t not in samples.inputs:
+                    cross.append(t)
+        sessions = {p: self.session(p, [v for v, c in zip(variants, cut_of) if c == p]) for p in cuts}
+        feeds = [self._switch_feed(v, sessions[c][2]) for v, c in zip(variants, cut_of)]
+        outs = [[] for _ in variants]
+        prefix = session(with_outputs(self.ctx.fused, cross), self.ctx.threads) if cross else None
+        for batch in self._chunks(samples, cross):
+            cache = dict(zip(cross, prefix.run(cross, batch))) if prefix is not None else {}
+            cache.update(batch)
+            n = len(next(iter(batch.values())))
+            for k, c in enumerate(cut_of):
+                sess, frontier, _ = sessions[c]
+                outs[k].append(sess.run([self.output], {**{t: cache[t] for t in frontier}, **feeds[k]})[0])
+                if progress:
+                    progress(n / len(samples))
+        return [np.concatenate(o) for o in outs]
+
+    def _chunks(self, samples, cross: list):
+        """Batches of samples small enough that the fp32 tensors crossing the cuts fit CACHE_BYTES."""
+        per_sample = 4 * sum(_numel(self.shapes.get(t)) for t in cross) or 1
+        size = max(1, min(len(samples), CACHE_BYTES // per_sample))
+        if samples.fixed_batch:
+            size = samples.batch  # (a model with a fixed batch takes exactly that many)
+        n = len(samples) - (len(samples) % samples.batch if samples.fixed_batch else 0)
+        for a in range(0, n, size):
+            yield {k: v[a:a + size] for k, v in samples.inputs.items()}
+
+
+def _copy(node):
+    n = onnx.NodeProto()
+    n.CopyFrom(node)
+    return n
+
+
+def _external(name: str, val) -> onnx.TensorProto:
+    """An initializer that names its data as external: the session fills it from an OrtValue."""
+    t = onnx.TensorProto()
+    t.name, t.data_type = name, _onnx_type(val.data_type())
+    t.dims.extend(val.shape())
+    t.data_location = onnx.TensorProto.EXTERNAL
+    e = t.external_data.add()
+    e.key, e.value = "location", "qtool-shared-initializer"  # never read: add_external_initializers replaces it
+    return t
+
+
+def _onnx_type(ort_type: str) -> int:
+    return {"tensor(float)": TensorProto.FLOAT, "tensor(int64)": TensorProto.INT64, "tensor(int32)": TensorProto.INT32,
+            "tensor(uint8)": TensorProto.UINT8, "tensor(int8)": TensorProto.INT8,
+            "tensor(double)": TensorProto.DOUBLE, "tensor(float16)": TensorProto.FLOAT16}.get(ort_type, TensorProto.FLOAT)
+
+
+# ---------------------------------------------------------------------- helpers
+def _shapes(model) -> dict:
+    try:
+        inf = onnx.shape_inference.infer_shapes(G.skeleton(model), strict_mode=False)
+    except Exception:
+        return {}
+    out = {}
+    for vi in list(inf.graph.value_info) + list(inf.graph.input) + list(inf.graph.output):
+        t = vi.type.tensor_type
+        if t.HasField("shape"):
+            out[vi.name] = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None for d in t.shape.dim]
+    return out
+
+
+def _dims(shape):
+    """A value-info shape: the known dims, the batch (and any unknown one) left symbolic."""
+    if shape is None:
+        return None
+    return [d if d and k > 0 else f"d{k}" for k, d in enumerate(shape)]
+
+
+def _numel(shape, batch: int = 1) -> int:
+    if not shape:
+        return 1 << 16  # unknown: assume a mid-sized tensor
+    dims = [batch if k == 0 and d is None else (d or 64) for k, d in enumerate(shape)]
+    return int(np.prod(dims))
+
+
+def _node_cost(n, shapes) -> float:
+    """Rough work of a node: its output size, times the reduction length for Conv/Gemm/MatMul."""
+    out = _numel(shapes.get(n.output[0])) if n.output else 0
+    if n.op_type in ("Conv", "ConvTranspose", "Gemm", "MatMul") and len(n.input) > 1:
+        w = shapes.get(n.input[1])
+        if w:
+            k = int(np.prod([d or 1 for d in w])) // max(w[0] or 1, 1)
+            return float(out * max(k, 1))
+    return float(out)
+
+
+def first_output_metrics(ref: np.ndarray, y: np.ndarray) -> tuple:
+    from qtool.metrics import sqnr_db, top1_agreement
+    return sqnr_db(ref, y), top1_agreement(ref, y), (kl_softmax(ref, y) if y.ndim == 2 else 0.0)

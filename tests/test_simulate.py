@@ -1,0 +1,84 @@
+"""quantize/simulate.py: a variant run from a cut computes what the variant's QDQ model computes in
+float, whatever the cut, and the cuts are planned to save work."""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+from helpers import small_convnet, write_config, write_images
+from qtool.metrics import sqnr_db
+from qtool.ortsession import session
+from qtool.quantize.context import QuantizeContext
+from qtool.quantize.samples import load_samples
+from qtool.quantize.sensitivity import quantizable_layers
+from qtool.quantize.simulate import Simulator, Variant
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from qtool.calibrate.run import calibrate
+    root = tmp_path_factory.mktemp("sim")
+    from helpers import save
+    model = save(small_convnet(seed=3), root / "net.onnx")
+    write_images(root / "data", 10, seed=4)
+    cfg = write_config(root / "cfg.toml")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = calibrate(model, str(root / "data"), cfg, "minmax", str(root / "work"), show_progress=False, threads=1)
+    ctx = QuantizeContext(r.fused, r.table, "minmax", threads=1)
+    return ctx, load_samples(r.fused, r.table, sorted(str(p) for p in (root / "data").iterdir()))
+
+
+def _float_qdq(ctx, samples, exclude, **kw):
+    """The variant's own QDQ model, run by ORT in float (no int8 kernels): what the simulation claims to be."""
+    q = ctx.build(exclude, **kw).model
+    return np.concatenate([session(q, 1, basic=True).run(None, f)[0] for f in samples.feeds])
+
+
+def test_each_single_layer_variant_is_its_qdq_model_in_float(setup):
+    ctx, samples = setup
+    sim = Simulator(ctx)
+    names = [d.name for d in quantizable_layers(ctx.fused)]
+    excl = [{n: "x" for n in names if n != name} for name in names]
+    outs = sim.run(samples, [sim.variant(e, prune_excluded=False) for e in excl])
+    for name, e, y in zip(names, excl, outs):
+        want = _float_qdq(ctx, samples, e, prune_excluded=False)
+        assert sqnr_db(want, y) > 60, name  # equal up to float rounding of the sums
+        assert sqnr_db(samples.reference, y) < 80  # and the layer's quantization shows
+
+
+def test_the_cut_does_not_change_the_answer(setup, monkeypatch):
+    ctx, samples = setup
+    sim = Simulator(ctx)
+    names = [d.name for d in quantizable_layers(ctx.fused)]
+    vs = [sim.variant({n: "x" for n in names if n != name}, prune_excluded=False) for name in names]
+    planned = sim.run(samples, vs)
+    assert len({sim.plan_cuts([sim.first(v) for v in vs], sim._share)[sim.first(v)] for v in vs}) > 1
+    monkeypatch.setattr(sim, "plan_cuts", lambda firsts, share: {f: 0 for f in firsts})  # every variant from the input
+    whole = sim.run(samples, vs)
+    for a, b in zip(planned, whole):
+        assert sqnr_db(b, a) > 80
+
+
+def test_a_tensor_probe_follows_its_fed_range(setup):
+    """A probe's range comes with the run: two ranges for one tensor, one session, two answers."""
+    from qtool import qparams as Q
+    ctx, samples = setup
+    sim = Simulator(ctx)
+    t = next(iter(sim.plan.tensors))
+    lo, hi = ctx.table.range(t, "minmax")
+    wide, narrow = (Variant(set(), {t: Q.activation_qparams(lo * f, hi * f)}) for f in (4.0, 1.0))
+    y_wide, y_narrow = sim.run(samples, [wide, narrow])
+    ref = samples.reference
+    assert sqnr_db(ref, y_narrow) > sqnr_db(ref, y_wide) + 3  # a 4x wider range: coarser steps
+
+
+def test_plan_cuts_trades_sessions_against_suffix_work():
+    sim = Simulator.__new__(Simulator)
+    share = np.full(100, 0.01)  # 100 nodes of equal cost: a suffix from node p costs (100 - p) / 100
+    one = sim.plan_cuts([0, 1, 2], share)
+    assert set(one.values()) == {0}  # variants a node apart share a session
+    far = sim.plan_cuts([0, 90, 91], share)
+    assert far[0] == 0 and far[90] == far[91] == 90  # a late group gets its own cut: 0.9 pass saved each
