@@ -22,7 +22,6 @@ there: --emulate-limit caps the images for those (others are exact under both, a
 """
 import argparse
 import json
-import math
 import os
 import sys
 import tempfile
@@ -36,22 +35,11 @@ import imagenet_split as split
 from qtool.arithmetic import ARITHMETICS
 from qtool.data.config import load_config
 from qtool.calibrate.run import calibrate
-from qtool.metrics import sqnr_db, top1_agreement
+from qtool.metrics import sqnr_db, top1_agreement, wilson
 from qtool.ort_arithmetic import ort_int8_arithmetic
 from qtool.quantize.encoding import TARGETS
 from qtool.quantize.run import quantize
 from qtool.runtime import NativeSession
-
-
-def wilson(k, n, z=1.96):
-    """95 % interval of a proportion k / n."""
-    if n == 0:
-        return (0.0, 1.0)
-    p = k / n
-    d = 1 + z * z / n
-    c = (p + z * z / (2 * n)) / d
-    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
-    return (c - h, c + h)
 
 
 def run_all(sess, feeds):

@@ -49,3 +49,13 @@ def predicted_agreement(ref: np.ndarray, out: np.ndarray) -> float:
         return top1_agreement(ref, out)
     flip = 0.5 * np.array([math.erfc(m / (sigma * math.sqrt(2))) for m in margin])
     return float(1 - flip.mean())
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple:
+    """95 % interval of a proportion k / n: how much a count over n images can say."""
+    if n == 0:
+        return (0.0, 1.0)
+    p, d = k / n, 1 + z * z / n
+    c = (p + z * z / (2 * n)) / d
+    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return (max(0.0, c - h), min(1.0, c + h))

@@ -86,10 +86,13 @@ def command(output, model, table, method, exclude, no_bias_correction, exclude_s
     if r.exclusion is not None:
         e = r.exclusion
         say(quiet, f"exclude-sensitive ({e.target}, checked on {e.check_images} held-back images):")
-        say(quiet, f"  {'fp32 layers':>11}  {'agreement':>9}  {'predicted':>9}  {'SQNR dB':>7}  {'ORT int8 ms':>11}")
+        say(quiet, f"  {'fp32 layers':>11}  {'agreement [95% interval]':>25}  {'predicted':>9}  {'SQNR dB':>7}  "
+                   f"{'KL':>8}  {'ORT int8 ms':>11}  step")
         for p in e.curve:
             ms = "-" if p.ort_int8_ms is None else f"{p.ort_int8_ms:.2f}"
-            say(quiet, f"  {len(p.excluded):>11}  {p.agreement:>9.4f}  {p.predicted_agreement:>9.4f}  {p.sqnr_db:>7.1f}  {ms:>11}")
+            step = "all int8" if not p.added else (f"+{p.added[-40:]}" + ("" if p.kept else " (no gain: undone)"))
+            say(quiet, f"  {len(p.excluded):>11}  {p.agreement:>7.4f} [{p.agreement_95[0]:.4f}, {p.agreement_95[1]:.4f}]"
+                       f"  {p.predicted_agreement:>9.4f}  {p.sqnr_db:>7.1f}  {p.kl:>8.5f}  {ms:>11}  {step}")
         say(quiet, ("  target reached" if e.reached else "  target NOT reached; wrote the best model found")
                    + f" with {len(e.excluded) - len(ex)} layers kept fp32: {', '.join(n for n in e.excluded if n not in ex) or 'none'}")
     s = r.report["summary"]

@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 
 from qtool.ortsession import session
-from qtool.metrics import kl_softmax, predicted_agreement, sqnr_db, top1_agreement
+from qtool.metrics import kl_softmax, predicted_agreement, sqnr_db, top1_agreement, wilson
 from qtool.quantize.context import QuantizeContext
 from qtool.quantize.samples import SampleSet
 
@@ -38,6 +38,9 @@ class TradeoffPoint:
     ort_int8_ms: float | None
     added: str = ""  # the layer this step kept in fp32
     kl: float = 0.0  # mean softmax KL divergence from fp32 (nats)
+    agreement_95: tuple = (0.0, 1.0)  # Wilson interval of the counted agreement
+    images: int = 0
+    kept: bool = True  # this step's exclusion stayed (it helped on the held-back images)
 
 
 @dataclass
@@ -85,12 +88,19 @@ def exclude_sensitive(ctx: QuantizeContext, ranking: list, samples: SampleSet, t
         if y_true is not None:
             m = y_true >= 0
             drop = 100 * float((reference[m].argmax(1) == y_true[m]).mean() - (y.reshape(len(y), -1)[m].argmax(1) == y_true[m]).mean())
-        pt = TradeoffPoint(sorted(n for n in excl if n not in base_exclude), top1_agreement(reference, y),
+        agree = top1_agreement(reference, y)
+        pt = TradeoffPoint(sorted(n for n in excl if n not in base_exclude), agree,
                            predicted_agreement(reference, y), sqnr_db(reference, y), drop, None,
-                           kl=kl_softmax(reference, y) if y.ndim == 2 else -sqnr_db(reference, y))
+                           kl=kl_softmax(reference, y) if y.ndim == 2 else -sqnr_db(reference, y),
+                           agreement_95=wilson(round(agree * len(y)), len(y)), images=len(y))
         if progress:
             progress(1)
         return q, pt
+
+    def not_worse(pt: TradeoffPoint) -> bool:
+        """Never give up a layer for a model whose agreement or SQNR is below the all-int8 one's."""
+        base = res.curve[0]
+        return pt.agreement >= base.agreement and pt.sqnr_db >= base.sqnr_db
 
     def good(pt: TradeoffPoint) -> bool:
         if max_drop is not None and pt.accuracy_drop_pt is not None:
@@ -121,20 +131,23 @@ def exclude_sensitive(ctx: QuantizeContext, ranking: list, samples: SampleSet, t
     while not res.reached and len(excl) - len(base_exclude) < max_excluded and order:
         tried = []
         for name in order[:CANDIDATES_PER_STEP]:
-            cand = dict(excl, **{name: f"kept fp32 by --exclude-sensitive (rank {next(s.rank for s in ranking if s.name == name)})"})
+            rank = next(s.rank for s in ranking if s.name == name)
+            cand = dict(excl, **{name: f"kept fp32 by --exclude-sensitive (sensitivity rank {rank})"})
             tried.append((name, cand) + evaluate(cand))
         name, cand, q, pt = max(tried, key=lambda t: score(t[3]))
         pt.added = name
         order.remove(name)
-        excl = cand
+        # an exclusion stays only if it helps: a better score than the best so far, and no worse
+        # than the all-int8 model in agreement and SQNR on the held-back images
+        pt.kept = score(pt) > score(best_pt) and not_worse(pt)
         if measure_latency:
-            pt.ort_int8_ms = latency_ms(_deployed(ctx, q, excl), one)
+            pt.ort_int8_ms = latency_ms(_deployed(ctx, q, cand), one)
         res.curve.append(pt)
-        if score(pt) >= score(best_pt):
-            best_q, best_pt = q, pt
-            res.excluded = dict(excl)
+        if not pt.kept:
+            continue
+        excl = cand
+        best_q, best_pt = q, pt
+        res.excluded = dict(excl)
         res.reached = good(pt)
-        if res.reached:
-            best_q, res.excluded = q, dict(excl)
     res.model = best_q.model
     return res
