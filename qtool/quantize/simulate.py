@@ -35,6 +35,7 @@ from qtool.quantize.qdq import activation_qparams, layer_weights, upgrade_opset
 from qtool.rules import RULES
 
 SESSION_COST = 0.15  # making a session, in fp32 passes over the samples (EfficientNet-Lite0, 64 images)
+CUTS_AT_ONCE = 8  # sessions alive at once (each holds its weights), the fp32 prefix re-run per group
 SWITCH_COST = 0.03  # a switch that is off, per run, in passes: the layout changes ORT puts around it
 CACHE_BYTES = 256 << 20  # fp32 tensors crossing the cuts, per batch of samples
 SMALL = 1024  # initializers up to this size stay in each variant's graph; larger ones are shared OrtValues
@@ -275,6 +276,8 @@ class Simulator:
         # kernel can take part, as no DequantizeLinear feeds a Conv or Gemm directly here
         so.intra_op_num_threads = self.ctx.threads or 2
         so.log_severity_level = 3
+        # dozens of sessions live at once: without the arena each returns its activations after a run
+        so.enable_cpu_mem_arena = False
         # the weights come from OrtValues made once, not through a serialized graph
         so.add_external_initializers(list(big), list(big.values()))
         sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
@@ -299,6 +302,16 @@ class Simulator:
         cut_at = self.plan_cuts(firsts, self._share)
         cut_of = [cut_at[f] for f in firsts]
         cuts = sorted(set(cut_of))
+        outs = [[] for _ in variants]
+        # a few cuts at a time: each session holds its own copy of its weights (ORT packs them)
+        for g in range(0, len(cuts), CUTS_AT_ONCE):
+            group = cuts[g:g + CUTS_AT_ONCE]
+            mine = [k for k, c in enumerate(cut_of) if c in group]
+            self._run_group(samples, group, [variants[k] for k in mine], [cut_of[k] for k in mine],
+                            [outs[k] for k in mine], progress)
+        return [np.concatenate(o) for o in outs]
+
+    def _run_group(self, samples, cuts, variants, cut_of, outs, progress):
         cross = []
         for p in cuts:
             for t in self._frontier(p):
@@ -306,8 +319,7 @@ class Simulator:
                     cross.append(t)
         sessions = {p: self.session(p, [v for v, c in zip(variants, cut_of) if c == p]) for p in cuts}
         feeds = [self._switch_feed(v, sessions[c][2]) for v, c in zip(variants, cut_of)]
-        outs = [[] for _ in variants]
-        prefix = session(with_outputs(self.ctx.fused, cross), self.ctx.threads) if cross else None
+        prefix = session(with_outputs(self.ctx.fused, cross), self.ctx.threads, arena=False) if cross else None
         for batch in self._chunks(samples, cross):
             cache = dict(zip(cross, prefix.run(cross, batch))) if prefix is not None else {}
             cache.update(batch)
@@ -317,7 +329,6 @@ class Simulator:
                 outs[k].append(sess.run([self.output], {**{t: cache[t] for t in frontier}, **feeds[k]})[0])
                 if progress:
                     progress(n / len(samples))
-        return [np.concatenate(o) for o in outs]
 
     def _chunks(self, samples, cross: list):
         """Batches of samples small enough that the fp32 tensors crossing the cuts fit CACHE_BYTES."""
