@@ -6,6 +6,7 @@ import sys
 
 import click
 
+from qtool.commands.common import EXIT_INTERNAL, InternalError, guard
 from qtool.errors import QtoolError
 
 # one module per command in qtool/commands/, each exposing a click command named `command`
@@ -16,6 +17,11 @@ COMMANDS = ["calibrate", "quantize", "eval", "inspect", "bench", "info"]
 @click.version_option(package_name="qtool")
 def cli():
     """Post-training INT8 quantization for ONNX models.
+
+    \b
+    Exit codes: 0 success, 1 bad input (one line naming the file), 2 misuse,
+    70 internal error (a bug in qtool: one line, please report it), 130 interrupted.
+    --debug shows the full traceback instead.
 
     \b
     Example:
@@ -32,13 +38,20 @@ for _name in COMMANDS:
         if e.name != f"qtool.commands.{_name}":
             raise
         continue
+    _mod.command.callback = guard(_mod.command.name, _mod.command.callback)
     cli.add_command(_mod.command)
 
 
+def _step(args: list) -> str:
+    """The command named on the command line, for an error raised outside any command."""
+    return next((a for a in args if a in cli.commands), "")
+
+
 def main(argv=None):
-    debug = "--debug" in (argv if argv is not None else sys.argv[1:])
+    args = sys.argv[1:] if argv is None else list(argv)
+    debug = "--debug" in args
     try:
-        cli.main(args=argv, standalone_mode=False)
+        cli.main(args=args, standalone_mode=False)
     except click.exceptions.Abort:
         click.echo("qtool: interrupted", err=True)
         sys.exit(130)
@@ -47,14 +60,22 @@ def main(argv=None):
         sys.exit(2)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
-    except QtoolError as e:
+    except (QtoolError, OSError) as e:  # bad input, or the system refused (disk full, permissions)
         if debug:
             raise
         click.echo(f"qtool: error: {e}", err=True)
+        sys.exit(getattr(e, "exit_code", 1))
+    except InternalError as e:
+        click.echo(f"qtool: {e}", err=True)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         click.echo("qtool: interrupted", err=True)
         sys.exit(130)
+    except Exception as e:  # outside any command (start-up): still one line
+        if debug:
+            raise
+        click.echo(f"qtool: {InternalError(_step(args) or '', None, e)}", err=True)
+        sys.exit(EXIT_INTERNAL)
     sys.exit(0)
 
 
