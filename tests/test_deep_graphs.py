@@ -276,3 +276,47 @@ def test_tensors_reaching_agrees_with_every_path_on_random_dags():
 def test_tensors_reaching_is_exact_far_past_200_nodes():
     nodes = _chain_nodes(5000)
     assert G.tensors_reaching(_graph_model(nodes), {"n4999"}) == {f"t{k}" for k in range(5000)}
+
+
+# --- subgraphs nested deep: protobuf's parser has a limit, qtool says so ------------------------------------
+
+def _varint(n):
+    out = bytearray()
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _field(num, payload):
+    return _varint(num << 3 | 2) + _varint(len(payload)) + payload
+
+
+def _nested_if_model(depth) -> bytes:
+    """If nodes nested `depth` deep, the innermost body reading the outer input x; encoded by hand,
+    since the protobuf library refuses to build what it cannot parse."""
+    g = helper.make_graph([helper.make_node("Relu", ["x"], ["r"])], "leaf", [],
+                          [helper.make_tensor_value_info("r", TensorProto.FLOAT, [2])]).SerializeToString()
+    for _ in range(depth):  # GraphProto.node(1) -> NodeProto.attribute(5) -> AttributeProto.g(6)
+        attr = _field(1, b"then_branch") + _varint(20 << 3) + _varint(onnx.AttributeProto.GRAPH) + _field(6, g)
+        g = _field(1, _field(1, b"c") + _field(2, b"r") + _field(4, b"If") + _field(5, attr)) + _field(2, b"g")
+    top = helper.make_graph([], "top", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2]),
+                                        helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
+                            [helper.make_tensor_value_info("r", TensorProto.FLOAT, [2])]).SerializeToString()
+    model = helper.make_model(helper.make_graph([], "t", [], []), opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    # a message field written twice merges: the graph gets top's inputs and outputs, then the nested If
+    return model.SerializeToString() + _field(7, top + g)
+
+
+def test_nested_subgraphs_read_outer_tensors_at_any_nesting():
+    m = onnx.load_from_string(_nested_if_model(12))
+    assert G.node_reads(m.graph.node[0]) == {"c", "x"}
+
+
+def test_subgraphs_nested_past_protobufs_limit_are_one_line(tmp_path, capsys):
+    (tmp_path / "nested.onnx").write_bytes(_nested_if_model(40))
+    assert qtool("inspect", tmp_path / "nested.onnx") == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "nested.onnx" in err and "nested deeper than protobuf" in err
