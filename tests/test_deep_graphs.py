@@ -72,13 +72,10 @@ def calibrated(chain):
     work = root / "work"
     assert timed("calibrate", qtool, "calibrate", "--model", path, "--data", root / "data", "-w", work, "-q") == 0
     from qtool.quantize.run import load_inputs
-    fused, table, _ = load_inputs(str(work), None, None)
-    return work, fused, table
-
-
-def _layers(fused):
     from qtool.quantize.sensitivity import quantizable_layers
-    return [d.name for d in quantizable_layers(fused)]
+    fused, table, _ = load_inputs(str(work), None, None)
+    layers = [d.name for d in quantizable_layers(fused)]  # a plan of the whole chain, made once
+    return work, fused, table, layers
 
 
 # --- every step on the 3000-node chain ----------------------------------------------------------------------
@@ -102,8 +99,7 @@ def test_default_quantize_with_sensitivity_then_native_matches_reference(chain, 
     from qtool.runtime import NativeSession
 
     root, path, convs = chain
-    work, fused, _ = calibrated
-    names = _layers(fused)
+    work, _, _, names = calibrated
     sample = [names[0], names[len(names) // 2], names[-1]]
     monkeypatch.setattr(run, "layer_sensitivity", functools.partial(sensitivity.layer_sensitivity, only=sample))
     capsys.readouterr()
@@ -178,8 +174,7 @@ def _alone(names, keep):
 def test_one_int8_layer_qdq_placement_matches_brute_force(calibrated, where):
     """Sensitivity's pattern: one layer int8, every other fp32 (prune_excluded=False, as the pass runs it)."""
     from qtool.quantize.qdq import quantize_graph
-    _, fused, table = calibrated
-    names = _layers(fused)
+    _, fused, table, names = calibrated
     pick = {"first": names[0], "hard-swish": "block1/Conv", "middle": names[len(names) // 2],
             "last conv": [n for n in names if n.endswith("/Conv")][-1], "tail residual": "tail/residual"}[where]
     q = quantize_graph(fused, table, None, _alone(names, {pick}), prune_excluded=False)
@@ -196,8 +191,7 @@ def test_int8_layers_3000_nodes_apart_keep_the_quantizer_between(calibrated):
     its Q/DQ pair stays (the old walk gave up after 200 nodes and dropped it, when it did not overflow
     the stack first)."""
     from qtool.quantize.qdq import quantize_graph
-    _, fused, table = calibrated
-    names = _layers(fused)
+    _, fused, table, names = calibrated
     both = {"block1/Conv", "tail/residual"}
     q = quantize_graph(fused, table, None, _alone(names, both), prune_excluded=False)
     want = _brute_force_qdq(fused, both)
