@@ -76,7 +76,11 @@ def make_plan(model: onnx.ModelProto, exclude: dict | None = None, ranges: dict 
     turns it off: a layer measured alone keeps its own output quantizer).
     `ranges` (tensor -> [lo, hi], once calibrated) lets rules refuse on ranges (Concat of very
     different ranges); without it the plan is the superset calibration observes."""
-    exclude = exclude or {}
+    with G.initializers_frozen(model):  # the rules look up every node's constants; the plan changes none
+        return _plan(model, exclude or {}, ranges, prune_excluded)
+
+
+def _plan(model: onnx.ModelProto, exclude: dict, ranges: dict | None, prune_excluded: bool) -> Plan:
     plan = Plan()
     types = elem_types(model)
     cons = G.consumers(model)
