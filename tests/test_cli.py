@@ -239,7 +239,7 @@ def _inject_bug(monkeypatch, exc):
     def bug(*a, **k):
         raise exc
 
-    monkeypatch.setattr(run_mod, "quantize_graph", bug)
+    monkeypatch.setattr(run_mod, "load_inputs", bug)
 
 
 def test_internal_error_is_one_line_naming_step_and_model(project, monkeypatch, capsys):
@@ -295,7 +295,7 @@ def test_internal_error_subprocess_has_no_traceback(project):
     assert qtool("calibrate", "-m", "net.onnx", "-d", "data", "-c", "cfg.toml", "-q") == 0
     code = ("import qtool.quantize.run as r\n"
             "def bug(*a, **k):\n    raise AssertionError('planted')\n"
-            "r.quantize_graph = bug\n"
+            "r.load_inputs = bug\n"
             "from qtool.cli import main\nmain()\n")
     p = subprocess.run([sys.executable, "-c", code, "quantize", "--no-sensitivity"], capture_output=True, text=True,
                        timeout=120)
