@@ -1,11 +1,15 @@
 """Small helpers over onnx.ModelProto shared by graph passes, calibration and quantization."""
 from __future__ import annotations
 
+import contextlib
+import heapq
 from collections import defaultdict
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
+
+from qtool.errors import QtoolError
 
 
 def attr(node: onnx.NodeProto, name: str, default=None):
@@ -27,9 +31,28 @@ def initializers(model: onnx.ModelProto) -> dict:
     return {t.name: t for t in model.graph.initializer}
 
 
+_FROZEN: dict = {}  # id(model) -> its initializer index, while a reader that changes nothing runs
+
+
+@contextlib.contextmanager
+def initializers_frozen(model: onnx.ModelProto):
+    """Within the block, const_value(model, name) looks names up in one index made here, not in
+    one made per call: rules ask about every node's inputs, which made a plan quadratic in graph
+    size (2.5 s at 3000 nodes). The model's initializers must not change inside the block."""
+    if id(model) in _FROZEN:
+        yield
+        return
+    _FROZEN[id(model)] = initializers(model)
+    try:
+        yield
+    finally:
+        del _FROZEN[id(model)]
+
+
 def const_value(model: onnx.ModelProto, name: str, inits: dict | None = None):
     """The numpy value of an initializer, or None if `name` is not a constant."""
-    inits = initializers(model) if inits is None else inits
+    if inits is None:
+        inits = _FROZEN.get(id(model)) or initializers(model)
     t = inits.get(name)
     return None if t is None else numpy_helper.to_array(t)
 
@@ -54,6 +77,77 @@ def consumers(model: onnx.ModelProto) -> dict:
             if i:
                 c[i].append(n)
     return c
+
+
+def _subgraphs(node: onnx.NodeProto) -> list:
+    out = []
+    for a in node.attribute:
+        if a.type == onnx.AttributeProto.GRAPH:
+            out.append(a.g)
+        elif a.type == onnx.AttributeProto.GRAPHS:
+            out.extend(a.graphs)
+    return out
+
+
+def node_reads(node: onnx.NodeProto) -> set:
+    """Tensors a node reads: its inputs, and the outer-scope tensors its subgraphs (If, Loop, Scan)
+    read by name without listing them as inputs. Nested subgraphs are walked with a stack."""
+    reads = {i for i in node.input if i}
+    stack = [(g, frozenset()) for g in _subgraphs(node)]
+    while stack:
+        g, enclosing = stack.pop()
+        scope = enclosing | {i.name for i in g.input} | {t.name for t in g.initializer} \
+            | {o for n in g.node for o in n.output if o}
+        for n in g.node:
+            reads.update(i for i in n.input if i and i not in scope)
+            stack.extend((sub, scope) for sub in _subgraphs(n))
+    return reads
+
+
+def topological_order(model: onnx.ModelProto) -> list:
+    """The nodes ordered so that every tensor is written before it is read (Kahn's algorithm).
+    Among nodes ready at the same time the earliest in the graph goes first, so an already sorted
+    graph keeps its order. Iterative: exporters write graphs thousands of nodes deep."""
+    nodes = list(model.graph.node)
+    producer = {o: k for k, n in enumerate(nodes) for o in n.output if o}
+    readers = defaultdict(list)  # node index -> indices of the nodes that read one of its outputs
+    waiting = []  # per node: how many producers it still waits for
+    for k, n in enumerate(nodes):
+        deps = {producer[t] for t in node_reads(n) if t in producer}
+        waiting.append(len(deps))
+        for d in deps:
+            readers[d].append(k)
+    ready = [k for k, w in enumerate(waiting) if w == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        k = heapq.heappop(ready)
+        order.append(nodes[k])
+        for r in readers[k]:
+            waiting[r] -= 1
+            if waiting[r] == 0:
+                heapq.heappush(ready, r)
+    if len(order) < len(nodes):
+        stuck = next(n for k, n in enumerate(nodes) if waiting[k] > 0)
+        raise QtoolError(f"the graph has a cycle: node '{stuck.name}' ({stuck.op_type}) is on one or after one")
+    return order
+
+
+def toposort(model: onnx.ModelProto) -> None:
+    """Reorder the graph's nodes topologically (see topological_order)."""
+    order = topological_order(model)
+    del model.graph.node[:]
+    model.graph.node.extend(order)
+
+
+def tensors_reaching(model: onnx.ModelProto, targets: set) -> set:
+    """Tensors from which some node named in `targets` can be reached (a target's own inputs
+    included): one pass over the nodes in reverse topological order, exact at any depth."""
+    reaching = set()
+    for n in reversed(topological_order(model)):
+        if n.name in targets or any(o in reaching for o in n.output if o):
+            reaching.update(node_reads(n))
+    return reaching
 
 
 def graph_output_names(model: onnx.ModelProto) -> set:

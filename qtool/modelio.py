@@ -29,6 +29,14 @@ def _check_external_paths(model: onnx.ModelProto, base: str, path: str) -> None:
             raise QtoolError(f"{path}: external data file {loc!r} of tensor '{t.name}' is missing")
 
 
+def _parse_failure(e: Exception) -> str:
+    # protobuf parses nested messages recursively and stops at 100 levels: subgraphs (If/Loop/Scan
+    # bodies) nested about 30 deep. A long chain of nodes is never deep in that sense.
+    if "MaxDepth" in str(e) or "recursion" in str(e).lower():
+        return "subgraphs (If/Loop/Scan bodies) nested deeper than protobuf's parser allows, 100 message levels"
+    return type(e).__name__
+
+
 def load_model(path: str, check: bool = True) -> onnx.ModelProto:
     """Read an ONNX file (with external data from its own folder only)."""
     if not os.path.exists(path):
@@ -38,7 +46,7 @@ def load_model(path: str, check: bool = True) -> onnx.ModelProto:
     try:
         model = onnx.load(path, load_external_data=False)
     except Exception as e:  # protobuf raises several types on garbage
-        raise QtoolError(f"{path}: not a valid ONNX model ({type(e).__name__})") from None
+        raise QtoolError(f"{path}: not a valid ONNX model ({_parse_failure(e)})") from None
     if not model.graph.node and not model.graph.output:
         raise QtoolError(f"{path}: not a valid ONNX model (empty graph)")
     base = os.path.dirname(os.path.abspath(path))

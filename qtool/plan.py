@@ -76,7 +76,11 @@ def make_plan(model: onnx.ModelProto, exclude: dict | None = None, ranges: dict 
     turns it off: a layer measured alone keeps its own output quantizer).
     `ranges` (tensor -> [lo, hi], once calibrated) lets rules refuse on ranges (Concat of very
     different ranges); without it the plan is the superset calibration observes."""
-    exclude = exclude or {}
+    with G.initializers_frozen(model):  # the rules look up every node's constants; the plan changes none
+        return _plan(model, exclude or {}, ranges, prune_excluded)
+
+
+def _plan(model: onnx.ModelProto, exclude: dict, ranges: dict | None, prune_excluded: bool) -> Plan:
     plan = Plan()
     types = elem_types(model) if types is None else types  # (shape inference: callers planning often pass it)
     cons = G.consumers(model)
@@ -146,31 +150,23 @@ def make_plan(model: onnx.ModelProto, exclude: dict | None = None, ranges: dict 
             int8_out.add(out)
             if out not in plan.tensors:
                 plan.tensors.append(out)
-    _drop_unread_outputs(model, plan, cons)
+    _drop_unread_outputs(model, plan)
     if prune_excluded:
         _drop_excluded_only(model, plan, cons, exclude)
     _explain_chains(model, plan, chains)
     return plan
 
 
-def _drop_unread_outputs(model: onnx.ModelProto, plan: Plan, cons: dict) -> None:
+def _drop_unread_outputs(model: onnx.ModelProto, plan: Plan) -> None:
     """The last int8 op before the graph outputs keeps its output fp32 when only fp32 ops read it and
     no int8 op follows anywhere downstream (the classic case: the final MatMul before a bias Add and
     Softmax). A Q/DQ pair there adds rounding error right at the output for no int8 work after it;
     the op itself still reads int8 inputs and int8 weights."""
-    feeds_int8 = {}
-
-    def downstream_int8(t, depth=0):
-        if t not in feeds_int8:
-            feeds_int8[t] = False  # cycle guard; graphs are DAGs
-            feeds_int8[t] = any(c.name in plan.int8_nodes or (depth < 200 and any(
-                downstream_int8(o, depth + 1) for o in c.output if o)) for c in cons.get(t, []))
-        return feeds_int8[t]
-
+    feeds_int8 = G.tensors_reaching(model, plan.int8_nodes)
     produced = {n.output[0]: n for n in model.graph.node if n.name in plan.int8_nodes and n.output}
     for t in list(plan.tensors):
         node = produced.get(t)
-        if node is None or t in plan.shared or t in plan.shared.values() or downstream_int8(t):
+        if node is None or t in plan.shared or t in plan.shared.values() or t in feeds_int8:
             continue
         _unquantize(model, plan, t, "activation runs fp32: its output is left fp32")
         d = plan.decision(node.name)

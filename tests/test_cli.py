@@ -231,6 +231,85 @@ def test_debug_shows_the_exception(project):
         cli.main(["calibrate", "-m", "absent.onnx", "-d", "data", "--debug"])
 
 
+# --- internal errors: one line naming the step and the model, a code of their own ---------------------------
+
+def _inject_bug(monkeypatch, exc):
+    import qtool.quantize.run as run_mod
+
+    def bug(*a, **k):
+        raise exc
+
+    monkeypatch.setattr(run_mod, "load_inputs", bug)
+
+
+def test_internal_error_is_one_line_naming_step_and_model(project, monkeypatch, capsys):
+    assert qtool("calibrate", "-m", "net.onnx", "-d", "data", "-c", "cfg.toml", "-q") == 0
+    _inject_bug(monkeypatch, RecursionError("maximum recursion depth exceeded"))
+    capsys.readouterr()
+    assert qtool("quantize", "--no-sensitivity") == 70
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert err.startswith("qtool: internal error in `qtool quantize` on ") and "net.onnx" in err
+    assert "RecursionError: maximum recursion depth exceeded" in err and "report it" in err and "--debug" in err
+
+
+def test_internal_error_with_debug_raises_the_original(project, monkeypatch):
+    assert qtool("calibrate", "-m", "net.onnx", "-d", "data", "-c", "cfg.toml", "-q") == 0
+    _inject_bug(monkeypatch, RecursionError("deep"))
+    with pytest.raises(RecursionError, match="deep"):
+        cli.main(["quantize", "--no-sensitivity", "--debug"])
+
+
+def test_internal_error_message_is_one_line_whatever_the_exception_says(project, monkeypatch, capsys):
+    import qtool.commands.inspect as inspect_cmd
+
+    def bug(*a, **k):
+        raise ValueError("first line\nsecond line\n" + "x" * 1000)
+
+    monkeypatch.setattr(inspect_cmd, "inspect_model", bug)
+    assert qtool("inspect", "net.onnx") == 70
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and len(err) < 600
+    assert "`qtool inspect` on net.onnx: ValueError: first line second line" in err
+
+
+def test_interrupt_inside_a_step_is_one_line_130(project, monkeypatch, capsys):
+    assert qtool("calibrate", "-m", "net.onnx", "-d", "data", "-c", "cfg.toml", "-q") == 0
+    _inject_bug(monkeypatch, KeyboardInterrupt())
+    capsys.readouterr()
+    assert qtool("quantize", "--no-sensitivity") == 130
+    assert [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()] == ["qtool: interrupted"]
+
+
+def test_system_refusal_is_bad_input_not_a_bug(project, monkeypatch, capsys):
+    assert qtool("calibrate", "-m", "net.onnx", "-d", "data", "-c", "cfg.toml", "-q") == 0
+    _inject_bug(monkeypatch, PermissionError(13, "Permission denied", "qtool_work/model.int8.onnx"))
+    capsys.readouterr()
+    assert qtool("quantize", "--no-sensitivity") == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Permission denied" in err and "model.int8.onnx" in err
+
+
+def test_internal_error_subprocess_has_no_traceback(project):
+    """The real entry point, a bug planted before it runs: exit 70, one line on stderr."""
+    assert qtool("calibrate", "-m", "net.onnx", "-d", "data", "-c", "cfg.toml", "-q") == 0
+    code = ("import qtool.quantize.run as r\n"
+            "def bug(*a, **k):\n    raise AssertionError('planted')\n"
+            "r.load_inputs = bug\n"
+            "from qtool.cli import main\nmain()\n")
+    p = subprocess.run([sys.executable, "-c", code, "quantize", "--no-sensitivity"], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 70
+    assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    assert "`qtool quantize`" in p.stderr and "net.onnx" in p.stderr and "AssertionError: planted" in p.stderr
+
+
+def test_help_lists_the_exit_codes(capsys):
+    assert qtool("--help") == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "1 bad input" in out and "2 misuse" in out and "70 internal error" in out and "130 interrupted" in out
+
+
 def test_corrupt_image_warning_names_file(project):
     """Subprocess: pytest records warnings in-process, the real command prints them on stderr."""
     (project / "data" / "class_a" / "img01.png").write_bytes(b"\x89PNG\r\n\x1a\n broken")

@@ -243,6 +243,10 @@ def run(model: onnx.ModelProto, ctx) -> bool:
     groups, poisoned = _components(model, shapes, inits)
     changed = False
     arrays = {}
+    uses = {}  # tensor -> how many node inputs read it, kept up to date as readers are renamed
+    for node in model.graph.node:
+        for i in node.input:
+            uses[i] = uses.get(i, 0) + 1
 
     def value(name):
         if name not in arrays:
@@ -258,10 +262,6 @@ def run(model: onnx.ModelProto, ctx) -> bool:
         before, after = pairs_cost(cost, np.arange(len(cost))), pairs_cost(cost, order)
         if not after < before:
             continue
-        uses = {}
-        for node in model.graph.node:
-            for i in node.input:
-                uses[i] = uses.get(i, 0) + 1
         done = {}
         for node, k, axis, _ in items:
             key = (node.input[k], axis)
@@ -271,6 +271,8 @@ def run(model: onnx.ModelProto, ctx) -> bool:
                 done[key] = key[0] if mine == uses[key[0]] else G.unique_name(model, key[0] + "_paired")
                 arrays[done[key]] = np.take(value(key[0]), order, axis=axis)
                 G.set_initializer(model, done[key], arrays[done[key]])
+            uses[node.input[k]] -= 1
+            uses[done[key]] = uses.get(done[key], 0) + 1
             node.input[k] = done[key]
         changed = True
         ctx.log("pair_channels", f"{len(cost)} channels reordered for {len(readers)} reader(s): "

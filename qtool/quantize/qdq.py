@@ -216,7 +216,7 @@ def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exc
     m.graph.initializer.extend(new_inits)
     G.remove_unused_initializers(m)
     _set_metadata(m, "qtool.target", target)
-    _toposort(m)
+    G.toposort(m)
     for d in plan.decisions:
         if d.status == "fp32" and d.op_type in RULES:
             notes.append(f"{d.name} ({d.op_type}) stays fp32: {d.reason}")
@@ -283,28 +283,3 @@ def _set_metadata(m: onnx.ModelProto, key: str, value: str) -> None:
             p.value = value
             return
     m.metadata_props.add(key=key, value=value)
-
-
-def _toposort(model: onnx.ModelProto) -> None:
-    """Kahn's order, keeping the original relative order where the graph allows."""
-    nodes = list(model.graph.node)
-    avail = {i.name for i in model.graph.input} | {t.name for t in model.graph.initializer} | {""}
-    prod = {o: k for k, n in enumerate(nodes) for o in n.output}
-    done, order = set(), []
-    pending = list(range(len(nodes)))
-    while pending:
-        progressed = False
-        rest = []
-        for k in pending:
-            n = nodes[k]
-            if all(i in avail or i not in prod for i in n.input):
-                order.append(n)
-                avail.update(n.output)
-                progressed = True
-            else:
-                rest.append(k)
-        if not progressed:
-            raise QtoolError("internal error: the quantized graph has a cycle")
-        pending = rest
-    del model.graph.node[:]
-    model.graph.node.extend(order)

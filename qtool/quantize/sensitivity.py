@@ -54,19 +54,22 @@ def quantizable_layers(fused: onnx.ModelProto) -> list:
     return [d for d in plan.decisions if d.status == "int8"]
 
 
-def layer_sensitivity(ctx: QuantizeContext, samples: SampleSet, progress=None) -> list:
+def layer_sensitivity(ctx: QuantizeContext, samples: SampleSet, progress=None, only=None) -> list:
     """Sensitivity of every int8 layer on `samples`, with the context's settings (target, tuned
     ranges, output-aware rounding) for the one layer quantized. Each layer's model is simulated
-    from the last cut before it (simulate.py): only the part of the network after it re-runs."""
+    from the last cut before it (simulate.py): only the part of the network after it re-runs.
+    `only` (layer names): measure just these, each still alone in int8 among all the others."""
     sim = Simulator(ctx)
     layers = quantizable_layers(ctx.fused)
     names = [d.name for d in layers]
+    wanted = set(names if only is None else only)
+    picked = [(k, d) for k, d in enumerate(layers) if d.name in wanted]
     variants = [sim.variant({n: "sensitivity: only one layer int8" for n in names if n != d.name},
-                            prune_excluded=False) for d in layers]
+                            prune_excluded=False) for _, d in picked]
     outs = sim.run(samples, variants, progress)
     ref = samples.reference
     out = []
-    for k, (d, v, y) in enumerate(zip(layers, variants, outs)):
+    for (k, d), v, y in zip(picked, variants, outs):
         t = sim.output_tensor(d.name)
         qp = v.tensors.get(t)
         clip = clip_fraction(ctx.table, t, qp.lo, qp.hi) if qp else 0.0
