@@ -77,10 +77,10 @@ def make_plan(model: onnx.ModelProto, exclude: dict | None = None, ranges: dict 
     `ranges` (tensor -> [lo, hi], once calibrated) lets rules refuse on ranges (Concat of very
     different ranges); without it the plan is the superset calibration observes."""
     with G.initializers_frozen(model):  # the rules look up every node's constants; the plan changes none
-        return _plan(model, exclude or {}, ranges, prune_excluded)
+        return _plan(model, exclude or {}, ranges, prune_excluded, types)
 
 
-def _plan(model: onnx.ModelProto, exclude: dict, ranges: dict | None, prune_excluded: bool) -> Plan:
+def _plan(model: onnx.ModelProto, exclude: dict, ranges: dict | None, prune_excluded: bool, types) -> Plan:
     plan = Plan()
     types = elem_types(model) if types is None else types  # (shape inference: callers planning often pass it)
     cons = G.consumers(model)
