@@ -140,11 +140,12 @@ def toposort(model: onnx.ModelProto) -> None:
     model.graph.node.extend(order)
 
 
-def tensors_reaching(model: onnx.ModelProto, targets: set) -> set:
+def tensors_reaching(model: onnx.ModelProto, targets: set, order: list | None = None) -> set:
     """Tensors from which some node named in `targets` can be reached (a target's own inputs
-    included): one pass over the nodes in reverse topological order, exact at any depth."""
+    included): one pass over the nodes in reverse topological order (`order`, if the caller has
+    it), exact at any depth."""
     reaching = set()
-    for n in reversed(topological_order(model)):
+    for n in reversed(topological_order(model) if order is None else order):
         if n.name in targets or any(o in reaching for o in n.output if o):
             reaching.update(node_reads(n))
     return reaching

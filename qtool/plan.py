@@ -69,26 +69,49 @@ def _clip_bounds(node, model):
     return float(np.asarray(lo).ravel()[0]), float(np.asarray(hi).ravel()[0])
 
 
+@dataclass
+class ModelFacts:
+    """What planning reads of a model that no exclusion changes: worked out once for a caller that
+    plans the same graph many times (sensitivity plans once per layer)."""
+    types: dict
+    consumers: dict
+    chains: dict  # node -> the recognised activation it sits inside
+    order: list  # topological order of the nodes
+    checks: dict = field(default_factory=dict)  # node -> its rule's own verdict (None: may be int8)
+    weighted: dict = field(default_factory=dict)  # node -> whether its rule names a weight
+
+    @classmethod
+    def of(cls, model: onnx.ModelProto) -> "ModelFacts":
+        f = cls(elem_types(model), G.consumers(model), activation_chains(model), G.topological_order(model))
+        with G.initializers_frozen(model):
+            for node in model.graph.node:
+                rule = RULES.get(node.op_type)
+                if rule is not None:
+                    f.checks[node.name] = rule.check(node, model)
+                    f.weighted[node.name] = rule.weight(node, model) is not None
+        return f
+
+
 def make_plan(model: onnx.ModelProto, exclude: dict | None = None, ranges: dict | None = None,
-              prune_excluded: bool = True, types: dict | None = None) -> Plan:
+              prune_excluded: bool = True, facts: ModelFacts | None = None) -> Plan:
     """`exclude`: node name -> reason, for nodes the user (or --exclude-sensitive) keeps in fp32.
     With `prune_excluded`, an int8 output read only by excluded nodes is not quantized (sensitivity
     turns it off: a layer measured alone keeps its own output quantizer).
     `ranges` (tensor -> [lo, hi], once calibrated) lets rules refuse on ranges (Concat of very
     different ranges); without it the plan is the superset calibration observes."""
     with G.initializers_frozen(model):  # the rules look up every node's constants; the plan changes none
-        return _plan(model, exclude or {}, ranges, prune_excluded, types)
+        return _plan(model, exclude or {}, ranges, prune_excluded, facts or ModelFacts.of(model))
 
 
-def _plan(model: onnx.ModelProto, exclude: dict, ranges: dict | None, prune_excluded: bool, types) -> Plan:
+def _plan(model: onnx.ModelProto, exclude: dict, ranges: dict | None, prune_excluded: bool,
+          facts: ModelFacts) -> Plan:
     plan = Plan()
-    types = elem_types(model) if types is None else types  # (shape inference: callers planning often pass it)
-    cons = G.consumers(model)
+    types, cons = facts.types, facts.consumers
     outputs = G.graph_output_names(model)
     inits = G.initializers(model)
     # tensors available in int8: those int8 ops produce, and float graph inputs (quantized at the input,
     # so a Slice/Split/Reshape reading the model input directly, as YOLOX's Focus stem does, passes int8 on)
-    chains = activation_chains(model)  # hard-swish's Add/Clip/Mul/Div: one fp32 unit between int8 tensors
+    chains = facts.chains  # hard-swish's Add/Clip/Mul/Div: one fp32 unit between int8 tensors
     int8_out = {i.name for i in G.real_inputs(model) if types.get(i.name, FLOAT) == FLOAT}
     for node in model.graph.node:
         rule = RULES.get(node.op_type)
@@ -101,7 +124,7 @@ def _plan(model: onnx.ModelProto, exclude: dict, ranges: dict | None, prune_excl
             plan.decisions.append(NodeDecision(node.name, node.op_type, "fp32", why))
             continue
         reason = exclude.get(node.name) or (f"inside {chains[node.name]}: runs fp32 between its int8 input and "
-                                            f"int8 output" if node.name in chains else None) or rule.check(node, model)
+                                            f"int8 output" if node.name in chains else None) or facts.checks[node.name]
         acts = [node.input[i] for i in rule.act_inputs(node) if i < len(node.input) and node.input[i]]
         if reason is None and any(types.get(a, FLOAT) != FLOAT for a in acts):
             reason = "input is not float32"
@@ -129,7 +152,7 @@ def _plan(model: onnx.ModelProto, exclude: dict, ranges: dict | None, prune_excl
                     if o not in plan.tensors:
                         plan.tensors.append(o)
             plan.shared[out] = acts[0]
-        elif rule.weight(node, model) is not None:
+        elif facts.weighted[node.name]:
             plan.weight_inputs[node.name] = acts[0]
         # a Relu/Clip that alone reads this output is implemented by the output's clamp
         users = cons.get(out, [])
@@ -150,19 +173,19 @@ def _plan(model: onnx.ModelProto, exclude: dict, ranges: dict | None, prune_excl
             int8_out.add(out)
             if out not in plan.tensors:
                 plan.tensors.append(out)
-    _drop_unread_outputs(model, plan)
+    _drop_unread_outputs(model, plan, facts.order)
     if prune_excluded:
         _drop_excluded_only(model, plan, cons, exclude)
     _explain_chains(model, plan, chains)
     return plan
 
 
-def _drop_unread_outputs(model: onnx.ModelProto, plan: Plan) -> None:
+def _drop_unread_outputs(model: onnx.ModelProto, plan: Plan, order: list) -> None:
     """The last int8 op before the graph outputs keeps its output fp32 when only fp32 ops read it and
     no int8 op follows anywhere downstream (the classic case: the final MatMul before a bias Add and
     Softmax). A Q/DQ pair there adds rounding error right at the output for no int8 work after it;
     the op itself still reads int8 inputs and int8 weights."""
-    feeds_int8 = G.tensors_reaching(model, plan.int8_nodes)
+    feeds_int8 = G.tensors_reaching(model, plan.int8_nodes, order)
     produced = {n.output[0]: n for n in model.graph.node if n.name in plan.int8_nodes and n.output}
     for t in list(plan.tensors):
         node = produced.get(t)

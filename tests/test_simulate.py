@@ -56,7 +56,7 @@ def test_the_cut_does_not_change_the_answer(setup, monkeypatch):
     vs = [sim.variant({n: "x" for n in names if n != name}, prune_excluded=False) for name in names]
     planned = sim.run(samples, vs)
     assert len({sim.plan_cuts([sim.first(v) for v in vs], sim._share)[sim.first(v)] for v in vs}) > 1
-    monkeypatch.setattr(sim, "plan_cuts", lambda firsts, share: {f: 0 for f in firsts})  # every variant from the input
+    monkeypatch.setattr(sim, "plan_cuts", lambda firsts, share, seconds: {f: 0 for f in firsts})  # every variant from the input
     whole = sim.run(samples, vs)
     for a, b in zip(planned, whole):
         assert sqnr_db(b, a) > 80
@@ -78,7 +78,9 @@ def test_a_tensor_probe_follows_its_fed_range(setup):
 def test_plan_cuts_trades_sessions_against_suffix_work():
     sim = Simulator.__new__(Simulator)
     share = np.full(100, 0.01)  # 100 nodes of equal cost: a suffix from node p costs (100 - p) / 100
-    one = sim.plan_cuts([0, 1, 2], share)
-    assert set(one.values()) == {0}  # variants a node apart share a session
-    far = sim.plan_cuts([0, 90, 91], share)
-    assert far[0] == 0 and far[90] == far[91] == 90  # a late group gets its own cut: 0.9 pass saved each
+    far = sim.plan_cuts([0, 90, 91], share, pass_seconds=10.0)
+    assert far[0] == 0 and far[90] == 90  # a late variant gets its own cut: 0.9 pass saved
+    each = sim.plan_cuts([0, 40, 41, 42], share, pass_seconds=100.0)  # sessions nearly free: one per start
+    assert [each[f] for f in (0, 40, 41, 42)] == [0, 40, 41, 42]
+    # when a pass costs less than making a session (a tiny input), every variant runs from the input
+    assert set(sim.plan_cuts([0, 90, 91], share, pass_seconds=0.001).values()) == {0}

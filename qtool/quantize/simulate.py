@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import time
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
@@ -30,11 +32,11 @@ from qtool import graph as G
 from qtool import qparams as Q
 from qtool.metrics import kl_softmax
 from qtool.ortsession import session, with_outputs
-from qtool.plan import elem_types, make_plan
+from qtool.plan import ModelFacts, make_plan
 from qtool.quantize.qdq import activation_qparams, layer_weights, upgrade_opset
 from qtool.rules import RULES
 
-SESSION_COST = 0.15  # making a session, in fp32 passes over the samples (EfficientNet-Lite0, 64 images)
+SESSION_SECONDS = (0.02, 1.5e-4)  # making a session: fixed, and per node of its graph (ORT 1.32, measured)
 CUTS_AT_ONCE = 8  # sessions alive at once (each holds its weights), the fp32 prefix re-run per group
 SWITCH_COST = 0.03  # a switch that is off, per run, in passes: the layout changes ORT puts around it
 CACHE_BYTES = 256 << 20  # fp32 tensors crossing the cuts, per batch of samples
@@ -54,7 +56,8 @@ class Simulator:
         base = onnx.ModelProto()
         base.CopyFrom(ctx.fused)
         self.base = upgrade_opset(base, [])  # what the plans are made on and the variants cut from
-        self.types = elem_types(self.base)
+        self.facts = ModelFacts.of(self.base)
+        self.types = self.facts.types
         self.shapes = _shapes(self.base)
         self.plan = self.plan_for({})
         self.qparams = activation_qparams(self.base, self.plan, ctx.table, ctx.method, ctx.ranges)
@@ -75,7 +78,7 @@ class Simulator:
     def plan_for(self, exclude: dict, prune_excluded: bool = True):
         ctx = self.ctx
         ranges = {**ctx.table.ranges.get(ctx.method, {}), **(ctx.ranges or {})}
-        return make_plan(self.base, {**ctx.exclude, **exclude}, ranges, prune_excluded, types=self.types)
+        return make_plan(self.base, {**ctx.exclude, **exclude}, ranges, prune_excluded, facts=self.facts)
 
     def variant(self, exclude: dict, prune_excluded: bool = True, ranges: dict | None = None) -> Variant:
         """The variant ctx.build(exclude) would write (ranges: tensor -> (lo, hi) overrides)."""
@@ -151,6 +154,9 @@ class Simulator:
             so.profile_file_prefix = f"{tmp}/qtool-sim"
             sess = ort.InferenceSession(self.ctx.fused.SerializeToString(), so, providers=["CPUExecutionProvider"])
             sess.run(None, feed)
+            t0 = time.perf_counter()
+            sess.run(None, feed)
+            self._sample_seconds = (time.perf_counter() - t0) / max(len(next(iter(feed.values()))), 1)
             with open(sess.end_profiling(), encoding="utf-8") as f:
                 events = json.load(f)
         writer = {o: k for k, n in enumerate(self.nodes) for o in n.output}
@@ -169,20 +175,25 @@ class Simulator:
             return modelled / max(modelled.sum(), 1.0)  # the profile's names did not match: model it
         return measured / measured.sum()
 
-    def plan_cuts(self, firsts: list, share: np.ndarray) -> dict:
+    def plan_cuts(self, firsts: list, share: np.ndarray, pass_seconds: float = 1.0) -> dict:
         """Cut points for variants starting at `firsts`, each cut one session serving the variants
         from it to the next: minimises, in fp32 passes, the suffix each variant runs (share: each
-        node's fraction of a pass), SESSION_COST per session, and SWITCH_COST per variant per other
+        node's fraction of a pass), making each session (SESSION_SECONDS, against `pass_seconds`, the
+        time of one fp32 pass over the samples), and SWITCH_COST per variant per other
         variant's switch in its session (a switch that is off still costs its layout changes), by
         dynamic programming over the distinct first positions. -> first position -> its cut."""
         tail = np.concatenate([np.cumsum(share[::-1])[::-1], [0.0]])  # tail[p]: pass share from node p on
         q = sorted(set(firsts))
-        count = [firsts.count(f) for f in q]
+        seen = {}
+        for f in firsts:
+            seen[f] = seen.get(f, 0) + 1
+        upto = np.concatenate([[0], np.cumsum([seen[f] for f in q])])  # variants starting before q[i]
         m = len(q)
 
         def serve(j, i):  # one session at q[j] for the variants starting in q[j] .. q[i - 1]
-            n = sum(count[j:i])
-            return n * tail[q[j]] + SWITCH_COST * n * (n - 1) + SESSION_COST
+            n = upto[i] - upto[j]
+            making = (SESSION_SECONDS[0] + SESSION_SECONDS[1] * (len(share) - q[j])) / max(pass_seconds, 1e-9)
+            return n * tail[q[j]] + SWITCH_COST * n * (n - 1) + making
 
         best, back = [0.0] * (m + 1), [0] * (m + 1)  # best[i]: the first i positions served
         for i in range(1, m + 1):
@@ -299,7 +310,7 @@ class Simulator:
             n = samples.batch if samples.fixed_batch else min(4, len(samples))
             self._share = self._costs({k: v[:n] for k, v in samples.inputs.items()})
         firsts = [self.first(v) for v in variants]
-        cut_at = self.plan_cuts(firsts, self._share)
+        cut_at = self.plan_cuts(firsts, self._share, self._sample_seconds * len(samples))
         cut_of = [cut_at[f] for f in firsts]
         cuts = sorted(set(cut_of))
         outs = [[] for _ in variants]
