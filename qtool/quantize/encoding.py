@@ -128,7 +128,7 @@ def pair_safe_scales(w_rows: np.ndarray, partners: np.ndarray, hessian: np.ndarr
         else:
             g = hessian.shape[0]
             d = dw.reshape(g, c // g, k)
-            e = np.einsum("gck,gkl,gcl->gc", d, hessian, d).reshape(c)
+            e = (np.matmul(d, hessian) * d).sum(axis=2).reshape(c)
         if best_e is None:
             best_q, best_s, best_e = q, s, e
         else:

@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""What `qtool quantize` costs, phase by phase, and what the sensitivity pass costs in fp32 passes.
+
+Calibrates a model (an ImageNet-style folder with a preset, or any image folder turned into tensors
+of --shape with --mean/--std, as bench_sqnr.py does), then:
+
+1. sensitivity of every layer on --samples calibration samples, in CPU seconds, against the CPU
+   seconds of one fp32 pass of the same model over the same samples, measured in the same process
+   (CPU time, not wall time: on a shared machine other work stretches wall time, not CPU time);
+2. the default `qtool quantize` (sensitivity on) and `qtool quantize --exclude-sensitive`, wall time,
+   with the time of each phase.
+
+  python benchmarks/bench_pipeline.py --model ../shared/models/efficientnet-lite0.onnx \\
+      --images ../shared/imagenet-samples --config efficientnet-lite
+  python benchmarks/bench_pipeline.py --model ../shared/models/yolox-det.onnx --images ../shared/imagenet-samples \\
+      --shape 1,3,416,416
+"""
+import argparse
+import glob
+import json
+import os
+import sys
+import tempfile
+import time
+import warnings
+
+import numpy as np
+
+from qtool.calibrate.run import calibrate
+from qtool.ortsession import session
+from qtool.quantize.context import QuantizeContext
+from qtool.quantize.run import SensitivityOptions, quantize, SampleSplit
+from qtool.quantize.samples import load_samples
+from qtool.quantize.sensitivity import layer_sensitivity
+from qtool.workdir import Workdir
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_sqnr import tensors  # noqa: E402
+
+
+def cpu_of(fn, *args, **kw):
+    t = time.process_time()
+    out = fn(*args, **kw)
+    return out, time.process_time() - t
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--images", required=True)
+    p.add_argument("--config", help="preprocessing preset (images); else --shape/--mean/--std tensors")
+    p.add_argument("--shape", help="1,C,H,W (tensor data, as bench_sqnr.py)")
+    p.add_argument("--mean", type=float, default=0.0)
+    p.add_argument("--std", type=float, default=1.0)
+    p.add_argument("--calibration", type=int, default=100, help="calibration samples (every 10th image)")
+    p.add_argument("--samples", type=int, default=64, help="sensitivity samples")
+    p.add_argument("--no-exclude", action="store_true", help="skip the --exclude-sensitive run")
+    p.add_argument("--out", default="bench_out")
+    a = p.parse_args(argv)
+    warnings.simplefilter("ignore")
+    os.makedirs(a.out, exist_ok=True)
+    files = sorted(glob.glob(os.path.join(a.images, "*.JPEG")))[::10][:a.calibration]
+    work = tempfile.mkdtemp(prefix="qtool-pipeline-")
+    data = a.images
+    if a.shape:
+        shape = tuple(int(v) for v in a.shape.split(","))
+        data = os.path.join(work, "calib")
+        os.makedirs(data)
+        for k, x in enumerate(tensors(files, shape, a.mean, a.std)):
+            np.save(os.path.join(data, f"{k:04d}.npy"), x)
+        t = time.time()
+        cal = calibrate(a.model, data, method="minmax", workdir=os.path.join(work, "w"), show_progress=False)
+    else:
+        t = time.time()
+        cal = calibrate(a.model, data, a.config, "minmax", workdir=os.path.join(work, "w"), show_progress=False,
+                        every=10, limit=a.calibration)
+    wd = os.path.join(work, "w")
+    print(f"{os.path.basename(a.model)}: calibrated on {cal.table.n_samples} samples in {time.time() - t:.1f}s")
+
+    # 1. sensitivity in fp32 passes (CPU time, one process)
+    recorded = [f for f in Workdir(wd).manifest()["calibrate"]["files"]]
+    split = SampleSplit.of(recorded, a.samples)
+    ctx = QuantizeContext(cal.fused, cal.table, "minmax")
+    samples = load_samples(cal.fused, cal.table, split.sensitivity)
+    fp32 = session(cal.fused, 2)
+    for f in samples.feeds[:1]:
+        fp32.run(None, f)  # warm
+    _, pass_cpu = cpu_of(lambda: [fp32.run(None, f) for f in samples.feeds])
+    t = time.time()
+    layers, sens_cpu = cpu_of(layer_sensitivity, ctx, samples)
+    sens_wall = time.time() - t
+    per_layer = sens_cpu / pass_cpu / len(layers)
+    print(f"sensitivity of {len(layers)} layers on {len(samples)} samples: {sens_cpu:.1f} CPU s ({sens_wall:.1f} s wall); "
+          f"one fp32 pass over them: {pass_cpu:.2f} CPU s -> {per_layer:.2f} fp32 passes per layer")
+
+    # 2. the pipeline as a user runs it
+    res = {"model": os.path.basename(a.model), "layers": len(layers), "samples": len(samples),
+           "sensitivity_cpu_seconds": sens_cpu, "fp32_pass_cpu_seconds": pass_cpu,
+           "fp32_passes_per_layer": per_layer, "sensitivity_wall_seconds": sens_wall}
+    runs = [("default", SensitivityOptions(samples=a.samples, show_progress=False))]
+    if not a.no_exclude:
+        runs.append(("exclude_sensitive", SensitivityOptions(samples=a.samples, exclude_sensitive=True,
+                                                              show_progress=False)))
+    for label, opts in runs:
+        said = []  # (when, line): a phase announces itself when it starts
+
+        def say(line, said=said):
+            said.append((time.time(), line[:100]))
+        t, c = time.time(), time.process_time()
+        r = quantize(wd, output=os.path.join(work, f"{label}.onnx"), sensitivity=opts, say=say)
+        end = time.time()
+        phases = [(round((said[k + 1][0] if k + 1 < len(said) else end) - w, 1), line) for k, (w, line) in enumerate(said)]
+        res[label] = {"wall_seconds": end - t, "cpu_seconds": time.process_time() - c,
+                      "phases": phases, "excluded": sorted(r.report["excluded"])}
+        print(f"quantize ({label}): {res[label]['wall_seconds']:.1f} s wall, {res[label]['cpu_seconds']:.1f} CPU s")
+        for secs, line in phases:
+            print(f"    {secs:6.1f}s  {line}")
+    with open(os.path.join(a.out, f"pipeline-{os.path.basename(a.model)}.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
