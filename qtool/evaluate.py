@@ -93,7 +93,7 @@ def evaluate(fp32_path: str, int8_path: str, data: str, config=None, labels: str
     with ONNX Runtime's int8 output (res["runtime_check"])."""
     fp32 = load_model(fp32_path)
     load_model(int8_path, check=False)
-    cfg = config_from_any(config)
+    cfg = None if config is None else config_from_any(config)  # None: the model's metadata, else assumed
     files = list_images(data) if files is None else files
     src = ImageData(data, cfg, fp32, fp32_path, batch=batch, limit=limit, files=files)
     y_true = None
