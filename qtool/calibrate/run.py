@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import onnx
 from tqdm import tqdm
 
+from qtool import graph as G
 from qtool.calibrate.collect import collect
 from qtool.calibrate.checks import stem_fit
 from qtool.data.config import config_from_any, config_name
@@ -53,6 +54,10 @@ def calibrate(model_path: str, data, config=None, method: str = "minmax",
         raise UsageError(f"unknown calibration method '{method}' (choose from {', '.join(METHODS)})")
     t0 = time.time()
     model = load_model(model_path)
+    q = G.quantized_ops(model)
+    if q:
+        raise QtoolError(f"{model_path}: already int8 ({', '.join(f'{k} x{v}' for k, v in sorted(q.items()))}); "
+                         f"calibrate the fp32 original")
     cfg = None if config is None else config_from_any(config)
     if every < 1:
         raise UsageError(f"--every must be 1 or more, not {every}")

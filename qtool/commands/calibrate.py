@@ -8,7 +8,7 @@ from qtool.calibrate.run import calibrate
 from qtool.commands.common import common_options, say, setup_output, write_json
 
 
-@click.command("calibrate")
+@click.command("calibrate", short_help="Record activation ranges of an fp32 model over sample data.")
 @click.option("--model", "-m", required=True, type=click.Path(dir_okay=False), help="fp32 ONNX model.")
 @click.option("--data", "-d", required=True, type=click.Path(), help="Folder of sample images, or of .npy files (one sample each, one-input models) or .npz files "
               "(one sample each, one array per model input, named by input); searched recursively, one kind per folder.")
