@@ -30,6 +30,7 @@ def command(model, fp32, batches, threads, repeats, shape, profile, json_path, w
 
     \b
     Example:
+      qtool bench                 (the int8 model `qtool quantize` wrote in ./qtool_work, and its fp32 original)
       qtool bench --model qtool_work/model.int8.onnx --fp32 model.onnx --batch 1 --batch 8 --json bench.json
       qtool bench -m resnet50.int8.onnx --threads 2 --profile
     """

@@ -27,7 +27,6 @@ from qtool.calibrate.table import load_table
 from qtool.errors import QtoolError
 from qtool.fuse import fuse_model
 from qtool.modelio import atomic_write_text, json_safe, load_model, model_hash, save_model
-from qtool.plan import make_plan
 from qtool.quantize.qdq import QuantizeOutput, quantize_graph
 from qtool.workdir import Workdir
 
@@ -156,34 +155,19 @@ def _bar(total, unit: str, desc: str, show: bool):
     return tqdm(total=total, unit=unit, desc=desc, disable=not show, leave=False)
 
 
-def round_all(ctx: QuantizeContext, say=print, show_progress: bool = True, what: str = "",
-              only: set | None = None) -> None:
+def round_all(ctx: QuantizeContext, say=print, show_progress: bool = True) -> None:
     """Build the model once so every layer in ctx.hessians is rounded by its output error (cached
-    in ctx.weight_cache for every later build), with a bar over those layers (or `only` those:
-    the ones not cached yet)."""
-    todo = set(ctx.hessians or ()) if only is None else set(only)
+    in ctx.weight_cache for every later build), with a bar over those layers."""
+    todo = set(ctx.hessians or ())
     if not todo:
-        ctx.build()
         return
-    say(f"rounding the weights of {len(todo)} layers by their output error{what}")
+    say(f"rounding the weights of {len(todo)} layers by their output error")
     with _bar(len(todo), "layer", "round weights", show_progress) as bar:
         ctx.weight_cache.progress = lambda name: bar.update(1) if name in todo else None
         try:
             ctx.build()
         finally:
             ctx.weight_cache.progress = None
-
-
-def _reading(ctx: QuantizeContext, tensors: set) -> set:
-    """The layers whose weight input is one of `tensors` (or shares its quantizer)."""
-    plan = make_plan(ctx.fused, ctx.exclude, ctx.table.ranges.get(ctx.method, {}))
-
-    def root(t):
-        while t in plan.shared:
-            t = plan.shared[t]
-        return t
-    roots = {root(t) for t in tensors}
-    return {n for n, x in plan.weight_inputs.items() if root(x) in roots}
 
 
 def tune(ctx: QuantizeContext, samples: SampleSet, rounding: bool, ranges: bool, say=print,
@@ -211,9 +195,8 @@ def tune(ctx: QuantizeContext, samples: SampleSet, rounding: bool, ranges: bool,
         say(f"tuned ranges: {len(s.ranges)} tensors changed ({s.probes} probes), output SQNR on {len(samples)} "
             f"calibration images {s.sqnr_default_db:.1f} -> {s.sqnr_tuned_db:.1f} dB"
             + ("" if s.kept or not s.choices else "; not better, default ranges kept"))
-        if ctx.hessians and ctx.ranges:
-            round_all(ctx, say, show_progress, " again (a tuned range changed their input scale)",
-                      only=_reading(ctx, set(ctx.ranges)) & set(ctx.hessians))
+        # (the search scored the model at the tuned ranges: layers whose input scale they changed are rounded
+        # at those already, in ctx.weight_cache)
     res.seconds = time.time() - t0
     return res
 
