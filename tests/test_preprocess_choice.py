@@ -67,7 +67,8 @@ def test_model_metadata_gives_the_preprocessing(tmp_path, meta):
     write_images(tmp_path / "d", 2)
     r, said, _ = _calibrate(net, tmp_path / "d", tmp_path)
     c = r.table.config
-    assert said[0].startswith("preprocessing from the model's metadata")
+    assert said[0].startswith("preprocessing from the model's metadata (qtool.config: "
+                              + ("efficientnet-lite)" if meta == "efficientnet-lite" else "inline TOML)"))
     if meta == "efficientnet-lite":
         assert c["mean"] == [127.0] * 3 and c["interpolation"] == "bicubic" and c["size"] == [16, 16]
     else:
@@ -171,6 +172,9 @@ def test_degenerate_outputs_warn(tmp_path):
     (w,) = [w for w in warned if "looks degenerate" in w]
     assert w.startswith("the fp32 model's output 'y' looks degenerate on the calibration data: values up to 5e+04")
     assert "9 of the 9 images get the same class (7)" in w and r.warnings[-1] == w
+    import json
+    seen = json.load(open(tmp_path / "work" / "manifest.json"))["calibrate"]["fp32_output"]
+    assert seen["distinct_top1"] == 1 and seen["samples"] == 9 and seen["max_abs"] > 4e4
 
 
 def test_output_watch():

@@ -200,6 +200,14 @@ class OutputWatch:
         self.finite = self.finite and other.finite
         self.classes = self.classes or other.classes
 
+    def summary(self) -> dict:
+        """What the calibration pass saw of the output (the manifest keeps it)."""
+        d = {"output": self.name, "max_abs": self.max_abs, "finite": self.finite}
+        if self.top1:
+            d.update(samples=len(self.top1), distinct_top1=len(set(self.top1.values())),
+                     largest_class_share=max(np.bincount(list(self.top1.values()))) / len(self.top1))
+        return d
+
     def warning(self) -> str | None:
         """One line when the outputs look degenerate, else None."""
         problems = []

@@ -125,14 +125,16 @@ def config_from_metadata(model, path: str = "the model") -> Preprocess | None:
             cand = d / (text + ".toml")
             if "/" not in text and "\\" not in text and cand.is_file():
                 c = load_config(str(cand))
-                c.source = f"{text} (from {source})"
+                c.source = text
                 return c
         raise QtoolError(f"{source}: {text!r} is no preset (presets: {', '.join(preset_names()) or 'none'})")
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise QtoolError(f"{source}: not valid TOML ({e})") from None
-    return from_dict(raw, source)
+    c = from_dict(raw, source)
+    c.source = "inline TOML"
+    return c
 
 
 def image_geometry(dims: list) -> tuple:

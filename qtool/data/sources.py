@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import onnx
 
 from qtool import graph as G
-from qtool.data.config import (Preprocess, assumed_config, config_from_metadata, config_name, describe,
+from qtool.data.config import (METADATA_KEY, Preprocess, assumed_config, config_from_metadata, config_name, describe,
                                fit_to_input)
 from qtool.data.images import IMAGE_EXTS, ImageStream, list_images
 from qtool.errors import QtoolError
@@ -91,7 +91,7 @@ class ImageData:
         if cfg is None:
             cfg = config_from_metadata(model, model_path)
             if cfg is not None:
-                notes.append(f"preprocessing from the model's metadata ({cfg.source}): {describe(cfg)}")
+                notes.append(f"preprocessing from the model's metadata ({METADATA_KEY}: {cfg.source}): {describe(cfg)}")
         self.inp = image_input(model, cfg or Preprocess(), model_path)
         where = f"input '{self.inp.name}' " + "[" + ", ".join(
             str(d) if isinstance(d, int) else "N" if k == 0 else "?" for k, d in enumerate(self.inp.dims)) + "]"
