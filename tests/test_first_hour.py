@@ -20,7 +20,7 @@ def _bars(err: str) -> dict:
     """tqdm's displays on stderr: description -> the last 'n/total' shown ('n' alone when it had no total)."""
     out = {}
     for piece in re.split(r"[\r\n]", err):
-        m = re.match(r"\s*([a-z][a-z0-9 +()-]*?):\s+(?:\d+%\|[^|]*\|\s+)?(\d+(?:/\d+)?)", piece)
+        m = re.match(r"\s*([a-z][a-z0-9 +()-]*?):\s+(?:\d+%\|[^|]*\|\s+)?([\d.]+(?:/[\d.]+)?)", piece)
         if m:
             out[m.group(1)] = m.group(2)
     return out
@@ -47,6 +47,7 @@ def test_exclude_sensitive_says_each_phase_under_a_bar_with_a_total(project, cap
                  "exclude-sensitive (at most)", "target cost"):
         assert desc in bars and "/" in bars[desc], (desc, bars)  # shown, with a total (so an ETA)
     assert bars["decode + fp32"].endswith("/24") and bars["covariances"].endswith("/12")
+    assert not [v for v in bars.values() if "." in v]  # whole steps, not 13.999999999999998/29
     # item 5: twelve images, all used for sensitivity: none held back, and said so (not "only 0 held back")
     assert "only 0" not in out
     assert "the sensitivity analysis used all 12 calibration images, so none is held back" in out

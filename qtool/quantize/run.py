@@ -155,6 +155,20 @@ def _bar(total, unit: str, desc: str, show: bool):
     return tqdm(total=total, unit=unit, desc=desc, disable=not show, leave=False)
 
 
+def _whole(bar):
+    """bar.update for progress told in fractions (the simulator reports a share of a variant per
+    slice of samples): the bar moves by whole steps, so it reads 14/29, not 13.999999999999998/29."""
+    done = [0.0, 0]
+
+    def update(k):
+        done[0] += k
+        step = int(done[0] + 1e-9) - done[1]
+        if step > 0:
+            done[1] += step
+            bar.update(step)
+    return update
+
+
 def round_all(ctx: QuantizeContext, say=print, show_progress: bool = True) -> None:
     """Build the model once so every layer in ctx.hessians is rounded by its output error (cached
     in ctx.weight_cache for every later build), with a bar over those layers."""
@@ -189,7 +203,7 @@ def tune(ctx: QuantizeContext, samples: SampleSet, rounding: bool, ranges: bool,
             def exact(n):
                 bar.total = n
                 bar.refresh()
-            res.search = search_ranges(ctx, samples, bar.update, exact)
+            res.search = search_ranges(ctx, samples, _whole(bar), exact)
         ctx.ranges = res.ranges = res.search.ranges or None
         s = res.search
         say(f"tuned ranges: {len(s.ranges)} tensors changed ({s.probes} probes), output SQNR on {len(samples)} "
@@ -206,7 +220,7 @@ def run_sensitivity(ctx: QuantizeContext, samples: SampleSet, opts: "Sensitivity
         f"calibration images")
     t0 = time.time()
     with _bar(len(quantizable_layers(ctx.fused)), "layer", "sensitivity", opts.show_progress) as bar:
-        layers = layer_sensitivity(ctx, samples, bar.update)
+        layers = layer_sensitivity(ctx, samples, _whole(bar))
     return {"layers": [l.to_dict() for l in layers], "seconds": time.time() - t0, "samples": len(samples)}, layers
 
 
