@@ -93,7 +93,7 @@ def evaluate(fp32_path: str, int8_path: str, data: str, config=None, labels: str
     with ONNX Runtime's int8 output (res["runtime_check"])."""
     fp32 = load_model(fp32_path)
     load_model(int8_path, check=False)
-    cfg = config_from_any(config)
+    cfg = None if config is None else config_from_any(config)  # None: the model's metadata, else assumed
     files = list_images(data) if files is None else files
     src = ImageData(data, cfg, fp32, fp32_path, batch=batch, limit=limit, files=files)
     y_true = None
@@ -273,3 +273,68 @@ def _size(path: str) -> int:
     total = os.path.getsize(path)
     data = path + ".data"
     return total + (os.path.getsize(data) if os.path.exists(data) else 0)
+
+
+def evaluate_workdir(workdir: str | None = None, data=None, labels: str | None = None, model: str | None = None,
+                     int8_path: str | None = None, config=None, limit: int | None = None, threads: int = 2,
+                     runtime: str = "ort", show_progress: bool = True, say=print) -> dict:
+    """`qtool eval`: the int8 model against its fp32 original, every path not given taken from the
+    working directory (the calibrated model and its data and preprocessing, the quantized model).
+    `data`: a folder of images or of .npy/.npz files, or an iterable of input dicts (or of arrays, for
+    a one-input model). Images and tensors the ranges were fitted to are left out when `data` is the
+    calibration folder. Records the headline figures in the manifest."""
+    from qtool.data.tensors import classify_folder, list_tensor_files
+    from qtool.errors import QtoolError
+    from qtool.workdir import Workdir
+
+    wd = Workdir(workdir)
+    cal = wd.manifest().get("calibrate", {})
+    if model is None or config is None or data is None:
+        cal = cal or wd.require("calibrate", "calibrate")
+    if int8_path is None:
+        int8_path = wd.require("quantize", "quantize")["int8_path"]
+    model = model or cal["model_path"]
+    data = cal["data"] if data is None else data
+    cfg = config if config is not None else cal.get("config")
+    if runtime != "ort":
+        try:
+            import qtool.runtime  # noqa: F401
+        except ImportError as e:
+            raise QtoolError(f"--runtime {runtime}: the native runtime is not available ({e})") from None
+    if not isinstance(data, (str, os.PathLike)):
+        r = evaluate_tensors(model, int8_path, data, limit, threads=threads)
+        wd.update(eval={"n_samples": r["n_samples"], "output_sqnr_db": r["output_sqnr_db"]})
+        return r
+    data = os.fspath(data)
+    if data == "(python iterable)":
+        raise QtoolError("calibration data was a Python iterable; pass data (a folder or an iterable) to evaluate on")
+    kind = classify_folder(data)
+    images = kind == "images"
+    files = list_images(data) if images else list_tensor_files(data, "." + kind)
+    what = "images" if images else "samples"
+    calib = set(cal.get("files", [])) if os.path.abspath(data) == cal.get("data") else set()
+    if calib:
+        # never score on the samples the ranges were fitted to
+        held_out = [f for f in files if os.path.abspath(f) not in calib]
+        if held_out:
+            files = held_out
+            say(f"evaluating on {_count(len(files), limit, what)} of {data} (the {len(calib)} calibration {what} "
+                f"excluded)")
+        else:
+            say(f"note: every {what[:-1]} in {data} was used for calibration; evaluating on them (pass --data with "
+                f"held-out {what} for an unbiased figure)")
+    if not images:
+        r = evaluate_tensors(model, int8_path, data, limit, files=files, threads=threads)
+        wd.update(eval={"n_samples": r["n_samples"], "output_sqnr_db": r["output_sqnr_db"],
+                        "outputs": {k: v["sqnr_db"] for k, v in r["outputs"].items()}})
+        return r
+    r = evaluate(model, int8_path, data, cfg, labels, limit, files=files, threads=threads, show_progress=show_progress,
+                 runtime=runtime)
+    wd.update(eval={k: r[k] for k in ("n_images", "top1_agreement", "output_sqnr_db") if k in r}
+              | ({"top1_delta_pt": r["top1_delta_pt"]} if "top1_delta_pt" in r else {}))
+    return r
+
+
+def _count(n: int, limit: int | None, what: str) -> str:
+    """'900 images', or with a limit of 200 '200 of the 900 images'."""
+    return f"{limit} of the {n} {what}" if limit is not None and 0 <= limit < n else f"{n} {what}"

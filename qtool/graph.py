@@ -249,3 +249,16 @@ def name_nodes(model: onnx.ModelProto) -> None:
                 name, j = f"{base}_{j}", j + 1
             n.name = name
         seen.add(n.name)
+
+
+QUANTIZED_OPS = ("QuantizeLinear", "DequantizeLinear", "QLinearConv", "QLinearMatMul", "ConvInteger",
+                 "MatMulInteger", "DynamicQuantizeLinear")
+
+
+def quantized_ops(model: onnx.ModelProto) -> dict:
+    """op type -> count of the ops that make a model quantized already (QDQ or QOperator form)."""
+    c = {}
+    for n in model.graph.node:
+        if n.op_type in QUANTIZED_OPS:
+            c[n.op_type] = c.get(n.op_type, 0) + 1
+    return c

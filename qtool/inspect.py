@@ -36,6 +36,8 @@ class Inspection:
     params: int = 0
     macs: int | None = None  # None when a shape is dynamic and not given
     macs_shapes: dict = field(default_factory=dict)
+    macs_batch_one: bool = False  # the only dynamic dim was the batch: MACs counted for one sample
+    quantized_ops: dict = field(default_factory=dict)  # op type -> count of int8 ops already in the model
     ops_before: dict = field(default_factory=dict)
     ops_after: dict = field(default_factory=dict)
     fuse_counts: dict = field(default_factory=dict)
@@ -95,6 +97,20 @@ def _static_shapes(model: onnx.ModelProto, shapes: dict) -> onnx.ModelProto | No
         return None
 
 
+def batch_one_shapes(model: onnx.ModelProto, shapes: dict) -> dict:
+    """`shapes` plus, for every input not given whose only dynamic dim is the first (the batch),
+    that input at batch 1; {} when some input has another dynamic dim."""
+    out = dict(shapes)
+    for inp in G.real_inputs(model):
+        if inp.name in out:
+            continue
+        dims = G.input_dims(inp)
+        if not dims or any(not isinstance(d, int) for d in dims[1:]):
+            return {}
+        out[inp.name] = [1] + list(dims[1:])
+    return out
+
+
 def count_macs(model: onnx.ModelProto, shapes: dict) -> int | None:
     m = _static_shapes(model, shapes)
     if m is None:
@@ -147,26 +163,40 @@ def inspect_model(path: str, shapes=None, exclude: dict | None = None) -> Inspec
                 else f"{spec.dtype.name}: passed through untouched")
         ins.append({"name": vi.name, "dtype": _dtype(vi), "dims": _dims(vi), "role": role})
     outs = [{"name": o.name, "dtype": _dtype(o), "dims": _dims(o)} for o in model.graph.output]
-    macs = count_macs(fused.model, shapes)
+    macs, batch_one = count_macs(fused.model, shapes), False
+    if macs is None:
+        ones = batch_one_shapes(fused.model, shapes)
+        if ones:
+            macs, batch_one = count_macs(fused.model, ones), True
     return Inspection(
         model=os.path.abspath(path), opset=v, opset_note=note, inputs=ins, outputs=outs,
-        params=count_params(model), macs=macs, macs_shapes=shapes, ops_before=fused.ops_before,
+        params=count_params(model), macs=macs, macs_shapes=shapes, macs_batch_one=batch_one and macs is not None,
+        quantized_ops=G.quantized_ops(model), ops_before=fused.ops_before,
         ops_after=fused.ops_after, fuse_counts=fused.counts, summary=plan.summary(),
         nodes=[{"name": d.name, "op_type": d.op_type, "status": d.status, "reason": d.reason} for d in plan.decisions],
         activations={t: label for t, (label, _f) in activation_inputs(fused.model).items()})
 
 
 def render(r: Inspection, all_nodes: bool = False) -> str:
-    lines = [f"{r.model}", f"  {r.opset_note}"]
+    lines = [f"{r.model}"]
+    if r.quantized_ops:
+        q = r.quantized_ops
+        kind = "QDQ" if "QuantizeLinear" in q or "DequantizeLinear" in q else "QOperator"
+        lines.append(f"  already int8 ({kind}: " + ", ".join(f"{k} x{v}" for k, v in sorted(q.items()))
+                     + "): qtool quantizes fp32 models; inspect, calibrate and quantize the fp32 original")
+    lines.append(f"  {r.opset_note}")
     for i in r.inputs:
         lines.append(f"  input  {i['name']}: {i['dtype']}{i['dims']} ({i['role']})")
     for o in r.outputs:
         lines.append(f"  output {o['name']}: {o['dtype']}{o['dims']} (left fp32)")
-    macs = (f"{r.macs / 1e9:.3f} GMAC" + (f" at {r.macs_shapes}" if r.macs_shapes else "")
+    macs = (f"{r.macs / 1e9:.3f} GMAC" + (" per sample (batch 1)" if r.macs_batch_one else "")
+            + (f" at {r.macs_shapes}" if r.macs_shapes else "")
             if r.macs is not None else "MACs unknown (dynamic input shape: pass --shape NAME=1,3,H,W)")
     lines.append(f"  {r.params / 1e6:.3f} M parameters, {macs}")
     if r.fuse_counts:
         lines.append("  graph cleanup: " + ", ".join(f"{k} x{v}" for k, v in sorted(r.fuse_counts.items())))
+    if r.quantized_ops and not all_nodes:
+        return "\n".join(lines)  # a plan for an int8 model would list its DequantizeLinear weights as fp32 ops
     s = r.summary
     lines.append(f"  plan: {s.get('int8', 0)} ops int8, {s.get('passthrough', 0)} pass int8 through, "
                  f"{s.get('fused', 0)} activations fused, {s.get('fp32', 0)} stay fp32")

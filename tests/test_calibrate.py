@@ -265,9 +265,16 @@ def test_all_images_unreadable(tmp_path, net):
 
 
 def test_config_not_matching_model_input(tmp_path, net):
+    """A config of another size fits itself to the model's input (and says so); one of another
+    channel count cannot, and the error names the input and --config."""
     write_images(tmp_path / "d", 1)
+    said = []
+    r = _calibrate(net, tmp_path / "d", tmp_path, config=write_config(tmp_path / "c32.toml", size=32), say=said.append)
+    assert r.table.config["size"] == [16, 16]
+    assert len(said) == 1 and said[0].endswith(
+        "c32.toml: took size 16x16 (the config's is 32x32) from the model's input 'x' [N, 3, 16, 16]")
     with pytest.raises(QtoolError, match=r"net\.onnx.*input 'x'.*--config"):
-        _calibrate(net, tmp_path / "d", tmp_path, config=write_config(tmp_path / "c32.toml", size=32))
+        _calibrate(net, tmp_path / "d", tmp_path, config=write_config(tmp_path / "g.toml", color="GRAY"))
 
 
 def test_unknown_method(tmp_path, net):

@@ -21,7 +21,7 @@ LAYERS = [
     {"runtime", "calibrate"},  # the int8 executor; fused graph -> calibration table
     {"quantize"},  # table -> QDQ graph and its reports
     {"evaluate", "inspect", "zoo"},  # int8 against fp32; what qtool will do with a model; model builders
-    {"commands", "cli", "__init__", "__main__"},
+    {"commands", "cli", "__init__", "__main__", "api"},  # the CLI and the Python API on top
 ]
 
 

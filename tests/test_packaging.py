@@ -12,8 +12,10 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 
 def test_wheel_carries_the_presets_and_finds_them_by_name(tmp_path):
     env = dict(os.environ, QTOOL_NO_EXTENSIONS="1")  # the packaging, not the C build, is under test here
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(tmp_path), REPO], check=True, env=env, cwd=tmp_path)
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-v", "-w",
+                            str(tmp_path), REPO], check=True, env=env, cwd=tmp_path, capture_output=True, text=True)
+    said = build.stdout + build.stderr
+    assert "project.license" not in said and "License classifiers are deprecated" not in said, said[-2000:]
     (wheel,) = [f for f in os.listdir(tmp_path) if f.endswith(".whl")]
     presets = sorted(f for f in os.listdir(os.path.join(REPO, "configs")) if f.endswith(".toml"))
     with zipfile.ZipFile(tmp_path / wheel) as z:

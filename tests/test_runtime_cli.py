@@ -44,9 +44,18 @@ def test_bench_json(tmp_path):
     assert d["profile"]["1"]["by_op"][-1]["op"] == "total"
 
 
-def test_bench_missing_model_is_one_line_error(tmp_path, capsys):
+def test_bench_missing_model_is_one_line_error(tmp_path, capsys, monkeypatch):
+    """The int8 file is checked before the fp32 model is looked for (no 'fp32 model: not found' first)."""
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as e:
-        main(["bench", "--model", str(tmp_path / "nope.onnx")])
+        main(["bench", "--model", str(tmp_path / "nope.int8.onnx")])
     assert e.value.code == 1
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "nope.onnx" in err[0] and "no such file" in err[0]
+    cap = capsys.readouterr()
+    err = cap.err.strip().splitlines()
+    assert len(err) == 1 and "nope.int8.onnx: no such file (the int8 model to time)" in err[0]
+    assert cap.out == ""
+    # no --model and nothing quantized in the workdir: misuse, and it says what to pass
+    with pytest.raises(SystemExit) as e:
+        main(["bench"])
+    assert e.value.code == 2
+    assert "no int8 model to time: pass --model M.int8.onnx, or run `qtool quantize` first" in capsys.readouterr().err

@@ -171,6 +171,20 @@ def test_build_from_wheel_end_to_end(tmp_path):
     assert sorted(p.name for p in out.parent.iterdir()) == ["m.onnx"]
 
 
+def test_build_at_another_image_size(tmp_path):
+    """--image-size 240: the same weights with a 240x240 input (the SAME pads computed for 240)."""
+    sd = _lite0_shaped_state_dict()
+    pth = tmp_path / "w.pth"
+    write_state_dict(pth, sd)
+    out = tmp_path / "m240.onnx"
+    eff.build_efficientnet_lite0(pth, out, check_sha256=False, image_size=240)
+    model = onnx.load(str(out))
+    assert [d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim[1:]] == [3, 240, 240]
+    x = np.random.default_rng(3).standard_normal((1, 3, 240, 240)).astype(np.float32)
+    np.testing.assert_allclose(run(model, x), ref_forward(sd, eff.LITE0_STAGES, x.astype(np.float64)),
+                               rtol=1e-3, atol=1e-3)
+
+
 def test_module_entry_point_with_local_weights(tmp_path, capsys):
     sd = _lite0_shaped_state_dict()
     pth = tmp_path / "w.pth"

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 import onnxruntime as ort
+from qtool.calibrate.checks import OutputWatch
 from qtool.calibrate.histogram import Histogram, scan
 from qtool.ortsession import session, with_outputs  # noqa: F401  (with_outputs: used by callers)
 
@@ -27,6 +28,7 @@ class Observed:
     channel_sums: dict = field(default_factory=dict)  # tensor -> float64 [C]
     channel_counts: dict = field(default_factory=dict)  # tensor -> number of values summed per channel
     n_samples: int = 0
+    watch: OutputWatch | None = None  # the first model output, summarised (checks.py)
 
     def channel_means(self) -> dict:
         return {t: (s / max(self.channel_counts[t], 1)).tolist() for t, s in self.channel_sums.items()}
@@ -42,6 +44,8 @@ class Observed:
             else:
                 self.channel_sums[t], self.channel_counts[t] = sums.copy(), other.channel_counts[t]
         self.n_samples += other.n_samples
+        if self.watch is not None and other.watch is not None:
+            self.watch.merge(other.watch)
 
 
 # Observed outputs of the runs in flight stay under this (ONNX Runtime's working set comes on
@@ -53,8 +57,9 @@ MEAN_SAMPLES = 128  # per-channel means (for bias correction): 128 images x ever
 
 
 def collect(model: onnx.ModelProto, range_tensors: list, mean_tensors: list, batches, progress=None,
-            threads: int = 0) -> Observed:
+            threads: int = 0, watch: str | None = None) -> Observed:
     """`batches` yields dicts input name -> array; `progress(k)` is told of k more samples.
+    `watch`: a float model output summarised per sample (Observed.watch, checks.OutputWatch).
 
     Two workers each run a slice through one shared session on their share of the threads,
     then fold its outputs into their own histograms, while the other worker does the same
@@ -64,7 +69,7 @@ def collect(model: onnx.ModelProto, range_tensors: list, mean_tensors: list, bat
     as fast either way (two single-threaded runs at once: 0.98x one run on both). Slices are dealt
     to the workers in turn, so which samples each histogram saw does not depend on timing;
     the workers' histograms merge exactly at the end."""
-    wanted = list(dict.fromkeys(list(range_tensors) + list(mean_tensors)))
+    wanted = list(dict.fromkeys(list(range_tensors) + list(mean_tensors) + ([watch] if watch else [])))
     threads = threads or min(os.cpu_count() or 1, 8)
     n_workers = WORKERS if threads >= WORKERS else 1
     per_worker = max(1, threads // n_workers)
@@ -72,7 +77,8 @@ def collect(model: onnx.ModelProto, range_tensors: list, mean_tensors: list, bat
     # name -> the size of axis 0 when fixed (a fixed batch is never cut into slices), else None
     graph_inputs = {i.name: (i.shape[0] if i.shape and isinstance(i.shape[0], int) and i.shape[0] > 0 else None)
                     for i in sess.get_inputs()}
-    workers = [_Worker(sess, wanted, range_tensors, mean_tensors, per_worker, progress) for _ in range(n_workers)]
+    workers = [_Worker(sess, wanted, range_tensors, mean_tensors, per_worker, progress, watch)
+               for _ in range(n_workers)]
     per_sample = lambda: next((w.runner.per_sample_bytes for w in workers if w.runner.per_sample_bytes), None)
     slices = _slices(batches, graph_inputs, per_sample, MAX_OUTPUT_BYTES // n_workers)
     try:
@@ -107,10 +113,10 @@ class _Worker:
     """One thread: runs its slices through the session into its own buffers, folds them into
     its own Observed."""
 
-    def __init__(self, sess, names, range_tensors, mean_tensors, threads, progress):
+    def __init__(self, sess, names, range_tensors, mean_tensors, threads, progress, watch=None):
         self.runner = _BoundRunner(sess, names)
         self.names, self.range_tensors, self.mean_tensors = names, range_tensors, mean_tensors
-        self.obs = Observed({t: Histogram() for t in range_tensors})
+        self.obs = Observed({t: Histogram() for t in range_tensors}, watch=OutputWatch(watch) if watch else None)
         self.threads, self.progress = threads, progress
         self.queue = queue.Queue(maxsize=1)
         self.error = None
@@ -161,9 +167,10 @@ class _Worker:
                     if self.error is not None:
                         continue  # failed: drain until told to stop
                     first, n, feeds = item
-                    outs = self.runner.run(feeds)
-                    _observe(self.obs, dict(zip(self.names, outs)), self.range_tensors, self.mean_tensors, n,
-                             first, pool)
+                    values = dict(zip(self.names, self.runner.run(feeds)))
+                    if self.obs.watch is not None:
+                        self.obs.watch.observe(values[self.obs.watch.name], first)
+                    _observe(self.obs, values, self.range_tensors, self.mean_tensors, n, first, pool)
                     if self.progress:
                         with _PROGRESS_LOCK:
                             self.progress(n)

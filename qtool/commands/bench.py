@@ -1,14 +1,17 @@
 """qtool bench: qtool's native int8 runtime vs ONNX Runtime int8 and fp32, in one run."""
 from __future__ import annotations
 
+import os
+
 import click
 
 from qtool.commands.common import common_options, say, setup_output, write_json
 from qtool.errors import QtoolError
 
 
-@click.command("bench")
-@click.option("--model", "-m", required=True, type=click.Path(dir_okay=False), help="QDQ int8 ONNX model.")
+@click.command("bench", short_help="Time qtool's int8 runtime against ONNX Runtime int8 and fp32.")
+@click.option("--model", "-m", type=click.Path(dir_okay=False),
+              help="QDQ int8 ONNX model (default: the one `qtool quantize` wrote in the workdir).")
 @click.option("--fp32", type=click.Path(dir_okay=False),
               help="The float original (default: found from the workdir or a sibling without '.int8').")
 @click.option("--batch", "-b", "batches", type=int, multiple=True, help="Batch size; repeat for several (default 1 and 8).")
@@ -27,17 +30,30 @@ def command(model, fp32, batches, threads, repeats, shape, profile, json_path, w
 
     \b
     Example:
+      qtool bench                 (the int8 model `qtool quantize` wrote in ./qtool_work, and its fp32 original)
       qtool bench --model qtool_work/model.int8.onnx --fp32 model.onnx --batch 1 --batch 8 --json bench.json
       qtool bench -m resnet50.int8.onnx --threads 2 --profile
     """
     setup_output(quiet, verbose)
     from qtool.runtime.bench import bench, find_fp32
+    from qtool.workdir import Workdir
+    given = model is not None
+    if model is None:
+        q = Workdir(workdir).manifest().get("quantize", {})
+        if not q.get("int8_path"):
+            raise click.UsageError(f"no int8 model to time: pass --model M.int8.onnx, or run `qtool quantize` first "
+                                   f"(nothing quantized in {workdir})")
+        model = q["int8_path"]
+    if not os.path.isfile(model):
+        raise QtoolError(f"{model}: no such file (the int8 model to time)" + (
+            f" (recorded by `qtool quantize` in {workdir}; run it again)" if not given else ""))
     if fp32 is None:
         fp32 = find_fp32(model, workdir)
         if fp32:
             say(quiet, f"fp32 model: {fp32}")
         else:
-            say(quiet, "fp32 model: not found (pass --fp32); timing the int8 engines only")
+            say(quiet, f"fp32 model: not found (not recorded for {os.path.basename(model)} in {workdir}, no sibling "
+                       f"without '.int8'); timing the int8 engines only: pass --fp32 M.onnx to add ONNX Runtime fp32")
     dims = None
     if shape:
         try:

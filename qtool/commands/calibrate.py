@@ -8,12 +8,15 @@ from qtool.calibrate.run import calibrate
 from qtool.commands.common import common_options, say, setup_output, write_json
 
 
-@click.command("calibrate")
+@click.command("calibrate", short_help="Record activation ranges of an fp32 model over sample data.")
 @click.option("--model", "-m", required=True, type=click.Path(dir_okay=False), help="fp32 ONNX model.")
 @click.option("--data", "-d", required=True, type=click.Path(), help="Folder of sample images, or of .npy files (one sample each, one-input models) or .npz files "
               "(one sample each, one array per model input, named by input); searched recursively, one kind per folder.")
-@click.option("--config", "-c", default=None, help="Image preprocessing (not for tensors): a TOML file or a preset name in configs/ "
-              "(efficientnet-lite, imagenet-torchvision, caffe-bgr, tf-inception, ppocr-cls, yolox).")
+@click.option("--config", "-c", default=None, help="Image preprocessing (not for tensors): a TOML file or a preset name "
+              "(efficientnet-lite, imagenet-torchvision, caffe-bgr, tf-inception, ppocr-cls, yolox), sized to the model's "
+              "input. Default: the model's metadata (qtool.config) if it has one, else imagenet-torchvision for a "
+              "3-channel input (grey pixels 0-255 for 1 channel); the choice is printed, and a warning says when the "
+              "model's first BatchNormalization or its outputs suggest another.")
 @click.option("--method", type=click.Choice(sorted(METHODS)), default="minmax", show_default=True,
               help="Default range method; every method's ranges are stored, `quantize --method` can switch.")
 @click.option("--batch", default=4, show_default=True, help="Images per inference batch.")
@@ -37,7 +40,7 @@ def command(model, data, config, method, batch, limit, every, threads, json_path
     """
     setup_output(quiet, verbose)
     r = calibrate(model, data, config, method, workdir, batch, limit, show_progress=not quiet, threads=threads,
-                  every=every)
+                  every=every, say=lambda t: say(quiet, t))
     t = r.table
     say(quiet, f"calibrated {t.n_samples} images in {r.seconds:.1f}s "
                f"({len(t.skipped)} unreadable skipped); {len(t.histograms)} tensors observed")
@@ -46,5 +49,7 @@ def command(model, data, config, method, batch, limit, every, threads, json_path
     say(quiet, f"wrote {r.table_path} and {r.fused_path}")
     say(quiet, "next: qtool quantize" + (f" --workdir {workdir}" if workdir != "qtool_work" else ""))
     write_json(json_path, {"n_samples": t.n_samples, "skipped": t.skipped, "seconds": r.seconds,
+                           "preprocessing": t.config, "preprocessing_notes": r.notes,
+                           "preprocessing_warnings": r.warnings,
                            "tensors": len(t.histograms), "method": t.method, "table": r.table_path,
                            "fused_model": r.fused_path, "graph_cleanup": r.fuse_counts})

@@ -19,6 +19,11 @@ def _verbosity(ctx, param, value):
 def common_options(f):
     f = click.option("--workdir", "-w", default="qtool_work", show_default=True, type=click.Path(file_okay=False),
                      help="Working directory that joins calibrate -> quantize -> eval.")(f)
+    return output_options(f)
+
+
+def output_options(f):
+    """-q, -v and --debug, which every command takes."""
     f = click.option("-q", "--quiet", is_flag=True, help="Only errors; no progress bars.")(f)
     f = click.option("-v", "--verbose", count=True, help="More detail (repeat for more).")(f)
     f = click.option("--debug", is_flag=True, help="Show the full traceback on errors.")(f)

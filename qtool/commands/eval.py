@@ -1,19 +1,13 @@
 """qtool eval: compare the int8 model with its fp32 original."""
 from __future__ import annotations
 
-import os
-
 import click
 
-from qtool.data.images import list_images
-from qtool.data.tensors import classify_folder, list_tensor_files
 from qtool.commands.common import common_options, say, setup_output, write_json
-from qtool.errors import QtoolError
-from qtool.evaluate import check_warning, evaluate, evaluate_tensors
-from qtool.workdir import Workdir
+from qtool.evaluate import check_warning, evaluate_workdir
 
 
-@click.command("eval")
+@click.command("eval", short_help="Compare the int8 model with its fp32 original.")
 @click.option("--compare", type=click.Choice(["fp32"]), default="fp32", show_default=True, help="What to compare against.")
 @click.option("--data", "-d", type=click.Path(), help="Evaluation images (default: the calibration folder).")
 @click.option("--labels", type=click.Path(dir_okay=False), help="Class names one per line in class-index order; an "
@@ -24,7 +18,8 @@ from qtool.workdir import Workdir
 @click.option("--limit", type=int, default=None, help="Use at most this many images.")
 @click.option("--runtime", type=click.Choice(["ort", "native", "both"]), default="ort", show_default=True,
               help="Run the int8 model on ONNX Runtime, qtool's native kernels, or both.")
-@click.option("--threads", default=2, show_default=True)
+@click.option("--threads", default=2, show_default=True, help="Threads for each engine (ONNX Runtime fp32 and int8, "
+              "qtool's runtime).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write all figures as JSON here.")
 @common_options
 def command(compare, data, labels, model, int8_path, config, limit, runtime, threads, json_path, workdir, quiet,
@@ -37,64 +32,11 @@ def command(compare, data, labels, model, int8_path, config, limit, runtime, thr
       qtool eval --data ../shared/imagenet-samples --labels ../shared/imagenet-samples/synsets.txt --json eval.json
     """
     setup_output(quiet, verbose)
-    wd = Workdir(workdir)
-    m = wd.manifest()
-    cal = m.get("calibrate", {})
-    if model is None or config is None or data is None:
-        cal = cal or wd.require("calibrate", "calibrate")
-    if int8_path is None:
-        int8_path = wd.require("quantize", "quantize")["int8_path"]
-    model = model or cal["model_path"]
-    data = data or cal["data"]
-    cfg = config if config is not None else cal.get("config")
-    if runtime != "ort":
-        try:
-            import qtool.runtime  # noqa: F401
-        except ImportError as e:
-            raise QtoolError(f"--runtime {runtime}: the native runtime is not available ({e})") from None
-    if not isinstance(data, str) or data == "(python iterable)":
-        raise QtoolError("calibration data was a Python iterable; pass --data with a folder to evaluate on")
-    kind = classify_folder(data)
-    if kind != "images":
-        _eval_tensors(model, int8_path, data, kind, cal, limit, threads, json_path, wd, quiet)
-        return
-    files = list_images(data)
-    calib = set(cal.get("files", [])) if os.path.abspath(data) == cal.get("data") else set()
-    if calib:
-        # never score on the images the ranges were fitted to
-        held_out = [f for f in files if os.path.abspath(f) not in calib]
-        if held_out:
-            files = held_out
-            say(quiet, f"evaluating on {len(files)} images of {data} (the {len(calib)} calibration images excluded)")
-        else:
-            say(quiet, f"note: every image in {data} was used for calibration; evaluating on them "
-                       f"(pass --data with held-out images for an unbiased figure)")
-    r = evaluate(model, int8_path, data, cfg, labels, limit, files=files, threads=threads, show_progress=not quiet,
-                 runtime=runtime)
-    say(quiet, render(r))
+    r = evaluate_workdir(workdir, data, labels, model, int8_path, config, limit, threads, runtime,
+                         show_progress=not quiet, say=lambda t: say(quiet, t))
+    say(quiet, render(r) if "n_images" in r else render_outputs(r))
     _warn_runtime(r)
     write_json(json_path, r)
-    wd.update(eval={k: r[k] for k in ("n_images", "top1_agreement", "output_sqnr_db") if k in r}
-              | ({"top1_delta_pt": r["top1_delta_pt"]} if "top1_delta_pt" in r else {}))
-
-
-def _eval_tensors(model, int8_path, data, kind, cal, limit, threads, json_path, wd, quiet):
-    """No labels, no preprocessing: every output of int8 vs fp32 on .npy/.npz samples."""
-    files = list_tensor_files(data, "." + kind)
-    calib = set(cal.get("files", [])) if os.path.abspath(data) == cal.get("data") else set()
-    held_out = [f for f in files if os.path.abspath(f) not in calib]
-    if calib and held_out:
-        files = held_out
-        say(quiet, f"evaluating on {len(files)} samples of {data} (the {len(calib)} calibration samples excluded)")
-    elif calib:
-        say(quiet, f"note: every sample in {data} was used for calibration; evaluating on them "
-                   f"(pass --data with held-out samples for an unbiased figure)")
-    r = evaluate_tensors(model, int8_path, data, limit, files=files, threads=threads)
-    say(quiet, render_outputs(r))
-    _warn_runtime(r)
-    write_json(json_path, r)
-    wd.update(eval={"n_samples": r["n_samples"], "output_sqnr_db": r["output_sqnr_db"],
-                    "outputs": {k: v["sqnr_db"] for k, v in r["outputs"].items()}})
 
 
 def _warn_runtime(r: dict) -> None:

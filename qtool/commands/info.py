@@ -5,6 +5,8 @@ import platform
 
 import click
 
+from qtool.commands.common import output_options, setup_output
+
 
 def gather() -> dict:
     import numpy
@@ -40,9 +42,10 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-@click.command("info")
+@click.command("info", short_help="Version, the kernel ISA chosen and the CPU features behind it.")
 @click.option("--json", "as_json", is_flag=True, help="Print the same facts as JSON.")
-def command(as_json):
+@output_options
+def command(as_json, quiet, verbose, debug):
     """Print qtool's version, the int8 kernel ISA chosen, the CPU features behind it and ORT's version.
 
     \b
@@ -50,7 +53,10 @@ def command(as_json):
       qtool info
       QTOOL_ISA=avx2 qtool info      # what a forced lower ISA would use
     """
+    setup_output(quiet, verbose)
     d = gather()
+    if quiet and not as_json:
+        return
     if as_json:
         import json
         click.echo(json.dumps(d, indent=2, default=str))

@@ -3,20 +3,18 @@ from __future__ import annotations
 
 import click
 
-from qtool.commands.common import say, setup_output, write_json
+from qtool.commands.common import output_options, say, setup_output, write_json
 from qtool.inspect import inspect_model, render
 
 
-@click.command("inspect")
+@click.command("inspect", short_help="What qtool will do with each op of a model, before calibrating.")
 @click.argument("model", type=click.Path(dir_okay=False))
 @click.option("--shape", "shapes", multiple=True, help="Input shape for counting MACs where the model's is dynamic: "
               "NAME=1,3,H,W (or just 1,3,H,W for a one-input model; repeatable).")
 @click.option("--exclude", multiple=True, help="Plan as if this node were kept fp32 (as `quantize --exclude`).")
 @click.option("--all", "all_nodes", is_flag=True, help="List every node's name, not only fp32 ones.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the inspection as JSON here.")
-@click.option("-q", "--quiet", is_flag=True, help="Only errors.")
-@click.option("-v", "--verbose", count=True, help="More detail.")
-@click.option("--debug", is_flag=True, help="Show the full traceback on errors.")
+@output_options
 def command(model, shapes, exclude, all_nodes, json_path, quiet, verbose, debug):
     """Opset, inputs and outputs, parameters and MACs, and per op: int8, passed through
     in int8, fused, or kept fp32 and why. Node names are the ones --exclude takes.

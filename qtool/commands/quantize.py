@@ -6,10 +6,10 @@ import click
 from qtool.calibrate.methods import METHODS
 from qtool.commands.common import common_options, say, setup_output, write_json
 from qtool.quantize.encoding import DEFAULT_TARGET, TARGETS
-from qtool.quantize.run import SensitivityOptions, fp32_ops_of, quantize
+from qtool.quantize.run import SensitivityOptions, fp32_ops_of, quantize, reasons_text
 
 
-@click.command("quantize")
+@click.command("quantize", short_help="Write the INT8 QDQ model and the sensitivity report.")
 @click.option("--output", "-o", type=click.Path(dir_okay=False), help="Where to write the int8 model "
               "(default: WORKDIR/model.int8.onnx).")
 @click.option("--model", "-m", type=click.Path(dir_okay=False), help="The fp32 model (default: the calibrated one).")
@@ -85,7 +85,8 @@ def command(output, model, table, method, exclude, no_bias_correction, exclude_s
                        f"{l['top1_agreement']:>7.4f} {ws:>7} {100 * l['clip_fraction']:>7.3f}")
     if r.exclusion is not None:
         e = r.exclusion
-        say(quiet, f"exclude-sensitive ({e.target}, checked on {e.check_images} held-back images):")
+        say(quiet, f"exclude-sensitive ({e.target}, checked on {e.check_images} "
+                   + ("held-back images):" if e.check_held_back else "calibration images, not held back):"))
         say(quiet, f"  {'fp32 layers':>11}  {'agreement [95% interval]':>25}  {'predicted':>9}  {'SQNR dB':>7}  "
                    f"{'KL':>8}  {'ORT int8 ms':>11}  step")
         for p in e.curve:
@@ -107,7 +108,7 @@ def command(output, model, table, method, exclude, no_bias_correction, exclude_s
                  f"(plain int8 weights: {cost['output_sqnr_plain_int8_db']:.2f} dB)")
     say(quiet, line)
     for op, reasons in sorted(fp32_ops_of(r.output).items()):
-        say(quiet, f"  fp32: {op} x{len(reasons)} ({reasons[0]})")
+        say(quiet, f"  fp32: {op} x{len(reasons)} ({reasons_text(reasons)})")
     for note in r.output.notes:
         if verbose or "opset" in note:
             say(quiet, f"  note: {note}")

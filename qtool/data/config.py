@@ -7,7 +7,7 @@ searched: a stray configs/ there must not change the preprocessing silently (pas
 from __future__ import annotations
 
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from qtool.errors import QtoolError
@@ -109,21 +109,105 @@ def from_dict(raw: dict, source: str = "(dict)") -> Preprocess:
     return c
 
 
-def config_from_model_shape(c: Preprocess, dims: list) -> Preprocess:
-    """Take layout and size from a model input of rank 4 where the config left them at defaults."""
-    if len(dims) != 4:
-        return c
-    if c.source == "(defaults)":
-        if dims[1] in (1, 3) and isinstance(dims[2], int) and isinstance(dims[3], int):
-            c.layout, c.size = "NCHW", (dims[2], dims[3])
-        elif dims[3] in (1, 3) and isinstance(dims[1], int) and isinstance(dims[2], int):
-            c.layout, c.size = "NHWC", (dims[1], dims[2])
-        ch = dims[1] if c.layout == "NCHW" else dims[3]
-        if ch == 1:
-            c.color, c.mean, c.std = "GRAY", c.mean[:1], c.std[:1]
+ASSUMED_PRESET = "imagenet-torchvision"  # for a 3-channel image input when nothing says otherwise
+METADATA_KEY = "qtool.config"  # model metadata: a preset name or a TOML document
+
+
+def config_from_metadata(model, path: str = "the model") -> Preprocess | None:
+    """The preprocessing a model declares in its metadata (key `qtool.config`): a preset name or an
+    inline TOML document. A model is untrusted: its metadata never names a file to read."""
+    text = next((p.value for p in model.metadata_props if p.key == METADATA_KEY), "").strip()
+    if not text:
+        return None
+    source = f"{path} metadata {METADATA_KEY}"
+    if "=" not in text:  # a preset name
+        for d in PRESET_DIRS:
+            cand = d / (text + ".toml")
+            if "/" not in text and "\\" not in text and cand.is_file():
+                c = load_config(str(cand))
+                c.source = text
+                return c
+        raise QtoolError(f"{source}: {text!r} is no preset (presets: {', '.join(preset_names()) or 'none'})")
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise QtoolError(f"{source}: not valid TOML ({e})") from None
+    c = from_dict(raw, source)
+    c.source = "inline TOML"
     return c
 
 
+def image_geometry(dims: list) -> tuple:
+    """(layout, channels, (H, W)) a rank-4 image input reads, each None where the shape does not say."""
+    if len(dims) != 4:
+        return None, None, (None, None)
+    static = lambda d: d if isinstance(d, int) and d > 0 else None  # noqa: E731
+    if static(dims[1]) in (1, 3):
+        return "NCHW", dims[1], (static(dims[2]), static(dims[3]))
+    if static(dims[3]) in (1, 3):
+        return "NHWC", dims[3], (static(dims[1]), static(dims[2]))
+    return None, None, (None, None)
+
+
+def assumed_config(dims: list) -> tuple:
+    """(Preprocess, what was assumed, in words) for an image input with no --config and no metadata:
+    the torchvision ImageNet preset for 3 channels (or a count the shape does not give), grey pixels
+    0-255 as they are for 1 channel. fit_to_input then sizes it to the input."""
+    layout, ch, _ = image_geometry(dims)
+    if ch == 1:
+        c = Preprocess(layout=layout, color="GRAY", resize="exact", crop="none", mean=(0.0,), std=(1.0,),
+                       source="(assumed: grey pixels as they are)")
+        return c, "grey pixels 0-255 as they are"
+    c = load_config(ASSUMED_PRESET)
+    c.source = f"{ASSUMED_PRESET} (assumed: no --config)"
+    if layout:
+        c.layout = layout
+    return c, f"the torchvision ImageNet preprocessing ({ASSUMED_PRESET})"
+
+
+def config_name(c: Preprocess) -> str:
+    """A preset's name, else where the config came from."""
+    p = Path(c.source)
+    if p.suffix == ".toml" and any(p.parent == d for d in PRESET_DIRS):
+        return p.stem
+    return c.source.split(" (")[0] if c.source.endswith(")") and " (" in c.source else c.source
+
+
+def describe(c: Preprocess) -> str:
+    """The preprocessing in a few words: resize, crop, colour, mean/std, layout."""
+    if c.resize == "shorter":
+        geo = f"shorter side {c.resize_to} {c.interpolation}" + (
+            f", centre crop {c.size[0]}x{c.size[1]}" if c.crop == "center" else "")
+    elif c.resize == "exact":
+        geo = f"resized to {c.size[0]}x{c.size[1]} {c.interpolation}"
+    else:
+        geo = f"no resize, {c.size[0]}x{c.size[1]}"
+    fmt = lambda v: "/".join(f"{x:g}" for x in v)  # noqa: E731
+    return f"{geo}, {c.color}, (x - {fmt(c.mean)}) / {fmt(c.std)} on 0-255 pixels, {c.layout}"
+
+
+def fit_to_input(c: Preprocess, dims: list) -> tuple:
+    """(a copy of `c` fitted to a model input's static shape, what changed: a list of phrases).
+
+    A preset fixes a size (efficientnet-lite: 224x224); a model of the same family at another
+    size (240x240) takes its size from the model and keeps the preset's resize ratio (shorter
+    side 256 for a 224 crop: 274 for 240). A layout that does not fit while the other does is switched."""
+    c = replace(c)
+    layout, ch, (h, w) = image_geometry(dims)
+    changes = []
+    if layout and layout != c.layout and ch == (1 if c.color == "GRAY" else 3):
+        changes.append(f"layout {layout} (the config's is {c.layout})")
+        c.layout = layout
+    if layout == c.layout and h and w and (h, w) != tuple(c.size):
+        old = c.size
+        c.size = (h, w)
+        text = f"size {h}x{w} (the config's is {old[0]}x{old[1]}"
+        if c.resize == "shorter":
+            to = max(1, round(c.resize_to * min(h, w) / min(old)))
+            text += f"; shorter side resized to {to}, keeping its ratio {c.resize_to}/{min(old)}"
+            c.resize_to = to
+        changes.append(text + ")")
+    return c, changes
 
 
 def config_from_any(config) -> Preprocess:
@@ -131,7 +215,7 @@ def config_from_any(config) -> Preprocess:
     if config is None or isinstance(config, str):
         return load_config(config)
     if isinstance(config, Preprocess):
-        return config
+        return replace(config)
     inp = {k: config[k] for k in ("layout", "size", "color") if k in config}
     if config.get("input_name"):
         inp["name"] = config["input_name"]

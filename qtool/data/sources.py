@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import onnx
 
 from qtool import graph as G
-from qtool.data.config import Preprocess, config_from_model_shape
+from qtool.data.config import (METADATA_KEY, Preprocess, assumed_config, config_from_metadata, config_name, describe,
+                               fit_to_input)
 from qtool.data.images import IMAGE_EXTS, ImageStream, list_images
 from qtool.errors import QtoolError
 
@@ -70,10 +71,9 @@ class ImageData:
 
     kind = "images"
 
-    def __init__(self, folder: str, cfg: Preprocess, model: onnx.ModelProto, model_path: str, batch: int = 8,
+    def __init__(self, folder: str, cfg: Preprocess | None, model: onnx.ModelProto, model_path: str, batch: int = 8,
                  limit: int | None = None, files: list | None = None):
-        self.inp = image_input(model, cfg, model_path)
-        self.cfg = config_from_model_shape(cfg, self.inp.dims)
+        self.cfg, self.notes, self.assumed = self._choose(cfg, model, model_path)
         self._check_shape(model_path)
         files = list_images(folder) if files is None else files
         if not files:
@@ -83,6 +83,28 @@ class ImageData:
         self.files = files[:limit] if limit else files
         fixed_batch = self.inp.dims[0] if self.inp.dims and isinstance(self.inp.dims[0], int) else None
         self.stream = ImageStream(self.files, self.cfg, batch=fixed_batch or batch)
+
+    def _choose(self, cfg: Preprocess | None, model: onnx.ModelProto, model_path: str) -> tuple:
+        """(the preprocessing fitted to the model's image input, lines saying what was assumed or
+        changed, whether it was assumed). No config: the model's metadata, else assumed_config."""
+        notes = []
+        if cfg is None:
+            cfg = config_from_metadata(model, model_path)
+            if cfg is not None:
+                notes.append(f"preprocessing from the model's metadata ({METADATA_KEY}: {cfg.source}): {describe(cfg)}")
+        self.inp = image_input(model, cfg or Preprocess(), model_path)
+        where = f"input '{self.inp.name}' " + "[" + ", ".join(
+            str(d) if isinstance(d, int) else "N" if k == 0 else "?" for k, d in enumerate(self.inp.dims)) + "]"
+        if cfg is None:
+            cfg, what = assumed_config(self.inp.dims)
+            cfg, _ = fit_to_input(cfg, self.inp.dims)
+            notes.append(f"no --config: assumed {what}: {describe(cfg)}, for {where}; "
+                         f"pass --config PRESET|FILE to change it")
+            return cfg, notes, True
+        cfg, changes = fit_to_input(cfg, self.inp.dims)
+        if changes:
+            notes.append(f"{config_name(cfg)}: took {' and '.join(changes)} from the model's {where}")
+        return cfg, notes, False
 
     def _check_shape(self, model_path):
         d = self.inp.dims

@@ -3,7 +3,8 @@
 - `.npy`: one sample per file, for a model with one float input; shape [C, H, W] (the
   batch axis is added) or the model input's full rank ([1, C, H, W] or [N, C, H, W]).
 - `.npz`: one sample per file, one array per model input, named by the input's name.
-- Python: any iterable of {input name: array} (`calibrate(model, data=iterable)`).
+- Python: any iterable of {input name: array}, or of arrays for a one-input model
+  (`qtool.api.calibrate(model, data=iterable)`).
 
 Shapes come from the data: every static dim of the model input must match, dynamic dims
 take whatever the sample has, and nothing is pinned, so dynamic dims stay dynamic in
@@ -242,8 +243,9 @@ class NpzFolder(TensorData):
 
 
 class IterableData(TensorData):
-    """Any iterable of {input name: array}; checked sample by sample as it streams
-    (calibration writes nothing until the whole iterable has been consumed)."""
+    """Any iterable of {input name: array}, or of plain arrays for a one-input model (one sample
+    [C, H, W] or a batch [N, C, H, W] each); checked sample by sample as it streams (calibration
+    writes nothing until the whole iterable has been consumed)."""
 
     kind = "iterable"
 
@@ -267,7 +269,13 @@ class IterableData(TensorData):
                 break
             where = f"sample {k}"
             if not isinstance(feeds, dict):
-                raise QtoolError(f"{where}: expected a dict input name -> array, got {type(feeds).__name__}")
+                if len(self.inputs) != 1 or isinstance(feeds, (str, bytes, tuple)) or not hasattr(feeds, "__array__") \
+                        and not isinstance(feeds, list):
+                    need = ("a dict input name -> array" if len(self.inputs) != 1 else
+                            f"an array for input '{self.inputs[0].name}' (or a dict input name -> array)")
+                    raise QtoolError(f"{where}: expected {need}, got {type(feeds).__name__}"
+                                     + (" (a (data, label) pair? pass the data only)" if isinstance(feeds, tuple) else ""))
+                feeds = {self.inputs[0].name: feeds}  # a one-input model: the array alone
             self.files.append(where)
             # copied: batching reads the next sample before the last batch goes out, and a
             # caller may refill one array for every sample

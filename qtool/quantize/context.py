@@ -23,6 +23,20 @@ from qtool.quantize.encoding import DEFAULT_TARGET, S8, TARGETS
 from qtool.quantize.qdq import QuantizeOutput, quantize_graph
 
 
+class ReportingCache(dict):
+    """A weight cache (node, settings) -> QuantizedWeight that tells `progress(node name)` of each
+    layer put in it: rounding every layer by its output error takes a while, and a bar shows it."""
+
+    def __init__(self, progress=None):
+        super().__init__()
+        self.progress = progress
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        if self.progress:
+            self.progress(key[0])
+
+
 def exact_storage_needed(target: str) -> bool:
     """Whether scoring models must store int8 weights as uint8 to get exact sums from this ORT."""
     if TARGETS[target].encoding != S8:
@@ -41,7 +55,7 @@ class QuantizeContext:
     exclude: dict = field(default_factory=dict)  # node -> reason: kept fp32 by the user
     ranges: dict | None = None  # tensor -> (lo, hi): activation ranges tuned at the output
     hessians: dict | None = None  # node -> input covariance: output-aware weight rounding
-    weight_cache: dict = field(default_factory=dict)
+    weight_cache: dict = field(default_factory=ReportingCache)
     threads: int = 0
     exact_storage: bool | None = None  # None: decided from the target and this machine's ORT
 

