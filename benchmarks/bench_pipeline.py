@@ -6,7 +6,8 @@ of --shape with --mean/--std, as bench_sqnr.py does), then:
 
 1. sensitivity of every layer on --samples calibration samples, in CPU seconds, against the CPU
    seconds of one fp32 pass of the same model over the same samples, measured in the same process
-   (CPU time, not wall time: on a shared machine other work stretches wall time, not CPU time);
+   with one thread each (CPU time, not wall time: on a shared machine other work stretches wall
+   time, not CPU time; one thread: ORT's idle threads spin, which CPU time would count);
 2. the default `qtool quantize` (sensitivity on) and `qtool quantize --exclude-sensitive`, wall time,
    with the time of each phase.
 
@@ -80,9 +81,9 @@ def main(argv=None):
     # 1. sensitivity in fp32 passes (CPU time, one process)
     recorded = [f for f in Workdir(wd).manifest()["calibrate"]["files"]]
     split = SampleSplit.of(recorded, a.samples)
-    ctx = QuantizeContext(cal.fused, cal.table, "minmax")
+    ctx = QuantizeContext(cal.fused, cal.table, "minmax", threads=1)
     samples = load_samples(cal.fused, cal.table, split.sensitivity)
-    fp32 = session(cal.fused, 2)
+    fp32 = session(cal.fused, 1)
     for f in samples.feeds[:1]:
         fp32.run(None, f)  # warm
     _, pass_cpu = cpu_of(lambda: [fp32.run(None, f) for f in samples.feeds])

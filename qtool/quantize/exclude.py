@@ -24,8 +24,8 @@ from qtool.metrics import kl_softmax, predicted_agreement, sqnr_db, top1_agreeme
 from qtool.quantize.context import QuantizeContext
 from qtool.quantize.samples import SampleSet
 
-CANDIDATES_PER_STEP = 3
-POOL = 12  # layers from the top of the sensitivity ranking whose leave-one-out gain is measured
+CANDIDATES_PER_STEP = 2
+POOL = 8  # layers from the top of the sensitivity ranking whose leave-one-out gain is measured
 
 
 @dataclass

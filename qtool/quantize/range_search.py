@@ -27,6 +27,7 @@ from qtool.plan import make_plan
 
 SHRINK = (0.75, 0.6)  # factors applied to the default range of an unclamped tensor
 CLIP_METHODS = ("percentile", "mse")  # histogram methods whose ranges are candidates
+PROBE_SAMPLES = 16  # samples a probe runs on: it ranks a tensor's candidate ranges (the result is checked on all)
 MIN_GAIN = 0.1  # a candidate must cut that tensor's output noise by 10 % to replace the default
 TOP_SHARE = 0.9  # tune the tensors that carry this share of the (tunable) activation noise, noisiest first
 
@@ -114,13 +115,14 @@ def search_ranges(ctx, samples, progress=None, total=None) -> RangeSearch:
     if not tensors:
         return RangeSearch()
     sim = Simulator(ctx)
-    ref = np.asarray(samples.reference, np.float64)
+    probe_set = samples.subset(np.linspace(0, len(samples) - 1, min(PROBE_SAMPLES, len(samples))).astype(int))
+    ref = np.asarray(probe_set.reference, np.float64)
     power = max(float((ref ** 2).sum()), 1e-300)
     res = RangeSearch()
 
     def noise(probes: list) -> list:
         """Output noise power / signal power with only tensor t quantized to range r, per (t, r)."""
-        ys = sim.run(samples, [Variant(set(), {t: Q.activation_qparams(*r)}) for t, r in probes], progress)
+        ys = sim.run(probe_set, [Variant(set(), {t: Q.activation_qparams(*r)}) for t, r in probes], progress)
         res.probes += len(probes)
         return [float(((y.astype(np.float64) - ref) ** 2).sum()) / power for y in ys]
 

@@ -108,9 +108,9 @@ def round_weights(w: np.ndarray, scale: np.ndarray, axis: int, hessian: np.ndarr
             take = (gain < -1e-18) & (d != 0)
             if take.any():
                 changed = True
-                d = np.where(take, d, 0.0)
                 q[:, :, j] = np.where(take, alt, q[:, :, j])
-                grad += d[:, :, None] * hessian[:, j, :][:, None, :]
+                gi, ci = np.nonzero(take)  # only the channels that moved change their gradient
+                grad[gi, ci, :] += d[gi, ci][:, None] * hessian[gi, j, :]
         if not changed:
             break
     q = q.reshape(cout, *np.moveaxis(np.asarray(w), axis, 0).shape[1:])
@@ -150,7 +150,8 @@ def _descend_pair_safe(q, v, wm, s, hessian, partners, sweeps):
 
     def apply(j, take, d):
         q[:, :, j] = np.where(take, q[:, :, j] + d, q[:, :, j])
-        grad[...] += np.where(take, d * sg, 0.0)[:, :, None] * hessian[:, j, :][:, None, :]
+        gi, ci = np.nonzero(take)  # only the channels that moved change their gradient
+        grad[gi, ci, :] += (d * sg)[gi, ci][:, None] * hessian[gi, j, :]
 
     for _ in range(sweeps):
         changed = False
