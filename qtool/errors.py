@@ -1,10 +1,34 @@
-"""Errors a user can act on. The CLI turns them into one line and an exit code."""
+"""Errors a user can act on. The CLI turns them into one line and an exit code.
+
+A message often quotes what an untrusted file holds (node names, tensor names, paths), so it
+is made printable here, once: control characters (terminal escape codes, newlines, bidi
+overrides) become visible escapes, and every message stays one line.
+"""
+
+
+def printable(text) -> str:
+    """`text` with every non-printable character (ESC, newline, NUL, Unicode format and
+    separator characters other than the space) written as a \\xNN / \\uNNNN escape."""
+    s = str(text)
+    if s.isprintable():
+        return s
+    out = []
+    for ch in s:
+        if ch.isprintable():
+            out.append(ch)
+        else:
+            o = ord(ch)
+            out.append(f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}" if o < 0x10000 else f"\\U{o:08x}")
+    return "".join(out)
 
 
 class QtoolError(Exception):
     """Bad input (a file, a model, data): exit code 1."""
 
     exit_code = 1
+
+    def __init__(self, message="", *args):
+        super().__init__(printable(message), *args)
 
 
 class UsageError(QtoolError):

@@ -18,7 +18,7 @@ from qtool.data.config import config_from_any
 from qtool.data.sources import ImageData
 from qtool.data.images import list_images
 from qtool.labels import labels_from_file, labels_from_folders
-from qtool.modelio import load_model
+from qtool.modelio import check_pair, load_model
 
 
 def _topk(logits: np.ndarray, k: int) -> np.ndarray:
@@ -93,6 +93,7 @@ def evaluate(fp32_path: str, int8_path: str, data: str, config=None, labels: str
     with ONNX Runtime's int8 output (res["runtime_check"])."""
     fp32 = load_model(fp32_path)
     load_model(int8_path, check=False)
+    check_pair(fp32_path, int8_path)
     cfg = None if config is None else config_from_any(config)  # None: the model's metadata, else assumed
     files = list_images(data) if files is None else files
     src = ImageData(data, cfg, fp32, fp32_path, batch=batch, limit=limit, files=files)
@@ -231,6 +232,7 @@ def evaluate_tensors(fp32_path: str, int8_path: str, data, limit: int | None = N
     from qtool.data.tensors import tensor_source
     fp32 = load_model(fp32_path)
     load_model(int8_path, check=False)
+    check_pair(fp32_path, int8_path)
     src = tensor_source(data, fp32, fp32_path, batch=batch, files=files, limit=limit)
     if src is None:
         from qtool.errors import QtoolError
@@ -282,17 +284,35 @@ def evaluate_workdir(workdir: str | None = None, data=None, labels: str | None =
     working directory (the calibrated model and its data and preprocessing, the quantized model).
     `data`: a folder of images or of .npy/.npz files, or an iterable of input dicts (or of arrays, for
     a one-input model). Images and tensors the ranges were fitted to are left out when `data` is the
-    calibration folder. Records the headline figures in the manifest."""
-    from qtool.data.tensors import classify_folder, list_tensor_files
-    from qtool.errors import QtoolError
+    calibration folder. Records the headline figures in the manifest. Paths taken from the working
+    directory are checked against the sha256 recorded for them, and the int8 model against the fp32
+    model it records it came from."""
     from qtool.workdir import Workdir
 
     wd = Workdir(workdir)
+    with wd.lock():  # no other run rewrites the working directory while this one reads it
+        return _evaluate_workdir(wd, data, labels, model, int8_path, config, limit, threads, runtime, show_progress,
+                                 say)
+
+
+def _evaluate_workdir(wd, data, labels, model, int8_path, config, limit, threads, runtime, show_progress, say):
+    from qtool.data.tensors import classify_folder, list_tensor_files
+    from qtool.errors import QtoolError
+    from qtool.modelio import model_hash
+
     cal = wd.manifest().get("calibrate", {})
     if model is None or config is None or data is None:
-        cal = cal or wd.require("calibrate", "calibrate")
-    if int8_path is None:
-        int8_path = wd.require("quantize", "quantize")["int8_path"]
+        cal = wd.require("calibrate", "calibrate")
+    if int8_path is None:  # the int8 model recorded here: still the file quantize wrote, from this calibration
+        q = wd.require("quantize", "quantize")
+        int8_path = q["int8_path"]
+        wd.verify(int8_path, q["int8_sha256"], "quantize", "int8 model")
+        if model is None and q["model_sha256"] != cal["model_sha256"]:
+            raise QtoolError(f"{int8_path}: quantized from another calibration than the one in {wd.path}; run "
+                             f"`qtool quantize` again")
+    if model is None and model_hash(cal["model_path"]) != cal["model_sha256"]:
+        raise QtoolError(f"{cal['model_path']}: the model changed since `qtool calibrate` recorded it; run "
+                         f"`qtool calibrate` again")
     model = model or cal["model_path"]
     data = cal["data"] if data is None else data
     cfg = config if config is not None else cal.get("config")

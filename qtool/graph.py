@@ -19,6 +19,11 @@ def attr(node: onnx.NodeProto, name: str, default=None):
     return default
 
 
+def attrs(node: onnx.NodeProto) -> dict:
+    """Every attribute of `node` as a python value (a tensor attribute stays a TensorProto)."""
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
 def set_attr(node: onnx.NodeProto, name: str, value) -> None:
     for i, a in enumerate(node.attribute):
         if a.name == name:
@@ -213,24 +218,44 @@ def rewire(model: onnx.ModelProto, old: str, new: str) -> None:
 SKELETON_MAX_ELEMS = 1024
 
 
+def _repeated(f) -> bool:
+    return f.is_repeated if hasattr(f, "is_repeated") else f.label == f.LABEL_REPEATED
+
+
+def copy_fields(src, dst, skip=()) -> None:
+    """Copy every set field of protobuf message `src` into `dst`, except the fields named in `skip`
+    (which are never read: reading a bytes field copies it)."""
+    for f in src.DESCRIPTOR.fields:
+        if f.name in skip:
+            continue
+        if _repeated(f):
+            if len(getattr(src, f.name)):
+                getattr(dst, f.name).extend(getattr(src, f.name))
+        elif src.HasField(f.name):
+            if f.message_type is not None:
+                getattr(dst, f.name).CopyFrom(getattr(src, f.name))
+            else:
+                setattr(dst, f.name, getattr(src, f.name))
+
+
 def skeleton(model: onnx.ModelProto, max_elems: int = SKELETON_MAX_ELEMS) -> onnx.ModelProto:
     """A copy of the model without its large weights, for shape and type inference.
 
     Large initializers become graph inputs of the same type and shape, so inference sees
     every shape while never serializing hundreds of MB of weights; small ones (shapes,
-    axes, pads) stay, since inference reads their values.
+    axes, pads) stay, since inference reads their values. The model itself is only read
+    (its weights are neither copied nor moved).
     """
     m = onnx.ModelProto()
+    copy_fields(model, m, skip=("graph",))
     graph = model.graph
-    saved = list(graph.initializer)
-    keep = [t for t in saved if int(np.prod(t.dims)) <= max_elems]
-    big = [t for t in saved if int(np.prod(t.dims)) > max_elems]
-    del graph.initializer[:]
-    try:
-        m.CopyFrom(model)
-    finally:
-        graph.initializer.extend(saved)
-    m.graph.initializer.extend(keep)
+    copy_fields(graph, m.graph, skip=("initializer",))
+    big = []
+    for t in graph.initializer:
+        if int(np.prod(t.dims)) <= max_elems:
+            m.graph.initializer.append(t)
+        else:
+            big.append(t)
     have = {i.name for i in m.graph.input}
     for t in big:
         if t.name not in have:

@@ -17,7 +17,7 @@ from onnx import helper
 
 from qtool import graph as G
 from qtool.data.tensors import model_inputs
-from qtool.errors import UsageError
+from qtool.errors import UsageError, printable
 from qtool.fuse import fuse_model
 from qtool.modelio import load_model
 from qtool.plan import make_plan
@@ -152,8 +152,6 @@ def count_params(model: onnx.ModelProto) -> int:
 def inspect_model(path: str, shapes=None, exclude: dict | None = None) -> Inspection:
     model = load_model(path)
     shapes = parse_shapes(shapes, model) if not isinstance(shapes, dict) else shapes
-    fused = fuse_model(model, {})
-    plan = make_plan(fused.model, exclude)
     v = G.opset(model)
     note = (f"opset {v} is upgraded to {MIN_OPSET} when quantizing (per-axis DequantizeLinear needs {MIN_OPSET})"
             if v < MIN_OPSET else f"opset {v} is kept")
@@ -163,6 +161,11 @@ def inspect_model(path: str, shapes=None, exclude: dict | None = None) -> Inspec
                 else f"{spec.dtype.name}: passed through untouched")
         ins.append({"name": vi.name, "dtype": _dtype(vi), "dims": _dims(vi), "role": role})
     outs = [{"name": o.name, "dtype": _dtype(o), "dims": _dims(o)} for o in model.graph.output]
+    params, quantized = count_params(model), G.quantized_ops(model)
+    # everything about the original is read: fuse it in place, so a model of several GB is held once
+    fused = fuse_model(model, {}, inplace=True)
+    del model
+    plan = make_plan(fused.model, exclude)
     macs, batch_one = count_macs(fused.model, shapes), False
     if macs is None:
         ones = batch_one_shapes(fused.model, shapes)
@@ -170,15 +173,16 @@ def inspect_model(path: str, shapes=None, exclude: dict | None = None) -> Inspec
             macs, batch_one = count_macs(fused.model, ones), True
     return Inspection(
         model=os.path.abspath(path), opset=v, opset_note=note, inputs=ins, outputs=outs,
-        params=count_params(model), macs=macs, macs_shapes=shapes, macs_batch_one=batch_one and macs is not None,
-        quantized_ops=G.quantized_ops(model), ops_before=fused.ops_before,
+        params=params, macs=macs, macs_shapes=shapes, macs_batch_one=batch_one and macs is not None,
+        quantized_ops=quantized, ops_before=fused.ops_before,
         ops_after=fused.ops_after, fuse_counts=fused.counts, summary=plan.summary(),
         nodes=[{"name": d.name, "op_type": d.op_type, "status": d.status, "reason": d.reason} for d in plan.decisions],
         activations={t: label for t, (label, _f) in activation_inputs(fused.model).items()})
 
 
 def render(r: Inspection, all_nodes: bool = False) -> str:
-    lines = [f"{r.model}"]
+    # every name comes from the model file: printed escaped, so a name cannot send terminal codes
+    lines = [f"{printable(r.model)}"]
     if r.quantized_ops:
         q = r.quantized_ops
         kind = "QDQ" if "QuantizeLinear" in q or "DequantizeLinear" in q else "QOperator"
@@ -186,9 +190,9 @@ def render(r: Inspection, all_nodes: bool = False) -> str:
                      + "): qtool quantizes fp32 models; inspect, calibrate and quantize the fp32 original")
     lines.append(f"  {r.opset_note}")
     for i in r.inputs:
-        lines.append(f"  input  {i['name']}: {i['dtype']}{i['dims']} ({i['role']})")
+        lines.append(printable(f"  input  {i['name']}: {i['dtype']}{i['dims']} ({i['role']})"))
     for o in r.outputs:
-        lines.append(f"  output {o['name']}: {o['dtype']}{o['dims']} (left fp32)")
+        lines.append(printable(f"  output {o['name']}: {o['dtype']}{o['dims']} (left fp32)"))
     macs = (f"{r.macs / 1e9:.3f} GMAC" + (" per sample (batch 1)" if r.macs_batch_one else "")
             + (f" at {r.macs_shapes}" if r.macs_shapes else "")
             if r.macs is not None else "MACs unknown (dynamic input shape: pass --shape NAME=1,3,H,W)")
@@ -212,10 +216,10 @@ def render(r: Inspection, all_nodes: bool = False) -> str:
         if all_nodes or status == "fp32":
             shown = names if all_nodes else names[:4]
             text += f"  [{', '.join(shown)}{', ...' if len(names) > len(shown) else ''}]"
-        lines.append(text)
+        lines.append(printable(text))
     if r.activations:
         c = {}
         for label in r.activations.values():
             c[label] = c.get(label, 0) + 1
-        lines.append("  activation patterns: " + ", ".join(f"{k} x{v}" for k, v in sorted(c.items())))
+        lines.append(printable("  activation patterns: " + ", ".join(f"{k} x{v}" for k, v in sorted(c.items()))))
     return "\n".join(lines)

@@ -1,7 +1,11 @@
 """Loading and saving ONNX models safely.
 
-Models are untrusted input: external-data paths must stay inside the model's folder,
-and every failure becomes one line naming the file.
+Models are untrusted input: only regular files are read, external-data paths must stay inside
+the model's folder, every tensor's data must be as long as its shape says (checked from the
+protobuf's sizes, before numpy ever reshapes it), and every failure becomes one line naming the
+file. Peak memory stays a small multiple of the model: external data is read tensor by tensor
+and its size checked against the file first; saving never holds a second serialized copy of
+a model whose weights go to an external-data file.
 """
 from __future__ import annotations
 
@@ -10,23 +14,139 @@ import os
 import tempfile
 
 import onnx
-from onnx import external_data_helper
+from onnx import external_data_helper, helper
 
 from qtool.errors import QtoolError
+from qtool.graph import copy_fields, skeleton
+from qtool.limits import elems, human_bytes, regular_file
+
+# ONNX's protobuf limit is 2 GiB; above this a model's weights go to one external-data file
+EXTERNAL_THRESHOLD = (2 << 30) - (64 << 20)
+STREAM_THRESHOLD = 64 << 20  # above this a model is written tensor by tensor (see save_model)
+_PACKED_4BIT = {getattr(onnx.TensorProto, n) for n in ("INT4", "UINT4", "FLOAT4E2M1") if hasattr(onnx.TensorProto, n)}
+_TYPED_FIELDS = ("float_data", "int32_data", "string_data", "int64_data", "double_data", "uint64_data")
+
+
+def _itemsize(data_type: int) -> float | None:
+    if data_type in _PACKED_4BIT:
+        return 0.5
+    if data_type in (onnx.TensorProto.STRING, onnx.TensorProto.UNDEFINED):
+        return None
+    try:
+        return helper.tensor_dtype_to_np_dtype(data_type).itemsize
+    except Exception:
+        return None
+
+
+def _raw_data_len(t: onnx.TensorProto) -> int:
+    """len(t.raw_data). (Reading the field copies it, one tensor at a time; ByteSize() would be worse:
+    upb computes it by serializing, which holds the bytes twice.)"""
+    return len(t.raw_data)
+
+
+def check_tensor(t: onnx.TensorProto, where: str) -> None:
+    """The tensor's data is as long as its dims and type say (raw, typed or external), or one error."""
+    if any(d < 0 for d in t.dims):
+        raise QtoolError(f"{where}: tensor '{t.name}' has a negative dimension {list(t.dims)}")
+    if t.data_type not in onnx.TensorProto.DataType.values():
+        raise QtoolError(f"{where}: tensor '{t.name}' has an unknown data type {t.data_type}")
+    n = elems(t.dims)
+    item = _itemsize(t.data_type)
+    if t.data_location == onnx.TensorProto.EXTERNAL:
+        return  # checked against the file by _read_external
+    if t.HasField("raw_data"):
+        if item is None:
+            raise QtoolError(f"{where}: tensor '{t.name}' of type {t.data_type} cannot hold raw data")
+        have, want = _raw_data_len(t), int(-(-n * item // 1))
+        if have != want:
+            raise QtoolError(f"{where}: tensor '{t.name}' declares shape {list(t.dims)} ({want} bytes of "
+                             f"{onnx.TensorProto.DataType.Name(t.data_type)}) but holds {have} bytes")
+        return
+    have = max(len(getattr(t, f)) for f in _TYPED_FIELDS)
+    if t.data_type == onnx.TensorProto.STRING:
+        want = n
+    elif t.data_type in (onnx.TensorProto.COMPLEX64, onnx.TensorProto.COMPLEX128):
+        want = 2 * n
+    elif t.data_type in _PACKED_4BIT:
+        want = (n + 1) // 2
+    else:
+        want = n
+    if have != want:
+        raise QtoolError(f"{where}: tensor '{t.name}' declares shape {list(t.dims)} ({n} elements) "
+                         f"but holds {have} values")
+
+
+def _graph_tensors(g: onnx.GraphProto):
+    """Every tensor a graph holds: initializers and Constant-like attributes, subgraphs included."""
+    stack = [g]
+    while stack:
+        g = stack.pop()
+        yield from g.initializer
+        for s in g.sparse_initializer:
+            yield s.values
+            yield s.indices
+        for n in g.node:
+            for a in n.attribute:
+                if a.HasField("t"):
+                    yield a.t
+                yield from a.tensors
+                if a.HasField("sparse_tensor"):
+                    yield a.sparse_tensor.values
+                    yield a.sparse_tensor.indices
+                if a.HasField("g"):
+                    stack.append(a.g)
+                stack.extend(a.graphs)
+
+
+def _external_info(t: onnx.TensorProto, path: str, root: str) -> tuple:
+    info = {e.key: e.value for e in t.external_data}
+    loc = info.get("location", "")
+    full = os.path.realpath(os.path.join(root, loc))
+    if not loc or os.path.isabs(loc) or os.path.commonpath([root, full]) != root:
+        raise QtoolError(f"{path}: tensor '{t.name}' points to external data outside the model's folder ({loc!r}); "
+                         f"refusing to read it")
+    if not os.path.exists(full):
+        raise QtoolError(f"{path}: external data file {loc!r} of tensor '{t.name}' is missing")
+    regular_file(full, "external data file")
+    try:
+        offset = int(info.get("offset", 0) or 0)
+        length = int(info["length"]) if info.get("length") not in (None, "") else None
+    except ValueError:
+        raise QtoolError(f"{path}: tensor '{t.name}' has a malformed external offset/length") from None
+    return loc, full, offset, length
 
 
 def _check_external_paths(model: onnx.ModelProto, base: str, path: str) -> None:
     root = os.path.realpath(base)
     for t in external_data_helper._get_all_tensors(model):
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            _external_info(t, path, root)
+
+
+def _read_external(model: onnx.ModelProto, base: str, path: str) -> None:
+    """Every external tensor's bytes into the model, each checked against its shape and the file's
+    size before it is read (a header claiming 100 GB allocates nothing)."""
+    root = os.path.realpath(base)
+    for t in external_data_helper._get_all_tensors(model):
         if t.data_location != onnx.TensorProto.EXTERNAL:
             continue
-        info = {e.key: e.value for e in t.external_data}
-        loc = info.get("location", "")
-        full = os.path.realpath(os.path.join(root, loc))
-        if os.path.isabs(loc) or os.path.commonpath([root, full]) != root:
-            raise QtoolError(f"{path}: tensor '{t.name}' points to external data outside the model's folder ({loc!r}); refusing to read it")
-        if not os.path.isfile(full):
-            raise QtoolError(f"{path}: external data file {loc!r} of tensor '{t.name}' is missing")
+        loc, full, offset, length = _external_info(t, path, root)
+        item = _itemsize(t.data_type)
+        if item is None:
+            raise QtoolError(f"{path}: tensor '{t.name}' of type {t.data_type} cannot be stored externally")
+        want = int(-(-elems(t.dims) * item // 1))
+        if length is not None and length != want:
+            raise QtoolError(f"{path}: tensor '{t.name}' declares shape {list(t.dims)} ({want} bytes) but its external "
+                             f"data is {length} bytes long")
+        size = os.path.getsize(full)
+        if offset < 0 or offset + want > size:
+            raise QtoolError(f"{path}: tensor '{t.name}' needs bytes {offset}..{offset + want} of {loc!r}, which has "
+                             f"{size} ({human_bytes(size)})")
+        with open(full, "rb") as f:
+            f.seek(offset)
+            t.raw_data = f.read(want)
+        t.data_location = onnx.TensorProto.DEFAULT
+        del t.external_data[:]
 
 
 def _parse_failure(e: Exception) -> str:
@@ -38,57 +158,199 @@ def _parse_failure(e: Exception) -> str:
 
 
 def load_model(path: str, check: bool = True) -> onnx.ModelProto:
-    """Read an ONNX file (with external data from its own folder only)."""
+    """Read an ONNX file (with external data from its own folder only). `check`: also run the
+    ONNX checker on the structure; the tensor sizes are checked either way."""
     if not os.path.exists(path):
         raise QtoolError(f"{path}: no such model file")
-    if os.path.isdir(path):
-        raise QtoolError(f"{path}: is a folder, not an ONNX model file")
+    regular_file(path, "model file")
     try:
         model = onnx.load(path, load_external_data=False)
+    except MemoryError:
+        raise QtoolError(f"{path}: not enough memory to read the model") from None
     except Exception as e:  # protobuf raises several types on garbage
         raise QtoolError(f"{path}: not a valid ONNX model ({_parse_failure(e)})") from None
     if not model.graph.node and not model.graph.output:
         raise QtoolError(f"{path}: not a valid ONNX model (empty graph)")
     base = os.path.dirname(os.path.abspath(path))
     _check_external_paths(model, base, path)
+    for t in _graph_tensors(model.graph):
+        check_tensor(t, path)
     try:
-        external_data_helper.load_external_data_for_model(model, base)
-    except Exception as e:
-        raise QtoolError(f"{path}: cannot read external data ({e})") from None
+        _read_external(model, base, path)
+    except OSError as e:
+        raise QtoolError(f"{path}: cannot read external data ({e.strerror or e})") from None
     if check:
-        try:
-            # the structure is what can be wrong; checking a copy without the large weights
-            # spares serializing hundreds of MB a second time
-            from qtool.graph import skeleton
-            onnx.checker.check_model(skeleton(model))
-        except Exception as e:
-            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise QtoolError(f"{path}: ONNX checker rejects the model: {msg}") from None
+        check_structure(model, path)
     return model
 
 
-def model_hash(path: str) -> str:
+def check_structure(model: onnx.ModelProto, path: str) -> None:
+    """The ONNX checker, then strict shape and type inference, on a copy without the large weights
+    (spares serializing hundreds of MB a second time): a Gemm whose weight does not fit its input,
+    an attribute out of range or a type mismatch is one error here, before any pass reads the graph."""
+    skel = skeleton(model)
+    try:
+        onnx.checker.check_model(skel)
+    except Exception as e:
+        raise QtoolError(f"{path}: ONNX checker rejects the model: {_first_line(e)}") from None
+    try:
+        onnx.shape_inference.infer_shapes(skel, strict_mode=True, check_type=True, data_prop=True)
+    except Exception as e:
+        raise QtoolError(f"{path}: ONNX shape inference rejects the model: {_first_line(e)}") from None
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__
+
+
+def file_hash(path: str) -> str:
+    """sha256 of one file; a missing or unreadable file is one error."""
+    regular_file(path)
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
+    try:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    except OSError as e:
+        raise QtoolError(f"{path}: cannot read ({e.strerror or e})") from None
     return h.hexdigest()
+
+
+def model_hash(path: str) -> str:
+    """sha256 that names a model: of its file, and, for a model with external data, of the
+    external-data files it reads too (a changed weight file is a changed model)."""
+    regular_file(path, "model file")
+    h = hashlib.sha256()
+    marker, tail, found = b"location", b"", False
+    try:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+                found = found or marker in tail + chunk
+                tail = chunk[-len(marker):]
+    except OSError as e:
+        raise QtoolError(f"{path}: cannot read ({e.strerror or e})") from None
+    digest = h.hexdigest()
+    if not found:  # no external data can be referenced: the file alone
+        return digest
+    try:
+        m = onnx.load(path, load_external_data=False)
+    except Exception:
+        return digest
+    root = os.path.realpath(os.path.dirname(os.path.abspath(path)))
+    locs = sorted({_external_info(t, path, root)[1] for t in external_data_helper._get_all_tensors(m)
+                   if t.data_location == onnx.TensorProto.EXTERNAL})
+    if not locs:
+        return digest
+    h = hashlib.sha256(digest.encode())
+    for full in locs:
+        h.update(os.path.relpath(full, root).encode() + b"\0" + file_hash(full).encode())
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------- provenance
+
+PROVENANCE = "qtool."  # metadata_props keys qtool writes into the models it makes
+
+
+def set_provenance(model: onnx.ModelProto, **hashes) -> None:
+    """Record in the model what it was made from: qtool.<key> = value (sha256 hex strings)."""
+    keys = {PROVENANCE + k for k in hashes}
+    keep = [p for p in model.metadata_props if p.key not in keys]
+    del model.metadata_props[:]
+    model.metadata_props.extend(keep)
+    for k, v in sorted(hashes.items()):
+        p = model.metadata_props.add()
+        p.key, p.value = PROVENANCE + k, str(v)
+
+
+def provenance(path: str) -> dict:
+    """What a qtool-made model records it was made from ({} for any other model)."""
+    regular_file(path, "model file")
+    try:
+        m = onnx.load(path, load_external_data=False)
+    except Exception:
+        return {}
+    return {p.key[len(PROVENANCE):]: p.value for p in m.metadata_props if p.key.startswith(PROVENANCE)}
+
+
+def check_pair(fp32_path: str, int8_path: str) -> None:
+    """The int8 model was made from this fp32 model, as far as the int8 model says (a qtool-made one
+    records the fp32 model's sha256): a stale int8 model is never compared with a new fp32 one."""
+    src = provenance(int8_path).get("fp32_sha256")
+    if src and src != model_hash(fp32_path):
+        raise QtoolError(f"{int8_path}: this int8 model was quantized from another fp32 model (sha256 {src[:12]}...), "
+                         f"not from {fp32_path}; quantize this model again, or pass the fp32 model it came from")
+
+
+# ---------------------------------------------------------------- writing
+
+def _tmp_prefix() -> str:
+    return f".tmp-{os.getpid()}-"
+
+
+def clean_stale_temp_files(folder: str) -> list:
+    """Remove `.tmp-<pid>-*` files that a qtool process killed mid-write left in `folder` (its pid
+    is gone); files of a live process are its writes in progress and stay. Returns what was removed."""
+    removed = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return removed
+    for n in names:
+        if not n.startswith(".tmp-"):
+            continue
+        pid = n[5:].split("-", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        p = os.path.join(folder, n)
+        try:
+            if os.path.isfile(p) and not os.path.islink(p):
+                os.unlink(p)
+                removed.append(p)
+        except OSError:
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OSError:
+        return False
+    return True
+
+
+def _usual_mode(path: str) -> None:
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual mode
+
+
+def _mkstemp(path: str) -> tuple:
+    d = os.path.dirname(os.path.abspath(path)) or "."
+    try:
+        os.makedirs(d, exist_ok=True)
+        clean_stale_temp_files(d)
+        return tempfile.mkstemp(prefix=_tmp_prefix(), suffix=os.path.basename(path), dir=d)
+    except OSError as e:
+        raise QtoolError(f"{path}: cannot write ({e.strerror or e})") from None
 
 
 def atomic_write_bytes(path: str, data: bytes) -> None:
     """Write to a temporary file in the same folder, then rename: never a half-written file."""
-    d = os.path.dirname(os.path.abspath(path)) or "."
-    try:
-        os.makedirs(d, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.basename(path), dir=d)
-    except OSError as e:
-        raise QtoolError(f"{path}: cannot write ({e.strerror or e})") from None
+    fd, tmp = _mkstemp(path)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual mode
+        _usual_mode(tmp)
         os.replace(tmp, path)
     except BaseException as e:
         if os.path.exists(tmp):
@@ -100,6 +362,21 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
 
 def atomic_write_text(path: str, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def check_writable(path: str, what: str = "output") -> None:
+    """Fail now, not after an hour of work, when `path` (a file to be written) cannot be: its folder
+    cannot be made or written, or it is a folder itself."""
+    if os.path.isdir(path):
+        raise QtoolError(f"{path}: is a folder; the {what} needs a file name")
+    d = os.path.dirname(os.path.abspath(path)) or "."
+    try:
+        os.makedirs(d, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(), dir=d)
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        raise QtoolError(f"{path}: cannot write the {what} here ({e.strerror or e})") from None
 
 
 def json_safe(o):
@@ -114,17 +391,149 @@ def json_safe(o):
     return o
 
 
-def save_model(model: onnx.ModelProto, path: str) -> None:
-    """Atomic save; models over 2 GB go to one external-data file beside them."""
-    if model.ByteSize() < (2 << 30) - (64 << 20):
+def save_model(model: onnx.ModelProto, path: str, external_threshold: int = EXTERNAL_THRESHOLD) -> None:
+    """Atomic save, streamed: the model is written field by field and tensor by tensor (protobuf merges
+    repeated occurrences of the graph field), so memory stays the model plus one tensor's bytes, where
+    SerializeToString() would hold two more copies of the whole model. A model over
+    `external_threshold` bytes (ONNX's 2 GB protobuf limit) keeps its graph in `path` and its weights
+    in one new external-data file beside it, `<name>.data`, which replaces (never appends to) the one
+    there. The model passed in is only read."""
+    size = _estimated_size(model)
+    if size >= external_threshold:
+        _save_external(model, path)
+        return
+    if size < STREAM_THRESHOLD:  # small: three copies of it cost nothing
         atomic_write_bytes(path, model.SerializeToString())
         return
-    d = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(d, f".tmp-{os.getpid()}-{os.path.basename(path)}")
-    data = os.path.basename(path) + ".data"
+    if size < external_threshold:
+        fd, tmp = _mkstemp(path)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                _write_model(model, f)
+            _usual_mode(tmp)
+            os.replace(tmp, path)
+        except BaseException as e:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            if isinstance(e, OSError):
+                raise QtoolError(f"{path}: cannot write ({e.strerror or e})") from None
+            raise
+        return
+    _save_external(model, path)
+
+
+def _estimated_size(model: onnx.ModelProto) -> int:
+    """The serialized size, from the initializers' shapes (their data was checked to match) and the
+    size of everything else (small), without serializing the weights."""
+    n = 0
+    for t in model.graph.initializer:
+        item = _itemsize(t.data_type)
+        n += int(elems(t.dims) * (item or 8)) + 64
+    return n + skeleton(model, max_elems=-1).ByteSize()
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def _len_field(number: int, length: int) -> bytes:
+    """The tag and length of a length-delimited field (the payload follows)."""
+    return _varint(number << 3 | 2) + _varint(length)
+
+
+_GRAPH, _INITIALIZER, _RAW_DATA = 7, 5, 9  # ModelProto.graph, GraphProto.initializer, TensorProto.raw_data
+
+
+def _write_model(model: onnx.ModelProto, f, external=None) -> None:
+    """Serialize `model` into file `f` piece by piece: everything but the graph, the graph without its
+    initializers, then each initializer as its own occurrence of the graph field (parsers merge them,
+    in order), its raw bytes written straight from the one copy reading the field makes.
+    `external`: (data file, its name, [offset]): raw data of 1 KB or more goes there instead."""
+    head = onnx.ModelProto()
+    copy_fields(model, head, skip=("graph",))
+    f.write(head.SerializeToString())
+    g = onnx.GraphProto()
+    copy_fields(model.graph, g, skip=("initializer",))
+    body = g.SerializeToString()
+    f.write(_len_field(_GRAPH, len(body)))
+    f.write(body)
+    del body
+    small = onnx.GraphProto()  # small initializers go out together, as one occurrence of the graph
+
+    def flush():
+        if len(small.initializer):
+            b = small.SerializeToString()
+            f.write(_len_field(_GRAPH, len(b)))
+            f.write(b)
+            del small.initializer[:]
+
+    for t in model.graph.initializer:
+        has_raw = t.data_location != onnx.TensorProto.EXTERNAL and t.HasField("raw_data")
+        raw = t.raw_data if has_raw else b""
+        if len(raw) < 1024 and not (has_raw is False and elems(t.dims) >= 1024):
+            small.initializer.append(t)
+            if len(small.initializer) >= 4096:
+                flush()
+            continue
+        flush()
+        meta = onnx.TensorProto()
+        if external is not None and len(raw) >= 1024:
+            data_f, data_name, pos = external
+            pad = (-pos[0]) % 4096  # page-aligned, as onnx writes them
+            data_f.write(b"\0" * pad)
+            pos[0] += pad
+            data_f.write(raw)
+            copy_fields(t, meta, skip=("raw_data", "external_data", "data_location"))
+            meta.data_location = onnx.TensorProto.EXTERNAL
+            for k, v in (("location", data_name), ("offset", str(pos[0])), ("length", str(len(raw)))):
+                e = meta.external_data.add()
+                e.key, e.value = k, v
+            pos[0] += len(raw)
+            has_raw, raw = False, b""
+        else:
+            copy_fields(t, meta, skip=("raw_data",))
+        head = meta.SerializeToString()
+        tail = _len_field(_RAW_DATA, len(raw)) if has_raw else b""
+        tensor_len = len(head) + len(tail) + len(raw)
+        init = _len_field(_INITIALIZER, tensor_len)
+        f.write(_len_field(_GRAPH, len(init) + tensor_len))
+        f.write(init)
+        f.write(head)
+        if has_raw:
+            f.write(tail)
+            f.write(raw)
+        del raw
+    flush()
+
+
+def _save_external(model: onnx.ModelProto, path: str) -> None:
+    """Weights to `<name>.data` (a temporary file first), the graph to `path`, both renamed into place:
+    the data file first, so the graph never points into a data file that is not its own for longer
+    than the rename between them."""
+    data_name = os.path.basename(path) + ".data"
+    data_path = os.path.join(os.path.dirname(os.path.abspath(path)), data_name)
+    fd, tmp_data = _mkstemp(data_path)
+    tmp_model = None
     try:
-        onnx.save_model(model, tmp, save_as_external_data=True, all_tensors_to_one_file=True, location=data)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        fd_model, tmp_model = _mkstemp(path)
+        with os.fdopen(fd, "wb") as data_f, os.fdopen(fd_model, "wb") as f:
+            _write_model(model, f, external=(data_f, data_name, [0]))
+        _usual_mode(tmp_data)
+        _usual_mode(tmp_model)
+        os.replace(tmp_data, data_path)
+        os.replace(tmp_model, path)
+    except BaseException as e:
+        for p in (tmp_data, tmp_model):
+            if p and os.path.exists(p):
+                os.unlink(p)
+        if isinstance(e, OSError):
+            raise QtoolError(f"{path}: cannot write ({e.strerror or e})") from None
+        raise

@@ -7,6 +7,7 @@ core, the memory arena, the optimization level, and one-line errors naming the f
 from __future__ import annotations
 
 import os
+import stat
 
 import numpy as np
 import onnx
@@ -16,8 +17,33 @@ from onnx import helper
 from qtool.errors import QtoolError
 
 
+def _one_line(e: Exception) -> str:
+    text = str(e).strip()
+    return (text.splitlines()[0] if text else type(e).__name__)[:300]
+
+
+class Session(ort.InferenceSession):
+    """An InferenceSession whose failures at run time (a shape the model cannot take, an allocation
+    that fails, a kernel that rejects an attribute) are one QtoolError naming the model, not ORT's
+    multi-line C++ message as a traceback."""
+
+    where = "the model"
+
+    def run(self, *args, **kwargs):
+        try:
+            return super().run(*args, **kwargs)
+        except Exception as e:  # ORT's Fail, InvalidArgument, RuntimeException ..., MemoryError, its ValueErrors
+            raise QtoolError(f"{self.where}: ONNX Runtime failed to run it ({_one_line(e)})") from None
+
+    def run_with_iobinding(self, *args, **kwargs):
+        try:
+            return super().run_with_iobinding(*args, **kwargs)
+        except Exception as e:
+            raise QtoolError(f"{self.where}: ONNX Runtime failed to run it ({_one_line(e)})") from None
+
+
 def session(model: onnx.ModelProto | str | bytes, threads: int = 0, arena: bool = True, spin: bool = True,
-            basic: bool = False) -> ort.InferenceSession:
+            basic: bool = False, where: str | None = None) -> ort.InferenceSession:
     """`spin=False`: idle ORT workers sleep instead of spinning (they would take the core another
     thread of ours needs). `arena=False`: large outputs go back to the system after each run instead
     of pinning the peak. `basic=True`: only the basic graph optimizations, so a QDQ graph runs as
@@ -27,15 +53,19 @@ def session(model: onnx.ModelProto | str | bytes, threads: int = 0, arena: bool 
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     so.enable_cpu_mem_arena = arena
     so.intra_op_num_threads = threads or min(os.cpu_count() or 1, 8)
-    so.log_severity_level = 3
+    so.log_severity_level = 4  # errors come back as one QtoolError, not also as ORT's own log lines
     if basic:
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    src = model if isinstance(model, (str, bytes)) else model.SerializeToString()
+    where = where or (model if isinstance(model, str) else "the model")
+    if isinstance(model, str) and os.path.exists(model) and not stat.S_ISREG(os.stat(model).st_mode):
+        raise QtoolError(f"{model}: not a regular file; refusing to read it as a model")
     try:
-        return ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
+        src = model if isinstance(model, (str, bytes)) else model.SerializeToString()
+        s = Session(src, so, providers=["CPUExecutionProvider"])
     except Exception as e:  # ORT's own errors are long multi-line C++ messages
-        where = model if isinstance(model, str) else "the model"
-        raise QtoolError(f"{where}: ONNX Runtime cannot load it ({str(e).strip().splitlines()[0][:200]})") from None
+        raise QtoolError(f"{where}: ONNX Runtime cannot load it ({_one_line(e)[:200]})") from None
+    s.where = where
+    return s
 
 
 def with_outputs(model: onnx.ModelProto, names: list) -> bytes:
@@ -51,8 +81,8 @@ def with_outputs(model: onnx.ModelProto, names: list) -> bytes:
         del model.graph.output[n0:]
 
 
-def run_first_output(model: onnx.ModelProto | str, feeds: list, threads: int = 0) -> np.ndarray:
+def run_first_output(model: onnx.ModelProto | str, feeds: list, threads: int = 0, where: str | None = None) -> np.ndarray:
     """The model's first output over a list of input dicts, concatenated."""
-    s = session(model, threads)
+    s = session(model, threads, where=where)
     name = s.get_outputs()[0].name
     return np.concatenate([s.run([name], f)[0] for f in feeds])

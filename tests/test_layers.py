@@ -13,7 +13,7 @@ QTOOL = os.path.join(os.path.dirname(__file__), "..", "qtool")
 LAYERS = [
     # shared: plain services and data types every step may use, themselves layered
     {"errors", "qparams", "arithmetic", "metrics"},
-    {"graph", "labels", "ortsession", "ort_arithmetic", "report"},
+    {"graph", "labels", "ortsession", "ort_arithmetic", "report", "limits"},
     {"modelio", "data", "rules"},
     {"workdir", "plan"},
     # the steps, in pipeline order
@@ -21,7 +21,8 @@ LAYERS = [
     {"runtime", "calibrate"},  # the int8 executor; fused graph -> calibration table
     {"quantize"},  # table -> QDQ graph and its reports
     {"evaluate", "inspect", "zoo"},  # int8 against fp32; what qtool will do with a model; model builders
-    {"commands", "cli", "__init__", "__main__", "api"},  # the CLI and the Python API on top
+    {"commands", "cli", "__init__", "api"},  # the CLI and the Python API on top
+    {"__main__"},  # the entry point: imports the CLI late, so that a Ctrl-C while importing exits 130
 ]
 
 

@@ -22,16 +22,30 @@ from qtool.calibrate.histogram import Histogram, scan
 from qtool.ortsession import session, with_outputs  # noqa: F401  (with_outputs: used by callers)
 
 
+NONFINITE_NAMED = 10  # samples named per tensor with NaN/inf values (the count covers them all)
+
+
 @dataclass
 class Observed:
     histograms: dict = field(default_factory=dict)  # tensor -> Histogram
-    channel_sums: dict = field(default_factory=dict)  # tensor -> float64 [C]
-    channel_counts: dict = field(default_factory=dict)  # tensor -> number of values summed per channel
+    channel_sums: dict = field(default_factory=dict)  # tensor -> float64 [C], of finite values
+    channel_counts: dict = field(default_factory=dict)  # tensor -> int64 [C], finite values summed per channel
     n_samples: int = 0
     watch: OutputWatch | None = None  # the first model output, summarised (checks.py)
+    # NaN and inf are excluded from every statistic (min, max, histogram, channel means) and counted:
+    nonfinite: dict = field(default_factory=dict)  # tensor -> number of NaN/inf values seen
+    nonfinite_samples: dict = field(default_factory=dict)  # tensor -> sorted indices of the first samples holding them
 
     def channel_means(self) -> dict:
-        return {t: (s / max(self.channel_counts[t], 1)).tolist() for t, s in self.channel_sums.items()}
+        return {t: (s / np.maximum(self.channel_counts[t], 1)).tolist() for t, s in self.channel_sums.items()}
+
+    def add_nonfinite(self, t: str, count: int, samples) -> None:
+        self.nonfinite[t] = self.nonfinite.get(t, 0) + int(count)
+        self.nonfinite_samples[t] = sorted(set(self.nonfinite_samples.get(t, [])) | set(samples))[:NONFINITE_NAMED]
+
+    def no_finite_value(self) -> list:
+        """Tensors that held NaN/inf and not one finite value."""
+        return [t for t in self.nonfinite if t in self.histograms and self.histograms[t].e is None]
 
     def merge(self, other: "Observed") -> None:
         """Add another worker's observations of the same tensors."""
@@ -40,9 +54,11 @@ class Observed:
         for t, sums in other.channel_sums.items():
             if t in self.channel_sums:
                 self.channel_sums[t] = self.channel_sums[t] + sums
-                self.channel_counts[t] += other.channel_counts[t]
+                self.channel_counts[t] = self.channel_counts[t] + other.channel_counts[t]
             else:
-                self.channel_sums[t], self.channel_counts[t] = sums.copy(), other.channel_counts[t]
+                self.channel_sums[t], self.channel_counts[t] = sums.copy(), other.channel_counts[t].copy()
+        for t, c in other.nonfinite.items():
+            self.add_nonfinite(t, c, other.nonfinite_samples.get(t, []))
         self.n_samples += other.n_samples
         if self.watch is not None and other.watch is not None:
             self.watch.merge(other.watch)
@@ -57,7 +73,7 @@ MEAN_SAMPLES = 128  # per-channel means (for bias correction): 128 images x ever
 
 
 def collect(model: onnx.ModelProto, range_tensors: list, mean_tensors: list, batches, progress=None,
-            threads: int = 0, watch: str | None = None) -> Observed:
+            threads: int = 0, watch: str | None = None, where: str | None = None) -> Observed:
     """`batches` yields dicts input name -> array; `progress(k)` is told of k more samples.
     `watch`: a float model output summarised per sample (Observed.watch, checks.OutputWatch).
 
@@ -73,7 +89,7 @@ def collect(model: onnx.ModelProto, range_tensors: list, mean_tensors: list, bat
     threads = threads or min(os.cpu_count() or 1, 8)
     n_workers = WORKERS if threads >= WORKERS else 1
     per_worker = max(1, threads // n_workers)
-    sess = session(with_outputs(model, wanted), per_worker, arena=True, spin=False)
+    sess = session(with_outputs(model, wanted), per_worker, arena=True, spin=False, where=where)
     # name -> the size of axis 0 when fixed (a fixed batch is never cut into slices), else None
     graph_inputs = {i.name: (i.shape[0] if i.shape and isinstance(i.shape[0], int) and i.shape[0] > 0 else None)
                     for i in sess.get_inputs()}
@@ -277,13 +293,15 @@ def _observe(obs: Observed, values: dict, range_tensors: list, mean_tensors: lis
     todo = list(dict.fromkeys([t for t in range_tensors] + [t for t in mean_tensors if t in means]))
     todo.sort(key=lambda t: -np.size(values[t]))  # largest first: the workers finish together
     jobs = [(obs.histograms.get(t), t, values[t], n, t in means, first) for t in todo]
-    for t, sums, count in (pool.map(_observe_one, *zip(*jobs)) if pool and jobs else
-                           (_observe_one(*j) for j in jobs)):
+    for t, sums, count, bad in (pool.map(_observe_one, *zip(*jobs)) if pool and jobs else
+                                (_observe_one(*j) for j in jobs)):
+        if bad is not None:
+            obs.add_nonfinite(t, *bad)
         if sums is None:
             continue
         if t not in obs.channel_sums:
             obs.channel_sums[t] = np.zeros(sums.size, np.float64)
-            obs.channel_counts[t] = 0
+            obs.channel_counts[t] = np.zeros(sums.size, np.int64)
         obs.channel_sums[t] += sums
         obs.channel_counts[t] += count
     obs.n_samples += n
@@ -291,15 +309,27 @@ def _observe(obs: Observed, values: dict, range_tensors: list, mean_tensors: lis
 
 def _observe_one(hist: Histogram | None, t: str, v, n: int, mean: bool, first: int):
     """One tensor: a single read gives min, max and (when asked) the channel sums; then the
-    histogram counts its sampled blocks."""
+    histogram counts its sampled blocks. NaN and inf (rare: the read says whether there are any)
+    are counted, with the samples they are in, and left out of the sums and the histogram.
+    -> (t, channel sums, finite values per channel, (NaN/inf count, sample indices) or None)"""
     v = np.ascontiguousarray(v, np.float32)
-    sums = count = None
+    sums = count = bad = None
     if mean and v.ndim >= 2 and v.size:
         sums = np.zeros(v.shape[1], np.float64)
-        count = v.size // v.shape[1]
+        count = np.full(v.shape[1], v.size // v.shape[1], np.int64)
         scanned = scan(v, v.size // (v.shape[0] * v.shape[1]), sums)
     else:
-        scanned = scan(v) if hist is not None else None
+        scanned = scan(v)
+    if not scanned[2] and v.size:
+        fin = np.isfinite(v)
+        per = (~fin).reshape(n, -1).sum(axis=1) if v.ndim and v.shape[0] == n and n else None
+        where = [first + int(j) for j in np.flatnonzero(per)] if per is not None else [first]
+        bad = (int(v.size - np.count_nonzero(fin)), where)
+        if sums is not None:  # the sums again, of the finite values only
+            c = v.shape[1]
+            fv = np.where(fin, v, np.float32(0)).reshape(v.shape[0], c, -1)
+            sums = fv.sum(axis=2, dtype=np.float64).sum(axis=0)
+            count = fin.reshape(v.shape[0], c, -1).sum(axis=(0, 2)).astype(np.int64)
     if hist is not None:
         hist.observe(v, n, scanned, first_sample=first)
-    return t, sums, count
+    return t, sums, count, bad

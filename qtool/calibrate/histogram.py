@@ -148,14 +148,17 @@ class Histogram:
     def to_dict(self) -> dict:
         nz = np.nonzero(self.counts)[0]
         first, last = (int(nz[0]), int(nz[-1]) + 1) if nz.size else (0, 0)
-        return {"nbins": self.nbins, "e": self.e, "k0": self.k0 + first, "min": self.min, "max": self.max,
+        finite = math.isfinite(self.min) and math.isfinite(self.max)  # (not before data: JSON has no inf)
+        return {"nbins": self.nbins, "e": self.e, "k0": self.k0 + first, "min": self.min if finite else None,
+                "max": self.max if finite else None,
                 "n": self.n, "n_observed": self.n_observed, "counts": self.counts[first:last].tolist()}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Histogram":
         h = cls(int(d["nbins"]))
         h.e, h.k0, h.n, h.n_observed = d["e"], int(d["k0"]), int(d["n"]), int(d.get("n_observed", 0))
-        h.min, h.max = float(d["min"]), float(d["max"])
+        h.min = math.inf if d["min"] is None else float(d["min"])
+        h.max = -math.inf if d["max"] is None else float(d["max"])
         c = np.asarray(d["counts"], np.int64)
         h.counts[: c.size] = c
         return h

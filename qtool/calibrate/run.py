@@ -20,7 +20,8 @@ from qtool.data.tensors import tensor_source
 from qtool.calibrate.table import CalibrationTable, ranges_for_all_methods
 from qtool.errors import QtoolError, UsageError
 from qtool.fuse import fuse_model
-from qtool.modelio import load_model, model_hash, save_model
+from qtool.limits import MAX_BATCH
+from qtool.modelio import file_hash, load_model, model_hash, save_model
 from qtool.plan import calibration_targets
 from qtool.rules.activations import AWARE, activation_inputs, activation_mse_range
 from qtool.workdir import Workdir
@@ -49,18 +50,36 @@ def calibrate(model_path: str, data, config=None, method: str = "minmax",
     N-th sample of the sorted folder (index % N == 0), e.g. a fixed calibration split.
     `config` (images only): a preset name, a TOML path, a dict or a Preprocess; None takes the
     model's metadata, else assumes the torchvision ImageNet preset for a 3-channel input, sized
-    to the model (data/config.py); `say` is told what was assumed before the pass starts."""
+    to the model (data/config.py); `say` is told what was assumed before the pass starts.
+    The working directory is made and checked writable first, and held for the whole run."""
     if method not in METHODS:
         raise UsageError(f"unknown calibration method '{method}' (choose from {', '.join(METHODS)})")
+    check_counts(batch=batch, limit=limit, every=every, threads=threads)
+    with Workdir(workdir).lock(create=True):
+        return _calibrate(model_path, data, config, method, workdir, batch, limit, show_progress, threads, every,
+                          say)
+
+
+def check_counts(**options) -> None:
+    """Numeric options: batch 1..MAX_BATCH, limit None or >= 1, every >= 1, threads >= 0."""
+    for name, v in options.items():
+        if name == "limit" and v is None:
+            continue
+        lo, hi = {"batch": (1, MAX_BATCH), "threads": (0, 1024)}.get(name, (1, None))
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+            raise UsageError(f"--{name} must be an integer {'from ' + str(lo) + ' to ' + str(hi) if hi else str(lo) + ' or more'}"
+                             f", not {v!r}")
+
+
+def _calibrate(model_path, data, config, method, workdir, batch, limit, show_progress, threads, every, say):
     t0 = time.time()
+    model_sha256 = model_hash(model_path)  # streamed, before the model is in memory
     model = load_model(model_path)
     q = G.quantized_ops(model)
     if q:
         raise QtoolError(f"{model_path}: already int8 ({', '.join(f'{k} x{v}' for k, v in sorted(q.items()))}); "
                          f"calibrate the fp32 original")
     cfg = None if config is None else config_from_any(config)
-    if every < 1:
-        raise UsageError(f"--every must be 1 or more, not {every}")
     source = tensor_source(data, model, model_path, batch=batch, limit=limit, every=every)
     if source is None:
         files = list_images(data)[::every]
@@ -76,19 +95,27 @@ def calibrate(model_path: str, data, config=None, method: str = "minmax",
         if fit is not None and fit.warning():
             alerts.append(fit.warning())
             warnings.warn(alerts[-1], stacklevel=2)
-    fused = fuse_model(model, source.pins)
-    del model  # the fused copy is all that is needed from here on
+    fused = fuse_model(model, source.pins, inplace=True)
+    del model  # fused in place: the fused graph is all that is needed from here on
     ranges, means = calibration_targets(fused.model)
     if not ranges:
         raise QtoolError(f"{model_path}: nothing in this model can be quantized (no op with an int8 rule)")
     out = fused.model.graph.output[0] if fused.model.graph.output else None
     watch = out.name if out is not None and out.type.tensor_type.elem_type == onnx.TensorProto.FLOAT else None
+    names = []  # sample index -> file (or sample) name, for naming the samples that hold NaN/inf
+
+    def feeds():
+        for n, f in source.batches():
+            names.extend(os.path.abspath(x) if source.kind != "iterable" else x for x in n)
+            yield f
+
     with tqdm(total=len(source) or None, unit="sample", desc="calibrate", disable=not show_progress, leave=False) as bar:
-        obs = collect(fused.model, ranges, means, (feeds for _, feeds in source.batches()), bar.update, threads,
-                      watch=watch)
+        obs = collect(fused.model, ranges, means, feeds(), bar.update, threads, watch=watch,
+                      where=f"{model_path} (fused)")
     if obs.n_samples == 0:
         raise QtoolError(f"{_describe(data)}: no samples" if source.kind != "images" else
                          f"{data}: none of the {len(source)} images could be read")
+    nonfinite = check_nonfinite(obs, names, _describe(data))
     if obs.watch is not None and obs.watch.warning():
         alerts.append(obs.watch.warning())
         warnings.warn(alerts[-1], stacklevel=2)
@@ -99,19 +126,21 @@ def calibrate(model_path: str, data, config=None, method: str = "minmax",
             ranges_all["mse"][t] = list(activation_mse_range(obs.histograms[t], f))
             aware[t] = label
     wd = Workdir(workdir)
-    os.makedirs(wd.path, exist_ok=True)
     fused_path, table_path = wd.file(FUSED), wd.file(TABLE)
     table = CalibrationTable(
-        model_path=os.path.abspath(model_path), model_sha256=model_hash(model_path),
+        model_path=os.path.abspath(model_path), model_sha256=model_sha256,
         fused_sha256="", method=method, n_samples=obs.n_samples, skipped=list(source.skipped),
         config=source.cfg.to_dict() if source.cfg is not None else {}, ranges=ranges_all,
         channel_means=obs.channel_means(), histograms={t: h.to_dict() for t, h in obs.histograms.items()},
-        input_name=source.inp.name if source.kind == "images" else "")
+        input_name=source.inp.name if source.kind == "images" else "", nonfinite=nonfinite)
     save_model(fused.model, fused_path)
     table.fused_sha256 = model_hash(fused_path)
     table.save(table_path)
-    wd.update(calibrate={"model_path": table.model_path, "model_sha256": table.model_sha256,
-                         "fused_path": fused_path, "table_path": table_path, "method": method,
+    # a new calibration: the previous int8 model and its evaluation no longer belong here
+    wd.update(drop=("quantize", "eval"),
+              calibrate={"model_path": table.model_path, "model_sha256": table.model_sha256,
+                         "fused_path": fused_path, "fused_sha256": table.fused_sha256, "table_path": table_path,
+                         "table_sha256": file_hash(table_path), "method": method,
                          "config": table.config, "preprocessing_notes": notes, "preprocessing_warnings": alerts,
                          "fp32_output": obs.watch.summary() if obs.watch is not None else None,
                          "data": _describe(data, absolute=True),
@@ -119,6 +148,35 @@ def calibrate(model_path: str, data, config=None, method: str = "minmax",
                          "skipped": len(source.skipped),
                          "files": [os.path.abspath(f) if source.kind != "iterable" else f for f in source.files]})
     return CalibrateResult(table, fused.model, fused_path, table_path, time.time() - t0, fused.counts, notes, alerts)
+
+
+def check_nonfinite(obs, names: list, where: str) -> dict:
+    """NaN and inf were left out of every statistic (collect.py); say where they were, once.
+    A tensor with no finite value at all has no range: that is an error naming its samples.
+    -> tensor -> {"count", "samples"} for the table."""
+    if not obs.nonfinite:
+        return {}
+
+    def named(t):
+        idx = obs.nonfinite_samples.get(t, [])
+        return [names[i] if i < len(names) else f"sample {i}" for i in idx]
+
+    order = {t: k for k, t in enumerate(obs.histograms)}  # graph order: the model's input first
+    dead = sorted(obs.no_finite_value(), key=lambda t: order.get(t, len(order)))
+    if dead:
+        t = dead[0]
+        raise QtoolError(f"{where}: tensor '{t}' has no finite value in any sample (NaN/inf in "
+                         f"{', '.join(os.path.basename(str(n)) for n in named(t))}"
+                         f"{', ...' if obs.nonfinite[t] > len(named(t)) else ''}); its range cannot be calibrated"
+                         + (f" ({len(dead) - 1} more tensors likewise)" if len(dead) > 1 else ""))
+    out = {t: {"count": c, "samples": [str(n) for n in named(t)]} for t, c in sorted(obs.nonfinite.items())}
+    samples = sorted({n for v in out.values() for n in v["samples"]})
+    worst = max(out, key=lambda t: out[t]["count"])
+    warnings.warn(f"{len(out)} tensor{'s' if len(out) > 1 else ''} held NaN/inf values, excluded from the ranges and "
+                  f"means (most: '{worst}', {out[worst]['count']} values); samples: "
+                  f"{', '.join(os.path.basename(n) for n in samples[:5])}{', ...' if len(samples) > 5 else ''}",
+                  stacklevel=2)
+    return out
 
 
 def _describe(data, absolute: bool = False) -> str:

@@ -8,14 +8,18 @@ without another pass over the images.
 from __future__ import annotations
 
 import json
+import math
+import os
 from dataclasses import dataclass, field, fields
 
 from qtool.calibrate.histogram import Histogram
 from qtool.calibrate.methods import METHODS
 from qtool.errors import QtoolError
+from qtool.limits import regular_file
 from qtool.modelio import atomic_write_text
 
 FORMAT = "qtool-calibration/1"
+MAX_BINS = 1 << 20
 
 
 @dataclass
@@ -31,6 +35,7 @@ class CalibrationTable:
     channel_means: dict = field(default_factory=dict)  # tensor -> [C] mean of the fp32 activation
     histograms: dict = field(default_factory=dict)  # tensor -> Histogram.to_dict()
     input_name: str = ""
+    nonfinite: dict = field(default_factory=dict)  # tensor -> {"count", "samples"}: NaN/inf left out of its range
 
     def range(self, tensor: str, method: str | None = None):
         return self.ranges[method or self.method].get(tensor)
@@ -41,7 +46,7 @@ class CalibrationTable:
     def save(self, path: str) -> None:
         # shallow: asdict() would deep-copy every histogram's counts first
         d = {"format": FORMAT, **{f.name: getattr(self, f.name) for f in fields(self)}}
-        atomic_write_text(path, json.dumps(d))
+        atomic_write_text(path, json.dumps(d, allow_nan=False))  # strict JSON: no NaN/Infinity tokens
 
 
 def ranges_for_all_methods(histograms: dict) -> dict:
@@ -49,16 +54,57 @@ def ranges_for_all_methods(histograms: dict) -> dict:
 
 
 def load_table(path: str) -> CalibrationTable:
+    if not os.path.lexists(path):
+        raise QtoolError(f"{path}: no calibration table (run `qtool calibrate` first)")
+    regular_file(path, "calibration table")
     try:
         with open(path, encoding="utf-8") as f:
             d = json.load(f)
-    except FileNotFoundError:
-        raise QtoolError(f"{path}: no calibration table (run `qtool calibrate` first)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise QtoolError(f"{path}: not a qtool calibration table ({e.__class__.__name__})") from None
+    except OSError as e:
+        raise QtoolError(f"{path}: cannot read ({e.strerror or e})") from None
     if not isinstance(d, dict) or d.pop("format", None) != FORMAT:
         raise QtoolError(f"{path}: not a qtool calibration table (format {FORMAT} expected)")
     try:
-        return CalibrationTable(**d)
+        t = CalibrationTable(**d)
     except TypeError as e:
         raise QtoolError(f"{path}: calibration table is missing fields ({e})") from None
+    problem = _problem(t)
+    if problem:
+        raise QtoolError(f"{path}: calibration table is damaged or hand-edited: {problem}; run `qtool calibrate` again")
+    return t
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _problem(t: CalibrationTable) -> str | None:
+    """What is wrong with a table read from disk (every value quantize will use), or None."""
+    for name, typ in (("model_path", str), ("model_sha256", str), ("fused_sha256", str), ("method", str),
+                      ("n_samples", int), ("skipped", list), ("config", dict), ("ranges", dict),
+                      ("channel_means", dict), ("histograms", dict), ("input_name", str), ("nonfinite", dict)):
+        if not isinstance(getattr(t, name), typ):
+            return f"'{name}' is a {type(getattr(t, name)).__name__}, not a {typ.__name__}"
+    if t.method not in METHODS:
+        return f"unknown method '{t.method}'"
+    for m, ranges in t.ranges.items():
+        if not isinstance(ranges, dict):
+            return f"ranges of '{m}' are not an object"
+        for tensor, r in ranges.items():
+            if not (isinstance(r, list) and len(r) == 2 and all(map(_finite, r)) and r[0] <= r[1]):
+                return f"range of '{tensor}' ({m}) is {r!r}, not [lo, hi] with finite lo <= hi"
+    for tensor, means in t.channel_means.items():
+        if not (isinstance(means, list) and all(map(_finite, means))):
+            return f"channel means of '{tensor}' are not a list of finite numbers"
+    for tensor, h in t.histograms.items():
+        if not isinstance(h, dict):
+            return f"histogram of '{tensor}' is not an object"
+        nbins, e, counts = h.get("nbins"), h.get("e"), h.get("counts")
+        if not (isinstance(nbins, int) and 0 < nbins <= MAX_BINS and isinstance(counts, list) and len(counts) <= nbins
+                and all(isinstance(c, int) and c >= 0 for c in counts) and isinstance(h.get("k0"), int)
+                and isinstance(h.get("n"), int) and (e is None or isinstance(e, int) and -1100 <= e <= 1000)
+                and all(h.get(k) is None or _finite(h.get(k)) for k in ("min", "max"))):
+            return f"histogram of '{tensor}' is malformed"
+    return None

@@ -7,6 +7,8 @@ import click
 
 from qtool.commands.common import common_options, say, setup_output, write_json
 from qtool.errors import QtoolError
+from qtool.limits import MAX_BATCH
+from qtool.modelio import check_writable
 
 
 @click.command("bench", short_help="Time qtool's int8 runtime against ONNX Runtime int8 and fp32.")
@@ -14,9 +16,9 @@ from qtool.errors import QtoolError
               help="QDQ int8 ONNX model (default: the one `qtool quantize` wrote in the workdir).")
 @click.option("--fp32", type=click.Path(dir_okay=False),
               help="The float original (default: found from the workdir or a sibling without '.int8').")
-@click.option("--batch", "-b", "batches", type=int, multiple=True, help="Batch size; repeat for several (default 1 and 8).")
-@click.option("--threads", "-t", default=2, show_default=True, help="Threads for every engine.")
-@click.option("--repeats", default=20, show_default=True, help="Minimum timed runs at batch 1 (a quarter at larger batches).")
+@click.option("--batch", "-b", "batches", type=click.IntRange(1, MAX_BATCH), multiple=True, help="Batch size; repeat for several (default 1 and 8).")
+@click.option("--threads", "-t", default=2, show_default=True, type=click.IntRange(1, 1024), help="Threads for every engine.")
+@click.option("--repeats", default=20, show_default=True, type=click.IntRange(1, 100000), help="Minimum timed runs at batch 1 (a quarter at larger batches).")
 @click.option("--shape", help="Input shape when the model's is dynamic beyond the batch, e.g. 1,3,224,224.")
 @click.option("--profile", is_flag=True,
               help="Per-op-type time, GMAC/s and share of the active tier's peak, measured here (native runtime).")
@@ -35,6 +37,8 @@ def command(model, fp32, batches, threads, repeats, shape, profile, json_path, w
       qtool bench -m resnet50.int8.onnx --threads 2 --profile
     """
     setup_output(quiet, verbose)
+    if json_path:
+        check_writable(json_path, "--json file")
     from qtool.runtime.bench import bench, find_fp32
     from qtool.workdir import Workdir
     given = model is not None
@@ -60,6 +64,8 @@ def command(model, fp32, batches, threads, repeats, shape, profile, json_path, w
             dims = [int(d) for d in shape.replace("x", ",").split(",")]
         except ValueError:
             raise QtoolError(f"--shape {shape}: expected comma-separated integers, e.g. 1,3,224,224") from None
+        if any(d < 1 for d in dims):
+            raise QtoolError(f"--shape {shape}: every dimension must be 1 or more")
     log = None if quiet else click.echo
     r = bench(model, fp32, tuple(batches) or (1, 8), threads, repeats, dims, profile, log=log)
     if profile and not quiet:

@@ -6,6 +6,8 @@ import click
 from qtool.calibrate.methods import METHODS
 from qtool.calibrate.run import calibrate
 from qtool.commands.common import common_options, say, setup_output, write_json
+from qtool.limits import MAX_BATCH
+from qtool.modelio import check_writable
 
 
 @click.command("calibrate", short_help="Record activation ranges of an fp32 model over sample data.")
@@ -19,11 +21,11 @@ from qtool.commands.common import common_options, say, setup_output, write_json
               "model's first BatchNormalization or its outputs suggest another.")
 @click.option("--method", type=click.Choice(sorted(METHODS)), default="minmax", show_default=True,
               help="Default range method; every method's ranges are stored, `quantize --method` can switch.")
-@click.option("--batch", default=4, show_default=True, help="Images per inference batch.")
-@click.option("--limit", type=int, default=None, help="Use at most this many images.")
-@click.option("--every", type=int, default=1, show_default=True,
+@click.option("--batch", default=4, show_default=True, type=click.IntRange(1, MAX_BATCH), help="Images per inference batch.")
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="Use at most this many images.")
+@click.option("--every", type=click.IntRange(min=1), default=1, show_default=True,
               help="Use every N-th image of the sorted folder (e.g. 10 for a 1-in-10 calibration split).")
-@click.option("--threads", type=int, default=0, help="ONNX Runtime threads (0 = all cores).")
+@click.option("--threads", type=click.IntRange(0, 1024), default=0, help="ONNX Runtime threads (0 = all cores).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write a summary as JSON here.")
 @common_options
 def command(model, data, config, method, batch, limit, every, threads, json_path, workdir, quiet, verbose, debug):
@@ -39,6 +41,8 @@ def command(model, data, config, method, batch, limit, every, threads, json_path
       qtool calibrate --model yolox-det.onnx --data calib_npy/      (tensors, fed as they are)
     """
     setup_output(quiet, verbose)
+    if json_path:
+        check_writable(json_path, "--json file")  # now, not after the calibration pass
     r = calibrate(model, data, config, method, workdir, batch, limit, show_progress=not quiet, threads=threads,
                   every=every, say=lambda t: say(quiet, t))
     t = r.table

@@ -7,6 +7,7 @@ import warnings
 
 import click
 
+from qtool.errors import printable
 from qtool.modelio import atomic_write_text, json_safe
 
 
@@ -34,12 +35,12 @@ def setup_output(quiet: bool, verbose: int) -> None:
     level = logging.ERROR if quiet else (logging.DEBUG if verbose > 1 else logging.INFO if verbose else logging.WARNING)
     logging.basicConfig(level=level, format="%(message)s")
     warnings.simplefilter("ignore" if quiet else "default")
-    warnings.formatwarning = lambda msg, cat, *a, **k: f"qtool: warning: {msg}\n"
+    warnings.formatwarning = lambda msg, cat, *a, **k: f"qtool: warning: {printable(msg)}\n"
 
 
 def say(quiet: bool, text: str = "") -> None:
-    if not quiet:
-        click.echo(text)
+    if not quiet:  # names from a model or the file system are printed escaped (no terminal codes)
+        click.echo("\n".join(printable(line) for line in str(text).split("\n")))
 
 
 def write_json(path: str | None, data: dict) -> None:

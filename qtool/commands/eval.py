@@ -5,6 +5,7 @@ import click
 
 from qtool.commands.common import common_options, say, setup_output, write_json
 from qtool.evaluate import check_warning, evaluate_workdir
+from qtool.modelio import check_writable
 
 
 @click.command("eval", short_help="Compare the int8 model with its fp32 original.")
@@ -15,11 +16,11 @@ from qtool.evaluate import check_warning, evaluate_workdir
 @click.option("--model", "-m", type=click.Path(dir_okay=False), help="fp32 model (default: the calibrated one).")
 @click.option("--int8", "int8_path", type=click.Path(dir_okay=False), help="int8 model (default: the quantized one).")
 @click.option("--config", "-c", default=None, help="Preprocessing (default: calibrate's).")
-@click.option("--limit", type=int, default=None, help="Use at most this many images.")
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="Use at most this many images.")
 @click.option("--runtime", type=click.Choice(["ort", "native", "both"]), default="ort", show_default=True,
               help="Run the int8 model on ONNX Runtime, qtool's native kernels, or both.")
-@click.option("--threads", default=2, show_default=True, help="Threads for each engine (ONNX Runtime fp32 and int8, "
-              "qtool's runtime).")
+@click.option("--threads", default=2, show_default=True, type=click.IntRange(1, 1024),
+              help="Threads for each engine (ONNX Runtime fp32 and int8, qtool's runtime).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write all figures as JSON here.")
 @common_options
 def command(compare, data, labels, model, int8_path, config, limit, runtime, threads, json_path, workdir, quiet,
@@ -32,6 +33,8 @@ def command(compare, data, labels, model, int8_path, config, limit, runtime, thr
       qtool eval --data ../shared/imagenet-samples --labels ../shared/imagenet-samples/synsets.txt --json eval.json
     """
     setup_output(quiet, verbose)
+    if json_path:
+        check_writable(json_path, "--json file")  # now, not after the evaluation
     r = evaluate_workdir(workdir, data, labels, model, int8_path, config, limit, threads, runtime,
                          show_progress=not quiet, say=lambda t: say(quiet, t))
     say(quiet, render(r) if "n_images" in r else render_outputs(r))
@@ -93,3 +96,4 @@ def render(r: dict) -> str:
         lines.append(f"native runtime: agreement with ORT int8 {n['top1_agreement_vs_ort_int8']:.4f}, "
                      f"with fp32 {n['top1_agreement_vs_fp32']:.4f}")
     return "\n".join(lines)
+

@@ -5,6 +5,7 @@ import click
 
 from qtool.calibrate.methods import METHODS
 from qtool.commands.common import common_options, say, setup_output, write_json
+from qtool.modelio import check_writable
 from qtool.quantize.encoding import DEFAULT_TARGET, TARGETS
 from qtool.quantize.run import SensitivityOptions, fp32_ops_of, quantize, reasons_text
 
@@ -20,13 +21,13 @@ from qtool.quantize.run import SensitivityOptions, fp32_ops_of, quantize, reason
 @click.option("--exclude", multiple=True, help="Keep this node in fp32 (repeatable; names from `qtool inspect`).")
 @click.option("--no-bias-correction", is_flag=True, help="Do not correct biases for weight rounding.")
 @click.option("--exclude-sensitive", is_flag=True, help="Keep the most sensitive layers in fp32 until the target is met.")
-@click.option("--target-agreement", type=float, default=0.995, show_default=True,
+@click.option("--target-agreement", type=click.FloatRange(0, 1, min_open=True), default=0.995, show_default=True,
               help="With --exclude-sensitive: top-1 agreement with fp32 to reach on held-back calibration images.")
-@click.option("--max-drop", type=float, default=None, help="With --exclude-sensitive and labels: largest accuracy "
+@click.option("--max-drop", type=click.FloatRange(0, 100), default=None, help="With --exclude-sensitive and labels: largest accuracy "
               "drop in points to accept (instead of --target-agreement).")
-@click.option("--max-excluded", type=int, default=5, show_default=True, help="At most this many layers kept in fp32.")
+@click.option("--max-excluded", type=click.IntRange(min=0), default=5, show_default=True, help="At most this many layers kept in fp32.")
 @click.option("--labels", type=click.Path(dir_okay=False), help="Labels file for --max-drop (else class folders).")
-@click.option("--sensitivity-samples", type=int, default=64, show_default=True,
+@click.option("--sensitivity-samples", type=click.IntRange(min=1), default=64, show_default=True,
               help="Calibration images used for the per-layer sensitivity report.")
 @click.option("--no-sensitivity", is_flag=True, help="Skip the sensitivity report.")
 @click.option("--rounding", type=click.Choice(["output", "nearest"]), default=None,
@@ -64,6 +65,8 @@ def command(output, model, table, method, exclude, no_bias_correction, exclude_s
       qtool quantize --target vnni
     """
     setup_output(quiet, verbose)
+    if json_path:
+        check_writable(json_path, "--json file")
     if no_sensitivity and exclude_sensitive:
         raise click.UsageError("--exclude-sensitive needs the sensitivity analysis; drop --no-sensitivity")
     if sensitivity_samples < 1 or max_excluded < 0 or not 0 < target_agreement <= 1:
@@ -118,3 +121,4 @@ def command(output, model, table, method, exclude, no_bias_correction, exclude_s
         say(quiet, f"wrote {r.report['sensitivity']['html']}")
     say(quiet, "next: qtool eval --compare fp32 --data DIR")
     write_json(json_path, r.report)
+

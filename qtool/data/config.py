@@ -6,11 +6,13 @@ searched: a stray configs/ there must not change the preprocessing silently (pas
 """
 from __future__ import annotations
 
+import math
 import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from qtool.errors import QtoolError
+from qtool.limits import MAX_INPUT_SIDE, regular_file
 
 PRESET_DIRS = [Path(__file__).resolve().parent / "presets",  # inside an installed package
                Path(__file__).resolve().parents[2] / "configs"]  # a source checkout (editable install)
@@ -49,6 +51,8 @@ def find_config(name_or_path: str) -> Path:
     p = Path(name_or_path)
     if p.is_file():
         return p
+    if p.exists():
+        regular_file(str(p), "config file")  # a folder or a FIFO: one error, never a blocked read
     for d in PRESET_DIRS:
         cand = d / (name_or_path if name_or_path.endswith(".toml") else name_or_path + ".toml")
         if cand.is_file():
@@ -65,11 +69,15 @@ def load_config(name_or_path: str | None) -> Preprocess:
             raw = tomllib.load(f)
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise QtoolError(f"{path}: not valid TOML ({e})") from None
+    except OSError as e:
+        raise QtoolError(f"{path}: cannot read ({e.strerror or e})") from None
     return from_dict(raw, str(path))
 
 
 def from_dict(raw: dict, source: str = "(dict)") -> Preprocess:
     inp, pre = raw.get("input", {}), raw.get("preprocess", {})
+    if not isinstance(inp, dict) or not isinstance(pre, dict):
+        raise QtoolError(f"{source}: [input] and [preprocess] must be tables; see configs/*.toml for examples")
     unknown = (set(raw) - {"input", "preprocess"}) | (set(inp) - {"name", "layout", "size", "color"}) | (
         set(pre) - {"resize", "resize_to", "crop", "interpolation", "mean", "std"})
     if unknown:
@@ -92,8 +100,10 @@ def from_dict(raw: dict, source: str = "(dict)") -> Preprocess:
     problems = []
     if c.layout not in ("NCHW", "NHWC"):
         problems.append(f"layout must be NCHW or NHWC, not {c.layout}")
-    if len(c.size) != 2 or min(c.size) <= 0:
-        problems.append(f"size must be [height, width], not {list(c.size)}")
+    if len(c.size) != 2 or min(c.size) <= 0 or max(c.size) > MAX_INPUT_SIDE:
+        problems.append(f"size must be [height, width], each 1..{MAX_INPUT_SIDE}, not {list(c.size)}")
+    if not 1 <= c.resize_to <= MAX_INPUT_SIDE:
+        problems.append(f"resize_to must be 1..{MAX_INPUT_SIDE}, not {c.resize_to}")
     if c.color not in ("RGB", "BGR", "GRAY"):
         problems.append(f"color must be RGB, BGR or GRAY, not {c.color}")
     if c.resize not in ("shorter", "exact", "none"):
@@ -104,6 +114,8 @@ def from_dict(raw: dict, source: str = "(dict)") -> Preprocess:
         problems.append(f"interpolation must be one of {', '.join(_INTERP)}")
     if len(c.mean) not in (1, nch) or len(c.std) not in (1, nch) or any(s == 0 for s in c.std):
         problems.append(f"mean and std need 1 or {nch} values, std non-zero")
+    if not all(math.isfinite(v) for v in c.mean + c.std):
+        problems.append("mean and std must be finite numbers")
     if problems:
         raise QtoolError(f"{source}: " + "; ".join(problems))
     return c

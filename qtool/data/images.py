@@ -17,6 +17,7 @@ from PIL import Image, ImageOps
 
 from qtool.data.config import Preprocess
 from qtool.errors import QtoolError
+from qtool.limits import MAX_IMAGE_PIXELS, MAX_RESIZED_PIXELS, is_regular_file
 
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".gif", ".ppm", ".pgm")
 _RESAMPLE = {"nearest": Image.NEAREST, "bilinear": Image.BILINEAR, "bicubic": Image.BICUBIC,
@@ -61,32 +62,49 @@ def _to_rgb(im: Image.Image) -> Image.Image:
     return im.convert("RGB")
 
 
+def _resize(im: Image.Image, size: tuple, resample, path: str) -> Image.Image:
+    """im.resize, after checking what it would allocate."""
+    w, h = size
+    if w * h > MAX_RESIZED_PIXELS:
+        iw, ih = im.size
+        raise BadImage(f"{path}: resizing {iw} x {ih} pixels to {w} x {h} would exceed the limit of "
+                       f"{MAX_RESIZED_PIXELS} pixels")
+    return im.resize((w, h), resample)
+
+
 def load_image(path: str, cfg: Preprocess) -> np.ndarray:
-    """One image as a float32 array [1, C, H, W] or [1, H, W, C]."""
+    """One image as a float32 array [1, C, H, W] or [1, H, W, C]. Only a regular file is opened (a FIFO
+    would block for ever), and the decoded size (from the header, before decoding) and the size of
+    every resize are checked against limits first: an image over them is a BadImage (skipped)."""
+    if not is_regular_file(path):
+        raise BadImage(f"{path}: not a regular file")
     try:
         with Image.open(path) as im:
+            iw, ih = im.size
+            if iw * ih > MAX_IMAGE_PIXELS:
+                raise BadImage(f"{path}: {iw} x {ih} pixels, over the limit of {MAX_IMAGE_PIXELS} decoded pixels")
             im.load()
             im = ImageOps.exif_transpose(im)
             im = _to_rgb(im)
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError, EOFError) as e:
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError, EOFError, MemoryError) as e:
         raise BadImage(f"{path}: {type(e).__name__}: {e}") from None
     h, w = cfg.size
     rs = _RESAMPLE[cfg.interpolation]
     if cfg.resize == "shorter":
         iw, ih = im.size
         s = cfg.resize_to / min(iw, ih)
-        im = im.resize((max(1, round(iw * s)), max(1, round(ih * s))), rs)
+        im = _resize(im, (max(1, round(iw * s)), max(1, round(ih * s))), rs, path)
     elif cfg.resize == "exact":
-        im = im.resize((w, h), rs)
+        im = _resize(im, (w, h), rs, path)
     if cfg.crop == "center":
         iw, ih = im.size
         if iw < w or ih < h:
-            im = im.resize((max(w, iw), max(h, ih)), rs)
+            im = _resize(im, (max(w, iw), max(h, ih)), rs, path)
             iw, ih = im.size
         left, top = (iw - w) // 2, (ih - h) // 2
         im = im.crop((left, top, left + w, top + h))
     if im.size != (w, h):
-        im = im.resize((w, h), rs)
+        im = _resize(im, (w, h), rs, path)
     if cfg.color == "GRAY":
         x = np.asarray(im.convert("L"), np.float32)[..., None]
     else:

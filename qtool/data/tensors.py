@@ -24,6 +24,7 @@ from onnx import helper
 from qtool import graph as G
 from qtool.data.images import IMAGE_EXTS
 from qtool.errors import QtoolError
+from qtool.limits import MAX_SAMPLE_BYTES, elems, human_bytes, regular_file
 
 TENSOR_EXTS = (".npy", ".npz")
 
@@ -119,19 +120,60 @@ def check_array(spec: ModelInputSpec, shape: tuple, dtype, where: str) -> tuple:
     return fed
 
 
+def _array_header(f, where: str, size: int):
+    """(shape, dtype) from a .npy stream positioned at its start, checked against the bytes that
+    follow the header (`size`: the stream's total length) and MAX_SAMPLE_BYTES, before any data is read."""
+    major, _ = np.lib.format.read_magic(f)
+    shape, _fortran, dtype = (np.lib.format.read_array_header_1_0(f) if major == 1
+                              else np.lib.format.read_array_header_2_0(f))
+    if dtype.hasobject:
+        raise QtoolError(f"{where}: holds Python objects, not numbers; refusing to unpickle them")
+    nbytes = elems(shape) * dtype.itemsize
+    if nbytes > MAX_SAMPLE_BYTES:
+        raise QtoolError(f"{where}: header declares {dtype.name} {list(shape)} ({human_bytes(nbytes)}), over the "
+                         f"limit of {human_bytes(MAX_SAMPLE_BYTES)} per array")
+    have = size - f.tell()
+    if have < nbytes:
+        raise QtoolError(f"{where}: header declares {dtype.name} {list(shape)} ({nbytes} bytes) but the file holds "
+                         f"{max(have, 0)} bytes of data")
+    return shape, dtype
+
+
 def _npy_header(path: str):
     """(shape, dtype) of a .npy file without reading its data."""
+    regular_file(path, ".npy file")
     try:
         with open(path, "rb") as f:
-            major, _ = np.lib.format.read_magic(f)
-            shape, _fortran, dtype = (np.lib.format.read_array_header_1_0(f) if major == 1
-                                      else np.lib.format.read_array_header_2_0(f))
-        return shape, dtype
+            return _array_header(f, path, os.fstat(f.fileno()).st_size)
     except (OSError, ValueError, EOFError) as e:
         raise QtoolError(f"{path}: not a readable .npy file ({e})") from None
 
 
+def _npz_headers(path: str) -> dict:
+    """array name -> (shape, dtype) of a .npz file, from each member's header (nothing is inflated
+    beyond the headers: a 7 MB file may declare gigabytes)."""
+    regular_file(path, ".npz file")
+    out, total = {}, 0
+    try:
+        with zipfile.ZipFile(path) as zf:
+            for info in zf.infolist():
+                if info.is_dir():
+                    continue
+                name = info.filename[:-4] if info.filename.endswith(".npy") else info.filename
+                with zf.open(info) as f:
+                    shape, dtype = _array_header(f, f"{path} ({name})", info.file_size)
+                total += elems(shape) * dtype.itemsize
+                if total > MAX_SAMPLE_BYTES:
+                    raise QtoolError(f"{path}: its arrays total more than {human_bytes(MAX_SAMPLE_BYTES)}, the limit "
+                                     f"per sample")
+                out[name] = (shape, dtype)
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, NotImplementedError) as e:
+        raise QtoolError(f"{path}: not a readable .npz file ({e})") from None
+    return out
+
+
 def _load_npy(path: str) -> np.ndarray:
+    _npy_header(path)
     try:
         return np.load(path, allow_pickle=False)
     except (OSError, ValueError, EOFError) as e:
@@ -139,11 +181,27 @@ def _load_npy(path: str) -> np.ndarray:
 
 
 def _load_npz(path: str) -> dict:
+    _npz_headers(path)
     try:
         with np.load(path, allow_pickle=False) as z:
             return {k: z[k] for k in z.files}
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, NotImplementedError) as e:
         raise QtoolError(f"{path}: not a readable .npz file ({e})") from None
+
+
+def check_headers(headers: dict, inputs: list, where: str) -> None:
+    """check_sample from headers alone: every model input present, no extra array, shapes and dtypes right."""
+    names = {i.name for i in inputs}
+    missing = [i.name for i in inputs if i.name not in headers]
+    if missing:
+        raise QtoolError(f"{where}: no array for model input{'s' if len(missing) > 1 else ''} "
+                         f"{', '.join(repr(m) for m in missing)} (has: {', '.join(repr(k) for k in headers) or 'none'})")
+    extra = [k for k in headers if k not in names]
+    if extra:
+        raise QtoolError(f"{where}: array{'s' if len(extra) > 1 else ''} {', '.join(repr(e) for e in extra)} "
+                         f"match{'' if len(extra) > 1 else 'es'} no model input (inputs: {', '.join(sorted(names))})")
+    for spec in inputs:
+        check_array(spec, *headers[spec.name], where)
 
 
 class TensorData:
@@ -234,8 +292,8 @@ class NpzFolder(TensorData):
         if not files:
             raise QtoolError(f"{folder}: no .npz files")
         self.files = files[:limit] if limit else files
-        for f in self.files:
-            check_sample(_load_npz(f), self.inputs, f)
+        for f in self.files:  # headers only: every file is checked before any inference runs
+            check_headers(_npz_headers(f), self.inputs, f)
 
     def samples(self):
         for f in self.files:

@@ -70,9 +70,15 @@ def pin_inputs(model: onnx.ModelProto, pins: dict) -> None:
                 d.dim_value = int(pin[k])
 
 
-def fuse_model(model: onnx.ModelProto, input_pins: dict | None = None, passes=None, max_rounds: int = 20) -> FuseResult:
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
+def fuse_model(model: onnx.ModelProto, input_pins: dict | None = None, passes=None, max_rounds: int = 20,
+               inplace: bool = False) -> FuseResult:
+    """`inplace`: rewrite `model` itself (the caller no longer needs the original), instead of a copy:
+    a model of several GB is then held once, not twice."""
+    if inplace:
+        m = model
+    else:
+        m = onnx.ModelProto()
+        m.CopyFrom(model)
     ctx = FuseContext(input_pins=dict(input_pins or {}))
     pin_inputs(m, ctx.input_pins)
     before = _op_counts(m)

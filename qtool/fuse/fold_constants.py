@@ -18,11 +18,16 @@ from onnx import numpy_helper, shape_inference
 from onnx.reference import ReferenceEvaluator
 
 from qtool import graph as G
+from qtool.limits import MAX_FOLD_ELEMS, MAX_FOLD_TOTAL_BYTES, elems, fold_elems
 
 # ops whose output is not a function of their inputs, or that have subgraphs
 _NEVER = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
           "Bernoulli", "If", "Loop", "Scan", "QuantizeLinear", "DequantizeLinear"}
-_MAX_FOLD_ELEMS = 1 << 22  # do not materialize huge tensors that a graph computes on the fly
+# do not materialize huge tensors that a graph computes on the fly: the size of every output is
+# bounded from the inputs' shapes and values *before* the node is evaluated (a 1.8 KB model with
+# ConstantOfShape([1e5, 1e5]) must not allocate 40 GB), and all values computed for one graph
+# together stay under MAX_FOLD_TOTAL_BYTES
+_MAX_FOLD_ELEMS = MAX_FOLD_ELEMS
 
 
 def _pinned(model: onnx.ModelProto, variant: int, pins: dict) -> onnx.ModelProto:
@@ -53,9 +58,24 @@ def _shapes(model: onnx.ModelProto) -> dict:
     return out
 
 
+def _constant_elems(node: onnx.NodeProto) -> int | None:
+    for a in node.attribute:
+        if a.name in ("value", "sparse_value"):
+            return elems(a.t.dims if a.name == "value" else a.sparse_tensor.dims)
+        if a.name.startswith("value_"):
+            return max(len(a.floats), len(a.ints), len(a.strings), 1)
+    return None
+
+
 def _eval(node: onnx.NodeProto, feeds: dict, opset: int, shapes: dict):
     if node.op_type == "Constant":
-        return [ReferenceEvaluator(node, opsets={"": opset}).run(None, {})[0]]
+        n = _constant_elems(node)
+        if n is None or n > _MAX_FOLD_ELEMS:
+            return None
+        try:
+            return [np.asarray(ReferenceEvaluator(node, opsets={"": opset}).run(None, {})[0])]
+        except Exception:
+            return None
     if node.op_type == "Shape":
         shp = shapes.get(node.input[0])
         if shp is None:
@@ -66,6 +86,12 @@ def _eval(node: onnx.NodeProto, feeds: dict, opset: int, shapes: dict):
         return None
     names = [i for i in node.input if i]
     if any(i not in feeds for i in names):
+        return None
+    bound = fold_elems(node.op_type, [feeds[i] if i else None for i in node.input], G.attrs(node))
+    if bound is None:  # no bound from the inputs: the shapes inference found for the outputs
+        outs = [shapes.get(o) for o in node.output if o]
+        bound = None if not outs or any(o is None for o in outs) else max(elems(o) for o in outs)
+    if bound is None or bound > _MAX_FOLD_ELEMS:
         return None
     try:
         outs = ReferenceEvaluator(node, opsets={"": opset}).run(None, {i: feeds[i] for i in names})
@@ -79,6 +105,7 @@ def _values(model: onnx.ModelProto, variant: int, pins: dict, shapes: dict | Non
     inits = {t.name: t for t in model.graph.initializer}
     vals = {}
     op = G.opset(model)
+    computed = 0  # bytes of values evaluated here (weights read from the model do not count)
     for node in model.graph.node:
         if node.op_type == "Shape" or all(i in vals or i in inits for i in node.input if i):
             for i in node.input:
@@ -87,6 +114,9 @@ def _values(model: onnx.ModelProto, variant: int, pins: dict, shapes: dict | Non
             outs = _eval(node, vals, op, shapes)
             if outs is None:
                 continue
+            computed += sum(int(getattr(v, "nbytes", 0)) for v in outs)
+            if computed > MAX_FOLD_TOTAL_BYTES:
+                break  # enough: what is folded so far stays folded, the rest is computed at run time
             for name, v in zip(node.output, outs):
                 if name:
                     vals[name] = v

@@ -26,7 +26,8 @@ from qtool.calibrate.run import FUSED, TABLE
 from qtool.calibrate.table import load_table
 from qtool.errors import QtoolError
 from qtool.fuse import fuse_model
-from qtool.modelio import atomic_write_text, json_safe, load_model, model_hash, save_model
+from qtool.modelio import (atomic_write_text, check_writable, file_hash, json_safe, load_model, model_hash, save_model,
+                           set_provenance)
 from qtool.quantize.qdq import QuantizeOutput, quantize_graph
 from qtool.workdir import Workdir
 
@@ -50,31 +51,33 @@ class QuantizeResult:
 
 
 def load_inputs(workdir: str | None, model: str | None, table_path: str | None):
-    """(fused graph, table, original model path) from explicit paths or the working directory."""
+    """(fused graph, table, original model path) from explicit paths or the working directory; a table
+    taken from the working directory must be the one `qtool calibrate` recorded there (its sha256)."""
     wd = Workdir(workdir)
     if table_path is None:
-        entry = wd.manifest().get("calibrate")
-        table_path = entry["table_path"] if entry else None
-        if table_path is None:
+        if "calibrate" not in wd.manifest():
             if model is not None:
                 raise QtoolError(f"{wd.path}: no calibration table; run `qtool calibrate --model {model} --data DIR` "
                                  f"first (or pass --table)")
             wd.require("calibrate", "calibrate")
+        entry = wd.require("calibrate", "calibrate")
+        table_path = entry["table_path"]
+        wd.verify(table_path, entry["table_sha256"], "calibrate", "calibration table")
     table = load_table(table_path)
     if model is not None:
         if model_hash(model) != table.model_sha256:
             raise QtoolError(f"{table_path}: calibration table was made for another model "
                              f"({table.model_path}), not {model}; run `qtool calibrate` on this model")
-        fused = fuse_model(load_model(model), _pins(table)).model
+        fused = fuse_model(load_model(model), _pins(table), inplace=True).model
         return fused, table, model
     fused_path = os.path.join(os.path.dirname(os.path.abspath(table_path)), FUSED)
-    if not os.path.exists(fused_path) or model_hash(fused_path) != table.fused_sha256:
+    if not os.path.exists(fused_path) or file_hash(fused_path) != table.fused_sha256:
         if not os.path.exists(table.model_path):
             raise QtoolError(f"{fused_path}: fused graph missing or changed, and the original model "
                              f"{table.model_path} is gone; run `qtool calibrate` again")
         if model_hash(table.model_path) != table.model_sha256:
             raise QtoolError(f"{table.model_path}: the model changed since calibration; run `qtool calibrate` again")
-        return fuse_model(load_model(table.model_path), _pins(table)).model, table, table.model_path
+        return fuse_model(load_model(table.model_path), _pins(table), inplace=True).model, table, table.model_path
     return load_model(fused_path, check=False), table, table.model_path
 
 
@@ -289,9 +292,22 @@ def quantize(workdir: str | None = None, model: str | None = None, table_path: s
     `tune_ranges`: activation ranges chosen at the model output (range_search.py). None (both): on
     with --exclude-sensitive, which tries them before it gives up any layer, off otherwise.
     `target` (encoding.TARGETS): the CPUs the model must be exact on; every experiment is scored
-    with the exact int8 arithmetic the target promises, whatever CPU this is."""
+    with the exact int8 arithmetic the target promises, whatever CPU this is.
+    The working directory is held for the whole run; where the outputs go is checked writable first."""
+    wd = Workdir(workdir)
+    with wd.lock(create=True):
+        if output is not None:
+            check_writable(output, "int8 model")
+        return _quantize(workdir, model, table_path, output, method, exclude, bias_correction, sensitivity, say,
+                         rounding, tune_ranges, target)
+
+
+def _quantize(workdir, model, table_path, output, method, exclude, bias_correction, sensitivity, say, rounding,
+              tune_ranges, target) -> QuantizeResult:
     t0 = time.time()
     fused, table, model_path = load_inputs(workdir, model, table_path)
+    # the table read (load_inputs checked a working directory's one against its recorded sha256)
+    table_path = table_path or Workdir(workdir).manifest()["calibrate"]["table_path"]
     exclude = dict(exclude or {})
     names = {n.name for n in fused.graph.node}
     unknown = [n for n in exclude if n not in names]
@@ -345,6 +361,10 @@ def quantize(workdir: str | None = None, model: str | None = None, table_path: s
     final_exclude = dict(exclusion.excluded) if exclusion is not None else dict(exclude)
     out = ctx.build(final_exclude)
     path = output or wd.file(INT8)
+    table_sha256 = file_hash(table_path)
+    # what the int8 model was made from travels inside it: eval and bench refuse to compare it
+    # with any other fp32 model
+    set_provenance(out.model, fp32_sha256=table.model_sha256, table_sha256=table_sha256)
     save_model(out.model, path)
     cost = target_cost(ctx, sens_samples, final_exclude, say, opts.show_progress)
     report = {
@@ -378,7 +398,10 @@ def quantize(workdir: str | None = None, model: str | None = None, table_path: s
         if exclusion is not None:
             report["exclusion"] = srep["exclusion"]
     atomic_write_text(wd.file(REPORT), json.dumps(json_safe(report), indent=1))
-    wd.update(quantize={"int8_path": os.path.abspath(path), "report_path": wd.file(REPORT),
+    wd.update(drop=("eval",),
+              quantize={"int8_path": os.path.abspath(path), "int8_sha256": file_hash(path),
+                        "table_sha256": table_sha256, "model_sha256": table.model_sha256,
+                        "report_path": wd.file(REPORT),
                         "method": report["method"], "target": target, "excluded": final_exclude,
                         "bias_correction": bias_correction})
     return QuantizeResult(out, path, report, time.time() - t0, sens, exclusion, tuning)

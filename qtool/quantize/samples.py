@@ -7,6 +7,7 @@ output for each, and hands out subsets without decoding an image or running fp32
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,20 +60,42 @@ def load_samples(fused, table, files: list, threads: int = 0, progress=None) -> 
             parts.setdefault(k, []).append(v)
         if progress:
             progress(len(n))
+    skipped = len(files) - len(names)
+    if not names:
+        warnings.warn(f"none of the {len(files)} calibration samples can be read now (first: {files[0]}); the steps "
+                      f"that need them are skipped", stacklevel=2)
+        return SampleSet([], {}, np.zeros((0,)))
+    if skipped:
+        warnings.warn(f"{skipped} of {len(files)} calibration samples can no longer be read; using the other "
+                      f"{len(names)}", stacklevel=2)
     inputs = {k: np.concatenate(v) for k, v in parts.items()}
     from qtool import graph as G
     fixed = [d[0] for d in (G.input_dims(i) for i in G.real_inputs(fused)) if d and isinstance(d[0], int)]
     s = SampleSet(names, inputs, np.zeros((0,)), fixed[0] if fixed else BATCH, bool(fixed))
-    if names:
-        from qtool.ortsession import session
-        sess = session(fused, threads)
-        out = sess.get_outputs()[0].name
-        ys = []
-        for f in s.feeds:
-            ys.append(sess.run([out], f)[0])
-            if progress:
-                progress(len(next(iter(f.values()))))
-        s.reference = np.concatenate(ys)
-    else:
-        s.reference = np.zeros((0,))
-    return s
+    from qtool.ortsession import session
+    sess = session(fused, threads, where=f"{table.model_path} (fused)")
+    out = sess.get_outputs()[0].name
+    ys = []
+    for f in s.feeds:
+        ys.append(sess.run([out], f)[0])
+        if progress:
+            progress(len(next(iter(f.values()))))
+    s.reference = np.concatenate(ys) if ys else np.zeros((0,))  # (fewer samples than a fixed batch: none run)
+    return _finite_only(s)
+
+
+def _finite_only(s: SampleSet) -> SampleSet:
+    """The samples whose inputs and fp32 output are all finite: a NaN/inf sample would make every
+    SQNR and agreement NaN (calibration left its values out of the ranges the same way)."""
+    n = len(s.reference)
+    ok = np.ones(len(s.names), bool)
+    for v in list(s.inputs.values()) + [s.reference]:
+        if np.issubdtype(v.dtype, np.floating) and len(v) == len(ok):
+            ok &= np.isfinite(v.reshape(len(v), -1)).all(axis=1)
+    if n != len(s.names) or ok.all():
+        return s
+    bad = [s.names[i] for i in np.flatnonzero(~ok)]
+    warnings.warn(f"{len(bad)} calibration sample{'s' if len(bad) > 1 else ''} with NaN/inf in the input or the fp32 "
+                  f"output left out: {', '.join(os.path.basename(str(b)) for b in bad[:5])}"
+                  f"{', ...' if len(bad) > 5 else ''}", stacklevel=3)
+    return s.subset(np.flatnonzero(ok))

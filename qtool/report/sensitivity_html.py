@@ -91,6 +91,14 @@ def _curve_chart(curve: list) -> str:
     return "".join(parts)
 
 
+def script_json(data) -> str:
+    """JSON to embed in a <script> element: still plain JSON (a script's text is not HTML-unescaped,
+    so &quot; would break it), with <, > and & as \\u escapes so that no '</script>' or '<!--' in a
+    model-provided name can end the element."""
+    text = json.dumps(data, allow_nan=False)
+    return text.replace("&", "\\u0026").replace("<", "\\u003c").replace(">", "\\u003e")
+
+
 def render(report: dict) -> str:
     layers = sorted(report["layers"], key=lambda l: l["order"])
     excluded = report.get("excluded", {})
@@ -137,6 +145,6 @@ lowest first. Computed in {meta.get("seconds", 0):.1f} s.</p>
 <h2>Ops that stay fp32 (no int8 rule or not quantizable)</h2>
 <ul>{fp32_list or "<li>none</li>"}</ul>
 <script>{JS}</script>
-<script type="application/json" id="data">{escape(json.dumps({"n_layers": len(layers)}))}</script>
+<script type="application/json" id="data">{script_json({"n_layers": len(layers)})}</script>
 </body></html>
 """

@@ -13,6 +13,8 @@ import time
 import numpy as np
 
 from qtool.errors import QtoolError
+from qtool.limits import MAX_FEED_BYTES, elems, human_bytes
+from qtool.modelio import check_pair
 from qtool.runtime.profile import measured_peak, op_type_table, top_steps
 from qtool.runtime.session import NativeSession
 
@@ -55,6 +57,10 @@ def make_feeds(sess: NativeSession, batch: int, shape=None, seed: int = 0) -> di
         if any(not isinstance(d, int) or d <= 0 for d in dims):
             raise QtoolError(f"{sess.where}: input '{i.name}' has dynamic dimensions {i.shape}; pass --shape, "
                              f"e.g. --shape 1,3,224,224")
+        nbytes = elems(dims) * 4
+        if nbytes > MAX_FEED_BYTES:
+            raise QtoolError(f"{sess.where}: input '{i.name}' of shape {dims} would take {human_bytes(nbytes)}, over "
+                             f"the limit of {human_bytes(MAX_FEED_BYTES)}; use a smaller --batch or --shape")
         feeds[i.name] = rng.standard_normal(dims).astype(np.float32)
     return feeds
 
@@ -68,6 +74,8 @@ def bench(model: str, fp32: str | None = None, batches=(1, 8), threads: int = 2,
         raise QtoolError(f"{model}: no such file")
     if fp32 is not None and not os.path.exists(fp32):
         raise QtoolError(f"{fp32}: no such file")
+    if fp32 is not None:
+        check_pair(fp32, model)
     native = NativeSession(model, threads=threads)
     engines = {"native": native, "ort_int8": ort_session(model, threads)}
     if fp32:

@@ -27,6 +27,7 @@ from onnx import numpy_helper
 
 from qtool.arithmetic import EXACT, ORT_X86_NOVNNI, check_arithmetic, conv_rows, is_depthwise
 from qtool.errors import QtoolError
+from qtool.limits import MAX_FOLD_ELEMS, fold_elems
 from qtool.runtime import saturating
 from qtool.runtime import steps as S
 from qtool.runtime.backend import conv_multiplier
@@ -340,7 +341,7 @@ class Compiler:
             self.consts[node.output[0]] = v
             self.entries.append(Entry(name, op, "folded"))
             return
-        if all(self.is_const(i) for i in node.input) and op in FP32_OPS:
+        if all(self.is_const(i) for i in node.input) and op in FP32_OPS and self._foldable(node):
             ins = [self.consts[i] if i else None for i in node.input]
             at = _attrs(node)
             at["_n_outputs"] = len(node.output)
@@ -394,6 +395,17 @@ class Compiler:
             if rule is None:
                 reason = f"no int8 kernel for this op ({r})"
         self.fallback(node, reason)
+
+    def _foldable(self, node) -> bool:
+        """Whether a node on constants can be computed now: its output size is bounded from the inputs
+        first (a ConstantOfShape of [1e5, 1e5] would allocate 40 GB at load). Over the limit is an error;
+        without a bound the node runs as a step, on the inputs it gets."""
+        ins = [self.consts[i] if i else None for i in node.input]
+        n = fold_elems(node.op_type, ins, _attrs(node))
+        if n is not None and n > MAX_FOLD_ELEMS:
+            raise QtoolError(f"{self.where}: node '{node.name}' ({node.op_type}) would make a constant of {n} elements "
+                             f"(limit {MAX_FOLD_ELEMS}); refusing to compute it")
+        return n is not None
 
     def fallback(self, node, reason):
         op = node.op_type

