@@ -86,10 +86,12 @@ def main(argv=None):
     fp32 = session(cal.fused, 1)
     for f in samples.feeds[:1]:
         fp32.run(None, f)  # warm
-    _, pass_cpu = cpu_of(lambda: [fp32.run(None, f) for f in samples.feeds])
+    passes = [cpu_of(lambda: [fp32.run(None, f) for f in samples.feeds])[1] for _ in range(3)]
     t = time.time()
     layers, sens_cpu = cpu_of(layer_sensitivity, ctx, samples)
     sens_wall = time.time() - t
+    passes += [cpu_of(lambda: [fp32.run(None, f) for f in samples.feeds])[1] for _ in range(3)]
+    pass_cpu = float(np.median(passes))  # (before and after: one pass alone varies by a third on a shared host)
     per_layer = sens_cpu / pass_cpu / len(layers)
     print(f"sensitivity of {len(layers)} layers on {len(samples)} samples: {sens_cpu:.1f} CPU s ({sens_wall:.1f} s wall); "
           f"one fp32 pass over them: {pass_cpu:.2f} CPU s -> {per_layer:.2f} fp32 passes per layer")

@@ -37,7 +37,8 @@ from qtool.quantize.qdq import activation_qparams, layer_weights, upgrade_opset
 from qtool.rules import RULES
 
 SESSION_SECONDS = (0.02, 1.5e-4)  # making a session: fixed, and per node of its graph (ORT 1.32, measured)
-CUTS_AT_ONCE = 8  # sessions alive at once (each holds its weights), the fp32 prefix re-run per group
+SESSIONS_BYTES = 1 << 30  # weights held by the sessions alive at once (each holds its own, packed); the fp32
+# prefix re-runs once per group of sessions
 SWITCH_COST = 0.03  # a switch that is off, per run, in passes: the layout changes ORT puts around it
 CACHE_BYTES = 256 << 20  # fp32 tensors crossing the cuts, per batch of samples
 SMALL = 1024  # initializers up to this size stay in each variant's graph; larger ones are shared OrtValues
@@ -314,13 +315,26 @@ class Simulator:
         cut_of = [cut_at[f] for f in firsts]
         cuts = sorted(set(cut_of))
         outs = [[] for _ in variants]
-        # a few cuts at a time: each session holds its own copy of its weights (ORT packs them)
-        for g in range(0, len(cuts), CUTS_AT_ONCE):
-            group = cuts[g:g + CUTS_AT_ONCE]
+        for group in self._groups(cuts):
             mine = [k for k, c in enumerate(cut_of) if c in group]
             self._run_group(samples, group, [variants[k] for k in mine], [cut_of[k] for k in mine],
                             [outs[k] for k in mine], progress)
         return [np.concatenate(o) for o in outs]
+
+    def _groups(self, cuts: list) -> list:
+        """The cuts in groups whose sessions' weights (twice: ORT's copy and its packed form) fit
+        SESSIONS_BYTES together."""
+        size = {t.name: 4 * int(np.prod(t.dims)) for t in self.base.graph.initializer}
+        tail = np.cumsum([sum(size.get(i, 0) for i in n.input) for n in self.nodes][::-1])[::-1]
+        groups, used = [[]], 0
+        for p in cuts:
+            need = 2 * int(tail[p]) if p < len(tail) else 0
+            if groups[-1] and used + need > SESSIONS_BYTES:
+                groups.append([])
+                used = 0
+            groups[-1].append(p)
+            used += need
+        return groups
 
     def _run_group(self, samples, cuts, variants, cut_of, outs, progress):
         cross = []
