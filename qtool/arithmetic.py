@@ -41,15 +41,22 @@ def check_arithmetic(name: str) -> str:
 
 
 def conv_rows(w: np.ndarray) -> np.ndarray:
-    """Conv weight [Cout, Cin_g, KH, KW] -> [Cout, KH*KW*Cin_g], each row in the K order the
-    kernels read (kh, kw, cin), cin fastest: the order in which neighbours form pairs."""
+    """Conv weight [Cout, Cin_g, K1, ..., Kn] -> [Cout, K1*...*Kn*Cin_g], each row in the K order
+    the kernels read (taps, then cin fastest; ORT reorders any rank so): the order in which
+    neighbours form pairs."""
     w = np.asarray(w)
-    return np.ascontiguousarray(w.transpose(0, 2, 3, 1).reshape(w.shape[0], -1))
+    return np.ascontiguousarray(np.moveaxis(w, 1, -1).reshape(w.shape[0], -1))
 
 
 def is_depthwise(w_shape, group: int) -> bool:
     """One input channel per group and one output per input: ORT's depthwise kernel, exact."""
-    return group > 1 and w_shape[1] == 1 and w_shape[0] == group
+    return len(w_shape) >= 3 and group > 1 and w_shape[1] == 1 and w_shape[0] == group
+
+
+def can_saturate(a, b):
+    """Whether int weights a and b, neighbours in a pair, can leave int16 for some uint8 input:
+    the same sign and |a + b| > 128 (elementwise)."""
+    return (np.asarray(a) * np.asarray(b) > 0) & (np.abs(np.asarray(a) + np.asarray(b)) > PAIR_LIMIT)
 
 
 def pair_sums(rows: np.ndarray) -> np.ndarray:

@@ -18,7 +18,8 @@ from qtool.data.config import config_from_any
 from qtool.data.sources import ImageData
 from qtool.data.images import list_images
 from qtool.labels import labels_from_file, labels_from_folders
-from qtool.modelio import check_pair, load_model
+from qtool.arithmetic import ORT_X86_NOVNNI
+from qtool.modelio import check_pair, load_model, provenance
 
 
 def _topk(logits: np.ndarray, k: int) -> np.ndarray:
@@ -43,36 +44,50 @@ class ExactCheck:
     """ORT's int8 output against the exact int8 arithmetic (qtool's runtime) on the first samples:
     does the int8 path of this machine's ONNX Runtime compute what the QDQ model defines?"""
 
-    def __init__(self, int8_path: str, threads: int, n: int = CHECK_SAMPLES):
-        self.n, self.rows = n, {"ort": [], "exact": []}
-        self.session = None
-        try:
-            from qtool.runtime import NativeSession
-            self.session = NativeSession(int8_path, threads=threads)  # exact int32 sums
-        except Exception as e:  # a model the runtime cannot load: say so, do not fail eval
-            self.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    def __init__(self, int8_path: str, threads: int, n: int = CHECK_SAMPLES, native=None):
+        """`native`: a NativeSession of the model already made (exact arithmetic) to reuse."""
+        self.n, self.rows, self.error = n, {"ort": [], "exact": []}, ""
+        self.target = provenance(int8_path).get("target")
+        self.session = native
+        if native is None:
+            try:
+                from qtool.runtime import NativeSession
+                self.session = NativeSession(int8_path, threads=threads)  # exact int32 sums
+            except Exception as e:  # a model the runtime cannot load: say so, do not fail eval
+                self._give_up(e)
 
-    def add(self, feeds: dict, ort_first: np.ndarray) -> None:
-        have = sum(len(r) for r in self.rows["ort"])
-        if self.session is None or have >= self.n:
+    def _give_up(self, e: Exception) -> None:
+        self.session, self.error = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+    def add(self, feeds: dict, ort_out: list) -> None:
+        """A whole batch (a model may take its batch whole only), until n samples are in."""
+        if self.session is None or sum(len(r) for r in self.rows["ort"]) >= self.n:
             return
-        k = min(self.n - have, len(ort_first))
-        part = {name: v[:k] for name, v in feeds.items()}
-        self.rows["exact"].append(self.session.run(None, part)[0].reshape(k, -1))
-        self.rows["ort"].append(ort_first[:k].reshape(k, -1))
+        try:
+            exact = self.session.run(None, feeds)[0]
+        except Exception as e:  # the runtime fails on this model: no check, eval goes on
+            self._give_up(e)
+            return
+        self.rows["exact"].append(np.asarray(exact, np.float64).ravel())
+        self.rows["ort"].append(np.asarray(ort_out[0], np.float64).ravel())
+        self.shape = np.shape(ort_out[0])
 
     def result(self) -> dict:
-        if self.session is None:
-            return {"checked": 0, "error": self.error}
-        a, b = np.concatenate(self.rows["exact"]), np.concatenate(self.rows["ort"])
+        if self.session is None or not self.rows["ort"]:
+            return {"checked": 0, "error": self.error or "no samples"}
+        per = max(1, int(np.prod(self.shape[1:])) if len(self.shape) > 1 else 1)
+        a, b = np.concatenate(self.rows["exact"]).reshape(-1, per), np.concatenate(self.rows["ort"]).reshape(-1, per)
         from qtool.metrics import sqnr_db
         from qtool.ort_arithmetic import ort_int8_arithmetic
         db = sqnr_db(a, b)
         r = {"checked": len(a), "sqnr_ort_vs_exact_db": db, "max_abs_diff": float(np.abs(a - b).max()),
-             "ort_int8_arithmetic": ort_int8_arithmetic(), "exact": bool(db >= CHECK_MIN_DB)}
+             "ort_int8_arithmetic": ort_int8_arithmetic(), "exact": bool(db >= CHECK_MIN_DB), "target": self.target}
         if a.shape[1] > 1:
             r["top1_agreement_ort_vs_exact"] = float((a.argmax(1) == b.argmax(1)).mean())
         return r
+
+
+PAIR_EXACT = ("portable", "u8-weights", "7bit")  # targets exact under the x86-without-VNNI arithmetic
 
 
 def check_warning(c: dict) -> str | None:
@@ -80,10 +95,15 @@ def check_warning(c: dict) -> str | None:
     if not c or c.get("exact", True) or not c.get("checked"):
         return None
     agree = f"top-1 agreement {c['top1_agreement_ort_vs_exact']:.4f}, " if "top1_agreement_ort_vs_exact" in c else ""
-    return (f"warning: on this CPU ONNX Runtime's int8 output is not the exact int8 result ({agree}SQNR "
-            f"{c['sqnr_ort_vs_exact_db']:.1f} dB between the two on {c['checked']} samples): its int8 path here adds "
-            f"weight pairs in a saturating int16 (no VNNI); the figures above are what this CPU gives. Fix: "
-            f"`qtool quantize --target portable` (exact on every CPU), or run the model on qtool's runtime")
+    head = (f"warning: on this CPU ONNX Runtime's int8 output is not the exact int8 result ({agree}SQNR "
+            f"{c['sqnr_ort_vs_exact_db']:.1f} dB between the two on {c['checked']} samples)")
+    if c.get("ort_int8_arithmetic") == ORT_X86_NOVNNI and c.get("target") not in PAIR_EXACT:
+        return (f"{head}: its int8 path here adds weight pairs in a saturating int16 (no VNNI); the figures above "
+                f"are what this CPU gives. Fix: `qtool quantize --target portable` (exact on every CPU), or run the "
+                f"model on qtool's runtime")
+    return (f"{head}, which neither this ONNX Runtime's known arithmetic ({c.get('ort_int8_arithmetic')}) nor the "
+            f"model's target ({c.get('target') or 'not a qtool model'}) explains; the figures above are what this "
+            f"CPU gives; qtool's runtime gives the exact result")
 
 
 def evaluate(fp32_path: str, int8_path: str, data: str, config=None, labels: str | None = None,
@@ -107,7 +127,7 @@ def evaluate(fp32_path: str, int8_path: str, data: str, config=None, labels: str
     if runtime in ("native", "both"):
         from qtool.runtime import NativeSession
         native = NativeSession(int8_path, threads=threads)
-    exact = ExactCheck(int8_path, threads) if check else None
+    exact = ExactCheck(int8_path, threads, native=native) if check else None
     out_name = sf.get_outputs()[0].name
     out_names = [o.name for o in sf.get_outputs()]
     stats = {n: OutputStats(n) for n in out_names}
@@ -122,7 +142,7 @@ def evaluate(fp32_path: str, int8_path: str, data: str, config=None, labels: str
                 stats[name].add(u, v)
             a, b = outs_f[0], outs_q[0]
             if exact is not None:
-                exact.add(feeds, b)
+                exact.add(feeds, [b])
             rows["fp32"].append(a.reshape(len(a), -1))
             rows["int8"].append(b.reshape(len(b), -1))
             if native is not None:
@@ -245,7 +265,7 @@ def evaluate_tensors(fp32_path: str, int8_path: str, data, limit: int | None = N
     for _, feeds in src.batches():
         outs_q = sq.run(names, feeds)
         if exact is not None:
-            exact.add(feeds, outs_q[0])
+            exact.add(feeds, outs_q)
         for name, a, b in zip(names, sf.run(names, feeds), outs_q):
             stats[name].add(a, b)
         n_samples += len(next(iter(feeds.values())))

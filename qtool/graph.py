@@ -287,3 +287,18 @@ def quantized_ops(model: onnx.ModelProto) -> dict:
         if n.op_type in QUANTIZED_OPS:
             c[n.op_type] = c.get(n.op_type, 0) + 1
     return c
+
+
+def inferred_shapes(model: onnx.ModelProto) -> dict:
+    """tensor -> its dims from ONNX shape inference (on the weightless skeleton): ints where known,
+    None where symbolic or unknown ({} when inference fails)."""
+    try:
+        inf = onnx.shape_inference.infer_shapes(skeleton(model), strict_mode=False)
+    except Exception:
+        return {}
+    out = {}
+    for vi in list(inf.graph.value_info) + list(inf.graph.input) + list(inf.graph.output):
+        t = vi.type.tensor_type
+        if t.HasField("shape"):
+            out[vi.name] = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None for d in t.shape.dim]
+    return out

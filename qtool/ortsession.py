@@ -43,12 +43,19 @@ class Session(ort.InferenceSession):
 
 
 def session(model: onnx.ModelProto | str | bytes, threads: int = 0, arena: bool = True, spin: bool = True,
-            basic: bool = False, where: str | None = None) -> ort.InferenceSession:
+            basic: bool = False, where: str | None = None, external: dict | None = None,
+            profile_prefix: str | None = None) -> ort.InferenceSession:
     """`spin=False`: idle ORT workers sleep instead of spinning (they would take the core another
     thread of ours needs). `arena=False`: large outputs go back to the system after each run instead
     of pinning the peak. `basic=True`: only the basic graph optimizations, so a QDQ graph runs as
-    written (float ops between Q/DQ) instead of on ORT's fused int8 kernels."""
+    written (float ops between Q/DQ) instead of on ORT's fused int8 kernels. `external` (name ->
+    OrtValue): fills the initializers the graph marks as external (one array made once serves many
+    sessions, none serialized). `profile_prefix`: ORT's per-node profile is written there."""
     so = ort.SessionOptions()
+    if external:
+        so.add_external_initializers(list(external), list(external.values()))
+    if profile_prefix:
+        so.enable_profiling, so.profile_file_prefix = True, profile_prefix
     if not spin:
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     so.enable_cpu_mem_arena = arena

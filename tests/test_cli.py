@@ -494,6 +494,25 @@ def test_fixed_batch_one_model_flow(project):
     assert json.load(open("e.json"))["n_images"] == 8
 
 
+def test_fixed_batch_three_model_flow(project):
+    """A batch pinned to 3 with 8 calibration images: every step of quantize (method choice, rounding,
+    range tuning, sensitivity, exclusion) runs on whole batches of 3 and says nothing breaks."""
+    import onnx
+    m = small_convnet()
+    for v in (m.graph.input[0], m.graph.output[0]):
+        v.type.tensor_type.shape.dim[0].dim_value = 3
+    onnx.checker.check_model(m)
+    save(m, project / "b3.onnx")
+    assert qtool("calibrate", "-m", "b3.onnx", "-d", "data", "-c", "cfg.toml", "-q", "--batch", "3", "--every", "1",
+                 "--limit", "8") == 0
+    assert qtool("quantize", "-q", "--method", "auto", "--exclude-sensitive", "--max-excluded", "1",
+                 "--sensitivity-samples", "6", "--json", "q.json") == 0
+    rep = json.load(open("q.json"))
+    assert rep["rounding"] == "output-aware" and rep["tuned_ranges"] is not None
+    sens = json.load(open(project / "qtool_work" / "sensitivity.json"))
+    assert sens["meta"]["samples"] == 6 and len(sens["layers"]) == rep["summary"]["int8"]
+
+
 def test_eval_with_every_path_explicit(project):
     assert qtool("calibrate", "-m", "net.onnx", "-d", "data", "-c", "cfg.toml", "-q", "-w", "w1") == 0
     assert qtool("quantize", "-q", "-w", "w1", "-o", "int8.onnx") == 0

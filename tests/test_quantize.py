@@ -556,7 +556,8 @@ def test_pair_safe_rounding_stays_close_and_bounded():
     error no worse than the plain int8 error of the same channel at the same scale plus the trim,
     and a channel that needs nothing keeps the plain scale."""
     from qtool.arithmetic import PAIR_LIMIT, pair_sums
-    from qtool.quantize.encoding import pair_partners, pair_safe_scales, project, violations
+    from qtool.arithmetic import can_saturate
+    from qtool.quantize.encoding import pair_partners, pair_safe_scales, project
     rng = np.random.default_rng(1)
     w = rng.standard_normal((6, 5, 3, 3)).astype(np.float32)
     w[0] = 0.01 * np.sign(w[0])  # a flat channel: every same-sign pair would sum to 254 at max/127
@@ -565,7 +566,7 @@ def test_pair_safe_rounding_stays_close_and_bounded():
     partners = pair_partners(w.shape, "Conv", 0)
     rows = w.reshape(6, -1)
     q, s = pair_safe_scales(rows, partners)
-    assert np.abs(q).max() <= 127 and not violations(q, partners).any()
+    assert np.abs(q).max() <= 127 and not can_saturate(q, np.where(partners >= 0, q[:, np.maximum(partners, 0)], 0)).any()
     ort_rows = q.reshape(w.shape).transpose(0, 2, 3, 1).reshape(6, -1)  # ONNX Runtime's K order
     assert pair_sums(ort_rows).max() <= PAIR_LIMIT
     s_plain = Q.weight_scales(w, 0)
@@ -575,3 +576,20 @@ def test_pair_safe_rounding_stays_close_and_bounded():
     assert err[1] == pytest.approx(plain[1])
     v = np.array([[100.2, 90.7, -3.0, 127.0]])
     np.testing.assert_array_equal(project(v, np.rint(v), np.array([1, 0, 3, 2])), [[69, 59, -3, 127]])
+
+
+@pytest.mark.parametrize("shape,group", [((4, 6, 3, 3), 1), ((4, 3, 3, 3), 1), ((4, 5, 3), 1), ((4, 3, 2, 2, 2), 1),
+                                         ((6, 2, 3, 3), 3), ((8, 5, 1, 1), 1)])
+def test_pair_partners_follow_onnx_runtimes_k_order(shape, group):
+    """Partners (in the rows qtool rounds) are neighbours in ORT's K order for any conv rank, odd
+    channel counts (pairs crossing taps) and groups: checked against conv_rows on a weight whose
+    values are their own row positions."""
+    from qtool.arithmetic import conv_rows
+    from qtool.quantize.encoding import pair_partners
+    k = int(np.prod(shape[1:]))
+    partners = pair_partners(shape, "Conv", 0, group)
+    order = conv_rows(np.arange(k).reshape((1,) + shape[1:]))[0]  # row position at each K position
+    for pos in range(k):
+        mate = pos ^ 1
+        assert partners[order[pos]] == (order[mate] if mate < k else -1)
+    assert pair_partners((5, 1, 3), "Conv", 0, 5) is None  # depthwise 1-D: exact on ORT, no pairs

@@ -69,7 +69,7 @@ def test_a_tensor_probe_follows_its_fed_range(setup):
     sim = Simulator(ctx)
     t = next(iter(sim.plan.tensors))
     lo, hi = ctx.table.range(t, "minmax")
-    wide, narrow = (Variant(set(), {t: Q.activation_qparams(lo * f, hi * f)}) for f in (4.0, 1.0))
+    wide, narrow = (Variant(set(), {t: Q.activation_qparams(lo * f, hi * f)}, sim.plan.int8_nodes) for f in (4.0, 1.0))
     y_wide, y_narrow = sim.run(samples, [wide, narrow])
     ref = samples.reference
     assert sqnr_db(ref, y_narrow) > sqnr_db(ref, y_wide) + 3  # a 4x wider range: coarser steps

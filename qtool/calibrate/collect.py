@@ -11,6 +11,7 @@ import os
 import queue
 import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -272,6 +273,11 @@ def _slices(batches, graph_inputs: dict, per_sample, budget: int = MAX_OUTPUT_BY
     for feeds in batches:
         feeds = {k: v for k, v in feeds.items() if k in graph_inputs}
         n = len(next(iter(feeds.values()))) if feeds else 0
+        short = [k for k in feeds if isinstance(graph_inputs[k], int) and np.ndim(feeds[k]) and len(feeds[k]) != graph_inputs[k]]
+        if short:  # the last, partial batch of a model whose batch is fixed: it cannot run
+            warnings.warn(f"the model takes exactly {graph_inputs[short[0]]} samples at a time: the last {n} are "
+                          f"left out", stacklevel=2)
+            continue
         if (n <= 1 or any(np.ndim(v) == 0 or len(v) != n for v in feeds.values())
                 or any(isinstance(graph_inputs[k], int) for k in feeds)):
             yield {k: np.array(v) for k, v in feeds.items()}

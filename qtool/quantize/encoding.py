@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from qtool import qparams as Q
-from qtool.arithmetic import PAIR_LIMIT, is_depthwise
+from qtool.arithmetic import PAIR_LIMIT, can_saturate, conv_rows, is_depthwise
 
 S8, PAIR_SAFE, U8, S7 = "s8", "pair-safe", "u8", "s7"
 W_MAX_OF = {S7: 63}  # 7-bit weights: no pair of two can pass 126
@@ -53,15 +53,16 @@ def pair_partners(w_shape, op_type: str, axis: int, group: int = 1) -> np.ndarra
     np.moveaxis(w, axis, 0).reshape(C, -1)), the index of each weight's pair partner in ONNX
     Runtime's K order (-1: paired with padding), or None where ORT never pairs (depthwise)."""
     if op_type == "Conv":
-        if len(w_shape) != 4 or is_depthwise(w_shape, group):
-            return None if len(w_shape) == 4 else _flat_partners(int(np.prod(w_shape[1:])))
-        _, cin, kh, kw = w_shape
-        c, ky, kx = np.meshgrid(np.arange(cin), np.arange(kh), np.arange(kw), indexing="ij")
-        ort = ((ky * kw + kx) * cin + c).ravel()  # row index (c, ky, kx) -> ORT's K index (ky, kx, c)
-        row_of = np.empty_like(ort)
-        row_of[ort] = np.arange(ort.size)
-        mate = ort ^ 1
-        return np.where(mate < ort.size, row_of[np.minimum(mate, ort.size - 1)], -1)
+        if is_depthwise(w_shape, group):
+            return None
+        # ORT's K order is arithmetic.conv_rows' (one place defines it): run it on the row indices
+        k = int(np.prod(w_shape[1:]))
+        row_at = conv_rows(np.arange(k).reshape((1,) + tuple(w_shape[1:])))[0]  # K position -> row index
+        partners = np.full(k, -1)
+        mates = np.arange(k) ^ 1
+        ok = mates < k
+        partners[row_at[ok]] = row_at[mates[ok]]
+        return partners
     k = int(np.prod(w_shape)) // w_shape[axis]
     return _flat_partners(k)
 
@@ -69,13 +70,6 @@ def pair_partners(w_shape, op_type: str, axis: int, group: int = 1) -> np.ndarra
 def _flat_partners(k: int) -> np.ndarray:
     mate = np.arange(k) ^ 1
     return np.where(mate < k, mate, -1)
-
-
-def violations(q_rows: np.ndarray, partners: np.ndarray) -> np.ndarray:
-    """[C, K] bool: weights in a same-sign pair whose sum leaves [-128, 128]."""
-    q = np.asarray(q_rows, np.int64)
-    m = np.where(partners >= 0, q[:, np.maximum(partners, 0)], 0)
-    return (q * m > 0) & (np.abs(q + m) > PAIR_LIMIT)
 
 
 def _first_of_pairs(partners: np.ndarray) -> np.ndarray:
@@ -90,7 +84,7 @@ def project(v: np.ndarray, q: np.ndarray, partners: np.ndarray) -> np.ndarray:
     a = _first_of_pairs(partners)
     b = partners[a]
     qa, qb = q[:, a], q[:, b]
-    bad = (qa * qb > 0) & (np.abs(qa + qb) > PAIR_LIMIT)
+    bad = can_saturate(qa, qb)
     if bad.any():
         sign = np.sign(qa)
         ua, ub = np.abs(v[:, a]) , np.abs(v[:, b])
@@ -117,23 +111,34 @@ def pair_safe_scales(w_rows: np.ndarray, partners: np.ndarray, hessian: np.ndarr
     same = np.sign(w[:, a]) * np.sign(w[:, b]) > 0
     top = np.where(same, np.abs(w[:, a] + w[:, b]), 0).max(axis=1, initial=0.0) / s0
     fmax = np.maximum(1.0, top / PAIR_LIMIT * (1 + 1e-6))
-    best_q, best_s, best_e = None, None, None
-    for t in np.linspace(0.0, 1.0, SCALE_STEPS):
-        s = (s0 * (1 + (fmax - 1) * t)).astype(np.float32)
-        v = w / s.astype(np.float64)[:, None]
-        q = project(v, np.clip(np.rint(v), -Q.W_MAX, Q.W_MAX), partners)
-        dw = q * s.astype(np.float64)[:, None] - w
+    s = s0.astype(np.float32)
+    v = w / s.astype(np.float64)[:, None]
+    best_q = project(v, np.clip(np.rint(v), -Q.W_MAX, Q.W_MAX), partners)
+    best_s = s
+    rows = np.flatnonzero(fmax > 1)  # only channels with a pair past the limit have a choice to make
+    if len(rows) == 0:
+        return best_q, best_s.astype(np.float32)
+    g = 1 if hessian is None else hessian.shape[0]
+    if g > 1:  # (grouped: each channel reads its group's covariance; score every channel)
+        rows = np.arange(c)
+    group = rows // (c // g)
+
+    def error(q, s):
+        dw = q * s.astype(np.float64)[:, None] - w[rows]
         if hessian is None:
-            e = (dw ** 2).sum(axis=1)
-        else:
-            g = hessian.shape[0]
-            d = dw.reshape(g, c // g, k)
-            e = (np.matmul(d, hessian) * d).sum(axis=2).reshape(c)
-        if best_e is None:
-            best_q, best_s, best_e = q, s, e
-        else:
-            take = e < best_e
-            best_q = np.where(take[:, None], q, best_q)
-            best_s = np.where(take, s, best_s)
-            best_e = np.where(take, e, best_e)
+            return (dw ** 2).sum(axis=1)
+        if g == 1:
+            return (dw @ hessian[0] * dw).sum(axis=1)
+        return (np.einsum("rk,rkl->rl", dw, hessian[group]) * dw).sum(axis=1)
+
+    best_e = error(best_q[rows], best_s[rows])
+    for t in np.linspace(0.0, 1.0, SCALE_STEPS)[1:]:
+        s = (s0[rows] * (1 + (fmax[rows] - 1) * t)).astype(np.float32)
+        v = w[rows] / s.astype(np.float64)[:, None]
+        q = project(v, np.clip(np.rint(v), -Q.W_MAX, Q.W_MAX), partners)
+        e = error(q, s)
+        take = e < best_e
+        best_q[rows[take]] = q[take]
+        best_s[rows[take]] = s[take]
+        best_e = np.where(take, e, best_e)
     return best_q, best_s.astype(np.float32)

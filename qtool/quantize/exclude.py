@@ -81,7 +81,7 @@ def exclude_sensitive(ctx: QuantizeContext, ranking: list, samples: SampleSet, t
     """Layers kept fp32 on top of the user's (ctx.exclude), judged on `samples` (held back)."""
     base_exclude = dict(ctx.exclude)
     feeds, reference = samples.feeds, samples.reference
-    one = {k: v[:1] for k, v in feeds[0].items()}
+    one = {k: v[:samples.batch if samples.fixed_batch else 1] for k, v in feeds[0].items()}  # (latency at batch 1)
     y_true = None if labels is None else np.asarray(labels)
 
     def evaluate(excl: dict):

@@ -16,6 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 from qtool import graph as G
 from qtool import qparams as Q
 from qtool.errors import QtoolError
+from qtool.modelio import set_provenance
 from qtool.quantize.encoding import DEFAULT_TARGET, PAIR_SAFE, S7, S8, TARGETS, U8, W_MAX_OF, pair_partners
 from qtool.plan import Plan, make_plan
 from qtool.rules import RULES
@@ -101,15 +102,15 @@ def layer_weights(model, node, inits, s_in, mean_x, bias_correction: bool, hessi
     weight, as the target encodes it; cached per layer and setting in `weight_cache`."""
     rule = RULES[node.op_type]
     widx, axis = rule.weight(node, model)
-    w = numpy_helper.to_array(inits[node.input[widx]]).astype(np.float32)
-    has_bias = rule.bias is not None and len(node.input) > rule.bias and node.input[rule.bias]
-    b = numpy_helper.to_array(inits[node.input[rule.bias]]).astype(np.float32).ravel() if has_bias else None
-    partners = pair_partners(w.shape, node.op_type, axis, G.attr(node, "group", 1))
+    partners = pair_partners(tuple(inits[node.input[widx]].dims), node.op_type, axis, G.attr(node, "group", 1))
     enc = S8 if partners is None else TARGETS[target].encoding
     key = (node.name, bias_correction, hessian is not None, s_in if rule.bias is not None else None,
            enc if enc in (PAIR_SAFE, S7) else S8)
     qw = weight_cache.get(key) if weight_cache is not None else None
-    if qw is None:
+    if qw is None:  # (the weights are read only now: a build with every layer cached reads none)
+        w = numpy_helper.to_array(inits[node.input[widx]]).astype(np.float32)
+        has_bias = rule.bias is not None and len(node.input) > rule.bias and node.input[rule.bias]
+        b = numpy_helper.to_array(inits[node.input[rule.bias]]).astype(np.float32).ravel() if has_bias else None
         qw = quantize_weight(w, axis, b, mean_x, node.op_type, G.attr(node, "group", 1),
                              correct_bias=bias_correction and rule.bias is not None,
                              s_in=s_in if rule.bias is not None else None, hessian=hessian,
@@ -215,7 +216,7 @@ def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exc
     _shield_fp32_layers(m, inits, dq_of, add_init, taken)
     m.graph.initializer.extend(new_inits)
     G.remove_unused_initializers(m)
-    _set_metadata(m, "qtool.target", target)
+    set_provenance(m, target=target)  # (read back by modelio.provenance: qtool.target)
     G.toposort(m)
     for d in plan.decisions:
         if d.status == "fp32" and d.op_type in RULES:
@@ -275,11 +276,3 @@ def _shield_fp32_layers(m, inits, dq_of, add_init, taken) -> None:
         td = G.unique_name(m, node.name + "_input_dequantized", taken)
         m.graph.node.append(helper.make_node("DequantizeLinear", [tq, sn, zn], [td], name=td, axis=axis))
         node.input[0] = td
-
-
-def _set_metadata(m: onnx.ModelProto, key: str, value: str) -> None:
-    for p in m.metadata_props:
-        if p.key == key:
-            p.value = value
-            return
-    m.metadata_props.add(key=key, value=value)

@@ -116,13 +116,16 @@ def search_ranges(ctx, samples, progress=None, total=None) -> RangeSearch:
         return RangeSearch()
     sim = Simulator(ctx)
     probe_set = samples.subset(np.linspace(0, len(samples) - 1, min(PROBE_SAMPLES, len(samples))).astype(int))
+    if not len(probe_set):  # (a model whose fixed batch is larger than PROBE_SAMPLES)
+        probe_set = samples
     ref = np.asarray(probe_set.reference, np.float64)
     power = max(float((ref ** 2).sum()), 1e-300)
     res = RangeSearch()
 
     def noise(probes: list) -> list:
         """Output noise power / signal power with only tensor t quantized to range r, per (t, r)."""
-        ys = sim.run(probe_set, [Variant(set(), {t: Q.activation_qparams(*r)}) for t, r in probes], progress)
+        ys = sim.run(probe_set, [Variant(set(), {t: Q.activation_qparams(*r)}, sim.plan.int8_nodes) for t, r in probes],
+                     progress)
         res.probes += len(probes)
         return [float(((y.astype(np.float64) - ref) ** 2).sum()) / power for y in ys]
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from qtool import qparams as Q
-from qtool.arithmetic import PAIR_LIMIT
+from qtool.arithmetic import can_saturate
 from qtool.quantize.encoding import project
 
 SWEEPS = 4
@@ -149,7 +149,7 @@ def _descend_pair_safe(q, v, wm, s, hessian, partners, sweeps):
     pairs = [(a, int(partners[a])) for a in range(k) if partners[a] > a]
 
     def safe(x, y):
-        return ~((x * y > 0) & (np.abs(x + y) > PAIR_LIMIT))
+        return ~can_saturate(x, y)
 
     def apply(j, take, d):
         q[:, :, j] = np.where(take, q[:, :, j] + d, q[:, :, j])

@@ -29,14 +29,16 @@ class SampleSet:
     @property
     def feeds(self) -> list:
         n = len(self.names)
-        if self.fixed_batch:
-            n -= n % self.batch  # (a model with a fixed batch of b takes whole batches only)
         return [{k: v[a:a + self.batch] for k, v in self.inputs.items()} for a in range(0, n, self.batch)]
 
     def subset(self, index) -> "SampleSet":
+        """The samples at `index`; for a model with a fixed batch, whole batches of them only (the
+        rest left out), so every feed, output and reference row lines up."""
         idx = np.asarray(index, np.int64)
+        if self.fixed_batch:
+            idx = idx[:len(idx) - len(idx) % self.batch]
         return SampleSet([self.names[i] for i in idx], {k: v[idx] for k, v in self.inputs.items()},
-                         self.reference[idx], self.batch, self.fixed_batch)
+                         self.reference[idx] if len(self.reference) else self.reference, self.batch, self.fixed_batch)
 
     def pick(self, names: list) -> "SampleSet":
         pos = {n: i for i, n in enumerate(self.names)}
@@ -72,6 +74,11 @@ def load_samples(fused, table, files: list, threads: int = 0, progress=None) -> 
     from qtool import graph as G
     fixed = [d[0] for d in (G.input_dims(i) for i in G.real_inputs(fused)) if d and isinstance(d[0], int)]
     s = SampleSet(names, inputs, np.zeros((0,)), fixed[0] if fixed else BATCH, bool(fixed))
+    s = s.subset(range(len(names)))  # (a fixed batch: whole batches only)
+    if not len(s):
+        warnings.warn(f"the model takes exactly {s.batch} samples at a time and only {len(names)} calibration "
+                      f"samples are here; the steps that need them are skipped", stacklevel=2)
+        return s
     from qtool.ortsession import session
     sess = session(fused, threads, where=f"{table.model_path} (fused)")
     out = sess.get_outputs()[0].name
@@ -80,19 +87,18 @@ def load_samples(fused, table, files: list, threads: int = 0, progress=None) -> 
         ys.append(sess.run([out], f)[0])
         if progress:
             progress(len(next(iter(f.values()))))
-    s.reference = np.concatenate(ys) if ys else np.zeros((0,))  # (fewer samples than a fixed batch: none run)
+    s.reference = np.concatenate(ys)
     return _finite_only(s)
 
 
 def _finite_only(s: SampleSet) -> SampleSet:
     """The samples whose inputs and fp32 output are all finite: a NaN/inf sample would make every
     SQNR and agreement NaN (calibration left its values out of the ranges the same way)."""
-    n = len(s.reference)
     ok = np.ones(len(s.names), bool)
     for v in list(s.inputs.values()) + [s.reference]:
-        if np.issubdtype(v.dtype, np.floating) and len(v) == len(ok):
+        if np.issubdtype(v.dtype, np.floating):
             ok &= np.isfinite(v.reshape(len(v), -1)).all(axis=1)
-    if n != len(s.names) or ok.all():
+    if ok.all():
         return s
     bad = [s.names[i] for i in np.flatnonzero(~ok)]
     warnings.warn(f"{len(bad)} calibration sample{'s' if len(bad) > 1 else ''} with NaN/inf in the input or the fp32 "

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import json
+import tempfile
 import time
 
 import numpy as np
@@ -30,7 +32,6 @@ from onnx import TensorProto, helper, numpy_helper
 
 from qtool import graph as G
 from qtool import qparams as Q
-from qtool.metrics import kl_softmax
 from qtool.ortsession import session, with_outputs
 from qtool.plan import ModelFacts, make_plan
 from qtool.quantize.qdq import activation_qparams, layer_weights, upgrade_opset
@@ -49,17 +50,16 @@ class Variant:
     """One experiment: these layers' weights int8, these tensors quantized (to these parameters)."""
     weights: set = field(default_factory=set)  # node names
     tensors: dict = field(default_factory=dict)  # tensor -> ActQParams
+    nodes: set = field(default_factory=set)  # the int8 nodes (fp32 readers of a graph input read it raw)
 
 
 class Simulator:
     def __init__(self, ctx):
         self.ctx = ctx
-        base = onnx.ModelProto()
-        base.CopyFrom(ctx.fused)
-        self.base = upgrade_opset(base, [])  # what the plans are made on and the variants cut from
+        self.base = upgrade_opset(ctx.fused, [])  # what the plans are made on and the variants cut from (read only)
         self.facts = ModelFacts.of(self.base)
         self.types = self.facts.types
-        self.shapes = _shapes(self.base)
+        self.shapes = G.inferred_shapes(self.base)
         self.plan = self.plan_for({})
         self.qparams = activation_qparams(self.base, self.plan, ctx.table, ctx.method, ctx.ranges)
         self.output = self.base.graph.output[0].name
@@ -81,19 +81,13 @@ class Simulator:
         ranges = {**ctx.table.ranges.get(ctx.method, {}), **(ctx.ranges or {})}
         return make_plan(self.base, {**ctx.exclude, **exclude}, ranges, prune_excluded, facts=self.facts)
 
-    def variant(self, exclude: dict, prune_excluded: bool = True, ranges: dict | None = None) -> Variant:
-        """The variant ctx.build(exclude) would write (ranges: tensor -> (lo, hi) overrides)."""
+    def variant(self, exclude: dict, prune_excluded: bool = True) -> Variant:
+        """The variant ctx.build(exclude, prune_excluded=...) writes: its plan's quantizers, with the
+        parameters the build computes for that plan, and its int8 layers' weights."""
+        ctx = self.ctx
         plan = self.plan_for(exclude, prune_excluded)
-        tensors = {}
-        for t in plan.tensors:
-            src = t
-            while src in plan.shared:
-                src = plan.shared[src]
-            if ranges and src in ranges:
-                tensors[t] = Q.activation_qparams(*ranges[src])
-            elif t in self.qparams:
-                tensors[t] = self.qparams[t]
-        return Variant({n for n in plan.int8_nodes if n in self.plan.weight_inputs}, tensors)
+        tensors = activation_qparams(self.base, plan, ctx.table, ctx.method, ctx.ranges)
+        return Variant({n for n in plan.int8_nodes if n in plan.weight_inputs}, tensors, set(plan.int8_nodes))
 
     def output_tensor(self, name: str) -> str:
         """The tensor layer `name` writes: its own output, or that of the Relu/Clip fused into it."""
@@ -144,16 +138,8 @@ class Simulator:
         """Each node's share of an fp32 pass, from ONNX Runtime's profile of one run on `feed` (its
         fused and NCHWc nodes are named after the tensor they write); where the profile does not
         name a node, its output size times its reduction length stands in."""
-        import json
-        import onnxruntime as ort
-        so = ort.SessionOptions()
-        so.enable_profiling = True
-        so.intra_op_num_threads = self.ctx.threads or 2
-        so.log_severity_level = 3
-        import tempfile
         with tempfile.TemporaryDirectory() as tmp:
-            so.profile_file_prefix = f"{tmp}/qtool-sim"
-            sess = ort.InferenceSession(self.ctx.fused.SerializeToString(), so, providers=["CPUExecutionProvider"])
+            sess = session(self.ctx.fused, self.ctx.threads or 2, profile_prefix=f"{tmp}/qtool-sim")
             sess.run(None, feed)
             t0 = time.perf_counter()
             sess.run(None, feed)
@@ -221,14 +207,14 @@ class Simulator:
 
     def session(self, p: int, variants: list):
         """A session for the graph from cut p on, with a switch on everything `variants` change:
-        T -> T + g_T (DQ(Q(T, s_T, z_T)) - T) and W -> W + g_N (W_int8 - W), the g, s and z fed per
-        run. -> (session, frontier tensors it reads, the switch inputs it has)."""
-        import onnxruntime as ort
+        T -> If(on_T, DQ(Q(T, s_T, z_T)), T) and W -> Where(on_N, W_int8, W), the switches, scales
+        and zero points fed per run. -> (session, frontier tensors it reads, its switches)."""
         frontier = self._frontier(p)
-        tensors = sorted({t for v in variants for t in v.tensors} - G.graph_output_names(self.base))
+        tensors = sorted({t for v in variants for t in v.tensors})
         weights = sorted({n for v in variants for n in v.weights})
+        graph_inputs = {i.name for i in G.real_inputs(self.base)}
+        int8 = set().union(*(v.nodes for v in variants)) if variants else set()
         nodes = [_copy(n) for n in self.nodes[p:]]
-        inits = list(self.small)
         big = {}
         before = {}  # node name -> switch nodes placed right before it
         for n in nodes:
@@ -237,19 +223,20 @@ class Simulator:
             for idx, val in self.layer_weights(n.name):
                 stem = f"sim:{n.name}:{idx}"
                 fp = n.input[idx] if len(n.input) > idx and n.input[idx] else None
-                base = G.const_value(self.base, fp) if fp else np.zeros_like(val)
-                big[stem + ":w"] = self._value(stem + ":w", np.asarray(base, np.float32).reshape(val.shape))
-                big[stem + ":d"] = self._value(stem + ":d", (val - np.asarray(base, np.float32).reshape(val.shape)))
-                before.setdefault(n.name, []).extend([
-                    helper.make_node("Mul", [stem + ":d", f"sim:{n.name}"], [stem + ":gd"]),
-                    helper.make_node("Add", [stem + ":w", stem + ":gd"], [stem + ":v"])])
+                big[stem] = self._value(stem, val)
+                if fp is None:  # no bias in the fp32 graph: zeros stand for it when the switch is off
+                    fp = stem + ":0"
+                    big[fp] = self._value(fp, np.zeros_like(val))
+                before.setdefault(n.name, []).append(
+                    helper.make_node("Where", [f"sim:{n.name}", stem, fp], [stem + ":v"]))  # exact either way
                 while len(n.input) <= idx:
                     n.input.append("")
                 n.input[idx] = stem + ":v"
         rename = {t: f"sim:{t}:y" for t in tensors}
         for n in nodes:
             for k, i in enumerate(n.input):
-                if i in rename:
+                # as the build does, fp32 readers of a graph input read it before quantization
+                if i in rename and (i not in graph_inputs or n.name in int8):
                     n.input[k] = rename[i]
         produced = {o: n.name for n in nodes for o in n.output}
         after = {}
@@ -270,7 +257,7 @@ class Simulator:
         for name in sorted(used):
             if name not in big and name not in frontier and name in self.big_names:
                 big[name] = self._value(name)
-        switches = [helper.make_tensor_value_info(f"sim:{n}", TensorProto.FLOAT, []) for n in weights]
+        switches = [helper.make_tensor_value_info(f"sim:{n}", TensorProto.BOOL, []) for n in weights]
         for t in tensors:
             switches += [helper.make_tensor_value_info(f"sim:{t}", TensorProto.BOOL, []),
                          helper.make_tensor_value_info(f"sim:{t}:s", TensorProto.FLOAT, []),
@@ -280,24 +267,19 @@ class Simulator:
             [helper.make_tensor_value_info(t, self.types.get(t, TensorProto.FLOAT), _dims(self.shapes.get(t)))
              for t in frontier] + switches,
             [o for o in self.base.graph.output if o.name == self.output],
-            [t for t in inits if t.name in used] + [_external(n, val) for n, val in big.items()])
+            [t for t in self.small if t.name in used] + [_external(n, val) for n, val in big.items()])
         m = helper.make_model(g, opset_imports=self.base.opset_import)
         m.ir_version = max(self.base.ir_version, 8)
-        so = ort.SessionOptions()
         # every optimization (NCHWc convolutions: 2.4x faster than the basic level on Lite0); no int8
-        # kernel can take part, as no DequantizeLinear feeds a Conv or Gemm directly here
-        so.intra_op_num_threads = self.ctx.threads or 2
-        so.log_severity_level = 3
-        # dozens of sessions live at once: without the arena each returns its activations after a run
-        so.enable_cpu_mem_arena = False
-        # the weights come from OrtValues made once, not through a serialized graph
-        so.add_external_initializers(list(big), list(big.values()))
-        sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        # kernel can take part, as no DequantizeLinear feeds a Conv or Gemm directly here. Dozens of
+        # sessions live at once: without the arena each returns its activations after a run. The
+        # weights come from OrtValues made once, not through a serialized graph.
+        sess = session(m, self.ctx.threads or 2, arena=False, external=big, where="a quantize experiment")
         return sess, frontier, (weights, tensors)
 
     def _switch_feed(self, v: Variant, switches) -> dict:
         weights, tensors = switches
-        f = {f"sim:{n}": np.array(1.0 if n in v.weights else 0.0, np.float32) for n in weights}
+        f = {f"sim:{n}": np.array(n in v.weights) for n in weights}
         for t in tensors:
             qp = v.tensors.get(t) or self.qparams.get(t) or Q.ActQParams(1.0, 0)
             f.update({f"sim:{t}": np.array(t in v.tensors),
@@ -360,9 +342,8 @@ class Simulator:
         per_sample = 4 * sum(_numel(self.shapes.get(t)) for t in cross) or 1
         size = max(1, min(len(samples), CACHE_BYTES // per_sample))
         if samples.fixed_batch:
-            size = samples.batch  # (a model with a fixed batch takes exactly that many)
-        n = len(samples) - (len(samples) % samples.batch if samples.fixed_batch else 0)
-        for a in range(0, n, size):
+            size = samples.batch  # (a model with a fixed batch takes exactly that many; the set holds whole batches)
+        for a in range(0, len(samples), size):
             yield {k: v[a:a + size] for k, v in samples.inputs.items()}
 
 
@@ -390,19 +371,6 @@ def _onnx_type(ort_type: str) -> int:
 
 
 # ---------------------------------------------------------------------- helpers
-def _shapes(model) -> dict:
-    try:
-        inf = onnx.shape_inference.infer_shapes(G.skeleton(model), strict_mode=False)
-    except Exception:
-        return {}
-    out = {}
-    for vi in list(inf.graph.value_info) + list(inf.graph.input) + list(inf.graph.output):
-        t = vi.type.tensor_type
-        if t.HasField("shape"):
-            out[vi.name] = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None for d in t.shape.dim]
-    return out
-
-
 def _dims(shape):
     """A value-info shape: the known dims, the batch (and any unknown one) left symbolic."""
     if shape is None:
@@ -426,8 +394,3 @@ def _node_cost(n, shapes) -> float:
             k = int(np.prod([d or 1 for d in w])) // max(w[0] or 1, 1)
             return float(out * max(k, 1))
     return float(out)
-
-
-def first_output_metrics(ref: np.ndarray, y: np.ndarray) -> tuple:
-    from qtool.metrics import sqnr_db, top1_agreement
-    return sqnr_db(ref, y), top1_agreement(ref, y), (kl_softmax(ref, y) if y.ndim == 2 else 0.0)

@@ -254,9 +254,9 @@ class Compiler:
     def saturates(self, name, rows, group=1) -> bool:
         """Whether this layer's sums differ under the chosen arithmetic from the exact ones:
         ORT-x86-novnni with int8 weights (uint8 weights take ORT's exact u8 x u8 kernels) and a
-        pair that can leave int16. `rows` [Cout, K] in the kernel's K order."""
+        pair that can leave int16. `rows()` -> [Cout, K] in the kernel's K order, asked only then."""
         return (self.arithmetic == ORT_X86_NOVNNI and self.qconst[name].q.dtype == np.int8
-                and saturating.has_saturating_pairs(rows, group))
+                and saturating.has_saturating_pairs(rows(), group))
 
     def bias(self, name, sx, sw, w=None, x_zp=0):
         """int32 bias with scale sx*sw (the int32 initializer as is when its scale agrees).
@@ -464,7 +464,8 @@ def _rule_conv(c: Compiler, node):
             if e.detail == "pad" and e.node == pad_step.name:
                 e.mode, e.detail = "fused", f"into {node.name or 'Conv'}"
         x = QView(src, x.scale, x.zp)
-    K = saturating if not is_depthwise(wq.shape, group) and c.saturates(node.input[1], conv_rows(wq), group) else c.K
+    K = saturating if not is_depthwise(wq.shape, group) and c.saturates(node.input[1], lambda: conv_rows(wq), group) \
+        else c.K
 
     def pack(p4):
         return K.pack_conv2d(wq, bias, x_zp=x.zp, multiplier=mult, y_zp=qy[1], strides=tuple(at.get("strides", [1, 1])),
@@ -488,7 +489,7 @@ def _gemm_like(c: Compiler, node, wq_nk, sw, bias_name, x):
         return "its input is a rank-4 NHWC tensor"
     oq = c.out_quant(node.output[0])
     bias = c.bias(bias_name, x.scale, sw, wq_nk, x.zp)
-    K = saturating if c.saturates(node.input[1], wq_nk) else c.K
+    K = saturating if c.saturates(node.input[1], lambda: wq_nk) else c.K
     if isinstance(oq, str):  # float output (e.g. the logits): y = acc * s_x * s_w
         mult = (np.float32(x.scale) * sw).astype(np.float32)
         packed = K.pack_gemm(wq_nk, bias, x_zp=x.zp, multiplier=mult, out_dtype="float32")

@@ -105,11 +105,14 @@ def conv2d(p: SatPacked, x: np.ndarray, out=None):
     s = xp.strides
     cols = np.lib.stride_tricks.as_strided(xp, (n, oh, ow, p.kh, p.kw, c),
                                            (s[0], s[1] * sh, s[2] * sw, s[1] * dh, s[2] * dw, s[3]), writeable=False)
-    cols = cols.reshape(n * oh * ow, p.kh, p.kw, c)
     cig, og = c // p.group, cout // p.group
     acc = np.empty((n * oh * ow, cout), np.int64)
-    for r0 in range(0, n * oh * ow, ROWS_PER_BLOCK):
-        blk = cols[r0:r0 + ROWS_PER_BLOCK]
+    rows = [(b, y) for b in range(n) for y in range(oh)]  # one output row of one image: ow pixels
+    per = max(1, ROWS_PER_BLOCK // ow)
+    for r in range(0, len(rows), per):
+        # im2col of a block of output rows only: the whole copy would be kh*kw times the input
+        blk = np.concatenate([cols[b, y] for b, y in rows[r:r + per]]).reshape(-1, p.kh, p.kw, c)
+        r0 = r * ow
         for g in range(p.group):
             a = blk[..., g * cig:(g + 1) * cig].reshape(len(blk), -1)
             acc[r0:r0 + len(blk), g * og:(g + 1) * og] = _acc(p, a, g)
