@@ -2,7 +2,8 @@
 """The same int8 classifier on every CPU: each --target's model under each arithmetic, and its ORT speed.
 
 Calibrates on the calibration split of an ImageNet-style folder (sorted index % 10 == 0), quantizes
-once per target (`qtool quantize --target T`, no sensitivity), and judges on the other images:
+once per target (`qtool quantize --target T`, no sensitivity; with --tuned also with `--rounding output
+--tune-ranges`), and judges on the other images:
 
 - accuracy against the labels, top-1 agreement with fp32 (with a 95 % interval: a few hundred
   images resolve agreement to a few tenths of a point) and output SQNR, under
@@ -91,6 +92,9 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--no-speed", action="store_true")
+    p.add_argument("--tuned", action="store_true",
+                   help="also each target with output-aware rounding and tuned ranges (quantize --rounding output "
+                        "--tune-ranges), as '<target>+tuned'")
     p.add_argument("--out", default="bench_out")
     a = p.parse_args(argv)
     warnings.simplefilter("ignore")
@@ -111,9 +115,14 @@ def main(argv=None):
     ref = run_all(ref_sess, feeds)
     print(f"fp32 top-1 on {len(evals)} images: {(ref.argmax(1) == y).mean():.4f}")
     res, paths = {}, {}
-    for target in a.targets.split(","):
+    runs = [(t, False) for t in a.targets.split(",")]
+    if a.tuned:
+        runs += [(t, True) for t in a.targets.split(",")]
+    for base_target, tuned in runs:
+        target = base_target + ("+tuned" if tuned else "")
         t = time.time()
-        r = quantize(work, output=os.path.join(work, f"{target}.onnx"), target=target, say=lambda *_: None)
+        r = quantize(work, output=os.path.join(work, f"{target}.onnx"), target=base_target, say=lambda *_: None,
+                     rounding=tuned, tune_ranges=tuned)
         paths[target] = r.path
         row = {"quantize_seconds": time.time() - t, "encodings": r.report["encodings"]}
         for ar in ARITHMETICS:
@@ -127,7 +136,7 @@ def main(argv=None):
         res[target] = row
         for ar in ARITHMETICS + ("this_ort",):
             j = row[ar]
-            print(f"{target:11s} {ar:15s} {j['images']:4d} images: agreement {j['top1_agreement']:.4f} "
+            print(f"{target:17s} {ar:15s} {j['images']:4d} images: agreement {j['top1_agreement']:.4f} "
                   f"[{j['agreement_95'][0]:.4f}, {j['agreement_95'][1]:.4f}], top-1 {j['top1']:.4f} "
                   f"({j['delta_pt']:+.2f} pt), SQNR {j['sqnr_db']:.2f} dB")
     speed = {}

@@ -208,7 +208,10 @@ class Simulator:
     def session(self, p: int, variants: list):
         """A session for the graph from cut p on, with a switch on everything `variants` change:
         T -> If(on_T, DQ(Q(T, s_T, z_T)), T) and W -> Where(on_N, W_int8, W), the switches, scales
-        and zero points fed per run. -> (session, frontier tensors it reads, its switches)."""
+        and zero points fed per run. A session for one variant has no switch: its quantizers and
+        weights are fixed in the graph (an If costs its copies and keeps ORT from fusing across it).
+        -> (session, frontier tensors it reads, its switches)."""
+        fixed = variants[0] if len(variants) == 1 else None
         frontier = self._frontier(p)
         tensors = sorted({t for v in variants for t in v.tensors})
         weights = sorted({n for v in variants for n in v.weights})
@@ -224,6 +227,11 @@ class Simulator:
                 stem = f"sim:{n.name}:{idx}"
                 fp = n.input[idx] if len(n.input) > idx and n.input[idx] else None
                 big[stem] = self._value(stem, val)
+                if fixed is not None:
+                    while len(n.input) <= idx:
+                        n.input.append("")
+                    n.input[idx] = stem
+                    continue
                 if fp is None:  # no bias in the fp32 graph: zeros stand for it when the switch is off
                     fp = stem + ":0"
                     big[fp] = self._value(fp, np.zeros_like(val))
@@ -240,7 +248,17 @@ class Simulator:
                     n.input[k] = rename[i]
         produced = {o: n.name for n in nodes for o in n.output}
         after = {}
+        consts = []
         for t in tensors:
+            if fixed is not None:
+                qp = fixed.tensors[t]
+                sc, z = f"sim:{t}:s", f"sim:{t}:z"
+                consts += [helper.make_tensor(sc, TensorProto.FLOAT, [], [qp.scale]),
+                           helper.make_tensor(z, TensorProto.UINT8, [], [qp.zero_point])]
+                after.setdefault(produced.get(t), []).extend(
+                    [helper.make_node("QuantizeLinear", [t, sc, z], [f"sim:{t}:q"]),
+                     helper.make_node("DequantizeLinear", [f"sim:{t}:q", sc, z], [rename[t]])])
+                continue
             # If, not arithmetic on a gate: a switch that is off then costs one copy, not five passes
             sc, z = f"sim:{t}:s", f"sim:{t}:z"
             on = helper.make_graph([helper.make_node("QuantizeLinear", [t, sc, z], [f"sim:{t}:q"]),
@@ -257,6 +275,8 @@ class Simulator:
         for name in sorted(used):
             if name not in big and name not in frontier and name in self.big_names:
                 big[name] = self._value(name)
+        if fixed is not None:
+            weights, tensors = [], []
         switches = [helper.make_tensor_value_info(f"sim:{n}", TensorProto.BOOL, []) for n in weights]
         for t in tensors:
             switches += [helper.make_tensor_value_info(f"sim:{t}", TensorProto.BOOL, []),
@@ -267,14 +287,14 @@ class Simulator:
             [helper.make_tensor_value_info(t, self.types.get(t, TensorProto.FLOAT), _dims(self.shapes.get(t)))
              for t in frontier] + switches,
             [o for o in self.base.graph.output if o.name == self.output],
-            [t for t in self.small if t.name in used] + [_external(n, val) for n, val in big.items()])
+            [t for t in self.small if t.name in used] + consts + [_external(n, val) for n, val in big.items()])
         m = helper.make_model(g, opset_imports=self.base.opset_import)
         m.ir_version = max(self.base.ir_version, 8)
         # every optimization (NCHWc convolutions: 2.4x faster than the basic level on Lite0); no int8
         # kernel can take part, as no DequantizeLinear feeds a Conv or Gemm directly here. Dozens of
-        # sessions live at once: without the arena each returns its activations after a run. The
-        # weights come from OrtValues made once, not through a serialized graph.
-        sess = session(m, self.ctx.threads or 2, arena=False, external=big, where="a quantize experiment")
+        # sessions live at once, run one after another: they share one arena. The weights come from
+        # OrtValues made once, not through a serialized graph.
+        sess = session(m, self.ctx.threads or 2, arena="shared", external=big, where="a quantize experiment")
         return sess, frontier, (weights, tensors)
 
     def _switch_feed(self, v: Variant, switches) -> dict:
@@ -326,7 +346,7 @@ class Simulator:
                     cross.append(t)
         sessions = {p: self.session(p, [v for v, c in zip(variants, cut_of) if c == p]) for p in cuts}
         feeds = [self._switch_feed(v, sessions[c][2]) for v, c in zip(variants, cut_of)]
-        prefix = session(with_outputs(self.ctx.fused, cross), self.ctx.threads, arena=False) if cross else None
+        prefix = session(with_outputs(self.ctx.fused, cross), self.ctx.threads, arena="shared") if cross else None
         for batch in self._chunks(samples, cross):
             cache = dict(zip(cross, prefix.run(cross, batch))) if prefix is not None else {}
             cache.update(batch)
