@@ -30,7 +30,7 @@ import numpy as np
 from qtool.calibrate.run import calibrate
 from qtool.ortsession import session
 from qtool.quantize.context import QuantizeContext
-from qtool.quantize.run import SensitivityOptions, quantize, SampleSplit
+from qtool.quantize.run import SensitivityOptions, quantize, SampleSplit, sensitivity_samples
 from qtool.quantize.samples import load_samples
 from qtool.quantize.sensitivity import layer_sensitivity
 from qtool.workdir import Workdir
@@ -54,7 +54,8 @@ def main(argv=None):
     p.add_argument("--mean", type=float, default=0.0)
     p.add_argument("--std", type=float, default=1.0)
     p.add_argument("--calibration", type=int, default=100, help="calibration samples (every 10th image)")
-    p.add_argument("--samples", type=int, default=64, help="sensitivity samples")
+    p.add_argument("--samples", type=int, default=None,
+                   help="sensitivity samples (default: quantize's, 64 or fewer for large outputs)")
     p.add_argument("--no-exclude", action="store_true", help="skip the --exclude-sensitive run")
     p.add_argument("--out", default="bench_out")
     a = p.parse_args(argv)
@@ -80,7 +81,7 @@ def main(argv=None):
 
     # 1. sensitivity in fp32 passes (CPU time, one process)
     recorded = [f for f in Workdir(wd).manifest()["calibrate"]["files"]]
-    split = SampleSplit.of(recorded, a.samples)
+    split = SampleSplit.of(recorded, a.samples or sensitivity_samples(cal.fused))
     ctx = QuantizeContext(cal.fused, cal.table, "minmax", threads=1)
     samples = load_samples(cal.fused, cal.table, split.sensitivity)
     fp32 = session(cal.fused, 1)

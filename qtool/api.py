@@ -47,7 +47,7 @@ def calibrate(model: str, data, config=None, *, method: str = "minmax", workdir:
 def quantize(workdir: str = DEFAULT_WORKDIR, *, output: str | None = None, method: str | None = None,
              exclude=(), exclude_sensitive: bool = False, target_agreement: float = 0.995,
              max_drop: float | None = None, max_excluded: int = 5, labels: str | None = None,
-             sensitivity: bool = True, sensitivity_samples: int = 64, bias_correction: bool = True,
+             sensitivity: bool = True, sensitivity_samples: int | None = None, bias_correction: bool = True,
              rounding: str | None = None, tune_ranges: bool | None = None, target: str = DEFAULT_TARGET,
              model: str | None = None, table: str | None = None, verbose: bool = True) -> QuantizeResult:
     """Write the INT8 QDQ model (`output`, default WORKDIR/model.int8.onnx) from the calibration in

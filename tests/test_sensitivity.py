@@ -78,3 +78,69 @@ def test_plain_quantize_keeps_nearest_rounding_and_calibrated_ranges(damaged_wor
     r = quantize(damaged_workdir, sensitivity=SensitivityOptions(enabled=False), say=lambda s: None,
                  rounding=True, tune_ranges=True)
     assert r.report["rounding"] == "output-aware" and r.report["tuned_ranges"]["probes"] > 0
+
+
+def test_default_sensitivity_samples_follow_the_output_size():
+    """A classifier ranks on 64 images; a model with large outputs (a detector) on fewer, down to 8."""
+    from onnx import TensorProto, helper
+    from qtool.quantize.run import sensitivity_samples
+
+    def model(out_dims):
+        g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, out_dims)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, out_dims)])
+        return helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    assert sensitivity_samples(model([1, 1000])) == 64
+    assert sensitivity_samples(model(["n", 1000])) == 64
+    assert sensitivity_samples(model([1, 3549, 85])) == 8  # YOLOX at 416x416
+    assert sensitivity_samples(model([1, 2048, 4])) == 16  # 2^17 values / 2^13 per image
+    assert sensitivity_samples(model([1, 3, "h", "w"])) == 64  # unknown size: the classifier's count
+
+
+def focus_stem(seed=0):
+    """YOLOX's Focus stem: Slices of the graph input (pass-through ops that stay int8 on their own),
+    a Concat, then convolutions."""
+    rng = np.random.default_rng(seed)
+    st = lambda name, v: init(name, np.array(v, np.int64), np.int64)  # noqa: E731
+    nodes = [helper.make_node("Slice", ["x", "s0", "e0", "ax", "st"], ["a"], name="slice_a"),
+             helper.make_node("Slice", ["x", "s1", "e1", "ax", "st"], ["b"], name="slice_b"),
+             helper.make_node("Concat", ["a", "b"], ["cat"], name="cat", axis=1),
+             helper.make_node("Conv", ["cat", "w1"], ["y1"], name="c1", kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["y1"], ["r1"], name="r1"),
+             helper.make_node("Conv", ["r1", "w2"], ["y"], name="c2", kernel_shape=[3, 3], pads=[1, 1, 1, 1])]
+    inits = [st("s0", [0]), st("e0", [16]), st("s1", [1]), st("e1", [17]), st("ax", [2]), st("st", [2]),
+             init("w1", rng.standard_normal((8, 6, 3, 3)) * 0.2), init("w2", rng.standard_normal((4, 8, 3, 3)) * 0.2)]
+    return make_model(nodes, inits, [("x", ["N", 3, 16, 16])], [("y", ["N", 4, 8, 16])])
+
+
+def test_a_layer_alone_in_int8_does_not_carry_the_input_quantizer(tmp_path):
+    """Pass-through ops reading the graph input leave the sensitivity variants too: the last conv's
+    variant quantizes only its own tensors and starts at that conv, not at the input."""
+    from qtool.quantize.context import QuantizeContext
+    from qtool.quantize.samples import load_samples
+    from qtool.quantize.sensitivity import layer_sensitivity
+    from qtool.quantize.simulate import Simulator
+    model = save(focus_stem(), str(tmp_path / "focus.onnx"))
+    write_images(str(tmp_path / "images"), 8, seed=2)
+    cfg = write_config(str(tmp_path / "cfg.toml"), size=16)
+    r = calibrate(model, str(tmp_path / "images"), cfg, "minmax", workdir=str(tmp_path / "w"), show_progress=False)
+    ctx = QuantizeContext(r.fused, r.table, "minmax", threads=1)
+    sim = Simulator(ctx)
+    assert {"slice_a", "slice_b"} <= sim.plan.int8_nodes  # the plan of the whole model keeps them int8
+    samples = load_samples(r.fused, r.table, sorted(str(p) for p in (tmp_path / "images").iterdir()))
+    seen = []
+    orig = Simulator.run
+
+    def spy(self, s, variants, progress=None):
+        seen.extend(variants)
+        return orig(self, s, variants, progress)
+    Simulator.run = spy
+    try:
+        layers = {l.name: l for l in layer_sensitivity(ctx, samples)}
+    finally:
+        Simulator.run = orig
+    assert set(layers) >= {"c1", "c2"}
+    for v in seen:
+        assert "x" not in v.tensors and not v.nodes & {"slice_a", "slice_b"}
+    assert layers["cat"].output_sqnr_db > 100  # a Concat alone has no int8 input: nothing changes
+    assert np.isfinite(layers["c2"].output_sqnr_db) and layers["c2"].output_sqnr_db < 80

@@ -27,8 +27,9 @@ from qtool.quantize.run import SensitivityOptions, fp32_ops_of, quantize, reason
               "drop in points to accept (instead of --target-agreement).")
 @click.option("--max-excluded", type=click.IntRange(min=0), default=5, show_default=True, help="At most this many layers kept in fp32.")
 @click.option("--labels", type=click.Path(dir_okay=False), help="Labels file for --max-drop (else class folders).")
-@click.option("--sensitivity-samples", type=click.IntRange(min=1), default=64, show_default=True,
-              help="Calibration images used for the per-layer sensitivity report.")
+@click.option("--sensitivity-samples", type=click.IntRange(min=1), default=None,
+              help="Calibration images used for the per-layer sensitivity report (default: 64; for a model with "
+                   "large outputs, such as a detector, as few as 8: about 131072 output values in all).")
 @click.option("--no-sensitivity", is_flag=True, help="Skip the sensitivity report.")
 @click.option("--rounding", type=click.Choice(["output", "nearest"]), default=None,
               help="Weight rounding: 'output' rounds each weight down or up to lower its layer's output error on "
@@ -69,7 +70,7 @@ def command(output, model, table, method, exclude, no_bias_correction, exclude_s
         check_writable(json_path, "--json file")
     if no_sensitivity and exclude_sensitive:
         raise click.UsageError("--exclude-sensitive needs the sensitivity analysis; drop --no-sensitivity")
-    if sensitivity_samples < 1 or max_excluded < 0 or not 0 < target_agreement <= 1:
+    if (sensitivity_samples is not None and sensitivity_samples < 1) or max_excluded < 0 or not 0 < target_agreement <= 1:
         raise click.UsageError("--sensitivity-samples >= 1, --max-excluded >= 0 and 0 < --target-agreement <= 1")
     ex = {n: "excluded by the user (--exclude)" for n in exclude}
     opts = SensitivityOptions(not no_sensitivity, sensitivity_samples, exclude_sensitive, target_agreement, max_drop,

@@ -7,9 +7,11 @@ import re
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import onnx
 from tqdm import tqdm
 
+from qtool import graph as G
 from qtool.labels import labels_from_file, labels_from_folders
 from qtool.metrics import sqnr_db
 from qtool.quantize.context import QuantizeContext
@@ -90,10 +92,28 @@ def _pins(table) -> dict:
     return {table.input_name: [None, ch, h, w] if c.get("layout", "NCHW") == "NCHW" else [None, h, w, ch]}
 
 
+SENSITIVITY_SAMPLES = 64  # most, for a classifier: its ranking rests on agreement and KL per image
+SENSITIVITY_VALUES = 1 << 17  # output values that rank layers as well (a detector: 8 images of 20k values)
+MIN_SENSITIVITY_SAMPLES = 8
+
+
+def sensitivity_samples(fused) -> int:
+    """How many calibration images the sensitivity pass takes by default: 64, or for a model whose
+    output holds many values per image (a detector, a segmenter) enough images for about
+    SENSITIVITY_VALUES output values, at least 8. Each layer's cost grows with the images, and on a
+    416x416 detector 64 images cost minutes where 8 rank the same layers worst."""
+    shapes = G.inferred_shapes(fused)
+    dims = shapes.get(fused.graph.output[0].name) if fused.graph.output else None
+    if not dims or any(d is None for d in dims[1:]):
+        return SENSITIVITY_SAMPLES
+    per_image = int(np.prod(dims[1:], dtype=np.int64))
+    return int(min(SENSITIVITY_SAMPLES, max(MIN_SENSITIVITY_SAMPLES, -(-SENSITIVITY_VALUES // max(per_image, 1)))))
+
+
 @dataclass
 class SensitivityOptions:
     enabled: bool = True
-    samples: int = 64
+    samples: int | None = None  # None: sensitivity_samples(the model)
     exclude_sensitive: bool = False
     target_agreement: float = 0.995
     max_drop: float | None = None
@@ -326,7 +346,7 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
     ctx = QuantizeContext(fused, table, table.method if auto else (method or table.method), target, bias_correction,
                           exclude)
     files = _calibration_files(wd)
-    split = SampleSplit.of(files, opts.samples)
+    split = SampleSplit.of(files, opts.samples or sensitivity_samples(fused))
     need = split.needed(auto, rounding or tune_ranges, sens_on, exclusion_on)
     if need:
         say(f"decoding {len(need)} calibration images and running fp32 on them once")

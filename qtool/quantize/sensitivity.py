@@ -64,7 +64,11 @@ def layer_sensitivity(ctx: QuantizeContext, samples: SampleSet, progress=None, o
     names = [d.name for d in layers]
     wanted = set(names if only is None else only)
     picked = [(k, d) for k, d in enumerate(layers) if d.name in wanted]
-    variants = [sim.variant({n: "sensitivity: only one layer int8" for n in names if n != d.name},
+    # pass-through ops go too: one reading the graph input (YOLOX's Focus slices) would otherwise stay
+    # int8 in every variant, adding its input's quantization to every layer's figure and making every
+    # variant start at the input
+    others = set(names) | set(sim.plan.int8_nodes)
+    variants = [sim.variant({n: "sensitivity: only one layer int8" for n in others if n != d.name},
                             prune_excluded=False) for _, d in picked]
     outs = sim.run(samples, variants, progress)
     ref = samples.reference
