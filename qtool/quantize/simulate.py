@@ -23,8 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import json
+import os
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import onnx
@@ -74,6 +76,7 @@ class Simulator:
         self.big_names = {t.name for t in self.base.graph.initializer if int(np.prod(t.dims)) > SMALL}
         self._weights, self._sqnr = {}, {}
         self._share = None  # each node's share of an fp32 pass, profiled on the first run
+        self.workers = ctx.threads or min(os.cpu_count() or 1, 8)  # variants run at once, one thread each
 
     # ------------------------------------------------------------------ what a variant switches on
     def plan_for(self, exclude: dict, prune_excluded: bool = True):
@@ -294,7 +297,9 @@ class Simulator:
         # kernel can take part, as no DequantizeLinear feeds a Conv or Gemm directly here. Dozens of
         # sessions live at once, run one after another: they share one arena. The weights come from
         # OrtValues made once, not through a serialized graph.
-        sess = session(m, self.ctx.threads or 2, arena="shared", external=big, where="a quantize experiment")
+        # one thread each: variants run side by side instead (_run_group); a suffix at batch 1 is too
+        # small to split well (YOLOX's sensitivity: 138 s wall on 2 threads per session, 113 s on one)
+        sess = session(m, 1, arena="shared", external=big, where="a quantize experiment")
         return sess, frontier, (weights, tensors)
 
     def _switch_feed(self, v: Variant, switches) -> dict:
@@ -357,15 +362,19 @@ class Simulator:
         sessions = {p: self.session(p, [v for v, c in zip(variants, cut_of) if c == p]) for p in cuts}
         feeds = [self._switch_feed(v, sessions[c][2]) for v, c in zip(variants, cut_of)]
         prefix = session(with_outputs(self.ctx.fused, cross), self.ctx.threads, arena="shared") if cross else None
-        for batch in self._chunks(samples, cross):
-            cache = dict(zip(cross, prefix.run(cross, batch))) if prefix is not None else {}
-            cache.update(batch)
-            n = len(next(iter(batch.values())))
-            for k, c in enumerate(cut_of):
-                sess, frontier, _ = sessions[c]
-                outs[k].append(sess.run([self.output], {**{t: cache[t] for t in frontier}, **feeds[k]})[0])
-                if progress:
-                    progress(n / len(samples))
+        def one(k, cache):
+            sess, frontier, _ = sessions[cut_of[k]]
+            return sess.run([self.output], {**{t: cache[t] for t in frontier}, **feeds[k]})[0]
+
+        with ThreadPoolExecutor(self.workers) as pool:  # ORT lets the GIL go while it runs
+            for batch in self._chunks(samples, cross):
+                cache = dict(zip(cross, prefix.run(cross, batch))) if prefix is not None else {}
+                cache.update(batch)
+                n = len(next(iter(batch.values())))
+                for k, y in enumerate(pool.map(lambda k: one(k, cache), range(len(cut_of)))):
+                    outs[k].append(y)
+                    if progress:
+                        progress(n / len(samples))
 
     def _chunks(self, samples, cross: list):
         """Batches of samples small enough that the fp32 tensors crossing the cuts fit CACHE_BYTES."""
