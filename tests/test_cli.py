@@ -478,14 +478,19 @@ def test_quantize_with_explicit_model_and_table(project):
     assert os.path.exists("w2/model.int8.onnx") and json.load(open("q.json"))["summary"]["int8"] == 6
 
 
-def test_fixed_batch_one_model_flow(project):
-    """Many exported models pin the batch to 1: calibrate and eval must feed one image at a time."""
+def _pinned_batch(path, batch):
+    """small_convnet with its batch dimension fixed, as many exporters write it."""
     import onnx
     m = small_convnet()
     for v in (m.graph.input[0], m.graph.output[0]):
-        v.type.tensor_type.shape.dim[0].dim_value = 1
+        v.type.tensor_type.shape.dim[0].dim_value = batch
     onnx.checker.check_model(m)
-    save(m, project / "b1.onnx")
+    save(m, path)
+
+
+def test_fixed_batch_one_model_flow(project):
+    """Many exported models pin the batch to 1: calibrate and eval must feed one image at a time."""
+    _pinned_batch(project / "b1.onnx", 1)
     assert qtool("calibrate", "-m", "b1.onnx", "-d", "data", "-c", "cfg.toml", "-q", "--batch", "8", "--every", "3",
                  "--json", "cal.json") == 0
     assert json.load(open("cal.json"))["n_samples"] == 4
@@ -497,12 +502,7 @@ def test_fixed_batch_one_model_flow(project):
 def test_fixed_batch_three_model_flow(project):
     """A batch pinned to 3 with 8 calibration images: every step of quantize (method choice, rounding,
     range tuning, sensitivity, exclusion) runs on whole batches of 3 and says nothing breaks."""
-    import onnx
-    m = small_convnet()
-    for v in (m.graph.input[0], m.graph.output[0]):
-        v.type.tensor_type.shape.dim[0].dim_value = 3
-    onnx.checker.check_model(m)
-    save(m, project / "b3.onnx")
+    _pinned_batch(project / "b3.onnx", 3)
     assert qtool("calibrate", "-m", "b3.onnx", "-d", "data", "-c", "cfg.toml", "-q", "--batch", "3", "--every", "1",
                  "--limit", "8") == 0
     assert qtool("quantize", "-q", "--method", "auto", "--exclude-sensitive", "--max-excluded", "1",
