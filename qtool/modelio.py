@@ -346,10 +346,15 @@ def _mkstemp(path: str) -> tuple:
 
 def atomic_write_bytes(path: str, data: bytes) -> None:
     """Write to a temporary file in the same folder, then rename: never a half-written file."""
+    _atomic_write(path, lambda f: f.write(data))
+
+
+def _atomic_write(path: str, write) -> None:
+    """write(binary file) into a temporary file in the same folder, then rename over `path`."""
     fd, tmp = _mkstemp(path)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            write(f)
         _usual_mode(tmp)
         os.replace(tmp, path)
     except BaseException as e:
@@ -406,18 +411,7 @@ def save_model(model: onnx.ModelProto, path: str, external_threshold: int = EXTE
         atomic_write_bytes(path, model.SerializeToString())
         return
     if size < external_threshold:
-        fd, tmp = _mkstemp(path)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                _write_model(model, f)
-            _usual_mode(tmp)
-            os.replace(tmp, path)
-        except BaseException as e:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            if isinstance(e, OSError):
-                raise QtoolError(f"{path}: cannot write ({e.strerror or e})") from None
-            raise
+        _atomic_write(path, lambda f: _write_model(model, f))
         return
     _save_external(model, path)
 

@@ -80,21 +80,26 @@ def list_tensor_files(folder: str, ext: str) -> list:
     return files
 
 
+def _check_names(arrays: list, inputs: list, where: str) -> None:
+    """One array per model input, by name: none missing, none extra."""
+    names = {i.name for i in inputs}
+    missing = [i.name for i in inputs if i.name not in arrays]
+    if missing:
+        raise QtoolError(f"{where}: no array for model input{'s' if len(missing) > 1 else ''} "
+                         f"{', '.join(repr(m) for m in missing)} (has: {', '.join(repr(k) for k in arrays) or 'none'})")
+    extra = [k for k in arrays if k not in names]
+    if extra:
+        raise QtoolError(f"{where}: array{'s' if len(extra) > 1 else ''} {', '.join(repr(e) for e in extra)} "
+                         f"match{'' if len(extra) > 1 else 'es'} no model input (inputs: {', '.join(sorted(names))})")
+
+
 def check_sample(feeds: dict, inputs: list, where: str) -> dict:
     """Validate one sample against the model inputs; returns feeds with the batch axis present.
 
     A float input needs float32 (float64/float16 are refused, not silently cast: the caller
     should know its data is not what the model eats); an integer input needs its exact dtype.
     """
-    names = {i.name for i in inputs}
-    missing = [i.name for i in inputs if i.name not in feeds]
-    if missing:
-        raise QtoolError(f"{where}: no array for model input{'s' if len(missing) > 1 else ''} "
-                         f"{', '.join(repr(m) for m in missing)} (has: {', '.join(repr(k) for k in feeds) or 'none'})")
-    extra = [k for k in feeds if k not in names]
-    if extra:
-        raise QtoolError(f"{where}: array{'s' if len(extra) > 1 else ''} {', '.join(repr(e) for e in extra)} "
-                         f"match{'' if len(extra) > 1 else 'es'} no model input (inputs: {', '.join(sorted(names))})")
+    _check_names(list(feeds), inputs, where)
     out = {}
     for spec in inputs:
         x = feeds[spec.name]
@@ -191,15 +196,7 @@ def _load_npz(path: str) -> dict:
 
 def check_headers(headers: dict, inputs: list, where: str) -> None:
     """check_sample from headers alone: every model input present, no extra array, shapes and dtypes right."""
-    names = {i.name for i in inputs}
-    missing = [i.name for i in inputs if i.name not in headers]
-    if missing:
-        raise QtoolError(f"{where}: no array for model input{'s' if len(missing) > 1 else ''} "
-                         f"{', '.join(repr(m) for m in missing)} (has: {', '.join(repr(k) for k in headers) or 'none'})")
-    extra = [k for k in headers if k not in names]
-    if extra:
-        raise QtoolError(f"{where}: array{'s' if len(extra) > 1 else ''} {', '.join(repr(e) for e in extra)} "
-                         f"match{'' if len(extra) > 1 else 'es'} no model input (inputs: {', '.join(sorted(names))})")
+    _check_names(list(headers), inputs, where)
     for spec in inputs:
         check_array(spec, *headers[spec.name], where)
 
