@@ -319,24 +319,22 @@ class Simulator:
             self._share = self._costs({k: v[:n] for k, v in samples.inputs.items()})
         firsts = [self.first(v) for v in variants]
         outs = [[] for _ in variants]
+        live = []
         for k, f in enumerate(firsts):
-            if f >= len(self.nodes):  # it changes nothing (a Concat alone in int8 has no int8 input): fp32
-                outs[k].append(samples.reference.copy())
-                if progress:
-                    progress(1.0)
-        live = [k for k, f in enumerate(firsts) if f < len(self.nodes)]
-        if not live:
-            return [np.concatenate(o) for o in outs]
-        variants, firsts, everything = [variants[k] for k in live], [firsts[k] for k in live], outs
-        outs = [everything[k] for k in live]
-        cut_at = self.plan_cuts(firsts, self._share, self._sample_seconds * len(samples))
-        cut_of = [cut_at[f] for f in firsts]
-        cuts = sorted(set(cut_of))
-        for group in self._groups(cuts):
-            mine = [k for k, c in enumerate(cut_of) if c in group]
-            self._run_group(samples, group, [variants[k] for k in mine], [cut_of[k] for k in mine],
-                            [outs[k] for k in mine], progress)
-        return [np.concatenate(o) for o in everything]
+            if f < len(self.nodes):
+                live.append(k)
+                continue
+            outs[k].append(samples.reference.copy())  # it changes nothing (a Concat alone in int8 has no int8 input)
+            if progress:
+                progress(1.0)
+        if live:
+            cut_at = self.plan_cuts([firsts[k] for k in live], self._share, self._sample_seconds * len(samples))
+            cut_of = {k: cut_at[firsts[k]] for k in live}
+            for group in self._groups(sorted(set(cut_of.values()))):
+                mine = [k for k in live if cut_of[k] in group]
+                self._run_group(samples, group, [variants[k] for k in mine], [cut_of[k] for k in mine],
+                                [outs[k] for k in mine], progress)
+        return [np.concatenate(o) for o in outs]
 
     def _groups(self, cuts: list) -> list:
         """The cuts in groups whose sessions' weights (twice: ORT's copy and its packed form) fit
