@@ -37,6 +37,9 @@ ext = [Extension("qtool.kernels._native", sources=sources, include_dirs=["qtool/
 # the calibration histogram's one-pass update (plain C, no ISA-specific code)
 ext.append(Extension("qtool.calibrate._histogram", sources=["qtool/calibrate/src/histogram.c"],
                      extra_compile_args=args))
+# output-aware rounding's coordinate descent (plain C, float64 in the numpy reference's order)
+ext.append(Extension("qtool.quantize._rounding", sources=["qtool/quantize/src/rounding.c"],
+                     extra_compile_args=kargs, extra_link_args=["-pthread"] if sys.platform != "win32" else []))
 if os.environ.get("QTOOL_NO_EXTENSIONS"):  # packaging tests: what goes into the wheel, without compiling
     ext = []
 setup(ext_modules=ext, cmdclass={"build_py": BuildPyWithPresets})

@@ -19,6 +19,7 @@ Samples from an iterable are not kept: quantize's steps that re-read calibration
 """
 from __future__ import annotations
 
+from qtool.calibrate.methods import DEFAULT_METHOD
 from qtool.calibrate.run import CalibrateResult
 from qtool.calibrate.run import calibrate as _calibrate
 from qtool.evaluate import evaluate_workdir
@@ -34,12 +35,12 @@ def _say(verbose: bool):
     return print if verbose else (lambda text: None)
 
 
-def calibrate(model: str, data, config=None, *, method: str = "minmax", workdir: str = DEFAULT_WORKDIR,
+def calibrate(model: str, data, config=None, *, method: str = DEFAULT_METHOD, workdir: str = DEFAULT_WORKDIR,
               limit: int | None = None, every: int = 1, batch: int = 4, threads: int = 0,
               verbose: bool = True) -> CalibrateResult:
     """Fuse the fp32 `model` (a path) and record activation ranges over `data`; writes fused.onnx and
     calibration.json to `workdir`. `method`: the default range method (every method's ranges are
-    kept). `verbose`: progress bar and the lines the command prints (what preprocessing was assumed)."""
+    kept; `auto`, the default, lets quantize choose by measurement). `verbose`: progress bar and the lines the command prints (what preprocessing was assumed)."""
     return _calibrate(model, data, config, method, workdir, batch, limit, show_progress=verbose, threads=threads,
                       every=every, say=_say(verbose))
 
@@ -52,7 +53,7 @@ def quantize(workdir: str = DEFAULT_WORKDIR, *, output: str | None = None, metho
              model: str | None = None, table: str | None = None, verbose: bool = True) -> QuantizeResult:
     """Write the INT8 QDQ model (`output`, default WORKDIR/model.int8.onnx) from the calibration in
     `workdir`. `method`: None keeps calibrate's, or minmax/percentile/entropy/mse/auto. `exclude`:
-    node names to keep fp32. `rounding`: "output" or "nearest" (None: output with exclude_sensitive).
+    node names to keep fp32. `rounding`: "output" (None: the default) or "nearest".
     The result has .path, .report (what quantize.json holds), .sensitivity and .exclusion."""
     ex = {n: "excluded by the user (--exclude)" for n in exclude}
     opts = SensitivityOptions(sensitivity or exclude_sensitive, sensitivity_samples, exclude_sensitive,

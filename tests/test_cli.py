@@ -98,7 +98,7 @@ def test_calibrate_quantize_eval_flow_in_workdir(project, capsys):
     wd = project / "qtool_work"
     assert {"fused.onnx", "calibration.json", "manifest.json"} <= set(os.listdir(wd))
     cal = json.load(open("cal.json"))
-    assert cal["n_samples"] == 6 and cal["skipped"] == [] and cal["method"] == "minmax"
+    assert cal["n_samples"] == 6 and cal["skipped"] == [] and cal["method"] == "auto"
     assert cal["graph_cleanup"] == {"fold_batchnorm": 3, "pair_channels": 1} and cal["tensors"] >= 6
 
     assert qtool("quantize", "-q", "--json", "q.json") == 0  # no paths: everything from the workdir
@@ -529,7 +529,10 @@ def test_quantize_rounding_and_range_tuning_flags(project):
     assert a["rounding"] == "output-aware" and a["rounded_layers"] and a["tuned_ranges"]["probes"] > 0
     assert qtool("quantize", "-q", "--no-sensitivity", "--json", "b.json") == 0
     b = json.load(open("b.json"))
-    assert b["rounding"] == "nearest" and b["tuned_ranges"] is None
+    assert b["rounding"] == "output-aware" and b["rounded_layers"] and b["tuned_ranges"] is None  # the defaults
+    assert qtool("quantize", "-q", "--rounding", "nearest", "--no-sensitivity", "--json", "c.json") == 0
+    c = json.load(open("c.json"))
+    assert c["rounding"] == "nearest" and c["rounded_layers"] == [] and c["tuned_ranges"] is None
 
 
 def test_eval_says_when_ort_int8_is_not_the_exact_result(project, capsys, monkeypatch):

@@ -128,7 +128,7 @@ def test_python_api_calibrate_quantize_evaluate_from_plain_arrays(tmp_path, caps
     batches = [rng.uniform(-1, 1, (4, 3, 16, 16)).astype(np.float32) for _ in range(3)]  # as a loader gives them
     wd = str(tmp_path / "work")
     cal = api.calibrate(model, batches, workdir=wd, verbose=False)
-    assert cal.table.n_samples == 12 and cal.table.method == "minmax"
+    assert cal.table.n_samples == 12 and cal.table.method == "auto"
     q = api.quantize(workdir=wd, verbose=False)
     assert q.report["method"] == "minmax" and q.report["target"] == "portable"
     onnx.checker.check_model(onnx.load(q.path))
@@ -146,13 +146,14 @@ def test_api_defaults_are_the_cli_defaults():
     from qtool.calibrate.run import calibrate
     from qtool.commands import calibrate as cal_cmd, quantize as q_cmd
     cli_default = {p.name: p.default for p in cal_cmd.command.params}
-    assert pyinspect.signature(api.calibrate).parameters["method"].default == cli_default["method"] == "minmax"
-    assert pyinspect.signature(calibrate).parameters["method"].default == "minmax"
+    assert pyinspect.signature(api.calibrate).parameters["method"].default == cli_default["method"] == "auto"
+    assert pyinspect.signature(calibrate).parameters["method"].default == "auto"
     q_default = {p.name: p.default for p in q_cmd.command.params}
     sig = pyinspect.signature(api.quantize).parameters
     assert sig["target"].default == q_default["target"]
     assert sig["sensitivity_samples"].default == q_default["sensitivity_samples"]
     assert sig["target_agreement"].default == q_default["target_agreement"]
+    assert sig["rounding"].default is q_default["rounding"] is None  # None: output-aware, in both
 
 
 def test_readme_api_section_runs_as_written(tmp_path, monkeypatch):

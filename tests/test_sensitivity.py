@@ -72,8 +72,10 @@ def test_exclude_sensitive_keeps_the_damaged_layer_fp32(damaged_workdir):
     assert set(r.exclusion.leave_one_out) <= {l["name"] for l in r.sensitivity["layers"]}
 
 
-def test_plain_quantize_keeps_nearest_rounding_and_calibrated_ranges(damaged_workdir):
+def test_plain_quantize_rounds_by_output_and_keeps_calibrated_ranges(damaged_workdir):
     r = quantize(damaged_workdir, sensitivity=SensitivityOptions(enabled=False), say=lambda s: None)
+    assert r.report["rounding"] == "output-aware" and r.report["tuned_ranges"] is None
+    r = quantize(damaged_workdir, sensitivity=SensitivityOptions(enabled=False), say=lambda s: None, rounding=False)
     assert r.report["rounding"] == "nearest" and r.report["tuned_ranges"] is None
     r = quantize(damaged_workdir, sensitivity=SensitivityOptions(enabled=False), say=lambda s: None,
                  rounding=True, tune_ranges=True)

@@ -3,6 +3,7 @@ on small onnx.helper models calibrated from in-memory samples."""
 import warnings
 
 import numpy as np
+import pytest
 from onnx import helper
 
 from helpers import init, make_model, run, save
@@ -125,3 +126,76 @@ def test_range_search_keeps_the_default_when_clipping_hurts(tmp_path):
     res = search_ranges(QuantizeContext(r.fused, r.table, "minmax"),
                         SampleSet(list(range(16)), {"x": xs}, run_first_output(r.fused, feeds)))
     assert "t" not in res.ranges, res.to_dict()
+
+
+def _problem(rng, g, c, k, pair_safe):
+    """One layer's rounding problem: weights [G*C, K], scales, a correlated covariance per group."""
+    from qtool.quantize.encoding import _flat_partners
+    w = rng.standard_normal((g * c, k)) * rng.uniform(0.2, 3.0, (g * c, 1))
+    s = Q.weight_scales(w.astype(np.float32), 0).astype(np.float64)
+    if pair_safe:  # a scale that leaves some pairs past the limit: the descent has trims to improve on
+        s = s * 0.6
+    a = rng.standard_normal((g, k, 3))
+    h = a @ a.transpose(0, 2, 1) + 0.05 * np.eye(k)[None]
+    partners = _flat_partners(k)
+    if pair_safe and k > 3:
+        partners[1], partners[3] = 3, 1  # ORT's conv K order is not always neighbours in the row
+        partners[0], partners[2] = -1, -1  # and a weight may pair with padding
+    return w, s, h, partners
+
+
+@pytest.mark.parametrize("g,c,k", [(1, 16, 12), (3, 4, 9), (2, 5, 1), (1, 1, 33)])
+@pytest.mark.parametrize("pair_safe", [False, True])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_native_descent_gives_the_numpy_reference_bit_for_bit(g, c, k, pair_safe, threads):
+    from qtool.quantize import rounding as R
+    if R._native is None:
+        pytest.skip("the rounding extension is not built")
+    rng = np.random.default_rng(g * 100 + c * 10 + k + pair_safe)
+    w, s, h, partners = _problem(rng, g, c, k, pair_safe)
+    v = (w / s[:, None]).reshape(g, c, k)
+    if pair_safe:
+        from qtool.quantize.encoding import project
+        q0 = project(v.reshape(g * c, k), np.clip(np.rint(v.reshape(g * c, k)), -127, 127), partners)
+        q0 = q0.astype(np.float64).reshape(g, c, k)
+        extra = dict(v=v, partners=partners)
+    else:
+        lo, hi = np.clip(np.floor(v), -127, 127), np.clip(np.ceil(v), -127, 127)
+        q0 = np.clip(np.rint(v), -127, 127)
+        extra = dict(lo=lo, hi=hi)
+    sg = s.reshape(g, c)
+    results = []
+    for native in (False, True):
+        q = q0.copy()
+        grad = np.matmul(q * sg[:, :, None] - w.reshape(g, c, k), h)
+        R.descend(q, grad, h, sg, 4, native=native, threads=threads, **extra)
+        results.append((q, grad))
+    assert not np.array_equal(results[0][0], q0) or k == 1  # the descent moved something: the test compares work
+    np.testing.assert_array_equal(results[1][0], results[0][0])
+    np.testing.assert_array_equal(results[1][1], results[0][1])
+
+
+def test_input_covariance_streams_to_the_covariance_even_where_the_mean_dwarfs_the_spread():
+    from qtool.quantize.rounding import InputCovariance
+    rng = np.random.default_rng(3)
+    mix = rng.standard_normal((5, 5))
+    x = (rng.standard_normal((2, 3000, 5)) @ mix + 1000.0).astype(np.float32)  # mean 1000, spread ~2
+    acc = InputCovariance(2, 5)
+    for lo, hi in ((0, 7), (7, 1000), (1000, 1000), (1000, 3000)):  # 7, 993, none and 2000 samples
+        acc.add(x[:, lo:hi])
+    assert acc.n == 3000
+    acc.n = 10 ** 9  # (no shrinkage toward the diagonal: compare the raw estimate)
+    got = acc.hessian() * (10 ** 9 / 3000)
+    want = np.stack([np.cov(x[g].astype(np.float64).T, bias=True) for g in range(2)])
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    np.testing.assert_allclose(acc.mean, x.astype(np.float64).mean(axis=1), rtol=1e-7)
+
+
+def test_shifted_conv_patches_are_the_patches_minus_the_shift_padding_included():
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, 4, 7, 9)).astype(np.float32) + 5.0
+    c = x.mean(axis=(0, 2, 3))
+    kw = dict(kernel=(3, 3), strides=(2, 1), pads=(1, 0, 1, 2), groups=2)
+    plain = conv_patches(x, rng=np.random.default_rng(0), **kw)
+    shifted = conv_patches(x, rng=np.random.default_rng(0), shift=c, **kw)
+    np.testing.assert_allclose(shifted, plain - np.repeat(c.reshape(2, 2), 9, axis=1)[:, None, :], atol=1e-5)

@@ -15,7 +15,7 @@ from qtool.calibrate.checks import stem_fit
 from qtool.data.config import config_from_any, config_name
 from qtool.data.sources import ImageData
 from qtool.data.images import list_images
-from qtool.calibrate.methods import METHODS
+from qtool.calibrate.methods import AUTO, DEFAULT_METHOD, METHODS
 from qtool.data.tensors import tensor_source
 from qtool.calibrate.table import CalibrationTable, ranges_for_all_methods
 from qtool.errors import QtoolError, UsageError
@@ -42,7 +42,7 @@ class CalibrateResult:
     warnings: list = field(default_factory=list)  # the preprocessing may be wrong (checks.py)
 
 
-def calibrate(model_path: str, data, config=None, method: str = "minmax",
+def calibrate(model_path: str, data, config=None, method: str = DEFAULT_METHOD,
               workdir: str | None = None, batch: int = 4, limit: int | None = None, show_progress: bool = True,
               threads: int = 0, every: int = 1, say=print) -> CalibrateResult:
     """`data`: a folder of images, of .npy files or of .npz files (see data/tensors.py), or any
@@ -52,8 +52,8 @@ def calibrate(model_path: str, data, config=None, method: str = "minmax",
     model's metadata, else assumes the torchvision ImageNet preset for a 3-channel input, sized
     to the model (data/config.py); `say` is told what was assumed before the pass starts.
     The working directory is made and checked writable first, and held for the whole run."""
-    if method not in METHODS:
-        raise UsageError(f"unknown calibration method '{method}' (choose from {', '.join(METHODS)})")
+    if method not in METHODS and method != AUTO:
+        raise UsageError(f"unknown calibration method '{method}' (choose from {', '.join(METHODS)}, {AUTO})")
     check_counts(batch=batch, limit=limit, every=every, threads=threads)
     with Workdir(workdir).lock(create=True):
         return _calibrate(model_path, data, config, method, workdir, batch, limit, show_progress, threads, every,

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field, fields
 
 from qtool.calibrate.histogram import Histogram
-from qtool.calibrate.methods import METHODS
+from qtool.calibrate.methods import AUTO, FALLBACK, METHODS
 from qtool.errors import QtoolError
 from qtool.limits import regular_file
 from qtool.modelio import atomic_write_text
@@ -37,8 +37,14 @@ class CalibrationTable:
     input_name: str = ""
     nonfinite: dict = field(default_factory=dict)  # tensor -> {"count", "samples"}: NaN/inf left out of its range
 
+    @property
+    def range_method(self) -> str:
+        """The method whose ranges stand for the table's default: its own, or for `auto` (chosen in
+        quantize, by measurement) the fallback's."""
+        return self.method if self.method in METHODS else FALLBACK
+
     def range(self, tensor: str, method: str | None = None):
-        return self.ranges[method or self.method].get(tensor)
+        return self.ranges[method or self.range_method].get(tensor)
 
     def histogram(self, tensor: str) -> Histogram:
         return Histogram.from_dict(self.histograms[tensor])
@@ -87,7 +93,7 @@ def _problem(t: CalibrationTable) -> str | None:
                       ("channel_means", dict), ("histograms", dict), ("input_name", str), ("nonfinite", dict)):
         if not isinstance(getattr(t, name), typ):
             return f"'{name}' is a {type(getattr(t, name)).__name__}, not a {typ.__name__}"
-    if t.method not in METHODS:
+    if t.method not in METHODS and t.method != AUTO:
         return f"unknown method '{t.method}'"
     for m, ranges in t.ranges.items():
         if not isinstance(ranges, dict):

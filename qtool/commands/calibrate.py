@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import click
 
-from qtool.calibrate.methods import METHODS
+from qtool.calibrate.methods import AUTO, DEFAULT_METHOD, METHODS
 from qtool.calibrate.run import calibrate
 from qtool.commands.common import common_options, say, setup_output, write_json
 from qtool.limits import MAX_BATCH
@@ -19,8 +19,9 @@ from qtool.modelio import check_writable
               "input. Default: the model's metadata (qtool.config) if it has one, else imagenet-torchvision for a "
               "3-channel input (grey pixels 0-255 for 1 channel); the choice is printed, and a warning says when the "
               "model's first BatchNormalization or its outputs suggest another.")
-@click.option("--method", type=click.Choice(sorted(METHODS)), default="minmax", show_default=True,
-              help="Default range method; every method's ranges are stored, `quantize --method` can switch.")
+@click.option("--method", type=click.Choice(sorted(METHODS) + [AUTO]), default=DEFAULT_METHOD, show_default=True,
+              help="Range method for quantize: auto lets quantize pick the one whose int8 output is closest to fp32 "
+                   "on calibration samples; every method's ranges are stored, `quantize --method` can switch.")
 @click.option("--batch", default=4, show_default=True, type=click.IntRange(1, MAX_BATCH), help="Images per inference batch.")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Use at most this many images.")
 @click.option("--every", type=click.IntRange(min=1), default=1, show_default=True,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import click
 
-from qtool.calibrate.methods import METHODS
+from qtool.calibrate.methods import AUTO, METHODS
 from qtool.commands.common import common_options, say, setup_output, write_json
 from qtool.modelio import check_writable
 from qtool.quantize.encoding import DEFAULT_TARGET, TARGETS
@@ -15,9 +15,9 @@ from qtool.quantize.run import SensitivityOptions, fp32_ops_of, quantize, reason
               "(default: WORKDIR/model.int8.onnx).")
 @click.option("--model", "-m", type=click.Path(dir_okay=False), help="The fp32 model (default: the calibrated one).")
 @click.option("--table", type=click.Path(dir_okay=False), help="Calibration table (default: WORKDIR/calibration.json).")
-@click.option("--method", type=click.Choice(sorted(METHODS) + ["auto"]), default=None,
-              help="Range method (default: calibrate's); auto picks the one whose int8 output is closest to fp32 "
-                   "on a few calibration samples.")
+@click.option("--method", type=click.Choice(sorted(METHODS) + [AUTO]), default=None,
+              help="Range method (default: calibrate's, auto unless chosen there); auto picks the one whose int8 "
+                   "output is closest to fp32 on a few calibration samples.")
 @click.option("--exclude", multiple=True, help="Keep this node in fp32 (repeatable; names from `qtool inspect`).")
 @click.option("--no-bias-correction", is_flag=True, help="Do not correct biases for weight rounding.")
 @click.option("--exclude-sensitive", is_flag=True, help="Keep the most sensitive layers in fp32 until the target is met.")
@@ -33,8 +33,7 @@ from qtool.quantize.run import SensitivityOptions, fp32_ops_of, quantize, reason
 @click.option("--no-sensitivity", is_flag=True, help="Skip the sensitivity report.")
 @click.option("--rounding", type=click.Choice(["output", "nearest"]), default=None,
               help="Weight rounding: 'output' rounds each weight down or up to lower its layer's output error on "
-                   "calibration images; 'nearest' rounds to the nearest step (default: output with "
-                   "--exclude-sensitive, nearest otherwise).")
+                   "calibration images (the default); 'nearest' rounds to the nearest step.")
 @click.option("--tune-ranges/--no-tune-ranges", default=None,
               help="Choose each activation's clip range by the model output on calibration images "
                    "(default: on with --exclude-sensitive, off otherwise).")

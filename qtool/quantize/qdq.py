@@ -139,7 +139,7 @@ def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exc
     m = onnx.ModelProto()
     m.CopyFrom(fused)
     m = upgrade_opset(m, notes)
-    plan = make_plan(m, exclude, {**table.ranges.get(method or table.method, {}), **(ranges or {})}, prune_excluded)
+    plan = make_plan(m, exclude, {**table.ranges.get(method or table.range_method, {}), **(ranges or {})}, prune_excluded)
     nodes = {n.name: n for n in m.graph.node}
     # fused activations: the producer writes the activation's output, the activation goes
     for act_name, (prod_name, _lo, _hi) in (plan.fused.items() if activations else ()):

@@ -15,35 +15,61 @@ rounding is already optimal: little data, little change.
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from qtool import qparams as Q
 from qtool.arithmetic import can_saturate
 from qtool.quantize.encoding import project
 
+try:  # the descent in C (src/rounding.c); the numpy loops below are its reference and the fallback
+    from qtool.quantize import _rounding as _native
+except ImportError:  # pragma: no cover - exercised when the extension is not built
+    _native = None
+
 SWEEPS = 4
-MAX_POSITIONS = 1024  # sampled output positions per image and layer
+MAX_POSITIONS = 1024  # sampled output positions per image and layer, at most
+POSITIONS_PER_INPUT = 16  # and about this many per input of a patch (32 images: 512 samples per input), at least
+MIN_POSITIONS = 64
 
 
 class InputCovariance:
-    """Streaming sums of the patch vectors one layer's output channels read: per group, sum x and sum x x^T."""
+    """Streaming mean and centred sum of products of the patch vectors one layer's output channels
+    read, per group. Patches come shifted by about their mean (the caller subtracts a per-channel
+    mean before cutting them, where it is one pass over a smaller tensor) and are multiplied in
+    float32 (BLAS sgemm: twice dgemm's speed, no float64 copy of tens of megabytes); each batch is
+    merged in float64 by Chan et al.'s pairwise update. Centring is what keeps float32 from
+    cancelling where a mean dwarfs the spread."""
 
     def __init__(self, groups: int, k: int):
         self.n = 0
-        self.s = np.zeros((groups, k))
-        self.ss = np.zeros((groups, k, k))
+        self.mean = np.zeros((groups, k))
+        self.m2 = np.zeros((groups, k, k))
 
-    def add(self, patches: np.ndarray) -> None:
-        """`patches`: [G, N, K] float."""
-        p = np.ascontiguousarray(patches, np.float64)
-        self.n += p.shape[1]
-        self.s += p.sum(axis=1)
-        self.ss += np.matmul(p.transpose(0, 2, 1), p)  # (BLAS: numpy's einsum here is 30x slower)
+    def add(self, patches: np.ndarray, shift: np.ndarray | None = None) -> None:
+        """`patches`: [G, N, K] float, each the patch minus `shift` ([G, K]; None: not shifted)."""
+        g, n_b, k = patches.shape
+        if n_b == 0:
+            return
+        p = np.ascontiguousarray(patches, np.float32)
+        if shift is None:  # centre here
+            shift = p.mean(axis=1, dtype=np.float64).astype(np.float32)
+            p = p - shift[:, None, :]
+        s1 = np.matmul(np.ones((g, 1, n_b), np.float32), p)[:, 0, :].astype(np.float64)  # (BLAS, not a strided sum)
+        s2 = np.matmul(p.transpose(0, 2, 1), p)  # (BLAS: numpy's einsum here is 30x slower)
+        mean_b = s1 / n_b + np.asarray(shift, np.float64)
+        n = self.n + n_b
+        delta = mean_b - self.mean
+        self.m2 += s2
+        self.m2 -= s1[:, :, None] * s1[:, None, :] / n_b  # (about the batch's own mean)
+        self.m2 += delta[:, :, None] * delta[:, None, :] * (self.n * n_b / n)
+        self.mean += delta * (n_b / n)
+        self.n = n
 
     def hessian(self) -> np.ndarray:
         """[G, K, K] covariance, shrunk toward its diagonal when samples are few."""
-        mean = self.s / max(self.n, 1)
-        cov = self.ss / max(self.n, 1) - mean[:, :, None] * mean[:, None, :]
+        cov = self.m2 / max(self.n, 1)
         k = cov.shape[-1]
         a = k / (k + self.n)
         diag = np.einsum("gkk->gk", cov)
@@ -53,29 +79,34 @@ class InputCovariance:
         return h
 
 
-def conv_patches(x: np.ndarray, kernel, strides, pads, groups: int, rng, max_positions=MAX_POSITIONS) -> np.ndarray:
+def conv_patches(x: np.ndarray, kernel, strides, pads, groups: int, rng, max_positions=MAX_POSITIONS,
+                 shift: np.ndarray | None = None) -> np.ndarray:
     """[G, N, Cin_g * kh * kw] patches of `x` [B, Cin, H, W] at sampled output positions, in the
-    order of w[o].ravel() for a weight [Cout, Cin_g, kh, kw]."""
+    order of w[o].ravel() for a weight [Cout, Cin_g, kh, kw]; with `shift` [Cin], patches of x - shift
+    (padding included: it reads -shift). At most `max_positions` per image, and about
+    POSITIONS_PER_INPUT per input of a patch: a depthwise layer's 9 inputs need far fewer than 1024."""
     b, cin, h, w = x.shape
     kh, kw = kernel
     sh, sw = strides
     pt, pl, pb, pr = pads
     xp = np.pad(x, ((0, 0), (0, 0), (pt, pb), (pl, pr)))
+    if shift is not None:
+        xp -= np.asarray(shift, xp.dtype)[None, :, None, None]
     oh = (h + pt + pb - kh) // sh + 1
     ow = (w + pl + pr - kw) // sw + 1
-    out = []
+    n = min(max_positions, max(MIN_POSITIONS, POSITIONS_PER_INPUT * (cin // groups) * kh * kw), oh * ow)
+    cg = cin // groups
+    out = np.empty((groups, b * n, cg * kh * kw), xp.dtype)
     for i in range(b):
-        n = min(max_positions, oh * ow)
         pos = rng.choice(oh * ow, n, replace=False) if n < oh * ow else np.arange(oh * ow)
         r0, c0 = (pos // ow) * sh, (pos % ow) * sw
         rr = r0[:, None, None] + np.arange(kh)[None, :, None]
         cc = c0[:, None, None] + np.arange(kw)[None, None, :]
         p = xp[i][:, rr, cc]  # [Cin, n, kh, kw]
-        cg = cin // groups
-        out.append(p.reshape(groups, cg, n, kh * kw).transpose(0, 2, 1, 3).reshape(groups, n, cg * kh * kw))
+        out[:, i * n:(i + 1) * n] = p.reshape(groups, cg, n, kh * kw).transpose(0, 2, 1, 3).reshape(groups, n, -1)
     # contiguous [G, N, K]: each group's [N, K] matrix is one BLAS operand (strided, numpy's generic
     # matmul loop took 2.5x longer on a depthwise layer)
-    return np.concatenate(out, axis=1)
+    return out
 
 
 def round_weights(w: np.ndarray, scale: np.ndarray, axis: int, hessian: np.ndarray | None,
@@ -99,23 +130,8 @@ def round_weights(w: np.ndarray, scale: np.ndarray, axis: int, hessian: np.ndarr
     k = wm.shape[1]
     q = q.reshape(g, cout // g, k)
     lo, hi, wg, sg = (a.reshape(g, cout // g, -1) for a in (lo, hi, wm, np.broadcast_to(s, (cout, 1))))
-    e = q * sg - wg  # [G, C, K]
-    grad = np.matmul(e, hessian)
-    hd = np.einsum("gkk->gk", hessian)  # [G, K]
-    for _ in range(sweeps):
-        changed = False
-        for j in range(k):
-            alt = lo[:, :, j] + hi[:, :, j] - q[:, :, j]
-            d = (alt - q[:, :, j]) * sg[:, :, 0]
-            gain = 2 * d * grad[:, :, j] + d * d * hd[:, j][:, None]
-            take = (gain < -1e-18) & (d != 0)
-            if take.any():
-                changed = True
-                q[:, :, j] = np.where(take, alt, q[:, :, j])
-                gi, ci = np.nonzero(take)  # only the channels that moved change their gradient
-                grad[gi, ci, :] += d[gi, ci][:, None] * hessian[gi, j, :]
-        if not changed:
-            break
+    grad = np.matmul(q * sg - wg, hessian)
+    descend(q, grad, hessian, sg[:, :, 0], sweeps, lo=lo, hi=hi)
     q = q.reshape(cout, *np.moveaxis(np.asarray(w), axis, 0).shape[1:])
     return np.moveaxis(q, 0, axis).astype(np.int8)
 
@@ -142,9 +158,52 @@ def round_pair_safe(w: np.ndarray, scale: np.ndarray, axis: int, hessian: np.nda
 def _descend_pair_safe(q, v, wm, s, hessian, partners, sweeps):
     g = hessian.shape[0]
     cout, k = q.shape
-    q, v, wg = (a.reshape(g, cout // g, k) for a in (q, v, wm))
-    sg = np.broadcast_to(s, (cout, 1)).reshape(g, cout // g, 1)[:, :, 0]
+    q, v, wg = (np.ascontiguousarray(a.reshape(g, cout // g, k)) for a in (q, v, wm))
+    sg = np.ascontiguousarray(np.broadcast_to(s, (cout, 1)).reshape(g, cout // g, 1)[:, :, 0])
     grad = np.matmul(q * sg[:, :, None] - wg, hessian)
+    descend(q, grad, hessian, sg, sweeps, v=v, partners=partners)
+    return q.reshape(cout, k)
+
+
+def descend(q, grad, hessian, s, sweeps: int, lo=None, hi=None, v=None, partners=None, native: bool | None = None,
+            threads: int = 0) -> None:
+    """The coordinate descent on q [G, C, K] (float64, in place; grad = (q s - w) H kept current):
+    each weight to `lo` or `hi` (plain), or one step at a time staying pair-safe (`v`, `partners`).
+    `native`: the C loop (None: when built), else the numpy reference; both give the same bits."""
+    use = _native is not None if native is None else native
+    if not use:
+        if partners is None:
+            return _descend_reference(q, grad, lo, hi, s, hessian, sweeps)
+        return _descend_pair_safe_reference(q, grad, v, s, hessian, partners, sweeps)
+    g, c, k = q.shape
+    f64 = lambda a: None if a is None else np.ascontiguousarray(a, np.float64)  # noqa: E731
+    p = None if partners is None else np.ascontiguousarray(partners, np.int64)
+    _native.descend(q, grad, f64(lo), f64(hi), f64(v), f64(s), f64(hessian), p, g, c, k, sweeps,
+                    threads or min(os.cpu_count() or 1, 4))
+
+
+def _descend_reference(q, grad, lo, hi, sg, hessian, sweeps):
+    """numpy: every channel at once, weight after weight."""
+    hd = np.einsum("gkk->gk", hessian)  # [G, K]
+    for _ in range(sweeps):
+        changed = False
+        for j in range(q.shape[2]):
+            alt = lo[:, :, j] + hi[:, :, j] - q[:, :, j]
+            d = (alt - q[:, :, j]) * sg
+            gain = 2 * d * grad[:, :, j] + d * d * hd[:, j][:, None]
+            take = (gain < -1e-18) & (d != 0)
+            if take.any():
+                changed = True
+                q[:, :, j] = np.where(take, alt, q[:, :, j])
+                gi, ci = np.nonzero(take)  # only the channels that moved change their gradient
+                grad[gi, ci, :] += d[gi, ci][:, None] * hessian[gi, j, :]
+        if not changed:
+            break
+
+
+def _descend_pair_safe_reference(q, grad, v, sg, hessian, partners, sweeps):
+    """numpy: every channel at once, weight after weight, then pair after pair."""
+    k = q.shape[2]
     hd = np.einsum("gkk->gk", hessian)
     pairs = [(a, int(partners[a])) for a in range(k) if partners[a] > a]
 
@@ -176,7 +235,7 @@ def _descend_pair_safe(q, v, wm, s, hessian, partners, sweeps):
                 changed = True
                 apply(j, take, best_d)
         for a, b in pairs:  # one step from one weight of a pair at the limit to the other
-            qa, qb = q[:, :, a], q[:, :, b]
+            qa, qb = q[:, :, a].copy(), q[:, :, b].copy()
             best_gain, best_d = np.zeros_like(sg), np.zeros_like(sg)
             for d in (-1.0, 1.0):
                 na, nb = qa + d, qb - d
@@ -194,7 +253,6 @@ def _descend_pair_safe(q, v, wm, s, hessian, partners, sweeps):
                 apply(b, take, -best_d)
         if not changed:
             break
-    return q.reshape(cout, k)
 
 
 def layer_hessians(fused, feeds: list, exclude: dict | None = None, threads: int = 0, seed: int = 0,
@@ -240,11 +298,16 @@ def layer_hessians(fused, feeds: list, exclude: dict | None = None, threads: int
             for x_name, acc, conv in layers.values():
                 x = outs[x_name]
                 if conv is None:
-                    acc.add(x.reshape(1, -1, x.shape[-1]))
+                    x = x.reshape(1, -1, x.shape[-1])
+                    c = x.mean(axis=1)
+                    acc.add(x - c[:, None, :], c)
                 elif x.ndim == 4:
-                    acc.add(conv_patches(x, rng=rng, **conv))
+                    c = x.mean(axis=(0, 2, 3))  # each input channel's mean: the patches come centred
+                    groups, (kh, kw) = conv["groups"], conv["kernel"]
+                    acc.add(conv_patches(x, rng=rng, shift=c, **conv),
+                            np.repeat(c.reshape(groups, -1), kh * kw, axis=1))
             del outs
             if progress:
                 progress(min(chunk, n - a))
     # fewer samples than inputs per channel: the estimate is mostly its diagonal, where nearest rounding is optimal
-    return {name: acc.hessian() for name, (_, acc, _) in layers.items() if acc.n >= acc.s.shape[1]}
+    return {name: acc.hessian() for name, (_, acc, _) in layers.items() if acc.n >= acc.mean.shape[1]}

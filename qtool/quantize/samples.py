@@ -55,14 +55,20 @@ def load_samples(fused, table, files: list, threads: int = 0, progress=None) -> 
         return SampleSet([], {}, np.zeros((0,)))
     data = ImageData(os.path.dirname(files[0]), config_from_any(table.config), fused, table.model_path,
                      batch=BATCH, files=files)
-    names, parts = [], {}
+    by_shape = {}  # a dynamic model's samples may differ in size: (each sample's input shapes) -> (names, parts)
     for n, f in data.batches():
+        names, parts = by_shape.setdefault(tuple((k, v.shape[1:]) for k, v in sorted(f.items())), ([], {}))
         names.extend(n)
         for k, v in f.items():
             parts.setdefault(k, []).append(v)
         if progress:
             progress(len(n))
-    skipped = len(files) - len(names)
+    names, parts = max(by_shape.values(), key=lambda np_: len(np_[0]), default=([], {}))
+    if len(by_shape) > 1:
+        warnings.warn(f"the calibration samples come in {len(by_shape)} input sizes; the {len(names)} of the most "
+                      f"common size are used for method choice, rounding, range tuning and sensitivity "
+                      f"(calibration saw them all)", stacklevel=2)
+    skipped = len(files) - sum(len(ns) for ns, _ in by_shape.values())
     if not names:
         warnings.warn(f"none of the {len(files)} calibration samples can be read now (first: {files[0]}); the steps "
                       f"that need them are skipped", stacklevel=2)

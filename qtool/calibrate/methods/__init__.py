@@ -12,3 +12,9 @@ METHODS = {
     "entropy": entropy.compute,
     "mse": mse.compute,
 }
+# Not a method of its own: `quantize` measures each method's int8 output against fp32 on calibration
+# samples and takes the best (quantize/method_choice.py). The default: which method clips best differs
+# from model to model (a detector's heads lose 4 dB to minmax, an OCR classifier 3 dB to mse).
+AUTO = "auto"
+DEFAULT_METHOD = AUTO
+FALLBACK = "minmax"  # the ranges an `auto` table answers with before quantize has chosen
