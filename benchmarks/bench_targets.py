@@ -2,8 +2,8 @@
 """The same int8 classifier on every CPU: each --target's model under each arithmetic, and its ORT speed.
 
 Calibrates on the calibration split of an ImageNet-style folder (sorted index % 10 == 0), quantizes
-once per target (`qtool quantize --target T`, no sensitivity; with --tuned also with `--rounding output
---tune-ranges`), and judges on the other images:
+once per target (`qtool quantize --target T` with the default options, no sensitivity; with --tuned also
+with `--tune-ranges`), and judges on the other images:
 
 - accuracy against the labels, top-1 agreement with fp32 (with a 95 % interval: a few hundred
   images resolve agreement to a few tenths of a point) and output SQNR, under
@@ -92,9 +92,11 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--no-speed", action="store_true")
+    p.add_argument("--method", default="auto", help="calibrate --method (auto, the default: quantize measures)")
+    p.add_argument("--rounding", choices=["output", "nearest"], default="output",
+                   help="quantize --rounding (output is the default)")
     p.add_argument("--tuned", action="store_true",
-                   help="also each target with output-aware rounding and tuned ranges (quantize --rounding output "
-                        "--tune-ranges), as '<target>+tuned'")
+                   help="also each target with tuned ranges (quantize --tune-ranges), as '<target>+tuned'")
     p.add_argument("--out", default="bench_out")
     a = p.parse_args(argv)
     warnings.simplefilter("ignore")
@@ -104,7 +106,7 @@ def main(argv=None):
     cal, evals = split.split(a.images)
     work = tempfile.mkdtemp(prefix="qtool-targets-")
     t = time.time()
-    calibrate(a.model, a.images, a.config, "minmax", workdir=work, show_progress=False, every=split.EVERY)
+    calibrate(a.model, a.images, a.config, a.method, workdir=work, show_progress=False, every=split.EVERY)
     print(f"calibrated on {len(cal)} images in {time.time() - t:.1f}s")
     cfg = load_config(a.config)
     xs = split.images(evals, cfg)
@@ -122,9 +124,12 @@ def main(argv=None):
         target = base_target + ("+tuned" if tuned else "")
         t = time.time()
         r = quantize(work, output=os.path.join(work, f"{target}.onnx"), target=base_target, say=lambda *_: None,
-                     rounding=tuned, tune_ranges=tuned)
+                     rounding=a.rounding == "output", tune_ranges=tuned)
         paths[target] = r.path
-        row = {"quantize_seconds": time.time() - t, "encodings": r.report["encodings"]}
+        row = {"quantize_seconds": time.time() - t, "encodings": r.report["encodings"], "method": r.report["method"],
+               "rounding": r.report["rounding"]}
+        print(f"{target}: quantized in {row['quantize_seconds']:.1f}s, method {row['method']}, {row['rounding']} "
+              f"rounding")
         for ar in ARITHMETICS:
             s = NativeSession(r.path, threads=a.threads, arithmetic=ar)
             numpy_layers = sum("ort-x86-novnni" in st.kernel for st in s.program.steps)

@@ -593,3 +593,23 @@ def test_pair_partners_follow_onnx_runtimes_k_order(shape, group):
         mate = pos ^ 1
         assert partners[order[pos]] == (order[mate] if mate < k else -1)
     assert pair_partners((5, 1, 3), "Conv", 0, 5) is None  # depthwise 1-D: exact on ORT, no pairs
+
+
+def test_the_default_method_is_chosen_by_measurement_and_an_explicit_one_is_kept(calibrated, tmp_path):
+    """calibrate's default method is auto: quantize measures every method and keeps the best; a method
+    named at calibrate (or at quantize) is used as it is, with no measurement."""
+    from qtool.calibrate.methods import METHODS
+    from qtool.calibrate.run import calibrate
+    from qtool.quantize.run import quantize
+
+    root, model, data, cfg, _ = calibrated
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = calibrate(model, data, cfg, workdir=str(tmp_path / "auto"), show_progress=False, threads=1)
+        assert r.table.method == "auto" and r.table.range_method == "minmax"
+        q = quantize(str(tmp_path / "auto"), say=lambda s: None)
+        scores = q.report["method_scores_db"]
+        assert set(scores) == set(METHODS) and q.report["method"] == max(scores, key=scores.get)
+        calibrate(model, data, cfg, "percentile", workdir=str(tmp_path / "named"), show_progress=False, threads=1)
+        q = quantize(str(tmp_path / "named"), say=lambda s: None)
+    assert q.report["method"] == "percentile" and q.report["method_scores_db"] is None
