@@ -57,4 +57,4 @@ bench: install
 	    --shape 1,3,416,416 --no-exclude --out bench_out
 
 clean:
-	rm -rf $(VENV) build *.egg-info $(WORK) qtool/kernels/*.so qtool/calibrate/*.so
+	rm -rf $(VENV) build *.egg-info $(WORK) qtool/kernels/*.so qtool/calibrate/*.so qtool/quantize/*.so

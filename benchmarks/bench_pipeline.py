@@ -45,41 +45,8 @@ def cpu_of(fn, *args, **kw):
     return out, time.process_time() - t
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True)
-    p.add_argument("--images", required=True)
-    p.add_argument("--config", help="preprocessing preset (images); else --shape/--mean/--std tensors")
-    p.add_argument("--shape", help="1,C,H,W (tensor data, as bench_sqnr.py)")
-    p.add_argument("--mean", type=float, default=0.0)
-    p.add_argument("--std", type=float, default=1.0)
-    p.add_argument("--calibration", type=int, default=100, help="calibration samples (every 10th image)")
-    p.add_argument("--samples", type=int, default=None,
-                   help="sensitivity samples (default: quantize's, 64 or fewer for large outputs)")
-    p.add_argument("--no-exclude", action="store_true", help="skip the --exclude-sensitive run")
-    p.add_argument("--out", default="bench_out")
-    a = p.parse_args(argv)
-    warnings.simplefilter("ignore")
-    os.makedirs(a.out, exist_ok=True)
-    files = sorted(glob.glob(os.path.join(a.images, "*.JPEG")))[::10][:a.calibration]
-    work = tempfile.mkdtemp(prefix="qtool-pipeline-")
-    data = a.images
-    if a.shape:
-        shape = tuple(int(v) for v in a.shape.split(","))
-        data = os.path.join(work, "calib")
-        os.makedirs(data)
-        for k, x in enumerate(tensors(files, shape, a.mean, a.std)):
-            np.save(os.path.join(data, f"{k:04d}.npy"), x)
-        t = time.time()
-        cal = calibrate(a.model, data, method="minmax", workdir=os.path.join(work, "w"), show_progress=False)
-    else:
-        t = time.time()
-        cal = calibrate(a.model, data, a.config, "minmax", workdir=os.path.join(work, "w"), show_progress=False,
-                        every=10, limit=a.calibration)
-    wd = os.path.join(work, "w")
-    print(f"{os.path.basename(a.model)}: calibrated on {cal.table.n_samples} samples in {time.time() - t:.1f}s")
-
-    # 1. sensitivity in fp32 passes (CPU time, one process)
+def passes_per_layer(a, cal, wd) -> dict:
+    """1. Sensitivity in fp32 passes (CPU time, one process)."""
     recorded = [f for f in Workdir(wd).manifest()["calibrate"]["files"]]
     split = SampleSplit.of(recorded, a.samples or sensitivity_samples(cal.fused))
     ctx = QuantizeContext(cal.fused, cal.table, "minmax", threads=1)
@@ -97,10 +64,49 @@ def main(argv=None):
     print(f"sensitivity of {len(layers)} layers on {len(samples)} samples: {sens_cpu:.1f} CPU s ({sens_wall:.1f} s wall); "
           f"one fp32 pass over them: {pass_cpu:.2f} CPU s -> {per_layer:.2f} fp32 passes per layer")
 
+    return {"layers": len(layers), "samples": len(samples), "sensitivity_cpu_seconds": sens_cpu,
+            "fp32_pass_cpu_seconds": pass_cpu, "fp32_passes_per_layer": per_layer, "sensitivity_wall_seconds": sens_wall}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--images", required=True)
+    p.add_argument("--config", help="preprocessing preset (images); else --shape/--mean/--std tensors")
+    p.add_argument("--shape", help="1,C,H,W (tensor data, as bench_sqnr.py)")
+    p.add_argument("--mean", type=float, default=0.0)
+    p.add_argument("--std", type=float, default=1.0)
+    p.add_argument("--calibration", type=int, default=100, help="calibration samples (every 10th image)")
+    p.add_argument("--samples", type=int, default=None,
+                   help="sensitivity samples (default: quantize's, 64 or fewer for large outputs)")
+    p.add_argument("--no-exclude", action="store_true", help="skip the --exclude-sensitive run")
+    p.add_argument("--no-passes", action="store_true", help="skip part 1 (sensitivity in fp32 passes)")
+    p.add_argument("--out", default="bench_out")
+    a = p.parse_args(argv)
+    warnings.simplefilter("ignore")
+    os.makedirs(a.out, exist_ok=True)
+    files = sorted(glob.glob(os.path.join(a.images, "*.JPEG")))[::10][:a.calibration]
+    work = tempfile.mkdtemp(prefix="qtool-pipeline-")
+    data = a.images
+    if a.shape:
+        shape = tuple(int(v) for v in a.shape.split(","))
+        data = os.path.join(work, "calib")
+        os.makedirs(data)
+        for k, x in enumerate(tensors(files, shape, a.mean, a.std)):
+            np.save(os.path.join(data, f"{k:04d}.npy"), x)
+        t = time.time()
+        cal = calibrate(a.model, data, workdir=os.path.join(work, "w"), show_progress=False)  # (method: auto)
+    else:
+        t = time.time()
+        cal = calibrate(a.model, data, a.config, workdir=os.path.join(work, "w"), show_progress=False,
+                        every=10, limit=a.calibration)
+    wd = os.path.join(work, "w")
+    print(f"{os.path.basename(a.model)}: calibrated on {cal.table.n_samples} samples in {time.time() - t:.1f}s")
+
+    res = {"model": os.path.basename(a.model)}
+    if not a.no_passes:
+        res.update(passes_per_layer(a, cal, wd))
     # 2. the pipeline as a user runs it
-    res = {"model": os.path.basename(a.model), "layers": len(layers), "samples": len(samples),
-           "sensitivity_cpu_seconds": sens_cpu, "fp32_pass_cpu_seconds": pass_cpu,
-           "fp32_passes_per_layer": per_layer, "sensitivity_wall_seconds": sens_wall}
     runs = [("default", SensitivityOptions(samples=a.samples, show_progress=False))]
     if not a.no_exclude:
         runs.append(("exclude_sensitive", SensitivityOptions(samples=a.samples, exclude_sensitive=True,

@@ -100,10 +100,16 @@ def main(argv=None):
     p.add_argument("--mean", type=float, default=0.0)
     p.add_argument("--std", type=float, default=1.0)
     p.add_argument("--anchor", required=True, help="path to ort_anchor.py")
-    p.add_argument("--methods", default="minmax,percentile,entropy,mse", help="qtool range methods to measure")
+    p.add_argument("--methods", default="auto,minmax,percentile,entropy,mse",
+                   help="qtool range methods to measure (auto: quantize's default, the best measured on calibration "
+                        "samples)")
     p.add_argument("--targets", default="portable", help="qtool --target values to measure (comma-separated)")
     p.add_argument("--ort-opset", type=int, default=0, help="also run ORT on a copy upgraded to this opset")
     p.add_argument("--no-ort", action="store_true", help="skip ORT's quantizer (qtool figures only)")
+    p.add_argument("--eval", type=int, default=16,
+                   help="evaluation images (16: every 50th; more: any not used for calibration)")
+    p.add_argument("--rounding", choices=["output", "nearest"], default="output",
+                   help="quantize --rounding (output, the default: by each layer's output error)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--keep", help="keep qtool's working folder here")
     a = p.parse_args(argv)
@@ -114,7 +120,8 @@ def main(argv=None):
 
     shape = tuple(int(v) for v in a.shape.split(","))
     files = sorted(glob.glob(os.path.join(a.images, "*.JPEG")))
-    cal_files, ev_files = files[::10][:32], files[5::50][:16]
+    cal_files = files[::10][:32]
+    ev_files = files[5::50][:16] if a.eval <= 16 else [f for k, f in enumerate(files) if k % 10][:a.eval]
     ev = list(tensors(ev_files, shape, a.mean, a.std))
     name = session(a.model, a.threads).get_inputs()[0].name
     tmp = tempfile.mkdtemp(prefix="bench_sqnr-")
@@ -127,7 +134,7 @@ def main(argv=None):
     print(f"{model}: {len(cal_files)} calibration tensors (.npy) in {npy}, {len(ev)} evaluation images, shape {shape}")
 
     t = time.time()
-    cal = calibrate(a.model, npy, method="minmax", workdir=work, show_progress=False, threads=a.threads)
+    cal = calibrate(a.model, npy, workdir=work, show_progress=False, threads=a.threads)
     print(f"qtool calibrate: {time.time() - t:.1f}s, {cal.table.n_samples} samples, {len(cal.table.histograms)} tensors")
     fused_db = sqnr_db(a.model, cal.fused_path, name, ev, a.threads)
     print(f"qtool fused fp32 graph vs original: {fused_db:.1f} dB (graph cleanup must not change the function)")
@@ -139,10 +146,11 @@ def main(argv=None):
     for target in targets:
         for m in a.methods.split(","):
             t = time.time()
-            r = quantize(work, output=os.path.join(work, f"int8-{m}-{target}.onnx"), method=m, target=target)
+            r = quantize(work, output=os.path.join(work, f"int8-{m}-{target}.onnx"), method=m, target=target,
+                         rounding=a.rounding == "output")
             onnx.checker.check_model(r.path)
             ex = {}
-            key = m if target == targets[0] else f"{m} ({target})"
+            key = (m if m != "auto" else f"auto: {r.report['method']}") + ("" if target == targets[0] else f" ({target})")
             rows[key] = sqnr_db(a.model, r.path, name, ev, a.threads, ex)
             arith_rows[key] = {ar: native_sqnr(a.model, r.path, name, ev, a.threads, ar) for ar in ARITHMETICS}
             s = r.report["summary"]
@@ -157,8 +165,9 @@ def main(argv=None):
     from qtool.quantize.samples import load_samples
     picks = [os.path.join(npy, f) for f in sorted(os.listdir(npy))[::4]]  # 8 calibration tensors
     t = time.time()
-    scores = method_scores(QuantizeContext(cal.fused, cal.table, cal.table.method, targets[0]),
-                           load_samples(cal.fused, cal.table, picks), [m for m in a.methods.split(",")])
+    named = [m for m in a.methods.split(",") if m != "auto"]
+    scores = method_scores(QuantizeContext(cal.fused, cal.table, cal.table.range_method, targets[0]),
+                           load_samples(cal.fused, cal.table, picks), named or None)
     auto = max(scores, key=scores.get)
     print(f"qtool auto: picks '{auto}' on {len(picks)} calibration tensors ({time.time() - t:.1f}s; "
           + ", ".join(f"{m} {v:.1f}" for m, v in scores.items()) + " dB there)")
@@ -190,7 +199,7 @@ def main(argv=None):
     for m, v in rows.items():
         o = f"{ort_best:8.1f}{v - ort_best:+8.1f}" if ort_best is not None else f"{'n/a':>8s}{'':>8s}"
         print(f"  {m:22s}{v:8.1f}{o}" + "".join(f"{arith_rows[m][ar]:16.1f}" for ar in ARITHMETICS))
-    if ort_best is not None:
+    if ort_best is not None and auto in rows:
         print(f"  {'auto (' + auto + ')':22s}{rows[auto]:8.1f}{ort_best:8.1f}{rows[auto] - ort_best:+8.1f}"
               f"   <- method picked on calibration tensors, scored on the evaluation images")
     for label, v in ort_rows.items():

@@ -83,7 +83,7 @@ def test_plain_quantize_rounds_by_output_and_keeps_calibrated_ranges(damaged_wor
 
 
 def test_default_sensitivity_samples_follow_the_output_size():
-    """A classifier ranks on 64 images; a model with large outputs (a detector) on fewer, down to 8."""
+    """A classifier ranks on 64 images; a model with large outputs (a detector) on fewer, down to 4."""
     from onnx import TensorProto, helper
     from qtool.quantize.run import sensitivity_samples
 
@@ -94,9 +94,24 @@ def test_default_sensitivity_samples_follow_the_output_size():
         return helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
     assert sensitivity_samples(model([1, 1000])) == 64
     assert sensitivity_samples(model(["n", 1000])) == 64
-    assert sensitivity_samples(model([1, 3549, 85])) == 8  # YOLOX at 416x416
+    assert sensitivity_samples(model([1, 3549, 85])) == 4  # YOLOX at 416x416
+    assert sensitivity_samples(model([1, 1000, 20])) == 7  # 2^17 / 20000, rounded up
     assert sensitivity_samples(model([1, 2048, 4])) == 16  # 2^17 values / 2^13 per image
     assert sensitivity_samples(model([1, 3, "h", "w"])) == 64  # unknown size: the classifier's count
+
+
+def test_tuning_takes_the_first_sensitivity_images_and_at_least_eight():
+    """Rounding and range tuning read the first 32 sensitivity images; a detector ranks on 4 but its
+    covariances take 8, evenly spread over the calibration images."""
+    from qtool.quantize.run import SampleSplit
+    files = [f"f{k:03d}" for k in range(100)]
+    big = SampleSplit.of(files, 64)
+    assert big.tune == big.sensitivity[:32]
+    small = SampleSplit.of(files, 4)
+    assert len(small.sensitivity) == 4 and len(small.tune) == 8 and len(set(small.tune)) == 8
+    assert set(small.needed(auto=False, tune=True, sensitivity=True, exclusion=False)) == set(small.tune) | set(
+        small.sensitivity)
+    assert SampleSplit.of(files[:5], 4).tune == files[:5]  # fewer files than that: all of them
 
 
 def focus_stem(seed=0):

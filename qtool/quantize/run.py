@@ -38,7 +38,10 @@ INT8 = "model.int8.onnx"
 REPORT = "quantize.json"
 SENS_JSON = "sensitivity.json"
 MIN_HELD_BACK = 64  # fewer held-back images than this: check exclusions on every calibration image
-TUNE_SAMPLES = 32  # calibration images for output-aware rounding and range tuning
+TUNE_SAMPLES = 32  # calibration images for output-aware rounding and range tuning, at most: the first of
+# the sensitivity images, and at least MIN_TUNE_SAMPLES (a detector ranks its layers on 4 images; its
+# covariances want more)
+MIN_TUNE_SAMPLES = 8
 SENS_HTML = "sensitivity.html"
 
 
@@ -95,14 +98,17 @@ def _pins(table) -> dict:
 
 SENSITIVITY_SAMPLES = 64  # most, for a classifier: its ranking rests on agreement and KL per image
 SENSITIVITY_VALUES = 1 << 17  # output values that rank layers as well (a detector: 8 images of 20k values)
-MIN_SENSITIVITY_SAMPLES = 8
+# YOLOX (300k output values per image) ranks its 262 layers on 4 images as on 8: against the ranking
+# on 8 other images, Spearman 0.977 (4) and 0.978 (8), 9 of the top 10 shared either way, at half the
+# cost (benchmarks/bench_sensitivity_samples.py)
+MIN_SENSITIVITY_SAMPLES = 4
 
 
 def sensitivity_samples(fused) -> int:
     """How many calibration images the sensitivity pass takes by default: 64, or for a model whose
     output holds many values per image (a detector, a segmenter) enough images for about
-    SENSITIVITY_VALUES output values, at least 8. Each layer's cost grows with the images, and on a
-    416x416 detector 64 images cost minutes where 8 rank the same layers worst."""
+    SENSITIVITY_VALUES output values, at least 4. Each layer's cost grows with the images, and on a
+    416x416 detector 64 images cost minutes where 4 rank the same layers worst."""
     shapes = G.inferred_shapes(fused)
     dims = shapes.get(fused.graph.output[0].name) if fused.graph.output else None
     if not dims or any(d is None for d in dims[1:]):
@@ -143,21 +149,24 @@ def _evenly(files: list, n: int) -> list:
 
 @dataclass
 class SampleSplit:
-    """Which calibration samples each step uses: sensitivity (and tuning, its first TUNE_SAMPLES),
-    the held-back rest for checking exclusions, a few for --method auto. Decoded once together."""
+    """Which calibration samples each step uses: sensitivity, tuning (the first TUNE_SAMPLES of the
+    sensitivity images, or MIN_TUNE_SAMPLES where those are fewer), the held-back rest for checking
+    exclusions, a few for --method auto. Decoded once together."""
     sensitivity: list
     held_back: list
     auto: list
+    tune: list
 
     @classmethod
     def of(cls, files: list, sensitivity_samples: int) -> "SampleSplit":
         sens = _evenly(files, sensitivity_samples)
         taken = set(sens)
         held = _evenly([f for f in files if f not in taken], MAX_HELD_BACK)
-        return cls(sens, held, _evenly(files, AUTO_SAMPLES))
+        n_tune = min(TUNE_SAMPLES, max(sensitivity_samples, MIN_TUNE_SAMPLES))
+        return cls(sens, held, _evenly(files, AUTO_SAMPLES), _evenly(files, max(sensitivity_samples, n_tune))[:n_tune])
 
     def needed(self, auto: bool, tune: bool, sensitivity: bool, exclusion: bool) -> list:
-        want = (self.auto if auto else []) + (self.sensitivity[:TUNE_SAMPLES] if tune else []) \
+        want = (self.auto if auto else []) + (self.tune if tune else []) \
             + (self.sensitivity if sensitivity or exclusion else []) + (self.held_back if exclusion else [])
         return list(dict.fromkeys(want))
 
@@ -360,8 +369,7 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
     if auto:
         ctx.method, method_scores_db = pick_method(ctx, samples.pick(split.auto), say)
     sens_samples = samples.pick(split.sensitivity)
-    tuning = tune(ctx, sens_samples.subset(range(min(TUNE_SAMPLES, len(sens_samples)))), rounding, tune_ranges,
-                  say, opts.show_progress)
+    tuning = tune(ctx, samples.pick(split.tune), rounding, tune_ranges, say, opts.show_progress)
     sens, exclusion, ranking = None, None, None
     if sens_on and len(sens_samples):
         sens, ranking = run_sensitivity(ctx, sens_samples, opts, say)
