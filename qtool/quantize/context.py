@@ -74,7 +74,8 @@ class QuantizeContext:
         kw.update(over)
         return quantize_graph(self.fused, self.table, **kw)
 
-    def score(self, feeds: list, exclude: dict | None = None, **over) -> tuple:
-        """(first output of the int8 model over `feeds`, the QuantizeOutput it came from)."""
+    def score(self, feeds: list, exclude: dict | None = None, threads: int | None = None, **over) -> tuple:
+        """(first output of the int8 model over `feeds`, the QuantizeOutput it came from); `threads`:
+        ONNX Runtime's for this run (None: the context's)."""
         q = self.build(exclude, scoring=True, **over)
-        return run_first_output(q.model, feeds, self.threads), q
+        return run_first_output(q.model, feeds, self.threads if threads is None else threads), q

@@ -13,7 +13,9 @@ agreement): a count over a few dozen images cannot tell 99.5 % from 100 %.
 """
 from __future__ import annotations
 
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -84,8 +86,8 @@ def exclude_sensitive(ctx: QuantizeContext, ranking: list, samples: SampleSet, t
     one = {k: v[:samples.batch if samples.fixed_batch else 1] for k, v in feeds[0].items()}  # (latency at batch 1)
     y_true = None if labels is None else np.asarray(labels)
 
-    def evaluate(excl: dict):
-        y, q = ctx.score(feeds, excl)
+    def evaluate(excl: dict, threads: int | None = None):
+        y, q = ctx.score(feeds, excl, threads)
         drop = None
         if y_true is not None:
             m = y_true >= 0
@@ -98,6 +100,15 @@ def exclude_sensitive(ctx: QuantizeContext, ranking: list, samples: SampleSet, t
         if progress:
             progress(1)
         return q, pt
+
+    def evaluate_all(excls: list) -> list:
+        """evaluate() of each, side by side with one ORT thread each: one model's graph is built (Python)
+        while another runs, and one thread per session beats two on a model this size (simulate.py)."""
+        workers = min(len(excls), ctx.threads or min(os.cpu_count() or 1, 8))
+        if workers <= 1:
+            return [evaluate(e) for e in excls]
+        with ThreadPoolExecutor(workers) as pool:
+            return list(pool.map(lambda e: evaluate(e, 1), excls))
 
     def not_worse(pt: TradeoffPoint) -> bool:
         """Never give up a layer for a model whose agreement or SQNR is below the all-int8 one's."""
@@ -127,15 +138,15 @@ def exclude_sensitive(ctx: QuantizeContext, ranking: list, samples: SampleSet, t
     order = [s.name for s in sorted(ranking, key=lambda s: s.rank) if s.name not in excl]
     if not res.reached and max_excluded > 0:
         # leave-one-out from the fully quantized model, for the top of the ranking
-        alone = {name: evaluate(dict(excl, **{name: "leave-one-out"}))[1] for name in order[:POOL]}
+        pool = order[:POOL]
+        alone = {name: r[1] for name, r in zip(pool, evaluate_all([dict(excl, **{n: "leave-one-out"}) for n in pool]))}
         order = sorted(order[:POOL], key=lambda n: score(alone[n]), reverse=True) + order[POOL:]
         res.leave_one_out = {n: {"kl": p.kl, "sqnr_db": p.sqnr_db, "agreement": p.agreement} for n, p in alone.items()}
     while not res.reached and len(excl) - len(base_exclude) < max_excluded and order:
-        tried = []
-        for name in order[:CANDIDATES_PER_STEP]:
-            rank = next(s.rank for s in ranking if s.name == name)
-            cand = dict(excl, **{name: f"kept fp32 by --exclude-sensitive (sensitivity rank {rank})"})
-            tried.append((name, cand) + evaluate(cand))
+        names = order[:CANDIDATES_PER_STEP]
+        cands = [dict(excl, **{name: f"kept fp32 by --exclude-sensitive (sensitivity rank "
+                                     f"{next(s.rank for s in ranking if s.name == name)})"}) for name in names]
+        tried = [(name, cand) + r for name, cand, r in zip(names, cands, evaluate_all(cands))]
         name, cand, q, pt = max(tried, key=lambda t: score(t[3]))
         pt.added = name
         order.remove(name)
