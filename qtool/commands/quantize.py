@@ -29,7 +29,7 @@ from qtool.quantize.run import SensitivityOptions, fp32_ops_of, quantize, reason
 @click.option("--labels", type=click.Path(dir_okay=False), help="Labels file for --max-drop (else class folders).")
 @click.option("--sensitivity-samples", type=click.IntRange(min=1), default=None,
               help="Calibration images used for the per-layer sensitivity report (default: 64; for a model with "
-                   "large outputs, such as a detector, as few as 4: about 131072 output values in all).")
+                   "large outputs, such as a detector, as few as 4: about 65536 output values in all).")
 @click.option("--no-sensitivity", is_flag=True, help="Skip the sensitivity report.")
 @click.option("--rounding", type=click.Choice(["output", "nearest"]), default=None,
               help="Weight rounding: 'output' rounds each weight down or up to lower its layer's output error on "
