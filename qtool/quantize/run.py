@@ -98,8 +98,9 @@ def _pins(table) -> dict:
 
 SENSITIVITY_SAMPLES = 64  # most, for a classifier: its ranking rests on agreement and KL per image
 # output values that rank layers as well as 64 classifier images do: YOLOX (21294 output values per image)
-# ranks its 262 layers on 4 images as on 8: against the ranking on 8 other images, Spearman 0.977 (4)
-# and 0.978 (8), 9 of the top 10 shared either way, at half the cost (benchmarks/bench_sensitivity_samples.py)
+# ranks its 262 layers on 4 images as on 8: against the ranking on 8 other images, Spearman 0.987 and
+# 0.982 (4 images, two sets) where two sets of 8 give 0.988, 9 or 10 of the top 10 shared, at half the
+# cost (benchmarks/bench_sensitivity_samples.py)
 SENSITIVITY_VALUES = 1 << 16
 MIN_SENSITIVITY_SAMPLES = 4
 
