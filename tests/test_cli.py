@@ -506,7 +506,7 @@ def test_fixed_batch_three_model_flow(project):
     assert qtool("calibrate", "-m", "b3.onnx", "-d", "data", "-c", "cfg.toml", "-q", "--batch", "3", "--every", "1",
                  "--limit", "8") == 0
     assert qtool("quantize", "-q", "--method", "auto", "--exclude-sensitive", "--max-excluded", "1",
-                 "--sensitivity-samples", "6", "--json", "q.json") == 0
+                 "--sensitivity-samples", "6", "--tune-ranges", "--json", "q.json") == 0
     rep = json.load(open("q.json"))
     assert rep["rounding"] == "output-aware" and rep["tuned_ranges"] is not None
     sens = json.load(open(project / "qtool_work" / "sensitivity.json"))

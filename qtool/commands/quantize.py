@@ -34,9 +34,8 @@ from qtool.quantize.run import SensitivityOptions, fp32_ops_of, quantize, reason
 @click.option("--rounding", type=click.Choice(["output", "nearest"]), default=None,
               help="Weight rounding: 'output' rounds each weight down or up to lower its layer's output error on "
                    "calibration images (the default); 'nearest' rounds to the nearest step.")
-@click.option("--tune-ranges/--no-tune-ranges", default=None,
-              help="Choose each activation's clip range by the model output on calibration images "
-                   "(default: on with --exclude-sensitive, off otherwise).")
+@click.option("--tune-ranges/--no-tune-ranges", default=False, show_default=True,
+              help="Choose each activation's clip range by the model output on calibration images.")
 @click.option("--target", type=click.Choice(list(TARGETS)), default=DEFAULT_TARGET, show_default=True,
               help="The CPUs the model must give the exact int8 result on. portable: every ONNX Runtime CPU path "
                    "(x86 with or without VNNI, AMX, ARM) at full int8 speed; vnni: CPUs with VNNI/AMX/ARM dot "
@@ -61,7 +60,7 @@ def command(output, model, table, method, exclude, no_bias_correction, exclude_s
     Example:
       qtool quantize --exclude-sensitive
       qtool quantize --method percentile --exclude /_fc/Gemm -o model.int8.onnx
-      qtool quantize --rounding output --tune-ranges --no-sensitivity
+      qtool quantize --rounding nearest --tune-ranges --no-sensitivity
       qtool quantize --target vnni
     """
     setup_output(quiet, verbose)
