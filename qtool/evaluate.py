@@ -38,6 +38,11 @@ def _latency_ms(run, x, repeats: int = 10) -> float:
 
 CHECK_SAMPLES = 32  # samples on which ORT's int8 output is compared with the exact int8 arithmetic
 CHECK_MIN_DB = 50.0  # below this SQNR between ORT int8 and exact int8, ORT's arithmetic differs (not float noise)
+# ... where every compute op is int8. Where some run in float (layers kept fp32), float rounding decides
+# which side of a quantization step a value lands on downstream, and the two legitimately differ:
+# EfficientNet-Lite0 with 5 layers fp32, 31.7 dB (ORT's own float and int8 paths differ by 29-30 dB
+# on any Lite0 model), where saturating int16 pairs cost 9-14 dB (arithmetic.py)
+CHECK_MIN_DB_WITH_FLOAT_OPS = 20.0
 
 
 class ExactCheck:
@@ -49,12 +54,15 @@ class ExactCheck:
         self.n, self.rows, self.error = n, {"ort": [], "exact": []}, ""
         self.target = provenance(int8_path).get("target")
         self.session = native
+        self.float_ops = 0
         if native is None:
             try:
                 from qtool.runtime import NativeSession
                 self.session = NativeSession(int8_path, threads=threads)  # exact int32 sums
             except Exception as e:  # a model the runtime cannot load: say so, do not fail eval
                 self._give_up(e)
+        if self.session is not None:
+            self.float_ops = sum(st.kernel.startswith("numpy") for st in self.session.program.steps)
 
     def _give_up(self, e: Exception) -> None:
         self.session, self.error = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -80,8 +88,10 @@ class ExactCheck:
         from qtool.metrics import sqnr_db
         from qtool.ort_arithmetic import ort_int8_arithmetic
         db = sqnr_db(a, b)
+        floor = CHECK_MIN_DB_WITH_FLOAT_OPS if self.float_ops else CHECK_MIN_DB
         r = {"checked": len(a), "sqnr_ort_vs_exact_db": db, "max_abs_diff": float(np.abs(a - b).max()),
-             "ort_int8_arithmetic": ort_int8_arithmetic(), "exact": bool(db >= CHECK_MIN_DB), "target": self.target}
+             "ort_int8_arithmetic": ort_int8_arithmetic(), "exact": bool(db >= floor), "target": self.target,
+             "float_ops": self.float_ops, "min_sqnr_db": floor}
         if a.shape[1] > 1:
             r["top1_agreement_ort_vs_exact"] = float((a.argmax(1) == b.argmax(1)).mean())
         return r
