@@ -31,10 +31,11 @@ def _bars(err: str) -> dict:
 def test_exclude_sensitive_says_each_phase_under_a_bar_with_a_total(project, capsys):
     assert qtool("calibrate", "--model", "net.onnx", "--data", "data", "--config", "cfg.toml", "-q") == 0
     capsys.readouterr()
-    assert qtool("quantize", "--exclude-sensitive", "--max-excluded", "2", "--target-agreement", "1.0") == 0
+    assert qtool("quantize", "--exclude-sensitive", "--max-excluded", "2", "--target-agreement", "1.0",
+                 "--tune-ranges") == 0
     cap = capsys.readouterr()
     out = cap.out
-    phases = ["decoding 12 calibration images and running fp32 on them once",
+    phases = ["decoding 12 calibration images and running fp32 on them once", "method auto: ",
               "output-aware rounding: input covariances of every layer on 12 calibration images",
               "rounding the weights of", "tuning activation ranges at the output on 12 calibration images",
               "sensitivity: each of", "exclude-sensitive: keeping layers fp32 (at most 2) until top-1 agreement >= 1.0",
@@ -43,7 +44,7 @@ def test_exclude_sensitive_says_each_phase_under_a_bar_with_a_total(project, cap
     assert all(a >= 0 for a in at), [p for p, a in zip(phases, at) if a < 0]
     assert at == sorted(at)  # said in the order they run
     bars = _bars(cap.err)
-    for desc in ("decode + fp32", "covariances", "round weights", "tune ranges", "sensitivity",
+    for desc in ("decode + fp32", "method choice", "covariances", "round weights", "tune ranges", "sensitivity",
                  "exclude-sensitive (at most)", "target cost"):
         assert desc in bars and "/" in bars[desc], (desc, bars)  # shown, with a total (so an ETA)
     assert bars["decode + fp32"].endswith("/24") and bars["covariances"].endswith("/12")

@@ -24,7 +24,7 @@ from qtool.quantize.samples import SampleSet, load_samples
 from qtool.quantize.sensitivity import layer_sensitivity, quantizable_layers
 from qtool.report.sensitivity_html import render as render_sensitivity
 
-from qtool.calibrate.methods import AUTO
+from qtool.calibrate.methods import AUTO, METHODS
 from qtool.calibrate.run import FUSED, TABLE
 from qtool.calibrate.table import load_table
 from qtool.errors import QtoolError
@@ -280,13 +280,14 @@ def run_exclusion(ctx: QuantizeContext, ranking: list, check: SampleSet, opts: "
 AUTO_SAMPLES = 8
 
 
-def pick_method(ctx: QuantizeContext, samples: SampleSet, say=print):
+def pick_method(ctx: QuantizeContext, samples: SampleSet, say=print, show_progress: bool = True):
     """The range method whose int8 model has the best output SQNR on a few calibration samples
     (never the evaluation data): (method, {method: dB})."""
     if not len(samples):
         say(f"note: --method auto needs the calibration samples; none recorded, using {ctx.table.range_method}")
         return ctx.table.range_method, None
-    scores = method_scores(ctx, samples)
+    with _bar(len(METHODS), "method", "method choice", show_progress) as bar:
+        scores = method_scores(ctx, samples, progress=bar.update)
     best = max(scores, key=scores.get)
     say(f"method auto: {best} (output SQNR on {len(samples)} calibration samples: "
         + ", ".join(f"{m} {v:.1f} dB" for m, v in scores.items()) + ")")
@@ -369,7 +370,7 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
         samples = load_samples(fused, table, need, progress=bar.update)
     method_scores_db = None
     if auto:
-        ctx.method, method_scores_db = pick_method(ctx, samples.pick(split.auto), say)
+        ctx.method, method_scores_db = pick_method(ctx, samples.pick(split.auto), say, opts.show_progress)
     sens_samples = samples.pick(split.sensitivity)
     tuning = tune(ctx, samples.pick(split.tune), rounding, tune_ranges, say, opts.show_progress)
     sens, exclusion, ranking = None, None, None
