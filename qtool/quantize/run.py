@@ -356,8 +356,8 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
     tune_ranges = bool(tune_ranges)
     rounding = True if rounding is None else rounding
     auto = (method or table.method) == AUTO
-    ctx = QuantizeContext(fused, table, table.range_method if auto else (method or table.method), target, bias_correction,
-                          exclude)
+    ctx = QuantizeContext(fused, table, table.range_method if auto else (method or table.method), target,
+                          bias_correction, exclude)
     files = _calibration_files(wd)
     split = SampleSplit.of(files, opts.samples or sensitivity_samples(fused))
     need = split.needed(auto, rounding or tune_ranges, sens_on, exclusion_on)
