@@ -55,6 +55,8 @@ bench: install
 	    --images $(SHARED)/imagenet-samples --config efficientnet-lite --out bench_out
 	$(PY) benchmarks/bench_pipeline.py --model $(SHARED)/models/yolox-det.onnx --images $(SHARED)/imagenet-samples \
 	    --shape 1,3,416,416 --no-exclude --out bench_out
+	$(PY) benchmarks/bench_sensitivity_samples.py --model $(SHARED)/models/yolox-det.onnx \
+	    --images $(SHARED)/imagenet-samples --shape 1,3,416,416 --out bench_out
 
 clean:
 	rm -rf $(VENV) build *.egg-info $(WORK) qtool/kernels/*.so qtool/calibrate/*.so qtool/quantize/*.so
