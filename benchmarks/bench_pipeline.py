@@ -32,7 +32,8 @@ from qtool.ortsession import session
 from qtool.quantize.context import QuantizeContext
 from qtool.quantize.run import SensitivityOptions, quantize, SampleSplit, sensitivity_samples
 from qtool.quantize.samples import load_samples
-from qtool.quantize.sensitivity import layer_sensitivity
+from qtool.quantize.sensitivity import layer_sensitivity, layer_variants
+from qtool.quantize.simulate import Simulator
 from qtool.workdir import Workdir
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -63,9 +64,23 @@ def passes_per_layer(a, cal, wd) -> dict:
     per_layer = sens_cpu / pass_cpu / len(layers)
     print(f"sensitivity of {len(layers)} layers on {len(samples)} samples: {sens_cpu:.1f} CPU s ({sens_wall:.1f} s wall); "
           f"one fp32 pass over them: {pass_cpu:.2f} CPU s -> {per_layer:.2f} fp32 passes per layer")
-
+    floor = suffix_floor(ctx, samples)
+    print(f"  of which the suffixes alone (each layer's model from its first changed node on, ORT's profile): "
+          f"{floor:.2f} passes per layer; the rest is making sessions and graphs, and the quantizers")
     return {"layers": len(layers), "samples": len(samples), "sensitivity_cpu_seconds": sens_cpu,
-            "fp32_pass_cpu_seconds": pass_cpu, "fp32_passes_per_layer": per_layer, "sensitivity_wall_seconds": sens_wall}
+            "fp32_pass_cpu_seconds": pass_cpu, "fp32_passes_per_layer": per_layer, "sensitivity_wall_seconds": sens_wall,
+            "suffix_passes_per_layer": floor}
+
+
+def suffix_floor(ctx, samples) -> float:
+    """What re-running only what changes costs at best, in fp32 passes per layer: the share of an fp32
+    pass from each layer's first changed node to the end (ORT's per-node profile), averaged."""
+    sim = Simulator(ctx)
+    _, variants = layer_variants(sim)
+    share = sim._costs({k: v[:samples.batch if samples.fixed_batch else min(4, len(samples))]
+                        for k, v in samples.inputs.items()})
+    tail = np.concatenate([np.cumsum(share[::-1])[::-1], [0.0]])
+    return float(sum(tail[sim.first(v)] for v in variants) / max(len(variants), 1))
 
 
 def main(argv=None):

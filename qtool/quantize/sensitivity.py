@@ -54,13 +54,9 @@ def quantizable_layers(fused: onnx.ModelProto) -> list:
     return [d for d in plan.decisions if d.status == "int8"]
 
 
-def layer_sensitivity(ctx: QuantizeContext, samples: SampleSet, progress=None, only=None) -> list:
-    """Sensitivity of every int8 layer on `samples`, with the context's settings (target, tuned
-    ranges, output-aware rounding) for the one layer quantized. Each layer's model is simulated
-    from the last cut before it (simulate.py): only the part of the network after it re-runs.
-    `only` (layer names): measure just these, each still alone in int8 among all the others."""
-    sim = Simulator(ctx)
-    layers = quantizable_layers(ctx.fused)
+def layer_variants(sim: Simulator, only=None) -> tuple:
+    """([(position, decision)] of the layers measured, the Variant of each: that layer alone int8)."""
+    layers = quantizable_layers(sim.ctx.fused)
     names = [d.name for d in layers]
     wanted = set(names if only is None else only)
     picked = [(k, d) for k, d in enumerate(layers) if d.name in wanted]
@@ -68,8 +64,17 @@ def layer_sensitivity(ctx: QuantizeContext, samples: SampleSet, progress=None, o
     # int8 in every variant, adding its input's quantization to every layer's figure and making every
     # variant start at the input
     others = set(names) | set(sim.plan.int8_nodes)
-    variants = [sim.variant({n: "sensitivity: only one layer int8" for n in others if n != d.name},
-                            prune_excluded=False) for _, d in picked]
+    return picked, [sim.variant({n: "sensitivity: only one layer int8" for n in others if n != d.name},
+                                prune_excluded=False) for _, d in picked]
+
+
+def layer_sensitivity(ctx: QuantizeContext, samples: SampleSet, progress=None, only=None) -> list:
+    """Sensitivity of every int8 layer on `samples`, with the context's settings (target, tuned
+    ranges, output-aware rounding) for the one layer quantized. Each layer's model is simulated
+    from the last cut before it (simulate.py): only the part of the network after it re-runs.
+    `only` (layer names): measure just these, each still alone in int8 among all the others."""
+    sim = Simulator(ctx)
+    picked, variants = layer_variants(sim, only)
     outs = sim.run(samples, variants, progress)
     ref = samples.reference
     out = []
