@@ -33,11 +33,11 @@ from qtool.quantize.context import QuantizeContext
 from qtool.quantize.run import SensitivityOptions, quantize, SampleSplit, sensitivity_samples
 from qtool.quantize.samples import load_samples
 from qtool.quantize.sensitivity import layer_sensitivity, layer_variants
-from qtool.quantize.simulate import Simulator
+from qtool.quantize.simulate import Simulator, tails
 from qtool.workdir import Workdir
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_sqnr import tensors  # noqa: E402
+from bench_sqnr import tensor_args, write_tensors  # noqa: E402
 
 
 def cpu_of(fn, *args, **kw):
@@ -77,20 +77,14 @@ def suffix_floor(ctx, samples) -> float:
     pass from each layer's first changed node to the end (ORT's per-node profile), averaged."""
     sim = Simulator(ctx)
     _, variants = layer_variants(sim)
-    share = sim._costs({k: v[:samples.batch if samples.fixed_batch else min(4, len(samples))]
-                        for k, v in samples.inputs.items()})
-    tail = np.concatenate([np.cumsum(share[::-1])[::-1], [0.0]])
+    tail = tails(sim.shares(samples))
     return float(sum(tail[sim.first(v)] for v in variants) / max(len(variants), 1))
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True)
-    p.add_argument("--images", required=True)
+    tensor_args(p, shape_required=False)  # (--shape: tensor data, as bench_sqnr.py)
     p.add_argument("--config", help="preprocessing preset (images); else --shape/--mean/--std tensors")
-    p.add_argument("--shape", help="1,C,H,W (tensor data, as bench_sqnr.py)")
-    p.add_argument("--mean", type=float, default=0.0)
-    p.add_argument("--std", type=float, default=1.0)
     p.add_argument("--calibration", type=int, default=100, help="calibration samples (every 10th image)")
     p.add_argument("--samples", type=int, default=None,
                    help="sensitivity samples (default: quantize's, 64 or fewer for large outputs)")
@@ -104,11 +98,8 @@ def main(argv=None):
     work = tempfile.mkdtemp(prefix="qtool-pipeline-")
     data = a.images
     if a.shape:
-        shape = tuple(int(v) for v in a.shape.split(","))
-        data = os.path.join(work, "calib")
-        os.makedirs(data)
-        for k, x in enumerate(tensors(files, shape, a.mean, a.std)):
-            np.save(os.path.join(data, f"{k:04d}.npy"), x)
+        data = write_tensors(files, os.path.join(work, "calib"), tuple(int(v) for v in a.shape.split(",")), a.mean,
+                             a.std)
         t = time.time()
         cal = calibrate(a.model, data, workdir=os.path.join(work, "w"), show_progress=False)  # (method: auto)
     else:

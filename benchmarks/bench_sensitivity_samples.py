@@ -25,7 +25,7 @@ from qtool.quantize.samples import load_samples
 from qtool.quantize.sensitivity import layer_sensitivity
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_sqnr import tensors  # noqa: E402
+from bench_sqnr import tensor_args, write_tensors  # noqa: E402
 
 
 def ranks(d: dict, names: list) -> np.ndarray:
@@ -38,11 +38,7 @@ def top(d: dict, k: int) -> set:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True)
-    p.add_argument("--images", required=True)
-    p.add_argument("--shape", required=True, help="1,C,H,W")
-    p.add_argument("--mean", type=float, default=0.0)
-    p.add_argument("--std", type=float, default=1.0)
+    tensor_args(p)
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--fewer", type=int, default=4)
     p.add_argument("--method", default="mse")
@@ -51,10 +47,7 @@ def main(argv=None):
     warnings.simplefilter("ignore")
     files = sorted(glob.glob(os.path.join(a.images, "*.JPEG")))[::10][:100]
     work = tempfile.mkdtemp(prefix="qtool-sens-samples-")
-    data = os.path.join(work, "calib")
-    os.makedirs(data)
-    for k, x in enumerate(tensors(files, tuple(int(v) for v in a.shape.split(",")), a.mean, a.std)):
-        np.save(os.path.join(data, f"{k:04d}.npy"), x)
+    data = write_tensors(files, os.path.join(work, "calib"), tuple(int(v) for v in a.shape.split(",")), a.mean, a.std)
     cal = calibrate(a.model, data, workdir=os.path.join(work, "w"), show_progress=False)
     npys = sorted(glob.glob(os.path.join(data, "*.npy")))
     step = len(npys) // (2 * a.samples)

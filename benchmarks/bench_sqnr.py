@@ -52,6 +52,23 @@ def tensors(files, shape, mean, std):
         yield np.ascontiguousarray((x[None] if c == 1 else x.transpose(2, 0, 1))[None], np.float32)
 
 
+def write_tensors(files, folder, shape, mean, std) -> str:
+    """`files` as .npy tensors (tensors()), one per image, in `folder` (made): what calibrate reads."""
+    os.makedirs(folder)
+    for k, x in enumerate(tensors(files, shape, mean, std)):
+        np.save(os.path.join(folder, f"{k:04d}.npy"), x)
+    return folder
+
+
+def tensor_args(p, shape_required: bool = True) -> None:
+    """The arguments of a benchmark that feeds a model images as tensors (tensors())."""
+    p.add_argument("--model", required=True)
+    p.add_argument("--images", required=True)
+    p.add_argument("--shape", required=shape_required, help="1,C,H,W")
+    p.add_argument("--mean", type=float, default=0.0)
+    p.add_argument("--std", type=float, default=1.0)
+
+
 def session(path, threads):
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
@@ -94,11 +111,7 @@ def _agree(extra):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True)
-    p.add_argument("--images", required=True)
-    p.add_argument("--shape", required=True, help="1,C,H,W")
-    p.add_argument("--mean", type=float, default=0.0)
-    p.add_argument("--std", type=float, default=1.0)
+    tensor_args(p)
     p.add_argument("--anchor", required=True, help="path to ort_anchor.py")
     p.add_argument("--methods", default="auto,minmax,percentile,entropy,mse",
                    help="qtool range methods to measure (auto: quantize's default, the best measured on calibration "
@@ -125,10 +138,7 @@ def main(argv=None):
     ev = list(tensors(ev_files, shape, a.mean, a.std))
     name = session(a.model, a.threads).get_inputs()[0].name
     tmp = tempfile.mkdtemp(prefix="bench_sqnr-")
-    npy = os.path.join(tmp, "calib")
-    os.makedirs(npy)
-    for k, x in enumerate(tensors(cal_files, shape, a.mean, a.std)):
-        np.save(os.path.join(npy, f"{k:04d}.npy"), x)
+    npy = write_tensors(cal_files, os.path.join(tmp, "calib"), shape, a.mean, a.std)
     work = a.keep or os.path.join(tmp, "work")
     model = os.path.basename(a.model)
     print(f"{model}: {len(cal_files)} calibration tensors (.npy) in {npy}, {len(ev)} evaluation images, shape {shape}")

@@ -12,6 +12,7 @@ weights as uint8 + 128, which ORT computes exactly on every CPU.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -73,6 +74,11 @@ class QuantizeContext:
                   weight_cache=self.weight_cache, target=self.target, u8_storage=scoring and self.exact_storage)
         kw.update(over)
         return quantize_graph(self.fused, self.table, **kw)
+
+    @property
+    def workers(self) -> int:
+        """Experiments run side by side, one ORT thread each (ctx.threads, else the cores, up to 8)."""
+        return self.threads or min(os.cpu_count() or 1, 8)
 
     def score(self, feeds: list, exclude: dict | None = None, threads: int | None = None, **over) -> tuple:
         """(first output of the int8 model over `feeds`, the QuantizeOutput it came from); `threads`:

@@ -13,7 +13,6 @@ agreement): a count over a few dozen images cannot tell 99.5 % from 100 %.
 """
 from __future__ import annotations
 
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -104,7 +103,7 @@ def exclude_sensitive(ctx: QuantizeContext, ranking: list, samples: SampleSet, t
     def evaluate_all(excls: list) -> list:
         """evaluate() of each, side by side with one ORT thread each: one model's graph is built (Python)
         while another runs, and one thread per session beats two on a model this size (simulate.py)."""
-        workers = min(len(excls), ctx.threads or min(os.cpu_count() or 1, 8))
+        workers = min(len(excls), ctx.workers)
         if workers <= 1:
             return [evaluate(e) for e in excls]
         with ThreadPoolExecutor(workers) as pool:
@@ -140,7 +139,7 @@ def exclude_sensitive(ctx: QuantizeContext, ranking: list, samples: SampleSet, t
         # leave-one-out from the fully quantized model, for the top of the ranking
         pool = order[:POOL]
         alone = {name: r[1] for name, r in zip(pool, evaluate_all([dict(excl, **{n: "leave-one-out"}) for n in pool]))}
-        order = sorted(order[:POOL], key=lambda n: score(alone[n]), reverse=True) + order[POOL:]
+        order = sorted(pool, key=lambda n: score(alone[n]), reverse=True) + order[POOL:]
         res.leave_one_out = {n: {"kl": p.kl, "sqnr_db": p.sqnr_db, "agreement": p.agreement} for n, p in alone.items()}
     while not res.reached and len(excl) - len(base_exclude) < max_excluded and order:
         names = order[:CANDIDATES_PER_STEP]

@@ -298,9 +298,7 @@ def layer_hessians(fused, feeds: list, exclude: dict | None = None, threads: int
             for x_name, acc, conv in layers.values():
                 x = outs[x_name]
                 if conv is None:
-                    x = x.reshape(1, -1, x.shape[-1])
-                    c = x.mean(axis=1)
-                    acc.add(x - c[:, None, :], c)
+                    acc.add(x.reshape(1, -1, x.shape[-1]))  # (centred there)
                 elif x.ndim == 4:
                     c = x.mean(axis=(0, 2, 3))  # each input channel's mean: the patches come centred
                     groups, (kh, kw) = conv["groups"], conv["kernel"]

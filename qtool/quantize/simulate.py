@@ -23,7 +23,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import json
-import os
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -76,7 +75,6 @@ class Simulator:
         self.big_names = {t.name for t in self.base.graph.initializer if int(np.prod(t.dims)) > SMALL}
         self._weights, self._sqnr = {}, {}
         self._share = None  # each node's share of an fp32 pass, profiled on the first run
-        self.workers = ctx.threads or min(os.cpu_count() or 1, 8)  # variants run at once, one thread each
 
     # ------------------------------------------------------------------ what a variant switches on
     def plan_for(self, exclude: dict, prune_excluded: bool = True):
@@ -165,6 +163,13 @@ class Simulator:
             return modelled / max(modelled.sum(), 1.0)  # the profile's names did not match: model it
         return measured / measured.sum()
 
+    def shares(self, samples) -> np.ndarray:
+        """Each node's share of an fp32 pass (_costs), profiled once, on the first of `samples`."""
+        if self._share is None:
+            n = samples.batch if samples.fixed_batch else min(4, len(samples))
+            self._share = self._costs({k: v[:n] for k, v in samples.inputs.items()})
+        return self._share
+
     def plan_cuts(self, firsts: list, share: np.ndarray, pass_seconds: float = 1.0) -> dict:
         """Cut points for variants starting at `firsts`, each cut one session serving the variants
         from it to the next: minimises, in fp32 passes, the suffix each variant runs (share: each
@@ -172,7 +177,7 @@ class Simulator:
         time of one fp32 pass over the samples), and SWITCH_COST per variant per other
         variant's switch in its session (a switch that is off still costs its layout changes), by
         dynamic programming over the distinct first positions. -> first position -> its cut."""
-        tail = np.concatenate([np.cumsum(share[::-1])[::-1], [0.0]])  # tail[p]: pass share from node p on
+        tail = tails(share)
         q = sorted(set(firsts))
         seen = {}
         for f in firsts:
@@ -230,19 +235,15 @@ class Simulator:
                 stem = f"sim:{n.name}:{idx}"
                 fp = n.input[idx] if len(n.input) > idx and n.input[idx] else None
                 big[stem] = self._value(stem, val)
-                if fixed is not None:
-                    while len(n.input) <= idx:
-                        n.input.append("")
-                    n.input[idx] = stem
-                    continue
-                if fp is None:  # no bias in the fp32 graph: zeros stand for it when the switch is off
-                    fp = stem + ":0"
-                    big[fp] = self._value(fp, np.zeros_like(val))
-                before.setdefault(n.name, []).append(
-                    helper.make_node("Where", [f"sim:{n.name}", stem, fp], [stem + ":v"]))  # exact either way
+                if fixed is None:
+                    if fp is None:  # no bias in the fp32 graph: zeros stand for it when the switch is off
+                        fp = stem + ":0"
+                        big[fp] = self._value(fp, np.zeros_like(val))
+                    before.setdefault(n.name, []).append(
+                        helper.make_node("Where", [f"sim:{n.name}", stem, fp], [stem + ":v"]))  # exact either way
                 while len(n.input) <= idx:
                     n.input.append("")
-                n.input[idx] = stem + ":v"
+                n.input[idx] = stem if fixed is not None else stem + ":v"
         rename = {t: f"sim:{t}:y" for t in tensors}
         for n in nodes:
             for k, i in enumerate(n.input):
@@ -314,9 +315,7 @@ class Simulator:
     # ------------------------------------------------------------------ running variants
     def run(self, samples, variants: list, progress=None) -> list:
         """The first output of each variant over `samples` (SampleSet): [array [N, ...]] per variant."""
-        if self._share is None:
-            n = samples.batch if samples.fixed_batch else min(4, len(samples))
-            self._share = self._costs({k: v[:n] for k, v in samples.inputs.items()})
+        self.shares(samples)
         firsts = [self.first(v) for v in variants]
         outs = [[] for _ in variants]
         live = []
@@ -364,7 +363,7 @@ class Simulator:
             sess, frontier, _ = sessions[cut_of[k]]
             return sess.run([self.output], {**{t: cache[t] for t in frontier}, **feeds[k]})[0]
 
-        with ThreadPoolExecutor(self.workers) as pool:  # ORT lets the GIL go while it runs
+        with ThreadPoolExecutor(self.ctx.workers) as pool:  # ORT lets the GIL go while it runs
             for batch in self._chunks(samples, cross):
                 cache = dict(zip(cross, prefix.run(cross, batch))) if prefix is not None else {}
                 cache.update(batch)
@@ -408,6 +407,11 @@ def _onnx_type(ort_type: str) -> int:
 
 
 # ---------------------------------------------------------------------- helpers
+def tails(share: np.ndarray) -> np.ndarray:
+    """tails[p]: the share of an fp32 pass from node p on (one more entry, 0, past the last node)."""
+    return np.concatenate([np.cumsum(share[::-1])[::-1], [0.0]])
+
+
 def _dims(shape):
     """A value-info shape: the known dims, the batch (and any unknown one) left symbolic."""
     if shape is None:
