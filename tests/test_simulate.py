@@ -86,3 +86,16 @@ def test_plan_cuts_trades_sessions_against_suffix_work():
     assert [each[f] for f in (0, 40, 41, 42)] == [0, 40, 41, 42]
     # when a pass costs less than making a session (a tiny input), every variant runs from the input
     assert set(sim.plan_cuts([0, 90, 91], share, pass_seconds=0.001).values()) == {0}
+
+
+def test_the_prefix_runs_only_what_the_cut_needs(setup):
+    ctx, samples = setup
+    sim = Simulator(ctx)
+    early = sim._frontier(2)
+    m, big = sim.prefix_model(early)
+    assert 0 < len(m.graph.node) <= 2 < len(sim.nodes)  # the nodes after the cut are not in it
+    got = session(m, 1, external=big).run(early, samples.feeds[0])
+    from qtool.ortsession import with_outputs
+    want = session(with_outputs(ctx.fused, early), 1).run(early, samples.feeds[0])
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)

@@ -33,7 +33,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from qtool import graph as G
 from qtool import qparams as Q
-from qtool.ortsession import session, with_outputs
+from qtool.ortsession import session
 from qtool.plan import ModelFacts, make_plan
 from qtool.quantize.qdq import activation_qparams, layer_weights, upgrade_opset
 from qtool.rules import RULES
@@ -358,7 +358,10 @@ class Simulator:
                     cross.append(t)
         sessions = {p: self.session(p, [v for v, c in zip(variants, cut_of) if c == p]) for p in cuts}
         feeds = [self._switch_feed(v, sessions[c][2]) for v, c in zip(variants, cut_of)]
-        prefix = session(with_outputs(self.ctx.fused, cross), self.ctx.threads, arena="shared") if cross else None
+        prefix = None
+        if cross:
+            m, big = self.prefix_model(cross)
+            prefix = session(m, self.ctx.threads, arena="shared", external=big, where="a quantize experiment")
         def one(k, cache):
             sess, frontier, _ = sessions[cut_of[k]]
             return sess.run([self.output], {**{t: cache[t] for t in frontier}, **feeds[k]})[0]
@@ -372,6 +375,24 @@ class Simulator:
                     outs[k].append(y)
                     if progress:
                         progress(n / len(samples))
+
+    def prefix_model(self, cross: list) -> tuple:
+        """(the graph computing the fp32 tensors `cross` from the graph inputs with only the nodes
+        they need, the shared initializers it names as external). ONNX Runtime runs every node of a
+        graph whatever is fetched, and a group of early cuts needs a fraction of the pass."""
+        need, keep = set(cross), []
+        for n in reversed(self.nodes):
+            if any(o in need for o in n.output if o):
+                keep.append(n)
+                need |= G.node_reads(n)
+        keep.reverse()
+        big = {name: self._value(name) for name in sorted(need) if name in self.big_names}
+        g = helper.make_graph(keep, "prefix", list(G.real_inputs(self.base)),
+                              [helper.make_empty_tensor_value_info(t) for t in cross],
+                              [t for t in self.small if t.name in need] + [_external(n, v) for n, v in big.items()])
+        m = helper.make_model(g, opset_imports=self.base.opset_import)
+        m.ir_version = self.base.ir_version
+        return m, big
 
     def _chunks(self, samples, cross: list):
         """Batches of samples small enough that the fp32 tensors crossing the cuts fit CACHE_BYTES."""
