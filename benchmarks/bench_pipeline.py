@@ -64,12 +64,29 @@ def passes_per_layer(a, cal, wd) -> dict:
     per_layer = sens_cpu / pass_cpu / len(layers)
     print(f"sensitivity of {len(layers)} layers on {len(samples)} samples: {sens_cpu:.1f} CPU s ({sens_wall:.1f} s wall); "
           f"one fp32 pass over them: {pass_cpu:.2f} CPU s -> {per_layer:.2f} fp32 passes per layer")
+    if a.check_full:
+        check_full_models(ctx, samples, layers)
     floor = suffix_floor(ctx, samples)
     print(f"  of which the suffixes alone (each layer's model from its first changed node on, ORT's profile): "
           f"{floor:.2f} passes per layer; the rest is making sessions and graphs, and the quantizers")
     return {"layers": len(layers), "samples": len(samples), "sensitivity_cpu_seconds": sens_cpu,
             "fp32_pass_cpu_seconds": pass_cpu, "fp32_passes_per_layer": per_layer, "sensitivity_wall_seconds": sens_wall,
             "suffix_passes_per_layer": floor}
+
+
+def check_full_models(ctx, samples, layers) -> None:
+    """That the simulation is the same function as before it: each layer's output SQNR against that
+    of its whole QDQ model (every other layer excluded), run in float by ONNX Runtime."""
+    from qtool.metrics import sqnr_db
+    names = [s.name for s in layers]
+    diffs = []
+    for s in layers:
+        q = ctx.build({n: "x" for n in names if n != s.name}, prune_excluded=False).model
+        full = session(q, 1, basic=True)
+        y = np.concatenate([full.run(None, f)[0] for f in samples.feeds])
+        diffs.append(abs(sqnr_db(samples.reference, y) - s.output_sqnr_db))
+    print(f"  per-layer output SQNR, simulated against each layer's whole QDQ model: largest difference "
+          f"{max(diffs):.4f} dB, mean {np.mean(diffs):.4f} dB over {len(diffs)} layers")
 
 
 def suffix_floor(ctx, samples) -> float:
@@ -90,6 +107,8 @@ def main(argv=None):
                    help="sensitivity samples (default: quantize's, 64 or fewer for large outputs)")
     p.add_argument("--no-exclude", action="store_true", help="skip the --exclude-sensitive run")
     p.add_argument("--no-passes", action="store_true", help="skip part 1 (sensitivity in fp32 passes)")
+    p.add_argument("--check-full", action="store_true",
+                   help="part 1 also builds each layer's whole QDQ model and compares its output SQNR")
     p.add_argument("--out", default="bench_out")
     a = p.parse_args(argv)
     warnings.simplefilter("ignore")
