@@ -54,7 +54,7 @@ def _shared_arena():
 
 def session(model: onnx.ModelProto | str | bytes, threads: int = 0, arena: bool | str = True, spin: bool = True,
             basic: bool = False, where: str | None = None, external: dict | None = None,
-            profile_prefix: str | None = None) -> ort.InferenceSession:
+            profile_prefix: str | None = None, float_weights: bool = False) -> ort.InferenceSession:
     """`spin=False`: idle ORT workers sleep instead of spinning (they would take the core another
     thread of ours needs). `arena=False`: large outputs go back to the system after each run instead
     of pinning the peak. `arena="shared"`: one arena for every such session of the process, for many
@@ -62,7 +62,12 @@ def session(model: onnx.ModelProto | str | bytes, threads: int = 0, arena: bool 
     30-50 % that allocating from the system at every run costs (Lite0, batch 16). `basic=True`: only the basic graph optimizations, so a QDQ graph runs as
     written (float ops between Q/DQ) instead of on ORT's fused int8 kernels. `external` (name ->
     OrtValue): fills the initializers the graph marks as external (one array made once serves many
-    sessions, none serialized). `profile_prefix`: ORT's per-node profile is written there."""
+    sessions, none serialized). `profile_prefix`: ORT's per-node profile is written there.
+    `float_weights=True`: a Conv/Gemm whose float weight sits between a DequantizeLinear and a
+    QuantizeLinear computes with that weight as given. Without it ORT (WeightBiasQuantization, at
+    every optimization level) quantizes such a weight to int8 per tensor: the simulated int8 layers
+    carry their per-channel int8 weights dequantized, and a per-tensor scale rounds a depthwise
+    convolution's small channels to zero."""
     so = ort.SessionOptions()
     if external:
         so.add_external_initializers(list(external), list(external.values()))
@@ -83,7 +88,8 @@ def session(model: onnx.ModelProto | str | bytes, threads: int = 0, arena: bool 
         raise QtoolError(f"{model}: not a regular file; refusing to read it as a model")
     try:
         src = model if isinstance(model, (str, bytes)) else model.SerializeToString()
-        s = Session(src, so, providers=["CPUExecutionProvider"])
+        s = Session(src, so, providers=["CPUExecutionProvider"],
+                    disabled_optimizers=["WeightBiasQuantization"] if float_weights else None)
     except Exception as e:  # ORT's own errors are long multi-line C++ messages
         raise QtoolError(f"{where}: ONNX Runtime cannot load it ({_one_line(e)[:200]})") from None
     s.where = where

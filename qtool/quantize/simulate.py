@@ -4,8 +4,8 @@ Sensitivity asks "the model with only this layer int8", range tuning "this tenso
 range": dozens to hundreds of variants of one graph. Building, checking and loading each as a full
 QDQ model, and running it from the input, costs far more than what the variant changes. Here a
 variant is the fp32 graph with only its own quantizers (QuantizeLinear -> DequantizeLinear on its
-tensors) and its layers' int8 weights (dequantized) put in, run in float by ONNX Runtime (basic
-optimizations, no int8 kernel), which is the target's exact int8 result up to fp32 rounding of the
+tensors) and its layers' int8 weights (dequantized) put in, run in float by ONNX Runtime (no int8
+kernel, and no weight quantized by ORT itself), which is the target's exact int8 result up to fp32 rounding of the
 sums (a value within float rounding of a rounding boundary may land one step away). Its session
 shares every weight with the others (no copy) and loads in a few milliseconds.
 
@@ -295,12 +295,13 @@ class Simulator:
         m = helper.make_model(g, opset_imports=self.base.opset_import)
         m.ir_version = max(self.base.ir_version, 8)
         # every optimization (NCHWc convolutions: 2.4x faster than the basic level on Lite0); no int8
-        # kernel can take part, as no DequantizeLinear feeds a Conv or Gemm directly here. Dozens of
+        # kernel can take part, as no weight is quantized here, and ORT must not quantize the float
+        # weights itself (float_weights: it would, per tensor, around a quantized layer). Dozens of
         # sessions live at once, run one after another: they share one arena. The weights come from
         # OrtValues made once, not through a serialized graph.
         # one thread each: variants run side by side instead (_run_group); a suffix at batch 1 is too
         # small to split well (YOLOX's sensitivity: 138 s wall on 2 threads per session, 113 s on one)
-        sess = session(m, 1, arena="shared", external=big, where="a quantize experiment")
+        sess = session(m, 1, arena="shared", external=big, where="a quantize experiment", float_weights=True)
         return sess, frontier, (weights, tensors)
 
     def _switch_feed(self, v: Variant, switches) -> dict:
