@@ -52,7 +52,9 @@ bench: install
 	$(PY) benchmarks/bench_targets.py --model $(SHARED)/models/efficientnet-lite0.onnx \
 	    --images $(SHARED)/imagenet-samples --config efficientnet-lite --out bench_out
 	$(PY) benchmarks/bench_pipeline.py --model $(SHARED)/models/efficientnet-lite0.onnx \
-	    --images $(SHARED)/imagenet-samples --config efficientnet-lite --out bench_out
+	    --images $(SHARED)/imagenet-samples --config efficientnet-lite --check-full --out bench_out
+	$(PY) benchmarks/bench_pipeline.py --model $(SHARED)/models/ppocr-cls-mobilenetv3.onnx \
+	    --images $(SHARED)/imagenet-samples --shape 1,3,48,192 --mean 127.5 --std 127.5 --check-full --out bench_out
 	$(PY) benchmarks/bench_pipeline.py --model $(SHARED)/models/yolox-det.onnx --images $(SHARED)/imagenet-samples \
 	    --shape 1,3,416,416 --no-exclude --out bench_out
 	$(PY) benchmarks/bench_sensitivity_samples.py --model $(SHARED)/models/yolox-det.onnx \
