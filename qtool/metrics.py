@@ -21,11 +21,16 @@ def _log_softmax(x):
     return x - np.log(np.exp(x).sum(axis=1, keepdims=True))
 
 
-def kl_softmax(ref: np.ndarray, out: np.ndarray) -> float:
-    """Mean KL(softmax(ref) || softmax(out)) over samples, in nats."""
+def kl_softmax_each(ref: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """KL(softmax(ref) || softmax(out)) of each sample, in nats."""
     lp = _log_softmax(np.asarray(ref, np.float64).reshape(len(ref), -1))
     lq = _log_softmax(np.asarray(out, np.float64).reshape(len(out), -1))
-    return float((np.exp(lp) * (lp - lq)).sum(axis=1).mean())
+    return (np.exp(lp) * (lp - lq)).sum(axis=1)
+
+
+def kl_softmax(ref: np.ndarray, out: np.ndarray) -> float:
+    """Mean KL(softmax(ref) || softmax(out)) over samples, in nats."""
+    return float(kl_softmax_each(ref, out).mean())
 
 
 def predicted_agreement(ref: np.ndarray, out: np.ndarray) -> float:

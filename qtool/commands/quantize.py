@@ -93,7 +93,9 @@ def command(output, model, table, method, exclude, no_bias_correction, exclude_s
                    f"{'KL':>8}  {'ORT int8 ms':>11}  step")
         for p in e.curve:
             ms = "-" if p.ort_int8_ms is None else f"{p.ort_int8_ms:.2f}"
-            step = "all int8" if not p.added else (f"+{p.added[-40:]}" + ("" if p.kept else " (no gain: undone)"))
+            gain = "" if p.gain_se is None else f"gain {p.gain_se:.1f} SE"
+            step = "all int8" if not p.added else (f"+{p.added[-40:]} ({gain})" if p.kept else
+                                                   f"+{p.added[-40:]} ({gain}: no gain beyond noise, undone)")
             say(quiet, f"  {len(p.excluded):>11}  {p.agreement:>7.4f} [{p.agreement_95[0]:.4f}, {p.agreement_95[1]:.4f}]"
                        f"  {p.predicted_agreement:>9.4f}  {p.sqnr_db:>7.1f}  {p.kl:>8.5f}  {ms:>11}  {step}")
         say(quiet, ("  target reached" if e.reached else "  target NOT reached; wrote the best model found")

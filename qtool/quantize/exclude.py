@@ -10,6 +10,9 @@ the error on the few classes that carry the probability, where output SQNR weigh
 logits alike; unlike a count of flips it is smooth on a few dozen images. Top-1 agreement
 is judged both as counted and as predicted from the logit margins (metrics.predicted_
 agreement): a count over a few dozen images cannot tell 99.5 % from 100 %.
+A step's exclusion stays only if it helps: a better score than the best model so far, no worse
+agreement or SQNR than the all-int8 model, and a gain beyond the images' noise (the per-image
+KL difference, paired on the same images, above SIGNIFICANCE standard errors).
 """
 from __future__ import annotations
 
@@ -21,12 +24,16 @@ import numpy as np
 import onnx
 
 from qtool.ortsession import session
-from qtool.metrics import kl_softmax, predicted_agreement, sqnr_db, top1_agreement, wilson
+from qtool.metrics import kl_softmax, kl_softmax_each, predicted_agreement, sqnr_db, top1_agreement, wilson
 from qtool.quantize.context import QuantizeContext
 from qtool.quantize.samples import SampleSet
 
 CANDIDATES_PER_STEP = 2
 POOL = 8  # layers from the top of the sensitivity ranking whose leave-one-out gain is measured
+# an exclusion is kept only if its gain, per image against the best model so far, exceeds this many
+# standard errors of that paired difference: on 100 images a 2 % lower mean KL is noise, and keeping
+# EfficientNet-Lite0's classifier fp32 for it doubled the model's size
+SIGNIFICANCE = 1.0
 
 
 @dataclass
@@ -42,6 +49,7 @@ class TradeoffPoint:
     agreement_95: tuple = (0.0, 1.0)  # Wilson interval of the counted agreement
     images: int = 0
     kept: bool = True  # this step's exclusion stayed (it helped on the held-back images)
+    gain_se: float | None = None  # its per-image gain on the best model so far, in standard errors
 
 
 @dataclass
@@ -58,6 +66,15 @@ class ExclusionResult:
     def to_dict(self):
         return {"excluded": self.excluded, "reached": self.reached, "target": self.target,
                 "curve": [asdict(p) for p in self.curve], "leave_one_out": self.leave_one_out}
+
+
+def per_image_error(ref: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Each image's distance from fp32: softmax KL for a classifier's [N, classes], else the squared
+    error over its output values, relative to the reference's mean energy."""
+    r, o = np.asarray(ref, np.float64).reshape(len(ref), -1), np.asarray(y, np.float64).reshape(len(y), -1)
+    if np.asarray(y).ndim == 2:
+        return kl_softmax_each(r, o)
+    return ((o - r) ** 2).sum(axis=1) / max(float((r ** 2).sum(axis=1).mean()), 1e-30)
 
 
 def latency_ms(model: onnx.ModelProto, feed: dict, repeats: int = 15) -> float:
@@ -85,6 +102,8 @@ def exclude_sensitive(ctx: QuantizeContext, ranking: list, samples: SampleSet, t
     one = {k: v[:samples.batch if samples.fixed_batch else 1] for k, v in feeds[0].items()}  # (latency at batch 1)
     y_true = None if labels is None else np.asarray(labels)
 
+    errors = {}  # id(TradeoffPoint) -> its error on each image (KL, or squared error for other outputs)
+
     def evaluate(excl: dict, threads: int | None = None):
         y, q = ctx.score(feeds, excl, threads)
         drop = None
@@ -96,6 +115,7 @@ def exclude_sensitive(ctx: QuantizeContext, ranking: list, samples: SampleSet, t
                            predicted_agreement(reference, y), sqnr_db(reference, y), drop, None,
                            kl=kl_softmax(reference, y) if y.ndim == 2 else -sqnr_db(reference, y),
                            agreement_95=wilson(round(agree * len(y)), len(y)), images=len(y))
+        errors[id(pt)] = per_image_error(reference, y)
         if progress:
             progress(1)
         return q, pt
@@ -151,7 +171,10 @@ def exclude_sensitive(ctx: QuantizeContext, ranking: list, samples: SampleSet, t
         order.remove(name)
         # an exclusion stays only if it helps: a better score than the best so far, and no worse
         # than the all-int8 model in agreement and SQNR on the held-back images
-        pt.kept = score(pt) > score(best_pt) and not_worse(pt)
+        # and by more than the images' own noise
+        d = errors[id(best_pt)] - errors[id(pt)]
+        pt.gain_se = float(d.mean() / max(d.std(ddof=1) / np.sqrt(len(d)), 1e-30)) if len(d) > 1 else 0.0
+        pt.kept = score(pt) > score(best_pt) and not_worse(pt) and pt.gain_se > SIGNIFICANCE
         if measure_latency:
             pt.ort_int8_ms = latency_ms(_deployed(ctx, q, cand), one)
         res.curve.append(pt)
