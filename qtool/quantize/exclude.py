@@ -31,8 +31,8 @@ from qtool.quantize.samples import SampleSet
 CANDIDATES_PER_STEP = 2
 POOL = 8  # layers from the top of the sensitivity ranking whose leave-one-out gain is measured
 # an exclusion is kept only if its gain, per image against the best model so far, exceeds this many
-# standard errors of that paired difference: on 100 images a 2 % lower mean KL is noise, and keeping
-# EfficientNet-Lite0's classifier fp32 for it doubled the model's size
+# standard errors of that paired difference: on 100 images a lower mean KL alone can be the noise of
+# a few images (each step picks the better of two candidates, which favours a lucky one)
 SIGNIFICANCE = 1.0
 
 
