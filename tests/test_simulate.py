@@ -133,3 +133,27 @@ def test_a_layer_alone_keeps_its_per_channel_weights_in_the_simulation(tmp_path)
     want = _float_qdq(ctx, samples, {n: "x" for n in names if n != "dw_conv"}, prune_excluded=False)
     assert abs(sqnr_db(samples.reference, y) - sqnr_db(samples.reference, want)) < 0.1
     assert sqnr_db(want, y) > 60
+
+
+def test_the_prefix_of_an_old_ir_model_loads(tmp_path):
+    """IR 3 lists every initializer among the graph inputs; the prefix keeps only the real inputs."""
+    from onnx import helper
+    from helpers import save
+    from qtool.calibrate.run import calibrate
+    m = small_convnet(seed=1)
+    m.ir_version = 3
+    for t in m.graph.initializer:
+        m.graph.input.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    write_images(tmp_path / "data", 4, seed=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = calibrate(save(m, tmp_path / "m.onnx"), str(tmp_path / "data"), write_config(tmp_path / "c.toml"),
+                      "minmax", str(tmp_path / "w"), show_progress=False, threads=1)
+    ctx = QuantizeContext(r.fused, r.table, "minmax", threads=1)
+    samples = load_samples(r.fused, r.table, sorted(str(p) for p in (tmp_path / "data").iterdir()))
+    sim = Simulator(ctx)
+    assert sim.base.ir_version < 4
+    cut = sim._frontier(3)
+    pm, big = sim.prefix_model(cut)
+    got = session(pm, 1, external=big).run(cut, samples.feeds[0])
+    assert [g.shape[0] for g in got] == [len(samples)] * len(cut)
