@@ -32,7 +32,7 @@ from qtool.ortsession import session
 from qtool.quantize.context import QuantizeContext
 from qtool.quantize.run import SensitivityOptions, quantize, SampleSplit, sensitivity_samples
 from qtool.quantize.samples import load_samples
-from qtool.quantize.sensitivity import layer_sensitivity, layer_variants
+from qtool.quantize.sensitivity import layer_exclusions, layer_sensitivity, layer_variants
 from qtool.quantize.simulate import Simulator, tails
 from qtool.workdir import Workdir
 
@@ -78,10 +78,11 @@ def check_full_models(ctx, samples, layers) -> None:
     """That the simulation is the same function as before it: each layer's output SQNR against that
     of its whole QDQ model (every other layer excluded), run in float by ONNX Runtime."""
     from qtool.metrics import sqnr_db
-    others = {s.name for s in layers} | set(Simulator(ctx).plan.int8_nodes)  # as layer_variants: pass-through ops too
+    picked, exclusions = layer_exclusions(Simulator(ctx))
+    alone = {d.name: e for (_, d), e in zip(picked, exclusions)}
     diffs = []
     for s in layers:
-        q = ctx.build({n: "x" for n in others if n != s.name}, prune_excluded=False).model
+        q = ctx.build(alone[s.name], prune_excluded=False).model
         full = session(q, 1, basic=True)
         y = np.concatenate([full.run(None, f)[0] for f in samples.feeds])
         whole = sqnr_db(samples.reference, y)

@@ -24,7 +24,7 @@ import numpy as np
 import onnx
 
 from qtool.ortsession import session
-from qtool.metrics import kl_softmax, kl_softmax_each, predicted_agreement, sqnr_db, top1_agreement, wilson
+from qtool.metrics import kl_softmax_each, predicted_agreement, sqnr_db, top1_agreement, wilson
 from qtool.quantize.context import QuantizeContext
 from qtool.quantize.samples import SampleSet
 
@@ -110,12 +110,12 @@ def exclude_sensitive(ctx: QuantizeContext, ranking: list, samples: SampleSet, t
         if y_true is not None:
             m = y_true >= 0
             drop = 100 * float((reference[m].argmax(1) == y_true[m]).mean() - (y.reshape(len(y), -1)[m].argmax(1) == y_true[m]).mean())
-        agree = top1_agreement(reference, y)
+        agree, db, err = top1_agreement(reference, y), sqnr_db(reference, y), per_image_error(reference, y)
         pt = TradeoffPoint(sorted(n for n in excl if n not in base_exclude), agree,
-                           predicted_agreement(reference, y), sqnr_db(reference, y), drop, None,
-                           kl=kl_softmax(reference, y) if y.ndim == 2 else -sqnr_db(reference, y),
+                           predicted_agreement(reference, y), db, drop, None,
+                           kl=float(err.mean()) if y.ndim == 2 else -db,  # (err: each image's KL there)
                            agreement_95=wilson(round(agree * len(y)), len(y)), images=len(y))
-        errors[id(pt)] = per_image_error(reference, y)
+        errors[id(pt)] = err
         if progress:
             progress(1)
         return q, pt

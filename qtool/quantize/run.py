@@ -372,7 +372,8 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
     if auto:
         ctx.method, method_scores_db = pick_method(ctx, samples.pick(split.auto), say, opts.show_progress)
     sens_samples = samples.pick(split.sensitivity)
-    tuning = tune(ctx, samples.pick(split.tune), rounding, tune_ranges, say, opts.show_progress)
+    tune_samples = samples.pick(split.tune)
+    tuning = tune(ctx, tune_samples, rounding, tune_ranges, say, opts.show_progress)
     sens, exclusion, ranking = None, None, None
     if sens_on and len(sens_samples):
         sens, ranking = run_sensitivity(ctx, sens_samples, opts, say)
@@ -398,7 +399,7 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
     # with any other fp32 model
     set_provenance(out.model, fp32_sha256=table.model_sha256, table_sha256=table_sha256)
     save_model(out.model, path)
-    cost = target_cost(ctx, samples.pick(split.tune), final_exclude, say, opts.show_progress)
+    cost = target_cost(ctx, tune_samples, final_exclude, say, opts.show_progress)
     report = {
         "model": model_path, "int8_model": os.path.abspath(path), "method": ctx.method,
         "method_scores_db": method_scores_db, "target": target, "target_description": TARGETS[target].description,

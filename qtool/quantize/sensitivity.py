@@ -54,8 +54,10 @@ def quantizable_layers(fused: onnx.ModelProto) -> list:
     return [d for d in plan.decisions if d.status == "int8"]
 
 
-def layer_variants(sim: Simulator, only=None) -> tuple:
-    """([(position, decision)] of the layers measured, the Variant of each: that layer alone int8)."""
+def layer_exclusions(sim: Simulator, only=None) -> tuple:
+    """([(position, decision)] of the layers measured, for each the exclusions that leave it alone in
+    int8: what its variant simulates, and what its whole QDQ model, ctx.build(those, prune_excluded=
+    False), is)."""
     layers = quantizable_layers(sim.ctx.fused)
     names = [d.name for d in layers]
     wanted = set(names if only is None else only)
@@ -64,8 +66,13 @@ def layer_variants(sim: Simulator, only=None) -> tuple:
     # int8 in every variant, adding its input's quantization to every layer's figure and making every
     # variant start at the input
     others = set(names) | set(sim.plan.int8_nodes)
-    return picked, [sim.variant({n: "sensitivity: only one layer int8" for n in others if n != d.name},
-                                prune_excluded=False) for _, d in picked]
+    return picked, [{n: "sensitivity: only one layer int8" for n in others if n != d.name} for _, d in picked]
+
+
+def layer_variants(sim: Simulator, only=None) -> tuple:
+    """([(position, decision)] of the layers measured, the Variant of each: that layer alone int8)."""
+    picked, exclusions = layer_exclusions(sim, only)
+    return picked, [sim.variant(e, prune_excluded=False) for e in exclusions]
 
 
 def layer_sensitivity(ctx: QuantizeContext, samples: SampleSet, progress=None, only=None) -> list:

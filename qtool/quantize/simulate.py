@@ -275,10 +275,6 @@ class Simulator:
         ordered = list(after.get(None, []))
         for n in nodes:
             ordered.extend(before.get(n.name, []) + [n] + after.get(n.name, []))
-        used = {i for n in ordered for i in n.input}
-        for name in sorted(used):
-            if name not in big and name not in frontier and name in self.big_names:
-                big[name] = self._value(name)
         if fixed is not None:
             weights, tensors = [], []
         switches = [helper.make_tensor_value_info(f"sim:{n}", TensorProto.BOOL, []) for n in weights]
@@ -286,14 +282,11 @@ class Simulator:
             switches += [helper.make_tensor_value_info(f"sim:{t}", TensorProto.BOOL, []),
                          helper.make_tensor_value_info(f"sim:{t}:s", TensorProto.FLOAT, []),
                          helper.make_tensor_value_info(f"sim:{t}:z", TensorProto.UINT8, [])]
-        g = helper.make_graph(
-            ordered, "variants",
-            [helper.make_tensor_value_info(t, self.types.get(t, TensorProto.FLOAT), _dims(self.shapes.get(t)))
-             for t in frontier] + switches,
-            [o for o in self.base.graph.output if o.name == self.output],
-            [t for t in self.small if t.name in used] + consts + [_external(n, val) for n, val in big.items()])
-        m = helper.make_model(g, opset_imports=self.base.opset_import)
-        m.ir_version = max(self.base.ir_version, 8)
+        m, big = self._model(ordered, "variants",
+                             [helper.make_tensor_value_info(t, self.types.get(t, TensorProto.FLOAT),
+                                                            _dims(self.shapes.get(t))) for t in frontier] + switches,
+                             [o for o in self.base.graph.output if o.name == self.output],
+                             {i for n in ordered for i in n.input}, big, consts)
         # every optimization (NCHWc convolutions: 2.4x faster than the basic level on Lite0); no int8
         # kernel can take part, as no weight is quantized here, and ORT must not quantize the float
         # weights itself (float_weights: it would, per tensor, around a quantized layer). Dozens of
@@ -387,12 +380,21 @@ class Simulator:
                 keep.append(n)
                 need |= G.node_reads(n)
         keep.reverse()
-        big = {name: self._value(name) for name in sorted(need) if name in self.big_names}
-        g = helper.make_graph(keep, "prefix", list(G.real_inputs(self.base)),
-                              [helper.make_empty_tensor_value_info(t) for t in cross],
-                              [t for t in self.small if t.name in need] + [_external(n, v) for n, v in big.items()])
+        return self._model(keep, "prefix", list(G.real_inputs(self.base)),
+                           [helper.make_empty_tensor_value_info(t) for t in cross], need)
+
+    def _model(self, nodes: list, name: str, inputs: list, outputs: list, used: set, big: dict | None = None,
+               consts: list = ()) -> tuple:
+        """(a model of `nodes` with the base graph's initializers among `used`: the small ones in the
+        graph, the others, and `big`'s, as external ones filled from shared OrtValues; that mapping)."""
+        big = dict(big or {})
+        for n in sorted(used):
+            if n not in big and n in self.big_names:
+                big[n] = self._value(n)
+        g = helper.make_graph(nodes, name, inputs, outputs, [t for t in self.small if t.name in used] + list(consts)
+                              + [_external(n, val) for n, val in big.items()])
         m = helper.make_model(g, opset_imports=self.base.opset_import)
-        m.ir_version = self.base.ir_version
+        m.ir_version = max(self.base.ir_version, 8)  # (initializers need not be graph inputs)
         return m, big
 
     def _chunks(self, samples, cross: list):

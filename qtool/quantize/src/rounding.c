@@ -28,6 +28,20 @@ static inline void move(double *grad, const double *hrow, double step, Py_ssize_
     for (Py_ssize_t l = 0; l < k; l++) grad[l] += step * hrow[l];
 }
 
+/* weight j moves by d steps of size s, and the gradient with it */
+static inline void step(double *q, double *grad, const double *H, Py_ssize_t j, double d, double s, Py_ssize_t k) {
+    q[j] += d;
+    move(grad, H + j * k, d * s, k);
+}
+
+/* the better of the two directions tried so far: the reference's strict "<" keeps the first of a tie */
+static inline void keep_better(double gain, double d, double *best_gain, double *best_d) {
+    if (gain < *best_gain) {
+        *best_gain = gain;
+        *best_d = d;
+    }
+}
+
 typedef struct {
     double *q, *grad;
     const double *lo, *hi, *v, *s, *h;
@@ -77,15 +91,10 @@ static void pair_safe_channel(const job *J, Py_ssize_t r) {
                 int ok = fabs(alt) <= W_MAX && (fabs(alt - v[j]) < 1 || fabs(alt - v[j]) < fabs(q[j] - v[j]));
                 if (p >= 0) ok = ok && !can_saturate(alt, q[p]);
                 const double dd = d * s;
-                const double gain = ok ? 2 * dd * grad[j] + dd * dd * H[j * k + j] : 0.0;
-                if (gain < best_gain) {
-                    best_gain = gain;
-                    best_d = d;
-                }
+                keep_better(ok ? 2 * dd * grad[j] + dd * dd * H[j * k + j] : 0.0, d, &best_gain, &best_d);
             }
             if (best_gain < TAKE) {
-                q[j] += best_d;
-                move(grad, H + j * k, best_d * s, k);
+                step(q, grad, H, j, best_d, s, k);
                 changed = 1;
             }
         }
@@ -99,19 +108,13 @@ static void pair_safe_channel(const job *J, Py_ssize_t r) {
                 const double na = qa + d, nb = qb - d;
                 const int ok = fabs(na) <= W_MAX && fabs(nb) <= W_MAX && !can_saturate(na, nb) && qa * qb > 0;
                 const double da = d * s, db = -d * s;
-                double gain = 2 * da * grad[a] + 2 * db * grad[b] + da * da * H[a * k + a] + db * db * H[b * k + b] +
-                              2 * da * db * H[a * k + b];
-                if (!ok) gain = 0.0;
-                if (gain < best_gain) {
-                    best_gain = gain;
-                    best_d = d;
-                }
+                const double gain = 2 * da * grad[a] + 2 * db * grad[b] + da * da * H[a * k + a] + db * db * H[b * k + b] +
+                                    2 * da * db * H[a * k + b];
+                keep_better(ok ? gain : 0.0, d, &best_gain, &best_d);
             }
             if (best_gain < TAKE) {
-                q[a] += best_d;
-                move(grad, H + a * k, best_d * s, k);
-                q[b] += -best_d;
-                move(grad, H + b * k, -best_d * s, k);
+                step(q, grad, H, a, best_d, s, k);
+                step(q, grad, H, b, -best_d, s, k);
                 changed = 1;
             }
         }
