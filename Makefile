@@ -9,7 +9,7 @@ SHARED ?= ../shared
 WORK ?= qtool_work
 DEMO_MODEL := models/efficientnet-lite0.onnx
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench zoo clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +59,12 @@ bench: install
 	    --shape 1,3,416,416 --no-exclude --out bench_out
 	$(PY) benchmarks/bench_sensitivity_samples.py --model $(SHARED)/models/yolox-det.onnx \
 	    --images $(SHARED)/imagenet-samples --shape 1,3,416,416 --out bench_out
+
+# Acceptance on real third-party models: the default quantize on every model of $(SHARED)/zoo, beside
+# ORT's quantizer (downloads the models into $QTOOL_ZOO or ~/.cache/qtool-zoo on first use).
+zoo: install
+	$(PY) -m pip install -q --no-build-isolation -e '.[test,bench]'
+	$(PY) benchmarks/bench_zoo.py --shared $(SHARED) --out bench_out/zoo
 
 clean:
 	rm -rf $(VENV) build *.egg-info $(WORK) qtool/kernels/*.so qtool/calibrate/*.so qtool/quantize/*.so

@@ -1,0 +1,620 @@
+#!/usr/bin/env python3
+"""Every real model: the default `qtool quantize` on third-party models it has never seen (../shared/zoo).
+
+For each zoo model (ZOO.json's order, or --models) it fetches the model and makes its inputs where they
+are missing, then runs `qtool calibrate`, `qtool quantize` (with --strict when this qtool has it) and
+`qtool eval --compare fp32`, each in its own process, timed, with its peak resident memory, under a
+timeout and a memory watchdog. ONNX Runtime's quantizer (quantize_static: QDQ, u8 activations, s8
+per-channel weights, MinMax, after quant_pre_process) is the anchor, on the same calibration files.
+Both int8 models are scored by output SQNR against fp32 over every evaluation file, per float output
+(the headline is the worst output); ORT's model also "exact": its int8 weights stored as uint8 + 128,
+which ONNX Runtime computes exactly on every CPU. Then the zoo's task check (check.py) runs on fp32,
+qtool's int8 and ORT's int8.
+
+A model passes when the three steps succeed, each within 180 s, quantize peaks under 4 GB, qtool's
+SQNR is at least the better of ORT's two, and qtool's int8 passes the task check wherever fp32 does.
+Exit 0 when every model passes. Results: OUT/zoo.json (every figure), OUT/zoo.md (the table).
+
+  python benchmarks/bench_zoo.py --shared ../shared [--models a,b] [--zoo-dir DIR] [--data-dir DIR] [--out DIR]
+"""
+import argparse
+import datetime
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BUDGET_S = 180  # the issue's budget per step; --step-timeout only stops runaways
+QUANT_MB = 4096  # the issue's budget for quantize's peak resident memory
+POLL_S = 0.2
+PAGE = os.sysconf("SC_PAGE_SIZE")
+STEPS = ("calibrate", "quantize", "eval")
+HEAD = ["model", "status", "calibrate s/MB", "quantize s/MB", "eval s/MB", "size", "qtool dB", "ORT dB here/exact",
+        "check fp32/qtool/ORT", "ops int8/fp32", "reason"]
+WIDTH = [24, 16, 14, 14, 12, 5, 8, 17, 20, 13, 0]
+
+
+def one_line(text, limit=200):
+    lines = [s.strip() for s in str(text).replace("\r", "\n").splitlines() if s.strip()]
+    return (lines[0] if lines else "")[:limit]
+
+
+@dataclass
+class Step:
+    """One child process: exit code, wall time, peak resident memory, and what it printed."""
+    cmd: list
+    rc: int = None
+    seconds: float = 0.0
+    peak_mb: float = 0.0
+    killed: str = ""
+    stdout: str = ""
+    stderr: str = ""
+
+    @property
+    def ok(self):
+        return self.rc == 0 and not self.killed
+
+    def why(self):
+        """qtool and the zoo scripts print a one-line error last; blank lines and bar redraws are not it."""
+        if self.killed:
+            return f"killed: {self.killed}"
+        lines = [s.strip() for s in self.stderr.replace("\r", "\n").splitlines() if s.strip()]
+        return lines[-1][:300] if lines else f"exit {self.rc}"
+
+    def record(self):
+        return {"cmd": " ".join(self.cmd), "rc": self.rc, "seconds": round(self.seconds, 2),
+                "peak_mb": round(self.peak_mb, 1), "killed": self.killed, "stderr_tail": self.stderr[-2000:]}
+
+
+def session_rss(sid):
+    """Resident bytes of every process in session `sid`: the step and anything it spawned (the child
+    is started in a session of its own, so its whole tree carries that id)."""
+    total = 0
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # it exited while we looked
+        if int(fields[3]) == sid:
+            total += int(fields[21]) * PAGE
+    return total
+
+
+def watch(step, pid, t0, timeout, limit, stop):
+    """Samples the tree's memory; kills the whole session past `limit` bytes or `timeout` seconds, so a
+    runaway step cannot take the shared machine down."""
+    while not stop.wait(POLL_S):
+        rss = session_rss(pid)
+        step.peak_mb = max(step.peak_mb, rss / 2 ** 20)
+        if rss > limit:
+            step.killed = f"memory > {limit / 2 ** 30:g} GB"
+        elif time.monotonic() - t0 > timeout:
+            step.killed = f"timeout > {timeout:g} s"
+        else:
+            continue
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return
+
+
+def run_step(cmd, a, env=None, cwd=None):
+    """Runs cmd to the end (or until the watchdog kills it) and measures it."""
+    step = Step([str(c) for c in cmd])
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        t0 = time.monotonic()
+        p = subprocess.Popen(step.cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env,
+                             cwd=cwd, start_new_session=True)
+        stop = threading.Event()
+        w = threading.Thread(target=watch, args=(step, p.pid, t0, a.step_timeout, a.mem_limit_gb * 2 ** 30, stop),
+                             daemon=True)
+        w.start()
+        try:
+            _, status, usage = os.wait4(p.pid, 0)
+        except BaseException:  # Ctrl-C: the child has its own session, so the terminal's signal missed it
+            os.killpg(p.pid, signal.SIGKILL)
+            os.waitpid(p.pid, 0)
+            raise
+        finally:
+            stop.set()
+            w.join()
+        step.seconds = time.monotonic() - t0
+        p.returncode = step.rc = os.waitstatus_to_exitcode(status)
+        # ru_maxrss (KB) also holds this parent's footprint at the fork, which is small: this process
+        # never imports numpy or onnx in its main mode.
+        step.peak_mb = max(step.peak_mb, usage.ru_maxrss / 1024)
+        out.seek(0)
+        err.seek(0)
+        step.stdout = out.read().decode(errors="replace")[-20000:]
+        step.stderr = err.read().decode(errors="replace")[-20000:]
+    return step
+
+
+# ---- the child side: ORT's quantizer and the SQNR measurement (run as `bench_zoo.py --_ort-anchor|--_sqnr`)
+
+def samples(data_dir):
+    """The feeds inputs.py wrote, in index.json's order: an array (.npy, the model's only input) or a dict (.npz)."""
+    import numpy as np
+    with open(os.path.join(data_dir, "index.json"), encoding="utf-8") as f:
+        files = [s["file"] for s in json.load(f)["samples"]]
+    for name in files:
+        path = os.path.join(data_dir, name)
+        if path.endswith(".npy"):
+            yield np.load(path)
+        else:
+            with np.load(path) as z:
+                yield {k: z[k] for k in z.files}
+
+
+def feed(x, names):
+    return x if isinstance(x, dict) else {names[0]: x}
+
+
+def ort_session(path, threads):
+    import onnxruntime as ort
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.log_severity_level = 3
+    return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+
+
+def used_names(graph):
+    """Every tensor name a node reads, subgraphs included (their nodes may read the outer initializers)."""
+    names = set()
+    for n in graph.node:
+        names.update(n.input)
+        for at in n.attribute:
+            for g in [at.g] if at.HasField("g") else list(at.graphs):
+                names |= used_names(g)
+    return names
+
+
+def u8_weights(model):
+    """ORT's int8 weights (zero point 0) as uint8 + 128 with zero point 128: the same dequantized values.
+    Without VNNI, ONNX Runtime adds u8 x s8 pairs in a saturating int16; u8 x u8 it computes exactly."""
+    import numpy as np
+    from onnx import TensorProto, numpy_helper
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    replaced = set()
+    for n in g.node:
+        w = inits.get(n.input[0]) if n.op_type == "DequantizeLinear" else None
+        if w is None or w.data_type != TensorProto.INT8 or n.input[1] not in inits:
+            continue
+        has_zp = len(n.input) > 2 and n.input[2]
+        if has_zp and (n.input[2] not in inits or numpy_helper.to_array(inits[n.input[2]]).any()):
+            continue
+        zp_shape = numpy_helper.to_array(inits[n.input[2] if has_zp else n.input[1]]).shape
+        if w.name + "_u8" not in inits:
+            q = (numpy_helper.to_array(w).astype(np.int16) + 128).astype(np.uint8)
+            for t in (numpy_helper.from_array(q, w.name + "_u8"),
+                      numpy_helper.from_array(np.full(zp_shape, 128, np.uint8), w.name + "_u8_zp")):
+                g.initializer.append(t)
+                inits[t.name] = t
+        replaced.add(w.name)
+        n.input[0] = w.name + "_u8"
+        if has_zp:
+            n.input[2] = w.name + "_u8_zp"
+        else:
+            n.input.append(w.name + "_u8_zp")
+    keep = used_names(g) | {o.name for o in g.output}
+    for name in replaced - keep:
+        g.initializer.remove(inits[name])
+    return model
+
+
+def ort_quantize(model, calib_dir, out_dir, names):
+    """ORT's quantize_static as ../shared/anchors/ort_anchor.py runs it; returns the int8 model's path."""
+    from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType,
+                                          quantize_static)
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    class Feed(CalibrationDataReader):
+        def __init__(self):
+            self.it = (feed(x, names) for x in samples(calib_dir))
+
+        def get_next(self):
+            return next(self.it, None)
+
+    pre = os.path.join(out_dir, "pre.onnx")
+    try:
+        quant_pre_process(model, pre)
+    except Exception as e:  # noqa: BLE001 - ORT's symbolic shape inference rejects some exported graphs
+        print(f"note: ORT quant_pre_process failed ({type(e).__name__}); quantized the model as it is", file=sys.stderr)
+        pre = model
+    out = os.path.join(out_dir, "model.int8.onnx")
+    quantize_static(pre, out, Feed(), quant_format=QuantFormat.QDQ, per_channel=True,
+                    activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+                    calibrate_method=CalibrationMethod.MinMax)
+    return out
+
+
+def ort_anchor_main(model, calib_dir, out_dir):
+    """ORT's int8 model and its u8-weight copy in out_dir. Below opset 13 ORT writes per-channel
+    DequantizeLinear that the opset lacks; such a model is quantized again from a copy at opset 13
+    (qtool upgrades those models itself), so the anchor is ORT's quantizer, not an opset accident."""
+    import onnx
+    from onnx import version_converter
+    names = [i.name for i in ort_session(model, 1).get_inputs()]
+    out = ort_quantize(model, calib_dir, out_dir, names)
+    try:
+        ort_session(out, 1)
+    except Exception as e:  # noqa: BLE001
+        opset = next((o.version for o in onnx.load(model).opset_import if o.domain in ("", "ai.onnx")), 0)
+        if opset >= 13:
+            raise
+        print(f"note: ORT quantized an opset-13 copy (its int8 model of the opset-{opset} original does not load: "
+              f"{type(e).__name__})", file=sys.stderr)
+        up = os.path.join(out_dir, "opset13.onnx")
+        onnx.save(version_converter.convert_version(onnx.load(model), 13), up)
+        out = ort_quantize(up, calib_dir, out_dir, names)
+    onnx.save(u8_weights(onnx.load(out)), os.path.join(out_dir, "model.int8.u8.onnx"))
+
+
+def db(signal_, noise):
+    """10 log10(signal / noise): inf when equal; -inf for a non-finite output or noise on a zero signal."""
+    if not math.isfinite(noise):
+        return -math.inf
+    if noise == 0:
+        return math.inf
+    return 10 * math.log10(signal_ / noise) if signal_ > 0 else -math.inf
+
+
+def sqnr_main(fp32, data_dir, out_json, threads, labelled):
+    """Per float output, SQNR of each LABEL=PATH model against fp32 over all evaluation samples together."""
+    import numpy as np
+    ref = ort_session(fp32, threads)
+    names, outs = [i.name for i in ref.get_inputs()], [o.name for o in ref.get_outputs()]
+    xs = [feed(x, names) for x in samples(data_dir)]
+    refs = [ref.run(outs, x) for x in xs]
+    res = {}
+    for spec in labelled:
+        label, path = spec.split("=", 1)
+        try:
+            s, acc = ort_session(path, threads), {}
+            for x, r_all in zip(xs, refs):
+                for o, r, y in zip(outs, r_all, s.run(outs, x)):
+                    if r.dtype.kind != "f":
+                        continue
+                    if r.shape != y.shape:
+                        raise ValueError(f"output {o}: shape {y.shape}, fp32 {r.shape}")
+                    r64 = r.astype(np.float64)
+                    sig_noise = acc.setdefault(o, [0.0, 0.0])
+                    sig_noise[0] += float((r64 ** 2).sum())
+                    sig_noise[1] += float(((r64 - y.astype(np.float64)) ** 2).sum())
+            per = {o: db(*v) for o, v in acc.items()}
+            res[label] = {"outputs": per, "min_db": min(per.values(), default=None)}
+        except Exception as e:  # noqa: BLE001 - a model ORT cannot load or run is a result, not a crash
+            res[label] = {"error": f"{type(e).__name__}: {one_line(e)}"}
+    with open(out_json, "w") as f:
+        json.dump(res, f)  # Infinity is fine here: only this script reads it back
+
+
+# ---- the parent side
+
+def failed(row, step, s):
+    row["steps"][step] = s.record()
+    row.update(status=f"{step} {'killed' if s.killed else f'exit {s.rc}'}", error=s.killed or s.why())
+
+
+def prepare(a, name, paths, row):
+    """The model and its inputs, made only where missing; False (and the row says why) when that fails."""
+    env = {**os.environ, "QTOOL_ZOO": a.zoo_dir}
+    cmds = []
+    if not os.path.isfile(paths["model"]):
+        cmds.append(("fetch", [sys.executable, a.zoo_py("fetch.py"), "--dest", a.zoo_dir, name]))
+    for split, n in (("calib", a.calib_n), ("eval", a.eval_n)):
+        if not os.path.isfile(os.path.join(paths[split], "index.json")):
+            cmds.append((f"inputs {split}", [sys.executable, a.zoo_py("inputs.py"), name, "--split", split,
+                                             "--n", n, "--out", paths[split]]))
+    for step, cmd in cmds:
+        s = run_step(cmd, a, env)
+        row["steps"][step] = s.record()
+        if not s.ok:
+            failed(row, step, s)
+            return False
+    return True
+
+
+def run_qtool(a, paths, work, strict, row):
+    """calibrate, quantize, eval from an empty working folder; {"qtool": int8 path} when all three succeed."""
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    steps = [("calibrate", ["calibrate", "--model", paths["model"], "--data", paths["calib"], "-w", work, "-q"]),
+             ("quantize", ["quantize", "-w", work, "-q"] + (["--strict"] if strict else [])
+              + ["--json", os.path.join(work, "quantize-summary.json")]),
+             ("eval", ["eval", "--compare", "fp32", "-w", work, "--data", paths["eval"],
+                       "--json", os.path.join(work, "eval.json"), "-q"])]
+    for step, cmd in steps:
+        s = run_step([a.qtool] + cmd, a)
+        if not s.ok:
+            failed(row, step, s)
+            break
+        row["steps"][step] = s.record()
+    if os.path.isfile(os.path.join(work, "quantize.json")):
+        row["quantize"] = op_summary(os.path.join(work, "quantize.json"))
+        if row["quantize"]["int8_ops"] == 0:
+            row["notes"].append("no op in int8")
+    if os.path.isfile(os.path.join(work, "eval.json")):
+        with open(os.path.join(work, "eval.json"), encoding="utf-8") as f:
+            ev = json.load(f)
+        row["qtool_eval"] = {k: ev.get(k) for k in ("output_sqnr_db", "top1_agreement", "runtime_check")}
+    return {"qtool": os.path.join(work, "model.int8.onnx")} if row["status"] == "ok" else {}
+
+
+def run_ort(a, paths, work, row):
+    """ORT's int8 model and its u8-weight copy, in a process of its own (its memory is measured apart)."""
+    out = os.path.join(work, "ort")
+    os.makedirs(out)
+    # in its folder: ORT's symbolic shape inference leaves sym_shape_infer_temp.onnx in the current one when it fails
+    s = run_step([sys.executable, os.path.abspath(__file__), "--_ort-anchor", paths["model"], paths["calib"], out], a,
+                 cwd=out)
+    row["steps"]["ort"] = s.record()
+    row["notes"] += [x[6:] for x in s.stderr.splitlines() if x.startswith("note: ")]
+    if not s.ok:
+        row["ort_error"] = s.why()
+        return {}
+    return {"ort": os.path.join(out, "model.int8.onnx"), "ort_exact": os.path.join(out, "model.int8.u8.onnx")}
+
+
+def named_like(d, words, depth=2):
+    """Entries whose key holds one of `words`, a level down too (quantize.json: optional_steps.fallbacks)."""
+    found = {}
+    for k, v in d.items():
+        if any(w in k.lower() for w in words):
+            found[k] = v
+        elif isinstance(v, dict) and depth > 1:
+            found.update({f"{k}.{kk}": vv for kk, vv in named_like(v, words, depth - 1).items()})
+    return found
+
+
+def op_summary(path):
+    """int8 ops, fp32 ops by reason, size, and any record of failures quantize contained."""
+    with open(path, encoding="utf-8") as f:
+        q = json.load(f)
+    nodes, by_reason = q.get("nodes", []), {}
+    for n in nodes:
+        if n.get("status") == "fp32":
+            r = by_reason.setdefault(n.get("reason") or "?", {"count": 0, "ops": []})
+            r["count"] += 1
+            r["ops"] = sorted(set(r["ops"]) | {n.get("op_type", "?")})
+    size = q.get("size_bytes", {})
+    return {"int8_ops": sum(n.get("status") == "int8" for n in nodes),
+            "fp32_ops": sum(r["count"] for r in by_reason.values()), "fp32_by_reason": by_reason,
+            "summary": q.get("summary"), "size_bytes": size,
+            "size_ratio": size["int8"] / size["fp32"] if size.get("fp32") and size.get("int8") else None,
+            "step_seconds": q.get("optional_steps", {}).get("seconds"),
+            "fallbacks": named_like(q, ("fallback", "warning", "contained"))}
+
+
+def task_check(a, name, data, model=None):
+    s = run_step([sys.executable, a.zoo_py("check.py"), name, "--data", data, "--zoo-dir", a.zoo_dir]
+                 + (["--model", model] if model else []), a, {**os.environ, "CHECK_THREADS": str(a.threads)})
+    lines = [x for x in s.stdout.splitlines() if x.strip()]
+    verdict = "PASS" if s.ok else "FAIL" if s.rc == 1 and not s.killed else "error"
+    return {"verdict": verdict, "line": lines[-1] if lines and verdict != "error" else s.why(),
+            "seconds": round(s.seconds, 1)}
+
+
+def bench_model(a, name, strict):
+    """One model end to end; every failure becomes part of the row, never an exception."""
+    paths = {"model": os.path.join(a.zoo_dir, f"{name}.onnx"), "calib": os.path.join(a.data_dir, name, "calib"),
+             "eval": os.path.join(a.data_dir, name, "eval")}
+    row = {"name": name, "status": "ok", "error": "", "steps": {}, "notes": []}
+    if prepare(a, name, paths, row):
+        work = os.path.join(a.out, name)
+        models = run_qtool(a, paths, work, strict, row)
+        if not a.no_ort:
+            models.update(run_ort(a, paths, work, row))
+        row["sqnr"] = measure_sqnr(a, paths, work, models)
+        if "error" in row["sqnr"].get("ort", {}):  # ORT wrote a model that it cannot run itself
+            row["ort_error"] = row["sqnr"]["ort"]["error"]
+        if row.get("ort_error"):
+            row["notes"].append(f"ORT n/a ({row['ort_error'][:160]})")
+        row["check"] = {"fp32": task_check(a, name, paths["eval"])}
+        row["check"].update({k: task_check(a, name, paths["eval"], models[k]) for k in ("qtool", "ort") if k in models})
+    row["misses"] = misses(row)
+    return row
+
+
+def measure_sqnr(a, paths, work, models):
+    if not models:
+        return {}
+    out = os.path.join(work, "sqnr.json")
+    s = run_step([sys.executable, os.path.abspath(__file__), "--threads", a.threads, "--_sqnr", paths["model"],
+                  paths["eval"], out] + [f"{k}={v}" for k, v in models.items()], a)
+    if not s.ok:
+        return {k: {"error": s.why()} for k in models}
+    with open(out) as f:
+        return json.load(f)
+
+
+def headline(row, label):
+    return row.get("sqnr", {}).get(label, {}).get("min_db")
+
+
+def ort_best(row):
+    got = [v for v in (headline(row, "ort"), headline(row, "ort_exact")) if v is not None]
+    return max(got) if got else None
+
+
+def misses(row):
+    """Why this model misses the issue's bar (empty: it meets it)."""
+    m = [f"{row['status']}: {row['error']}"] if row["status"] != "ok" else []
+    for step in STEPS:
+        s = row["steps"].get(step)
+        if s and s["seconds"] > BUDGET_S:
+            m.append(f"{step} {s['seconds']:.0f} s > {BUDGET_S} s")
+    q = row["steps"].get("quantize")
+    if q and q["peak_mb"] > QUANT_MB:
+        m.append(f"quantize peak {q['peak_mb'] / 1024:.1f} GB > {QUANT_MB // 1024} GB")
+    contained = {k: v for k, v in row.get("quantize", {}).get("fallbacks", {}).items() if v}
+    if contained:
+        m.append("quantize contained failures: " + one_line(json.dumps(contained), 160))
+    if row["status"] == "ok":
+        qd, od = headline(row, "qtool"), ort_best(row)
+        if qd is None:
+            m.append(f"qtool SQNR: {row.get('sqnr', {}).get('qtool', {}).get('error', 'not measured')}")
+        elif od is not None and qd < od:
+            m.append(f"SQNR {qd:.1f} < ORT {od:.1f} dB")
+        ck = row["check"]
+        if ck["fp32"]["verdict"] == "PASS" and ck.get("qtool", {}).get("verdict") != "PASS":
+            m.append(f"check {ck.get('qtool', {}).get('verdict', 'not run')} where fp32 PASSes")
+    return m
+
+
+def fmt_db(x):
+    return "-" if x is None else f"{x:.1f}" if math.isfinite(x) else str(x)
+
+
+def cells(row):
+    def step(name, limit_mb=None):
+        s = row["steps"].get(name)
+        if not s:
+            return "-"
+        if s["killed"]:
+            return "killed"
+        over = s["seconds"] > BUDGET_S or (limit_mb and s["peak_mb"] > limit_mb)
+        return f"{s['seconds']:.1f}/{s['peak_mb']:.0f}" + ("!" if over else "")
+    q = row.get("quantize", {})
+    qd, od = headline(row, "qtool"), ort_best(row)
+    ort = "n/a" if row.get("ort_error") else "-" if "ort" not in row.get("sqnr", {}) else \
+        f"{fmt_db(headline(row, 'ort'))}/{fmt_db(headline(row, 'ort_exact'))}"
+    ck = row.get("check", {})
+    return [row["name"], row["status"], step("calibrate"), step("quantize", QUANT_MB), step("eval"),
+            f"{100 * q['size_ratio']:.0f}%" if q.get("size_ratio") else "-",
+            fmt_db(qd) + ("!" if qd is not None and od is not None and qd < od else ""), ort,
+            "/".join(ck.get(k, {}).get("verdict", "-") for k in ("fp32", "qtool", "ort")),
+            f"{q['int8_ops']}/{q['fp32_ops']}" if q else "-",
+            "; ".join(row["misses"] + [f"(note: {n})" for n in row["notes"]])]
+
+
+def text_row(c):
+    return " ".join(v.ljust(w) if w else v for v, w in zip(c, WIDTH)).rstrip()
+
+
+def markdown(rows, machine):
+    lines = [f"Zoo run at {machine['commit'][:7]}{' (dirty tree)' if machine['dirty'] else ''}, {machine['date']}; "
+             f"`!` marks a miss (step > {BUDGET_S} s, quantize > {QUANT_MB // 1024} GB, SQNR below ORT's).", "",
+             "| " + " | ".join(HEAD) + " |", "|" + "---|" * len(HEAD)]
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in cells(r)) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def plain(x):
+    """JSON has no infinity: an exact output's SQNR is written as the string "inf"."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: plain(v) for k, v in x.items()}
+    return [plain(v) for v in x] if isinstance(x, (list, tuple)) else x
+
+
+def write_atomic(path, text):
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def machine(a):
+    def out(cmd):
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        return (r.stdout + r.stderr).strip()
+    return {"qtool_info": out([a.qtool, "info"]), "date": datetime.datetime.now().astimezone().isoformat("T", "seconds"),
+            "commit": out(["git", "-C", ROOT, "rev-parse", "HEAD"]),
+            "dirty": bool(out(["git", "-C", ROOT, "status", "--porcelain"]))}
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shared", default=os.path.join(ROOT, "..", "shared"))
+    p.add_argument("--zoo-dir", default=os.environ.get("QTOOL_ZOO") or "~/.cache/qtool-zoo",
+                   help="downloaded models (fetch.py's cache)")
+    p.add_argument("--data-dir", default="bench_out/zoo-data", help="generated inputs, NAME/{calib,eval}")
+    p.add_argument("--out", default="bench_out/zoo", help="per-model working folders, zoo.json, zoo.md")
+    p.add_argument("--models", help="comma-separated subset (default: all of ZOO.json, in its order)")
+    p.add_argument("--calib-n", type=int, default=32)
+    p.add_argument("--eval-n", type=int, default=16)
+    p.add_argument("--step-timeout", type=float, default=900, help=f"kill a step after this (the bar is {BUDGET_S} s)")
+    p.add_argument("--mem-limit-gb", type=float, default=8, help="kill a step whose process tree holds more")
+    p.add_argument("--threads", type=int, default=2, help="ONNX Runtime threads for the SQNR runs and task checks")
+    p.add_argument("--no-strict", action="store_true", help="run qtool quantize without --strict")
+    p.add_argument("--no-ort", action="store_true", help="skip ORT's quantizer")
+    p.add_argument("--json", help="results (default: OUT/zoo.json)")
+    p.add_argument("--_ort-anchor", nargs=3, help=argparse.SUPPRESS)  # MODEL CALIB_DIR OUT_DIR
+    p.add_argument("--_sqnr", nargs="+", help=argparse.SUPPRESS)  # FP32 EVAL_DIR OUT_JSON LABEL=PATH...
+    a = p.parse_args(argv)
+    for k in ("shared", "zoo_dir", "data_dir", "out"):
+        setattr(a, k, os.path.abspath(os.path.expanduser(getattr(a, k))))
+    a.json = os.path.abspath(a.json or os.path.join(a.out, "zoo.json"))
+    a.zoo_py = lambda script: os.path.join(a.shared, "zoo", script)
+    a.qtool = shutil.which("qtool", path=os.path.dirname(sys.executable)) or shutil.which("qtool")
+    if not (a._ort_anchor or a._sqnr):
+        with open(a.zoo_py("ZOO.json"), encoding="utf-8") as f:
+            zoo = [e["name"] for e in json.load(f)]
+        a.names = [m.strip() for m in a.models.split(",") if m.strip()] if a.models else zoo
+        unknown = [m for m in a.names if m not in zoo]
+        if unknown:
+            p.error(f"not in ZOO.json: {', '.join(unknown)}")
+        if not a.qtool:
+            p.error("no qtool next to this python or on PATH (run it with the venv's python)")
+    return a
+
+
+def child(a):
+    """The ORT anchor and the SQNR run, in their own process: a one-line error on stderr, exit 1."""
+    try:
+        if a._ort_anchor:
+            ort_anchor_main(*a._ort_anchor)
+        else:
+            sqnr_main(*a._sqnr[:3], a.threads, a._sqnr[3:])
+        return 0
+    except Exception as e:  # noqa: BLE001
+        print(f"{type(e).__name__}: {one_line(e)}", file=sys.stderr)
+        return 1
+
+
+def main(argv=None):
+    a = parse(argv)
+    if a._ort_anchor or a._sqnr:
+        return child(a)
+    os.makedirs(a.out, exist_ok=True)
+    os.makedirs(os.path.dirname(a.json), exist_ok=True)
+    # --strict (contained failures fail the command) is being added to qtool; use it once it is there.
+    strict = not a.no_strict and "--strict" in subprocess.run([a.qtool, "quantize", "--help"], capture_output=True,
+                                                               text=True).stdout
+    info = machine(a)
+    print(f"{len(a.names)} zoo models; qtool quantize {'--strict' if strict else 'without --strict'}"
+          f"{'' if strict or a.no_strict else ' (this qtool has no --strict)'}; commit {info['commit'][:7]}"
+          f"{' (dirty)' if info['dirty'] else ''}", flush=True)
+    print(text_row(HEAD), flush=True)
+    settings = {k: getattr(a, k) for k in ("shared", "zoo_dir", "data_dir", "out", "calib_n", "eval_n", "step_timeout",
+                                           "mem_limit_gb", "threads", "no_ort")}
+    settings.update(strict=strict, budget_s=BUDGET_S, quantize_budget_mb=QUANT_MB)
+    rows = []
+    for name in a.names:
+        rows.append(bench_model(a, name, strict))
+        print(text_row(cells(rows[-1])), flush=True)
+        write_atomic(a.json, json.dumps(plain({"machine": info, "args": settings, "rows": rows}), indent=1))
+    write_atomic(os.path.join(a.out, "zoo.md"), markdown(rows, info))
+    print("\n" + "\n".join(text_row(c) for c in [HEAD] + [cells(r) for r in rows]))
+    missed = [r["name"] for r in rows if r["misses"]]
+    print(f"{len(rows) - len(missed)} of {len(rows)} models pass" + (f"; missed: {', '.join(missed)}" if missed else ""))
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
