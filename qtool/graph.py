@@ -76,9 +76,11 @@ def producers(model: onnx.ModelProto) -> dict:
 
 
 def consumers(model: onnx.ModelProto) -> dict:
+    """tensor -> the nodes that read it: as an input, or by name inside their subgraphs (an If's
+    branch reading the outer graph's tensors and weights), so no pass takes such a tensor for unread."""
     c = defaultdict(list)
     for n in model.graph.node:
-        for i in n.input:
+        for i in (node_reads(n) if _subgraphs(n) else dict.fromkeys(n.input)):
             if i:
                 c[i].append(n)
     return c
@@ -179,7 +181,7 @@ def unique_name(model: onnx.ModelProto, base: str, taken: set | None = None) -> 
 
 
 def remove_unused_initializers(model: onnx.ModelProto) -> int:
-    used = {i for n in model.graph.node for i in n.input} | graph_output_names(model)
+    used = {i for n in model.graph.node for i in node_reads(n)} | graph_output_names(model)
     keep = [t for t in model.graph.initializer if t.name in used]
     gone = {t.name for t in model.graph.initializer} - {t.name for t in keep}
     removed = len(gone)
@@ -199,6 +201,16 @@ def real_inputs(model: onnx.ModelProto) -> list:
     return [i for i in model.graph.input if i.name not in inits]
 
 
+def reference_output(model: onnx.ModelProto) -> str:
+    """The output quantize judges a model by (its experiments' SQNR, agreement, KL): the first float
+    output (a tagger's int64 path or a detector's count come before its scores in some exports),
+    else the first output."""
+    outs = list(model.graph.output)
+    floats = [o for o in outs if o.type.tensor_type.elem_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16,
+                                                                   onnx.TensorProto.DOUBLE)]
+    return (floats or outs)[0].name
+
+
 def input_dims(value_info) -> list:
     """Dims of a graph input: ints where known, the dim_param string (or None) where dynamic."""
     out = []
@@ -208,11 +220,22 @@ def input_dims(value_info) -> list:
 
 
 def rewire(model: onnx.ModelProto, old: str, new: str) -> None:
-    """Every consumer of tensor `old` reads `new` instead."""
-    for n in model.graph.node:
-        for k, i in enumerate(n.input):
-            if i == old:
-                n.input[k] = new
+    """Every consumer of tensor `old` reads `new` instead, subgraphs reading it by name included."""
+    stack = [(model.graph, False)]
+    while stack:
+        g, sub = stack.pop()
+        if sub and (old in {i.name for i in g.input} | {t.name for t in g.initializer}
+                    | {o for n in g.node for o in n.output}):
+            continue  # (a subgraph's own tensor of that name hides the outer one)
+        for n in g.node:
+            for k, i in enumerate(n.input):
+                if i == old:
+                    n.input[k] = new
+            stack.extend((x, True) for x in _subgraphs(n))
+        if sub:
+            for o in g.output:  # a branch may return the outer tensor itself
+                if o.name == old:
+                    o.name = new
 
 
 SKELETON_MAX_ELEMS = 1024
@@ -289,11 +312,19 @@ def quantized_ops(model: onnx.ModelProto) -> dict:
     return c
 
 
-def inferred_shapes(model: onnx.ModelProto) -> dict:
+def inferred_shapes(model: onnx.ModelProto, inputs: dict | None = None) -> dict:
     """tensor -> its dims from ONNX shape inference (on the weightless skeleton): ints where known,
-    None where symbolic or unknown ({} when inference fails)."""
+    None where symbolic or unknown ({} when inference fails). `inputs` (input name -> shape): infer
+    for inputs of these shapes (a dynamic model's sizes for one batch of samples)."""
     try:
-        inf = onnx.shape_inference.infer_shapes(skeleton(model), strict_mode=False)
+        sk = skeleton(model)
+        for i in sk.graph.input:
+            if inputs and i.name in inputs and i.type.HasField("tensor_type"):
+                dims = i.type.tensor_type.shape.dim
+                del dims[:]
+                for d in inputs[i.name]:
+                    dims.add().dim_value = int(d)
+        inf = onnx.shape_inference.infer_shapes(sk, strict_mode=False)
     except Exception:
         return {}
     out = {}

@@ -17,6 +17,9 @@ from onnx import helper
 from qtool.errors import QtoolError
 
 
+LOAD_ERROR_CHARS = 200
+
+
 def _one_line(e: Exception) -> str:
     text = str(e).strip()
     return (text.splitlines()[0] if text else type(e).__name__)[:300]
@@ -91,7 +94,7 @@ def session(model: onnx.ModelProto | str | bytes, threads: int = 0, arena: bool 
         s = Session(src, so, providers=["CPUExecutionProvider"],
                     disabled_optimizers=["WeightBiasQuantization"] if float_weights else None)
     except Exception as e:  # ORT's own errors are long multi-line C++ messages
-        raise QtoolError(f"{where}: ONNX Runtime cannot load it ({_one_line(e)[:200]})") from None
+        raise QtoolError(f"{where}: ONNX Runtime cannot load it ({_one_line(e)[:LOAD_ERROR_CHARS]})") from None
     s.where = where
     return s
 
@@ -114,3 +117,9 @@ def run_first_output(model: onnx.ModelProto | str, feeds: list, threads: int = 0
     s = session(model, threads, where=where)
     name = s.get_outputs()[0].name
     return np.concatenate([s.run([name], f)[0] for f in feeds])
+
+
+def run_output(model: onnx.ModelProto, name: str, feeds: list, threads: int = 0, where: str | None = None) -> list:
+    """Output `name` of the model for each of a list of input dicts."""
+    s = session(model, threads, where=where)
+    return [s.run([name], f)[0] for f in feeds]

@@ -231,10 +231,15 @@ def _explain_chains(model: onnx.ModelProto, plan: Plan, chain: dict) -> None:
             d.reason = f"inside {chain[d.name]}: runs fp32 between its int8 input and int8 output"
 
 
-def calibration_targets(model: onnx.ModelProto) -> tuple[list, list]:
-    """(tensors whose range calibration must record, tensors whose per-channel mean it must record)."""
+def calibration_targets(model: onnx.ModelProto) -> tuple[list, dict]:
+    """(tensors whose range calibration must record, {tensor: its channel axis} of the tensors whose
+    per-channel mean it must record: axis 1 for a convolution's input, the last axis for a Gemm or
+    MatMul's (a transformer's [N, T, K] tokens: K channels, T differing from sample to sample))."""
     plan = make_plan(model)
     # pass-through outputs too: when the layer before is kept fp32, their consumer needs their own range
     ranges = list(plan.tensors)
-    means = sorted(set(plan.weight_inputs.values()))
+    ops = {n.name: n.op_type for n in model.graph.node}
+    means = {}
+    for node, x in sorted(plan.weight_inputs.items(), key=lambda kv: kv[1]):
+        means.setdefault(x, 1 if ops[node] in ("Conv", "ConvTranspose") else -1)
     return ranges, means

@@ -8,6 +8,9 @@ import warnings
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+# every quantize in the suite is --strict: an optional step that fails is a test failure, not a fallback
+# (tests of the fallback itself pass strict=False, or unset this)
+os.environ["QTOOL_STRICT"] = "1"
 
 import helpers  # noqa: E402
 

@@ -150,9 +150,9 @@ def test_a_layer_alone_in_int8_does_not_carry_the_input_quantizer(tmp_path):
     seen = []
     orig = Simulator.run
 
-    def spy(self, s, variants, progress=None):
+    def spy(self, s, variants, progress=None, reduce=None):
         seen.extend(variants)
-        return orig(self, s, variants, progress)
+        return orig(self, s, variants, progress, reduce)
     Simulator.run = spy
     try:
         layers = {l.name: l for l in layer_sensitivity(ctx, samples)}

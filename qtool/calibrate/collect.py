@@ -227,6 +227,9 @@ class _BoundRunner:
         if sig not in self.shapes:
             outs = self.sess.run(self.names, feeds)
             self.per_sample_bytes = self.per_sample_bytes or max(1, sum(o.nbytes for o in outs) // max(n, 1))
+            if n < 2:
+                # one sample tells nothing: a transformer's position embeddings are [1, T, C] whatever the batch
+                return outs
             batch_major = all(o.ndim >= 1 and o.shape[0] == n for o in outs)
             self.shapes[sig] = [o.shape[1:] for o in outs] if batch_major else None
             return outs
@@ -298,7 +301,8 @@ def _observe(obs: Observed, values: dict, range_tensors: list, mean_tensors: lis
     means = set(mean_tensors) if first < MEAN_SAMPLES else set()
     todo = list(dict.fromkeys([t for t in range_tensors] + [t for t in mean_tensors if t in means]))
     todo.sort(key=lambda t: -np.size(values[t]))  # largest first: the workers finish together
-    jobs = [(obs.histograms.get(t), t, values[t], n, t in means, first) for t in todo]
+    jobs = [(obs.histograms.get(t), t, values[t], n, _axis(mean_tensors, t) if t in means else None, first)
+            for t in todo]
     for t, sums, count, bad in (pool.map(_observe_one, *zip(*jobs)) if pool and jobs else
                                 (_observe_one(*j) for j in jobs)):
         if bad is not None:
@@ -313,17 +317,24 @@ def _observe(obs: Observed, values: dict, range_tensors: list, mean_tensors: lis
     obs.n_samples += n
 
 
-def _observe_one(hist: Histogram | None, t: str, v, n: int, mean: bool, first: int):
-    """One tensor: a single read gives min, max and (when asked) the channel sums; then the
-    histogram counts its sampled blocks. NaN and inf (rare: the read says whether there are any)
-    are counted, with the samples they are in, and left out of the sums and the histogram.
+def _axis(mean_tensors, t: str) -> int:
+    """A mean tensor's channel axis: mean_tensors maps tensor -> axis (a plain list: axis 1)."""
+    return mean_tensors.get(t, 1) if isinstance(mean_tensors, dict) else 1
+
+
+def _observe_one(hist: Histogram | None, t: str, v, n: int, axis: int | None, first: int):
+    """One tensor: a single read gives min, max and (when asked: the channel `axis`, 1 or -1) the
+    channel sums; then the histogram counts its sampled blocks. NaN and inf (rare: the read says whether
+    there are any) are counted, with the samples they are in, and left out of the sums and the histogram.
     -> (t, channel sums, finite values per channel, (NaN/inf count, sample indices) or None)"""
     v = np.ascontiguousarray(v, np.float32)
     sums = count = bad = None
-    if mean and v.ndim >= 2 and v.size:
-        sums = np.zeros(v.shape[1], np.float64)
-        count = np.full(v.shape[1], v.size // v.shape[1], np.int64)
-        scanned = scan(v, v.size // (v.shape[0] * v.shape[1]), sums)
+    if axis is not None and v.ndim >= 2 and v.size:
+        c = v.shape[axis]
+        sums = np.zeros(c, np.float64)
+        count = np.full(c, v.size // c, np.int64)
+        # each run of `inner` contiguous values belongs to one channel, channels in turn
+        scanned = scan(v, 1 if axis in (-1, v.ndim - 1) else v.size // (v.shape[0] * c), sums)
     else:
         scanned = scan(v)
     if not scanned[2] and v.size:
@@ -332,10 +343,10 @@ def _observe_one(hist: Histogram | None, t: str, v, n: int, mean: bool, first: i
         where = [first + int(j) for j in np.flatnonzero(per)] if per is not None else [first]
         bad = (int(v.size - np.count_nonzero(fin)), where)
         if sums is not None:  # the sums again, of the finite values only
-            c = v.shape[1]
-            fv = np.where(fin, v, np.float32(0)).reshape(v.shape[0], c, -1)
-            sums = fv.sum(axis=2, dtype=np.float64).sum(axis=0)
-            count = fin.reshape(v.shape[0], c, -1).sum(axis=(0, 2)).astype(np.int64)
+            c = v.shape[axis]
+            fv = np.moveaxis(np.where(fin, v, np.float32(0)), axis, -1).reshape(-1, c)
+            sums = fv.sum(axis=0, dtype=np.float64)
+            count = np.moveaxis(fin, axis, -1).reshape(-1, c).sum(axis=0).astype(np.int64)
     if hist is not None:
         hist.observe(v, n, scanned, first_sample=first)
     return t, sums, count, bad

@@ -98,8 +98,11 @@ def _calibrate(model_path, data, config, method, workdir, batch, limit, show_pro
     fused = fuse_model(model, source.pins, inplace=True)
     del model  # fused in place: the fused graph is all that is needed from here on
     ranges, means = calibration_targets(fused.model)
-    if not ranges:
-        raise QtoolError(f"{model_path}: nothing in this model can be quantized (no op with an int8 rule)")
+    if not ranges:  # (the int8 model will be the fp32 one; quantize says which ops stay fp32 and why)
+        warnings.warn(f"{model_path}: nothing in this model's graph has an int8 rule"
+                      + (f" (what it computes sits in {', '.join(sorted(sub))} subgraphs, which stay fp32)"
+                         if (sub := {n.op_type for n in fused.model.graph.node if G._subgraphs(n)}) else ""),
+                      stacklevel=2)
     out = fused.model.graph.output[0] if fused.model.graph.output else None
     watch = out.name if out is not None and out.type.tensor_type.elem_type == onnx.TensorProto.FLOAT else None
     names = []  # sample index -> file (or sample) name, for naming the samples that hold NaN/inf

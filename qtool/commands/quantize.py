@@ -41,10 +41,13 @@ from qtool.quantize.run import SensitivityOptions, fp32_ops_of, quantize, reason
                    "(x86 with or without VNNI, AMX, ARM) at full int8 speed; vnni: CPUs with VNNI/AMX/ARM dot "
                    "products and qtool's runtime (ONNX Runtime on x86 without VNNI loses accuracy); u8-weights: "
                    "exact everywhere, slower in ONNX Runtime without VNNI.")
+@click.option("--strict", is_flag=True, help="An optional step that fails (method choice, output-aware rounding, range "
+              "tuning, sensitivity, exclusion, target cost) is an error; without it, the step falls back with one "
+              "warning and the model is still written.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the quantize summary as JSON here.")
 @common_options
 def command(output, model, table, method, exclude, no_bias_correction, exclude_sensitive, target_agreement, max_drop,
-            max_excluded, labels, sensitivity_samples, no_sensitivity, rounding, tune_ranges, target, json_path, workdir,
+            max_excluded, labels, sensitivity_samples, no_sensitivity, rounding, tune_ranges, target, strict, json_path, workdir,
             quiet, verbose, debug):
     """Write an INT8 ONNX model (QDQ: uint8 activations, int8 per-channel weights).
 
@@ -75,7 +78,7 @@ def command(output, model, table, method, exclude, no_bias_correction, exclude_s
                               max_excluded, labels, show_progress=not quiet)
     r = quantize(workdir, model, table, output, method, ex, not no_bias_correction, opts,
                  say=lambda t: say(quiet, t), rounding=None if rounding is None else rounding == "output",
-                 tune_ranges=tune_ranges, target=target)
+                 tune_ranges=tune_ranges, target=target, strict=strict)
     if r.sensitivity:
         layers = sorted(r.sensitivity["layers"], key=lambda l: l["rank"])
         say(quiet, f"sensitivity of {len(layers)} layers on {r.sensitivity['samples']} images "

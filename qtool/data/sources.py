@@ -66,7 +66,7 @@ class ImageData:
         if kind is None:
             return super().__new__(cls)
         src = (NpyFolder if kind == "npy" else NpzFolder)(folder, model, model_path, batch, files=files, limit=limit)
-        src.inp = ModelInput(src.input_name, src.float_inputs[0].dims)
+        src.inp = ModelInput(src.input_name, (src.float_inputs or src.inputs)[0].dims)
         return src
 
     kind = "images"

@@ -215,9 +215,8 @@ class TensorData:
         self.inputs = model_inputs(model)
         if not self.inputs:
             raise QtoolError(f"{model_path}: model has no inputs to feed")
+        # (integer-only inputs, token or byte ids, are fine: the activations after the lookup are float)
         self.float_inputs = [i for i in self.inputs if i.is_float]
-        if not self.float_inputs:
-            raise QtoolError(f"{model_path}: model has no float32 input to calibrate")
         dyn_batch = all(i.dims and i.dims[0] is None for i in self.inputs)
         self.batch = max(1, batch) if dyn_batch else 1
         self.files: list = []
@@ -230,7 +229,7 @@ class TensorData:
 
     @property
     def input_name(self) -> str:
-        return self.float_inputs[0].name
+        return (self.float_inputs or self.inputs)[0].name
 
     def __len__(self):
         return len(self.files)

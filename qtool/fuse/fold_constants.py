@@ -107,7 +107,7 @@ def _values(model: onnx.ModelProto, variant: int, pins: dict, shapes: dict | Non
     op = G.opset(model)
     computed = 0  # bytes of values evaluated here (weights read from the model do not count)
     for node in model.graph.node:
-        if node.op_type == "Shape" or all(i in vals or i in inits for i in node.input if i):
+        if node.op_type == "Shape" or all(i in vals or i in inits for i in G.node_reads(node)):
             for i in node.input:
                 if i and i not in vals and i in inits:  # weights are read only when a node folds them
                     vals[i] = numpy_helper.to_array(inits[i])
@@ -151,7 +151,7 @@ def run(model: onnx.ModelProto, ctx) -> bool:
         return False
     folded_outputs = {o for n in fold for o in n.output if o}
     keep = [n for n in model.graph.node if n not in fold]
-    needed = {i for n in keep for i in n.input} | outputs
+    needed = {i for n in keep for i in G.node_reads(n)} | outputs
     del model.graph.node[:]
     model.graph.node.extend(keep)
     for name in sorted(folded_outputs & needed):

@@ -15,7 +15,7 @@ def run(model: onnx.ModelProto, ctx) -> bool:
     for node in reversed(model.graph.node):
         if any(o in needed for o in node.output if o):
             keep.append(node)
-            needed.update(i for i in node.input if i)
+            needed.update(G.node_reads(node))  # (subgraphs read outer tensors by name)
     removed = len(model.graph.node) - len(keep)
     if removed:
         keep.reverse()

@@ -19,7 +19,8 @@ import numpy as np
 import onnx
 
 from qtool.arithmetic import EXACT
-from qtool.ortsession import run_first_output
+from qtool import graph as G
+from qtool.ortsession import run_output
 from qtool.quantize.encoding import DEFAULT_TARGET, S8, TARGETS
 from qtool.quantize.qdq import QuantizeOutput, quantize_graph
 
@@ -59,6 +60,7 @@ class QuantizeContext:
     weight_cache: dict = field(default_factory=ReportingCache)
     threads: int = 0
     exact_storage: bool | None = None  # None: decided from the target and this machine's ORT
+    on_error: object = None  # (layer, exception): a layer's output-aware rounding failed (qdq.layer_weights)
 
     def __post_init__(self):
         if self.target not in TARGETS:
@@ -71,7 +73,8 @@ class QuantizeContext:
         `over` replaces any other quantize_graph argument (method, ranges, prune_excluded, ...)."""
         kw = dict(method=self.method, exclude={**self.exclude, **(exclude or {})},
                   bias_correction=self.bias_correction, ranges=self.ranges, hessians=self.hessians,
-                  weight_cache=self.weight_cache, target=self.target, u8_storage=scoring and self.exact_storage)
+                  weight_cache=self.weight_cache, target=self.target, u8_storage=scoring and self.exact_storage,
+                  on_error=self.on_error)
         kw.update(over)
         return quantize_graph(self.fused, self.table, **kw)
 
@@ -80,8 +83,9 @@ class QuantizeContext:
         """Experiments run side by side, one ORT thread each (ctx.threads, else the cores, up to 8)."""
         return self.threads or min(os.cpu_count() or 1, 8)
 
-    def score(self, feeds: list, exclude: dict | None = None, threads: int | None = None, **over) -> tuple:
-        """(first output of the int8 model over `feeds`, the QuantizeOutput it came from); `threads`:
-        ONNX Runtime's for this run (None: the context's)."""
+    def score(self, samples, exclude: dict | None = None, threads: int | None = None, **over) -> tuple:
+        """(the int8 model's reference output over `samples` (a SampleSet: joined as its reference is),
+        the QuantizeOutput it came from); `threads`: ONNX Runtime's for this run (None: the context's)."""
         q = self.build(exclude, scoring=True, **over)
-        return run_first_output(q.model, feeds, self.threads if threads is None else threads), q
+        outs = run_output(q.model, G.reference_output(q.model), samples.feeds, self.threads if threads is None else threads)
+        return samples.join(outs), q

@@ -95,17 +95,18 @@ def _deployed(ctx: QuantizeContext, scored, excl: dict):
 
 def exclude_sensitive(ctx: QuantizeContext, ranking: list, samples: SampleSet, target_agreement: float = 0.995,
                       max_drop: float | None = None, labels=None, max_excluded: int = 5, progress=None,
-                      measure_latency: bool = True) -> ExclusionResult:
-    """Layers kept fp32 on top of the user's (ctx.exclude), judged on `samples` (held back)."""
+                      measure_latency: bool = True, partial: list | None = None) -> ExclusionResult:
+    """Layers kept fp32 on top of the user's (ctx.exclude), judged on `samples` (held back).
+    `partial` gets the result as soon as it exists: what was kept so far, should a later step fail."""
     base_exclude = dict(ctx.exclude)
     feeds, reference = samples.feeds, samples.reference
-    one = {k: v[:samples.batch if samples.fixed_batch else 1] for k, v in feeds[0].items()}  # (latency at batch 1)
+    one = samples.feed(0, samples.batch if samples.fixed_batch else 1)  # (latency at batch 1)
     y_true = None if labels is None else np.asarray(labels)
 
     errors = {}  # id(TradeoffPoint) -> its error on each image (KL, or squared error for other outputs)
 
     def evaluate(excl: dict, threads: int | None = None):
-        y, q = ctx.score(feeds, excl, threads)
+        y, q = ctx.score(samples, excl, threads)
         drop = None
         if y_true is not None:
             m = y_true >= 0
@@ -153,6 +154,8 @@ def exclude_sensitive(ctx: QuantizeContext, ranking: list, samples: SampleSet, t
     if measure_latency:
         pt.ort_int8_ms = latency_ms(_deployed(ctx, q, excl), one)
     res = ExclusionResult(dict(excl), [pt], good(pt), target, q.model)
+    if partial is not None:
+        partial.append(res)
     best_q, best_pt = q, pt
     order = [s.name for s in sorted(ranking, key=lambda s: s.rank) if s.name not in excl]
     if not res.reached and max_excluded > 0:

@@ -15,7 +15,7 @@ def method_scores(ctx: QuantizeContext, samples: SampleSet, methods=None, progre
     against the fused fp32 graph ("pick what measures best", per model); `progress(1)` after each."""
     scores = {}
     for m in methods or METHODS:
-        scores[m] = sqnr_db(samples.reference, ctx.score(samples.feeds, method=m, ranges=None)[0])
+        scores[m] = sqnr_db(samples.reference, ctx.score(samples, method=m, ranges=None)[0])
         if progress:
             progress(1)
     return scores

@@ -97,9 +97,11 @@ def activation_qparams(model: onnx.ModelProto, plan: Plan, table, method: str | 
 
 
 def layer_weights(model, node, inits, s_in, mean_x, bias_correction: bool, hessian, target: str,
-                  weight_cache: dict | None):
+                  weight_cache: dict | None, on_error=None):
     """(QuantizedWeight, encoding, whether ORT pairs this layer's weights) of an int8 layer with a
-    weight, as the target encodes it; cached per layer and setting in `weight_cache`."""
+    weight, as the target encodes it; cached per layer and setting in `weight_cache`.
+    `on_error(layer, exception)`: output-aware rounding of this layer failed; it is told, and the
+    layer is rounded to nearest (without it, the exception propagates)."""
     rule = RULES[node.op_type]
     widx, axis = rule.weight(node, model)
     partners = pair_partners(tuple(inits[node.input[widx]].dims), node.op_type, axis, G.attr(node, "group", 1))
@@ -111,10 +113,18 @@ def layer_weights(model, node, inits, s_in, mean_x, bias_correction: bool, hessi
         w = numpy_helper.to_array(inits[node.input[widx]]).astype(np.float32)
         has_bias = rule.bias is not None and len(node.input) > rule.bias and node.input[rule.bias]
         b = numpy_helper.to_array(inits[node.input[rule.bias]]).astype(np.float32).ravel() if has_bias else None
-        qw = quantize_weight(w, axis, b, mean_x, node.op_type, G.attr(node, "group", 1),
-                             correct_bias=bias_correction and rule.bias is not None,
-                             s_in=s_in if rule.bias is not None else None, hessian=hessian,
-                             partners=partners if enc == PAIR_SAFE else None, w_max=W_MAX_OF.get(enc, Q.W_MAX))
+        def weights(h):
+            return quantize_weight(w, axis, b, mean_x, node.op_type, G.attr(node, "group", 1),
+                                   correct_bias=bias_correction and rule.bias is not None,
+                                   s_in=s_in if rule.bias is not None else None, hessian=h,
+                                   partners=partners if enc == PAIR_SAFE else None, w_max=W_MAX_OF.get(enc, Q.W_MAX))
+        try:
+            qw = weights(hessian)
+        except Exception as e:
+            if hessian is None or on_error is None:
+                raise
+            on_error(node.name, e)
+            qw = weights(None)
         if weight_cache is not None:
             weight_cache[key] = qw
     return qw, enc, partners is not None
@@ -124,7 +134,7 @@ def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exc
                    bias_correction: bool = True, ranges: dict | None = None, weights: bool = True,
                    activations: bool = True, weight_cache: dict | None = None,
                    prune_excluded: bool = True, hessians: dict | None = None, target: str = DEFAULT_TARGET,
-                   u8_storage: bool = False) -> QuantizeOutput:
+                   u8_storage: bool = False, on_error=None) -> QuantizeOutput:
     """`ranges` (tensor -> (lo, hi)) overrides the table's, for experiments and sensitivity search.
     `weights=False` / `activations=False` leave that side fp32: the diagnostic that tells
     which of the two a model's quantization error comes from.
@@ -134,7 +144,8 @@ def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exc
     to lower their output error (rounding.py) instead of to the nearest step.
     `target` (encoding.TARGETS): how the weights are encoded for the CPUs that will run the model.
     `u8_storage`: store every paired layer's weights as uint8 + 128 whatever the target, the same
-    values in a form ONNX Runtime computes exactly on any CPU (for scoring experiments)."""
+    values in a form ONNX Runtime computes exactly on any CPU (for scoring experiments).
+    `on_error(layer, exception)`: a layer's output-aware rounding failed (layer_weights)."""
     notes: list = []
     m = onnx.ModelProto()
     m.CopyFrom(fused)
@@ -170,7 +181,8 @@ def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exc
         x_name = plan.weight_inputs[node.name]
         has_bias = rule.bias is not None and len(node.input) > rule.bias and node.input[rule.bias]
         qw, enc, paired = layer_weights(m, node, inits, qp[x_name].scale, table.channel_means.get(x_name),
-                                        bias_correction, (hessians or {}).get(node.name), target, weight_cache)
+                                        bias_correction, (hessians or {}).get(node.name), target, weight_cache,
+                                        on_error)
         base = node.input[widx]
         if enc == U8 or (u8_storage and paired):
             wq = add_init(base + "_quantized", (qw.q.astype(np.int16) + 128).astype(np.uint8))

@@ -124,10 +124,9 @@ def search_ranges(ctx, samples, progress=None, total=None) -> RangeSearch:
 
     def noise(probes: list) -> list:
         """Output noise power / signal power with only tensor t quantized to range r, per (t, r)."""
-        ys = sim.run(probe_set, [Variant(set(), {t: Q.activation_qparams(*r)}, sim.plan.int8_nodes) for t, r in probes],
-                     progress)
         res.probes += len(probes)
-        return [float(((y.astype(np.float64) - ref) ** 2).sum()) / power for y in ys]
+        return sim.run(probe_set, [Variant(set(), {t: Q.activation_qparams(*r)}, sim.plan.int8_nodes) for t, r in probes],
+                       progress, reduce=lambda y: float(((y.astype(np.float64) - ref) ** 2).sum()) / power)
 
     # 1. each tensor alone at its default range; 2. the noisiest tensors try their candidates
     default_noise = dict(zip(tensors, noise([(t, cands[t][0][1]) for t in tensors])))
@@ -152,12 +151,12 @@ def search_ranges(ctx, samples, progress=None, total=None) -> RangeSearch:
         res.choices.append(RangeChoice(t, cands[t][0][1], best[1], best[0], default_noise[t], best[2]))
     tuned = {c.tensor: c.chosen for c in res.choices if c.label != "default"}
     # 3. the whole int8 model, default against tuned ranges, on the same samples
-    feeds, reference = samples.feeds, samples.reference
-    res.sqnr_default_db = res.sqnr_tuned_db = sqnr_db(reference, ctx.score(feeds, ranges=None)[0])
+    reference = samples.reference
+    res.sqnr_default_db = res.sqnr_tuned_db = sqnr_db(reference, ctx.score(samples, ranges=None)[0])
     if progress:
         progress(1)
     if tuned:
-        res.sqnr_tuned_db = sqnr_db(reference, ctx.score(feeds, ranges=tuned)[0])
+        res.sqnr_tuned_db = sqnr_db(reference, ctx.score(samples, ranges=tuned)[0])
     if progress:
         progress(1)
     res.kept = bool(tuned) and res.sqnr_tuned_db > res.sqnr_default_db

@@ -178,8 +178,15 @@ def descend(q, grad, hessian, s, sweeps: int, lo=None, hi=None, v=None, partners
     g, c, k = q.shape
     f64 = lambda a: None if a is None else np.ascontiguousarray(a, np.float64)  # noqa: E731
     p = None if partners is None else np.ascontiguousarray(partners, np.int64)
-    _native.descend(q, grad, f64(lo), f64(hi), f64(v), f64(s), f64(hessian), p, g, c, k, sweeps,
+    # the C loop reads every array as C-contiguous float64: a transposed weight (a MatMul's [K, N]
+    # read per output channel) arrives as a strided view, so q and grad go through copies
+    qc, gc = f64(q), f64(grad)
+    _native.descend(qc, gc, f64(lo), f64(hi), f64(v), f64(s), f64(hessian), p, g, c, k, sweeps,
                     threads or min(os.cpu_count() or 1, 4))
+    if qc is not q:
+        q[...] = qc
+    if gc is not grad:
+        grad[...] = gc
 
 
 def _descend_reference(q, grad, lo, hi, sg, hessian, sweeps):
@@ -255,57 +262,145 @@ def _descend_pair_safe_reference(q, grad, v, sg, hessian, partners, sweeps):
             break
 
 
-def layer_hessians(fused, feeds: list, exclude: dict | None = None, threads: int = 0, seed: int = 0,
-                   chunk: int = 4, progress=None) -> dict:
-    """node name -> [G, K, K] input covariance of every int8 layer with a weight, from the fp32
-    graph run on calibration `feeds` (list of input dicts), `chunk` samples at a time;
-    `progress(k)` is told of k more samples."""
+# memory and time bounds: a layer beyond them keeps nearest rounding (VGG16's first Gemm reads 25088
+# inputs: its covariance alone would be 4.7 GB, its descent hours)
+MAX_COVARIANCE_BYTES = 256 << 20  # one layer's [G, K, K] float64 covariance
+COVARIANCES_BYTES = 1 << 30  # every layer's together
+MAX_DESCENT_WORK = 2e10  # output channels x K x K: the descent's cost per sweep, at most
+ACTIVATIONS_BYTES = 256 << 20  # layer inputs fetched from one run of the fp32 graph
+
+
+def rounding_layers(fused, exclude: dict | None = None) -> tuple:
+    """({node name: (input tensor, InputCovariance, conv geometry or None)} of the int8 layers whose
+    weights output-aware rounding can round, {node name: why not} of those it leaves to nearest)."""
     from qtool import graph as G
-    from qtool.ortsession import session, with_outputs
     from qtool.plan import make_plan
     from qtool.rules import RULES
 
     plan = make_plan(fused, exclude)
-    layers = {}
+    inits = G.initializers(fused)
+    layers, skipped, total = {}, {}, 0
     for node in fused.graph.node:
         if node.name not in plan.weight_inputs:
             continue
         spec = RULES[node.op_type].weight(node, fused)
         if spec is None:
             continue
-        w = G.initializers(fused)[node.input[spec[0]]]
+        w = inits[node.input[spec[0]]]
         if node.op_type == "Conv":
             if len(w.dims) != 4 or any(d != 1 for d in G.attr(node, "dilations", [1, 1])):
                 continue
             groups = G.attr(node, "group", 1)
             kh, kw = w.dims[2], w.dims[3]
-            acc = InputCovariance(groups, w.dims[1] * kh * kw)
-            layers[node.name] = (plan.weight_inputs[node.name], acc,
-                                 dict(kernel=(kh, kw), strides=tuple(G.attr(node, "strides", [1, 1])),
-                                      pads=tuple(G.attr(node, "pads", [0, 0, 0, 0])), groups=groups))
+            g, k, cout = groups, w.dims[1] * kh * kw, w.dims[0]
+            conv = dict(kernel=(kh, kw), strides=tuple(G.attr(node, "strides", [1, 1])),
+                        pads=tuple(G.attr(node, "pads", [0, 0, 0, 0])), groups=groups)
         elif len(w.dims) == 2 and not G.attr(node, "transA", 0):
-            k = w.dims[1] if spec[1] == 0 else w.dims[0]
-            layers[node.name] = (plan.weight_inputs[node.name], InputCovariance(1, k), None)
-    if not layers:
-        return {}
-    names = sorted({x for x, _, _ in layers.values()})
-    sess = session(with_outputs(fused, names), threads)
-    rng = np.random.default_rng(seed)
+            g, k, cout = 1, (w.dims[1] if spec[1] == 0 else w.dims[0]), w.dims[spec[1]]
+            conv = None
+        else:
+            continue
+        size = 8 * g * k * k
+        if size > MAX_COVARIANCE_BYTES or cout * k * k > MAX_DESCENT_WORK:
+            skipped[node.name] = f"{k} inputs per output channel: too large to round by output error"
+            continue
+        if total + size > COVARIANCES_BYTES:
+            skipped[node.name] = "the covariances of the layers before it filled the memory budget"
+            continue
+        total += size
+        layers[node.name] = (plan.weight_inputs[node.name], InputCovariance(g, k), conv)
+    return layers, skipped
+
+
+def _fetch_groups(fused, names: list, one: dict) -> list:
+    """`names` in groups whose values for one sample (the feed `one`) fit ACTIVATIONS_BYTES together,
+    each with the samples per run that keep it there: [(names, samples per run)]. A tensor of
+    unknown size goes alone, one sample at a time."""
+    from qtool import graph as G
+
+    shapes = G.inferred_shapes(fused, {k: v.shape for k, v in one.items()})
+    groups, cur, used = [], [], 0
+    for n in names:
+        dims = shapes.get(n)
+        size = 4 * int(np.prod(dims)) if dims and all(d for d in dims) else None
+        if size is None:
+            groups.append(([n], 1))
+            continue
+        if cur and used + size > ACTIVATIONS_BYTES:
+            groups.append((cur, max(1, ACTIVATIONS_BYTES // used)))
+            cur, used = [], 0
+        cur.append(n)
+        used += size
+    if cur:
+        groups.append((cur, max(1, ACTIVATIONS_BYTES // max(used, 1))))
+    return groups
+
+
+def _slices(feeds, step: int):
+    """(input dict, samples in it) of at most `step` samples at a time, from a SampleSet or a list of
+    input dicts [N, ...]."""
+    from qtool.quantize.samples import SampleSet
+    if isinstance(feeds, SampleSet):
+        step = 1 if feeds.stacked else feeds.batch if feeds.fixed_batch else step
+        for a in range(0, len(feeds), step):
+            yield feeds.feed(a, min(a + step, len(feeds))), min(step, len(feeds) - a)
+        return
     for feed in feeds:
         n = len(next(iter(feed.values())))
-        for a in range(0, n, chunk):
-            outs = dict(zip(names, sess.run(names, {k: v[a:a + chunk] for k, v in feed.items()})))
-            for x_name, acc, conv in layers.values():
-                x = outs[x_name]
-                if conv is None:
-                    acc.add(x.reshape(1, -1, x.shape[-1]))  # (centred there)
-                elif x.ndim == 4:
-                    c = x.mean(axis=(0, 2, 3))  # each input channel's mean: the patches come centred
-                    groups, (kh, kw) = conv["groups"], conv["kernel"]
-                    acc.add(conv_patches(x, rng=rng, shift=c, **conv),
-                            np.repeat(c.reshape(groups, -1), kh * kw, axis=1))
+        for a in range(0, n, step):
+            yield {k: v[a:a + step] for k, v in feed.items()}, min(step, n - a)
+
+
+def layer_hessians(fused, feeds, exclude: dict | None = None, threads: int = 0, seed: int = 0,
+                   chunk: int = 4, progress=None, on_error=None, skipped: dict | None = None) -> dict:
+    """node name -> [G, K, K] input covariance of every int8 layer with a weight, from the fp32
+    graph run on calibration `feeds` (a SampleSet, or a list of input dicts), at most `chunk` samples at a time (fewer
+    where the layer inputs are large: ACTIVATIONS_BYTES; a model whose layer inputs do not fit
+    it at once runs once per group of them); `progress(k)` is told of k more samples.
+    `on_error(layer, exception)`: a layer whose covariance fails is told and left out (nearest
+    rounding); without it the exception propagates. `skipped` gets the layers left to nearest
+    rounding by the bounds (rounding_layers)."""
+    from qtool.ortsession import session, with_outputs
+
+    layers, too_big = rounding_layers(fused, exclude)
+    if skipped is not None:
+        skipped.update(too_big)
+    if not layers or not len(feeds):
+        return {}
+    names = sorted({x for x, _, _ in layers.values()})
+    groups = _fetch_groups(fused, names, next(_slices(feeds, 1))[0])
+    rng = np.random.default_rng(seed)
+    failed = set()
+    for gi, (group, per_run) in enumerate(groups):
+        sess = session(with_outputs(fused, group), threads)
+        mine = [(name, x, acc, conv) for name, (x, acc, conv) in layers.items() if x in group]
+        step = max(1, min(chunk, per_run))
+        for feed, n in _slices(feeds, step):
+            outs = dict(zip(group, sess.run(group, feed)))
+            for name, x_name, acc, conv in mine:
+                if name in failed:
+                    continue
+                try:
+                    _add(acc, outs[x_name], conv, rng)
+                except Exception as e:
+                    if on_error is None:
+                        raise
+                    failed.add(name)
+                    on_error(name, e)
             del outs
             if progress:
-                progress(min(chunk, n - a))
+                progress(n / len(groups))
+        del sess
     # fewer samples than inputs per channel: the estimate is mostly its diagonal, where nearest rounding is optimal
-    return {name: acc.hessian() for name, (_, acc, _) in layers.items() if acc.n >= acc.mean.shape[1]}
+    return {name: acc.hessian() for name, (_, acc, _) in layers.items()
+            if name not in failed and acc.n >= acc.mean.shape[1]}
+
+
+def _add(acc: InputCovariance, x: np.ndarray, conv: dict | None, rng) -> None:
+    """One run's input `x` of a layer into its covariance."""
+    if conv is None:
+        acc.add(x.reshape(1, -1, x.shape[-1]))  # (centred there)
+    elif x.ndim == 4:
+        c = x.mean(axis=(0, 2, 3))  # each input channel's mean: the patches come centred
+        groups, (kh, kw) = conv["groups"], conv["kernel"]
+        acc.add(conv_patches(x, rng=rng, shift=c, **conv), np.repeat(c.reshape(groups, -1), kh * kw, axis=1))

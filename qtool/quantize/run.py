@@ -5,7 +5,7 @@ import json
 import os
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
@@ -18,6 +18,7 @@ from qtool.quantize.context import QuantizeContext
 from qtool.quantize.encoding import DEFAULT_TARGET, S8, TARGETS
 from qtool.quantize.exclude import CANDIDATES_PER_STEP, POOL as POOL_FOR_PROGRESS, exclude_sensitive
 from qtool.quantize.method_choice import method_scores
+from qtool.quantize.optional import OptionalSteps
 from qtool.quantize.range_search import search_ranges
 from qtool.quantize.rounding import layer_hessians
 from qtool.quantize.samples import SampleSet, load_samples
@@ -43,6 +44,7 @@ TUNE_SAMPLES = 32  # calibration images for output-aware rounding and range tuni
 # covariances want more)
 MIN_TUNE_SAMPLES = 8
 SENS_HTML = "sensitivity.html"
+STRICT_ENV = "QTOOL_STRICT"  # "1": every quantize is --strict (the test suite sets it: no bug hides behind a fallback)
 
 
 @dataclass
@@ -111,10 +113,14 @@ def sensitivity_samples(fused) -> int:
     SENSITIVITY_VALUES output values, at least 4. Each layer's cost grows with the images, and on a
     416x416 detector 64 images cost minutes where 4 rank the same layers worst."""
     shapes = G.inferred_shapes(fused)
-    dims = shapes.get(fused.graph.output[0].name) if fused.graph.output else None
+    dims = shapes.get(G.reference_output(fused)) if fused.graph.output else None
     if not dims or any(d is None for d in dims[1:]):
-        return SENSITIVITY_SAMPLES
-    per_image = int(np.prod(dims[1:], dtype=np.int64))
+        return SENSITIVITY_SAMPLES  # (known once the samples ran: samples_for_values)
+    return samples_for_values(int(np.prod(dims[1:], dtype=np.int64)))
+
+
+def samples_for_values(per_image: int) -> int:
+    """Sensitivity images for an output of `per_image` values each: about SENSITIVITY_VALUES in all."""
     return int(min(SENSITIVITY_SAMPLES, max(MIN_SENSITIVITY_SAMPLES, -(-SENSITIVITY_VALUES // max(per_image, 1)))))
 
 
@@ -183,6 +189,7 @@ class Tuning:
     search: object = None  # RangeSearch
     seconds: float = 0.0
     samples: int = 0
+    unrounded: dict = field(default_factory=dict)  # layer -> why output-aware rounding left it to nearest
 
 
 def _bar(total, unit: str, desc: str, show: bool):
@@ -218,33 +225,64 @@ def round_all(ctx: QuantizeContext, say=print, show_progress: bool = True) -> No
             ctx.weight_cache.progress = None
 
 
+def tune_rounding(ctx: QuantizeContext, samples: SampleSet, res: "Tuning", steps: OptionalSteps, say=print,
+                  show_progress: bool = True) -> None:
+    """Output-aware rounding from calibration `samples`: sets ctx.hessians (and res.hessians, the
+    layers left to nearest rounding in res.unrounded) and rounds every such layer once. A layer whose
+    covariance or rounding fails is told to `steps` and rounded to nearest."""
+    say(f"output-aware rounding: input covariances of every layer on {len(samples)} calibration images")
+    fail = steps.on_layer_error("output-aware rounding")
+
+    def nearest(layer, error):
+        fail(layer, error)
+        if ctx.hessians:
+            ctx.hessians.pop(layer, None)
+        res.unrounded[layer] = "its output-aware rounding failed"
+
+    with _bar(len(samples), "image", "covariances", show_progress) as bar:
+        ctx.hessians = res.hessians = layer_hessians(ctx.fused, samples, progress=_whole(bar), on_error=nearest,
+                                                     skipped=res.unrounded)
+    ctx.on_error = nearest
+    round_all(ctx, say, show_progress)  # at the method's ranges; range tuning scores with these weights
+
+
+def tune_activation_ranges(ctx: QuantizeContext, samples: SampleSet, res: "Tuning", say=print, show_progress: bool = True) -> None:
+    """Activation ranges chosen at the model output on calibration `samples`: sets ctx.ranges."""
+    from qtool.quantize.range_search import probe_count
+    say(f"tuning activation ranges at the output on {len(samples)} calibration images")
+    with _bar(probe_count(ctx), "step", "tune ranges", show_progress) as bar:
+        def exact(n):
+            bar.total = n
+            bar.refresh()
+        res.search = search_ranges(ctx, samples, _whole(bar), exact)
+    ctx.ranges = res.ranges = res.search.ranges or None
+    s = res.search
+    say(f"tuned ranges: {len(s.ranges)} tensors changed ({s.probes} probes), output SQNR on {len(samples)} "
+        f"calibration images {s.sqnr_default_db:.1f} -> {s.sqnr_tuned_db:.1f} dB"
+        + ("" if s.kept or not s.choices else "; not better, default ranges kept"))
+    # (the search scored the model at the tuned ranges: layers whose input scale they changed are rounded
+    # at those already, in ctx.weight_cache)
+
+
 def tune(ctx: QuantizeContext, samples: SampleSet, rounding: bool, ranges: bool, say=print,
-         show_progress: bool = True) -> Tuning:
-    """Output-aware rounding and tuned ranges from calibration `samples`; sets ctx.hessians and ctx.ranges."""
+         show_progress: bool = True, steps: OptionalSteps | None = None) -> Tuning:
+    """Output-aware rounding and tuned ranges from calibration `samples`; sets ctx.hessians and ctx.ranges.
+    Each is an optional step of `steps`: one that fails leaves nearest rounding / the method's ranges."""
+    steps = steps or OptionalSteps()
     res = Tuning(samples=len(samples))
     if not (rounding or ranges) or not len(samples):
         return res
     t0 = time.time()
     if rounding:
-        say(f"output-aware rounding: input covariances of every layer on {len(samples)} calibration images")
-        with _bar(len(samples), "image", "covariances", show_progress) as bar:
-            ctx.hessians = res.hessians = layer_hessians(ctx.fused, samples.feeds, progress=bar.update)
-        round_all(ctx, say, show_progress)  # at the method's ranges; range tuning scores with these weights
+        def no_rounding():
+            ctx.hessians = res.hessians = None
+            ctx.on_error = None
+        steps.run("output-aware rounding", tune_rounding, ctx, samples, res, steps, say, show_progress,
+                  fallback=no_rounding)
     if ranges:
-        from qtool.quantize.range_search import probe_count
-        say(f"tuning activation ranges at the output on {len(samples)} calibration images")
-        with _bar(probe_count(ctx), "step", "tune ranges", show_progress) as bar:
-            def exact(n):
-                bar.total = n
-                bar.refresh()
-            res.search = search_ranges(ctx, samples, _whole(bar), exact)
-        ctx.ranges = res.ranges = res.search.ranges or None
-        s = res.search
-        say(f"tuned ranges: {len(s.ranges)} tensors changed ({s.probes} probes), output SQNR on {len(samples)} "
-            f"calibration images {s.sqnr_default_db:.1f} -> {s.sqnr_tuned_db:.1f} dB"
-            + ("" if s.kept or not s.choices else "; not better, default ranges kept"))
-        # (the search scored the model at the tuned ranges: layers whose input scale they changed are rounded
-        # at those already, in ctx.weight_cache)
+        def no_ranges():
+            ctx.ranges = res.ranges = res.search = None
+        steps.run("range tuning", tune_activation_ranges, ctx, samples, res, say, show_progress, fallback=no_ranges)
     res.seconds = time.time() - t0
     return res
 
@@ -259,9 +297,10 @@ def run_sensitivity(ctx: QuantizeContext, samples: SampleSet, opts: "Sensitivity
 
 
 def run_exclusion(ctx: QuantizeContext, ranking: list, check: SampleSet, opts: "SensitivityOptions",
-                  data_root: str | None, say=print, held_back: bool = True):
-    """`held_back`: `check` holds calibration images the sensitivity analysis did not use."""
-    labels = _labels_for(check.names, opts.labels, data_root)
+                  labels: list | None, say=print, held_back: bool = True, partial: list | None = None):
+    """`held_back`: `check` holds calibration images the sensitivity analysis did not use. `labels`:
+    {file: class} of the calibration images, if known. `partial` gets the result as it is built."""
+    labels = None if labels is None else [labels.get(n, -1) for n in check.names]
     target = (f"top-1 agreement >= {opts.target_agreement}" if opts.max_drop is None or labels is None
               else f"accuracy drop <= {opts.max_drop} pt")
     say(f"exclude-sensitive: keeping layers fp32 (at most {opts.max_excluded}) until {target} on {len(check)} "
@@ -269,7 +308,7 @@ def run_exclusion(ctx: QuantizeContext, ranking: list, check: SampleSet, opts: "
     with _bar(1 + POOL_FOR_PROGRESS + opts.max_excluded * CANDIDATES_PER_STEP, "model", "exclude-sensitive (at most)",
               opts.show_progress) as bar:
         exclusion = exclude_sensitive(ctx, ranking, check, opts.target_agreement, opts.max_drop, labels,
-                                      opts.max_excluded, bar.update)
+                                      opts.max_excluded, bar.update, partial=partial)
         bar.total = bar.n  # the target held early: done
         bar.refresh()
     exclusion.check_images = len(check)
@@ -305,10 +344,10 @@ def target_cost(ctx: QuantizeContext, samples: SampleSet, excluded: dict, say=pr
     say(f"measuring what target {ctx.target} costs against plain int8 weights on {len(samples)} calibration images")
     rounded = set(ctx.hessians or ())
     with _bar(2 + len(rounded), "step", "target cost", show_progress) as bar:
-        y_t = ctx.score(samples.feeds, excluded)[0]
+        y_t = ctx.score(samples, excluded)[0]
         bar.update(1)
         plain.weight_cache.progress = lambda name: bar.update(1) if name in rounded else None
-        y_p = plain.score(samples.feeds, excluded)[0]
+        y_p = plain.score(samples, excluded)[0]
         bar.update(1)
     return {"samples": len(samples), "output_sqnr_db": sqnr_db(samples.reference, y_t),
             "output_sqnr_plain_int8_db": sqnr_db(samples.reference, y_p)}
@@ -318,7 +357,7 @@ def quantize(workdir: str | None = None, model: str | None = None, table_path: s
              output: str | None = None, method: str | None = None, exclude: dict | None = None,
              bias_correction: bool = True, sensitivity: SensitivityOptions | None = None, say=print,
              rounding: bool | None = None, tune_ranges: bool | None = None,
-             target: str = DEFAULT_TARGET) -> QuantizeResult:
+             target: str = DEFAULT_TARGET, strict: bool = False) -> QuantizeResult:
     """`rounding`: output-aware weight rounding from calibration images (rounding.py; None: on, the
     default, as it gains 1-2 dB of output SQNR for seconds), nearest otherwise.
     `tune_ranges`: activation ranges chosen at the model output (range_search.py); None: off. (Off
@@ -326,17 +365,18 @@ def quantize(workdir: str | None = None, model: str | None = None, table_path: s
     99 probes changed no range, for 12 s.)
     `target` (encoding.TARGETS): the CPUs the model must be exact on; every experiment is scored
     with the exact int8 arithmetic the target promises, whatever CPU this is.
+    `strict`: an optional step that fails (optional.py) is an error, not a fallback with a warning.
     The working directory is held for the whole run; where the outputs go is checked writable first."""
     wd = Workdir(workdir)
     with wd.lock(create=True):
         if output is not None:
             check_writable(output, "int8 model")
         return _quantize(workdir, model, table_path, output, method, exclude, bias_correction, sensitivity, say,
-                         rounding, tune_ranges, target)
+                         rounding, tune_ranges, target, OptionalSteps(strict or os.environ.get(STRICT_ENV) == "1"))
 
 
 def _quantize(workdir, model, table_path, output, method, exclude, bias_correction, sensitivity, say, rounding,
-              tune_ranges, target) -> QuantizeResult:
+              tune_ranges, target, steps: OptionalSteps) -> QuantizeResult:
     t0 = time.time()
     fused, table, model_path = load_inputs(workdir, model, table_path)
     # the table read (load_inputs checked a working directory's one against its recorded sha256)
@@ -366,18 +406,27 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
     elif auto or rounding or tune_ranges or sens_on:
         say("note: no calibration images recorded in the working directory; method choice, output-aware rounding, "
             "range tuning and sensitivity skipped")
+    labels = None  # (the user's labels file is read before any step: an error in it stays an error)
+    if exclusion_on:
+        ys = _labels_for(files, opts.labels, wd.manifest().get("calibrate", {}).get("data"))
+        labels = None if ys is None else dict(zip(files, ys))
     with _bar(2 * len(need), "step", "decode + fp32", opts.show_progress and bool(need)) as bar:
-        samples = load_samples(fused, table, need, progress=bar.update)
+        samples = steps.run("calibration samples", load_samples, fused, table, need, progress=bar.update,
+                            fallback=SampleSet.empty)
     method_scores_db = None
     if auto:
-        ctx.method, method_scores_db = pick_method(ctx, samples.pick(split.auto), say, opts.show_progress)
+        ctx.method, method_scores_db = steps.run("method choice", pick_method, ctx, samples.pick(split.auto), say,
+                                                 opts.show_progress, fallback=(ctx.method, None))
     sens_samples = samples.pick(split.sensitivity)
+    if opts.samples is None and len(sens_samples):  # a dynamic output's size is known now
+        n = samples_for_values(int(np.prod(sens_samples.reference.shape[1:], dtype=np.int64)))
+        sens_samples = sens_samples.pick(_evenly(sens_samples.names, n))
     tune_samples = samples.pick(split.tune)
-    tuning = tune(ctx, tune_samples, rounding, tune_ranges, say, opts.show_progress)
+    tuning = tune(ctx, tune_samples, rounding, tune_ranges, say, opts.show_progress, steps)
     sens, exclusion, ranking = None, None, None
     if sens_on and len(sens_samples):
-        sens, ranking = run_sensitivity(ctx, sens_samples, opts, say)
-        if exclusion_on:
+        sens, ranking = steps.run("sensitivity", run_sensitivity, ctx, sens_samples, opts, say, fallback=(None, None))
+        if exclusion_on and ranking is not None:
             check, held = samples.pick(split.held_back), True
             if len(check) < MIN_HELD_BACK:
                 every = samples.pick(files)
@@ -389,8 +438,9 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
                         f"back: the exclusions are checked on the same images (calibrate on "
                         f"{len(sens_samples) + MIN_HELD_BACK} or more for an independent check)")
                 check, held = every, False
-            exclusion = run_exclusion(ctx, ranking, check, opts, wd.manifest().get("calibrate", {}).get("data"), say,
-                                      held)
+            partial = []  # (the search so far, should it fail)
+            exclusion = steps.run("exclusion", run_exclusion, ctx, ranking, check, opts, labels, say, held, partial,
+                                  fallback=lambda: partial[-1] if partial else None)
     final_exclude = dict(exclusion.excluded) if exclusion is not None else dict(exclude)
     out = ctx.build(final_exclude)
     path = output or wd.file(INT8)
@@ -399,7 +449,7 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
     # with any other fp32 model
     set_provenance(out.model, fp32_sha256=table.model_sha256, table_sha256=table_sha256)
     save_model(out.model, path)
-    cost = target_cost(ctx, tune_samples, final_exclude, say, opts.show_progress)
+    cost = steps.run("target cost", target_cost, ctx, tune_samples, final_exclude, say, opts.show_progress)
     report = {
         "model": model_path, "int8_model": os.path.abspath(path), "method": ctx.method,
         "method_scores_db": method_scores_db, "target": target, "target_description": TARGETS[target].description,
@@ -410,6 +460,8 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
         "rounded_layers": sorted(tuning.hessians or []),
         "tuned_ranges": None if tuning.search is None else dict(tuning.search.to_dict(), samples=tuning.samples),
         "tuning_seconds": tuning.seconds,
+        "unrounded_layers": tuning.unrounded if tuning.hessians else {},
+        "optional_steps": steps.to_dict(),
         "summary": out.plan.summary(),
         "excluded": final_exclude,
         "nodes": [d.__dict__ for d in out.plan.decisions],

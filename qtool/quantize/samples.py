@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from qtool import graph as G
+
 BATCH = 16
 
 
@@ -22,14 +24,42 @@ class SampleSet:
     reference: np.ndarray  # the fp32 model's first output, [N, ...]
     batch: int = BATCH
     fixed_batch: bool = False  # the model's batch dimension is fixed: every feed has exactly `batch`
+    # where the samples lie in the reference output: on `axis` (sequence-first models write [T, N, C]),
+    # `rows` entries each (a batch folded into the rows: [N * T, C]); reference and join() put them first
+    axis: int = 0
+    rows: int = 1
+    # each sample is a whole feed of its own, as recorded (an input without a batch axis: a scalar sample
+    # rate, a state [2, N, 128]): `inputs` hold them on a new axis 0, fed one at a time, outputs stacked
+    stacked: bool = False
 
     def __len__(self):
         return len(self.names)
 
+    @classmethod
+    def empty(cls) -> "SampleSet":
+        return cls([], {}, np.zeros((0,)))
+
     @property
     def feeds(self) -> list:
         n = len(self.names)
-        return [{k: v[a:a + self.batch] for k, v in self.inputs.items()} for a in range(0, n, self.batch)]
+        return [self.feed(a, min(a + self.batch, n)) for a in range(0, n, self.batch)]
+
+    def feed(self, a: int, b: int) -> dict:
+        """The model inputs of samples a..b (b = a + 1 where samples are stacked)."""
+        if self.stacked:
+            return {k: v[a] for k, v in self.inputs.items()}
+        return {k: v[a:b] for k, v in self.inputs.items()}
+
+    def join(self, outputs: list) -> np.ndarray:
+        """The reference output of each of self.feeds, joined as `reference` is: one entry per sample
+        along axis 0 ([N, ...], or [N, rows, ...])."""
+        if self.stacked:
+            return np.stack(outputs)
+        y = np.moveaxis(np.concatenate(outputs, axis=self.axis), self.axis, 0)
+        return y if self.rows == 1 else y.reshape((len(y) // self.rows, self.rows) + y.shape[1:])
+
+    def _like(self, names, inputs, reference) -> "SampleSet":
+        return SampleSet(names, inputs, reference, self.batch, self.fixed_batch, self.axis, self.rows, self.stacked)
 
     def subset(self, index) -> "SampleSet":
         """The samples at `index`; for a model with a fixed batch, whole batches of them only (the
@@ -37,8 +67,8 @@ class SampleSet:
         idx = np.asarray(index, np.int64)
         if self.fixed_batch:
             idx = idx[:len(idx) - len(idx) % self.batch]
-        return SampleSet([self.names[i] for i in idx], {k: v[idx] for k, v in self.inputs.items()},
-                         self.reference[idx] if len(self.reference) else self.reference, self.batch, self.fixed_batch)
+        return self._like([self.names[i] for i in idx], {k: v[idx] for k, v in self.inputs.items()},
+                          self.reference[idx] if len(self.reference) else self.reference)
 
     def pick(self, names: list) -> "SampleSet":
         pos = {n: i for i, n in enumerate(self.names)}
@@ -52,7 +82,7 @@ def load_samples(fused, table, files: list, threads: int = 0, progress=None) -> 
     from qtool.data.sources import ImageData
 
     if not files:
-        return SampleSet([], {}, np.zeros((0,)))
+        return SampleSet.empty()
     data = ImageData(os.path.dirname(files[0]), config_from_any(table.config), fused, table.model_path,
                      batch=BATCH, files=files)
     by_shape = {}  # a dynamic model's samples may differ in size: (each sample's input shapes) -> (names, parts)
@@ -72,14 +102,16 @@ def load_samples(fused, table, files: list, threads: int = 0, progress=None) -> 
     if not names:
         warnings.warn(f"none of the {len(files)} calibration samples can be read now (first: {files[0]}); the steps "
                       f"that need them are skipped", stacklevel=2)
-        return SampleSet([], {}, np.zeros((0,)))
+        return SampleSet.empty()
     if skipped:
         warnings.warn(f"{skipped} of {len(files)} calibration samples can no longer be read; using the other "
                       f"{len(names)}", stacklevel=2)
-    inputs = {k: np.concatenate(v) for k, v in parts.items()}
-    from qtool import graph as G
-    fixed = [d[0] for d in (G.input_dims(i) for i in G.real_inputs(fused)) if d and isinstance(d[0], int)]
-    s = SampleSet(names, inputs, np.zeros((0,)), fixed[0] if fixed else BATCH, bool(fixed))
+    if getattr(data, "kind", "") != "images" and data.batch == 1:  # (tensors that cannot be stacked on axis 0)
+        s = SampleSet(names, {k: np.stack(v) for k, v in parts.items()}, np.zeros((0,)), 1, True, stacked=True)
+    else:
+        fixed = [d[0] for d in (G.input_dims(i) for i in G.real_inputs(fused)) if d and isinstance(d[0], int)]
+        s = SampleSet(names, {k: np.concatenate(v) for k, v in parts.items()}, np.zeros((0,)),
+                      fixed[0] if fixed else BATCH, bool(fixed))
     s = s.subset(range(len(names)))  # (a fixed batch: whole batches only)
     if not len(s):
         warnings.warn(f"the model takes exactly {s.batch} samples at a time and only {len(names)} calibration "
@@ -87,14 +119,28 @@ def load_samples(fused, table, files: list, threads: int = 0, progress=None) -> 
         return s
     from qtool.ortsession import session
     sess = session(fused, threads, where=f"{table.model_path} (fused)")
-    out = sess.get_outputs()[0].name
+    out = G.reference_output(fused)
+    s.axis, s.rows = _sample_axis(sess, out, s)
     ys = []
     for f in s.feeds:
         ys.append(sess.run([out], f)[0])
         if progress:
             progress(len(next(iter(f.values()))))
-    s.reference = np.concatenate(ys)
+    s.reference = s.join(ys)
     return _finite_only(s)
+
+
+def _sample_axis(sess, out: str, s: SampleSet) -> tuple:
+    """(axis, rows): where the output holds the samples, found by running one sample and two: the
+    one axis that grows with them (a CRNN's [T, N, C] output: axis 1), and its size for one sample
+    (> 1 where the batch is folded into it). Axis 0, one row, where nothing tells."""
+    if s.fixed_batch or len(s) < 2:
+        return 0, 1
+    one, two = (sess.run([out], s.feed(0, n))[0].shape for n in (1, 2))
+    grown = [a for a, (p, q) in enumerate(zip(one, two)) if p != q]
+    if len(one) != len(two) or len(grown) != 1 or two[grown[0]] != 2 * one[grown[0]]:
+        return 0, 1
+    return grown[0], one[grown[0]]
 
 
 def _finite_only(s: SampleSet) -> SampleSet:
@@ -102,7 +148,7 @@ def _finite_only(s: SampleSet) -> SampleSet:
     SQNR and agreement NaN (calibration left its values out of the ranges the same way)."""
     ok = np.ones(len(s.names), bool)
     for v in list(s.inputs.values()) + [s.reference]:
-        if np.issubdtype(v.dtype, np.floating):
+        if np.issubdtype(v.dtype, np.floating) and v.ndim and len(v) == len(ok):
             ok &= np.isfinite(v.reshape(len(v), -1)).all(axis=1)
     if ok.all():
         return s

@@ -82,15 +82,17 @@ def layer_sensitivity(ctx: QuantizeContext, samples: SampleSet, progress=None, o
     `only` (layer names): measure just these, each still alone in int8 among all the others."""
     sim = Simulator(ctx)
     picked, variants = layer_variants(sim, only)
-    outs = sim.run(samples, variants, progress)
     ref = samples.reference
+
+    def measured(y):  # (each variant's output reduced as soon as it is there: outputs can be large)
+        return sqnr_db(ref, y), top1_agreement(ref, y), kl_softmax(ref, y) if y.ndim == 2 else 0.0
+
     out = []
-    for (k, d), v, y in zip(picked, variants, outs):
+    for (k, d), v, m in zip(picked, variants, sim.run(samples, variants, progress, reduce=measured)):
         t = sim.output_tensor(d.name)
         qp = v.tensors.get(t)
         clip = clip_fraction(ctx.table, t, qp.lo, qp.hi) if qp else 0.0
-        out.append(LayerSensitivity(d.name, d.op_type, k, sqnr_db(ref, y), top1_agreement(ref, y),
-                                    kl_softmax(ref, y) if y.ndim == 2 else 0.0, sim.weight_sqnr(d.name), clip))
+        out.append(LayerSensitivity(d.name, d.op_type, k, *m, sim.weight_sqnr(d.name), clip))
     for r, s in enumerate(sorted(out, key=lambda s: (s.output_sqnr_db, -s.kl)), 1):
         s.rank = r
     return out

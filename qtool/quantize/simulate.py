@@ -43,6 +43,7 @@ SESSIONS_BYTES = 1 << 30  # weights held by the sessions alive at once (each hol
 # prefix re-runs once per group of sessions
 SWITCH_COST = 0.03  # a switch that is off, per run, in passes: the layout changes ORT puts around it
 CACHE_BYTES = 256 << 20  # fp32 tensors crossing the cuts, per batch of samples
+OUTPUTS_BYTES = 256 << 20  # outputs of variants run together and held until reduced (Simulator.run)
 SMALL = 1024  # initializers up to this size stay in each variant's graph; larger ones are shared OrtValues
 
 
@@ -63,13 +64,21 @@ class Simulator:
         self.shapes = G.inferred_shapes(self.base)
         self.plan = self.plan_for({})
         self.qparams = activation_qparams(self.base, self.plan, ctx.table, ctx.method, ctx.ranges)
-        self.output = self.base.graph.output[0].name
+        self.output = G.reference_output(self.base)
         self.nodes = list(self.base.graph.node)
         self.pos = {n.name: k for k, n in enumerate(self.nodes)}
-        self.first_read = {}
+        # the nodes the reference output depends on: a variant runs only those (another head of a
+        # two-output model need not run), and one that changes none of them changes nothing
+        need, self.feeds_output = {self.output}, set()
+        for n in reversed(self.nodes):
+            if any(o in need for o in n.output if o):
+                self.feeds_output.add(n.name)
+                need |= G.node_reads(n)
+        self.first_read = {}  # tensor -> the first of those nodes that reads it
         for k, n in enumerate(self.nodes):
-            for i in n.input:
-                self.first_read.setdefault(i, k)
+            if n.name in self.feeds_output:
+                for i in G.node_reads(n):
+                    self.first_read.setdefault(i, k)
         self.shared = {}  # initializer name -> OrtValue, created once, shared by every variant session
         self.small = [t for t in self.base.graph.initializer if int(np.prod(t.dims)) <= SMALL]
         self.big_names = {t.name for t in self.base.graph.initializer if int(np.prod(t.dims)) > SMALL}
@@ -130,7 +139,9 @@ class Simulator:
         before = {o for n in self.nodes[:p] for o in n.output} | {i.name for i in G.real_inputs(self.base)}
         need = []
         for n in self.nodes[p:]:
-            for i in n.input:
+            if n.name not in self.feeds_output:
+                continue
+            for i in sorted(G.node_reads(n)) if _has_subgraph(n) else n.input:
                 if i and i in before and i not in inits and i not in need:
                     need.append(i)
         return need
@@ -166,8 +177,8 @@ class Simulator:
     def shares(self, samples) -> np.ndarray:
         """Each node's share of an fp32 pass (_costs), profiled once, on the first of `samples`."""
         if self._share is None:
-            n = samples.batch if samples.fixed_batch else min(4, len(samples))
-            self._share = self._costs({k: v[:n] for k, v in samples.inputs.items()})
+            n = samples.batch if samples.fixed_batch else min(4, len(samples))  # (stacked: one, batch 1)
+            self._share = self._costs(samples.feed(0, n))
         return self._share
 
     def plan_cuts(self, firsts: list, share: np.ndarray, pass_seconds: float = 1.0) -> dict:
@@ -202,7 +213,8 @@ class Simulator:
 
     def first(self, v: Variant) -> int:
         """The first node position that reads anything the variant changes."""
-        at = [self.first_read.get(t, 0) for t in v.tensors] + [self.pos[n] for n in v.weights]
+        at = [self.first_read.get(t, len(self.nodes)) for t in v.tensors] \
+            + [self.pos[n] for n in v.weights if n in self.feeds_output]
         return min(at, default=len(self.nodes))
 
     # ------------------------------------------------------------------ one variant's graph and session
@@ -225,7 +237,7 @@ class Simulator:
         weights = sorted({n for v in variants for n in v.weights})
         graph_inputs = {i.name for i in G.real_inputs(self.base)}
         int8 = set().union(*(v.nodes for v in variants)) if variants else set()
-        nodes = [_copy(n) for n in self.nodes[p:]]
+        nodes = [_copy(n) for n in self.nodes[p:] if n.name in self.feeds_output]
         big = {}
         before = {}  # node name -> switch nodes placed right before it
         for n in nodes:
@@ -286,7 +298,7 @@ class Simulator:
                              [helper.make_tensor_value_info(t, self.types.get(t, TensorProto.FLOAT),
                                                             _dims(self.shapes.get(t))) for t in frontier] + switches,
                              [o for o in self.base.graph.output if o.name == self.output],
-                             {i for n in ordered for i in n.input}, big, consts)
+                             set().union(*(G.node_reads(n) for n in ordered)), big, consts)
         # every optimization (NCHWc convolutions: 2.4x faster than the basic level on Lite0); no int8
         # kernel can take part, as no weight is quantized here, and ORT must not quantize the float
         # weights itself (float_weights: it would, per tensor, around a quantized layer). Dozens of
@@ -307,27 +319,36 @@ class Simulator:
         return f
 
     # ------------------------------------------------------------------ running variants
-    def run(self, samples, variants: list, progress=None) -> list:
-        """The first output of each variant over `samples` (SampleSet): [array [N, ...]] per variant."""
+    def run(self, samples, variants: list, progress=None, reduce=None) -> list:
+        """The reference output of each variant over `samples` (SampleSet), [N, ...], or what
+        `reduce(output)` makes of it: with `reduce`, at most OUTPUTS_BYTES of outputs are held at once
+        (a recognizer's 18385-class output is 3 MB per image and variant), each reduced when its run ends."""
+        reduce = reduce or (lambda y: y)
         self.shares(samples)
         firsts = [self.first(v) for v in variants]
-        outs = [[] for _ in variants]
+        results = [None] * len(variants)
         live = []
         for k, f in enumerate(firsts):
             if f < len(self.nodes):
                 live.append(k)
                 continue
-            outs[k].append(samples.reference.copy())  # it changes nothing (a Concat alone in int8 has no int8 input)
+            results[k] = reduce(samples.reference.copy())  # it changes nothing (a Concat alone in int8 has no int8 input)
             if progress:
                 progress(1.0)
         if live:
             cut_at = self.plan_cuts([firsts[k] for k in live], self._share, self._sample_seconds * len(samples))
             cut_of = {k: cut_at[firsts[k]] for k in live}
+            per_run = max(1, OUTPUTS_BYTES // max(samples.reference.nbytes, 1))
             for group in self._groups(sorted(set(cut_of.values()))):
                 mine = [k for k in live if cut_of[k] in group]
-                self._run_group(samples, group, [variants[k] for k in mine], [cut_of[k] for k in mine],
-                                [outs[k] for k in mine], progress)
-        return [np.concatenate(o) for o in outs]
+                for a in range(0, len(mine), per_run):
+                    part = mine[a:a + per_run]
+                    outs = [[] for _ in part]
+                    self._run_group(samples, sorted({cut_of[k] for k in part}), [variants[k] for k in part],
+                                    [cut_of[k] for k in part], outs, progress)
+                    for k, o in zip(part, outs):
+                        results[k] = reduce(samples.join(o))
+        return results
 
     def _groups(self, cuts: list) -> list:
         """The cuts in groups whose sessions' weights (twice: ORT's copy and its packed form) fit
@@ -361,10 +382,9 @@ class Simulator:
             return sess.run([self.output], {**{t: cache[t] for t in frontier}, **feeds[k]})[0]
 
         with ThreadPoolExecutor(self.ctx.workers) as pool:  # ORT lets the GIL go while it runs
-            for batch in self._chunks(samples, cross):
+            for batch, n in self._chunks(samples, cross):
                 cache = dict(zip(cross, prefix.run(cross, batch))) if prefix is not None else {}
                 cache.update(batch)
-                n = len(next(iter(batch.values())))
                 for k, y in enumerate(pool.map(lambda k: one(k, cache), range(len(cut_of)))):
                     outs[k].append(y)
                     if progress:
@@ -404,7 +424,11 @@ class Simulator:
         if samples.fixed_batch:
             size = samples.batch  # (a model with a fixed batch takes exactly that many; the set holds whole batches)
         for a in range(0, len(samples), size):
-            yield {k: v[a:a + size] for k, v in samples.inputs.items()}
+            yield samples.feed(a, min(a + size, len(samples))), min(size, len(samples) - a)
+
+
+def _has_subgraph(node) -> bool:
+    return any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
 
 
 def _copy(node):
@@ -437,10 +461,12 @@ def tails(share: np.ndarray) -> np.ndarray:
 
 
 def _dims(shape):
-    """A value-info shape: the known dims, the batch (and any unknown one) left symbolic."""
+    """A value-info shape: the known dims, the batch (and any unknown one) left unnamed: a name shared by
+    two tensors tells ONNX Runtime their sizes are equal (a text detector's feature maps of several
+    sizes, each with a dynamic height, are not)."""
     if shape is None:
         return None
-    return [d if d and k > 0 else f"d{k}" for k, d in enumerate(shape)]
+    return [d if d and k > 0 else None for k, d in enumerate(shape)]
 
 
 def _numel(shape, batch: int = 1) -> int:
