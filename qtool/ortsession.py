@@ -105,11 +105,19 @@ def with_outputs(model: onnx.ModelProto, names: list) -> bytes:
     have = {o.name for o in model.graph.output}
     added = [n for n in dict.fromkeys(names) if n not in have]
     n0 = len(model.graph.output)
+    # the model's own outputs lose their declared shapes too: exporters declare wrong ones (a CRNN's
+    # [-1, 25, 6625] that runs as T = 80), which ORT lets pass in a plain run but not into a bound buffer
+    own = [onnx.ValueInfoProto() for _ in range(n0)]
+    for o, saved in zip(model.graph.output, own):
+        saved.CopyFrom(o)
+        o.type.tensor_type.ClearField("shape")
     model.graph.output.extend(helper.make_empty_tensor_value_info(n) for n in added)
     try:
         return model.SerializeToString()
     finally:
         del model.graph.output[n0:]
+        for o, saved in zip(model.graph.output, own):
+            o.CopyFrom(saved)
 
 
 def run_first_output(model: onnx.ModelProto | str, feeds: list, threads: int = 0, where: str | None = None) -> np.ndarray:

@@ -4,11 +4,12 @@ Before: Shape(x) -> Gather -> Sub -> ConstantOfShape -> Concat -> ... -> Pad(x, 
 After:  Pad(x, pads=<initializer>)
 
 Precondition for each node: every input is a constant, or the node is Shape of a tensor
-whose shape is known. Dynamic dimensions stay dynamic: the graph is evaluated under two
-different instantiations of every unknown dimension (batch 1 and 2, other free dims 33
-and 64: different parities and residues, so padding that depends on size mod stride shows),
-and a value is folded only where both agree, so nothing that depends on the
-batch (or on a free spatial size) is frozen.
+whose shape is known. Dynamic dimensions stay dynamic: the graph is evaluated under three
+different instantiations of every unknown dimension (batch 1, 2 and 3, other free dims 33, 64
+and 200: different parities and residues, so padding that depends on size mod stride shows),
+and a value is folded only where all agree, so nothing that depends on the batch (or on a free
+spatial size) is frozen. Two were not enough: 33 and 64 both shrink to 2 at stride 32, and a
+detector's attention reshape [N, 2, 128, H*W] froze H*W at 4.
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ _NEVER = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLik
 # ConstantOfShape([1e5, 1e5]) must not allocate 40 GB), and all values computed for one graph
 # together stay under MAX_FOLD_TOTAL_BYTES
 _MAX_FOLD_ELEMS = MAX_FOLD_ELEMS
+FREE_DIMS = (33, 64, 200)  # a free dim in each instantiation (the batch: 1, 2, 3)
+VARIANTS = range(len(FREE_DIMS))
 
 
 def _pinned(model: onnx.ModelProto, variant: int, pins: dict) -> onnx.ModelProto:
@@ -41,7 +44,7 @@ def _pinned(model: onnx.ModelProto, variant: int, pins: dict) -> onnx.ModelProto
             if pin is not None and k < len(pin) and pin[k] and k > 0:
                 d.dim_value = int(pin[k])
             elif not (d.HasField("dim_value") and d.dim_value > 0):
-                d.dim_value = (1 + variant) if k == 0 else (33, 64)[variant]
+                d.dim_value = (1 + variant) if k == 0 else FREE_DIMS[variant]
     return m
 
 
@@ -135,16 +138,15 @@ def run(model: onnx.ModelProto, ctx) -> bool:
                 or (n.input and all((i in inits) or not i for i in n.input))]
     if not any(n.op_type in ("Constant", "Shape") for n in model.graph.node) and not foldable:
         return False
-    a = _values(model, 0, ctx.input_pins)
-    b = _values(model, 1, ctx.input_pins)
+    a, *rest = [_values(model, v, ctx.input_pins) for v in VARIANTS]
     outputs = G.graph_output_names(model)
     fold = []
     for n in model.graph.node:
         outs = [o for o in n.output if o]
-        if not outs or any(o not in a or o not in b for o in outs):
+        if not outs or any(o not in v for o in outs for v in [a] + rest):
             continue
         same = all(a[o].shape == b[o].shape and a[o].dtype == b[o].dtype and np.array_equal(a[o], b[o])
-                   for o in outs)
+                   for o in outs for b in rest)
         if same and all(a[o].size <= _MAX_FOLD_ELEMS for o in outs) and not (set(outs) & outputs and n.op_type != "Constant"):
             fold.append(n)
     if not fold:

@@ -3,8 +3,8 @@
 Before: Shape(x) -> Gather(0) -> Unsqueeze -> Concat([-1]) -> Reshape(x, shape)
 After:  Reshape(x, [0, -1])
 
-The target shape is evaluated under two instantiations of the free dimensions (see
-fold_constants). An entry equal in both stays a constant; an entry that changes but
+The target shape is evaluated under three instantiations of the free dimensions (see
+fold_constants). An entry equal in all stays a constant; an entry that changes but
 always equals the input's dimension at the same position becomes 0 ("copy", allowzero=0);
 at most one other changing entry becomes -1. Anything else leaves the node alone.
 """
@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 
 from qtool import graph as G
-from qtool.fuse.fold_constants import instantiate
+from qtool.fuse.fold_constants import VARIANTS, instantiate
 
 
 def run(model: onnx.ModelProto, ctx) -> bool:
@@ -23,21 +23,22 @@ def run(model: onnx.ModelProto, ctx) -> bool:
             and not G.attr(n, "allowzero", 0)]
     if not todo:
         return False
-    (sa, va), (sb, vb) = instantiate(model, 0, ctx.input_pins), instantiate(model, 1, ctx.input_pins)
+    runs = [instantiate(model, v, ctx.input_pins) for v in VARIANTS]  # (shapes, values) of each
     changed = False
     for n in todo:
         x, s = n.input[0], n.input[1]
-        if s not in va or s not in vb or x not in sa or x not in sb:
+        if any(s not in vals or x not in shapes for shapes, vals in runs):
             continue
-        ta, tb = va[s].astype(np.int64).ravel(), vb[s].astype(np.int64).ravel()
-        if ta.shape != tb.shape:
+        targets = [vals[s].astype(np.int64).ravel() for _, vals in runs]
+        if any(t.shape != targets[0].shape for t in targets):
             continue
         new, minus = [], 0
-        for k, (p, q) in enumerate(zip(ta, tb)):
-            if p == q:
+        for k, entries in enumerate(zip(*targets)):
+            p = entries[0]
+            if all(q == p for q in entries):
                 new.append(int(p))
                 minus += p == -1
-            elif k < len(sa[x]) and p == sa[x][k] and q == sb[x][k]:
+            elif all(k < len(shapes[x]) and q == shapes[x][k] for q, (shapes, _) in zip(entries, runs)):
                 new.append(0)
             else:
                 new.append(-1)
