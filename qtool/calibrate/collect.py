@@ -85,18 +85,26 @@ def collect(model: onnx.ModelProto, range_tensors: list, mean_tensors: list, bat
     against 1.51-1.54x), the cores stay busy while a worker folds; plain inference alone runs
     as fast either way (two single-threaded runs at once: 0.98x one run on both). Slices are dealt
     to the workers in turn, so which samples each histogram saw does not depend on timing;
-    the workers' histograms merge exactly at the end."""
+    the workers' histograms merge exactly at the end.
+
+    A model whose observed tensors for one sample exceed GROUPED_ABOVE (a 1280x1280 detector: 1.3 GB,
+    a 960x1280 U-Net: 1.9 GB) is observed by one worker in groups of tensors of GROUP_BYTES, a
+    session each, every slice run once per group: a few more passes, memory bounded."""
     wanted = list(dict.fromkeys(list(range_tensors) + list(mean_tensors) + ([watch] if watch else [])))
+    batches = iter(batches)
+    head = next(batches, None)
+    groups = _tensor_groups(model, wanted, head)
+    batches = itertools.chain([] if head is None else [head], batches)
     threads = threads or min(os.cpu_count() or 1, 8)
-    n_workers = WORKERS if threads >= WORKERS else 1
+    n_workers = WORKERS if threads >= WORKERS and len(groups) == 1 else 1
     per_worker = max(1, threads // n_workers)
-    sess = session(with_outputs(model, wanted), per_worker, arena=True, spin=False, where=where)
+    sessions = [session(with_outputs(model, g), per_worker, arena=True, spin=False, where=where) for g in groups]
     # name -> the size of axis 0 when fixed (a fixed batch is never cut into slices), else None
     graph_inputs = {i.name: (i.shape[0] if i.shape and isinstance(i.shape[0], int) and i.shape[0] > 0 else None)
-                    for i in sess.get_inputs()}
-    workers = [_Worker(sess, wanted, range_tensors, mean_tensors, per_worker, progress, watch)
+                    for i in sessions[0].get_inputs()}
+    workers = [_Worker(list(zip(sessions, groups)), range_tensors, mean_tensors, per_worker, progress, watch)
                for _ in range(n_workers)]
-    per_sample = lambda: next((w.runner.per_sample_bytes for w in workers if w.runner.per_sample_bytes), None)
+    per_sample = lambda: next((w.per_sample_bytes for w in workers if w.per_sample_bytes), None)
     slices = _slices(batches, graph_inputs, per_sample, MAX_OUTPUT_BYTES // n_workers)
     try:
         for w in workers:
@@ -126,18 +134,51 @@ def collect(model: onnx.ModelProto, range_tensors: list, mean_tensors: list, bat
     return obs
 
 
-class _Worker:
-    """One thread: runs its slices through the session into its own buffers, folds them into
-    its own Observed."""
+GROUPED_ABOVE = 1 << 30  # observed bytes per sample beyond which tensors are observed in groups
+GROUP_BYTES = 384 << 20
 
-    def __init__(self, sess, names, range_tensors, mean_tensors, threads, progress, watch=None):
-        self.runner = _BoundRunner(sess, names)
-        self.names, self.range_tensors, self.mean_tensors = names, range_tensors, mean_tensors
+
+def _tensor_groups(model: onnx.ModelProto, wanted: list, feeds: dict | None) -> list:
+    """`wanted` in one group, or, when one sample's values of them exceed GROUPED_ABOVE, in groups of
+    about GROUP_BYTES each (graph order). Sizes from shape inference at the first batch's input shapes;
+    a tensor of unknown size counts as the largest known one."""
+    if not feeds:
+        return [wanted]
+    from qtool import graph as G
+    shapes = G.inferred_shapes(model, {k: (1,) + tuple(np.shape(v)[1:]) if np.ndim(v) else () for k, v in feeds.items()})
+    size = {t: 4 * int(np.prod(shapes[t])) for t in wanted if shapes.get(t) is not None and all(shapes[t])}
+    big = max(size.values(), default=0)
+    if sum(size.get(t, big) for t in wanted) <= GROUPED_ABOVE:
+        return [wanted]
+    groups, used = [[]], 0
+    for t in wanted:
+        if groups[-1] and used + size.get(t, big) > GROUP_BYTES:
+            groups.append([])
+            used = 0
+        groups[-1].append(t)
+        used += size.get(t, big)
+    return groups
+
+
+class _Worker:
+    """One thread: runs its slices through the session (or the session of each group of tensors)
+    into its own buffers, folds them into its own Observed."""
+
+    def __init__(self, parts, range_tensors, mean_tensors, threads, progress, watch=None):
+        # (runner, the tensors it reads out, those of range_tensors, those of mean_tensors), per group
+        self.parts = [(_BoundRunner(sess, names), names, [t for t in range_tensors if t in set(names)],
+                       {t: a for t, a in _as_axes(mean_tensors).items() if t in set(names)}) for sess, names in parts]
+        self.range_tensors, self.mean_tensors = range_tensors, mean_tensors
         self.obs = Observed({t: Histogram() for t in range_tensors}, watch=OutputWatch(watch) if watch else None)
         self.threads, self.progress = threads, progress
         self.queue = queue.Queue(maxsize=1)
         self.error = None
         self.thread = threading.Thread(target=self._loop, daemon=True)
+
+    @property
+    def per_sample_bytes(self):
+        known = [r.per_sample_bytes for r, *_ in self.parts if r.per_sample_bytes]
+        return max(known) if known else None
 
     def start(self):
         self.thread.start()
@@ -184,10 +225,13 @@ class _Worker:
                     if self.error is not None:
                         continue  # failed: drain until told to stop
                     first, n, feeds = item
-                    values = dict(zip(self.names, self.runner.run(feeds)))
-                    if self.obs.watch is not None:
-                        self.obs.watch.observe(values[self.obs.watch.name], first)
-                    _observe(self.obs, values, self.range_tensors, self.mean_tensors, n, first, pool)
+                    for runner, names, ranges, means in self.parts:
+                        values = dict(zip(names, runner.run(feeds)))
+                        if self.obs.watch is not None and self.obs.watch.name in values:
+                            self.obs.watch.observe(values[self.obs.watch.name], first)
+                        _observe(self.obs, values, ranges, means, n, first, pool)
+                        del values  # (a group's values go before the next group's come)
+                    self.obs.n_samples += n
                     if self.progress:
                         with _PROGRESS_LOCK:
                             self.progress(n)
@@ -301,8 +345,8 @@ def _observe(obs: Observed, values: dict, range_tensors: list, mean_tensors: lis
     means = set(mean_tensors) if first < MEAN_SAMPLES else set()
     todo = list(dict.fromkeys([t for t in range_tensors] + [t for t in mean_tensors if t in means]))
     todo.sort(key=lambda t: -np.size(values[t]))  # largest first: the workers finish together
-    jobs = [(obs.histograms.get(t), t, values[t], n, _axis(mean_tensors, t) if t in means else None, first)
-            for t in todo]
+    axes = _as_axes(mean_tensors)
+    jobs = [(obs.histograms.get(t), t, values[t], n, axes[t] if t in means else None, first) for t in todo]
     for t, sums, count, bad in (pool.map(_observe_one, *zip(*jobs)) if pool and jobs else
                                 (_observe_one(*j) for j in jobs)):
         if bad is not None:
@@ -314,12 +358,11 @@ def _observe(obs: Observed, values: dict, range_tensors: list, mean_tensors: lis
             obs.channel_counts[t] = np.zeros(sums.size, np.int64)
         obs.channel_sums[t] += sums
         obs.channel_counts[t] += count
-    obs.n_samples += n
 
 
-def _axis(mean_tensors, t: str) -> int:
-    """A mean tensor's channel axis: mean_tensors maps tensor -> axis (a plain list: axis 1)."""
-    return mean_tensors.get(t, 1) if isinstance(mean_tensors, dict) else 1
+def _as_axes(mean_tensors) -> dict:
+    """{tensor: channel axis} of mean tensors given as that dict or as a plain list (axis 1)."""
+    return dict(mean_tensors) if isinstance(mean_tensors, dict) else {t: 1 for t in mean_tensors}
 
 
 def _observe_one(hist: Histogram | None, t: str, v, n: int, axis: int | None, first: int):

@@ -312,7 +312,7 @@ def rounding_layers(fused, exclude: dict | None = None) -> tuple:
     return layers, skipped
 
 
-def _fetch_groups(fused, names: list, one: dict) -> list:
+def fetch_groups(fused, names: list, one: dict) -> list:
     """`names` in groups whose values for one sample (the feed `one`) fit ACTIVATIONS_BYTES together,
     each with the samples per run that keep it there: [(names, samples per run)]. A tensor of
     unknown size goes alone, one sample at a time."""
@@ -368,7 +368,7 @@ def layer_hessians(fused, feeds, exclude: dict | None = None, threads: int = 0, 
     if not layers or not len(feeds):
         return {}
     names = sorted({x for x, _, _ in layers.values()})
-    groups = _fetch_groups(fused, names, next(_slices(feeds, 1))[0])
+    groups = fetch_groups(fused, names, next(_slices(feeds, 1))[0])
     rng = np.random.default_rng(seed)
     failed = set()
     for gi, (group, per_run) in enumerate(groups):

@@ -20,7 +20,9 @@ from qtool.quantize.exclude import CANDIDATES_PER_STEP, POOL as POOL_FOR_PROGRES
 from qtool.quantize.method_choice import method_scores
 from qtool.quantize.optional import OptionalSteps
 from qtool.quantize.range_search import search_ranges
-from qtool.quantize.rounding import layer_hessians
+from qtool.quantize.budget import (METHOD_CHOICE_PASSES, ROUNDING_PASSES, SENSITIVITY_PASSES, TARGET_COST_PASSES,
+                                  Budget)
+from qtool.quantize.rounding import fetch_groups, layer_hessians, rounding_layers
 from qtool.quantize.samples import SampleSet, load_samples
 from qtool.quantize.sensitivity import layer_sensitivity, quantizable_layers
 from qtool.report.sensitivity_html import render as render_sensitivity
@@ -150,6 +152,8 @@ def _calibration_files(wd: Workdir) -> list:
 
 def _evenly(files: list, n: int) -> list:
     """At most n of `files`, evenly spaced."""
+    if n <= 0:
+        return []
     step = max(1, len(files) // n) if len(files) > n else 1
     return files[::step][:n]
 
@@ -165,12 +169,15 @@ class SampleSplit:
     tune: list
 
     @classmethod
-    def of(cls, files: list, sensitivity_samples: int) -> "SampleSplit":
+    def of(cls, files: list, sensitivity_samples: int, tune: int | None = None,
+           auto: int = None) -> "SampleSplit":
+        """`tune`, `auto`: fewer tuning / method-choice samples than the defaults (budget.py)."""
         sens = _evenly(files, sensitivity_samples)
         taken = set(sens)
         held = _evenly([f for f in files if f not in taken], MAX_HELD_BACK)
-        n_tune = min(TUNE_SAMPLES, max(sensitivity_samples, MIN_TUNE_SAMPLES))
-        return cls(sens, held, _evenly(files, AUTO_SAMPLES), _evenly(files, max(sensitivity_samples, n_tune))[:n_tune])
+        n_tune = min(TUNE_SAMPLES, max(sensitivity_samples, MIN_TUNE_SAMPLES), TUNE_SAMPLES if tune is None else tune)
+        return cls(sens, held, _evenly(files, AUTO_SAMPLES if auto is None else auto),
+                   _evenly(files, max(sensitivity_samples, n_tune))[:n_tune])
 
     def needed(self, auto: bool, tune: bool, sensitivity: bool, exclusion: bool) -> list:
         want = (self.auto if auto else []) + (self.tune if tune else []) \
@@ -319,6 +326,62 @@ def run_exclusion(ctx: QuantizeContext, ranking: list, check: SampleSet, opts: "
 AUTO_SAMPLES = 8
 
 
+@dataclass
+class Afforded:
+    """What the optional steps can afford on this machine (budget.py): their samples, and which run."""
+    split: SampleSplit
+    auto: bool
+    rounding: bool
+    sensitivity: bool
+    seconds_per_sample: float
+    notes: list = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"fp32_seconds_per_sample": self.seconds_per_sample, "notes": self.notes,
+                "samples": {"method choice": len(self.split.auto) if self.auto else 0,
+                            "tuning": len(self.split.tune) if self.rounding else 0,
+                            "sensitivity": len(self.split.sensitivity) if self.sensitivity else 0}}
+
+
+def afford(fused, table, files: list, sens_wanted: int, split: SampleSplit, need: list, auto: bool, rounding: bool,
+           sensitivity: bool, free_sensitivity: bool, say=print) -> Afforded | None:
+    """Time one fp32 pass on the first needed sample and give each optional step the samples it can
+    afford (budget.py); None where nothing could be measured. `free_sensitivity`: the user did not
+    set the sensitivity samples (a number they chose is kept)."""
+    probe = load_samples(fused, table, need[:1])
+    if not len(probe) or probe.seconds_per_sample <= 0:
+        return None
+    b = Budget(probe.seconds_per_sample)
+    n_auto = b.samples(METHOD_CHOICE_PASSES * len(METHODS), len(split.auto), 1) if auto else len(split.auto)
+    n_sens, per_sens = len(split.sensitivity), SENSITIVITY_PASSES * len(quantizable_layers(fused))
+    if sensitivity and free_sensitivity:
+        n_sens = b.samples(per_sens, n_sens, 1)
+    n_tune, per_tune = len(split.tune), TARGET_COST_PASSES
+    if rounding:
+        names = sorted({x for x, _, _ in rounding_layers(fused)[0].values()})
+        per_tune += ROUNDING_PASSES * (len(fetch_groups(fused, names, probe.feed(0, 1))) if names else 0)
+        n_tune = b.samples(per_tune, n_tune, MIN_BUDGET_TUNE_SAMPLES)
+    if (n_auto, n_sens, n_tune) == (len(split.auto), len(split.sensitivity), len(split.tune)):
+        return Afforded(split, auto, rounding, sensitivity, b.seconds_per_sample)
+    new = SampleSplit.of(files, n_sens if n_sens < len(split.sensitivity) else sens_wanted,
+                         n_tune if rounding else None, n_auto if auto else None)
+    notes = []
+    for step, on, old, now, passes, least in (
+            ("method choice", auto, split.auto, new.auto, METHOD_CHOICE_PASSES * len(METHODS), 1),
+            ("sensitivity", sensitivity, split.sensitivity, new.sensitivity, per_sens, 1),
+            ("output-aware rounding", rounding, split.tune, new.tune, per_tune, MIN_BUDGET_TUNE_SAMPLES)):
+        if on and len(now) < len(old):
+            notes.append(f"{step} on {len(now)} of {len(old)} samples" if now else
+                         f"{step} skipped (about {b.seconds(passes, least):.0f} s for {least} sample"
+                         f"{'s' if least > 1 else ''})")
+    say(f"note: one fp32 pass takes {b.seconds_per_sample:.2f} s per sample here: " + "; ".join(notes))
+    return Afforded(new, auto and n_auto > 0, rounding and n_tune > 0, sensitivity and n_sens > 0,
+                    b.seconds_per_sample, notes)
+
+
+MIN_BUDGET_TUNE_SAMPLES = 4  # covariances on fewer are mostly their diagonal: nearest rounding instead
+
+
 def pick_method(ctx: QuantizeContext, samples: SampleSet, say=print, show_progress: bool = True):
     """The range method whose int8 model has the best output SQNR on a few calibration samples
     (never the evaluation data): (method, {method: dB})."""
@@ -401,6 +464,14 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
     files = _calibration_files(wd)
     split = SampleSplit.of(files, opts.samples or sensitivity_samples(fused))
     need = split.needed(auto, rounding or tune_ranges, sens_on, exclusion_on)
+    afforded = None
+    if need:  # a heavy model: fewer samples, or a step skipped (budget.py)
+        afforded = steps.run("calibration samples", afford, fused, table, files, opts.samples or
+                             sensitivity_samples(fused), split, need, auto, rounding, sens_on, opts.samples is None, say)
+    if afforded is not None:
+        split, auto, rounding, sens_on = afforded.split, afforded.auto, afforded.rounding, afforded.sensitivity
+        exclusion_on = exclusion_on and sens_on
+        need = split.needed(auto, rounding or tune_ranges, sens_on, exclusion_on)
     if need:
         say(f"decoding {len(need)} calibration images and running fp32 on them once")
     elif auto or rounding or tune_ranges or sens_on:
@@ -461,6 +532,7 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
         "tuned_ranges": None if tuning.search is None else dict(tuning.search.to_dict(), samples=tuning.samples),
         "tuning_seconds": tuning.seconds,
         "unrounded_layers": tuning.unrounded if tuning.hessians else {},
+        "budget": None if afforded is None else afforded.to_dict(),
         "optional_steps": steps.to_dict(),
         "summary": out.plan.summary(),
         "excluded": final_exclude,

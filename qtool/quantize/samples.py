@@ -7,6 +7,7 @@ output for each, and hands out subsets without decoding an image or running fp32
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ class SampleSet:
     # each sample is a whole feed of its own, as recorded (an input without a batch axis: a scalar sample
     # rate, a state [2, N, 128]): `inputs` hold them on a new axis 0, fed one at a time, outputs stacked
     stacked: bool = False
+    seconds_per_sample: float = 0.0  # the fp32 pass that made `reference`, per sample (0: not measured)
 
     def __len__(self):
         return len(self.names)
@@ -59,7 +61,8 @@ class SampleSet:
         return y if self.rows == 1 else y.reshape((len(y) // self.rows, self.rows) + y.shape[1:])
 
     def _like(self, names, inputs, reference) -> "SampleSet":
-        return SampleSet(names, inputs, reference, self.batch, self.fixed_batch, self.axis, self.rows, self.stacked)
+        return SampleSet(names, inputs, reference, self.batch, self.fixed_batch, self.axis, self.rows, self.stacked,
+                         self.seconds_per_sample)
 
     def subset(self, index) -> "SampleSet":
         """The samples at `index`; for a model with a fixed batch, whole batches of them only (the
@@ -122,10 +125,12 @@ def load_samples(fused, table, files: list, threads: int = 0, progress=None) -> 
     out = G.reference_output(fused)
     s.axis, s.rows = _sample_axis(sess, out, s)
     ys = []
-    for f in s.feeds:
+    t0 = time.perf_counter()
+    for a, f in zip(range(0, len(s), s.batch), s.feeds):
         ys.append(sess.run([out], f)[0])
         if progress:
-            progress(len(next(iter(f.values()))))
+            progress(min(s.batch, len(s) - a))
+    s.seconds_per_sample = (time.perf_counter() - t0) / len(s)
     s.reference = s.join(ys)
     return _finite_only(s)
 
