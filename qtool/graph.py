@@ -221,7 +221,18 @@ def input_dims(value_info) -> list:
 
 def rewire(model: onnx.ModelProto, old: str, new: str) -> None:
     """Every consumer of tensor `old` reads `new` instead, subgraphs reading it by name included."""
-    stack = [(model.graph, False)]
+    _rename_reads([(model.graph, False)], old, new)
+
+
+def rename_reads(node: onnx.NodeProto, old: str, new: str) -> None:
+    """`node` reads `new` where it read `old`: as an input, and inside its subgraphs (by name)."""
+    for k, i in enumerate(node.input):
+        if i == old:
+            node.input[k] = new
+    _rename_reads([(g, True) for g in _subgraphs(node)], old, new)
+
+
+def _rename_reads(stack: list, old: str, new: str) -> None:
     while stack:
         g, sub = stack.pop()
         if sub and (old in {i.name for i in g.input} | {t.name for t in g.initializer}

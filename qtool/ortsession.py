@@ -110,7 +110,8 @@ def with_outputs(model: onnx.ModelProto, names: list) -> bytes:
     own = [onnx.ValueInfoProto() for _ in range(n0)]
     for o, saved in zip(model.graph.output, own):
         saved.CopyFrom(o)
-        o.type.tensor_type.ClearField("shape")
+        for d in o.type.tensor_type.shape.dim:  # (the rank stays: every dim unknown)
+            d.Clear()
     model.graph.output.extend(helper.make_empty_tensor_value_info(n) for n in added)
     try:
         return model.SerializeToString()

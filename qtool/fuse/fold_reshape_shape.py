@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 
 from qtool import graph as G
-from qtool.fuse.fold_constants import VARIANTS, instantiate
+from qtool.fuse.fold_constants import VARIANTS, VETO, instantiate
 
 
 def run(model: onnx.ModelProto, ctx) -> bool:
@@ -23,12 +23,14 @@ def run(model: onnx.ModelProto, ctx) -> bool:
             and not G.attr(n, "allowzero", 0)]
     if not todo:
         return False
-    runs = [instantiate(model, v, ctx.input_pins) for v in VARIANTS]  # (shapes, values) of each
+    main = [instantiate(model, v, ctx.input_pins) for v in VARIANTS]  # (shapes, values) of each
+    veto = instantiate(model, VETO, ctx.input_pins)
     changed = False
     for n in todo:
         x, s = n.input[0], n.input[1]
-        if any(s not in vals or x not in shapes for shapes, vals in runs):
+        if any(s not in vals or x not in shapes for shapes, vals in main):
             continue
+        runs = main + ([veto] if s in veto[1] and x in veto[0] else [])  # (the veto size, where it computes)
         targets = [vals[s].astype(np.int64).ravel() for _, vals in runs]
         if any(t.shape != targets[0].shape for t in targets):
             continue

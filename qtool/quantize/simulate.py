@@ -233,8 +233,9 @@ class Simulator:
         -> (session, frontier tensors it reads, its switches)."""
         fixed = variants[0] if len(variants) == 1 else None
         frontier = self._frontier(p)
-        tensors = sorted({t for v in variants for t in v.tensors})
-        weights = sorted({n for v in variants for n in v.weights})
+        # (what no node of the output's reads changes nothing: it gets no switch)
+        tensors = sorted({t for v in variants for t in v.tensors if t in self.first_read})
+        weights = sorted({n for v in variants for n in v.weights if n in self.feeds_output})
         graph_inputs = {i.name for i in G.real_inputs(self.base)}
         int8 = set().union(*(v.nodes for v in variants)) if variants else set()
         nodes = [_copy(n) for n in self.nodes[p:] if n.name in self.feeds_output]
@@ -258,10 +259,10 @@ class Simulator:
                 n.input[idx] = stem if fixed is not None else stem + ":v"
         rename = {t: f"sim:{t}:y" for t in tensors}
         for n in nodes:
-            for k, i in enumerate(n.input):
+            for i in G.node_reads(n) & set(rename):
                 # as the build does, fp32 readers of a graph input read it before quantization
-                if i in rename and (i not in graph_inputs or n.name in int8):
-                    n.input[k] = rename[i]
+                if i not in graph_inputs or n.name in int8:
+                    G.rename_reads(n, i, rename[i])
         produced = {o: n.name for n in nodes for o in n.output}
         after = {}
         consts = []
