@@ -290,8 +290,9 @@ def test_int8_activations_run_in_fp32_and_say_why(tmp_path):
     step = _out_scale(str(i8))
     x = np.random.default_rng(5).standard_normal((2, 3, 20, 20)).astype(np.float32)
     a, b = s.run(None, {"x": x})[0], ref.run(None, {"x": x})[0]
-    # float sums in another order: a value at a rounding boundary may land one step away
-    assert np.abs(a - b).max() <= step * 1.001 and (np.abs(a - b) < step * 1e-3).mean() > 0.99
+    # float sums in another order: a value at a rounding boundary may land one step away. How many do
+    # depends on ORT's float kernels on this CPU (AVX2: under 1 %; AVX-512 on Zen 5: 15 %)
+    assert np.abs(a - b).max() <= step * 1.001 and (np.abs(a - b) < step * 1e-3).mean() > 0.75
     reasons = {op: why for _, op, why in s.fallback_nodes()}
     assert "Conv" in reasons and "not a dequantized uint8 tensor" in reasons["Conv"], s.report()
 
