@@ -20,7 +20,7 @@ from qtool.modelio import set_provenance
 from qtool.quantize.encoding import DEFAULT_TARGET, PAIR_SAFE, S7, S8, TARGETS, U8, W_MAX_OF, pair_partners
 from qtool.plan import Plan, make_plan
 from qtool.rules import RULES
-from qtool.quantize.weights import quantize_weight
+from qtool.quantize.weights import pair_safe_scale, quantize_weight
 
 MIN_OPSET = 13  # per-axis DequantizeLinear
 
@@ -114,10 +114,20 @@ def layer_weights(model, node, inits, s_in, mean_x, bias_correction: bool, hessi
         has_bias = rule.bias is not None and len(node.input) > rule.bias and node.input[rule.bias]
         b = numpy_helper.to_array(inits[node.input[rule.bias]]).astype(np.float32).ravel() if has_bias else None
         def weights(h):
+            scale = None
+            if enc == PAIR_SAFE and weight_cache is not None:
+                # the scale search is the costly part, and depends on the weight alone (and the layer's
+                # covariance): once per weight, for every range method and every node sharing it
+                # (an LSTM unrolled over 40 steps: one weight, 40 Gemm nodes)
+                skey = ("pair-safe scale", node.input[widx], axis, node.name if h is not None else None)
+                if skey not in weight_cache:
+                    weight_cache[skey] = pair_safe_scale(w, axis, partners, h)
+                scale = weight_cache[skey]
             return quantize_weight(w, axis, b, mean_x, node.op_type, G.attr(node, "group", 1),
                                    correct_bias=bias_correction and rule.bias is not None,
                                    s_in=s_in if rule.bias is not None else None, hessian=h,
-                                   partners=partners if enc == PAIR_SAFE else None, w_max=W_MAX_OF.get(enc, Q.W_MAX))
+                                   partners=partners if enc == PAIR_SAFE else None, w_max=W_MAX_OF.get(enc, Q.W_MAX),
+                                   scale=scale)
         try:
             qw = weights(hessian)
         except Exception as e:

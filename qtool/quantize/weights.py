@@ -45,7 +45,7 @@ BIAS_HEADROOM = 2.0 ** 30  # an int32 bias stays within half the int32 range
 def quantize_weight(w: np.ndarray, axis: int, bias: np.ndarray | None, mean_x, op_type: str,
                     groups: int = 1, correct_bias: bool = True, s_in: float | None = None,
                     hessian: np.ndarray | None = None, partners: np.ndarray | None = None,
-                    w_max: int = Q.W_MAX) -> QuantizedWeight:
+                    w_max: int = Q.W_MAX, scale: np.ndarray | None = None) -> QuantizedWeight:
     """`hessian` ([G, K, K] input covariance, rounding.py): round each weight down or up to lower
     the layer's output error instead of to the nearest step.
     `s_in`: the input's activation scale. With it, a channel whose weights are almost zero
@@ -53,11 +53,12 @@ def quantize_weight(w: np.ndarray, axis: int, bias: np.ndarray | None, mean_x, o
     fits in int32 with room to spare; otherwise the int32 bias saturates (ONNX Runtime even
     wraps it around). Those weights round to 0 either way.
     `partners` (encoding.pair_partners): make the weights pair-safe for ONNX Runtime's int16 pair
-    sums (encoding.py); each channel's scale is then chosen by the same error."""
+    sums (encoding.py); each channel's scale is then chosen by the same error (`scale`: that
+    choice, made already, pair_safe_scale)."""
     if partners is None:
         scale = Q.weight_scales(w, axis, w_max)
-    else:
-        scale = encoding.pair_safe_scales(_rows(w, axis), partners, hessian)[1]
+    elif scale is None:
+        scale = pair_safe_scale(w, axis, partners, hessian)
     q, corrected = _round_and_correct(w, axis, scale, bias, mean_x, op_type, groups, correct_bias, hessian, partners,
                                       w_max)
     if s_in is not None and corrected is not None:
@@ -70,6 +71,11 @@ def quantize_weight(w: np.ndarray, axis: int, bias: np.ndarray | None, mean_x, o
     err = float(np.sum(dw ** 2))
     sqnr = float(10 * np.log10(np.sum(w.astype(np.float64) ** 2) / err)) if err > 0 else float("inf")
     return QuantizedWeight(q, scale, axis, corrected, sqnr)
+
+
+def pair_safe_scale(w: np.ndarray, axis: int, partners: np.ndarray, hessian: np.ndarray | None = None) -> np.ndarray:
+    """Per output channel, the scale pair-safe weights get (encoding.pair_safe_scales)."""
+    return encoding.pair_safe_scales(_rows(w, axis), partners, hessian)[1]
 
 
 def _rows(w, axis):
