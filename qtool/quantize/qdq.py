@@ -7,6 +7,7 @@ kernels; qtool's own runtime does the same.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -174,10 +175,16 @@ def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exc
     graph_inputs = {i.name for i in G.real_inputs(m)}
     outputs = G.graph_output_names(m)
 
+    same = {}  # (dtype, shape, bytes) -> initializer: one copy of what several nodes hold alike (the
+    # int8 weight of an LSTM cell unrolled over 40 steps: 40 nodes, one weight)
+
     def add_init(base, arr):
-        name = G.unique_name(m, base, taken)
-        new_inits.append(numpy_helper.from_array(np.asarray(arr), name))
-        return name
+        arr = np.asarray(arr)
+        key = (arr.dtype.str, arr.shape, hashlib.sha256(np.ascontiguousarray(arr).tobytes()).digest())
+        if key not in same:
+            same[key] = G.unique_name(m, base, taken)
+            new_inits.append(numpy_helper.from_array(arr, same[key]))
+        return same[key]
 
     # weights and biases
     for node in list(m.graph.node):
