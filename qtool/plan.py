@@ -243,3 +243,25 @@ def calibration_targets(model: onnx.ModelProto) -> tuple[list, dict]:
     for node, x in sorted(plan.weight_inputs.items(), key=lambda kv: kv[1]):
         means.setdefault(x, 1 if ops[node] in ("Conv", "ConvTranspose") else -1)
     return ranges, means
+
+
+def balanced_tensors(model: onnx.ModelProto) -> list:
+    """Tensors whose channels quantize/equalize.py may balance, so calibration keeps their per-channel
+    min and max: what int8 depthwise convolutions read, and what an int8 Conv/Gemm writes for fp32 ops
+    only (hard-swish's input, run in fp32 between int8 tensors)."""
+    plan = make_plan(model)
+    inits = G.initializers(model)
+    cons = G.consumers(model)
+    outputs = G.graph_output_names(model)
+    out = set()
+    for n in model.graph.node:
+        if n.name not in plan.int8_nodes or len(n.input) < 2 or n.input[1] not in inits:
+            continue
+        w = inits[n.input[1]].dims
+        if n.op_type == "Conv" and len(w) == 4 and w[1] == 1 and G.attr(n, "group", 1) == w[0] > 1 \
+                and n.name in plan.weight_inputs:
+            out.add(plan.weight_inputs[n.name])
+        if n.op_type in ("Conv", "Gemm") and n.output and n.output[0] not in outputs and n.output[0] in plan.tensors \
+                and cons.get(n.output[0]) and all(c.name not in plan.int8_nodes for c in cons[n.output[0]]):
+            out.add(n.output[0])
+    return sorted(out)

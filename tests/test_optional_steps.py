@@ -23,11 +23,13 @@ def _boom(*args, **kwargs):
 
 # step -> (the function quantize calls for it, quantize options that turn the step on)
 INJECT = {
+    "equalization": ("equalize", {}),
     "calibration samples": ("afford", {}),
     "method choice": ("pick_method", {"method": "auto"}),
     "output-aware rounding": ("tune_rounding", {}),
     "range tuning": ("tune_activation_ranges", {"tune_ranges": True}),
     "sensitivity": ("run_sensitivity", {}),
+    "guard": ("guard_layers", {}),
     "exclusion": ("run_exclusion", {"exclude_sensitive": True, "max_excluded": 1}),
     "target cost": ("target_cost", {}),
 }

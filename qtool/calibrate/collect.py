@@ -31,6 +31,8 @@ class Observed:
     histograms: dict = field(default_factory=dict)  # tensor -> Histogram
     channel_sums: dict = field(default_factory=dict)  # tensor -> float64 [C], of finite values
     channel_counts: dict = field(default_factory=dict)  # tensor -> int64 [C], finite values summed per channel
+    channel_min: dict = field(default_factory=dict)  # tensor -> float64 [C] (the `ranged` tensors, axis 1)
+    channel_max: dict = field(default_factory=dict)
     n_samples: int = 0
     watch: OutputWatch | None = None  # the first model output, summarised (checks.py)
     # NaN and inf are excluded from every statistic (min, max, histogram, channel means) and counted:
@@ -39,6 +41,14 @@ class Observed:
 
     def channel_means(self) -> dict:
         return {t: (s / np.maximum(self.channel_counts[t], 1)).tolist() for t, s in self.channel_sums.items()}
+
+    def add_channel_range(self, t: str, lo: np.ndarray, hi: np.ndarray) -> None:
+        if t in self.channel_min:
+            lo, hi = np.minimum(self.channel_min[t], lo), np.maximum(self.channel_max[t], hi)
+        self.channel_min[t], self.channel_max[t] = lo, hi
+
+    def channel_ranges(self) -> dict:
+        return {t: [self.channel_min[t].tolist(), self.channel_max[t].tolist()] for t in self.channel_min}
 
     def add_nonfinite(self, t: str, count: int, samples) -> None:
         self.nonfinite[t] = self.nonfinite.get(t, 0) + int(count)
@@ -60,6 +70,8 @@ class Observed:
                 self.channel_sums[t], self.channel_counts[t] = sums.copy(), other.channel_counts[t].copy()
         for t, c in other.nonfinite.items():
             self.add_nonfinite(t, c, other.nonfinite_samples.get(t, []))
+        for t in other.channel_min:
+            self.add_channel_range(t, other.channel_min[t], other.channel_max[t])
         self.n_samples += other.n_samples
         if self.watch is not None and other.watch is not None:
             self.watch.merge(other.watch)
@@ -74,9 +86,10 @@ MEAN_SAMPLES = 128  # per-channel means (for bias correction): 128 images x ever
 
 
 def collect(model: onnx.ModelProto, range_tensors: list, mean_tensors: list, batches, progress=None,
-            threads: int = 0, watch: str | None = None, where: str | None = None) -> Observed:
+            threads: int = 0, watch: str | None = None, where: str | None = None, ranged=()) -> Observed:
     """`batches` yields dicts input name -> array; `progress(k)` is told of k more samples.
     `watch`: a float model output summarised per sample (Observed.watch, checks.OutputWatch).
+    `ranged`: tensors (of mean_tensors, channels on axis 1) whose per-channel min and max are kept too.
 
     Two workers each run a slice through one shared session on their share of the threads,
     then fold its outputs into their own histograms, while the other worker does the same
@@ -102,7 +115,8 @@ def collect(model: onnx.ModelProto, range_tensors: list, mean_tensors: list, bat
     # name -> the size of axis 0 when fixed (a fixed batch is never cut into slices), else None
     graph_inputs = {i.name: (i.shape[0] if i.shape and isinstance(i.shape[0], int) and i.shape[0] > 0 else None)
                     for i in sessions[0].get_inputs()}
-    workers = [_Worker(list(zip(sessions, groups)), range_tensors, mean_tensors, per_worker, progress, watch)
+    workers = [_Worker(list(zip(sessions, groups)), range_tensors, mean_tensors, per_worker, progress, watch,
+                       set(ranged))
                for _ in range(n_workers)]
     per_sample = lambda: next((w.per_sample_bytes for w in workers if w.per_sample_bytes), None)
     slices = _slices(batches, graph_inputs, per_sample, MAX_OUTPUT_BYTES // n_workers)
@@ -164,11 +178,11 @@ class _Worker:
     """One thread: runs its slices through the session (or the session of each group of tensors)
     into its own buffers, folds them into its own Observed."""
 
-    def __init__(self, parts, range_tensors, mean_tensors, threads, progress, watch=None):
+    def __init__(self, parts, range_tensors, mean_tensors, threads, progress, watch=None, ranged=frozenset()):
         # (runner, the tensors it reads out, those of range_tensors, those of mean_tensors), per group
         self.parts = [(_BoundRunner(sess, names), names, [t for t in range_tensors if t in set(names)],
                        {t: a for t, a in _as_axes(mean_tensors).items() if t in set(names)}) for sess, names in parts]
-        self.range_tensors, self.mean_tensors = range_tensors, mean_tensors
+        self.range_tensors, self.mean_tensors, self.ranged = range_tensors, mean_tensors, ranged
         self.obs = Observed({t: Histogram() for t in range_tensors}, watch=OutputWatch(watch) if watch else None)
         self.threads, self.progress = threads, progress
         self.queue = queue.Queue(maxsize=1)
@@ -230,6 +244,8 @@ class _Worker:
                         if self.obs.watch is not None and self.obs.watch.name in values:
                             self.obs.watch.observe(values[self.obs.watch.name], first)
                         _observe(self.obs, values, ranges, means, n, first, pool)
+                        for t in self.ranged & set(values):
+                            self.obs.add_channel_range(t, *_channel_range(values[t]))
                         del values  # (a group's values go before the next group's come)
                     self.obs.n_samples += n
                     if self.progress:
@@ -358,6 +374,19 @@ def _observe(obs: Observed, values: dict, range_tensors: list, mean_tensors: lis
             obs.channel_counts[t] = np.zeros(sums.size, np.int64)
         obs.channel_sums[t] += sums
         obs.channel_counts[t] += count
+
+
+def _channel_range(v: np.ndarray) -> tuple:
+    """(min, max) per channel (axis 1) of the finite values, float64 [C] each."""
+    v = np.asarray(v, np.float32)
+    axes = tuple(k for k in range(v.ndim) if k != 1)
+    lo, hi = v.min(axis=axes).astype(np.float64), v.max(axis=axes).astype(np.float64)
+    if not (np.isfinite(lo).all() and np.isfinite(hi).all()):
+        fin = np.isfinite(v)
+        lo = np.where(fin, v, np.inf).min(axis=axes).astype(np.float64)
+        hi = np.where(fin, v, -np.inf).max(axis=axes).astype(np.float64)
+        lo, hi = np.where(np.isfinite(lo), lo, 0.0), np.where(np.isfinite(hi), hi, 0.0)
+    return lo, hi
 
 
 def _as_axes(mean_tensors) -> dict:

@@ -22,7 +22,7 @@ from qtool.errors import QtoolError, UsageError
 from qtool.fuse import fuse_model
 from qtool.limits import MAX_BATCH
 from qtool.modelio import file_hash, load_model, model_hash, save_model
-from qtool.plan import calibration_targets
+from qtool.plan import balanced_tensors, calibration_targets
 from qtool.rules.activations import AWARE, activation_inputs, activation_mse_range
 from qtool.workdir import Workdir
 
@@ -114,7 +114,7 @@ def _calibrate(model_path, data, config, method, workdir, batch, limit, show_pro
 
     with tqdm(total=len(source) or None, unit="sample", desc="calibrate", disable=not show_progress, leave=False) as bar:
         obs = collect(fused.model, ranges, means, feeds(), bar.update, threads, watch=watch,
-                      where=f"{model_path} (fused)")
+                      where=f"{model_path} (fused)", ranged=balanced_tensors(fused.model))
     if obs.n_samples == 0:
         raise QtoolError(f"{_describe(data)}: no samples" if source.kind != "images" else
                          f"{data}: none of the {len(source)} images could be read")
@@ -134,7 +134,7 @@ def _calibrate(model_path, data, config, method, workdir, batch, limit, show_pro
         model_path=os.path.abspath(model_path), model_sha256=model_sha256,
         fused_sha256="", method=method, n_samples=obs.n_samples, skipped=list(source.skipped),
         config=source.cfg.to_dict() if source.cfg is not None else {}, ranges=ranges_all,
-        channel_means=obs.channel_means(), histograms={t: h.to_dict() for t, h in obs.histograms.items()},
+        channel_means=obs.channel_means(), channel_ranges=obs.channel_ranges(), histograms={t: h.to_dict() for t, h in obs.histograms.items()},
         input_name=source.inp.name if source.kind == "images" else "", nonfinite=nonfinite)
     save_model(fused.model, fused_path)
     table.fused_sha256 = model_hash(fused_path)

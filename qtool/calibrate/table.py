@@ -33,6 +33,8 @@ class CalibrationTable:
     config: dict = field(default_factory=dict)
     ranges: dict = field(default_factory=dict)  # method -> tensor -> [lo, hi]
     channel_means: dict = field(default_factory=dict)  # tensor -> [C] mean of the fp32 activation
+    # tensor -> [[C] min, [C] max] of a depthwise convolution's input (equalize.py balances its channels)
+    channel_ranges: dict = field(default_factory=dict)
     histograms: dict = field(default_factory=dict)  # tensor -> Histogram.to_dict()
     input_name: str = ""
     nonfinite: dict = field(default_factory=dict)  # tensor -> {"count", "samples"}: NaN/inf left out of its range
@@ -104,6 +106,12 @@ def _problem(t: CalibrationTable) -> str | None:
     for tensor, means in t.channel_means.items():
         if not (isinstance(means, list) and all(map(_finite, means))):
             return f"channel means of '{tensor}' are not a list of finite numbers"
+    if not isinstance(t.channel_ranges, dict):
+        return "'channel_ranges' is not an object"
+    for tensor, r in t.channel_ranges.items():
+        if not (isinstance(r, list) and len(r) == 2 and all(isinstance(v, list) for v in r) and len(r[0]) == len(r[1])
+                and all(map(_finite, r[0] + r[1])) and all(a <= b for a, b in zip(*r))):
+            return f"channel ranges of '{tensor}' are not [[min...], [max...]] with finite min <= max"
     for tensor, h in t.histograms.items():
         if not isinstance(h, dict):
             return f"histogram of '{tensor}' is not an object"

@@ -18,11 +18,13 @@ from qtool.errors import QtoolError
 
 # each optional step, and what the model gets when it fails
 STEPS = {
+    "equalization": "the depthwise convolutions' input channels as calibrated",
     "calibration samples": "no calibration samples: the steps below skipped",
     "method choice": "the calibrated range method",
     "output-aware rounding": "nearest rounding",
     "range tuning": "the method's ranges",
     "sensitivity": "no sensitivity report, nothing excluded by it",
+    "guard": "no layer kept fp32 for ruining the output alone",
     "exclusion": "the layers kept fp32 before the failure",
     "target cost": "the target's cost not measured",
 }

@@ -14,14 +14,16 @@ from tqdm import tqdm
 from qtool import graph as G
 from qtool.labels import labels_from_file, labels_from_folders
 from qtool.metrics import sqnr_db
+from qtool.quantize.budget import (METHOD_CHOICE_PASSES, ROUNDING_PASSES, SENSITIVITY_PASSES, TARGET_COST_PASSES,
+                                  Budget)
 from qtool.quantize.context import QuantizeContext
 from qtool.quantize.encoding import DEFAULT_TARGET, S8, TARGETS
+from qtool.quantize.equalize import equalize
 from qtool.quantize.exclude import CANDIDATES_PER_STEP, POOL as POOL_FOR_PROGRESS, exclude_sensitive
+from qtool.quantize.guard import guard_layers
 from qtool.quantize.method_choice import method_scores
 from qtool.quantize.optional import OptionalSteps
 from qtool.quantize.range_search import search_ranges
-from qtool.quantize.budget import (METHOD_CHOICE_PASSES, ROUNDING_PASSES, SENSITIVITY_PASSES, TARGET_COST_PASSES,
-                                  Budget)
 from qtool.quantize.rounding import fetch_groups, layer_hessians, rounding_layers
 from qtool.quantize.samples import SampleSet, load_samples
 from qtool.quantize.sensitivity import layer_sensitivity, quantizable_layers
@@ -442,6 +444,8 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
               tune_ranges, target, steps: OptionalSteps) -> QuantizeResult:
     t0 = time.time()
     fused, table, model_path = load_inputs(workdir, model, table_path)
+    fused0, table0 = fused, table
+    fused, table = steps.run("equalization", equalize, fused0, table0, say, fallback=lambda: (fused0, table0))
     # the table read (load_inputs checked a working directory's one against its recorded sha256)
     table_path = table_path or Workdir(workdir).manifest()["calibrate"]["table_path"]
     exclude = dict(exclude or {})
@@ -497,6 +501,9 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
     sens, exclusion, ranking = None, None, None
     if sens_on and len(sens_samples):
         sens, ranking = steps.run("sensitivity", run_sensitivity, ctx, sens_samples, opts, say, fallback=(None, None))
+        if ranking is not None:  # (ctx.exclude is `exclude`: the guard's layers join the user's)
+            exclude.update(steps.run("guard", guard_layers, ctx, ranking, tune_samples if len(tune_samples)
+                                     else sens_samples, say, fallback={}))
         if exclusion_on and ranking is not None:
             check, held = samples.pick(split.held_back), True
             if len(check) < MIN_HELD_BACK:
