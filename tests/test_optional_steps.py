@@ -23,7 +23,7 @@ def _boom(*args, **kwargs):
 
 # step -> (the function quantize calls for it, quantize options that turn the step on)
 INJECT = {
-    "equalization": ("equalize", {}),
+    "equalization": ("balance", {}),
     "calibration samples": ("afford", {}),
     "method choice": ("pick_method", {"method": "auto"}),
     "output-aware rounding": ("tune_rounding", {}),

@@ -18,7 +18,7 @@ from qtool.quantize.budget import (METHOD_CHOICE_PASSES, ROUNDING_PASSES, SENSIT
                                   Budget)
 from qtool.quantize.context import QuantizeContext
 from qtool.quantize.encoding import DEFAULT_TARGET, S8, TARGETS
-from qtool.quantize.equalize import equalize
+from qtool.quantize.equalize import balance
 from qtool.quantize.exclude import CANDIDATES_PER_STEP, POOL as POOL_FOR_PROGRESS, exclude_sensitive
 from qtool.quantize.guard import guard_layers
 from qtool.quantize.method_choice import method_scores
@@ -444,8 +444,6 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
               tune_ranges, target, steps: OptionalSteps) -> QuantizeResult:
     t0 = time.time()
     fused, table, model_path = load_inputs(workdir, model, table_path)
-    fused0, table0 = fused, table
-    fused, table = steps.run("equalization", equalize, fused0, table0, say, fallback=lambda: (fused0, table0))
     # the table read (load_inputs checked a working directory's one against its recorded sha256)
     table_path = table_path or Workdir(workdir).manifest()["calibrate"]["table_path"]
     exclude = dict(exclude or {})
@@ -492,6 +490,8 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
     if auto:
         ctx.method, method_scores_db = steps.run("method choice", pick_method, ctx, samples.pick(split.auto), say,
                                                  opts.show_progress, fallback=(ctx.method, None))
+    if len(samples):  # (ctx.fused and ctx.table become the balanced ones; the fp32 outputs are the same)
+        steps.run("equalization", balance, ctx, samples.pick(split.tune) if split.tune else samples, say)
     sens_samples = samples.pick(split.sensitivity)
     if opts.samples is None and len(sens_samples):  # a dynamic output's size is known now
         n = samples_for_values(int(np.prod(sens_samples.reference.shape[1:], dtype=np.int64)))
