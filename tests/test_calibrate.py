@@ -352,6 +352,37 @@ def test_two_workers_give_the_same_table_as_one(tmp_path, net):
     assert one.ranges == two.ranges
 
 
+def test_a_model_run_in_segments_gives_the_same_table(tmp_path, net, monkeypatch):
+    """Observed tensors too large for one run (GROUPED_ABOVE, here 0) are observed segment by segment of
+    the graph, each node run once: the same table, up to float rounding (a segment's session optimizes
+    its part of the graph alone: a pooled value may differ in the last bit)."""
+    from qtool.calibrate import collect
+    d = tmp_path / "d"
+    write_images(d, 7, seed=4)
+    (tmp_path / "1").mkdir()
+    (tmp_path / "2").mkdir()
+    whole = _calibrate(net, d, tmp_path / "1", threads=1).table
+    seen = []
+    real = collect._segments
+    monkeypatch.setattr(collect, "GROUPED_ABOVE", 0)
+    monkeypatch.setattr(collect, "GROUP_BYTES", 1)  # (a segment per observed tensor)
+    monkeypatch.setattr(collect, "_segments", lambda *a: seen.append(real(*a)) or seen[-1])
+    cut = _calibrate(net, d, tmp_path / "2", threads=2).table
+    assert len(seen[0]) > 3  # (cut, for real)
+    assert cut.n_samples == whole.n_samples == 7
+    assert cut.histograms.keys() == whole.histograms.keys()
+    for t, h in whole.histograms.items():
+        assert sum(cut.histograms[t]["counts"]) == sum(h["counts"]) and cut.histograms[t]["e"] == h["e"], t
+    for m, ranges in whole.ranges.items():
+        for t, r in ranges.items():
+            np.testing.assert_allclose(cut.ranges[m][t], r, rtol=1e-5, atol=1e-6, err_msg=t)
+    assert cut.channel_ranges.keys() == whole.channel_ranges.keys()
+    for t, r in whole.channel_ranges.items():
+        np.testing.assert_allclose(cut.channel_ranges[t], r, rtol=1e-5, atol=1e-6)
+    for t in whole.channel_means:
+        np.testing.assert_allclose(cut.channel_means[t], whole.channel_means[t], rtol=1e-6, atol=1e-7)
+
+
 def test_sampled_histograms_do_not_depend_on_threads_or_batch(tmp_path):
     """At 96x96 every tensor holds more values per image than a histogram counts (blocks are
     sampled); which blocks of image j are counted depends on j alone, so one worker with batches

@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 import onnxruntime as ort
+from onnx import helper
+
+from qtool import graph as G
 from qtool.calibrate.checks import OutputWatch
 from qtool.calibrate.histogram import Histogram, scan
 from qtool.ortsession import session, with_outputs  # noqa: F401  (with_outputs: used by callers)
@@ -101,21 +104,21 @@ def collect(model: onnx.ModelProto, range_tensors: list, mean_tensors: list, bat
     the workers' histograms merge exactly at the end.
 
     A model whose observed tensors for one sample exceed GROUPED_ABOVE (a 1280x1280 detector: 1.3 GB,
-    a 960x1280 U-Net: 1.9 GB) is observed by one worker in groups of tensors of GROUP_BYTES, a
-    session each, every slice run once per group: a few more passes, memory bounded."""
+    a 960x1280 U-Net: 1.9 GB) runs in segments of its graph, one worker, each segment's tensors observed
+    before the next runs: memory bounded, each node still run once."""
     wanted = list(dict.fromkeys(list(range_tensors) + list(mean_tensors) + ([watch] if watch else [])))
     batches = iter(batches)
     head = next(batches, None)
-    groups = _tensor_groups(model, wanted, head)
+    segments = _segments(model, wanted, head)
     batches = itertools.chain([] if head is None else [head], batches)
     threads = threads or min(os.cpu_count() or 1, 8)
-    n_workers = WORKERS if threads >= WORKERS and len(groups) == 1 else 1
+    n_workers = WORKERS if threads >= WORKERS and len(segments) == 1 else 1
     per_worker = max(1, threads // n_workers)
-    sessions = [session(with_outputs(model, g), per_worker, arena=True, spin=False, where=where) for g in groups]
+    sessions = [session(seg.model, per_worker, arena=True, spin=False, where=where) for seg in segments]
     # name -> the size of axis 0 when fixed (a fixed batch is never cut into slices), else None
-    graph_inputs = {i.name: (i.shape[0] if i.shape and isinstance(i.shape[0], int) and i.shape[0] > 0 else None)
-                    for i in sessions[0].get_inputs()}
-    workers = [_Worker(list(zip(sessions, groups)), range_tensors, mean_tensors, per_worker, progress, watch,
+    graph_inputs = {i.name: (d[0] if d and isinstance(d[0], int) and d[0] > 0 else None)
+                    for i in G.real_inputs(model) for d in [G.input_dims(i)]}
+    workers = [_Worker(list(zip(sessions, segments)), range_tensors, mean_tensors, per_worker, progress, watch,
                        set(ranged))
                for _ in range(n_workers)]
     per_sample = lambda: next((w.per_sample_bytes for w in workers if w.per_sample_bytes), None)
@@ -148,30 +151,69 @@ def collect(model: onnx.ModelProto, range_tensors: list, mean_tensors: list, bat
     return obs
 
 
-GROUPED_ABOVE = 1 << 30  # observed bytes per sample beyond which tensors are observed in groups
-GROUP_BYTES = 384 << 20
+GROUPED_ABOVE = 1 << 30  # observed bytes per sample beyond which the graph is run in segments
+GROUP_BYTES = 384 << 20  # observed bytes per sample a segment writes out, about
 
 
-def _tensor_groups(model: onnx.ModelProto, wanted: list, feeds: dict | None) -> list:
-    """`wanted` in one group, or, when one sample's values of them exceed GROUPED_ABOVE, in groups of
-    about GROUP_BYTES each (graph order). Sizes from shape inference at the first batch's input shapes;
-    a tensor of unknown size counts as the largest known one."""
+@dataclass
+class _Segment:
+    """A run of the graph's nodes, a session of its own: it reads `inputs` from the values carried
+    along (the samples' inputs, what earlier segments wrote), writes `outputs` (the observed tensors
+    it computes, and what later segments read), after which `observe` is observed and `drop` dropped."""
+    model: bytes
+    inputs: list
+    outputs: list
+    observe: list
+    drop: list = field(default_factory=list)
+
+
+def _segments(model: onnx.ModelProto, wanted: list, feeds: dict | None) -> list:
+    """The whole graph as one segment reading out `wanted`, or, when one sample's values of them exceed
+    GROUPED_ABOVE, its nodes (in graph order) cut into segments that each write about GROUP_BYTES of
+    them: each node runs once, and only one segment's values and the tensors crossing the cuts are
+    held. Sizes from shape inference at the first batch's input shapes; a tensor of unknown size counts
+    as the largest known one."""
+    whole = [_Segment(with_outputs(model, wanted), [], wanted, wanted)]
     if not feeds:
-        return [wanted]
-    from qtool import graph as G
+        return whole
+    from qtool.plan import elem_types
     shapes = G.inferred_shapes(model, {k: (1,) + tuple(np.shape(v)[1:]) if np.ndim(v) else () for k, v in feeds.items()})
     size = {t: 4 * int(np.prod(shapes[t])) for t in wanted if shapes.get(t) is not None and all(shapes[t])}
     big = max(size.values(), default=0)
     if sum(size.get(t, big) for t in wanted) <= GROUPED_ABOVE:
-        return [wanted]
-    groups, used = [[]], 0
-    for t in wanted:
-        if groups[-1] and used + size.get(t, big) > GROUP_BYTES:
-            groups.append([])
+        return whole
+    nodes = G.topological_order(model)
+    want = set(wanted)
+    cuts, used = [0], 0
+    for k, n in enumerate(nodes):
+        out = sum(size.get(o, big) for o in n.output if o in want)
+        if used and used + out > GROUP_BYTES:
+            cuts.append(k)
             used = 0
-        groups[-1].append(t)
-        used += size.get(t, big)
-    return groups
+        used += out
+    cuts.append(len(nodes))
+    reads = [G.node_reads(n) for n in nodes]
+    inits = {t.name: t for t in model.graph.initializer}
+    types = elem_types(model)
+    graph_inputs = [i.name for i in G.real_inputs(model)]
+    segs = []
+    for a, b in zip(cuts, cuts[1:]):
+        made = {o for n in nodes[a:b] for o in n.output if o}
+        later = set().union(*reads[b:]) if b < len(nodes) else set()
+        ins = sorted(set().union(*reads[a:b]) - made - set(inits))
+        outs = [t for t in wanted if t in made] + sorted((made & later) - want)
+        seen = set(graph_inputs) if a == 0 else set()
+        g = helper.make_graph(nodes[a:b], f"segment{len(segs)}",
+                              [helper.make_tensor_value_info(t, types.get(t, onnx.TensorProto.FLOAT), None) for t in ins],
+                              [helper.make_empty_tensor_value_info(t) for t in outs],
+                              [inits[t] for t in sorted(set().union(*reads[a:b]) & set(inits))])
+        m = helper.make_model(g, opset_imports=model.opset_import)
+        m.ir_version = max(model.ir_version, 8)
+        segs.append(_Segment(m.SerializeToString(), ins, outs, [t for t in wanted if t in made or t in seen & want]))
+    for k, seg in enumerate(segs):  # what no later segment reads goes once this one is done
+        ahead = set().union(*(s.inputs for s in segs[k + 1:])) if k + 1 < len(segs) else set()
+        seg.drop = [t for t in seg.outputs + seg.inputs if t not in ahead]
+    return segs
 
 
 class _Worker:
@@ -179,9 +221,10 @@ class _Worker:
     into its own buffers, folds them into its own Observed."""
 
     def __init__(self, parts, range_tensors, mean_tensors, threads, progress, watch=None, ranged=frozenset()):
-        # (runner, the tensors it reads out, those of range_tensors, those of mean_tensors), per group
-        self.parts = [(_BoundRunner(sess, names), names, [t for t in range_tensors if t in set(names)],
-                       {t: a for t, a in _as_axes(mean_tensors).items() if t in set(names)}) for sess, names in parts]
+        # (runner, segment, the tensors of range_tensors it observes, those of mean_tensors), per segment
+        self.parts = [(_BoundRunner(sess, seg.outputs), seg, [t for t in range_tensors if t in set(seg.observe)],
+                       {t: a for t, a in _as_axes(mean_tensors).items() if t in set(seg.observe)})
+                      for sess, seg in parts]
         self.range_tensors, self.mean_tensors, self.ranged = range_tensors, mean_tensors, ranged
         self.obs = Observed({t: Histogram() for t in range_tensors}, watch=OutputWatch(watch) if watch else None)
         self.threads, self.progress = threads, progress
@@ -191,7 +234,7 @@ class _Worker:
 
     @property
     def per_sample_bytes(self):
-        known = [r.per_sample_bytes for r, *_ in self.parts if r.per_sample_bytes]
+        known = [r.per_sample_bytes for r, *_ in self.parts if r.per_sample_bytes]  # (per segment: the largest)
         return max(known) if known else None
 
     def start(self):
@@ -239,14 +282,20 @@ class _Worker:
                     if self.error is not None:
                         continue  # failed: drain until told to stop
                     first, n, feeds = item
-                    for runner, names, ranges, means in self.parts:
-                        values = dict(zip(names, runner.run(feeds)))
-                        if self.obs.watch is not None and self.obs.watch.name in values:
-                            self.obs.watch.observe(values[self.obs.watch.name], first)
-                        _observe(self.obs, values, ranges, means, n, first, pool)
-                        for t in self.ranged & set(values):
-                            self.obs.add_channel_range(t, *_channel_range(values[t]))
-                        del values  # (a group's values go before the next group's come)
+                    values = dict(feeds)  # (the samples' inputs, then what the segments write)
+                    for runner, seg, ranges, means in self.parts:
+                        values.update(zip(seg.outputs, runner.run({t: values[t] for t in seg.inputs} if seg.inputs
+                                                                  else feeds)))
+                        seen = {t: values[t] for t in seg.observe}
+                        if self.obs.watch is not None and self.obs.watch.name in seen:
+                            self.obs.watch.observe(seen[self.obs.watch.name], first)
+                        _observe(self.obs, seen, ranges, means, n, first, pool)
+                        for t in self.ranged & set(seen):
+                            self.obs.add_channel_range(t, *_channel_range(seen[t]))
+                        del seen
+                        for t in seg.drop:  # (a segment's values go before the next segment's come)
+                            values.pop(t, None)
+                    del values
                     self.obs.n_samples += n
                     if self.progress:
                         with _PROGRESS_LOCK:
