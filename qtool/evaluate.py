@@ -294,8 +294,8 @@ def evaluate_tensors(fp32_path: str, int8_path: str, data, limit: int | None = N
     if exact is not None:
         res["runtime_check"] = exact.result()
     res["size_ratio"] = res["size_bytes"]["int8"] / res["size_bytes"]["fp32"]
-    if latency and sample is not None:
-        one = {k: v[:1] for k, v in sample.items()}
+    if latency and sample is not None:  # (a sample fed whole where samples are not stacked: a state [2, N, C])
+        one = sample if src.batch == 1 else {k: v[:1] for k, v in sample.items()}
         res["latency_ms"] = {"ort_fp32": _latency_ms(lambda x: sf.run(None, x), one),
                              "ort_int8": _latency_ms(lambda x: sq.run(None, x), one)}
     return res

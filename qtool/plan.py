@@ -157,7 +157,9 @@ def _plan(model: onnx.ModelProto, exclude: dict, ranges: dict | None, prune_excl
         # a Relu/Clip that alone reads this output is implemented by the output's clamp
         users = cons.get(out, [])
         if rule.kind == "compute" and len(users) == 1 and users[0].op_type in FUSABLE_ACTIVATIONS \
-                and out not in outputs and users[0].output[0] not in outputs and users[0].name not in exclude:
+                and out not in outputs and users[0].output[0] not in outputs and users[0].name not in exclude \
+                and not any(G._subgraphs(c) for c in cons.get(users[0].output[0], [])):
+            # (nor one whose output an If branch reads by name: that reads the tensor itself, not its Q/DQ)
             # (a Relu writing a graph output stays: outputs are left fp32, so no clamp would replace it)
             b = _clip_bounds(users[0], model)
             if b is not None and b[0] <= 0.0 <= b[1]:

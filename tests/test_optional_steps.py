@@ -32,6 +32,7 @@ INJECT = {
     "guard": ("guard_layers", {}),
     "exclusion": ("run_exclusion", {"exclude_sensitive": True, "max_excluded": 1}),
     "target cost": ("target_cost", {}),
+    "subgraphs": ("quantize_branches", {}),
 }
 
 

@@ -319,3 +319,39 @@ def test_unbalanced_channels_are_balanced_exactly_and_gain(tmp_path, monkeypatch
     def db(q):
         return np.mean([_sqnr(run(m, s)[0], run(onnx.load(q.path), s)[0]) for s in samples])
     assert db(q) > db(plain) + 1.5  # (12.6 -> 14.6 dB here)
+
+
+def test_a_network_inside_an_if_is_quantized_where_every_sample_takes_it(tmp_path):
+    """Silero VAD keeps its 16 kHz network in one branch of If(sr == 16000) and its 8 kHz one in the
+    other: the branch every calibration sample takes is quantized as a model of its own and put back;
+    the other stays fp32."""
+    rng = np.random.default_rng(12)
+
+    def branch(name, scale):
+        w = init(f"w_{name}", rng.standard_normal((6, 1, 5)) * scale)
+        w2 = init(f"w2_{name}", rng.standard_normal((1, 6, 3)) * 0.4)
+        nodes = [helper.make_node("Conv", ["x", w.name], [f"c_{name}"], kernel_shape=[5], pads=[2, 2]),
+                 helper.make_node("Relu", [f"c_{name}"], [f"r_{name}"]),
+                 helper.make_node("Conv", [f"r_{name}", w2.name], [f"y_{name}"], kernel_shape=[3], pads=[1, 1])]
+        return helper.make_graph(nodes, name, [], [helper.make_tensor_value_info(f"y_{name}", TensorProto.FLOAT, None)],
+                                 initializer=[w, w2])
+
+    nodes = [helper.make_node("Equal", ["sr", "k16"], ["is16"], name="eq"),
+             helper.make_node("If", ["is16"], ["y"], name="rate", then_branch=branch("khz16", 0.5),
+                              else_branch=branch("khz8", 0.3))]
+    g = helper.make_graph(nodes, "t", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 64]),
+                                       helper.make_tensor_value_info("sr", TensorProto.INT64, [])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, 64])],
+                          initializer=[init("k16", 16000, np.int64)])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 16)])
+    m.ir_version = 8
+    samples = [{"x": rng.standard_normal((1, 1, 64)).astype(np.float32), "sr": np.array(16000, np.int64)}
+               for _ in range(12)]
+    q = default_run(m, samples, tmp_path)
+    assert [(s["node"], s["branch"]) for s in q.report["subgraphs"]] == [("rate", "then_branch")]
+    out = onnx.load(q.path)
+    node = next(n for n in out.graph.node if n.op_type == "If")
+    ops = {a.name: [n.op_type for n in a.g.node] for a in node.attribute}
+    assert "QuantizeLinear" in ops["then_branch"] and "QuantizeLinear" not in ops["else_branch"]
+    eight = dict(samples[0], sr=np.array(8000, np.int64))  # the branch no sample took: still fp32, exact
+    np.testing.assert_array_equal(run(out, eight)[0], run(m, eight)[0])

@@ -17,6 +17,8 @@ from qtool.limits import MAX_INPUT_SIDE, regular_file
 PRESET_DIRS = [Path(__file__).resolve().parent / "presets",  # inside an installed package
                Path(__file__).resolve().parents[2] / "configs"]  # a source checkout (editable install)
 _INTERP = ("nearest", "bilinear", "bicubic", "lanczos")
+_RESIZE = ("shorter", "exact", "none", "limit", "height")
+_PREPROCESS_KEYS = ("resize", "resize_to", "limit_side", "multiple", "crop", "interpolation", "mean", "std")
 
 
 @dataclass
@@ -27,8 +29,12 @@ class Preprocess:
     layout: str = "NCHW"  # NCHW or NHWC
     size: tuple = (224, 224)  # H, W
     color: str = "RGB"  # RGB, BGR or GRAY
-    resize: str = "shorter"  # shorter (then crop), exact (to size), none
+    # shorter (then crop), exact (to size), none, limit (each image its own size: PP-OCR's detector),
+    # height (to size[0], the width kept in ratio up to size[1], then right-padded to it: PP-OCR's recognizer)
+    resize: str = "shorter"
     resize_to: int = 256  # the shorter side, for resize = "shorter"
+    limit_side: int = 960  # resize = "limit": the longest side scaled down to this, never up
+    multiple: int = 32  # resize = "limit": each side then rounded to a multiple of this
     crop: str = "center"  # center or none
     interpolation: str = "bilinear"
     mean: tuple = (0.0, 0.0, 0.0)
@@ -79,7 +85,7 @@ def from_dict(raw: dict, source: str = "(dict)") -> Preprocess:
     if not isinstance(inp, dict) or not isinstance(pre, dict):
         raise QtoolError(f"{source}: [input] and [preprocess] must be tables; see configs/*.toml for examples")
     unknown = (set(raw) - {"input", "preprocess"}) | (set(inp) - {"name", "layout", "size", "color"}) | (
-        set(pre) - {"resize", "resize_to", "crop", "interpolation", "mean", "std"})
+        set(pre) - set(_PREPROCESS_KEYS))
     if unknown:
         raise QtoolError(f"{source}: unknown config keys: {', '.join(sorted(unknown))}")
     try:
@@ -90,6 +96,8 @@ def from_dict(raw: dict, source: str = "(dict)") -> Preprocess:
         c.color = str(inp.get("color", c.color)).upper()
         c.resize = pre.get("resize", c.resize)
         c.resize_to = int(pre.get("resize_to", c.resize_to))
+        c.limit_side = int(pre.get("limit_side", c.limit_side))
+        c.multiple = int(pre.get("multiple", c.multiple))
         c.crop = pre.get("crop", c.crop)
         c.interpolation = pre.get("interpolation", c.interpolation)
         nch = 1 if c.color == "GRAY" else 3
@@ -106,10 +114,15 @@ def from_dict(raw: dict, source: str = "(dict)") -> Preprocess:
         problems.append(f"resize_to must be 1..{MAX_INPUT_SIDE}, not {c.resize_to}")
     if c.color not in ("RGB", "BGR", "GRAY"):
         problems.append(f"color must be RGB, BGR or GRAY, not {c.color}")
-    if c.resize not in ("shorter", "exact", "none"):
-        problems.append(f"resize must be shorter, exact or none, not {c.resize}")
+    if not 1 <= c.limit_side <= MAX_INPUT_SIDE or not 1 <= c.multiple <= c.limit_side:
+        problems.append(f"limit_side must be 1..{MAX_INPUT_SIDE} and multiple 1..limit_side, not {c.limit_side} "
+                        f"and {c.multiple}")
+    if c.resize not in _RESIZE:
+        problems.append(f"resize must be {', '.join(_RESIZE[:-1])} or {_RESIZE[-1]}, not {c.resize}")
     if c.crop not in ("center", "none"):
         problems.append(f"crop must be center or none, not {c.crop}")
+    elif c.crop == "center" and c.resize in ("limit", "height"):
+        problems.append(f"crop must be none with resize = {c.resize} (it makes the size itself)")
     if c.interpolation not in _INTERP:
         problems.append(f"interpolation must be one of {', '.join(_INTERP)}")
     if len(c.mean) not in (1, nch) or len(c.std) not in (1, nch) or any(s == 0 for s in c.std):
@@ -192,6 +205,12 @@ def describe(c: Preprocess) -> str:
             f", centre crop {c.size[0]}x{c.size[1]}" if c.crop == "center" else "")
     elif c.resize == "exact":
         geo = f"resized to {c.size[0]}x{c.size[1]} {c.interpolation}"
+    elif c.resize == "limit":
+        geo = (f"longest side scaled down to {c.limit_side} {c.interpolation} (never up), sides rounded to "
+               f"multiples of {c.multiple}, each image its own size")
+    elif c.resize == "height":
+        geo = (f"height {c.size[0]} {c.interpolation} keeping the aspect ratio (width at most {c.size[1]}), "
+               f"right-padded to {c.size[1]} with 0 after normalising")
     else:
         geo = f"no resize, {c.size[0]}x{c.size[1]}"
     fmt = lambda v: "/".join(f"{x:g}" for x in v)  # noqa: E731
@@ -203,13 +222,20 @@ def fit_to_input(c: Preprocess, dims: list) -> tuple:
 
     A preset fixes a size (efficientnet-lite: 224x224); a model of the same family at another
     size (240x240) takes its size from the model and keeps the preset's resize ratio (shorter
-    side 256 for a 224 crop: 274 for 240). A layout that does not fit while the other does is switched."""
+    side 256 for a 224 crop: 274 for 240). A layout that does not fit while the other does is switched.
+    resize = "height" takes whichever of height and width the model fixes; "limit" on a static input
+    becomes "exact" at the model's size."""
     c = replace(c)
     layout, ch, (h, w) = image_geometry(dims)
     changes = []
     if layout and layout != c.layout and ch == (1 if c.color == "GRAY" else 3):
         changes.append(f"layout {layout} (the config's is {c.layout})")
         c.layout = layout
+    if layout == c.layout and c.resize == "limit" and h and w:  # one size per image cannot feed a static input
+        changes.append(f"resize exact {h}x{w} (the config's limit rule gives each image its own size)")
+        c.resize, c.size = "exact", (h, w)
+    elif layout == c.layout and c.resize == "height":  # a text line's width is free: the model fixes what it fixes
+        h, w = h or c.size[0], w or c.size[1]
     if layout == c.layout and h and w and (h, w) != tuple(c.size):
         old = c.size
         c.size = (h, w)
@@ -222,6 +248,14 @@ def fit_to_input(c: Preprocess, dims: list) -> tuple:
     return c, changes
 
 
+def input_size(c: Preprocess) -> tuple:
+    """(H, W) the model's input must take, None where it varies: per image for resize = "limit"; for
+    "height", the width, which PP-OCR sets per batch from its widest crop (calibration pads to size[1])."""
+    if c.resize == "limit":
+        return None, None
+    return (c.size[0], None) if c.resize == "height" else tuple(c.size)
+
+
 def config_from_any(config) -> Preprocess:
     """A Preprocess from a preset name or path, a dict as the calibration table stores it, or one already made."""
     if config is None or isinstance(config, str):
@@ -231,5 +265,5 @@ def config_from_any(config) -> Preprocess:
     inp = {k: config[k] for k in ("layout", "size", "color") if k in config}
     if config.get("input_name"):
         inp["name"] = config["input_name"]
-    pre = {k: config[k] for k in ("resize", "resize_to", "crop", "interpolation", "mean", "std") if k in config}
+    pre = {k: config[k] for k in _PREPROCESS_KEYS if k in config}
     return from_dict({"input": inp, "preprocess": pre}, config.get("source", "(calibration table)"))

@@ -6,6 +6,7 @@ counted and named, never fatal.
 """
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from collections import deque
@@ -72,6 +73,15 @@ def _resize(im: Image.Image, size: tuple, resample, path: str) -> Image.Image:
     return im.resize((w, h), resample)
 
 
+def limit_size(iw: int, ih: int, limit_side: int, multiple: int) -> tuple:
+    """(W, H) as PP-OCR's detector resizes (DetResizeForTest, limit_type "max"): the longest side scaled
+    down to `limit_side`, never up, each side truncated, then rounded to the nearest multiple (Python's
+    round: half to even), at least one multiple. Its arithmetic exactly: a side off by one multiple
+    moves every text box the model finds."""
+    ratio = min(1.0, limit_side / max(iw, ih))
+    return tuple(max(int(round(int(s * ratio) / multiple) * multiple), multiple) for s in (iw, ih))
+
+
 def load_image(path: str, cfg: Preprocess) -> np.ndarray:
     """One image as a float32 array [1, C, H, W] or [1, H, W, C]. Only a regular file is opened (a FIFO
     would block for ever), and the decoded size (from the header, before decoding) and the size of
@@ -90,7 +100,12 @@ def load_image(path: str, cfg: Preprocess) -> np.ndarray:
         raise BadImage(f"{path}: {type(e).__name__}: {e}") from None
     h, w = cfg.size
     rs = _RESAMPLE[cfg.interpolation]
-    if cfg.resize == "shorter":
+    if cfg.resize == "limit":  # (these two resize below, to (w, h))
+        w, h = limit_size(*im.size, cfg.limit_side, cfg.multiple)
+    elif cfg.resize == "height":  # as PP-OCR's recognizer (resize_norm_img): the width in ratio, rounded up
+        iw, ih = im.size
+        w = min(w, math.ceil(h * (iw / ih)))
+    elif cfg.resize == "shorter":
         iw, ih = im.size
         s = cfg.resize_to / min(iw, ih)
         im = _resize(im, (max(1, round(iw * s)), max(1, round(ih * s))), rs, path)
@@ -112,6 +127,8 @@ def load_image(path: str, cfg: Preprocess) -> np.ndarray:
         if cfg.color == "BGR":
             x = x[..., ::-1]
     x = (x - np.asarray(cfg.mean, np.float32)) / np.asarray(cfg.std, np.float32)
+    if cfg.resize == "height" and w < cfg.size[1]:  # zeros after normalising, as PaddleOCR's padding_im
+        x = np.pad(x, ((0, 0), (0, cfg.size[1] - w), (0, 0)))
     x = x.transpose(2, 0, 1) if cfg.layout == "NCHW" else x
     return np.ascontiguousarray(x[None], np.float32)
 
@@ -134,7 +151,8 @@ def _bounded_map(pool, fn, items, ahead: int):
 
 @dataclass
 class ImageStream:
-    """Iterates (names, batch) over image files; bad files are skipped and recorded."""
+    """Iterates (names, batch) over image files; bad files are skipped and recorded. A batch ends early
+    where the next image's size differs, so memory stays at one batch whatever the sizes."""
 
     files: list
     cfg: Preprocess
@@ -155,6 +173,9 @@ class ImageStream:
                     self.skipped.append(res)
                     warnings.warn(f"skipping unreadable image {res}", stacklevel=2)
                     continue
+                if xs and res.shape != xs[0].shape:  # a batch holds one size (resize = "limit": per image)
+                    yield names, np.concatenate(xs)
+                    names, xs = [], []
                 names.append(path)
                 xs.append(res)
                 if len(xs) == self.batch:

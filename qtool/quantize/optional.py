@@ -27,6 +27,7 @@ STEPS = {
     "guard": "no layer kept fp32 for ruining the output alone",
     "exclusion": "the layers kept fp32 before the failure",
     "target cost": "the target's cost not measured",
+    "subgraphs": "the If branches stay fp32",
 }
 # per layer, the fallback of a step that goes on with the other layers
 LAYER_FALLBACK = {

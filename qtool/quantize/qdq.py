@@ -239,8 +239,11 @@ def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exc
         for c in cons.get(t, []):
             if t in graph_inputs and c.name not in plan.int8_nodes:
                 continue  # an fp32 consumer of a model input reads the original
-            # (a branch reading it by name too: a Relu fused into the producer clamps only through Q/DQ)
-            G.rename_reads(c, t, td)
+            # (a branch reading it by name reads the fp32 tensor: ONNX Runtime's QDQ fusions abort on a
+            # DequantizeLinear an If reads implicitly; the plan fuses no Relu whose output a branch reads)
+            for k, i in enumerate(c.input):
+                if i == t:
+                    c.input[k] = td
     _shield_fp32_layers(m, inits, dq_of, add_init, taken)
     m.graph.initializer.extend(new_inits)
     G.remove_unused_initializers(m)

@@ -5,7 +5,7 @@ import json
 import os
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import onnx
@@ -27,6 +27,7 @@ from qtool.quantize.range_search import search_ranges
 from qtool.quantize.rounding import fetch_groups, layer_hessians, rounding_layers
 from qtool.quantize.samples import SampleSet, load_samples
 from qtool.quantize.sensitivity import layer_sensitivity, quantizable_layers
+from qtool.quantize.subgraphs import quantize_branches
 from qtool.report.sensitivity_html import render as render_sensitivity
 
 from qtool.calibrate.methods import AUTO, METHODS
@@ -521,6 +522,13 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
                                   fallback=lambda: partial[-1] if partial else None)
     final_exclude = dict(exclusion.excluded) if exclusion is not None else dict(exclude)
     out = ctx.build(final_exclude)
+    branches = []
+    if any(n.op_type == "If" for n in ctx.fused.graph.node) and len(samples):
+        branches = steps.run("subgraphs", quantize_branches, out.model, ctx.fused, samples, wd.path,
+                             dict(method=method, bias_correction=bias_correction,
+                                  sensitivity=replace(opts, exclude_sensitive=False, labels=None, show_progress=False),
+                                  rounding=rounding, tune_ranges=tune_ranges, target=target, strict=steps.strict),
+                             say, fallback=[])
     path = output or wd.file(INT8)
     table_sha256 = file_hash(table_path)
     # what the int8 model was made from travels inside it: eval and bench refuse to compare it
@@ -542,6 +550,8 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
         "budget": None if afforded is None else afforded.to_dict(),
         "optional_steps": steps.to_dict(),
         "summary": out.plan.summary(),
+        "subgraphs": [{"node": n, "branch": b, "summary": q.report["summary"], "int8_model": q.path,
+                       "fallbacks": q.report["optional_steps"]["fallbacks"]} for n, b, q in branches],
         "excluded": final_exclude,
         "nodes": [d.__dict__ for d in out.plan.decisions],
         "notes": out.notes,

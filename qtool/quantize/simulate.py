@@ -259,10 +259,11 @@ class Simulator:
                 n.input[idx] = stem if fixed is not None else stem + ":v"
         rename = {t: f"sim:{t}:y" for t in tensors}
         for n in nodes:
-            for i in G.node_reads(n) & set(rename):
-                # as the build does, fp32 readers of a graph input read it before quantization
-                if i not in graph_inputs or n.name in int8:
-                    G.rename_reads(n, i, rename[i])
+            for k, i in enumerate(n.input):
+                # as the build does, fp32 readers of a graph input read it before quantization (and a
+                # branch reading a tensor by name reads it unquantized)
+                if i in rename and (i not in graph_inputs or n.name in int8):
+                    n.input[k] = rename[i]
         produced = {o: n.name for n in nodes for o in n.output}
         after = {}
         consts = []
