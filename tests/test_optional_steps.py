@@ -32,12 +32,11 @@ INJECT = {
     "guard": ("guard_layers", {}),
     "exclusion": ("run_exclusion", {"exclude_sensitive": True, "max_excluded": 1}),
     "target cost": ("target_cost", {}),
-    "subgraphs": ("quantize_branches", {}),
 }
 
 
 def test_every_optional_step_has_a_fault_injected_here():
-    assert set(INJECT) == set(STEPS)
+    assert set(INJECT) | {"subgraphs"} == set(STEPS)  # (subgraphs: in test_real_models, on a model with an If)
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """Which preprocessing calibration uses, and whether it fits the model: no --config takes the model's
 metadata, else assumes the torchvision ImageNet preset (and says so in one line); a preset fits
 itself to the model's input size; the stem's BatchNormalization statistics and degenerate fp32
-outputs warn when the preprocessing looks wrong."""
+outputs warn when the preprocessing looks wrong; the PP-OCR presets compute what PaddleOCR computes."""
 from __future__ import annotations
 
 import warnings
@@ -10,6 +10,7 @@ import numpy as np
 import onnx
 import pytest
 from onnx import helper
+from PIL import Image
 
 from helpers import init, make_model, save, small_convnet, write_config, write_images
 from qtool.calibrate.checks import OutputWatch
@@ -193,3 +194,113 @@ def test_output_watch():
     few = OutputWatch("y")
     few.observe(np.tile(np.arange(10.0), (3, 1)), 0)  # three images of one class: could be the data
     assert few.warning() is None
+
+
+# --- the PP-OCR presets: each image its own size (detector), crops right-padded (recognizer) -----------------
+
+def _paddle_det_size(w, h, limit=960):
+    """(H, W) by PaddleOCR's DetResizeForTest.resize_image_type0, limit_type "max", as written there."""
+    ratio = (float(limit) / h if h > w else float(limit) / w) if max(h, w) > limit else 1.
+    rh, rw = int(h * ratio), int(w * ratio)
+    return max(int(round(rh / 32) * 32), 32), max(int(round(rw / 32) * 32), 32)
+
+
+def _ocr_image(tmp_path, name, w, h, seed=0):
+    from helpers import picture
+    p = str(tmp_path / name)
+    picture(np.random.default_rng(seed), h, w).save(p)
+    return p
+
+
+@pytest.mark.parametrize("w,h,want", [(1000, 700, (672, 960)), (640, 480, (480, 640)), (700, 1000, (960, 672)),
+                                      (80, 48, (64, 64)),  # 2.5 and 1.5 multiples: Python rounds half to even
+                                      (3000, 20, (32, 960))])
+def test_ppocr_det_limits_the_longest_side_in_multiples_of_32(tmp_path, w, h, want):
+    from qtool.data.images import load_image
+    cfg, changes = fit_to_input(load_config("ppocr-det"), ["N", 3, "H", "W"])
+    assert changes == [] and want == _paddle_det_size(w, h)
+    assert load_image(_ocr_image(tmp_path, "a.png", w, h), cfg).shape == (1, 3) + want
+
+
+def test_ppocr_det_values_are_bgr_imagenet_mean_std(tmp_path):
+    from qtool.data.images import load_image
+    p = _ocr_image(tmp_path, "a.png", 64, 32)  # already multiples of 32: no resize
+    x = load_image(p, load_config("ppocr-det"))
+    bgr = np.asarray(Image.open(p).convert("RGB"), np.float64)[..., ::-1]
+    want = (bgr / 255 - [0.485, 0.456, 0.406]) / [0.229, 0.224, 0.225]  # PaddleOCR's NormalizeImage, BGR order
+    np.testing.assert_allclose(x[0], want.transpose(2, 0, 1), atol=1e-5, rtol=0)
+    assert describe(load_config("ppocr-det")).startswith(
+        "longest side scaled down to 960 bilinear (never up), sides rounded to multiples of 32, each image its own "
+        "size, BGR, (x - 123.675/116.28/103.53) / 58.395/57.12/57.375")
+    c, changes = fit_to_input(load_config("ppocr-det"), [1, 3, 640, 640])  # a static input takes one size
+    assert (c.resize, c.size) == ("exact", (640, 640)) and changes[0].startswith("resize exact 640x640")
+
+
+def test_ppocr_rec_keeps_the_ratio_and_pads_with_zeros(tmp_path):
+    from qtool.data.images import load_image
+    cfg, changes = fit_to_input(load_config("ppocr-rec"), ["N", 3, 48, 320])
+    assert changes == [] and cfg.size == (48, 320)
+    p = _ocr_image(tmp_path, "crop.png", 100, 20)
+    x = load_image(p, cfg)
+    assert x.shape == (1, 3, 48, 320)
+    content = np.asarray(Image.open(p).convert("RGB").resize((240, 48), Image.BILINEAR), np.float64)[..., ::-1]
+    np.testing.assert_allclose(x[0, :, :, :240], ((content / 255 - 0.5) / 0.5).transpose(2, 0, 1), atol=1e-5, rtol=0)
+    assert np.all(x[0, :, :, 240:] == 0)  # ceil(48 * 100 / 20) = 240: the rest is padding, 0 after normalising
+    wide = load_image(_ocr_image(tmp_path, "wide.png", 1000, 20), cfg)  # 2400 wide at height 48: capped
+    assert wide.shape == (1, 3, 48, 320) and np.abs(wide[0, :, :, -1]).max() > 0
+    assert "height 48 bilinear keeping the aspect ratio (width at most 320), right-padded to 320" in describe(cfg)
+
+
+@pytest.mark.parametrize("dims,size", [(["N", 3, 32, "W"], (32, 320)), (["N", 3, "H", "W"], (48, 320)),
+                                       ([1, 3, 48, 256], (48, 256))])
+def test_ppocr_rec_takes_what_the_model_fixes(tmp_path, dims, size):
+    from qtool.data.images import load_image
+    cfg, _ = fit_to_input(load_config("ppocr-rec"), dims)
+    assert cfg.size == size
+    x = load_image(_ocr_image(tmp_path, "crop.png", 100, 20), cfg)
+    w = -(-size[0] * 100 // 20)
+    assert x.shape == (1, 3) + size and np.abs(x[0, :, :, w - 1]).max() > 0 and np.all(x[0, :, :, w:] == 0)
+
+
+def _ocr_net(height):
+    """Conv -> Relu -> Conv -> Relu, a dynamic width (and height unless given): a detector's map, or with
+    a height, a recognizer's [N, W/2, 6] sequence (mean over the height, a MatMul per column)."""
+    rng = np.random.default_rng(3)
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], kernel_shape=[3, 3], pads=[1] * 4, strides=[2, 2]),
+             helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], kernel_shape=[3, 3], pads=[1] * 4),
+             helper.make_node("Relu", ["c2"], ["r2" if height else "y"])]
+    inits = [init("w1", rng.normal(0, 0.3, (8, 3, 3, 3))), init("b1", rng.normal(0, 0.1, 8)),
+             init("w2", rng.normal(0, 0.3, (8, 8, 3, 3))), init("b2", rng.normal(0, 0.1, 8))]
+    if height:
+        nodes += [helper.make_node("ReduceMean", ["r2"], ["m"], axes=[2], keepdims=0),
+                  helper.make_node("Transpose", ["m"], ["t"], perm=[0, 2, 1]),
+                  helper.make_node("MatMul", ["t", "fc"], ["y"])]
+        inits.append(init("fc", rng.normal(0, 0.3, (8, 6))))
+    return make_model(nodes, inits, [("x", ["N", 3, height or "H", "W"])],
+                      [("y", ["N", "T", 6] if height else ["N", 8, "H2", "W2"])])
+
+
+@pytest.mark.parametrize("preset,height,sizes", [("ppocr-rec", 48, [(100, 20), (40, 30), (600, 24), (18, 36)]),
+                                                 ("ppocr-det", None, [(1000, 700), (640, 480), (300, 200)])])
+def test_ppocr_presets_calibrate_end_to_end(tmp_path, monkeypatch, capsys, preset, height, sizes):
+    """`qtool calibrate --config ppocr-...` on images of different sizes; the fused graph keeps the sizes
+    that vary free (a recognizer's width, a detector's height and width)."""
+    from qtool import cli
+    from qtool.calibrate.table import load_table
+    monkeypatch.chdir(tmp_path)
+    net = save(_ocr_net(height), tmp_path / "ocr.onnx")
+    (tmp_path / "d").mkdir()
+    for k, (w, h) in enumerate(sizes):
+        _ocr_image(tmp_path / "d", f"{k}.png", w, h, seed=k)
+    try:
+        cli.main(["calibrate", "--model", net, "--data", "d", "--config", preset, "-w", "work", "--threads", "1"])
+    except SystemExit as e:
+        assert e.code in (0, None), capsys.readouterr().err
+    assert f"calibrated {len(sizes)} images" in capsys.readouterr().out
+    t = load_table(str(tmp_path / "work" / "calibration.json"))
+    assert t.n_samples == len(sizes) and t.config["resize"] == ("height" if height else "limit")
+    assert all(lo < hi for lo, hi in t.ranges["minmax"].values())
+    dims = [d.dim_value or None for d in onnx.load(str(tmp_path / "work" / "fused.onnx")).graph.input[0]
+            .type.tensor_type.shape.dim]
+    assert dims[1:] == [3, height, None]

@@ -321,12 +321,8 @@ def test_unbalanced_channels_are_balanced_exactly_and_gain(tmp_path, monkeypatch
     assert db(q) > db(plain) + 1.5  # (12.6 -> 14.6 dB here)
 
 
-def test_a_network_inside_an_if_is_quantized_where_every_sample_takes_it(tmp_path):
-    """Silero VAD keeps its 16 kHz network in one branch of If(sr == 16000) and its 8 kHz one in the
-    other: the branch every calibration sample takes is quantized as a model of its own and put back;
-    the other stays fp32."""
-    rng = np.random.default_rng(12)
-
+def _if_model(rng):
+    """x [1, 1, 64], sr -> If(sr == 16000): a small 1-D conv net in each branch (weights inside it)."""
     def branch(name, scale):
         w = init(f"w_{name}", rng.standard_normal((6, 1, 5)) * scale)
         w2 = init(f"w2_{name}", rng.standard_normal((1, 6, 3)) * 0.4)
@@ -345,6 +341,15 @@ def test_a_network_inside_an_if_is_quantized_where_every_sample_takes_it(tmp_pat
                           initializer=[init("k16", 16000, np.int64)])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 16)])
     m.ir_version = 8
+    return m
+
+
+def test_a_network_inside_an_if_is_quantized_where_every_sample_takes_it(tmp_path):
+    """Silero VAD keeps its 16 kHz network in one branch of If(sr == 16000) and its 8 kHz one in the
+    other: the branch every calibration sample takes is quantized as a model of its own and put back;
+    the other stays fp32."""
+    rng = np.random.default_rng(12)
+    m = _if_model(rng)
     samples = [{"x": rng.standard_normal((1, 1, 64)).astype(np.float32), "sr": np.array(16000, np.int64)}
                for _ in range(12)]
     q = default_run(m, samples, tmp_path)
@@ -355,3 +360,25 @@ def test_a_network_inside_an_if_is_quantized_where_every_sample_takes_it(tmp_pat
     assert "QuantizeLinear" in ops["then_branch"] and "QuantizeLinear" not in ops["else_branch"]
     eight = dict(samples[0], sr=np.array(8000, np.int64))  # the branch no sample took: still fp32, exact
     np.testing.assert_array_equal(run(out, eight)[0], run(m, eight)[0])
+
+
+def test_a_failing_branch_stays_fp32_and_says_so(tmp_path, monkeypatch):
+    """The optional step 'subgraphs' fails: the branch stays fp32, one warning, the model is written."""
+    from qtool.quantize import run as quantize_run
+    monkeypatch.delenv("QTOOL_STRICT", raising=False)
+    m = _if_model(np.random.default_rng(13))
+
+    def boom(*a, **k):
+        raise RuntimeError("injected fault")
+    monkeypatch.setattr(quantize_run, "quantize_branches", boom)
+    path = save(m, tmp_path / "model.onnx")
+    rng = np.random.default_rng(14)
+    data = _write(tmp_path / "data", [{"x": rng.standard_normal((1, 1, 64)).astype(np.float32),
+                                       "sr": np.array(16000, np.int64)} for _ in range(6)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        calibrate(path, data, workdir=str(tmp_path / "w"), verbose=False, threads=1)
+        q = quantize(str(tmp_path / "w"), verbose=False)
+    assert sum("subgraphs failed" in str(w.message) for w in caught) == 1
+    assert [f["step"] for f in q.report["optional_steps"]["fallbacks"]] == ["subgraphs"]
+    onnx.checker.check_model(onnx.load(q.path))

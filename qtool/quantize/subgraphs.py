@@ -85,15 +85,36 @@ def _dims(values: list) -> list:
     return [sh[0] if len(set(sh)) == 1 else None for sh in zip(*shapes)]
 
 
+def _rename(g: onnx.GraphProto, names: dict) -> None:
+    """Every name in `names` renamed in `g` and the graphs nested in it: what nodes write and read,
+    initializers, outputs."""
+    for t in g.initializer:
+        t.name = names.get(t.name, t.name)
+    for o in g.output:
+        o.name = names.get(o.name, o.name)
+    for n in g.node:
+        n.input[:] = [names.get(i, i) for i in n.input]
+        n.output[:] = [names.get(o, o) for o in n.output]
+        for sub in G._subgraphs(n):
+            _rename(sub, names)
+
+
 def put_back(model: onnx.ModelProto, node_name: str, which: str, int8: onnx.ModelProto) -> None:
-    """The branch `which` of If `node_name` in `model` becomes `int8`'s graph (its inputs outer reads again)."""
+    """The branch `which` of If `node_name` in `model` becomes `int8`'s graph (its inputs outer reads again).
+    Names the int8 graph made that the outer graph also holds (both quantized a tensor `h`: `h_quantized`)
+    are prefixed with the branch's: a model's names are one namespace across its graphs."""
     node = next(n for n in model.graph.node if n.name == node_name)
     attr = next(a for a in node.attribute if a.name == which)
     g = onnx.GraphProto()
     g.CopyFrom(int8.graph)
     g.name = attr.g.name
+    reads = {i.name for i in g.input}
     del g.input[:]
     del g.value_info[:]
+    outer = {o for n in model.graph.node for o in n.output} | {t.name for t in model.graph.initializer} \
+        | {i.name for i in model.graph.input}
+    made = {o for n in g.node for o in n.output} | {t.name for t in g.initializer}
+    _rename(g, {t: f"{node_name}.{which}/{t}" for t in (made & outer) - reads})
     attr.g.CopyFrom(g)
     have = {o.version for o in model.opset_import if o.domain in ("", "ai.onnx")}
     want = max(o.version for o in int8.opset_import if o.domain in ("", "ai.onnx"))
