@@ -262,6 +262,16 @@ def test_ppocr_rec_takes_what_the_model_fixes(tmp_path, dims, size):
     assert x.shape == (1, 3) + size and np.abs(x[0, :, :, w - 1]).max() > 0 and np.all(x[0, :, :, w:] == 0)
 
 
+@pytest.mark.parametrize("pre,word", [({"resize": "limit", "limit_side": 0}, "limit_side"),
+                                      ({"resize": "limit", "multiple": 2000}, "multiple"),
+                                      ({"resize": "height", "crop": "center"}, "crop must be none"),
+                                      ({"resize": "widest"}, "resize must be shorter, exact, none, limit or height")])
+def test_ppocr_resize_modes_are_validated(pre, word):
+    from qtool.data.config import from_dict
+    with pytest.raises(QtoolError, match=word):
+        from_dict({"preprocess": {"crop": "none"} | pre}, "bad.toml")
+
+
 def _ocr_net(height):
     """Conv -> Relu -> Conv -> Relu, a dynamic width (and height unless given): a detector's map, or with
     a height, a recognizer's [N, W/2, 6] sequence (mean over the height, a MatMul per column)."""
