@@ -201,6 +201,30 @@ def real_inputs(model: onnx.ModelProto) -> list:
     return [i for i in model.graph.input if i.name not in inits]
 
 
+def count_macs(model: onnx.ModelProto, inputs: dict) -> int | None:
+    """Multiply-accumulates of the Conv, Gemm and MatMul nodes for inputs of these shapes (input name ->
+    shape); None where one of those nodes' shapes cannot be inferred."""
+    known = {t.name: list(t.dims) for t in model.graph.initializer}
+    known.update(inferred_shapes(model, inputs))
+    total = 0
+    for n in model.graph.node:
+        out = known.get(n.output[0]) if n.output else None
+        w = known.get(n.input[1]) if len(n.input) > 1 else None
+        if not out or not w or any(not d for d in out) or any(not d for d in w):
+            if n.op_type in ("Conv", "Gemm", "MatMul"):
+                return None
+            continue
+        if n.op_type == "Conv":  # every output value: Cin/group * kh * kw products
+            total += int(np.prod(out)) * int(np.prod(w[1:]))
+        elif n.op_type == "Gemm":
+            k = w[1] if attr(n, "transB", 0) else w[0]
+            total += int(np.prod(out)) * k
+        elif n.op_type == "MatMul":
+            a = known.get(n.input[0])
+            total += int(np.prod(out)) * (a[-1] if a and a[-1] else w[-2])
+    return total
+
+
 def reference_output(model: onnx.ModelProto) -> str:
     """The output quantize judges a model by (its experiments' SQNR, agreement, KL): the first float
     output (a tagger's int64 path or a detector's count come before its scores in some exports),
@@ -335,7 +359,7 @@ def inferred_shapes(model: onnx.ModelProto, inputs: dict | None = None) -> dict:
                 del dims[:]
                 for d in inputs[i.name]:
                     dims.add().dim_value = int(d)
-        inf = onnx.shape_inference.infer_shapes(sk, strict_mode=False)
+        inf = onnx.shape_inference.infer_shapes(sk, strict_mode=False, data_prop=True)
     except Exception:
         return {}
     out = {}

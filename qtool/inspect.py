@@ -112,29 +112,9 @@ def batch_one_shapes(model: onnx.ModelProto, shapes: dict) -> dict:
 
 
 def count_macs(model: onnx.ModelProto, shapes: dict) -> int | None:
-    m = _static_shapes(model, shapes)
-    if m is None:
+    if _static_shapes(model, shapes) is None:  # (an input neither given nor static)
         return None
-    known = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim]
-             for v in list(m.graph.value_info) + list(m.graph.input) + list(m.graph.output)}
-    known.update({t.name: list(t.dims) for t in model.graph.initializer})
-    total = 0
-    for n in model.graph.node:
-        out = known.get(n.output[0]) if n.output else None
-        w = known.get(n.input[1]) if len(n.input) > 1 else None
-        if not out or not w or 0 in out:
-            if n.op_type in ("Conv", "Gemm", "MatMul"):
-                return None
-            continue
-        if n.op_type == "Conv":  # every output value: Cin/group * kh * kw products
-            total += int(np.prod(out)) * int(np.prod(w[1:]))
-        elif n.op_type == "Gemm":
-            k = w[1] if G.attr(n, "transB", 0) else w[0]
-            total += int(np.prod(out)) * k
-        elif n.op_type == "MatMul":
-            a = known.get(n.input[0])
-            total += int(np.prod(out)) * (a[-1] if a else w[-2])
-    return total
+    return G.count_macs(model, shapes)
 
 
 def count_params(model: onnx.ModelProto) -> int:

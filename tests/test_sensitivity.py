@@ -61,8 +61,11 @@ def test_exclude_sensitive_keeps_the_damaged_layer_fp32(damaged_workdir):
                               show_progress=False)
     r = quantize(damaged_workdir, sensitivity=opts, say=lambda s: None)
     assert "c2" in r.exclusion.excluded
+    # the damaged layer alone ruins the output: the default guard (guard.py) keeps it fp32 already, and
+    # the search starts from there and never ends worse
+    assert r.exclusion.excluded["c2"].startswith("kept fp32: alone in int8")
     first, last = r.exclusion.curve[0], r.exclusion.curve[-1]
-    assert last.sqnr_db > first.sqnr_db + 6
+    assert first.sqnr_db > 35 and last.sqnr_db >= first.sqnr_db
     assert r.report["excluded"] == r.exclusion.excluded
     status = {d["name"]: d["status"] for d in r.report["nodes"]}
     assert status["c2"] == "fp32"

@@ -140,6 +140,7 @@ def stem_fit(model: onnx.ModelProto, input_name: str, files: list, cfg, current:
             pixels.append(load_image(f, raw_cfg))
         except BadImage:
             continue
+    pixels = [p for p in pixels if p.shape == pixels[0].shape]  # (images kept at their own sizes: the first size's)
     if len(pixels) < min(FIT_MIN_IMAGES, len(files)) or len(pixels) < 2:
         return None
     x0 = np.concatenate(pixels)

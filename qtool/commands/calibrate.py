@@ -15,7 +15,8 @@ from qtool.modelio import check_writable
 @click.option("--data", "-d", required=True, type=click.Path(), help="Folder of sample images, or of .npy files (one sample each, one-input models) or .npz files "
               "(one sample each, one array per model input, named by input); searched recursively, one kind per folder.")
 @click.option("--config", "-c", default=None, help="Image preprocessing (not for tensors): a TOML file or a preset name "
-              "(efficientnet-lite, imagenet-torchvision, caffe-bgr, tf-inception, ppocr-cls, yolox), sized to the model's "
+              "(efficientnet-lite, imagenet-torchvision, caffe-bgr, tf-inception, ppocr-cls, ppocr-det, ppocr-rec, yolox), sized "
+              "to the model's "
               "input. Default: the model's metadata (qtool.config) if it has one, else imagenet-torchvision for a "
               "3-channel input (grey pixels 0-255 for 1 channel); the choice is printed, and a warning says when the "
               "model's first BatchNormalization or its outputs suggest another.")

@@ -192,7 +192,7 @@ def balance(ctx, samples, say=print) -> None:
     m, table, names = equalize(ctx.fused, ctx.table, say=lambda text: None)
     if not names or not len(samples):
         return
-    n = Budget(samples.seconds_per_sample).samples(2 * SENSITIVITY_PASSES * len(names), min(PROBE_SAMPLES, len(samples)))
+    n = Budget.of(ctx.fused, samples).samples(2 * SENSITIVITY_PASSES * len(names), min(PROBE_SAMPLES, len(samples)))
     if n == 0:
         say(f"note: channel balancing skipped (it would measure {len(names)} tensors twice; too slow for this model here)")
         return

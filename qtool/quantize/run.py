@@ -98,7 +98,8 @@ def _pins(table) -> dict:
     c = table.config
     if not c or not table.input_name:
         return {}
-    h, w = c["size"]
+    from qtool.data.config import config_from_any, input_size
+    h, w = input_size(config_from_any(c))  # (None where the preset keeps each image's own size)
     ch = 1 if c.get("color") == "GRAY" else 3
     return {table.input_name: [None, ch, h, w] if c.get("layout", "NCHW") == "NCHW" else [None, h, w, ch]}
 
@@ -354,7 +355,7 @@ def afford(fused, table, files: list, sens_wanted: int, split: SampleSplit, need
     probe = load_samples(fused, table, need[:1])
     if not len(probe) or probe.seconds_per_sample <= 0:
         return None
-    b = Budget(probe.seconds_per_sample)
+    b = Budget.of(fused, probe)
     n_auto = b.samples(METHOD_CHOICE_PASSES * len(METHODS), len(split.auto), 1) if auto else len(split.auto)
     n_sens, per_sens = len(split.sensitivity), SENSITIVITY_PASSES * len(quantizable_layers(fused))
     if sensitivity and free_sensitivity:
@@ -377,7 +378,7 @@ def afford(fused, table, files: list, sens_wanted: int, split: SampleSplit, need
             notes.append(f"{step} on {len(now)} of {len(old)} samples" if now else
                          f"{step} skipped (about {b.seconds(passes, least):.0f} s for {least} sample"
                          f"{'s' if least > 1 else ''})")
-    say(f"note: one fp32 pass takes {b.seconds_per_sample:.2f} s per sample here: " + "; ".join(notes))
+    say(f"note: one fp32 pass is taken to cost {b.seconds_per_sample:.2f} s per sample: " + "; ".join(notes))
     return Afforded(new, auto and n_auto > 0, rounding and n_tune > 0, sensitivity and n_sens > 0,
                     b.seconds_per_sample, notes)
 
