@@ -468,7 +468,8 @@ def test_method_auto_picks_the_best_measured_method(calibrated, tmp_path):
     r = quantize(str(work), method="auto", say=lambda s: None)
     scores = r.report["method_scores_db"]
     assert set(scores) == set(METHODS)
-    assert r.report["method"] == max(scores, key=scores.get)
+    best = max(scores, key=scores.get)  # (a clipping method must beat minmax by CLIP_GAIN_DB)
+    assert r.report["method"] == (best if scores[best] >= scores["minmax"] + 0.5 else "minmax")
 
 
 def test_exclusion_drops_the_quantizer_only_the_excluded_layer_read(calibrated):
