@@ -80,6 +80,25 @@ class _Rewrite:
         self.m.graph.node.append(helper.make_node("Mul", [t, k], [out], name=out))
         return out
 
+    def add(self, t: str, shift: np.ndarray, rank: int) -> str:
+        """An Add of `shift` per channel (axis 1) to `t`; -> its output."""
+        out, k = G.unique_name(self.m, t + "_shifted"), G.unique_name(self.m, t + "_shift")
+        G.set_initializer(self.m, k, shift.astype(np.float32).reshape((1, -1) + (1,) * (rank - 2)))
+        self.m.graph.node.append(helper.make_node("Add", [t, k], [out], name=out))
+        return out
+
+    def shift_producer(self, p, shift: np.ndarray) -> None:
+        """The Conv/Gemm `p` writes its output minus `shift` per channel (its bias, made if it has none)."""
+        if len(p.input) > 2 and p.input[2]:
+            b = numpy_helper.to_array(G.initializers(self.m)[p.input[2]]).astype(np.float64)
+            G.set_initializer(self.m, p.input[2], (b - shift).astype(np.float32))
+            return
+        name = G.unique_name(self.m, p.name + "_bias")
+        G.set_initializer(self.m, name, (-shift).astype(np.float32))
+        while len(p.input) < 3:
+            p.input.append("")
+        p.input[2] = name
+
     def balanced(self, into: str, src: str, lo, hi, s) -> None:
         """Tensor `into` holds `src`'s values divided by s per channel: its ranges and means. Each
         method's range is the balanced extremes, clipped as that method clipped the tensor's own (mse
@@ -95,6 +114,17 @@ class _Rewrite:
         self.table.channel_ranges[into] = [(lo / s).tolist(), (hi / s).tolist()]
         if src in self.table.channel_means:
             self.table.channel_means[into] = (np.asarray(self.table.channel_means[src]) / s).tolist()
+
+
+def _centred(ranges) -> tuple | None:
+    """(lo, hi, c, s) for a tensor whose channels may be shifted as well as scaled: channel i becomes
+    (x - c_i) / s_i, its range centred on 0 and as wide as the widest channel's; None where one range
+    for all already serves the channels within MIN_SPREAD."""
+    lo, hi = (np.asarray(v, np.float64) for v in ranges)
+    half = (hi - lo) / 2
+    if half.max() <= 0 or (hi.max() - lo.min()) / max(2 * float(np.median(half)), 1e-30) < MIN_SPREAD:
+        return None
+    return lo, hi, (hi + lo) / 2, np.clip(half / half.max(), 1 / MAX_GAIN, 1.0)
 
 
 def _factors(ranges) -> tuple | None:
@@ -130,10 +160,10 @@ def equalize(fused: onnx.ModelProto, table, say=print, only=None) -> tuple:
     rw = _Rewrite(fused, table)
     done, names = [], {}
     for t, kind, name in todo:
-        f = _factors(table.channel_ranges[t])
+        f = (_centred if kind == "out of" else _factors)(table.channel_ranges[t])
         if f is None:
             continue
-        lo, hi, s = f
+        lo, hi, s = f[0], f[1], f[-1]
         m = rw.m
         nodes, inits, cons, prods = {n.name: n for n in m.graph.node}, G.initializers(m), G.consumers(m), G.producers(m)
         node = nodes[name]
@@ -142,11 +172,17 @@ def equalize(fused: onnx.ModelProto, table, say=print, only=None) -> tuple:
         if kind == "out of":
             if len(s) != inits[node.input[1]].dims[_weight_axis(node, inits)]:
                 continue
+            # shifted too: channel i is (x - c_i) / s_i, so that asymmetric channels (a pre-activation
+            # mostly below zero beside one mostly above) all fill the one range; the shift goes into the
+            # producer's bias and comes back in an Add before the fp32 readers
+            c = f[2]
+            rank = len(G.inferred_shapes(m).get(t) or [0, 0, 0, 0])
+            rw.shift_producer(node, c)
             rw.scale_producer(node, _weight_axis(node, inits), 1 / s)
-            restored = rw.mul(t, s, len(G.inferred_shapes(m).get(t) or [0, 0, 0, 0]))
-            for c in cons[t]:
-                G.rename_reads(c, t, restored)
-            rw.balanced(t, t, lo, hi, s)
+            restored = rw.add(rw.mul(t, s, rank), c, rank)
+            for r in cons[t]:
+                G.rename_reads(r, t, restored)
+            rw.balanced(t, t, lo - c, hi - c, s)
             names[t] = t
         else:
             if len(s) != inits[node.input[1]].dims[0]:
