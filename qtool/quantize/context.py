@@ -87,5 +87,6 @@ class QuantizeContext:
         """(the int8 model's reference output over `samples` (a SampleSet: joined as its reference is),
         the QuantizeOutput it came from); `threads`: ONNX Runtime's for this run (None: the context's)."""
         q = self.build(exclude, scoring=True, **over)
-        outs = run_output(q.model, G.reference_output(q.model), samples.feeds, self.threads if threads is None else threads)
+        name = samples.output or G.reference_output(q.model)
+        outs = run_output(q.model, name, samples.feeds, self.threads if threads is None else threads)
         return samples.join(outs), q

@@ -33,6 +33,7 @@ class SampleSet:
     # rate, a state [2, N, 128]): `inputs` hold them on a new axis 0, fed one at a time, outputs stacked
     stacked: bool = False
     seconds_per_sample: float = 0.0  # the fp32 pass that made `reference`, per sample (0: not measured)
+    output: str | None = None  # the tensor `reference` holds (graph.reference_output of the fused graph)
 
     def __len__(self):
         return len(self.names)
@@ -62,7 +63,7 @@ class SampleSet:
 
     def _like(self, names, inputs, reference) -> "SampleSet":
         return SampleSet(names, inputs, reference, self.batch, self.fixed_batch, self.axis, self.rows, self.stacked,
-                         self.seconds_per_sample)
+                         self.seconds_per_sample, self.output)
 
     def subset(self, index) -> "SampleSet":
         """The samples at `index`; for a model with a fixed batch, whole batches of them only (the
@@ -120,9 +121,9 @@ def load_samples(fused, table, files: list, threads: int = 0, progress=None) -> 
         warnings.warn(f"the model takes exactly {s.batch} samples at a time and only {len(names)} calibration "
                       f"samples are here; the steps that need them are skipped", stacklevel=2)
         return s
-    from qtool.ortsession import session
-    sess = session(fused, threads, where=f"{table.model_path} (fused)")
-    out = G.reference_output(fused)
+    from qtool.ortsession import session, with_outputs
+    out = s.output = G.reference_output(fused)
+    sess = session(with_outputs(fused, [out]), threads, where=f"{table.model_path} (fused)")
     s.axis, s.rows = _sample_axis(sess, out, s)
     ys = []
     t0 = time.perf_counter()

@@ -299,7 +299,8 @@ class Simulator:
         m, big = self._model(ordered, "variants",
                              [helper.make_tensor_value_info(t, self.types.get(t, TensorProto.FLOAT),
                                                             _dims(self.shapes.get(t))) for t in frontier] + switches,
-                             [o for o in self.base.graph.output if o.name == self.output],
+                             [o for o in self.base.graph.output if o.name == self.output]
+                             or [helper.make_empty_tensor_value_info(self.output)],
                              set().union(*(G.node_reads(n) for n in ordered)), big, consts)
         # every optimization (NCHWc convolutions: 2.4x faster than the basic level on Lite0); no int8
         # kernel can take part, as no weight is quantized here, and ORT must not quantize the float
