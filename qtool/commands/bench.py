@@ -11,29 +11,38 @@ from qtool.limits import MAX_BATCH
 from qtool.modelio import check_writable
 
 
-@click.command("bench", short_help="Time qtool's int8 runtime against ONNX Runtime int8 and fp32.")
+@click.command("bench", short_help="Time qtool's int8 runtime against ONNX Runtime int8 and fp32, with intervals.")
 @click.option("--model", "-m", type=click.Path(dir_okay=False),
               help="QDQ int8 ONNX model (default: the one `qtool quantize` wrote in the workdir).")
 @click.option("--fp32", type=click.Path(dir_okay=False),
               help="The float original (default: found from the workdir or a sibling without '.int8').")
 @click.option("--batch", "-b", "batches", type=click.IntRange(1, MAX_BATCH), multiple=True, help="Batch size; repeat for several (default 1 and 8).")
 @click.option("--threads", "-t", default=2, show_default=True, type=click.IntRange(1, 1024), help="Threads for every engine.")
-@click.option("--repeats", default=20, show_default=True, type=click.IntRange(1, 100000), help="Minimum timed runs at batch 1 (a quarter at larger batches).")
+@click.option("--rounds", "-r", default=10, show_default=True, type=click.IntRange(1, 10000),
+              help="Interleaved rounds; each times every engine in one block, the order alternating.")
+@click.option("--round-ms", default=100, show_default=True, type=click.IntRange(0, 600000),
+              help="Each engine's timed runs per round last at least this long.")
+@click.option("--repeats", default=5, show_default=True, type=click.IntRange(1, 100000),
+              help="Each engine's timed runs per round at least, at batch 1 (a quarter, at least 1, at larger batches).")
 @click.option("--shape", help="Input shape when the model's is dynamic beyond the batch, e.g. 1,3,224,224.")
 @click.option("--profile", is_flag=True,
               help="Per-op-type time, GMAC/s and share of the active tier's peak, measured here (native runtime).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write all figures as JSON here.")
 @common_options
-def command(model, fp32, batches, threads, repeats, shape, profile, json_path, workdir, quiet, verbose, debug):
+def command(model, fp32, batches, threads, rounds, round_ms, repeats, shape, profile, json_path, workdir, quiet, verbose, debug):
     """Time qtool's native int8 runtime, ONNX Runtime int8 (same file) and ONNX Runtime fp32.
 
-    Prints the median ms/image of each engine per batch size and the ratios; the engines take
-    turns in short blocks (each after an untimed run), so a busy machine slows them alike.
+    Prints the median ms/image of each engine per batch size and each ratio (other engine's time /
+    native time: above 1, native is faster) with its 95 % interval. The engines take turns in
+    rounds, one block each (after an untimed run), the order alternating from round to round, so a
+    busy machine slows them alike; a ratio is the median of the rounds' ratios, its interval a
+    bootstrap over the rounds (fixed seed). A ratio whose interval holds 1.0 is printed as a tie.
 
     \b
     Example:
       qtool bench                 (the int8 model `qtool quantize` wrote in ./qtool_work, and its fp32 original)
       qtool bench --model qtool_work/model.int8.onnx --fp32 model.onnx --batch 1 --batch 8 --json bench.json
+      qtool bench -m model.int8.onnx --rounds 20      (a narrower interval, twice the time)
       qtool bench -m resnet50.int8.onnx --threads 2 --profile
     """
     setup_output(quiet, verbose)
@@ -67,7 +76,8 @@ def command(model, fp32, batches, threads, repeats, shape, profile, json_path, w
         if any(d < 1 for d in dims):
             raise QtoolError(f"--shape {shape}: every dimension must be 1 or more")
     log = None if quiet else click.echo
-    r = bench(model, fp32, tuple(batches) or (1, 8), threads, repeats, dims, profile, log=log)
+    r = bench(model, fp32, tuple(batches) or (1, 8), threads, repeats, dims, profile, rounds=rounds,
+              round_s=round_ms / 1000.0, log=log)
     if profile and not quiet:
         from qtool.runtime.profile import format_table, format_top
         for bs, p in r["profile"].items():

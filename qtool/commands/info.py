@@ -15,7 +15,8 @@ def gather() -> dict:
     import qtool
     d = {"qtool": qtool.__version__, "python": platform.python_version(), "numpy": numpy.__version__,
          "onnx": onnx.__version__, "machine": platform.machine()}
-    d["cpu"] = _cpu_name()
+    from qtool.runtime.backend import cpu_name
+    d["cpu"] = cpu_name()
     try:
         import onnxruntime
         d["onnxruntime"] = onnxruntime.__version__
@@ -26,20 +27,10 @@ def gather() -> dict:
     try:
         import qtool.kernels as K
         d["kernels"] = K.info()
+        d["pool"] = K.pool_wakeup()
     except Exception as e:  # not built: say so rather than fail
         d["kernels"] = {"error": f"{type(e).__name__}: {e}"}
     return d
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 @click.command("info", short_help="Version, the kernel ISA chosen and the CPU features behind it.")
@@ -78,3 +69,12 @@ def command(as_json, quiet, verbose, debug):
     kern = k.get("kernels", {})
     if kern:
         click.echo("kernels: " + ", ".join(f"{op}={name}" for op, name in kern.items()))
+    p = d.get("pool")
+    if p:
+        click.echo(f"thread pool: idle workers spin {p['spin_us']:.0f} us, then sleep (a pause takes {p['pause_ns']:.0f} ns here)")
+        if p["wake_from_sleep_us"] is None:
+            click.echo("worker wake-up: no workers (1 thread)")
+        else:
+            click.echo(f"worker wake-up (post to start, median / max of {p['samples']}): asleep "
+                       f"{p['wake_from_sleep_us']:.1f} / {p['wake_from_sleep_max_us']:.1f} us, spinning "
+                       f"{p['wake_while_spinning_us']:.2f} / {p['wake_while_spinning_max_us']:.2f} us")

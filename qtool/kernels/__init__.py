@@ -23,7 +23,7 @@ __all__ = ["info", "set_isa", "get_isa", "available_isas", "set_num_threads", "g
            "quantize_nchw_to_nhwc", "dequantize_nhwc_to_nchw", "bind_conv2d", "bind_gemm",
            "bind_add", "bind_maxpool2d", "bind_avgpool2d", "bind_global_avgpool", "bind_concat",
            "bind_quantize_nchw_to_nhwc", "bind_dequantize_nhwc_to_nchw", "mul", "bind_mul", "lut",
-           "bind_lut", "peak_gmacs", "set_exact_only"]
+           "bind_lut", "peak_gmacs", "set_exact_only", "set_spin_us", "get_spin_us", "pool_wakeup"]
 
 
 # ---- runtime / dispatch --------------------------------------------------------------------
@@ -56,6 +56,31 @@ def set_num_threads(n: int) -> None:
 
 def get_num_threads() -> int:
     return _native.get_num_threads()
+
+
+def set_spin_us(us: float) -> None:
+    """How long an idle pool worker spins after a job before it sleeps (default 100 us, or env
+    QTOOL_SPIN_US). Measured on the clock, the same time on every CPU."""
+    _native.set_spin_ns(float(us) * 1000.0)
+
+
+def get_spin_us() -> float:
+    return _native.get_spin_ns() / 1000.0
+
+
+def pool_wakeup(samples: int = 15) -> dict:
+    """The pool's worker wake-up latency, measured here: microseconds from the call that posts a
+    job to a worker starting it, the worker asleep (left idle past its spin) or still spinning
+    (the job right after another); medians and maxima of `samples` each, None with one thread.
+    Also the spin time and what one `pause` instruction takes on this CPU."""
+    def stats(asleep):
+        v = [t / 1000.0 for t in (_native.pool_wake_ns(asleep) for _ in range(samples)) if t >= 0]
+        return (float(np.median(v)), float(max(v))) if v else (None, None)
+    sleep_med, sleep_max = stats(1)
+    spin_med, spin_max = stats(0)
+    return {"spin_us": get_spin_us(), "pause_ns": _native.pause_ns(), "threads": get_num_threads(),
+            "samples": samples, "wake_from_sleep_us": sleep_med, "wake_from_sleep_max_us": sleep_max,
+            "wake_while_spinning_us": spin_med, "wake_while_spinning_max_us": spin_max}
 
 
 _PEAK_KIND = {"avx2": (1, "vpshufb+vpmaddubsw+vpmaddwd+vpaddd"), "avx2-exact": (2, "2 vpshufb + 4 vpmaddwd/vpaddd"),

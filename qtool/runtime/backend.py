@@ -38,6 +38,25 @@ def load_backend(prefer: str | None = None):
     return npkernels, "numpy"
 
 
+def pool_spin_us(mod) -> float | None:
+    """How long the backend's idle pool workers spin before sleeping (None: no pool)."""
+    f = getattr(mod, "get_spin_us", None)
+    return f() if f is not None else None
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what platform knows."""
+    import platform
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def kernel_info(mod) -> dict:
     try:
         return mod.info()

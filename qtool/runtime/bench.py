@@ -1,12 +1,16 @@
 """Speed of qtool's native runtime against ONNX Runtime (int8 on the same file, fp32 on the
-original), measured side by side: the engines take turns in short blocks, so load from other
-processes hits all of them alike. Each block starts after a pause (`settle_s`) and an untimed run,
-so that one engine's thread pool, still spinning after its last run, does not slow the next: ONNX
-Runtime's intra-op workers keep spinning for tens of milliseconds after a run (measured on the
-2-vCPU box: a native EfficientNet-Lite0 run right after an ORT run took 9-11 ms with a 0-20 ms
-pause, 4.7 ms after 100 ms, 2.8 ms alone). Library side of `qtool bench`."""
+original), measured side by side in interleaved rounds: each round times every engine in one block,
+in an order that alternates from round to round, so load from other processes and the host's state
+hit all of them alike, and each round gives a paired ratio (qtool.runtime.bench_stats makes the
+interval). Each block starts after a pause (`settle_s`) and an untimed run (wakes the engine's
+workers, warms the caches). No engine's idle threads may take the next one's time: ONNX Runtime's
+sessions here do not spin (`session.intra_op.allow_spinning` 0; with it on, its workers spin for
+tens of milliseconds after a run: a native EfficientNet-Lite0 run right after an ORT run took 9-11 ms
+on the 2-vCPU box, 2.8 ms alone), and the native pool's workers spin for 100 us after a job, then
+sleep. Library side of `qtool bench`."""
 from __future__ import annotations
 
+import gc
 import os
 import time
 
@@ -15,6 +19,8 @@ import numpy as np
 from qtool.errors import QtoolError
 from qtool.limits import MAX_FEED_BYTES, elems, human_bytes
 from qtool.modelio import check_pair
+from qtool.runtime.backend import cpu_name, pool_spin_us
+from qtool.runtime.bench_stats import LEVEL, RESAMPLES, SEED, Ratio, ratio_interval, round_order
 from qtool.runtime.profile import measured_peak, op_type_table, top_steps
 from qtool.runtime.session import NativeSession
 
@@ -42,8 +48,9 @@ def find_fp32(int8_path: str, workdir: str | None = None) -> str | None:
 
 
 def ort_session(path: str, threads: int):
+    """An ORT session whose idle workers sleep instead of spinning (they would slow the next engine)."""
     from qtool.ortsession import session
-    return session(path, threads)
+    return session(path, threads, spin=False)
 
 
 def make_feeds(sess: NativeSession, batch: int, shape=None, seed: int = 0) -> dict:
@@ -65,11 +72,77 @@ def make_feeds(sess: NativeSession, batch: int, shape=None, seed: int = 0) -> di
     return feeds
 
 
-def bench(model: str, fp32: str | None = None, batches=(1, 8), threads: int = 2, repeats: int = 20,
-          shape=None, profile: bool = False, budget_s: float = 4.0, settle_s: float = 0.1,
+def time_block(engine, feeds, min_runs: int, min_s: float, settle_s: float = 0.0) -> list:
+    """One engine's block in a round: a pause, an untimed run, then at least `min_runs` timed runs
+    and at least `min_s` seconds of them (at most 50 * min_runs). -> seconds per run."""
+    if settle_s > 0:
+        time.sleep(settle_s)
+    engine.run(None, feeds)
+    times = []
+    t_end = time.perf_counter() + min_s
+    while len(times) < min_runs or (time.perf_counter() < t_end and len(times) < 50 * min_runs):
+        t = time.perf_counter()
+        engine.run(None, feeds)
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def time_rounds(engines: dict, feeds, rounds: int, min_runs: int, min_s: float, settle_s: float = 0.0,
+                timer=time_block) -> list:
+    """`rounds` rounds, each a block of every engine in round_order(r).
+    -> [{'order': [...], 'runs': {engine: [seconds, ...]}}, ...]"""
+    out = []
+    for r in range(rounds):
+        order = round_order(engines, r)
+        gc.collect()
+        was = gc.isenabled()
+        gc.disable()  # no collection inside a timed block
+        try:
+            out.append({"order": order, "runs": {k: timer(engines[k], feeds, min_runs, min_s, settle_s)
+                                                 for k in order}})
+        finally:
+            if was:
+                gc.enable()
+    return out
+
+
+def summarize(rounds: list, batch: int) -> dict:
+    """Medians (ms/image) per engine over all timed runs, each round's block median, and every other
+    engine's time over the native one's per round with its interval (bench_stats.ratio_interval)."""
+    engines = list(rounds[0]["runs"])
+    block_ms = {k: [float(np.median(r["runs"][k])) * 1000 / batch for r in rounds] for k in engines}
+    r = {f"{k}_ms": float(np.median(np.concatenate([rd["runs"][k] for rd in rounds]))) * 1000 / batch
+         for k in engines}
+    r.setdefault("ort_fp32_ms", None)
+    r["runs"] = sum(len(rd["runs"]["native"]) for rd in rounds)
+    r["rounds"] = [{"order": rd["order"], **{f"{k}_ms": [t * 1000 / batch for t in rd["runs"][k]] for k in engines}}
+                   for rd in rounds]
+    r["round_ms"] = block_ms
+    r["ratios"] = {}
+    for k in engines:
+        if k != "native":
+            r["ratios"][k] = ratio_interval(block_ms[k], block_ms["native"]).as_dict()
+    r["native_vs_ort_int8"] = r["ratios"]["ort_int8"]["ratio"]
+    r["native_vs_ort_fp32"] = r["ratios"]["ort_fp32"]["ratio"] if "ort_fp32" in r["ratios"] else None
+    return r
+
+
+def format_batch(bs: int, r: dict) -> str:
+    def ratio(k):
+        return Ratio(**{f: r["ratios"][k][f] for f in ("ratio", "lo", "hi", "level", "rounds")}).text()
+    return (f"batch {bs:>2}: native {r['native_ms']:7.2f} ms/image | ORT int8 {r['ort_int8_ms']:7.2f} ({ratio('ort_int8')})"
+            + (f" | ORT fp32 {r['ort_fp32_ms']:7.2f} ({ratio('ort_fp32')})" if r["ort_fp32_ms"] else "")
+            + f"   [{len(r['rounds'])} rounds, {r['runs']} native runs]")
+
+
+def bench(model: str, fp32: str | None = None, batches=(1, 8), threads: int = 2, repeats: int = 5,
+          shape=None, profile: bool = False, rounds: int = 10, round_s: float = 0.1, settle_s: float = 0.02,
           log=print) -> dict:
-    """-> {'batches': {bs: {'native_ms', 'ort_int8_ms', 'ort_fp32_ms', ...}}, 'profile': ...}
-    Times are medians, in ms per image."""
+    """-> {'batches': {bs: {'native_ms', 'ort_int8_ms', 'ort_fp32_ms', 'ratios', 'rounds', ...}}, 'profile': ...}
+    Times are medians, in ms per image; ratios are other engine's time / native time (above 1:
+    native is faster), each the median of `rounds` paired rounds with its 95 % bootstrap interval.
+    A block is at least `repeats` runs at batch 1 (a quarter, at least one, at larger batches) and
+    at least `round_s` seconds."""
     if not os.path.exists(model):
         raise QtoolError(f"{model}: no such file")
     if fp32 is not None and not os.path.exists(fp32):
@@ -85,43 +158,25 @@ def bench(model: str, fp32: str | None = None, batches=(1, 8), threads: int = 2,
     cpus = os.cpu_count() or 1
     if log and load is not None and load > 0.5 * cpus:
         log(f"note: load average {load:.1f} on {cpus} CPUs: other processes share the cores, absolute times are "
-            f"inflated; compare the ratios (the engines take turns in short blocks)")
-    res = {"load_average": load, "cpus": cpus, "model": os.path.abspath(model), "fp32": os.path.abspath(fp32) if fp32 else None, "threads": threads,
-           "isa": kernel_info(native.K).get("isa"), "backend": native.backend,
-           "fallback_nodes": len(native.fallback_nodes()), "batches": {}}
+            f"inflated and the intervals wider; compare the ratios")
+    kinfo = kernel_info(native.K)
+    res = {"load_average": load, "cpus": cpus, "cpu": cpu_name(), "model": os.path.abspath(model),
+           "fp32": os.path.abspath(fp32) if fp32 else None, "threads": threads,
+           "isa": kinfo.get("isa"), "backend": native.backend, "spin_us": pool_spin_us(native.K),
+           "fallback_nodes": len(native.fallback_nodes()), "rounds": rounds, "round_s": round_s,
+           "settle_s": settle_s, "interval": {"level": LEVEL, "resamples": RESAMPLES, "seed": SEED,
+                                              "of": "median of the per-round ratios, rounds resampled"},
+           "batches": {}}
     for bs in batches:
         feeds = make_feeds(native, bs, shape)
         for e in engines.values():  # warm up (and plan, for the native session)
             e.run(None, feeds)
-        times = {k: [] for k in engines}
-        n_min = repeats if bs == 1 else max(4, repeats // 4)
-        block = 5 if bs == 1 else 2
-        t_end = time.perf_counter() + budget_s
-        while True:
-            # engines take turns in blocks: a block starts after a pause, in which the previous
-            # engine's spinning worker threads go quiet, and an untimed run (wakes this engine's
-            # workers, warms the caches)
-            for k, e in engines.items():
-                if settle_s > 0:
-                    time.sleep(settle_s)
-                e.run(None, feeds)
-                for _ in range(block):
-                    t = time.perf_counter()
-                    e.run(None, feeds)
-                    times[k].append(time.perf_counter() - t)
-            n = len(times["native"])
-            if n >= n_min and (time.perf_counter() > t_end or n >= 5 * n_min):
-                break
-        r = {f"{k}_ms": float(np.median(v)) * 1000 / bs for k, v in times.items()}
-        r.setdefault("ort_fp32_ms", None)
-        r["runs"] = len(times["native"])
-        r["native_vs_ort_int8"] = r["ort_int8_ms"] / r["native_ms"]
-        r["native_vs_ort_fp32"] = r["ort_fp32_ms"] / r["native_ms"] if r["ort_fp32_ms"] else None
+        min_runs = repeats if bs == 1 else max(1, repeats // 4)
+        r = summarize(time_rounds(engines, feeds, rounds, min_runs, round_s, settle_s), bs)
         res["batches"][bs] = r
         if log:
-            log(f"batch {bs:>2}: native {r['native_ms']:7.2f} ms/image | ORT int8 {r['ort_int8_ms']:7.2f} ({r['native_vs_ort_int8']:.2f}x)"
-                + (f" | ORT fp32 {r['ort_fp32_ms']:7.2f} ({r['native_vs_ort_fp32']:.2f}x)" if r["ort_fp32_ms"] else "")
-                + f"   [{r['runs']} runs, median]")
+            log(format_batch(bs, r))
+    res["load_average_after"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     if profile:
         res["profile"] = {}
         peak, label = measured_peak(native.K, threads)

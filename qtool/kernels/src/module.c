@@ -85,6 +85,39 @@ static PyObject* py_set_parallel_min_ns(PyObject* self, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+static PyObject* py_set_spin_ns(PyObject* self, PyObject* args) {
+  (void)self;
+  double ns;
+  if (!PyArg_ParseTuple(args, "d", &ns)) return NULL;
+  qt_set_spin_ns(ns);
+  Py_RETURN_NONE;
+}
+
+static PyObject* py_get_spin_ns(PyObject* self, PyObject* args) {
+  (void)self; (void)args;
+  return PyFloat_FromDouble(qt_get_spin_ns());
+}
+
+static PyObject* py_pool_wake_ns(PyObject* self, PyObject* args) {
+  (void)self;
+  int asleep;
+  double ns;
+  if (!PyArg_ParseTuple(args, "i", &asleep)) return NULL;
+  Py_BEGIN_ALLOW_THREADS
+  ns = qt_pool_wake_ns(asleep);
+  Py_END_ALLOW_THREADS
+  return PyFloat_FromDouble(ns);
+}
+
+static PyObject* py_pause_ns(PyObject* self, PyObject* args) {
+  (void)self; (void)args;
+  double ns;
+  Py_BEGIN_ALLOW_THREADS
+  ns = qt_pause_ns();
+  Py_END_ALLOW_THREADS
+  return PyFloat_FromDouble(ns);
+}
+
 static PyObject* py_set_kblock(PyObject* self, PyObject* args) {
   (void)self;
   int mode;
@@ -408,6 +441,11 @@ static PyMethodDef methods[] = {
     {"get_isa", py_get_isa, METH_NOARGS, "selected ISA"},
     {"set_num_threads", py_set_num_threads, METH_VARARGS, "threads used by the kernels"},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "threads used by the kernels"},
+    {"set_spin_ns", py_set_spin_ns, METH_VARARGS, "how long idle pool workers spin before sleeping (ns)"},
+    {"get_spin_ns", py_get_spin_ns, METH_NOARGS, "how long idle pool workers spin before sleeping (ns)"},
+    {"pool_wake_ns", py_pool_wake_ns, METH_VARARGS,
+     "ns from posting a job to a worker starting it, one sample (1: worker asleep, 0: spinning); < 0: none"},
+    {"pause_ns", py_pause_ns, METH_NOARGS, "ns one pause instruction takes here"},
     {"set_kblock", py_set_kblock, METH_VARARGS, "K blocking of large igemm panels: 0 off, 1 on, 2 forced (objects packed later)"},
     {"peak_gmacs", py_peak_gmacs, METH_VARARGS,
      "GMAC/s of a register-only loop of a GEMM mix on this thread (1 avx2, 2 avx2 exact, 3 avx512vnni)"},

@@ -201,6 +201,10 @@ void qt_set_parallel_min_ns(double ns);
 void qt_pool_stats(size_t* jobs, size_t* chunks, size_t* worker_chunks);  /* tests set 0 to thread every op */
 void qt_set_num_threads(int n);
 int qt_get_num_threads(void);
+void qt_set_spin_ns(double ns);   /* how long idle workers spin before sleeping (default 100 us) */
+double qt_get_spin_ns(void);
+double qt_pool_wake_ns(int asleep);  /* one wake-up sample (ns), worker asleep or spinning; < 0: none */
+double qt_pause_ns(void);
 
 /* Per-ISA kernel tables (defined in the kernel files). */
 extern const qt_igemm_config qt_igemm_scalar, qt_igemm_avx2, qt_igemm_avx2_maddubs,

@@ -3,13 +3,17 @@
  * A job [0, n) is cut into contiguous chunks; the caller and the workers claim chunks with a CAS on
  * one 64-bit word (generation << 32 | next chunk), so a worker that the OS has descheduled (the
  * machine is shared) simply claims nothing and the caller does the work itself; the caller only
- * ever waits for chunks that were actually claimed. Idle workers spin briefly on the generation,
- * then sleep on a condition variable. */
+ * ever waits for chunks that were actually claimed. Idle workers spin on the generation for a
+ * fixed time (QT_SPIN_NS, read on the clock every QT_SPIN_CHECK pauses: a `pause` takes ~10x more
+ * cycles on some CPUs than on others, so a count of them is no measure of time), then sleep on a
+ * condition variable: the pool is quiet a few hundred microseconds after its last job. */
 #define _GNU_SOURCE
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
+#include <stdint.h>
 #include <stdlib.h>
+#include <time.h>
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define QT_PAUSE() _mm_pause()
@@ -20,7 +24,8 @@
 #include "qtool_kernels.h"
 
 #define QT_MAX_THREADS 64
-#define QT_SPIN 4000          /* pause iterations before sleeping (~0.3 ms) */
+#define QT_SPIN_NS 100000     /* spin this long after a job before sleeping (env QTOOL_SPIN_US) */
+#define QT_SPIN_CHECK 16      /* pauses between clock reads while spinning */
 #define QT_CHUNKS_PER_THREAD 4
 
 static pthread_mutex_t g_call_lock = PTHREAD_MUTEX_INITIALIZER;  /* one job at a time */
@@ -35,6 +40,38 @@ static qt_task_fn g_fn;
 static void* g_ctx;
 static size_t g_n, g_nchunks;
 static double g_min_ns = QT_PARALLEL_MIN_NS;
+static int64_t g_spin_ns = -1;          /* set on first use */
+static atomic_int g_sleeping;           /* workers waiting on g_wake (the wake-up probe reads it) */
+
+static int64_t now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static int64_t spin_ns(void) {
+  if (g_spin_ns < 0) {
+    const char* env = getenv("QTOOL_SPIN_US");
+    double us = env ? atof(env) : QT_SPIN_NS / 1000.0;
+    g_spin_ns = us < 0 ? 0 : (int64_t)(us * 1000.0);
+  }
+  return g_spin_ns;
+}
+
+void qt_set_spin_ns(double ns) { g_spin_ns = ns < 0 ? 0 : (int64_t)ns; }
+double qt_get_spin_ns(void) { return (double)spin_ns(); }
+
+/* Spin on *word until it differs from `seen` or `limit_ns` have passed; returns its last value. */
+static unsigned spin_while_equal(atomic_uint* word, unsigned seen, int64_t limit_ns) {
+  unsigned v;
+  if (limit_ns <= 0) return atomic_load_explicit(word, memory_order_acquire);
+  const int64_t deadline = now_ns() + limit_ns;
+  for (unsigned k = 1;; k++) {
+    if ((v = atomic_load_explicit(word, memory_order_acquire)) != seen) return v;
+    if (k % QT_SPIN_CHECK == 0 && now_ns() >= deadline) return v;
+    QT_PAUSE();
+  }
+}
 
 void qt_set_parallel_min_ns(double ns) { g_min_ns = ns; }
 
@@ -71,16 +108,12 @@ static void* worker(void* arg) {
   unsigned seen = ((worker_arg*)arg)->gen;
   free(arg);
   for (;;) {
-    unsigned gen;
-    int spins = 0;
-    while ((gen = atomic_load_explicit(&g_generation, memory_order_acquire)) == seen &&
-           spins < QT_SPIN) {
-      QT_PAUSE();
-      spins++;
-    }
+    unsigned gen = spin_while_equal(&g_generation, seen, spin_ns());
     if (gen == seen) {
       pthread_mutex_lock(&g_lock);
+      atomic_fetch_add(&g_sleeping, 1);
       while ((gen = atomic_load(&g_generation)) == seen) pthread_cond_wait(&g_wake, &g_lock);
+      atomic_fetch_sub(&g_sleeping, 1);
       pthread_mutex_unlock(&g_lock);
     }
     seen = gen;
@@ -112,6 +145,7 @@ static void child_after_fork(void) {
   pthread_mutex_init(&g_lock, NULL);
   pthread_cond_init(&g_wake, NULL);
   g_started = 0;
+  atomic_store(&g_sleeping, 0);
 }
 
 static pthread_once_t g_atfork_once = PTHREAD_ONCE_INIT;
@@ -159,10 +193,80 @@ void qt_parallel(size_t n, qt_task_fn fn, void* ctx, double est_ns) {
   work(gen, 0);
   atomic_fetch_add_explicit(&g_stat_jobs, 1, memory_order_relaxed);
   atomic_fetch_add_explicit(&g_stat_chunks, chunks, memory_order_relaxed);
-  int spins = 0;
-  while (atomic_load_explicit(&g_completed, memory_order_acquire) < chunks) {
-    if (++spins < QT_SPIN) QT_PAUSE();
-    else sched_yield();  /* a worker holding a chunk was descheduled: give it the CPU */
+  if (atomic_load_explicit(&g_completed, memory_order_acquire) < chunks) {
+    const int64_t deadline = now_ns() + spin_ns();
+    int late = 0;
+    for (unsigned k = 1; atomic_load_explicit(&g_completed, memory_order_acquire) < chunks; k++) {
+      if (late) {
+        sched_yield();  /* a worker holding a chunk was descheduled: give it the CPU */
+      } else {
+        QT_PAUSE();
+        if (k % QT_SPIN_CHECK == 0 && now_ns() >= deadline) late = 1;
+      }
+    }
   }
   pthread_mutex_unlock(&g_call_lock);
+}
+
+/* ---- wake-up probe: how long a worker takes to start a job, asleep or still spinning --------- */
+
+typedef struct {
+  pthread_t caller;
+  _Atomic int64_t started;  /* clock when a worker began its chunk; 0 until then */
+} probe_ctx;
+
+static void probe_task(void* ctx, size_t b, size_t e) {
+  (void)b; (void)e;
+  probe_ctx* p = (probe_ctx*)ctx;
+  if (pthread_equal(pthread_self(), p->caller)) {  /* the caller keeps its chunk until a worker starts */
+    const int64_t give_up = now_ns() + 100000000;
+    while (atomic_load(&p->started) == 0 && now_ns() < give_up) QT_PAUSE();
+  } else {
+    int64_t zero = 0;
+    atomic_compare_exchange_strong(&p->started, &zero, now_ns());
+  }
+}
+
+static void sleep_ns(int64_t ns) {
+  struct timespec ts = {(time_t)(ns / 1000000000), (long)(ns % 1000000000)};
+  nanosleep(&ts, NULL);
+}
+
+/* Nanoseconds from the call that posts a job to a worker starting it, one sample; < 0 when the
+ * pool has no worker (one thread) or none came within 100 ms. asleep = 1: every worker is first
+ * left to finish its spin and sleep; asleep = 0: the job follows another at once (a spinning worker). */
+double qt_pool_wake_ns(int asleep) {
+  if (qt_get_num_threads() < 2) return -1.0;
+  probe_ctx warm = {pthread_self(), 0};
+  qt_parallel(2, probe_task, &warm, 1e12);  /* starts the workers; they are now spinning */
+  if (g_started < 1) return -1.0;
+  if (asleep) {
+    const int64_t give_up = now_ns() + spin_ns() + 200000000;
+    while (atomic_load(&g_sleeping) < g_started && now_ns() < give_up) sleep_ns(50000);
+    sleep_ns(200000);  /* and into the kernel's wait */
+  } else {
+    const int64_t t = now_ns() + 5000;  /* past the end of the warm job, into the spin */
+    while (now_ns() < t) QT_PAUSE();
+  }
+  probe_ctx p = {pthread_self(), 0};
+  const int64_t t0 = now_ns();
+  qt_parallel(2, probe_task, &p, 1e12);
+  const int64_t t1 = atomic_load(&p.started);
+  return t1 > 0 ? (double)(t1 - t0) : -1.0;
+}
+
+/* Nanoseconds one `pause` takes on this CPU (the best of a few timed loops; 0 where there is none). */
+double qt_pause_ns(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  double best = 1e30;
+  for (int r = 0; r < 5; r++) {
+    const int64_t t0 = now_ns();
+    for (int i = 0; i < 4096; i++) QT_PAUSE();
+    const double per = (double)(now_ns() - t0) / 4096.0;
+    if (per < best) best = per;
+  }
+  return best;
+#else
+  return 0.0;
+#endif
 }

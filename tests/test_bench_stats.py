@@ -1,0 +1,111 @@
+"""`qtool bench`'s statistics on synthetic timings: the engines' order, the paired ratio and its
+bootstrap interval, the tie rule, and the summary the CLI prints and writes."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from qtool.runtime.bench import format_batch, summarize, time_rounds
+from qtool.runtime.bench_stats import Ratio, is_tie, paired_ratios, ratio_interval, round_order
+
+
+def test_round_order_alternates():
+    e = ["native", "ort_int8", "ort_fp32"]
+    assert [round_order(e, r) for r in range(4)] == [e, e[::-1], e, e[::-1]]
+    assert round_order(("a", "b"), 1) == ["b", "a"]
+
+
+def test_time_rounds_alternates_the_blocks():
+    calls = []
+
+    def timer(engine, feeds, min_runs, min_s, settle_s):
+        calls.append(engine)
+        return [0.001] * min_runs
+
+    rounds = time_rounds({"native": "N", "ort_int8": "I", "ort_fp32": "F"}, None, 4, 3, 0.0, timer=timer)
+    assert "".join(calls) == "NIF" "FIN" "NIF" "FIN"
+    assert [r["order"][0] for r in rounds] == ["native", "ort_fp32", "native", "ort_fp32"]
+    assert all(len(v) == 3 for r in rounds for v in r["runs"].values())
+
+
+def test_interval_holds_the_true_ratio_and_excludes_one():
+    rng = np.random.default_rng(1)
+    host = rng.uniform(1.0, 2.0, 12)  # the host's state moves both engines of a round alike
+    native = 2.0 * host * rng.normal(1.0, 0.02, 12)
+    ort = 2.4 * host * rng.normal(1.0, 0.02, 12)  # native 1.2x faster
+    r = ratio_interval(ort, native)
+    assert r.lo <= 1.2 <= r.hi and r.lo <= r.ratio <= r.hi
+    assert r.lo > 1.0 and not r.tie
+    assert r.half_width < 0.05
+    assert r.rounds == 12 and r.level == 0.95
+    assert r.text() == f"{r.ratio:.2f}x, 95 % {r.lo:.2f}-{r.hi:.2f}"
+
+
+def test_pairing_removes_the_host():
+    """Rounds 2x apart (a busy host in half of them) leave the paired ratio exact."""
+    native = np.array([1.0, 2.0, 1.0, 2.0, 1.0, 2.0])
+    r = ratio_interval(1.5 * native, native)
+    assert r.ratio == pytest.approx(1.5) and r.lo == pytest.approx(1.5) and r.hi == pytest.approx(1.5)
+
+
+def test_interval_is_reproducible():
+    rng = np.random.default_rng(2)
+    a, b = rng.uniform(1, 2, 10), rng.uniform(1, 2, 10)
+    assert ratio_interval(a, b) == ratio_interval(a, b)
+
+
+def test_tie_when_the_interval_holds_one():
+    rng = np.random.default_rng(4)
+    native = rng.normal(1.0, 0.05, 10)
+    ort = rng.normal(1.0, 0.05, 10)
+    r = ratio_interval(ort, native)
+    assert r.lo < 1.0 < r.hi and r.tie and r.text().startswith("tie, ")
+    assert is_tie(0.97, 1.02) and is_tie(1.0, 1.1) and is_tie(0.9, 1.0)
+    assert not is_tie(1.01, 1.2) and not is_tie(0.8, 0.99)
+    slower = ratio_interval(0.8 * native * rng.normal(1.0, 0.01, 10), native)
+    assert slower.hi < 1.0 and not slower.tie
+
+
+def test_more_rounds_narrow_the_interval():
+    rng = np.random.default_rng(5)
+    ratios = rng.lognormal(np.log(1.1), 0.08, 80)
+    few = ratio_interval(ratios[:8], np.ones(8))
+    many = ratio_interval(ratios, np.ones(80))
+    assert many.hi - many.lo < few.hi - few.lo
+
+
+def test_one_round_is_a_point():
+    r = ratio_interval([3.0], [2.0])
+    assert (r.ratio, r.lo, r.hi) == (1.5, 1.5, 1.5)
+
+
+def test_bad_timings_are_refused():
+    with pytest.raises(ValueError, match="one time per round"):
+        paired_ratios([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError, match="positive"):
+        paired_ratios([1.0, 0.0], [1.0, 1.0])
+
+
+def test_summarize_and_format():
+    rounds = []
+    for r in range(6):
+        slow = 2.0 if r % 3 == 0 else 1.0  # a busy host every third round
+        rounds.append({"order": round_order(["native", "ort_int8"], r),
+                       "runs": {"native": [0.010 * slow, 0.011 * slow, 0.010 * slow],
+                                "ort_int8": [0.013 * slow, 0.013 * slow, 0.014 * slow]}})
+    s = summarize(rounds, batch=2)
+    assert s["native_ms"] == pytest.approx(5.5) and s["ort_int8_ms"] == pytest.approx(7.0)  # medians of all runs
+    assert s["ort_fp32_ms"] is None and s["native_vs_ort_fp32"] is None
+    assert s["native_vs_ort_int8"] == pytest.approx(1.3)
+    i = s["ratios"]["ort_int8"]
+    assert i["lo"] == pytest.approx(1.3) and i["hi"] == pytest.approx(1.3) and not i["tie"]
+    assert len(s["rounds"]) == 6 and s["rounds"][1]["order"] == ["ort_int8", "native"]
+    assert s["rounds"][0]["native_ms"] == pytest.approx([10.0, 11.0, 10.0])  # ms per image, batch 2
+    assert s["runs"] == 18
+    line = format_batch(2, s)
+    assert "native    5.50 ms/image" in line and "(1.30x, 95 % 1.30-1.30)" in line and "[6 rounds, 18 native runs]" in line
+
+
+def test_ratio_text_names_a_tie():
+    assert Ratio(1.01, 0.95, 1.07, 0.95, 10).text() == "tie, 1.01x, 95 % 0.95-1.07"
+    assert Ratio(1.2, 1.1, 1.3, 0.95, 10).half_width == pytest.approx(0.1 / 1.2)
