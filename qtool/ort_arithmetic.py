@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from qtool import qparams as Q

@@ -8,7 +8,6 @@ import warnings
 
 import numpy as np
 import onnx
-import pytest
 from onnx import TensorProto, helper
 
 from helpers import init, make_model, run, save, weight

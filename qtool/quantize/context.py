@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-import numpy as np
 import onnx
 
 from qtool.arithmetic import EXACT

@@ -99,7 +99,7 @@ def exclude_sensitive(ctx: QuantizeContext, ranking: list, samples: SampleSet, t
     """Layers kept fp32 on top of the user's (ctx.exclude), judged on `samples` (held back).
     `partial` gets the result as soon as it exists: what was kept so far, should a later step fail."""
     base_exclude = dict(ctx.exclude)
-    feeds, reference = samples.feeds, samples.reference
+    reference = samples.reference
     one = samples.feed(0, samples.batch if samples.fixed_batch else 1)  # (latency at batch 1)
     y_true = None if labels is None else np.asarray(labels)
 

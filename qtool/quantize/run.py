@@ -8,7 +8,6 @@ import time
 from dataclasses import dataclass, field, replace
 
 import numpy as np
-import onnx
 from tqdm import tqdm
 
 from qtool import graph as G
@@ -31,13 +30,13 @@ from qtool.quantize.subgraphs import quantize_branches
 from qtool.report.sensitivity_html import render as render_sensitivity
 
 from qtool.calibrate.methods import AUTO, METHODS
-from qtool.calibrate.run import FUSED, TABLE
+from qtool.calibrate.run import FUSED
 from qtool.calibrate.table import load_table
 from qtool.errors import QtoolError
 from qtool.fuse import fuse_model
 from qtool.modelio import (atomic_write_text, check_writable, file_hash, json_safe, load_model, model_hash, save_model,
                            set_provenance)
-from qtool.quantize.qdq import QuantizeOutput, quantize_graph
+from qtool.quantize.qdq import QuantizeOutput
 from qtool.workdir import Workdir
 
 INT8 = "model.int8.onnx"

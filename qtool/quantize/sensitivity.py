@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-import numpy as np
 import onnx
 
 from qtool.metrics import kl_softmax, sqnr_db, top1_agreement

@@ -75,7 +75,7 @@ def _curve_chart(curve: list) -> str:
              f'<line x1="{pad}" y1="{h - 30}" x2="{w - 10}" y2="{h - 30}" stroke="#999"/>',
              f'<line x1="{pad}" y1="10" x2="{pad}" y2="{h - 30}" stroke="#999"/>',
              f'<text x="{pad}" y="{h - 8}">layers kept in fp32</text>',
-             f'<text x="2" y="12">agreement</text>']
+             '<text x="2" y="12">agreement</text>']
     for key, color in (("agreement", "#1565c0"), ("predicted_agreement", "#2e7d32")):
         pts = " ".join(f"{x:.1f},{y:.1f}" for x, y in (xy(k, p[key]) for k, p in enumerate(curve)))
         parts.append(f'<polyline points="{pts}" fill="none" stroke="{color}" stroke-width="2"/>')
