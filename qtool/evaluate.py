@@ -26,10 +26,13 @@ def _topk(logits: np.ndarray, k: int) -> np.ndarray:
     return np.argsort(-logits, axis=1)[:, :k]
 
 
-def _latency_ms(run, x, repeats: int = 10) -> float:
+LATENCY_SECONDS = 5.0  # past this, three timed runs do (CRAFT at 480x640: 5.5 s a run in fp32)
+
+
+def _latency_ms(run, x, repeats: int = 10, budget_s: float = LATENCY_SECONDS) -> float:
     run(x)
     ts = []
-    for _ in range(repeats):
+    while len(ts) < repeats and (len(ts) < 3 or sum(ts) < budget_s):
         t = time.perf_counter()
         run(x)
         ts.append(time.perf_counter() - t)
@@ -43,6 +46,7 @@ CHECK_MIN_DB = 50.0  # below this SQNR between ORT int8 and exact int8, ORT's ar
 # EfficientNet-Lite0 with 5 layers fp32, 31.7 dB (ORT's own float and int8 paths differ by 29-30 dB
 # on any Lite0 model), where saturating int16 pairs cost 9-14 dB (arithmetic.py)
 CHECK_MIN_DB_WITH_FLOAT_OPS = 20.0
+CHECK_SECONDS = 20.0  # the check stops taking samples once it has spent this long (it always takes one batch)
 
 
 class ExactCheck:
@@ -54,7 +58,7 @@ class ExactCheck:
         self.n, self.rows, self.error = n, {"ort": [], "exact": []}, ""
         self.target = provenance(int8_path).get("target")
         self.session = native
-        self.float_ops = 0
+        self.float_ops, self.seconds, self.samples = 0, 0.0, 0
         if native is None:
             try:
                 from qtool.runtime import NativeSession
@@ -69,15 +73,18 @@ class ExactCheck:
 
     def add(self, feeds: dict, ort_out: list) -> None:
         """A whole batch (a model may take its batch whole only), until n samples are in."""
-        if self.session is None or sum(len(r) for r in self.rows["ort"]) >= self.n:
+        if self.session is None or self.samples >= self.n or self.seconds > CHECK_SECONDS:
             return
+        t = time.perf_counter()
         try:
             exact = self.session.run(None, feeds)[0]
+            self.seconds += time.perf_counter() - t
         except Exception as e:  # the runtime fails on this model: no check, eval goes on
             self._give_up(e)
             return
         self.rows["exact"].append(np.asarray(exact, np.float64).ravel())
         self.rows["ort"].append(np.asarray(ort_out[0], np.float64).ravel())
+        self.samples += len(next(iter(feeds.values()))) if feeds else 1
         self.shape = np.shape(ort_out[0])
 
     def result(self) -> dict:
@@ -272,11 +279,17 @@ def evaluate_tensors(fp32_path: str, int8_path: str, data, limit: int | None = N
     stats = {n: OutputStats(n) for n in names}
     exact = ExactCheck(int8_path, threads) if check else None
     sample, n_samples = None, 0
+    runs = {"ort_fp32": [], "ort_int8": []}  # seconds per run; at batch 1 these are the latencies
     for _, feeds in src.batches():
+        t0 = time.perf_counter()
         outs_q = sq.run(names, feeds)
+        t1 = time.perf_counter()
+        outs_f = sf.run(names, feeds)
+        runs["ort_int8"].append(t1 - t0)
+        runs["ort_fp32"].append(time.perf_counter() - t1)
         if exact is not None:
             exact.add(feeds, outs_q)
-        for name, a, b in zip(names, sf.run(names, feeds), outs_q):
+        for name, a, b in zip(names, outs_f, outs_q):
             stats[name].add(a, b)
         n_samples += len(next(iter(feeds.values())))
         sample = sample or feeds
@@ -296,8 +309,11 @@ def evaluate_tensors(fp32_path: str, int8_path: str, data, limit: int | None = N
     res["size_ratio"] = res["size_bytes"]["int8"] / res["size_bytes"]["fp32"]
     if latency and sample is not None:  # (a sample fed whole where samples are not stacked: a state [2, N, C])
         one = sample if src.batch == 1 else {k: v[:1] for k, v in sample.items()}
-        res["latency_ms"] = {"ort_fp32": _latency_ms(lambda x: sf.run(None, x), one),
-                             "ort_int8": _latency_ms(lambda x: sq.run(None, x), one)}
+        if src.batch == 1 and len(runs["ort_fp32"]) > 3:  # the runs above, the first one (warm-up) left out
+            res["latency_ms"] = {k: float(np.median(v[1:])) * 1000 for k, v in runs.items()}
+        else:
+            res["latency_ms"] = {"ort_fp32": _latency_ms(lambda x: sf.run(None, x), one),
+                                 "ort_int8": _latency_ms(lambda x: sq.run(None, x), one)}
     return res
 
 

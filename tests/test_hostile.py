@@ -858,3 +858,21 @@ def test_sensitivity_html_embeds_json_that_parses(project):
     assert page.count("</script>") == 2
     blob = re.search(r'<script type="application/json" id="data">(.*?)</script>', page, re.S).group(1)
     json.loads(blob)
+
+
+def test_runtime_folds_a_large_weight_the_file_already_holds(tmp_path):
+    """A weight over the fold limit, dequantized for a layer left in fp32 (VGG-size 512x1024x3x3 in
+    CRAFT), is no amplification: it loads, where a ConstantOfShape of that size is refused."""
+    from onnx import TensorProto, helper, numpy_helper
+    from qtool.runtime import NativeSession
+    from qtool.limits import MAX_FOLD_ELEMS
+    n = MAX_FOLD_ELEMS + 8
+    w = numpy_helper.from_array(np.ones((n,), np.int8), "w_q")
+    s = numpy_helper.from_array(np.array(0.5, np.float32), "w_s")
+    nodes = [helper.make_node("DequantizeLinear", ["w_q", "w_s"], ["w"], name="dq"),
+             helper.make_node("ReduceSum", ["w"], ["y"], name="sum", keepdims=0)]
+    g = helper.make_graph(nodes, "g", [], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])], [w, s])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    onnx.save(m, tmp_path / "big.onnx")
+    out = NativeSession(str(tmp_path / "big.onnx")).run(None, {})
+    assert float(np.asarray(out[0])) == n * 0.5

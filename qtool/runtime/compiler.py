@@ -402,7 +402,9 @@ class Compiler:
         without a bound the node runs as a step, on the inputs it gets."""
         ins = [self.consts[i] if i else None for i in node.input]
         n = fold_elems(node.op_type, ins, _attrs(node))
-        if n is not None and n > MAX_FOLD_ELEMS:
+        # no larger than an input: the file already holds that much (a big fp32 layer's weight dequantized)
+        given = max((int(np.size(i)) for i in ins if i is not None), default=0)
+        if n is not None and n > max(MAX_FOLD_ELEMS, given):
             raise QtoolError(f"{self.where}: node '{node.name}' ({node.op_type}) would make a constant of {n} elements "
                              f"(limit {MAX_FOLD_ELEMS}); refusing to compute it")
         return n is not None
