@@ -47,6 +47,28 @@ def activation_qparams(lo: float, hi: float) -> ActQParams:
     return ActQParams(float(scale), zp)
 
 
+def clip_to_flat(lo: float, hi: float, flat_lo: float | None, flat_hi: float | None) -> tuple[float, float]:
+    """[lo, hi] narrowed to where the tensor's readers are not constant (hard-swish is 0 below -3,
+    hard-sigmoid is flat outside [-3, 3]): nothing beyond those ends changes an output, so the range
+    spends no steps there. Each clipped end keeps one step beyond it, so that the grid point values
+    past it land on is itself past it (hard-swish(-2.99) is -0.005, not 0: a range ending at -3 that
+    rounded to -2.99 would move the mean of every later layer). Ends that are not flat stay."""
+    lo, hi = float(lo), float(hi)
+    cut_lo = flat_lo is not None and flat_lo <= 0.0 and lo < flat_lo
+    cut_hi = flat_hi is not None and flat_hi >= 0.0 and hi > flat_hi
+    span = U8_MAX - U8_MIN
+    if cut_lo and cut_hi:  # s = (b - a + 2 s) / 255
+        s = (flat_hi - flat_lo) / (span - 2)
+        lo2, hi2 = flat_lo - s, flat_hi + s
+    elif cut_lo:  # L = a - (H - L) / 255
+        lo2, hi2 = (span * flat_lo - hi) / (span - 1), hi
+    elif cut_hi:
+        lo2, hi2 = lo, (span * flat_hi - lo) / (span - 1)
+    else:
+        return lo, hi
+    return lo2, hi2  # (a range ending less than a step past its flat end widens by up to that step)
+
+
 def weight_scales(w: np.ndarray, axis: int = 0, w_max: int = W_MAX) -> np.ndarray:
     """Per-output-channel symmetric scales (float32, one per index of `axis`); `w_max` < 127 for
     narrower weights (ONNX Runtime's reduce_range uses 7 bits)."""

@@ -117,3 +117,45 @@ def test_hard_sigmoid_after_conv_folds_harmlessly(tmp_path):
     assert "add3" not in d and d["clip"].status == "fused" and d["div6"].status == "fp32"
     assert out.plan.clamp["gc"] == (0.0, 6.0)
     assert output_sqnr(m, out.model, feeds) > 25
+
+
+def test_flat_ends_found_for_every_flat_reader():
+    from qtool.rules.activations import flat_bounds
+    m = _net(np.random.default_rng(0))
+    found = flat_bounds(m)
+    assert found["b"] == (-3.0, None)  # exported hard-swish chain
+    assert np.allclose(found["d"], (-2.5, 2.5))  # HardSigmoid(alpha 0.2, beta 0.5)
+    assert "a" not in found and "e" not in found  # SiLU and Sigmoid are never exactly flat
+    nodes = [helper.make_node("HardSwish", ["x"], ["h"]), helper.make_node("Relu", ["x"], ["r"]),
+             helper.make_node("Clip", ["h", "lo", "hi"], ["c"]), helper.make_node("Add", ["r", "c"], ["s"]),
+             helper.make_node("Abs", ["s"], ["y"]), helper.make_node("Relu", ["y"], ["z"])]
+    m2 = make_model(nodes, [init("lo", -1.0), init("hi", 2.0)], [("x", ["N", 4])], [("z", ["N", 4])], opset=14)
+    found = flat_bounds(m2)
+    assert found["x"] == (-3.0, None)  # HardSwish and Relu: below -3 neither changes
+    assert found["h"] == (-1.0, 2.0)
+    assert "s" not in found  # Abs is not flat
+    assert found["y"] == (0.0, None)
+
+
+def test_clip_to_flat_puts_a_grid_point_past_each_end():
+    from qtool.qparams import activation_qparams, clip_to_flat
+    for hi in (0.5, 7.3, 140.0, 1000.0):
+        for lo in (-3.01, -5.0, -131.0):
+            a, b = clip_to_flat(lo, hi, -3.0, None)
+            qp = activation_qparams(a, b)
+            assert a >= lo - qp.scale and b == hi
+            assert qp.lo <= -3.0 < qp.lo + 2 * qp.scale  # the lowest point is past -3, and only just
+    a, b = clip_to_flat(-40.0, 40.0, -2.5, 2.5)
+    qp = activation_qparams(a, b)
+    assert qp.lo <= -2.5 and qp.hi >= 2.5 and qp.scale < 5.0 / 250
+    assert clip_to_flat(-1.0, 5.0, -3.0, None) == (-1.0, 5.0)  # nothing to narrow
+
+
+def test_hard_swish_inputs_are_range_clipped_for_every_method(tmp_path):
+    m = _net(np.random.default_rng(3))
+    quantize_tiny(m, tmp_path, {"x": (2, 4, 6, 6)}, method="minmax")
+    import json
+    table = json.load(open(tmp_path / "w" / "calibration.json"))
+    for method, ranges in table["ranges"].items():
+        lo, hi = ranges["b"]
+        assert lo >= -3.0 - (hi + 3.0) / 250, (method, lo, hi)

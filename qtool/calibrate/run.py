@@ -23,7 +23,8 @@ from qtool.fuse import fuse_model
 from qtool.limits import MAX_BATCH
 from qtool.modelio import file_hash, load_model, model_hash, save_model
 from qtool.plan import balanced_tensors, calibration_targets
-from qtool.rules.activations import AWARE, activation_inputs, activation_mse_range
+from qtool.qparams import clip_to_flat
+from qtool.rules.activations import AWARE, activation_inputs, activation_mse_range, flat_bounds
 from qtool.workdir import Workdir
 
 FUSED = "fused.onnx"
@@ -128,6 +129,10 @@ def _calibrate(model_path, data, config, method, workdir, batch, limit, show_pro
         if t in obs.histograms and label in AWARE:
             ranges_all["mse"][t] = list(activation_mse_range(obs.histograms[t], f))
             aware[t] = label
+    for t, (a, b) in flat_bounds(fused.model).items():  # every method: the steps beyond are wasted
+        for r in ranges_all.values():
+            if t in r:
+                r[t] = list(clip_to_flat(r[t][0], r[t][1], a, b))
     wd = Workdir(workdir)
     fused_path, table_path = wd.file(FUSED), wd.file(TABLE)
     table = CalibrationTable(

@@ -13,9 +13,15 @@ expected squared error of f(Q(x)) over the calibration histogram:
 the same search as the `mse` method (both ends shrunk together, then each end alone),
 which it refines: `calibrate` stores it as the `mse` range of such tensors.
 
-Hard-swish inputs are recognised but keep the plain `mse` range: clipping x's negative tail
-moves the mean of every later layer (bias correction only covers weights), and on the
-PP-OCR classifier that cost 2.7 dB of output SQNR where SiLU gained 1.8 dB on YOLOX.
+Hard-swish inputs keep the plain `mse` range there: the search clips x's negative tail to
+the point where the grid's lowest value is above -3, which moves the mean of every later layer
+(bias correction only covers weights); on the PP-OCR classifier that cost 2.7 dB of output SQNR
+where SiLU gained 1.8 dB on YOLOX.
+
+`flat_bounds` is the lossless part, for every method: where every reader of x is constant
+beyond a point (hard-swish below -3, hard-sigmoid outside its ramp, Relu below 0, Clip outside
+its bounds), x's range stops one step past it (`qparams.clip_to_flat`). PP-OCRv5's recognizer
+has 28 hard-swish inputs whose ranges reach -131: 81.6 -> 89.4 % of words read (255 crops).
 """
 from __future__ import annotations
 
@@ -123,6 +129,8 @@ def activation_inputs(model) -> dict:
         if ops == ["HardSigmoid"]:
             a, b = float(G.attr(users[0], "alpha", 0.2)), float(G.attr(users[0], "beta", 0.5))
             found[x] = ("hard-sigmoid", lambda v, a=a, b=b: np.clip(a * v + b, 0.0, 1.0))
+        elif ops == ["HardSwish"]:
+            found[x] = ("hard-swish", FUNCTIONS["hard-swish"])
         elif ops == ["Sigmoid"]:
             found[x] = ("sigmoid", FUNCTIONS["sigmoid"])
         elif sorted(ops) == ["Mul", "Sigmoid"]:
@@ -134,6 +142,50 @@ def activation_inputs(model) -> dict:
             found[x] = ("hard-swish", FUNCTIONS["hard-swish"])
         elif _hardsigmoid(x, users, cons, model, inits):
             found[x] = ("hard-sigmoid", lambda v: np.clip(v + 3.0, 0.0, 6.0) / 6.0)
+    return found
+
+
+def _flat(node, x, model, inits):
+    """(lo, hi) outside which this reader's output does not depend on x (None: no such end), or False."""
+    op = node.op_type
+    if op in ("HardSwish",):
+        return (-3.0, None)
+    if op == "Relu":
+        return (0.0, None)
+    if op == "HardSigmoid":
+        a, b = float(G.attr(node, "alpha", 0.2)), float(G.attr(node, "beta", 0.5))
+        return (-b / a, (1.0 - b) / a) if a > 0 else False
+    if op == "Clip" and node.input[0] == x:
+        lo = _const(model, node.input[1], inits) if len(node.input) > 1 and node.input[1] else G.attr(node, "min")
+        hi = _const(model, node.input[2], inits) if len(node.input) > 2 and node.input[2] else G.attr(node, "max")
+        return (lo, hi) if lo is not None or hi is not None else False
+    return False
+
+
+def flat_bounds(model) -> dict:
+    """tensor -> (lo, hi): beyond lo (below) and hi (above) no reader of the tensor sees a change
+    (None: that end is not flat). Readers are the activation ops above or an exported hard-swish /
+    hard-sigmoid chain; with several readers, the ends that hold for all of them."""
+    cons = G.consumers(model)
+    inits = G.initializers(model)
+    outputs = G.graph_output_names(model)
+    found = {}
+    for x, users in cons.items():
+        if x in outputs or x in inits or not users:
+            continue
+        if _hardswish(x, users, cons, model, inits):
+            found[x] = (-3.0, None)
+            continue
+        if _hardsigmoid(x, users, cons, model, inits):
+            found[x] = (-3.0, 3.0)
+            continue
+        ends = [_flat(u, x, model, inits) for u in users]
+        if any(e is False for e in ends):
+            continue
+        lo = None if any(e[0] is None for e in ends) else min(e[0] for e in ends)
+        hi = None if any(e[1] is None for e in ends) else max(e[1] for e in ends)
+        if lo is not None or hi is not None:
+            found[x] = (lo, hi)
     return found
 
 
