@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from qtool.runtime.bench import format_batch, summarize, time_rounds
-from qtool.runtime.bench_stats import Ratio, is_tie, paired_ratios, ratio_interval, round_order
+from qtool.runtime.bench_stats import Ratio, is_tie, paired_ratios, ratio_interval, round_order, rounds_to_use
 
 
 def test_round_order_alternates():
@@ -109,3 +109,21 @@ def test_summarize_and_format():
 def test_ratio_text_names_a_tie():
     assert Ratio(1.01, 0.95, 1.07, 0.95, 10).text() == "tie, 1.01x, 95 % 0.95-1.07"
     assert Ratio(1.2, 1.1, 1.3, 0.95, 10).half_width == pytest.approx(0.1 / 1.2)
+
+
+def test_busy_rounds_are_left_out():
+    assert rounds_to_use([0.0, 0.5, 0.1, None, 1.2, 0.0]) == [0, 2, 3, 5]
+    assert rounds_to_use([0.0, 0.9, 0.9, 0.9, 0.0]) == [0, 1, 2, 3, 4]  # busy throughout: all, said so
+    assert rounds_to_use([0.0, 0.9, 0.0, 0.9]) == [0, 1, 2, 3]  # 2 quiet rounds: fewer than 3
+    assert rounds_to_use([0.3]) == [0] and rounds_to_use([0.0, 0.3]) == [0, 1]
+
+
+def test_summary_leaves_out_busy_rounds():
+    rounds = [{"order": round_order(["native", "ort_int8"], r), "others_cpus": 0.02,
+               "runs": {"native": [0.010], "ort_int8": [0.012]}} for r in range(6)]
+    rounds[2] = {**rounds[2], "others_cpus": 1.0, "runs": {"native": [0.030], "ort_int8": [0.012]}}
+    s = summarize(rounds, batch=1)
+    assert s["rounds_used"] == 5 and s["native_ms"] == pytest.approx(10.0)
+    assert s["ratios"]["ort_int8"]["ratio"] == pytest.approx(1.2) and s["ratios"]["ort_int8"]["hi"] == pytest.approx(1.2)
+    assert [rd["used"] for rd in s["rounds"]] == [True, True, False, True, True, True]
+    assert "5 of 6 rounds, 1 left out: other processes busy" in format_batch(1, s)

@@ -40,8 +40,10 @@ def load_backend(prefer: str | None = None):
 
 def pool_spin_us(mod) -> float | None:
     """How long the backend's idle pool workers spin before sleeping (None: no pool)."""
-    f = getattr(mod, "get_spin_us", None)
-    return f() if f is not None else None
+    try:
+        return mod.get_spin_us()
+    except AttributeError:  # the numpy backends, or an extension built before the pool had a timed spin
+        return None
 
 
 def cpu_name() -> str:

@@ -20,7 +20,8 @@ from qtool.errors import QtoolError
 from qtool.limits import MAX_FEED_BYTES, elems, human_bytes
 from qtool.modelio import check_pair
 from qtool.runtime.backend import cpu_name, pool_spin_us
-from qtool.runtime.bench_stats import LEVEL, RESAMPLES, SEED, Ratio, ratio_interval, round_order
+from qtool.runtime.bench_stats import (BUSY_LIMIT, LEVEL, RESAMPLES, SEED, Ratio, ratio_interval, round_order,
+                                       rounds_to_use)
 from qtool.runtime.profile import measured_peak, op_type_table, top_steps
 from qtool.runtime.session import NativeSession
 
@@ -72,6 +73,34 @@ def make_feeds(sess: NativeSession, batch: int, shape=None, seed: int = 0) -> di
     return feeds
 
 
+def cpu_counters():
+    """(wall s, CPU s the whole machine spent busy, CPU s this process spent, all its threads), or
+    None without /proc/stat. Two of them give what other processes took in between (others_cpus)."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]
+        tick = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+    t = os.times()
+    return time.perf_counter(), (sum(v) - v[3] - v[4]) / tick, t.user + t.system  # not idle, not iowait
+
+
+def others_cpus(a, b) -> float | None:
+    """How many CPUs other processes kept busy between two cpu_counters() (steal included)."""
+    if a is None or b is None or b[0] <= a[0]:
+        return None
+    return max(0.0, ((b[1] - a[1]) - (b[2] - a[2])) / (b[0] - a[0]))
+
+
+def busy_cpus(seconds: float = 0.25) -> float | None:
+    """How many CPUs other processes keep busy, measured now over `seconds` while this one sleeps
+    (the load average lags by minutes)."""
+    a = cpu_counters()
+    time.sleep(seconds)
+    return others_cpus(a, cpu_counters())
+
+
 def time_block(engine, feeds, min_runs: int, min_s: float, settle_s: float = 0.0) -> list:
     """One engine's block in a round: a pause, an untimed run, then at least `min_runs` timed runs
     and at least `min_s` seconds of them (at most 50 * min_runs). -> seconds per run."""
@@ -89,8 +118,9 @@ def time_block(engine, feeds, min_runs: int, min_s: float, settle_s: float = 0.0
 
 def time_rounds(engines: dict, feeds, rounds: int, min_runs: int, min_s: float, settle_s: float = 0.0,
                 timer=time_block) -> list:
-    """`rounds` rounds, each a block of every engine in round_order(r).
-    -> [{'order': [...], 'runs': {engine: [seconds, ...]}}, ...]"""
+    """`rounds` rounds, each a block of every engine in round_order(r), and the CPUs other
+    processes kept busy during the round.
+    -> [{'order': [...], 'runs': {engine: [seconds, ...]}, 'others_cpus': float | None}, ...]"""
     out = []
     for r in range(rounds):
         order = round_order(engines, r)
@@ -98,8 +128,9 @@ def time_rounds(engines: dict, feeds, rounds: int, min_runs: int, min_s: float, 
         was = gc.isenabled()
         gc.disable()  # no collection inside a timed block
         try:
-            out.append({"order": order, "runs": {k: timer(engines[k], feeds, min_runs, min_s, settle_s)
-                                                 for k in order}})
+            c0 = cpu_counters()
+            runs = {k: timer(engines[k], feeds, min_runs, min_s, settle_s) for k in order}
+            out.append({"order": order, "runs": runs, "others_cpus": others_cpus(c0, cpu_counters())})
         finally:
             if was:
                 gc.enable()
@@ -107,16 +138,21 @@ def time_rounds(engines: dict, feeds, rounds: int, min_runs: int, min_s: float, 
 
 
 def summarize(rounds: list, batch: int) -> dict:
-    """Medians (ms/image) per engine over all timed runs, each round's block median, and every other
-    engine's time over the native one's per round with its interval (bench_stats.ratio_interval)."""
+    """Over the rounds that count (bench_stats.rounds_to_use: other processes quiet): medians
+    (ms/image) per engine over the timed runs, and every other engine's time over the native one's
+    per round with its interval (bench_stats.ratio_interval). Every round stays in 'rounds'."""
     engines = list(rounds[0]["runs"])
-    block_ms = {k: [float(np.median(r["runs"][k])) * 1000 / batch for r in rounds] for k in engines}
-    r = {f"{k}_ms": float(np.median(np.concatenate([rd["runs"][k] for rd in rounds]))) * 1000 / batch
+    use = rounds_to_use([rd.get("others_cpus") for rd in rounds])
+    kept = [rounds[i] for i in use]
+    block_ms = {k: [float(np.median(r["runs"][k])) * 1000 / batch for r in kept] for k in engines}
+    r = {f"{k}_ms": float(np.median(np.concatenate([rd["runs"][k] for rd in kept]))) * 1000 / batch
          for k in engines}
     r.setdefault("ort_fp32_ms", None)
-    r["runs"] = sum(len(rd["runs"]["native"]) for rd in rounds)
-    r["rounds"] = [{"order": rd["order"], **{f"{k}_ms": [t * 1000 / batch for t in rd["runs"][k]] for k in engines}}
-                   for rd in rounds]
+    r["runs"] = sum(len(rd["runs"]["native"]) for rd in kept)
+    r["rounds"] = [{"order": rd["order"], "others_cpus": rd.get("others_cpus"), "used": i in use,
+                    **{f"{k}_ms": [t * 1000 / batch for t in rd["runs"][k]] for k in engines}}
+                   for i, rd in enumerate(rounds)]
+    r["rounds_used"] = len(use)
     r["round_ms"] = block_ms
     r["ratios"] = {}
     for k in engines:
@@ -132,7 +168,17 @@ def format_batch(bs: int, r: dict) -> str:
         return Ratio(**{f: r["ratios"][k][f] for f in ("ratio", "lo", "hi", "level", "rounds")}).text()
     return (f"batch {bs:>2}: native {r['native_ms']:7.2f} ms/image | ORT int8 {r['ort_int8_ms']:7.2f} ({ratio('ort_int8')})"
             + (f" | ORT fp32 {r['ort_fp32_ms']:7.2f} ({ratio('ort_fp32')})" if r["ort_fp32_ms"] else "")
-            + f"   [{len(r['rounds'])} rounds, {r['runs']} native runs]")
+            + f"   [{rounds_note(r)}]")
+
+
+def rounds_note(r: dict) -> str:
+    n, used = len(r["rounds"]), r.get("rounds_used", len(r["rounds"]))
+    busy = sum(1 for rd in r["rounds"] if (rd.get("others_cpus") or 0.0) >= BUSY_LIMIT)
+    if used < n:
+        return f"{used} of {n} rounds, {n - used} left out: other processes busy, {r['runs']} native runs"
+    if busy:
+        return f"{n} rounds, other processes busy in {busy} of them (too many to leave out), {r['runs']} native runs"
+    return f"{n} rounds, {r['runs']} native runs"
 
 
 def bench(model: str, fp32: str | None = None, batches=(1, 8), threads: int = 2, repeats: int = 5,
@@ -156,17 +202,21 @@ def bench(model: str, fp32: str | None = None, batches=(1, 8), threads: int = 2,
     from qtool.runtime.backend import kernel_info
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     cpus = os.cpu_count() or 1
-    if log and load is not None and load > 0.5 * cpus:
-        log(f"note: load average {load:.1f} on {cpus} CPUs: other processes share the cores, absolute times are "
-            f"inflated and the intervals wider; compare the ratios")
+    busy = busy_cpus()
+    if log and busy is not None and busy >= BUSY_LIMIT:
+        log(f"note: other processes keep {busy:.1f} of {cpus} CPUs busy: absolute times are inflated and the "
+            f"intervals wider; compare the ratios")
     kinfo = kernel_info(native.K)
-    res = {"load_average": load, "cpus": cpus, "cpu": cpu_name(), "model": os.path.abspath(model),
+    res = {"load_average": load, "busy_cpus": busy, "cpus": cpus, "cpu": cpu_name(), "model": os.path.abspath(model),
            "fp32": os.path.abspath(fp32) if fp32 else None, "threads": threads,
            "isa": kinfo.get("isa"), "backend": native.backend, "spin_us": pool_spin_us(native.K),
            "fallback_nodes": len(native.fallback_nodes()), "rounds": rounds, "round_s": round_s,
            "settle_s": settle_s, "interval": {"level": LEVEL, "resamples": RESAMPLES, "seed": SEED,
                                               "of": "median of the per-round ratios, rounds resampled"},
            "batches": {}}
+    if log:
+        log(f"{res['cpu']}, {res['isa']} kernels, {threads} threads, {rounds} rounds per batch; ratios are the other "
+            f"engine's time over native's (above 1: native faster), median of the rounds, 95 % interval")
     for bs in batches:
         feeds = make_feeds(native, bs, shape)
         for e in engines.values():  # warm up (and plan, for the native session)
@@ -177,6 +227,7 @@ def bench(model: str, fp32: str | None = None, batches=(1, 8), threads: int = 2,
         if log:
             log(format_batch(bs, r))
     res["load_average_after"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    res["busy_cpus_after"] = busy_cpus()
     if profile:
         res["profile"] = {}
         peak, label = measured_peak(native.K, threads)

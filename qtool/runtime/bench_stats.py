@@ -6,7 +6,9 @@ A round times every engine once, one block each; the order alternates from round
 round the engines share the machine's state, so the ratio of their block medians is a paired
 measurement: slow periods of the host move both sides of it. The interval resamples the rounds
 (with replacement) and takes the median of the resampled per-round ratios, from a fixed seed:
-the same timings always give the same interval.
+the same timings always give the same interval. A round in which other processes kept a quarter
+of a CPU or more busy (the bench measures it from /proc/stat) is left out, as long as at least half
+of the rounds remain: one engine of such a round shared its cores and the other may not have.
 """
 from __future__ import annotations
 
@@ -17,6 +19,17 @@ import numpy as np
 LEVEL = 0.95
 RESAMPLES = 4000
 SEED = 0
+BUSY_LIMIT = 0.25  # CPUs other processes may keep busy in a round that counts
+
+
+def rounds_to_use(others_cpus, limit: float = BUSY_LIMIT) -> list:
+    """Indices of the rounds the figures come from: those in which other processes kept fewer than
+    `limit` CPUs busy (None: not measured, counts as quiet), when they are at least half of the
+    rounds and at least 3 (or all, when fewer rounds were run); else every round (the machine was
+    busy throughout, and the bench says so)."""
+    quiet = [i for i, b in enumerate(others_cpus) if b is None or b < limit]
+    n = len(others_cpus)
+    return quiet if len(quiet) >= max(min(3, n), (n + 1) // 2) else list(range(n))
 
 
 def round_order(engines, r: int) -> list:
