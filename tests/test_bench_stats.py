@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 
 from qtool.runtime.bench import format_batch, summarize, time_rounds
-from qtool.runtime.bench_stats import Ratio, is_tie, paired_ratios, ratio_interval, round_order, rounds_to_use
+from qtool.runtime.bench_stats import (
+    Ratio,
+    is_tie,
+    paired_ratios,
+    ratio_interval,
+    round_order,
+    rounds_to_use,
+)
 
 
 def test_round_order_alternates():

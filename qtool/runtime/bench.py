@@ -20,8 +20,16 @@ from qtool.errors import QtoolError
 from qtool.limits import MAX_FEED_BYTES, elems, human_bytes
 from qtool.modelio import check_pair
 from qtool.runtime.backend import cpu_name, pool_spin_us
-from qtool.runtime.bench_stats import (BUSY_LIMIT, LEVEL, RESAMPLES, SEED, Ratio, ratio_interval, round_order,
-                                       rounds_to_use)
+from qtool.runtime.bench_stats import (
+    BUSY_LIMIT,
+    LEVEL,
+    RESAMPLES,
+    SEED,
+    Ratio,
+    ratio_interval,
+    round_order,
+    rounds_to_use,
+)
 from qtool.runtime.profile import measured_peak, op_type_table, top_steps
 from qtool.runtime.session import NativeSession
 
@@ -39,7 +47,7 @@ def find_fp32(int8_path: str, workdir: str | None = None) -> str | None:
     except Exception:
         pass
     d, base = os.path.split(os.path.abspath(int8_path))
-    stem = base[:-5] if base.endswith(".onnx") else base
+    stem = base.removesuffix(".onnx")
     for suf in (".int8", "_int8", "-int8", ".quant", "_quant", "-quant", ".qdq", "_qdq"):
         if stem.endswith(suf):
             cand = os.path.join(d, stem[: -len(suf)] + ".onnx")
