@@ -37,6 +37,8 @@ def command(model, fp32, batches, threads, rounds, round_ms, repeats, shape, pro
     rounds, one block each (after an untimed run), the order alternating from round to round, so a
     busy machine slows them alike; a ratio is the median of the rounds' ratios, its interval a
     bootstrap over the rounds (fixed seed). A ratio whose interval holds 1.0 is printed as a tie.
+    Rounds in which other processes kept a quarter of a CPU or more busy are left out, while at
+    least half of them remain; the line says so.
 
     \b
     Example:
