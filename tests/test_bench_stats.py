@@ -134,3 +134,17 @@ def test_summary_leaves_out_busy_rounds():
     assert s["ratios"]["ort_int8"]["ratio"] == pytest.approx(1.2) and s["ratios"]["ort_int8"]["hi"] == pytest.approx(1.2)
     assert [rd["used"] for rd in s["rounds"]] == [True, True, False, True, True, True]
     assert "5 of 6 rounds, 1 left out: other processes busy" in format_batch(1, s)
+
+
+def test_printed_interval_is_where_another_run_lands():
+    """The printed range is for another run's ratio: wider than the median's confidence interval
+    (about sqrt(2) for sampling noise alone), and it holds most reruns' medians on synthetic rounds."""
+    rng = np.random.default_rng(7)
+    draw = lambda: rng.lognormal(np.log(0.95), 0.03, 10)  # noqa: E731  one run's 10 per-round ratios
+    runs = [ratio_interval(draw(), np.ones(10)) for _ in range(200)]
+    r = runs[0]
+    assert r.lo < r.ci_lo <= r.ratio <= r.ci_hi < r.hi
+    assert 1.2 < (r.hi - r.lo) / (r.ci_hi - r.ci_lo) < 2.0
+    inside = np.mean([a.lo <= b.ratio <= a.hi for a, b in zip(runs[::2], runs[1::2])])
+    ci_inside = np.mean([a.ci_lo <= b.ratio <= a.ci_hi for a, b in zip(runs[::2], runs[1::2])])
+    assert inside > 0.9 and inside > ci_inside

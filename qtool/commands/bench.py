@@ -35,8 +35,9 @@ def command(model, fp32, batches, threads, rounds, round_ms, repeats, shape, pro
     Prints the median ms/image of each engine per batch size and each ratio (other engine's time /
     native time: above 1, native is faster) with its 95 % interval. The engines take turns in
     rounds, one block each (after an untimed run), the order alternating from round to round, so a
-    busy machine slows them alike; a ratio is the median of the rounds' ratios, its interval a
-    bootstrap over the rounds (fixed seed). A ratio whose interval holds 1.0 is printed as a tie.
+    busy machine slows them alike; a ratio is the median of the rounds' ratios, its interval where
+    another run's ratio falls 95 % of the time (a bootstrap over the rounds, fixed seed; --json
+    also has the median's confidence interval). A ratio whose interval holds 1.0 is printed as a tie.
     Rounds in which other processes kept a quarter of a CPU or more busy are left out, while at
     least half of them remain; the line says so.
 

@@ -220,11 +220,13 @@ def bench(model: str, fp32: str | None = None, batches=(1, 8), threads: int = 2,
            "isa": kinfo.get("isa"), "backend": native.backend, "spin_us": pool_spin_us(native.K),
            "fallback_nodes": len(native.fallback_nodes()), "rounds": rounds, "round_s": round_s,
            "settle_s": settle_s, "interval": {"level": LEVEL, "resamples": RESAMPLES, "seed": SEED,
-                                              "of": "median of the per-round ratios, rounds resampled"},
+                                              "of": "median of the per-round ratios, rounds resampled; lo-hi: another run's ratio, "
+                                                    "ci_lo-ci_hi: the median's confidence interval"},
            "batches": {}}
     if log:
         log(f"{res['cpu']}, {res['isa']} kernels, {threads} threads, {rounds} rounds per batch; ratios are the other "
-            f"engine's time over native's (above 1: native faster), median of the rounds, 95 % interval")
+            f"engine's time over native's (above 1: native faster), median of the rounds, and where another run's "
+            f"falls (95 %)")
     for bs in batches:
         feeds = make_feeds(native, bs, shape)
         for e in engines.values():  # warm up (and plan, for the native session)

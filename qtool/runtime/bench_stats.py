@@ -4,9 +4,13 @@ bootstrap interval over the rounds, and the rule that calls a ratio a tie.
 A round times every engine once, one block each; the order alternates from round to round
 (forward, then reversed), so no engine always runs right after the same other one. Within a
 round the engines share the machine's state, so the ratio of their block medians is a paired
-measurement: slow periods of the host move both sides of it. The interval resamples the rounds
+measurement: slow periods of the host move both sides of it. The bootstrap resamples the rounds
 (with replacement) and takes the median of the resampled per-round ratios, from a fixed seed:
-the same timings always give the same interval. A round in which other processes kept a quarter
+the same timings always give the same interval. It gives two intervals: the confidence interval of
+the median ratio (`ci_lo`, `ci_hi`), and the one printed (`lo`, `hi`), the range in which another
+run's ratio falls with 95 % probability (the ratio of two independent resamples' medians): a 95 %
+confidence interval holds another run's estimate only about 83 % of the time, since that estimate
+has its own noise, and "figures that hold" means another run lands inside what this one printed. A round in which other processes kept a quarter
 of a CPU or more busy (the bench measures it from /proc/stat) is left out, as long as at least half
 of the rounds remain: one engine of such a round shared its cores and the other may not have.
 """
@@ -40,13 +44,16 @@ def round_order(engines, r: int) -> list:
 
 @dataclass
 class Ratio:
-    """ratio = median over rounds of base_time / other_time (above 1: `base` is faster), with the
-    bootstrap interval [lo, hi] at `level`; a tie when the interval holds 1.0."""
+    """ratio = median over rounds of other_time / base_time (above 1: `base` is faster); [lo, hi]:
+    where another run's ratio falls with probability `level`; [ci_lo, ci_hi]: the confidence
+    interval of the median ratio. A tie when [lo, hi] holds 1.0."""
     ratio: float
     lo: float
     hi: float
     level: float
     rounds: int
+    ci_lo: float | None = None
+    ci_hi: float | None = None
 
     @property
     def tie(self) -> bool:
@@ -59,7 +66,7 @@ class Ratio:
 
     def as_dict(self) -> dict:
         return {"ratio": self.ratio, "lo": self.lo, "hi": self.hi, "level": self.level, "rounds": self.rounds,
-                "half_width": self.half_width, "tie": self.tie}
+                "ci_lo": self.ci_lo, "ci_hi": self.ci_hi, "half_width": self.half_width, "tie": self.tie}
 
     def text(self) -> str:
         span = f"95 % {self.lo:.2f}-{self.hi:.2f}" if self.level == LEVEL else \
@@ -85,13 +92,15 @@ def paired_ratios(other_ms, base_ms) -> np.ndarray:
 def ratio_interval(other_ms, base_ms, level: float = LEVEL, resamples: int = RESAMPLES,
                    seed: int = SEED) -> Ratio:
     """How much faster `base` is than `other` (other's time / base's time) over paired rounds:
-    the median of the per-round ratios and its percentile bootstrap interval over the rounds.
-    One round gives an interval of zero width (nothing to resample): use several."""
+    the median of the per-round ratios, where another run's median falls (lo, hi: the spread of
+    the ratio of two independent bootstrap medians, around this one) and the percentile bootstrap
+    confidence interval of the median (ci_lo, ci_hi). One round gives intervals of zero width
+    (nothing to resample): use several."""
     r = paired_ratios(other_ms, base_ms)
     point = float(np.median(r))
     rng = np.random.default_rng(seed)
-    idx = rng.integers(0, len(r), size=(resamples, len(r)))
-    meds = np.median(r[idx], axis=1)
+    meds = np.median(r[rng.integers(0, len(r), size=(2, resamples, len(r)))], axis=2)
     a = (1.0 - level) / 2.0
-    lo, hi = np.quantile(meds, [a, 1.0 - a])
-    return Ratio(point, float(lo), float(hi), level, len(r))
+    ci_lo, ci_hi = np.quantile(meds[0], [a, 1.0 - a])
+    d_lo, d_hi = np.quantile(meds[0] / meds[1], [a, 1.0 - a])
+    return Ratio(point, float(point * d_lo), float(point * d_hi), level, len(r), float(ci_lo), float(ci_hi))
