@@ -11,7 +11,7 @@ from qtool.limits import MAX_BATCH
 from qtool.modelio import check_writable
 
 
-@click.command("bench", short_help="Time qtool's int8 runtime against ONNX Runtime int8 and fp32, with intervals.")
+@click.command("bench", short_help="Time qtool's int8 runtime against ONNX Runtime int8 and fp32.")
 @click.option("--model", "-m", type=click.Path(dir_okay=False),
               help="QDQ int8 ONNX model (default: the one `qtool quantize` wrote in the workdir).")
 @click.option("--fp32", type=click.Path(dir_okay=False),
