@@ -151,11 +151,15 @@ def test_clip_to_flat_puts_a_grid_point_past_each_end():
     assert clip_to_flat(-1.0, 5.0, -3.0, None) == (-1.0, 5.0)  # nothing to narrow
 
 
-def test_hard_swish_inputs_are_range_clipped_for_every_method(tmp_path):
+def test_every_method_has_a_flat_ended_twin_for_auto(tmp_path):
+    from qtool.calibrate.methods import METHODS
+    from qtool.calibrate.table import load_table, range_candidates
     m = _net(np.random.default_rng(3))
     quantize_tiny(m, tmp_path, {"x": (2, 4, 6, 6)}, method="minmax")
-    import json
-    table = json.load(open(tmp_path / "w" / "calibration.json"))
-    for method, ranges in table["ranges"].items():
-        lo, hi = ranges["b"]
-        assert lo >= -3.0 - (hi + 3.0) / 250, (method, lo, hi)
+    table = load_table(str(tmp_path / "w" / "calibration.json"))
+    assert sorted(range_candidates(table)) == sorted(list(METHODS) + [k + "+flat" for k in METHODS])
+    for method in METHODS:
+        lo, hi = table.ranges[method + "+flat"]["b"]  # hard-swish input: one step past -3
+        assert -3.0 - (hi + 3.0) / 250 <= lo <= -3.0, (method, lo, hi)
+        assert table.ranges[method]["b"][0] <= lo  # the method's own range is left as it was
+        assert table.ranges[method + "+flat"]["a"] == table.ranges[method]["a"]  # SiLU: not flat

@@ -114,7 +114,7 @@ def collect(model: onnx.ModelProto, range_tensors: list, mean_tensors: list, bat
     n_workers = WORKERS if threads >= WORKERS and len(segments) == 1 else 1
     per_worker = max(1, threads // n_workers)
     # segments run one after another: one arena for all holds one segment's peak, where an arena each
-    # would pin every segment's peak at once (CRAFT at 480x640: 6.9 GB)
+    # would pin every segment's peak at once (CRAFT at 960x1280: 6.9 GB)
     arena = True if len(segments) == 1 else "shared"
     sessions = [session(seg.model, per_worker, arena=arena, spin=False, where=where) for seg in segments]
     # name -> the size of axis 0 when fixed (a fixed batch is never cut into slices), else None

