@@ -151,15 +151,30 @@ def test_clip_to_flat_puts_a_grid_point_past_each_end():
     assert clip_to_flat(-1.0, 5.0, -3.0, None) == (-1.0, 5.0)  # nothing to narrow
 
 
-def test_every_method_has_a_flat_ended_twin_for_auto(tmp_path):
+def test_every_method_has_a_flat_ended_twin(tmp_path):
     from qtool.calibrate.methods import METHODS
     from qtool.calibrate.table import load_table, range_candidates
     m = _net(np.random.default_rng(3))
     quantize_tiny(m, tmp_path, {"x": (2, 4, 6, 6)}, method="minmax")
     table = load_table(str(tmp_path / "w" / "calibration.json"))
-    assert sorted(range_candidates(table)) == sorted(list(METHODS) + [k + "+flat" for k in METHODS])
+    assert sorted(table.ranges) == sorted(list(METHODS) + [k + "+flat" for k in METHODS])
+    assert sorted(range_candidates(table)) == sorted(METHODS)  # auto: by name only
     for method in METHODS:
         lo, hi = table.ranges[method + "+flat"]["b"]  # hard-swish input: one step past -3
         assert -3.0 - (hi + 3.0) / 250 <= lo <= -3.0, (method, lo, hi)
         assert table.ranges[method]["b"][0] <= lo  # the method's own range is left as it was
         assert table.ranges[method + "+flat"]["a"] == table.ranges[method]["a"]  # SiLU: not flat
+
+
+def test_quantize_with_a_flat_ended_method(tmp_path):
+    m = _net(np.random.default_rng(3))
+    quantize_tiny(m, tmp_path, {"x": (2, 4, 6, 6)}, method="minmax")
+    from qtool.api import quantize
+    q = quantize(str(tmp_path / "w"), method="minmax+flat", verbose=False, output=str(tmp_path / "f.onnx"))
+    import onnx
+    from qtool.qparams import ActQParams
+    g = onnx.load(q.path).graph
+    inits = {i.name: np.asarray(onnx.numpy_helper.to_array(i)) for i in g.initializer}
+    node = next(n for n in g.node if n.op_type == "QuantizeLinear" and n.input[0] == "b")
+    qp = ActQParams(float(inits[node.input[1]]), int(inits[node.input[2]]))
+    assert -3.0 - 2 * qp.scale < qp.lo <= -3.0  # the hard-swish input stops one step past -3

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import click
 
+from qtool.calibrate.table import FLAT
 from qtool.calibrate.methods import AUTO, METHODS
 from qtool.commands.common import common_options, say, setup_output, write_json
 from qtool.modelio import check_writable
@@ -15,9 +16,10 @@ from qtool.quantize.run import SensitivityOptions, fp32_ops_of, quantize, reason
               "(default: WORKDIR/model.int8.onnx).")
 @click.option("--model", "-m", type=click.Path(dir_okay=False), help="The fp32 model (default: the calibrated one).")
 @click.option("--table", type=click.Path(dir_okay=False), help="Calibration table (default: WORKDIR/calibration.json).")
-@click.option("--method", type=click.Choice(sorted(METHODS) + [AUTO]), default=None,
+@click.option("--method", type=click.Choice(sorted(METHODS) + [AUTO] + [m + FLAT for m in sorted(METHODS)]), default=None,
               help="Range method (default: calibrate's, auto unless chosen there); auto picks the one whose int8 "
-                   "output is closest to fp32 on a few calibration samples.")
+                   "output is closest to fp32 on a few calibration samples. METHOD+flat: that method, with the "
+                   "range of a tensor read only by hard-swish/HardSigmoid/Relu/Clip stopped where they go flat.")
 @click.option("--exclude", multiple=True, help="Keep this node in fp32 (repeatable; names from `qtool inspect`).")
 @click.option("--no-bias-correction", is_flag=True, help="Do not correct biases for weight rounding.")
 @click.option("--exclude-sensitive", is_flag=True, help="Keep the most sensitive layers in fp32 until the target is met.")

@@ -26,6 +26,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from qtool import graph as G
+from qtool.calibrate.table import FLAT
 from qtool.plan import make_plan
 
 MAX_GAIN = 32.0  # a channel is scaled up at most this much (a dead channel stays small)
@@ -106,8 +107,9 @@ class _Rewrite:
         before)."""
         new = [float((lo / s).min()), float((hi / s).max())]
         own = self.table.ranges.get("minmax", {}).get(src)
-        for ranges in self.table.ranges.values():
-            r = ranges.get(src)
+        for method, ranges in self.table.ranges.items():
+            # a flat end is no clip of the data: it holds for src's readers, not for the balanced channels
+            r = self.table.ranges.get(method[:-len(FLAT)], {}).get(src) if method.endswith(FLAT) else ranges.get(src)
             clip = [r[0] / own[0] if own and r and own[0] < 0 else 1.0, r[1] / own[1] if own and r and own[1] > 0 else 1.0]
             ranges[into] = [new[0] * min(max(clip[0], 0.0), 1.0), new[1] * min(max(clip[1], 0.0), 1.0)]
         self.table.histograms.pop(into, None)

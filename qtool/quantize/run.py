@@ -31,7 +31,7 @@ from qtool.report.sensitivity_html import render as render_sensitivity
 
 from qtool.calibrate.methods import AUTO
 from qtool.calibrate.run import FUSED
-from qtool.calibrate.table import load_table, range_candidates
+from qtool.calibrate.table import FLAT, load_table, range_candidates
 from qtool.errors import QtoolError
 from qtool.fuse import fuse_model
 from qtool.modelio import (atomic_write_text, check_writable, file_hash, json_safe, load_model, model_hash, save_model,
@@ -472,6 +472,10 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
     tune_ranges = bool(tune_ranges)
     rounding = True if rounding is None else rounding
     auto = (method or table.method) == AUTO
+    if method and method.endswith(FLAT) and method not in table.ranges:
+        say(f"note: no tensor of this model is read only by an activation flat beyond a point; {method} is "
+            f"{method[:-len(FLAT)]}")
+        method = method[:-len(FLAT)]
     ctx = QuantizeContext(fused, table, table.range_method if auto else (method or table.method), target,
                           bias_correction, exclude)
     files = _calibration_files(wd)
