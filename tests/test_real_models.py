@@ -305,8 +305,7 @@ def test_unbalanced_channels_are_balanced_exactly_and_gain(tmp_path, monkeypatch
     rng = np.random.default_rng(11)
     m = _unbalanced_mobilenet_block(rng)
     samples = [{"x": rng.standard_normal((1, 4, 10, 10)).astype(np.float32)} for _ in range(12)]
-    # (minmax: auto may pick the flat-ended ranges of the hard-swish input, which take much of what balancing gives)
-    q = default_run(m, samples, tmp_path / "balanced", min_db=0, rounding="nearest", method="minmax")
+    q = default_run(m, samples, tmp_path / "balanced", min_db=0, rounding="nearest")
     table = load_table(str(tmp_path / "balanced" / "work" / "calibration.json"))
     assert {"z", "h"} <= set(table.channel_ranges)
     balanced, _, _ = equalize(onnx.load(str(tmp_path / "balanced" / "work" / "fused.onnx")), table, say=lambda s: None)
@@ -314,7 +313,7 @@ def test_unbalanced_channels_are_balanced_exactly_and_gain(tmp_path, monkeypatch
     for s in samples[:2]:
         np.testing.assert_allclose(run(balanced, s)[0], run(m, s)[0], rtol=1e-4, atol=1e-4)
     monkeypatch.setattr(quantize_run, "balance", lambda ctx, samples, say: None)
-    plain = default_run(m, samples, tmp_path / "plain", min_db=0, rounding="nearest", method="minmax")
+    plain = default_run(m, samples, tmp_path / "plain", min_db=0, rounding="nearest")
 
     def db(q):
         return np.mean([_sqnr(run(m, s)[0], run(onnx.load(q.path), s)[0]) for s in samples])

