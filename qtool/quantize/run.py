@@ -11,6 +11,7 @@ import numpy as np
 from tqdm import tqdm
 
 from qtool import graph as G
+from qtool.blas import blas_threads
 from qtool.labels import labels_from_file, labels_from_folders
 from qtool.metrics import sqnr_db
 from qtool.quantize.budget import (METHOD_CHOICE_PASSES, ROUNDING_PASSES, SENSITIVITY_PASSES, TARGET_COST_PASSES,
@@ -446,7 +447,7 @@ def quantize(workdir: str | None = None, model: str | None = None, table_path: s
     `strict`: an optional step that fails (optional.py) is an error, not a fallback with a warning.
     The working directory is held for the whole run; where the outputs go is checked writable first."""
     wd = Workdir(workdir)
-    with wd.lock(create=True):
+    with wd.lock(create=True), blas_threads(1):  # blas.py: why one thread
         if output is not None:
             check_writable(output, "int8 model")
         return _quantize(workdir, model, table_path, output, method, exclude, bias_correction, sensitivity, say,
