@@ -19,9 +19,8 @@ def test_blas_threads_apply_inside_the_block_and_restore_after():
 
 def test_blas_threads_restore_after_an_error():
     before = blas.threads()
-    with pytest.raises(RuntimeError):
-        with blas.blas_threads(1):
-            raise RuntimeError("inside")
+    with pytest.raises(RuntimeError), blas.blas_threads(1):
+        raise RuntimeError("inside")
     assert blas.threads() == before
 
 
