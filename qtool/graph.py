@@ -204,25 +204,37 @@ def real_inputs(model: onnx.ModelProto) -> list:
 def count_macs(model: onnx.ModelProto, inputs: dict) -> int | None:
     """Multiply-accumulates of the Conv, Gemm and MatMul nodes for inputs of these shapes (input name ->
     shape); None where one of those nodes' shapes cannot be inferred."""
+    each = _macs_each(model, inputs)
+    return None if each is None else sum(m for _, m in each)
+
+
+def layer_macs(model: onnx.ModelProto, inputs: dict) -> dict | None:
+    """node name -> multiply-accumulates of each Conv, Gemm and MatMul node for inputs of these shapes;
+    None where one of those nodes' shapes cannot be inferred."""
+    each = _macs_each(model, inputs)
+    return None if each is None else {n.name: m for n, m in each}
+
+
+def _macs_each(model: onnx.ModelProto, inputs: dict) -> list | None:
     known = {t.name: list(t.dims) for t in model.graph.initializer}
     known.update(inferred_shapes(model, inputs))
-    total = 0
+    each = []
     for n in model.graph.node:
+        if n.op_type not in ("Conv", "Gemm", "MatMul"):
+            continue
         out = known.get(n.output[0]) if n.output else None
         w = known.get(n.input[1]) if len(n.input) > 1 else None
         if not out or not w or any(not d for d in out) or any(not d for d in w):
-            if n.op_type in ("Conv", "Gemm", "MatMul"):
-                return None
-            continue
+            return None
         if n.op_type == "Conv":  # every output value: Cin/group * kh * kw products
-            total += int(np.prod(out)) * int(np.prod(w[1:]))
+            macs = int(np.prod(out)) * int(np.prod(w[1:]))
         elif n.op_type == "Gemm":
-            k = w[1] if attr(n, "transB", 0) else w[0]
-            total += int(np.prod(out)) * k
-        elif n.op_type == "MatMul":
+            macs = int(np.prod(out)) * (w[1] if attr(n, "transB", 0) else w[0])
+        else:
             a = known.get(n.input[0])
-            total += int(np.prod(out)) * (a[-1] if a and a[-1] else w[-2])
-    return total
+            macs = int(np.prod(out)) * (a[-1] if a and a[-1] else w[-2])
+        each.append((n, macs))
+    return each
 
 
 SELECTING = ("TopK", "NonMaxSuppression", "GatherElements")  # ops that pick entries by a computed order

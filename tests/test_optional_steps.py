@@ -26,6 +26,7 @@ INJECT = {
     "equalization": ("balance", {}),
     "calibration samples": ("afford", {}),
     "method choice": ("pick_method", {"method": "auto"}),
+    "encoding choice": ("choose_encodings", {}),
     "output-aware rounding": ("tune_rounding", {}),
     "range tuning": ("tune_activation_ranges", {"tune_ranges": True}),
     "sensitivity": ("run_sensitivity", {}),

@@ -60,6 +60,7 @@ class QuantizeContext:
     threads: int = 0
     exact_storage: bool | None = None  # None: decided from the target and this machine's ORT
     on_error: object = None  # (layer, exception): a layer's output-aware rounding failed (qdq.layer_weights)
+    encodings: dict = field(default_factory=dict)  # node -> encoding where it is not the target's (encoding.py)
 
     def __post_init__(self):
         if self.target not in TARGETS:
@@ -73,7 +74,7 @@ class QuantizeContext:
         kw = dict(method=self.method, exclude={**self.exclude, **(exclude or {})},
                   bias_correction=self.bias_correction, ranges=self.ranges, hessians=self.hessians,
                   weight_cache=self.weight_cache, target=self.target, u8_storage=scoring and self.exact_storage,
-                  on_error=self.on_error)
+                  on_error=self.on_error, encodings=self.encodings)
         kw.update(over)
         return quantize_graph(self.fused, self.table, **kw)
 

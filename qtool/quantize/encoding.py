@@ -142,3 +142,75 @@ def pair_safe_scales(w_rows: np.ndarray, partners: np.ndarray, hessian: np.ndarr
         best_s[rows[take]] = s[take]
         best_e = np.where(take, e, best_e)
     return best_q, best_s.astype(np.float32)
+
+
+# portable: the layers that carry little of the model's compute store their weights as uint8 + 128
+# where pair-safety costs them precision. ORT's u8 x u8 kernels are slower than its u8 x s8 ones
+# (about 2x on x86), so the u8 layers may hold at most U8_SHARE of the model's MACs (their extra
+# time stays within about that share), or U8_FLOOR_MACS in all for a model whose whole run is
+# microseconds. A classifier's or detector's last Gemm is typically one of them: 0.05 % of
+# ResNet-50's MACs; openWakeWord's three Gemms (0.2 MMAC in all) lost 6 dB of output SQNR to pair-safety.
+U8_SHARE = 0.02
+U8_FLOOR_MACS = 1_000_000
+U8_MIN_COST_DB = 0.5  # a layer whose pairs cost less keeps full-speed pair-safe weights
+
+
+def pair_safe_cost_db(w_rows: np.ndarray, partners: np.ndarray) -> float:
+    """How much larger the weight error of pair-safe rows [C, K] (pair_safe_scales, nearest rounding)
+    is than plain int8's, in dB: 0 where no pair binds."""
+    w = np.asarray(w_rows, np.float64)
+    s0 = Q.weight_scales(w.astype(np.float32), 0).astype(np.float64)
+    plain = np.clip(np.rint(w / s0[:, None]), -Q.W_MAX, Q.W_MAX) * s0[:, None] - w
+    q, s = pair_safe_scales(w, partners)
+    safe = q * s.astype(np.float64)[:, None] - w
+    e0, e1 = float((plain ** 2).sum()), float((safe ** 2).sum())
+    if e1 <= e0:
+        return 0.0
+    return float("inf") if e0 == 0 else 10 * np.log10(e1 / e0)
+
+
+def cheap_u8_layers(layers: dict, total_macs: int) -> dict:
+    """The layers (name -> (MACs, pair_safe_cost_db)) whose weights portable stores as uint8 + 128:
+    the costliest first, while their MACs fit the budget (U8_SHARE of total_macs, at least
+    U8_FLOOR_MACS). -> name -> why."""
+    budget = max(U8_SHARE * total_macs, U8_FLOOR_MACS)
+    used, chosen = 0, {}
+    for name, (macs, cost) in sorted(layers.items(), key=lambda kv: (-kv[1][1], kv[1][0], kv[0])):
+        if cost < U8_MIN_COST_DB or used + macs > budget:
+            continue
+        used += macs
+        share = 100.0 * macs / total_macs if total_macs else 100.0
+        chosen[name] = (f"weights stored as uint8 + 128 (exact on every CPU, slower on some): pair-safe int8 "
+                        f"would cost {cost:.1f} dB of weight precision; {macs / 1e6:.3g} MMAC per sample, "
+                        f"{share:.2g} % of the model's")
+    return chosen
+
+
+def portable_u8_layers(model, shapes: dict) -> dict:
+    """cheap_u8_layers of `model` (a fused graph) for inputs of these shapes (input name -> shape)."""
+    from onnx import numpy_helper
+
+    from qtool import graph as G
+    from qtool.rules import RULES
+
+    macs = G.layer_macs(model, shapes)
+    if not macs:
+        return {}
+    total = sum(macs.values())
+    budget = max(U8_SHARE * total, U8_FLOOR_MACS)
+    inits = G.initializers(model)
+    costs = {}
+    for node in model.graph.node:
+        rule = RULES.get(node.op_type)
+        if node.name not in macs or macs[node.name] > budget or rule is None:
+            continue  # (too big to be stored u8 whatever it costs: no need to measure it)
+        spec = rule.weight(node, model)
+        if spec is None or node.input[spec[0]] not in inits:
+            continue
+        widx, axis = spec
+        w = numpy_helper.to_array(inits[node.input[widx]]).astype(np.float32)
+        partners = pair_partners(w.shape, node.op_type, axis, G.attr(node, "group", 1))
+        if partners is not None:
+            rows = np.moveaxis(w, axis, 0).reshape(w.shape[axis], -1)
+            costs[node.name] = (macs[node.name], pair_safe_cost_db(rows, partners))
+    return cheap_u8_layers(costs, total)

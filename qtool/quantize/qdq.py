@@ -98,15 +98,16 @@ def activation_qparams(model: onnx.ModelProto, plan: Plan, table, method: str | 
 
 
 def layer_weights(model, node, inits, s_in, mean_x, bias_correction: bool, hessian, target: str,
-                  weight_cache: dict | None, on_error=None):
+                  weight_cache: dict | None, on_error=None, encodings: dict | None = None):
     """(QuantizedWeight, encoding, whether ORT pairs this layer's weights) of an int8 layer with a
     weight, as the target encodes it; cached per layer and setting in `weight_cache`.
     `on_error(layer, exception)`: output-aware rounding of this layer failed; it is told, and the
-    layer is rounded to nearest (without it, the exception propagates)."""
+    layer is rounded to nearest (without it, the exception propagates). `encodings`: node -> encoding
+    where it is not the target's (encoding.cheap_u8_layers)."""
     rule = RULES[node.op_type]
     widx, axis = rule.weight(node, model)
     partners = pair_partners(tuple(inits[node.input[widx]].dims), node.op_type, axis, G.attr(node, "group", 1))
-    enc = S8 if partners is None else TARGETS[target].encoding
+    enc = S8 if partners is None else (encodings or {}).get(node.name, TARGETS[target].encoding)
     key = (node.name, bias_correction, hessian is not None, s_in if rule.bias is not None else None,
            enc if enc in (PAIR_SAFE, S7) else S8)
     qw = weight_cache.get(key) if weight_cache is not None else None
@@ -145,7 +146,7 @@ def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exc
                    bias_correction: bool = True, ranges: dict | None = None, weights: bool = True,
                    activations: bool = True, weight_cache: dict | None = None,
                    prune_excluded: bool = True, hessians: dict | None = None, target: str = DEFAULT_TARGET,
-                   u8_storage: bool = False, on_error=None) -> QuantizeOutput:
+                   u8_storage: bool = False, on_error=None, encodings: dict | None = None) -> QuantizeOutput:
     """`ranges` (tensor -> (lo, hi)) overrides the table's, for experiments and sensitivity search.
     `weights=False` / `activations=False` leave that side fp32: the diagnostic that tells
     which of the two a model's quantization error comes from.
@@ -156,7 +157,8 @@ def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exc
     `target` (encoding.TARGETS): how the weights are encoded for the CPUs that will run the model.
     `u8_storage`: store every paired layer's weights as uint8 + 128 whatever the target, the same
     values in a form ONNX Runtime computes exactly on any CPU (for scoring experiments).
-    `on_error(layer, exception)`: a layer's output-aware rounding failed (layer_weights)."""
+    `on_error(layer, exception)`: a layer's output-aware rounding failed (layer_weights).
+    `encodings`: node -> encoding where it is not the target's."""
     notes: list = []
     m = onnx.ModelProto()
     m.CopyFrom(fused)
@@ -199,7 +201,7 @@ def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exc
         has_bias = rule.bias is not None and len(node.input) > rule.bias and node.input[rule.bias]
         qw, enc, paired = layer_weights(m, node, inits, qp[x_name].scale, table.channel_means.get(x_name),
                                         bias_correction, (hessians or {}).get(node.name), target, weight_cache,
-                                        on_error)
+                                        on_error, encodings)
         base = node.input[widx]
         if enc == U8 or (u8_storage and paired):
             wq = add_init(base + "_quantized", (qw.q.astype(np.int16) + 128).astype(np.uint8))

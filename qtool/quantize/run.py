@@ -17,7 +17,7 @@ from qtool.metrics import sqnr_db
 from qtool.quantize.budget import (METHOD_CHOICE_PASSES, ROUNDING_PASSES, SENSITIVITY_PASSES, TARGET_COST_PASSES,
                                   Budget)
 from qtool.quantize.context import QuantizeContext
-from qtool.quantize.encoding import DEFAULT_TARGET, S8, TARGETS
+from qtool.quantize.encoding import DEFAULT_TARGET, PAIR_SAFE, S8, TARGETS, U8, portable_u8_layers
 from qtool.quantize.equalize import balance
 from qtool.quantize.exclude import CANDIDATES_PER_STEP, POOL as POOL_FOR_PROGRESS, exclude_sensitive
 from qtool.quantize.guard import guard_layers
@@ -412,6 +412,24 @@ def pick_method(ctx: QuantizeContext, samples: SampleSet, say=print, show_progre
 CLIP_GAIN_DB = 0.5  # what a clipping range method must gain over minmax, on the calibration samples
 
 
+def choose_encodings(ctx: QuantizeContext, samples: SampleSet, say=print) -> dict:
+    """node -> why, for the layers whose weights are stored uint8 + 128 where the target's rule is
+    pair-safe (encoding.portable_u8_layers), measured on one sample's shapes."""
+    if TARGETS[ctx.target].encoding != PAIR_SAFE:
+        return {}
+    if len(samples):
+        shapes = {k: list(v.shape) for k, v in samples.feed(0, 1).items()}
+    else:  # (no calibration images recorded: the inputs' own shapes, where static)
+        shapes = {i.name: [1] + G.input_dims(i)[1:] for i in G.real_inputs(ctx.fused)}
+        if any(not isinstance(d, int) for dims in shapes.values() for d in dims):
+            return {}
+    chosen = portable_u8_layers(ctx.fused, shapes)
+    if chosen:
+        say(f"{len(chosen)} small layer(s) store their weights as uint8 + 128 (exact everywhere) where pair-safe "
+            f"int8 would cost precision: {', '.join(sorted(chosen)[:5])}{' ...' if len(chosen) > 5 else ''}")
+    return chosen
+
+
 def target_cost(ctx: QuantizeContext, samples: SampleSet, excluded: dict, say=print,
                 show_progress: bool = False) -> dict | None:
     """What the target's weight encoding costs at the output, against plain int8 weights (the exact
@@ -510,6 +528,8 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
                                                  opts.show_progress, fallback=(ctx.method, None))
     if len(samples):  # (ctx.fused and ctx.table become the balanced ones; the fp32 outputs are the same)
         steps.run("equalization", balance, ctx, samples.pick(split.tune) if split.tune else samples, say)
+    encoding_reasons = steps.run("encoding choice", choose_encodings, ctx, samples, say, fallback={})
+    ctx.encodings = {name: U8 for name in encoding_reasons}
     sens_samples = samples.pick(split.sensitivity)
     if opts.samples is None and len(sens_samples):  # a dynamic output's size is known now
         n = samples_for_values(int(np.prod(sens_samples.reference.shape[1:], dtype=np.int64)))
@@ -558,6 +578,7 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
         "method_scores_db": method_scores_db, "target": target, "target_description": TARGETS[target].description,
         "target_cost": cost,
         "encodings": _encoding_counts(out),
+        "encoding_choice": encoding_reasons,
         "bias_correction": bias_correction,
         "rounding": "output-aware" if tuning.hessians else "nearest",
         "rounded_layers": sorted(tuning.hessians or []),

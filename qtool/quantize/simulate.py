@@ -123,7 +123,8 @@ class Simulator:
             widx, axis = rule.weight(node, m)
             x = self.plan.weight_inputs[name]
             qw, _, _ = layer_weights(m, node, G.initializers(m), self.qparams[x].scale, ctx.table.channel_means.get(x),
-                                     ctx.bias_correction, (ctx.hessians or {}).get(name), ctx.target, ctx.weight_cache)
+                                     ctx.bias_correction, (ctx.hessians or {}).get(name), ctx.target, ctx.weight_cache,
+                                     encodings=ctx.encodings)
             self._sqnr[name] = qw.weight_sqnr_db
             out = [(widx, Q.dequantize_weight(qw.q, qw.scale, axis))]
             if qw.bias is not None:
