@@ -6,10 +6,17 @@ import math
 import numpy as np
 
 
-def sqnr_db(ref: np.ndarray, out: np.ndarray) -> float:
-    ref = np.asarray(ref, np.float64)
-    noise = float(((ref - np.asarray(out, np.float64)) ** 2).sum())
-    return float("inf") if noise == 0 else float(10 * np.log10(max(float((ref ** 2).sum()), 1e-300) / noise))
+def sqnr_db(ref: np.ndarray, out: np.ndarray, chunk: int = 1 << 22) -> float:
+    """Signal to quantization noise, in dB (float64 sums, a chunk of values at a time)."""
+    r, o = np.asarray(ref).reshape(-1), np.asarray(out).reshape(-1)
+    if r.shape != o.shape:
+        raise ValueError(f"sqnr_db: shapes {np.shape(ref)} and {np.shape(out)} differ")
+    signal = noise = 0.0
+    for s in range(0, len(r), chunk):
+        a = r[s:s + chunk].astype(np.float64)
+        signal += float((a * a).sum())
+        noise += float(((a - o[s:s + chunk]) ** 2).sum())
+    return float("inf") if noise == 0 else float(10 * np.log10(max(signal, 1e-300) / noise))
 
 
 def top1_agreement(ref: np.ndarray, out: np.ndarray) -> float:
@@ -33,6 +40,21 @@ def kl_softmax(ref: np.ndarray, out: np.ndarray) -> float:
     return float(kl_softmax_each(ref, out).mean())
 
 
+def _top2(a: np.ndarray, chunk: int = 1 << 22) -> tuple:
+    """Each row's largest and second-largest entry's index, a few rows at a time (a CTC output holds
+    millions of values: a full sort of them, and its int64 copy, cost gigabytes)."""
+    rows = max(1, chunk // max(a.shape[1], 1))
+    i1, i2 = np.empty(len(a), np.int64), np.empty(len(a), np.int64)
+    for s in range(0, len(a), rows):
+        part = np.asarray(a[s:s + rows], np.float64)
+        top = np.argpartition(-part, 1, axis=1)[:, :2]
+        r = np.arange(len(part))
+        swap = part[r, top[:, 1]] > part[r, top[:, 0]]
+        i1[s:s + rows] = np.where(swap, top[:, 1], top[:, 0])
+        i2[s:s + rows] = np.where(swap, top[:, 0], top[:, 1])
+    return i1, i2
+
+
 def predicted_agreement(ref: np.ndarray, out: np.ndarray) -> float:
     """Expected top-1 agreement on images like these, smoother than counting flips on a few.
 
@@ -40,20 +62,37 @@ def predicted_agreement(ref: np.ndarray, out: np.ndarray) -> float:
     Gaussian with the spread measured on these samples; an image flips with probability
     Phi(-margin / sigma). On 64 images this ranks candidates where a raw count shows 64/64.
     """
-    ref = np.asarray(ref, np.float64).reshape(len(ref), -1)
-    out = np.asarray(out, np.float64).reshape(len(out), -1)
+    ref = np.asarray(ref).reshape(len(ref), -1)
+    out = np.asarray(out).reshape(len(out), -1)
     if ref.shape[1] < 2:
         return 1.0
-    order = np.argsort(-ref, axis=1)
-    i1, i2 = order[:, 0], order[:, 1]
+    i1, i2 = _top2(ref)
     rows = np.arange(len(ref))
-    margin = ref[rows, i1] - ref[rows, i2]
-    d = (out[rows, i1] - ref[rows, i1]) - (out[rows, i2] - ref[rows, i2])
+    r1, r2 = ref[rows, i1].astype(np.float64), ref[rows, i2].astype(np.float64)
+    margin = r1 - r2
+    d = (out[rows, i1] - r1) - (out[rows, i2] - r2)
     sigma = math.sqrt(float((d ** 2).mean())) if len(d) else 0.0
     if sigma == 0:
         return top1_agreement(ref, out)
     flip = 0.5 * np.array([math.erfc(m / (sigma * math.sqrt(2))) for m in margin])
     return float(1 - flip.mean())
+
+
+def kl_each(ref: np.ndarray, out: np.ndarray, log: bool = False, chunk: int = 1 << 22) -> np.ndarray:
+    """KL(ref || out) of each row of two distributions over the last axis ([N, C] or [N, T, C]:
+    per sample, the mean over its T positions), given as probabilities (a Softmax's output) or as
+    log-probabilities (`log`: a LogSoftmax's), in nats; a few rows at a time."""
+    ref, out = np.asarray(ref), np.asarray(out)
+    per = int(np.prod(ref.shape[1:-1], dtype=np.int64)) if ref.ndim > 2 else 1
+    c = ref.shape[-1]
+    r2, o2 = ref.reshape(-1, c), out.reshape(-1, c)
+    kl = np.empty(len(r2))
+    step = max(1, chunk // max(c, 1))
+    for s in range(0, len(r2), step):
+        a, b = np.asarray(r2[s:s + step], np.float64), np.asarray(o2[s:s + step], np.float64)
+        la, lb = (a, b) if log else (np.log(np.clip(a, 1e-12, None)), np.log(np.clip(b, 1e-12, None)))
+        kl[s:s + step] = (np.exp(la) * (la - lb)).sum(axis=1)
+    return kl.reshape(len(ref), per).mean(axis=1)
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple:

@@ -129,6 +129,8 @@ def run_first_output(model: onnx.ModelProto | str, feeds: list, threads: int = 0
 
 
 def run_output(model: onnx.ModelProto, name: str, feeds: list, threads: int = 0, where: str | None = None) -> list:
-    """Output `name` of the model (a graph output, or any tensor it computes) for each of a list of input dicts."""
-    s = session(with_outputs(model, [name]), threads, where=where)
+    """Output `name` of the model (a graph output, or any tensor it computes) for each of a list of input dicts.
+    The session's arena is the process's shared one: quantize's experiments build hundreds of sessions,
+    two at a time, and their own arenas piled up (PP-OCRv5's recognizer, --exclude-sensitive: 14 GB)."""
+    s = session(with_outputs(model, [name]), threads, arena="shared", where=where)
     return [s.run([name], f)[0] for f in feeds]

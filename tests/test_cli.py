@@ -106,7 +106,10 @@ def test_calibrate_quantize_eval_flow_in_workdir(project, capsys):
     rep = json.load(open("q.json"))
     assert rep["summary"]["int8"] == 6 and rep["int8_model"] == str(wd / "model.int8.onnx")
     assert {"nodes", "notes", "layers", "size_bytes", "method", "excluded", "bias_correction"} <= set(rep)
-    assert rep["target"] == "portable" and rep["encodings"].get("pair-safe", 0) >= 2  # the default target
+    # the default target: pair-safe weights, and uint8 + 128 for the cheap layers pair-safety costs (a reason each)
+    enc = rep["encodings"]
+    assert rep["target"] == "portable" and enc.get("pair-safe", 0) + enc.get("u8", 0) >= 2
+    assert len(rep["encoding_choice"]) == enc.get("u8", 0)
     import onnx
     meta = {p.key: p.value for p in onnx.load(wd / "model.int8.onnx").metadata_props}
     assert meta["qtool.target"] == "portable"

@@ -4,6 +4,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
+import onnx
 from qtool.metrics import kl_softmax_each
 from qtool.quantize.exclude import exclude_sensitive
 from qtool.quantize.samples import SampleSet
@@ -17,6 +18,7 @@ class FakeContext:
     exclude: dict = {}
     workers = 1
     exact_storage = False
+    fused = onnx.ModelProto()  # (no graph: its output is no distribution)
 
     def __init__(self, small_scale):
         rng = np.random.default_rng(0)

@@ -163,3 +163,18 @@ def _finite_only(s: SampleSet) -> SampleSet:
                   f"output left out: {', '.join(os.path.basename(str(b)) for b in bad[:5])}"
                   f"{', ...' if len(bad) > 5 else ''}", stacklevel=3)
     return s.subset(np.flatnonzero(ok))
+
+
+def distribution_output(fused, samples: SampleSet) -> str | None:
+    """"Softmax" or "LogSoftmax" where the samples' reference output is one over its last axis (a
+    classifier's probabilities, a CTC recognizer's or a tagger's per position): what it means is the
+    class each position picks. None otherwise."""
+    name = samples.output or (G.reference_output(fused) if fused.graph.output else None)
+    node = G.producers(fused).get(name) if name else None
+    if node is None or node.op_type not in ("Softmax", "LogSoftmax") or samples.reference.ndim < 2:
+        return None
+    axis = G.attr(node, "axis", -1 if G.opset(fused) >= 13 else 1)
+    # (samples.reference moved the sample axis first: a positive axis is the last only where nothing moved)
+    last = axis == -1 or (axis == samples.reference.ndim - 1 and samples.axis == 0 and samples.rows == 1
+                          and not samples.stacked)
+    return node.op_type if last else None

@@ -1,0 +1,57 @@
+"""Range method choice (method_choice.py): where the output is a distribution, the class each
+position keeps decides, SQNR breaks ties; elsewhere SQNR with the clipping method earning its clip."""
+from __future__ import annotations
+
+import numpy as np
+from helpers import init, make_model
+from onnx import helper
+
+from qtool.quantize.method_choice import AGREEMENT_TIE, choose, position_agreement
+from qtool.quantize.samples import SampleSet, distribution_output
+
+CLIP = 0.5
+
+
+def test_sqnr_decides_where_no_agreement_was_measured():
+    scores = {"minmax": 20.0, "mse": 22.0, "entropy": 20.3}
+    assert choose(scores, {}, "minmax", CLIP) == "mse"
+    assert choose({"minmax": 20.0, "mse": 20.3}, {}, "minmax", CLIP) == "minmax"  # the clip not earned
+
+
+def test_agreement_outranks_sqnr_and_ties_go_to_sqnr():
+    scores = {"minmax": 8.0, "mse": 12.0, "entropy": 11.0}
+    assert choose(scores, {"minmax": 0.990, "mse": 0.980, "entropy": 0.985}, "minmax", CLIP) == "minmax"
+    tied = {"minmax": 0.990, "mse": 0.990 - AGREEMENT_TIE / 2, "entropy": 0.9}
+    assert choose(scores, tied, "minmax", CLIP) == "mse"
+    # the plain method out of the running: the best SQNR of those left
+    assert choose(scores, {"minmax": 0.90, "mse": 0.99, "entropy": 0.99}, "minmax", CLIP) == "mse"
+
+
+def _softmax_model(axis, opset=13):
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["l"], name="mm"),
+             helper.make_node("Softmax", ["l"], ["p"], name="sm", axis=axis)]
+    return make_model(nodes, [init("w", np.ones((8, 5)))], [("x", [1, 4, 8])], [("p", [1, 4, 5])], opset=opset)
+
+
+def _samples(ref, **kw):
+    return SampleSet(["a"] * len(ref), {}, ref, output="p", **kw)
+
+
+def test_a_softmax_over_the_last_axis_is_a_distribution_output():
+    ref = np.zeros((2, 4, 5), np.float32)
+    assert distribution_output(_softmax_model(-1), _samples(ref))
+    assert distribution_output(_softmax_model(2), _samples(ref))
+    assert not distribution_output(_softmax_model(1), _samples(ref))  # over the positions: not classes
+    assert not distribution_output(_softmax_model(2), _samples(ref, axis=1))  # sequence-first, moved
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["p"], name="mm")]
+    plain = make_model(nodes, [init("w", np.ones((8, 5)))], [("x", [1, 4, 8])], [("p", [1, 4, 5])])
+    assert not distribution_output(plain, _samples(ref))
+
+
+def test_position_agreement_counts_each_position():
+    rng = np.random.default_rng(0)
+    ref = rng.standard_normal((6, 40, 10))
+    assert position_agreement(ref, ref) == 1.0
+    noisy = ref + rng.standard_normal(ref.shape) * 0.5
+    worse = ref + rng.standard_normal(ref.shape) * 2.0
+    assert 0.5 < position_agreement(ref, worse) < position_agreement(ref, noisy) < 1.0
