@@ -518,7 +518,7 @@ def cells(row):
     ck = row.get("check", {})
     return [row["name"], row["status"], step("calibrate"), step("quantize", QUANT_MB), step("eval"),
             f"{100 * q['size_ratio']:.0f}%" if q.get("size_ratio") else "-",
-            fmt_db(qd) + ("!" if qd is not None and od is not None and qd < od else ""), ort,
+            fmt_db(qd) + ("!" if qd is not None and od is not None and qd < od - SQNR_TIE_DB else ""), ort,
             "/".join(ck.get(k, {}).get("verdict", "-") for k in ("fp32", "qtool", "ort")),
             f"{q['int8_ops']}/{q['fp32_ops']}" if q else "-",
             "; ".join(row["misses"] + [f"(note: {n})" for n in row["notes"]])]
