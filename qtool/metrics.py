@@ -78,6 +78,13 @@ def predicted_agreement(ref: np.ndarray, out: np.ndarray) -> float:
     return float(1 - flip.mean())
 
 
+def position_agreement(ref, out) -> float:
+    """Predicted top-1 agreement (predicted_agreement) over every position's distribution on
+    the last axis: [N, C] a classifier's samples, [N, T, C] each sample's T positions."""
+    c = ref.shape[-1]
+    return predicted_agreement(ref.reshape(-1, c), out.reshape(-1, c))
+
+
 def kl_each(ref: np.ndarray, out: np.ndarray, log: bool = False, chunk: int = 1 << 22) -> np.ndarray:
     """KL(ref || out) of each row of two distributions over the last axis ([N, C] or [N, T, C]:
     per sample, the mean over its T positions), given as probabilities (a Softmax's output) or as

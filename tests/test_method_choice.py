@@ -6,7 +6,8 @@ import numpy as np
 from helpers import init, make_model
 from onnx import helper
 
-from qtool.quantize.method_choice import AGREEMENT_TIE, choose, position_agreement
+from qtool.metrics import position_agreement
+from qtool.quantize.method_choice import AGREEMENT_TIE, choose
 from qtool.quantize.samples import SampleSet, distribution_output
 
 CLIP = 0.5

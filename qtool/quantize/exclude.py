@@ -26,7 +26,8 @@ import numpy as np
 import onnx
 
 from qtool.ortsession import session
-from qtool.metrics import kl_each, kl_softmax_each, predicted_agreement, sqnr_db, top1_agreement, wilson
+from qtool.metrics import (kl_each, kl_softmax_each, position_agreement, predicted_agreement, sqnr_db, top1_agreement,
+                           wilson)
 from qtool.quantize.context import QuantizeContext
 from qtool.quantize.samples import SampleSet, distribution_output
 
@@ -121,8 +122,8 @@ def exclude_sensitive(ctx: QuantizeContext, ranking: list, samples: SampleSet, t
         db = sqnr_db(reference, y)
         if dist:  # what each position means is its class: agreement and KL per position
             c = reference.shape[-1]
-            r2, y2 = reference.reshape(-1, c), y.reshape(-1, c)
-            agree, predicted, count = top1_agreement(r2, y2), predicted_agreement(r2, y2), len(r2)
+            agree, count = top1_agreement(reference.reshape(-1, c), y.reshape(-1, c)), reference.size // c
+            predicted = position_agreement(reference, y)
             err = kl_each(reference, y, log=dist == "LogSoftmax")
             kl = float(err.mean())
         else:

@@ -10,7 +10,7 @@ recognizer it ranked minmax last of four on calibration crops, where minmax read
 from __future__ import annotations
 
 from qtool.calibrate.methods import METHODS
-from qtool.metrics import predicted_agreement, sqnr_db
+from qtool.metrics import position_agreement, sqnr_db
 from qtool.quantize.context import QuantizeContext
 from qtool.quantize.samples import SampleSet, distribution_output
 
@@ -34,20 +34,11 @@ def method_scores(ctx: QuantizeContext, samples: SampleSet, methods=None, progre
     return scores
 
 
-def position_agreement(ref, out) -> float:
-    """Predicted top-1 agreement (metrics.predicted_agreement) over every position's distribution on
-    the last axis: [N, C] a classifier's samples, [N, T, C] each sample's T positions."""
-    c = ref.shape[-1]
-    return predicted_agreement(ref.reshape(-1, c), out.reshape(-1, c))
-
-
 def choose(scores: dict, agreement: dict, plain: str, clip_gain_db: float) -> str:
     """The method to use: the best SQNR among those tied on agreement (all where it was not measured),
     but the unclipped `plain` method unless a clipping one beats it by clip_gain_db."""
-    tied = list(scores)
-    if agreement:
-        top = max(agreement.values())
-        tied = [m for m in scores if agreement[m] >= top - AGREEMENT_TIE]
+    names = list(scores)
+    tied = [names[i] for i in _tied([agreement.get(m) if agreement else None for m in names])]
     best = max(tied, key=scores.get)
     plain = plain if plain in tied else best
     # (a clipping method must earn its clip: within noise, the unclipped ranges hold better on data unlike
@@ -59,8 +50,12 @@ def choose(scores: dict, agreement: dict, plain: str, clip_gain_db: float) -> st
 def best_option(options: list) -> int:
     """The index of the best of (SQNR dB, agreement or None) pairs: by agreement where every one has
     it (within AGREEMENT_TIE: a tie), then by SQNR."""
-    tied = list(range(len(options)))
-    if options and all(a is not None for _, a in options):
-        top = max(a for _, a in options)
-        tied = [i for i, (_, a) in enumerate(options) if a >= top - AGREEMENT_TIE]
-    return max(tied, key=lambda i: options[i][0])
+    return max(_tied([a for _, a in options]), key=lambda i: options[i][0])
+
+
+def _tied(agreements: list) -> list:
+    """Indices within AGREEMENT_TIE of the best agreement, where every one was measured (else all)."""
+    if not agreements or any(a is None for a in agreements):
+        return list(range(len(agreements)))
+    top = max(agreements)
+    return [i for i, a in enumerate(agreements) if a >= top - AGREEMENT_TIE]

@@ -421,7 +421,7 @@ def balance_and_choose(ctx: QuantizeContext, tune: SampleSet, auto: SampleSet, f
     entropy 2 dB. -> the kept choice's (scores, agreement)."""
     options = [(ctx, ctx.method) + tuple(first)]
     for m in dict.fromkeys([ctx.method, ctx.table.range_method]):
-        v = replace(ctx, method=m, weight_cache=ctx.weight_cache)
+        v = replace(ctx, method=m)  # (the same weight cache: its keys hold the activation scale)
         balance(v, tune, say)
         if v.fused is not ctx.fused:
             options.append((v,) + pick_method(v, auto, say, show_progress))
