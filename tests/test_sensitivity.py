@@ -1,6 +1,7 @@
 """Per-layer sensitivity finds a planted damaged layer, and --exclude-sensitive acts on it."""
 import numpy as np
 import pytest
+import onnx
 from onnx import helper
 
 from helpers import init, make_model, save, write_config, write_images
@@ -166,3 +167,41 @@ def test_a_layer_alone_in_int8_does_not_carry_the_input_quantizer(tmp_path):
         assert "x" not in v.tensors and not v.nodes & {"slice_a", "slice_b"}
     assert layers["cat"].output_sqnr_db > 100  # a Concat alone has no int8 input: nothing changes
     assert np.isfinite(layers["c2"].output_sqnr_db) and layers["c2"].output_sqnr_db < 80
+
+
+def test_a_per_position_distribution_is_judged_per_position(tmp_path):
+    """A CTC-style output [N, T, C] (Softmax over C): each layer's KL is the mean over positions (it
+    was 0 for any output not [N, C]), agreement counts positions, and the ranking is by KL, so the
+    planted damaged layer (one channel 300x the others before an fp32 Tanh) ranks first."""
+    import warnings
+
+    from helpers import run
+    from qtool.api import calibrate as api_calibrate, quantize as api_quantize
+    rng = np.random.default_rng(5)
+    w1 = rng.standard_normal((8, 16)) * 0.4
+    w1[:, 0] *= 300.0
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="fc1"),
+             helper.make_node("Tanh", ["h"], ["t"], name="tanh"),
+             helper.make_node("MatMul", ["t", "w2"], ["z"], name="fc2"),
+             helper.make_node("MatMul", ["z", "w3"], ["logits"], name="fc3"),
+             helper.make_node("Softmax", ["logits"], ["y"], name="softmax", axis=-1)]
+    m = make_model(nodes, [init("w1", w1), init("w2", rng.standard_normal((16, 16)) * 0.5),
+                           init("w3", rng.standard_normal((16, 12)) * 0.8)],
+                   [("x", ["N", 10, 8])], [("y", ["N", 10, 12])])
+    path = save(m, str(tmp_path / "seq.onnx"))
+    data = tmp_path / "data"
+    data.mkdir()
+    for k in range(24):
+        np.save(data / f"{k:03d}.npy", rng.standard_normal((1, 10, 8)).astype(np.float32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        api_calibrate(path, str(data), method="minmax", workdir=str(tmp_path / "w"), verbose=False, threads=1)
+        q = api_quantize(str(tmp_path / "w"), strict=True, verbose=False, rounding=False)
+    layers = sorted(q.sensitivity["layers"], key=lambda l: l["rank"])
+    assert layers[0]["name"] == "fc1", [(l["name"], l["kl"]) for l in layers]
+    assert layers[0]["kl"] > 0 and [l["kl"] for l in layers] == sorted((l["kl"] for l in layers), reverse=True)
+    n_positions = q.sensitivity["samples"] * 10
+    for l in layers:
+        assert abs(l["top1_agreement"] * n_positions - round(l["top1_agreement"] * n_positions)) < 1e-6
+    assert layers[0]["top1_agreement"] < 1.0  # (the damaged layer flips some positions' winner)
+    assert run(onnx.load(q.path), {"x": np.load(data / "000.npy")})[0].shape == (1, 10, 12)

@@ -85,11 +85,11 @@ def command(output, model, table, method, exclude, no_bias_correction, exclude_s
         layers = sorted(r.sensitivity["layers"], key=lambda l: l["rank"])
         say(quiet, f"sensitivity of {len(layers)} layers on {r.sensitivity['samples']} images "
                    f"({r.sensitivity['seconds']:.1f}s); most sensitive:")
-        say(quiet, f"  {'rank':>4}  {'layer':44} {'op':8} {'SQNR dB':>8} {'agree':>7} {'w SQNR':>7} {'clip %':>7}")
+        say(quiet, f"  {'rank':>4}  {'layer':44} {'op':8} {'SQNR dB':>8} {'agree':>7} {'KL':>8} {'w SQNR':>7} {'clip %':>7}")
         for l in layers[:10]:
             ws = "-" if l["weight_sqnr_db"] is None else f"{l['weight_sqnr_db']:.1f}"
             say(quiet, f"  {l['rank']:>4}  {l['name'][-44:]:44} {l['op_type'][:8]:8} {l['output_sqnr_db']:>8.1f} "
-                       f"{l['top1_agreement']:>7.4f} {ws:>7} {100 * l['clip_fraction']:>7.3f}")
+                       f"{l['top1_agreement']:>7.4f} {l['kl']:>8.5f} {ws:>7} {100 * l['clip_fraction']:>7.3f}")
     if r.exclusion is not None:
         e = r.exclusion
         say(quiet, f"exclude-sensitive ({e.target}, checked on {e.check_images} "
