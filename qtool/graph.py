@@ -215,6 +215,13 @@ def layer_macs(model: onnx.ModelProto, inputs: dict) -> dict | None:
     return None if each is None else {n.name: m for n, m in each}
 
 
+def total_macs(model: onnx.ModelProto, inputs: dict) -> int | None:
+    """Multiply-accumulates of all Conv, Gemm and MatMul nodes for inputs of these shapes (nodes
+    without names counted too); None where one of those nodes' shapes cannot be inferred."""
+    each = _macs_each(model, inputs)
+    return None if each is None else int(sum(m for _, m in each))
+
+
 def _macs_each(model: onnx.ModelProto, inputs: dict) -> list | None:
     known = {t.name: list(t.dims) for t in model.graph.initializer}
     known.update(inferred_shapes(model, inputs))

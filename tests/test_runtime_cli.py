@@ -41,6 +41,12 @@ def test_bench_json(tmp_path):
     for bs in ("1", "2"):
         b = d["batches"][bs]
         assert b["native_ms"] > 0 and b["ort_int8_ms"] > 0 and b["ort_fp32_ms"] > 0
+        # the whole model's MACs at native's time, as a share of the measured peak
+        p = b["peak"]
+        assert p["gmacs_per_image"] == pytest.approx(d["model_gmacs_per_image"]) and p["peak_gmacs"] > 0
+        assert p["gmacs_per_s"] == pytest.approx(p["gmacs_per_image"] / (b["native_ms"] / 1000))
+        assert 0 < p["share"] == pytest.approx(p["gmacs_per_s"] / d["peak_gmacs"])
+    assert "% of the peak" in r.output
     assert d["profile"]["1"]["by_op"][-1]["op"] == "total"
 
 

@@ -171,12 +171,36 @@ def summarize(rounds: list, batch: int) -> dict:
     return r
 
 
+def model_macs(path: str, feeds: dict) -> int | None:
+    """Multiply-accumulates of one image of the model at `path` (its Conv, Gemm and MatMul nodes) for
+    inputs shaped as `feeds` (batch 1); None where a shape cannot be inferred."""
+    import onnx
+
+    from qtool import graph as G
+    try:
+        macs = G.total_macs(onnx.load(path), {k: tuple(v.shape) for k, v in feeds.items()})
+    except Exception:  # (a model whose shapes ONNX's inference cannot follow: no figure, not an error)
+        return None
+    return macs or None
+
+
+def peak_share(macs: int | None, native_ms: float, peak_gmacs: float) -> dict | None:
+    """The whole model's MACs per second at native's median time, and that as a share of the peak."""
+    if not macs or native_ms <= 0 or peak_gmacs <= 0:
+        return None
+    g = macs / (native_ms / 1000.0) / 1e9
+    return {"gmacs_per_image": macs / 1e9, "gmacs_per_s": g, "peak_gmacs": peak_gmacs, "share": g / peak_gmacs}
+
+
 def format_batch(bs: int, r: dict) -> str:
     def ratio(k):
         return Ratio(**{f: r["ratios"][k][f] for f in ("ratio", "lo", "hi", "level", "rounds")}).text()
     return (f"batch {bs:>2}: native {r['native_ms']:7.2f} ms/image | ORT int8 {r['ort_int8_ms']:7.2f} ({ratio('ort_int8')})"
             + (f" | ORT fp32 {r['ort_fp32_ms']:7.2f} ({ratio('ort_fp32')})" if r["ort_fp32_ms"] else "")
-            + f"   [{rounds_note(r)}]")
+            + f"   [{rounds_note(r)}]"
+            + (f"\n          native: {r['peak']['gmacs_per_s']:.1f} GMAC/s of the model's "
+               f"{r['peak']['gmacs_per_image']:.3g} GMAC/image, {100 * r['peak']['share']:.1f} % of the peak"
+               if r.get("peak") else ""))
 
 
 def rounds_note(r: dict) -> str:
@@ -227,12 +251,19 @@ def bench(model: str, fp32: str | None = None, batches=(1, 8), threads: int = 2,
         log(f"{res['cpu']}, {res['isa']} kernels, {threads} threads, {rounds} rounds per batch; ratios are the other "
             f"engine's time over native's (above 1: native faster), median of the rounds, and where another run's "
             f"falls (95 %)")
+    macs = model_macs(fp32 or model, make_feeds(native, 1, shape))
+    peak, peak_label = measured_peak(native.K, threads) if macs else (0.0, None)
+    res["model_gmacs_per_image"] = None if macs is None else macs / 1e9
+    res["peak_gmacs"], res["peak"] = (peak, peak_label) if macs else (None, None)
+    if log and macs:
+        log(f"peak: {peak:.0f} GMAC/s ({peak_label})")
     for bs in batches:
         feeds = make_feeds(native, bs, shape)
         for e in engines.values():  # warm up (and plan, for the native session)
             e.run(None, feeds)
         min_runs = repeats if bs == 1 else max(1, repeats // 4)
         r = summarize(time_rounds(engines, feeds, rounds, min_runs, round_s, settle_s), bs)
+        r["peak"] = peak_share(macs, r["native_ms"], peak)
         res["batches"][bs] = r
         if log:
             log(format_batch(bs, r))
@@ -240,7 +271,7 @@ def bench(model: str, fp32: str | None = None, batches=(1, 8), threads: int = 2,
     res["busy_cpus_after"] = busy_cpus()
     if profile:
         res["profile"] = {}
-        peak, label = measured_peak(native.K, threads)
+        peak, label = (peak, peak_label) if macs else measured_peak(native.K, threads)
         for bs in batches:
             rows = native.profile(make_feeds(native, bs, shape), repeats=max(5, repeats // 2))
             res["profile"][bs] = {"steps": rows, "by_op": op_type_table(rows, threads, peak),
