@@ -29,7 +29,6 @@ INJECT = {
     "encoding choice": ("choose_encodings", {}),
     "output-aware rounding": ("tune_rounding", {}),
     "range tuning": ("tune_activation_ranges", {"tune_ranges": True}),
-    "activation bias correction": ("correct_activation_bias", {}),
     "sensitivity": ("run_sensitivity", {}),
     "guard": ("guard_layers", {}),
     "exclusion": ("run_exclusion", {"exclude_sensitive": True, "max_excluded": 1}),

@@ -24,7 +24,6 @@ STEPS = {
     "encoding choice": "the target's encoding for every layer",
     "output-aware rounding": "nearest rounding",
     "range tuning": "the method's ranges",
-    "activation bias correction": "biases corrected for the weights' rounding only",
     "sensitivity": "no sensitivity report, nothing excluded by it",
     "guard": "no layer kept fp32 for ruining the output alone",
     "exclusion": "the layers kept fp32 before the failure",

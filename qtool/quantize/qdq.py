@@ -142,25 +142,11 @@ def layer_weights(model, node, inits, s_in, mean_x, bias_correction: bool, hessi
     return qw, enc, partners is not None
 
 
-def layer_bias(node, qw, axis: int, qp_in, act_shifts: dict | None) -> np.ndarray:
-    """The float bias that a layer's int32 bias quantizes: qw's (corrected for the weights' rounding),
-    less its input quantizer's mean error through the int8 weights (act_bias.py) where that quantizer
-    is the one it was measured with."""
-    shift = (act_shifts or {}).get(node.name)
-    if shift is None or not shift.applies(qp_in):
-        return qw.bias
-    d = shift.output_shift(node, Q.dequantize_weight(qw.q, qw.scale, axis))
-    if d is None or not np.isfinite(d).all() or d.shape != qw.bias.shape:
-        return qw.bias
-    return (qw.bias.astype(np.float64) - d).astype(np.float32)
-
-
 def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exclude: dict | None = None,
                    bias_correction: bool = True, ranges: dict | None = None, weights: bool = True,
                    activations: bool = True, weight_cache: dict | None = None,
                    prune_excluded: bool = True, hessians: dict | None = None, target: str = DEFAULT_TARGET,
-                   u8_storage: bool = False, on_error=None, encodings: dict | None = None,
-                   act_shifts: dict | None = None) -> QuantizeOutput:
+                   u8_storage: bool = False, on_error=None, encodings: dict | None = None) -> QuantizeOutput:
     """`ranges` (tensor -> (lo, hi)) overrides the table's, for experiments and sensitivity search.
     `weights=False` / `activations=False` leave that side fp32: the diagnostic that tells
     which of the two a model's quantization error comes from.
@@ -172,9 +158,7 @@ def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exc
     `u8_storage`: store every paired layer's weights as uint8 + 128 whatever the target, the same
     values in a form ONNX Runtime computes exactly on any CPU (for scoring experiments).
     `on_error(layer, exception)`: a layer's output-aware rounding failed (layer_weights).
-    `encodings`: node -> encoding where it is not the target's.
-    `act_shifts`: node -> act_bias.InputShift, the mean rounding error of its input quantizer, taken
-    out of its bias where that quantizer is the one measured."""
+    `encodings`: node -> encoding where it is not the target's."""
     notes: list = []
     m = onnx.ModelProto()
     m.CopyFrom(fused)
@@ -231,7 +215,7 @@ def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exc
         node.input[widx] = wd
         if qw.bias is not None:
             s_in = qp[x_name].scale
-            bq, bscale = Q.quantize_bias(layer_bias(node, qw, axis, qp.get(x_name), act_shifts), s_in, qw.scale)
+            bq, bscale = Q.quantize_bias(qw.bias, s_in, qw.scale)
             bbase = node.input[rule.bias] if has_bias else node.name + "_bias"
             bqn = add_init(bbase + "_quantized", bq)
             bsn = add_init(bbase + "_scale", bscale)

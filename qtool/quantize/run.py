@@ -14,7 +14,6 @@ from qtool import graph as G
 from qtool.blas import blas_threads
 from qtool.labels import labels_from_file, labels_from_folders
 from qtool.metrics import sqnr_db
-from qtool.quantize.act_bias import input_shifts
 from qtool.quantize.budget import (METHOD_CHOICE_PASSES, ROUNDING_PASSES, SENSITIVITY_PASSES, TARGET_COST_PASSES,
                                   Budget)
 from qtool.quantize.context import QuantizeContext
@@ -276,15 +275,6 @@ def tune_activation_ranges(ctx: QuantizeContext, samples: SampleSet, res: "Tunin
     # at those already, in ctx.weight_cache)
 
 
-def correct_activation_bias(ctx: QuantizeContext, samples: SampleSet, say=print) -> dict:
-    """act_bias.input_shifts on `samples`, said."""
-    t0 = time.time()
-    shifts = input_shifts(ctx, samples)
-    say(f"activation bias correction: each int8 input quantizer's mean error taken out of {len(shifts)} layers' "
-        f"biases ({len(samples)} calibration images, {time.time() - t0:.1f} s)")
-    return shifts
-
-
 def tune(ctx: QuantizeContext, samples: SampleSet, rounding: bool, ranges: bool, say=print,
          show_progress: bool = True, steps: OptionalSteps | None = None) -> Tuning:
     """Output-aware rounding and tuned ranges from calibration `samples`; sets ctx.hessians and ctx.ranges.
@@ -468,7 +458,7 @@ def target_cost(ctx: QuantizeContext, samples: SampleSet, excluded: dict, say=pr
     if not len(samples) or TARGETS[ctx.target].encoding == S8:
         return None
     plain = QuantizeContext(ctx.fused, ctx.table, ctx.method, "vnni", ctx.bias_correction, ctx.exclude, ctx.ranges,
-                            ctx.hessians, threads=ctx.threads, act_shifts=ctx.act_shifts)
+                            ctx.hessians, threads=ctx.threads)
     say(f"measuring what target {ctx.target} costs against plain int8 weights on {len(samples)} calibration images")
     rounded = set(ctx.hessians or ())
     with _bar(2 + len(rounded), "step", "target cost", show_progress) as bar:
@@ -532,19 +522,15 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
                           bias_correction, exclude)
     files = _calibration_files(wd)
     split = SampleSplit.of(files, opts.samples or sensitivity_samples(fused))
-    # activation bias correction reads the rounding's samples, and is afforded with it (a pass fewer)
-    act_bias = bias_correction
-    need = split.needed(auto, rounding or tune_ranges or act_bias, sens_on, exclusion_on)
+    need = split.needed(auto, rounding or tune_ranges, sens_on, exclusion_on)
     afforded = None
     if need:  # a heavy model: fewer samples, or a step skipped (budget.py)
         afforded = steps.run("calibration samples", afford, fused, table, files, opts.samples or
-                             sensitivity_samples(fused), split, need, auto, rounding or act_bias, sens_on,
-                             opts.samples is None, say)
+                             sensitivity_samples(fused), split, need, auto, rounding, sens_on, opts.samples is None, say)
     if afforded is not None:
-        split, auto, sens_on = afforded.split, afforded.auto, afforded.sensitivity
-        rounding, act_bias = rounding and afforded.rounding, act_bias and afforded.rounding
+        split, auto, rounding, sens_on = afforded.split, afforded.auto, afforded.rounding, afforded.sensitivity
         exclusion_on = exclusion_on and sens_on
-        need = split.needed(auto, rounding or tune_ranges or act_bias, sens_on, exclusion_on)
+        need = split.needed(auto, rounding or tune_ranges, sens_on, exclusion_on)
     if need:
         say(f"decoding {len(need)} calibration images and running fp32 on them once")
     elif auto or rounding or tune_ranges or sens_on:
@@ -577,8 +563,6 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
         sens_samples = sens_samples.pick(_evenly(sens_samples.names, n))
     tune_samples = samples.pick(split.tune)
     tuning = tune(ctx, tune_samples, rounding, tune_ranges, say, opts.show_progress, steps)
-    if act_bias and len(tune_samples):  # (after rounding and ranges: it measures their quantizers)
-        ctx.act_shifts = steps.run("activation bias correction", correct_activation_bias, ctx, tune_samples, say)
     sens, exclusion, ranking = None, None, None
     if sens_on and len(sens_samples):
         sens, ranking = steps.run("sensitivity", run_sensitivity, ctx, sens_samples, opts, say, fallback=(None, None))
@@ -623,7 +607,6 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
         "encodings": _encoding_counts(out),
         "encoding_choice": encoding_reasons,
         "bias_correction": bias_correction,
-        "activation_bias_layers": sorted(ctx.act_shifts or {}),
         "rounding": "output-aware" if tuning.hessians else "nearest",
         "rounded_layers": sorted(tuning.hessians or []),
         "tuned_ranges": None if tuning.search is None else dict(tuning.search.to_dict(), samples=tuning.samples),

@@ -35,7 +35,7 @@ from qtool import graph as G
 from qtool import qparams as Q
 from qtool.ortsession import session
 from qtool.plan import ModelFacts, make_plan
-from qtool.quantize.qdq import activation_qparams, layer_bias, layer_weights, upgrade_opset
+from qtool.quantize.qdq import activation_qparams, layer_weights, upgrade_opset
 from qtool.rules import RULES
 
 SESSION_SECONDS = (0.02, 1.5e-4)  # making a session: fixed, and per node of its graph (ORT 1.32, measured)
@@ -128,8 +128,7 @@ class Simulator:
             self._sqnr[name] = qw.weight_sqnr_db
             out = [(widx, Q.dequantize_weight(qw.q, qw.scale, axis))]
             if qw.bias is not None:
-                bias = layer_bias(node, qw, axis, self.qparams.get(x), ctx.act_shifts if ctx.bias_correction else None)
-                bq, bs = Q.quantize_bias(bias, self.qparams[x].scale, qw.scale)
+                bq, bs = Q.quantize_bias(qw.bias, self.qparams[x].scale, qw.scale)
                 out.append((rule.bias, (bq.astype(np.float64) * bs).astype(np.float32)))
             self._weights[name] = out
         return self._weights[name]
