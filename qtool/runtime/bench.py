@@ -251,7 +251,9 @@ def bench(model: str, fp32: str | None = None, batches=(1, 8), threads: int = 2,
         log(f"{res['cpu']}, {res['isa']} kernels, {threads} threads, {rounds} rounds per batch; ratios are the other "
             f"engine's time over native's (above 1: native faster), median of the rounds, and where another run's "
             f"falls (95 %)")
-    macs = model_macs(fp32 or model, make_feeds(native, 1, shape))
+    one = make_feeds(native, 1, shape)
+    # (the int8 model first: its graph is the fused one, whose shapes ONNX infers where a raw export's may not)
+    macs = model_macs(model, one) or (model_macs(fp32, one) if fp32 else None)
     peak, peak_label = measured_peak(native.K, threads) if macs else (0.0, None)
     res["model_gmacs_per_image"] = None if macs is None else macs / 1e9
     res["peak_gmacs"], res["peak"] = (peak, peak_label) if macs else (None, None)
