@@ -85,6 +85,13 @@ def position_agreement(ref, out) -> float:
     return predicted_agreement(ref.reshape(-1, c), out.reshape(-1, c))
 
 
+def position_top1_agreement(ref, out) -> float:
+    """Top-1 agreement counted over every position's distribution on the last axis (as
+    position_agreement, but counted)."""
+    c = ref.shape[-1]
+    return top1_agreement(ref.reshape(-1, c), out.reshape(-1, c))
+
+
 def kl_each(ref: np.ndarray, out: np.ndarray, log: bool = False, chunk: int = 1 << 22) -> np.ndarray:
     """KL(ref || out) of each row of two distributions over the last axis ([N, C] or [N, T, C]:
     per sample, the mean over its T positions), given as probabilities (a Softmax's output) or as

@@ -26,8 +26,8 @@ import numpy as np
 import onnx
 
 from qtool.ortsession import session
-from qtool.metrics import (kl_each, kl_softmax_each, position_agreement, predicted_agreement, sqnr_db, top1_agreement,
-                           wilson)
+from qtool.metrics import (kl_each, kl_softmax_each, position_agreement, position_top1_agreement, predicted_agreement,
+                           sqnr_db, top1_agreement, wilson)
 from qtool.quantize.context import QuantizeContext
 from qtool.quantize.samples import SampleSet, distribution_output
 
@@ -121,8 +121,7 @@ def exclude_sensitive(ctx: QuantizeContext, ranking: list, samples: SampleSet, t
             drop = 100 * float((reference[m].argmax(1) == y_true[m]).mean() - (y.reshape(len(y), -1)[m].argmax(1) == y_true[m]).mean())
         db = sqnr_db(reference, y)
         if dist:  # what each position means is its class: agreement and KL per position
-            c = reference.shape[-1]
-            agree, count = top1_agreement(reference.reshape(-1, c), y.reshape(-1, c)), reference.size // c
+            agree, count = position_top1_agreement(reference, y), reference.size // reference.shape[-1]
             predicted = position_agreement(reference, y)
             err = kl_each(reference, y, log=dist == "LogSoftmax")
             kl = float(err.mean())

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 import onnx
 
-from qtool.metrics import kl_each, kl_softmax, sqnr_db, top1_agreement
+from qtool.metrics import kl_each, kl_softmax, position_top1_agreement, sqnr_db, top1_agreement
 from qtool.quantize.context import QuantizeContext
 from qtool.plan import make_plan
 from qtool.quantize.samples import SampleSet, distribution_output
@@ -91,8 +91,7 @@ def layer_sensitivity(ctx: QuantizeContext, samples: SampleSet, progress=None, o
 
     def measured(y):  # (each variant's output reduced as soon as it is there: outputs can be large)
         if dist:  # what each position means is its class
-            c = ref.shape[-1]
-            return (sqnr_db(ref, y), top1_agreement(ref.reshape(-1, c), y.reshape(-1, c)),
+            return (sqnr_db(ref, y), position_top1_agreement(ref, y),
                     float(kl_each(ref, y, log=dist == "LogSoftmax").mean()))
         return sqnr_db(ref, y), top1_agreement(ref, y), kl_softmax(ref, y) if y.ndim == 2 else 0.0
 

@@ -254,7 +254,7 @@ def bench(model: str, fp32: str | None = None, batches=(1, 8), threads: int = 2,
     one = make_feeds(native, 1, shape)
     # (the int8 model first: its graph is the fused one, whose shapes ONNX infers where a raw export's may not)
     macs = model_macs(model, one) or (model_macs(fp32, one) if fp32 else None)
-    peak, peak_label = measured_peak(native.K, threads) if macs else (0.0, None)
+    peak, peak_label = measured_peak(native.K, threads) if macs or profile else (0.0, None)
     res["model_gmacs_per_image"] = None if macs is None else macs / 1e9
     res["peak_gmacs"], res["peak"] = (peak, peak_label) if macs else (None, None)
     if log and macs:
@@ -273,9 +273,8 @@ def bench(model: str, fp32: str | None = None, batches=(1, 8), threads: int = 2,
     res["busy_cpus_after"] = busy_cpus()
     if profile:
         res["profile"] = {}
-        peak, label = (peak, peak_label) if macs else measured_peak(native.K, threads)
         for bs in batches:
             rows = native.profile(make_feeds(native, bs, shape), repeats=max(5, repeats // 2))
             res["profile"][bs] = {"steps": rows, "by_op": op_type_table(rows, threads, peak),
-                                  "top": top_steps(rows, threads, peak=peak), "peak_gmacs": peak, "peak": label}
+                                  "top": top_steps(rows, threads, peak=peak), "peak_gmacs": peak, "peak": peak_label}
     return res
