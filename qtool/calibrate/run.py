@@ -6,10 +6,12 @@ import time
 import warnings
 from dataclasses import dataclass, field
 
+import numpy as np
 import onnx
 from tqdm import tqdm
 
 from qtool import graph as G
+from qtool.calibrate.budget import DEFAULT_GMAC, Spend, within_budget
 from qtool.calibrate.collect import collect
 from qtool.calibrate.checks import stem_fit
 from qtool.data.config import config_from_any, config_name
@@ -41,24 +43,28 @@ class CalibrateResult:
     fuse_counts: dict
     notes: list = field(default_factory=list)  # what was assumed or adapted about the preprocessing
     warnings: list = field(default_factory=list)  # the preprocessing may be wrong (checks.py)
+    budget: dict = field(default_factory=dict)  # budget.Spend: samples available, GMAC each, how many used
 
 
 def calibrate(model_path: str, data, config=None, method: str = DEFAULT_METHOD,
               workdir: str | None = None, batch: int = 4, limit: int | None = None, show_progress: bool = True,
-              threads: int = 0, every: int = 1, say=print) -> CalibrateResult:
+              threads: int = 0, every: int = 1, say=print, budget_gmac: float = DEFAULT_GMAC) -> CalibrateResult:
     """`data`: a folder of images, of .npy files or of .npz files (see data/tensors.py), or any
     iterable of {input name: array} dicts (or of arrays, for a one-input model). `every`: use every
     N-th sample of the sorted folder (index % N == 0), e.g. a fixed calibration split.
     `config` (images only): a preset name, a TOML path, a dict or a Preprocess; None takes the
     model's metadata, else assumes the torchvision ImageNet preset for a 3-channel input, sized
     to the model (data/config.py); `say` is told what was assumed before the pass starts.
+    `budget_gmac`: a heavy model calibrates on fewer samples, spread over the data (budget.py; 0: all).
     The working directory is made and checked writable first, and held for the whole run."""
     if method not in METHODS and method != AUTO:
         raise UsageError(f"unknown calibration method '{method}' (choose from {', '.join(METHODS)}, {AUTO})")
     check_counts(batch=batch, limit=limit, every=every, threads=threads)
+    if isinstance(budget_gmac, bool) or not isinstance(budget_gmac, (int, float)) or not budget_gmac >= 0:
+        raise UsageError(f"--budget-gmac must be 0 (no budget) or more, not {budget_gmac!r}")
     with Workdir(workdir).lock(create=True):
         return _calibrate(model_path, data, config, method, workdir, batch, limit, show_progress, threads, every,
-                          say)
+                          say, budget_gmac)
 
 
 def check_counts(**options) -> None:
@@ -72,7 +78,8 @@ def check_counts(**options) -> None:
                              f", not {v!r}")
 
 
-def _calibrate(model_path, data, config, method, workdir, batch, limit, show_progress, threads, every, say):
+def _calibrate(model_path, data, config, method, workdir, batch, limit, show_progress, threads, every, say,
+               budget_gmac):
     t0 = time.time()
     model_sha256 = model_hash(model_path)  # streamed, before the model is in memory
     model = load_model(model_path)
@@ -107,9 +114,18 @@ def _calibrate(model_path, data, config, method, workdir, batch, limit, show_pro
     out = fused.model.graph.output[0] if fused.model.graph.output else None
     watch = out.name if out is not None and out.type.tensor_type.elem_type == onnx.TensorProto.FLOAT else None
     names = []  # sample index -> file (or sample) name, for naming the samples that hold NaN/inf
+    spend = Spend(budget_gmac, len(source))
+
+    def macs(feeds):
+        return G.total_macs(fused.model, {k: np.shape(v) for k, v in feeds.items()})
+
+    def planned(line):
+        say(line)
+        bar.total = spend.planned
+        bar.refresh()
 
     def feeds():
-        for n, f in source.batches():
+        for n, f in within_budget(source.batches(), len(source), macs, budget_gmac, planned, spend=spend):
             names.extend(os.path.abspath(x) if source.kind != "iterable" else x for x in n)
             yield f
 
@@ -157,9 +173,11 @@ def _calibrate(model_path, data, config, method, workdir, batch, limit, show_pro
                          "fp32_output": obs.watch.summary() if obs.watch is not None else None,
                          "data": _describe(data, absolute=True),
                          "data_kind": source.kind, "activation_aware_mse": aware, "n_samples": obs.n_samples,
-                         "skipped": len(source.skipped),
-                         "files": [os.path.abspath(f) if source.kind != "iterable" else f for f in source.files]})
-    return CalibrateResult(table, fused.model, fused_path, table_path, time.time() - t0, fused.counts, notes, alerts)
+                         "skipped": len(source.skipped), "budget": spend.to_dict(),
+                         "files": names if spend.capped else
+                         [os.path.abspath(f) if source.kind != "iterable" else f for f in source.files]})
+    return CalibrateResult(table, fused.model, fused_path, table_path, time.time() - t0, fused.counts, notes, alerts,
+                           spend.to_dict())
 
 
 def check_nonfinite(obs, names: list, where: str) -> dict:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import click
 
+from qtool.calibrate.budget import DEFAULT_GMAC
 from qtool.calibrate.methods import AUTO, DEFAULT_METHOD, METHODS
 from qtool.calibrate.run import calibrate
 from qtool.commands.common import common_options, say, setup_output, write_json
@@ -27,10 +28,13 @@ from qtool.modelio import check_writable
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Use at most this many images.")
 @click.option("--every", type=click.IntRange(min=1), default=1, show_default=True,
               help="Use every N-th image of the sorted folder (e.g. 10 for a 1-in-10 calibration split).")
+@click.option("--budget-gmac", type=click.FloatRange(min=0), default=DEFAULT_GMAC, show_default=True,
+              help="Compute budget of the calibration pass, in GMAC: a model too heavy for all the samples within "
+                   "it (at least 16 are kept) uses fewer, spread evenly over the data, and says so. 0: no budget.")
 @click.option("--threads", type=click.IntRange(0, 1024), default=0, help="ONNX Runtime threads (0 = all cores).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write a summary as JSON here.")
 @common_options
-def command(model, data, config, method, batch, limit, every, threads, json_path, workdir, quiet, verbose, debug):
+def command(model, data, config, method, batch, limit, every, budget_gmac, threads, json_path, workdir, quiet, verbose, debug):
     """Stream images or tensors through the fp32 model and record activation ranges.
 
     Folds BatchNorm and run-time shape arithmetic first, then keeps one fixed-size
@@ -46,7 +50,7 @@ def command(model, data, config, method, batch, limit, every, threads, json_path
     if json_path:
         check_writable(json_path, "--json file")  # now, not after the calibration pass
     r = calibrate(model, data, config, method, workdir, batch, limit, show_progress=not quiet, threads=threads,
-                  every=every, say=lambda t: say(quiet, t))
+                  every=every, say=lambda t: say(quiet, t), budget_gmac=budget_gmac)
     t = r.table
     say(quiet, f"calibrated {t.n_samples} images in {r.seconds:.1f}s "
                f"({len(t.skipped)} unreadable skipped); {len(t.histograms)} tensors observed")
@@ -57,5 +61,5 @@ def command(model, data, config, method, batch, limit, every, threads, json_path
     write_json(json_path, {"n_samples": t.n_samples, "skipped": t.skipped, "seconds": r.seconds,
                            "preprocessing": t.config, "preprocessing_notes": r.notes,
                            "preprocessing_warnings": r.warnings,
-                           "tensors": len(t.histograms), "method": t.method, "table": r.table_path,
+                           "tensors": len(t.histograms), "budget": r.budget, "method": t.method, "table": r.table_path,
                            "fused_model": r.fused_path, "graph_cleanup": r.fuse_counts})
