@@ -114,8 +114,19 @@ def test_activations_uint8_and_bias_int32_with_scale_s_in_times_s_w(q):
         bq, bs, bz = (inits[i] for i in b_dq.input)
         assert bq.dtype == np.int32 and bz.dtype == np.int32 and not bz.any()
         np.testing.assert_allclose(bs, np.float32(s_in) * s_w, rtol=1e-6)
-        b = fused_inits[fused_nodes[node.name].input[2]]
+        b = fused_inits[fused_nodes[node.name].input[2]].astype(np.float64)
+        shift = _grid_shift(m, inits, x_dq)
+        if shift:  # the input arrives shifted onto its grid (lattice.py): the bias takes the shift back out
+            w = (inits[w_dq.input[0]].astype(np.float64) - inits[w_dq.input[2]].reshape(-1, *[1] * 3)) \
+                * s_w.astype(np.float64).reshape(-1, 1, 1, 1)
+            b = b - shift * w.sum(axis=(1, 2, 3))
         assert np.abs(bq * bs.astype(np.float64) - b).max() <= bs.max() / 2 * 1.001  # round to nearest
+
+
+def _grid_shift(m, inits, x_dq) -> float:
+    """The constant added before the quantizer that `x_dq` dequantizes (0 where none)."""
+    add = _producer(m, _producer(m, x_dq.input[0]).input[0])
+    return float(inits[add.input[1]]) if add is not None and add.op_type == "Add" else 0.0
 
 
 def test_fused_relu_gives_zero_point_zero(q):
@@ -144,8 +155,15 @@ def test_method_choice_sets_activation_qparams(calibrated):
     root, model, data, cfg, r = calibrated
     for method in ("minmax", "percentile", "entropy", "mse"):
         out = quantize_graph(r.fused, r.table, method=method)
+        for t in ("a1", "a2"):  # (the input "x" is on an 8-bit lattice: quantized on its grid, test_lattice.py)
+            lo, hi = r.table.ranges[method][t]
+            assert out.qparams[t] == Q.activation_qparams(lo, max(hi, 0.0)) or out.plan.clamp.get(t), method
         lo, hi = r.table.ranges[method]["x"]
-        assert out.qparams["x"] == Q.activation_qparams(lo, hi), method
+        r.table.lattices, kept = {}, r.table.lattices
+        try:
+            assert quantize_graph(r.fused, r.table, method=method).qparams["x"] == Q.activation_qparams(lo, hi), method
+        finally:
+            r.table.lattices = kept
 
 
 def test_ranges_override(calibrated):

@@ -22,6 +22,7 @@ from qtool.data.tensors import tensor_source
 from qtool.calibrate.table import FLAT, CalibrationTable, ranges_for_all_methods
 from qtool.errors import QtoolError, UsageError
 from qtool.fuse import fuse_model
+from qtool.lattice import DistinctValues
 from qtool.limits import MAX_BATCH
 from qtool.modelio import file_hash, load_model, model_hash, save_model
 from qtool.plan import balanced_tensors, calibration_targets
@@ -124,9 +125,15 @@ def _calibrate(model_path, data, config, method, workdir, batch, limit, show_pro
         bar.total = spend.planned
         bar.refresh()
 
+    inputs = {i.name for i in G.real_inputs(fused.model)}
+    distinct = {}  # model input -> its distinct values while few (lattice.py: an 8-bit image's grid)
+
     def feeds():
         for n, f in within_budget(source.batches(), len(source), macs, budget_gmac, planned, spend=spend):
             names.extend(os.path.abspath(x) if source.kind != "iterable" else x for x in n)
+            for k, v in f.items():
+                if k in inputs and np.asarray(v).dtype.kind == "f":
+                    distinct.setdefault(k, DistinctValues()).add(v)
             yield f
 
     with tqdm(total=len(source) or None, unit="sample", desc="calibrate", disable=not show_progress, leave=False) as bar:
@@ -160,7 +167,8 @@ def _calibrate(model_path, data, config, method, workdir, batch, limit, show_pro
         fused_sha256="", method=method, n_samples=obs.n_samples, skipped=list(source.skipped),
         config=source.cfg.to_dict() if source.cfg is not None else {}, ranges=ranges_all,
         channel_means=obs.channel_means(), channel_ranges=obs.channel_ranges(), histograms={t: h.to_dict() for t, h in obs.histograms.items()},
-        input_name=source.inp.name if source.kind == "images" else "", nonfinite=nonfinite)
+        input_name=source.inp.name if source.kind == "images" else "", nonfinite=nonfinite,
+        lattices={k: lat.to_dict() for k, d in distinct.items() if (lat := d.lattice()) is not None})
     save_model(fused.model, fused_path)
     table.fused_sha256 = model_hash(fused_path)
     table.save(table_path)

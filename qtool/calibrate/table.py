@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from qtool.calibrate.histogram import Histogram
 from qtool.calibrate.methods import AUTO, FALLBACK, METHODS
 from qtool.errors import QtoolError
+from qtool.lattice import Lattice
 from qtool.limits import regular_file
 from qtool.modelio import atomic_write_text
 
@@ -38,6 +39,7 @@ class CalibrationTable:
     histograms: dict = field(default_factory=dict)  # tensor -> Histogram.to_dict()
     input_name: str = ""
     nonfinite: dict = field(default_factory=dict)  # tensor -> {"count", "samples"}: NaN/inf left out of its range
+    lattices: dict = field(default_factory=dict)  # model input -> lattice.Lattice.to_dict(): its values' 8-bit grid
 
     @property
     def range_method(self) -> str:
@@ -119,6 +121,9 @@ def _problem(t: CalibrationTable) -> str | None:
     for tensor, means in t.channel_means.items():
         if not (isinstance(means, list) and all(map(_finite, means))):
             return f"channel means of '{tensor}' are not a list of finite numbers"
+    if not isinstance(t.lattices, dict) or any(not isinstance(v, dict) or Lattice.from_dict(v) is None
+                                                  for v in t.lattices.values()):
+        return "'lattices' is not an object of {spacing, offset, lo, hi} with finite values"
     if not isinstance(t.channel_ranges, dict):
         return "'channel_ranges' is not an object"
     for tensor, r in t.channel_ranges.items():

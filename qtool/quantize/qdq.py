@@ -20,6 +20,7 @@ from qtool.errors import QtoolError
 from qtool.modelio import set_provenance
 from qtool.quantize.encoding import DEFAULT_TARGET, PAIR_SAFE, S7, S8, TARGETS, U8, W_MAX_OF, pair_partners
 from qtool.plan import Plan, make_plan
+from qtool.lattice import Lattice, lattice_qparams
 from qtool.rules import RULES
 from qtool.quantize.weights import pair_safe_scale, quantize_weight
 
@@ -97,6 +98,39 @@ def activation_qparams(model: onnx.ModelProto, plan: Plan, table, method: str | 
     return qp
 
 
+def lattice_inputs(model: onnx.ModelProto, plan: Plan, table, qp: dict, method: str | None, ranges: dict | None,
+                   notes: list) -> dict:
+    """Model inputs whose calibration values sit on an 8-bit lattice (lattice.py) get the qparams that
+    make every point exact (qp, in place). -> {input: shift} of those that need a shift before their
+    quantizer: only where every int8 reader is a layer with a weight and a bias (it takes the shift
+    back out) and no pass-through shares the input's qparams (its copy would not be shifted)."""
+    shifts = {}
+    lattices = getattr(table, "lattices", None) or {}
+    graph_inputs = {i.name for i in G.real_inputs(model)}
+    cons = G.consumers(model)
+    for t, d in lattices.items():
+        lat = Lattice.from_dict(d) if isinstance(d, dict) else None
+        if lat is None or t not in graph_inputs or t not in qp or (ranges is not None and t in ranges):
+            continue
+        r = table.range(t, method)
+        got = lattice_qparams(lat, *(r if r is not None else (lat.lo, lat.hi)))
+        if got is None:
+            continue
+        scale, zp, shift = got
+        if shift:
+            readers = [c for c in cons.get(t, []) if c.name in plan.int8_nodes]
+            ok = readers and not any(src == t for src in plan.shared.values()) and all(
+                plan.weight_inputs.get(c.name) == t and RULES[c.op_type].bias is not None
+                and RULES[c.op_type].weight(c, model) is not None and list(c.input).count(t) == 1 for c in readers)
+            if not ok:
+                continue
+            shifts[t] = shift
+        qp[t] = Q.ActQParams(scale, zp)
+        notes.append(f"input '{t}' takes {lat.steps + 1} evenly spaced values (step {lat.spacing:.6g}): quantized "
+                     f"exactly with scale {scale:.6g}, zero point {zp}" + (f", after adding {shift:.6g}" if shift else ""))
+    return shifts
+
+
 def layer_weights(model, node, inits, s_in, mean_x, bias_correction: bool, hessian, target: str,
                   weight_cache: dict | None, on_error=None, encodings: dict | None = None):
     """(QuantizedWeight, encoding, whether ORT pairs this layer's weights) of an int8 layer with a
@@ -171,6 +205,7 @@ def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exc
         nodes[prod_name].output[0] = act.output[0]
         m.graph.node.remove(act)
     qp = activation_qparams(m, plan, table, method, ranges)
+    shifts = lattice_inputs(m, plan, table, qp, method, ranges, notes)
     inits = G.initializers(m)
     taken = {o for n in m.graph.node for o in n.output} | set(inits) | {i.name for i in m.graph.input}
     new_inits, layers = [], {}
@@ -213,9 +248,14 @@ def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exc
         wd = G.unique_name(m, base + "_dequantized", taken)
         m.graph.node.append(helper.make_node("DequantizeLinear", [wq, ws, wz], [wd], name=wd, axis=axis))
         node.input[widx] = wd
-        if qw.bias is not None:
+        bias = qw.bias
+        if x_name in shifts:  # the input arrives shifted (lattice_inputs): the bias takes the shift back out
+            w_dq = qw.q.astype(np.float64) * np.expand_dims(qw.scale, [a for a in range(qw.q.ndim) if a != qw.axis])
+            moved = shifts[x_name] * w_dq.sum(axis=tuple(a for a in range(qw.q.ndim) if a != qw.axis))
+            bias = (np.zeros(moved.shape) if bias is None else np.asarray(bias, np.float64)) - moved
+        if bias is not None:
             s_in = qp[x_name].scale
-            bq, bscale = Q.quantize_bias(qw.bias, s_in, qw.scale)
+            bq, bscale = Q.quantize_bias(bias, s_in, qw.scale)
             bbase = node.input[rule.bias] if has_bias else node.name + "_bias"
             bqn = add_init(bbase + "_quantized", bq)
             bsn = add_init(bbase + "_scale", bscale)
@@ -235,7 +275,12 @@ def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exc
         zn = add_init(t + "_zero_point", np.array(p.zero_point, np.uint8))
         tq = G.unique_name(m, t + "_quantized", taken)
         td = G.unique_name(m, t + "_dequantized", taken)
-        m.graph.node.append(helper.make_node("QuantizeLinear", [t, sn, zn], [tq], name=tq))
+        src = t
+        if t in shifts:
+            src = G.unique_name(m, t + "_on_grid", taken)
+            m.graph.node.append(helper.make_node("Add", [t, add_init(t + "_grid_shift", np.array(shifts[t], np.float32))],
+                                                 [src], name=src))
+        m.graph.node.append(helper.make_node("QuantizeLinear", [src, sn, zn], [tq], name=tq))
         m.graph.node.append(helper.make_node("DequantizeLinear", [tq, sn, zn], [td], name=td))
         dq_of[td] = (tq, p, t)
         for c in cons.get(t, []):

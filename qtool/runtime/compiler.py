@@ -119,6 +119,7 @@ class Compiler:
         self.done: set = set()
         self.graph_outputs = {o.name for o in g.output}
         self.consumers: dict[str, list] = {}
+        self.shifted: dict[str, tuple] = {}  # Add output -> (its float input, the constant), see _grid_shift
         for n in g.node:
             for i in n.input:
                 if i:
@@ -190,6 +191,24 @@ class Compiler:
             nv = self.add_val(key, "q", nhwc=True, q=v.q, rank=4)
             self.steps.append(S.ToNHWCStep(f"to NHWC {qname}", v.slot, nv.slot))
         return self.vals[key].slot
+
+    def _grid_shift(self, node) -> bool:
+        """An Add of a float value and a scalar constant read by one per-tensor uint8 QuantizeLinear
+        (quantize/qdq.py lattice_inputs: a model input moved onto its quantizer's grid): recorded in
+        self.shifted, for that QuantizeLinear's step to add first, in float32 as ONNX Runtime does."""
+        ins = list(node.input)
+        if len(ins) != 2:
+            return False
+        x, c = (ins[0], ins[1]) if self.is_const(ins[1]) else (ins[1], ins[0])
+        if not self.is_const(c) or x not in self.vals or self.vals[x].kind != "f":
+            return False
+        k = np.asarray(self.consts[c])
+        cons = self.consumers.get(node.output[0], [])
+        if k.size != 1 or k.dtype != np.float32 or node.output[0] in self.graph_outputs or len(cons) != 1 \
+                or cons[0].op_type != "QuantizeLinear" or self.scalar_q(cons[0]) is None:
+            return False
+        self.shifted[node.output[0]] = (x, float(k.reshape(())))
+        return True
 
     def out_quant(self, name):
         """If float `name` goes only to a QuantizeLinear (optionally through Relu/Clip):
@@ -374,13 +393,18 @@ class Compiler:
                 self.steps.append(S.RequantStep(name, self.K, src.slot, nv.slot, (v.scale, v.zp), q))
                 self.entries.append(Entry(name, "Requantize", "int8", "DQ -> Q with a different scale"))
                 return
+            x, shift = self.shifted.get(x, (x, 0.0))
             if q is not None and x in self.vals and self.vals[x].kind == "f":
                 fx = self.vals[x]
                 nhwc = fx.rank == 4 or fx.rank is None
                 nv = self.add_val(node.output[0], "q", nhwc=nhwc, q=q, rank=fx.rank)
-                self.steps.append(S.QuantizeStep(name, fx.slot, nv.slot, q[0], q[1], nhwc, self.K))
-                self.entries.append(Entry(name, op, "convert", "float -> uint8" + (" NHWC" if nhwc else "")))
+                self.steps.append(S.QuantizeStep(name, fx.slot, nv.slot, q[0], q[1], nhwc, self.K, shift=shift))
+                self.entries.append(Entry(name, op, "convert", "float -> uint8" + (" NHWC" if nhwc else "")
+                                          + (f", after adding {shift:g}" if shift else "")))
                 return
+        if op == "Add" and self._grid_shift(node):
+            self.entries.append(Entry(name, op, "folded", "a constant shift, added inside the QuantizeLinear after it"))
+            return
         rule = INT_RULES.get(op)
         reason = "no int8 kernel for this op"
         if rule is not None:

@@ -43,17 +43,23 @@ class QuantizeStep(Step):
     """float32 -> uint8 (QuantizeLinear), NCHW -> NHWC for rank 4."""
     mode = "convert"
 
-    def __init__(self, name, x, y, scale, zp, nhwc, K=None):
+    def __init__(self, name, x, y, scale, zp, nhwc, K=None, shift: float = 0.0):
         super().__init__(name, "QuantizeLinear", [x], [y])
         self.inv = np.float32(scale)
         self.zp = np.float32(zp)
         self.nhwc = nhwc
+        self.shift = np.float32(shift)  # added first, in float32 (a model input moved onto the grid)
         self.tmp = {}
         self.native = getattr(K, "quantize_nchw_to_nhwc", None)
         self.kernel = "native" if self.native else "numpy"
 
     def run(self, env, out):
         x = env[self.ins[0]]
+        if self.shift and x.dtype == np.float32:  # (the same float32 sum as ORT's Add before its QuantizeLinear)
+            t = self.tmp.get(("shift", x.shape))
+            if t is None:
+                t = self.tmp[("shift", x.shape)] = np.empty(x.shape, np.float32)
+            x = np.add(x, self.shift, out=t)
         if self.native is not None and self.nhwc and x.ndim == 4 and x.dtype == np.float32 and x.flags.c_contiguous:
             env[self.outs[0]] = self.native(x, self.inv, int(self.zp), out=out[0] if out else None)
             return
