@@ -135,3 +135,33 @@ def _ort(model, x, k=0):
 def _sqnr(ref, out):
     ref, out = ref.astype(np.float64), out.astype(np.float64)
     return 10 * np.log10((ref ** 2).sum() / ((ref - out) ** 2).sum())
+
+
+def test_the_shift_is_chosen_by_measurement(tmp_path):
+    """input_grid.py scores the int8 model with and without the shift on calibration samples and keeps
+    the better; an input without a shifted lattice has nothing to choose."""
+    import warnings
+
+    from helpers import save, write_config, write_images
+    from qtool.calibrate.run import calibrate
+    from qtool.quantize.context import QuantizeContext
+    from qtool.quantize.input_grid import choose_input_grid
+    from qtool.quantize.samples import load_samples
+    from qtool.data.images import list_images
+
+    write_images(tmp_path / "d", 8, h=16, w=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = calibrate(save(_first_conv_model(), tmp_path / "m.onnx"), str(tmp_path / "d"),
+                      write_config(tmp_path / "cfg.toml"), "minmax", str(tmp_path / "w"), batch=4,
+                      show_progress=False, threads=1)
+    samples = load_samples(r.fused, r.table, list_images(str(tmp_path / "d")))
+    ctx = QuantizeContext(r.fused, r.table, "minmax", threads=1)
+    said = []
+    got = choose_input_grid(ctx, samples, said.append)
+    shifted, plain = got["scores_db"]["shifted onto its grid"], got["scores_db"]["as calibrated"]
+    assert ctx.input_grid == (shifted > plain) and got["inputs"] == ["x"] and len(said) == 1
+    # the chosen setting is what the written model has
+    assert any(n.op_type == "Add" for n in ctx.build().model.graph.node) == ctx.input_grid
+    ctx.table.lattices = {}
+    assert choose_input_grid(ctx, samples, said.append) is None

@@ -27,6 +27,7 @@ INJECT = {
     "calibration samples": ("afford", {}),
     "method choice": ("pick_method", {"method": "auto"}),
     "encoding choice": ("choose_encodings", {}),
+    "input grid": ("choose_input_grid", {}),  # (the suite's images are normalised to [-1, 1]: a lattice)
     "output-aware rounding": ("tune_rounding", {}),
     "range tuning": ("tune_activation_ranges", {"tune_ranges": True}),
     "sensitivity": ("run_sensitivity", {}),

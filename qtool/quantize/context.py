@@ -61,6 +61,7 @@ class QuantizeContext:
     exact_storage: bool | None = None  # None: decided from the target and this machine's ORT
     on_error: object = None  # (layer, exception): a layer's output-aware rounding failed (qdq.layer_weights)
     encodings: dict = field(default_factory=dict)  # node -> encoding where it is not the target's (encoding.py)
+    input_grid: bool = False  # shift a lattice input onto its grid (input_grid.py chooses; off: as calibrated)
 
     def __post_init__(self):
         if self.target not in TARGETS:
@@ -74,7 +75,7 @@ class QuantizeContext:
         kw = dict(method=self.method, exclude={**self.exclude, **(exclude or {})},
                   bias_correction=self.bias_correction, ranges=self.ranges, hessians=self.hessians,
                   weight_cache=self.weight_cache, target=self.target, u8_storage=scoring and self.exact_storage,
-                  on_error=self.on_error, encodings=self.encodings)
+                  on_error=self.on_error, encodings=self.encodings, input_grid=self.input_grid)
         kw.update(over)
         return quantize_graph(self.fused, self.table, **kw)
 

@@ -21,6 +21,7 @@ STEPS = {
     "equalization": "the depthwise convolutions' input channels as calibrated",
     "calibration samples": "no calibration samples: the steps below skipped",
     "method choice": "the calibrated range method",
+    "input grid": "model inputs quantized on their calibrated grid",
     "encoding choice": "the target's encoding for every layer",
     "output-aware rounding": "nearest rounding",
     "range tuning": "the method's ranges",

@@ -99,7 +99,7 @@ def activation_qparams(model: onnx.ModelProto, plan: Plan, table, method: str | 
 
 
 def lattice_inputs(model: onnx.ModelProto, plan: Plan, table, qp: dict, method: str | None, ranges: dict | None,
-                   notes: list) -> dict:
+                   notes: list, shift: bool = True) -> dict:
     """Model inputs whose calibration values sit on an 8-bit lattice (lattice.py) get the qparams that
     make every point exact (qp, in place). -> {input: shift} of those that need a shift before their
     quantizer: only where every int8 reader is a layer with a weight and a bias (it takes the shift
@@ -116,18 +116,20 @@ def lattice_inputs(model: onnx.ModelProto, plan: Plan, table, qp: dict, method: 
         got = lattice_qparams(lat, *(r if r is not None else (lat.lo, lat.hi)))
         if got is None:
             continue
-        scale, zp, shift = got
-        if shift:
+        scale, zp, by = got
+        if by and not shift:
+            continue
+        if by:
             readers = [c for c in cons.get(t, []) if c.name in plan.int8_nodes]
             ok = readers and not any(src == t for src in plan.shared.values()) and all(
                 plan.weight_inputs.get(c.name) == t and RULES[c.op_type].bias is not None
                 and RULES[c.op_type].weight(c, model) is not None and list(c.input).count(t) == 1 for c in readers)
             if not ok:
                 continue
-            shifts[t] = shift
+            shifts[t] = by
         qp[t] = Q.ActQParams(scale, zp)
         notes.append(f"input '{t}' takes {lat.steps + 1} evenly spaced values (step {lat.spacing:.6g}): quantized "
-                     f"exactly with scale {scale:.6g}, zero point {zp}" + (f", after adding {shift:.6g}" if shift else ""))
+                     f"exactly with scale {scale:.6g}, zero point {zp}" + (f", after adding {by:.6g}" if by else ""))
     return shifts
 
 
@@ -180,7 +182,8 @@ def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exc
                    bias_correction: bool = True, ranges: dict | None = None, weights: bool = True,
                    activations: bool = True, weight_cache: dict | None = None,
                    prune_excluded: bool = True, hessians: dict | None = None, target: str = DEFAULT_TARGET,
-                   u8_storage: bool = False, on_error=None, encodings: dict | None = None) -> QuantizeOutput:
+                   u8_storage: bool = False, on_error=None, encodings: dict | None = None,
+                   input_grid: bool = True) -> QuantizeOutput:
     """`ranges` (tensor -> (lo, hi)) overrides the table's, for experiments and sensitivity search.
     `weights=False` / `activations=False` leave that side fp32: the diagnostic that tells
     which of the two a model's quantization error comes from.
@@ -192,7 +195,9 @@ def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exc
     `u8_storage`: store every paired layer's weights as uint8 + 128 whatever the target, the same
     values in a form ONNX Runtime computes exactly on any CPU (for scoring experiments).
     `on_error(layer, exception)`: a layer's output-aware rounding failed (layer_weights).
-    `encodings`: node -> encoding where it is not the target's."""
+    `encodings`: node -> encoding where it is not the target's.
+    `input_grid`: a model input on an 8-bit lattice half a step off every grid is shifted onto one
+    (lattice_inputs); off, such an input keeps its calibrated range (lattices on a grid are used either way)."""
     notes: list = []
     m = onnx.ModelProto()
     m.CopyFrom(fused)
@@ -205,7 +210,7 @@ def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exc
         nodes[prod_name].output[0] = act.output[0]
         m.graph.node.remove(act)
     qp = activation_qparams(m, plan, table, method, ranges)
-    shifts = lattice_inputs(m, plan, table, qp, method, ranges, notes)
+    shifts = lattice_inputs(m, plan, table, qp, method, ranges, notes, input_grid)
     inits = G.initializers(m)
     taken = {o for n in m.graph.node for o in n.output} | set(inits) | {i.name for i in m.graph.input}
     new_inits, layers = [], {}

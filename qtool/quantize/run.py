@@ -19,6 +19,7 @@ from qtool.quantize.budget import (METHOD_CHOICE_PASSES, ROUNDING_PASSES, SENSIT
 from qtool.quantize.context import QuantizeContext
 from qtool.quantize.encoding import DEFAULT_TARGET, PAIR_SAFE, S8, TARGETS, U8, portable_u8_layers
 from qtool.quantize.equalize import balance
+from qtool.quantize.input_grid import choose_input_grid
 from qtool.quantize.exclude import CANDIDATES_PER_STEP, POOL as POOL_FOR_PROGRESS, exclude_sensitive
 from qtool.quantize.guard import guard_layers
 from qtool.quantize.method_choice import best_option, choose, method_scores
@@ -555,6 +556,9 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
             fallback=(method_scores_db, method_agreement))
     elif len(samples):
         steps.run("equalization", balance, ctx, samples.pick(split.tune) if split.tune else samples, say)
+    grid_samples = samples.pick(split.auto) if auto and split.auto else samples.pick(split.tune)
+    input_grid = steps.run("input grid", choose_input_grid, ctx, grid_samples, say, fallback=None) \
+        if len(grid_samples) else None
     encoding_reasons = steps.run("encoding choice", choose_encodings, ctx, samples, say, fallback={})
     ctx.encodings = {name: U8 for name in encoding_reasons}
     sens_samples = samples.pick(split.sensitivity)
@@ -605,7 +609,7 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
         "method_scores_db": method_scores_db, "method_agreement": method_agreement, "target": target, "target_description": TARGETS[target].description,
         "target_cost": cost,
         "encodings": _encoding_counts(out),
-        "encoding_choice": encoding_reasons,
+        "encoding_choice": encoding_reasons, "input_grid": input_grid,
         "bias_correction": bias_correction,
         "rounding": "output-aware" if tuning.hessians else "nearest",
         "rounded_layers": sorted(tuning.hessians or []),
