@@ -148,3 +148,24 @@ def test_printed_interval_is_where_another_run_lands():
     inside = np.mean([a.lo <= b.ratio <= a.hi for a, b in zip(runs[::2], runs[1::2])])
     ci_inside = np.mean([a.ci_lo <= b.ratio <= a.ci_hi for a, b in zip(runs[::2], runs[1::2])])
     assert inside > 0.9 and inside > ci_inside
+
+
+def test_the_printed_range_holds_the_spread_between_processes():
+    """A run's rounds cannot see what changes between processes: `between` widens the printed range
+    (in quadrature with the bootstrap's), never the median's confidence interval, and qtool bench uses it."""
+    from qtool.runtime.bench import summarize
+    from qtool.runtime.bench_stats import BETWEEN_RUNS
+    rng = np.random.default_rng(3)
+    ratios = rng.lognormal(np.log(0.95), 0.01, 10)
+    plain, wide = ratio_interval(ratios, np.ones(10)), ratio_interval(ratios, np.ones(10), between=0.03)
+    assert wide.ratio == plain.ratio and (wide.ci_lo, wide.ci_hi) == (plain.ci_lo, plain.ci_hi)
+    assert wide.lo < plain.lo and wide.hi > plain.hi
+    grow = wide.hi / wide.ratio - 1
+    assert grow == pytest.approx(np.hypot(plain.hi / plain.ratio - 1, 0.03))
+    # a perfectly steady run still says how far another process's run may land
+    point = ratio_interval([1.5, 1.5, 1.5], [1.0, 1.0, 1.0], between=0.03)
+    assert point.lo == pytest.approx(1.5 * 0.97) and point.hi == pytest.approx(1.5 * 1.03)
+    rounds = [{"order": round_order(["native", "ort_int8"], r), "runs": {"native": [0.010], "ort_int8": [0.012]}}
+              for r in range(4)]
+    s = summarize(rounds, 1, BETWEEN_RUNS)
+    assert s["between_runs"] == BETWEEN_RUNS and s["ratios"]["ort_int8"]["hi"] == pytest.approx(1.2 * (1 + BETWEEN_RUNS))

@@ -21,6 +21,7 @@ from qtool.limits import MAX_FEED_BYTES, elems, human_bytes
 from qtool.modelio import check_pair
 from qtool.runtime.backend import cpu_name, pool_spin_us
 from qtool.runtime.bench_stats import (
+    BETWEEN_RUNS,
     BUSY_LIMIT,
     LEVEL,
     RESAMPLES,
@@ -145,10 +146,11 @@ def time_rounds(engines: dict, feeds, rounds: int, min_runs: int, min_s: float, 
     return out
 
 
-def summarize(rounds: list, batch: int) -> dict:
+def summarize(rounds: list, batch: int, between: float = 0.0) -> dict:
     """Over the rounds that count (bench_stats.rounds_to_use: other processes quiet): medians
     (ms/image) per engine over the timed runs, and every other engine's time over the native one's
-    per round with its interval (bench_stats.ratio_interval). Every round stays in 'rounds'."""
+    per round with its interval (bench_stats.ratio_interval, widened by `between`: BETWEEN_RUNS in
+    `qtool bench`). Every round stays in 'rounds'."""
     engines = list(rounds[0]["runs"])
     use = rounds_to_use([rd.get("others_cpus") for rd in rounds])
     kept = [rounds[i] for i in use]
@@ -165,7 +167,8 @@ def summarize(rounds: list, batch: int) -> dict:
     r["ratios"] = {}
     for k in engines:
         if k != "native":
-            r["ratios"][k] = ratio_interval(block_ms[k], block_ms["native"]).as_dict()
+            r["ratios"][k] = ratio_interval(block_ms[k], block_ms["native"], between=between).as_dict()
+    r["between_runs"] = between
     r["native_vs_ort_int8"] = r["ratios"]["ort_int8"]["ratio"]
     r["native_vs_ort_fp32"] = r["ratios"]["ort_fp32"]["ratio"] if "ort_fp32" in r["ratios"] else None
     return r
@@ -264,7 +267,7 @@ def bench(model: str, fp32: str | None = None, batches=(1, 8), threads: int = 2,
         for e in engines.values():  # warm up (and plan, for the native session)
             e.run(None, feeds)
         min_runs = repeats if bs == 1 else max(1, repeats // 4)
-        r = summarize(time_rounds(engines, feeds, rounds, min_runs, round_s, settle_s), bs)
+        r = summarize(time_rounds(engines, feeds, rounds, min_runs, round_s, settle_s), bs, BETWEEN_RUNS)
         r["peak"] = peak_share(macs, r["native_ms"], peak)
         res["batches"][bs] = r
         if log:
