@@ -52,7 +52,8 @@ class Lattice:
         return {"spacing": self.spacing, "offset": self.offset, "lo": self.lo, "hi": self.hi, "off": self.off}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Lattice | None":
+    def from_dict(cls, d) -> "Lattice | None":
+        """The lattice a table records, or None for anything else (not a dict, a missing or non-finite field)."""
         try:
             lat = cls(float(d["spacing"]), float(d["offset"]), float(d["lo"]), float(d["hi"]), int(d.get("off", 0)))
         except (KeyError, TypeError, ValueError):

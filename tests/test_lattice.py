@@ -103,6 +103,7 @@ def test_quantize_puts_a_lattice_input_on_the_grid_and_keeps_the_output(tmp_path
     off = quantize_graph(r.fused, r.table, bias_correction=False, target="vnni")
     adds = [n for n in on.model.graph.node if n.op_type == "Add" and "x" in n.input]
     assert len(adds) == 1 and not any(n.op_type == "Add" for n in off.model.graph.node)
+    assert list(on.input_shifts) == ["x"] and not off.input_shifts
     assert any("quantized exactly" in s for s in on.notes)
     # the first layer reads every pixel exactly, shifted ...
     conv1 = next(n for n in on.model.graph.node if n.op_type == "Conv" and n.name == "conv1")

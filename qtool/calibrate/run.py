@@ -132,7 +132,7 @@ def _calibrate(model_path, data, config, method, workdir, batch, limit, show_pro
         for n, f in within_budget(source.batches(), len(source), macs, budget_gmac, planned, spend=spend):
             names.extend(os.path.abspath(x) if source.kind != "iterable" else x for x in n)
             for k, v in f.items():
-                if k in inputs and np.asarray(v).dtype.kind == "f":
+                if k in inputs:  # (an integer input gives up at once: DistinctValues keeps float values only)
                     distinct.setdefault(k, DistinctValues()).add(v)
             yield f
 

@@ -121,8 +121,7 @@ def _problem(t: CalibrationTable) -> str | None:
     for tensor, means in t.channel_means.items():
         if not (isinstance(means, list) and all(map(_finite, means))):
             return f"channel means of '{tensor}' are not a list of finite numbers"
-    if not isinstance(t.lattices, dict) or any(not isinstance(v, dict) or Lattice.from_dict(v) is None
-                                                  for v in t.lattices.values()):
+    if not isinstance(t.lattices, dict) or any(Lattice.from_dict(v) is None for v in t.lattices.values()):
         return "'lattices' is not an object of {spacing, offset, lo, hi} with finite values"
     if not isinstance(t.channel_ranges, dict):
         return "'channel_ranges' is not an object"

@@ -24,7 +24,7 @@ def shifted_inputs(ctx: QuantizeContext) -> list:
     """The model inputs whose lattice needs a shift to sit on a grid (the choice is theirs to make)."""
     out = []
     for t, d in (getattr(ctx.table, "lattices", None) or {}).items():
-        lat = Lattice.from_dict(d) if isinstance(d, dict) else None
+        lat = Lattice.from_dict(d)
         if lat is not None and lat.shift:
             out.append(t)
     return out
@@ -41,7 +41,7 @@ def choose_input_grid(ctx: QuantizeContext, samples: SampleSet, say=print) -> di
     for on in (False, True):
         v = replace(ctx, input_grid=on)
         y, q = v.score(samples)
-        if on and not any("after adding" in n for n in q.notes):
+        if on and not q.input_shifts:
             return None  # the shift did not apply (an input read by a layer without a bias)
         options.append((sqnr_db(samples.reference, y), position_agreement(samples.reference, y) if dist else None))
     k = best_option(options)

@@ -44,6 +44,7 @@ class QuantizeOutput:
     qparams: dict  # tensor -> ActQParams
     layers: dict = field(default_factory=dict)  # node name -> LayerInfo
     notes: list = field(default_factory=list)
+    input_shifts: dict = field(default_factory=dict)  # model input -> the constant added before its quantizer
 
 
 def upgrade_opset(model: onnx.ModelProto, notes: list) -> onnx.ModelProto:
@@ -109,7 +110,7 @@ def lattice_inputs(model: onnx.ModelProto, plan: Plan, table, qp: dict, method: 
     graph_inputs = {i.name for i in G.real_inputs(model)}
     cons = G.consumers(model)
     for t, d in lattices.items():
-        lat = Lattice.from_dict(d) if isinstance(d, dict) else None
+        lat = Lattice.from_dict(d)
         if lat is None or t not in graph_inputs or t not in qp or (ranges is not None and t in ranges):
             continue
         r = table.range(t, method)
@@ -255,7 +256,7 @@ def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exc
         node.input[widx] = wd
         bias = qw.bias
         if x_name in shifts:  # the input arrives shifted (lattice_inputs): the bias takes the shift back out
-            w_dq = qw.q.astype(np.float64) * np.expand_dims(qw.scale, [a for a in range(qw.q.ndim) if a != qw.axis])
+            w_dq = Q.dequantize_weight(qw.q, qw.scale, qw.axis).astype(np.float64)
             moved = shifts[x_name] * w_dq.sum(axis=tuple(a for a in range(qw.q.ndim) if a != qw.axis))
             bias = (np.zeros(moved.shape) if bias is None else np.asarray(bias, np.float64)) - moved
         if bias is not None:
@@ -308,7 +309,7 @@ def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exc
         onnx.checker.check_model(m)
     except Exception as e:
         raise QtoolError(f"internal error: the quantized graph fails onnx.checker ({e})") from None
-    return QuantizeOutput(m, plan, qp, layers, notes)
+    return QuantizeOutput(m, plan, qp, layers, notes, shifts)
 
 
 def _shield_fp32_layers(m, inits, dq_of, add_init, taken) -> None:
