@@ -176,6 +176,7 @@ def _plan(model: onnx.ModelProto, exclude: dict, ranges: dict | None, prune_excl
             if out not in plan.tensors:
                 plan.tensors.append(out)
     _drop_unread_outputs(model, plan, facts.order)
+    _drop_float_ended(model, plan, facts)
     if prune_excluded:
         _drop_excluded_only(model, plan, cons, exclude)
     _explain_chains(model, plan, chains)
@@ -196,6 +197,45 @@ def _drop_unread_outputs(model: onnx.ModelProto, plan: Plan, order: list) -> Non
         _unquantize(model, plan, t, "activation runs fp32: its output is left fp32")
         d = plan.decision(node.name)
         d.reason = "output left fp32: only fp32 ops read it on the way to the graph output"
+
+
+def _drop_float_ended(model: onnx.ModelProto, plan: Plan, facts: ModelFacts) -> None:
+    """An int8 op without weights whose output stays fp32 (a Sigmoid writing the graph output, a
+    Concat of a detector's heads) does no int8 work: ONNX Runtime dequantizes its inputs and runs it in
+    fp32, so the Q/DQ pairs on its inputs only round. DBNet's probability map was a Sigmoid of logits
+    quantized in steps of 0.8, which moved every contour at the 0.3 threshold outwards. Such an op
+    runs fp32 on its fp32 inputs; the inputs no int8 op reads then lose their pairs, an int8 producer's
+    output as _drop_unread_outputs decides, and the op that fed it may end float in turn."""
+    readers = facts.consumers
+    while True:
+        dropped = []
+        for node in model.graph.node:
+            if node.name not in plan.int8_nodes or RULES[node.op_type].kind != "compute" \
+                    or facts.weighted.get(node.name) or _output_quantized(node, plan, readers):
+                continue
+            plan.int8_nodes.discard(node.name)
+            d = plan.decision(node.name)
+            d.status, d.reason = "fp32", "no weights and its output stays fp32: int8 inputs would only round"
+            dropped.append(node)
+        if not dropped:
+            return
+        produced_int8 = {o for n in model.graph.node if n.name in plan.int8_nodes for o in n.output}
+        for node in dropped:
+            for t in set(node.input):
+                if t not in plan.tensors or t in produced_int8 or t in plan.shared or t in plan.shared.values():
+                    continue
+                if not any(u.name in plan.int8_nodes for u in readers.get(t, [])):
+                    _unquantize(model, plan, t, "activation runs fp32: no int8 op reads it")
+        _drop_unread_outputs(model, plan, facts.order)
+
+
+def _output_quantized(node, plan: Plan, readers: dict) -> bool:
+    """Whether the op's output (or that of the Relu/Clip fused into its clamp) carries a Q/DQ pair."""
+    out = node.output[0]
+    if out in plan.tensors:
+        return True
+    fused = [u for u in readers.get(out, []) if plan.fused.get(u.name, (None,))[0] == node.name]
+    return any(u.output[0] in plan.tensors for u in fused)
 
 
 def _drop_excluded_only(model: onnx.ModelProto, plan: Plan, cons: dict, exclude: dict) -> None:

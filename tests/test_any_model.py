@@ -96,7 +96,7 @@ def test_two_input_model_from_npz(tmp_path):
     assert r.table.n_samples == 6
     assert {"a", "b"} <= set(r.table.histograms)  # both float inputs calibrated
     s = q.report["summary"]
-    assert s.get("int8", 0) >= 3  # both convs and the add
+    assert s.get("int8", 0) >= 2  # both convs (the Add writes the fp32 output: no int8 work to do there)
     feeds = {"a": samples[0]["a"], "b": samples[0]["b"][None]}
     assert _sqnr(run(onnx.load(model), feeds)[0], run(onnx.load(q.path), feeds)[0]) > 25
 

@@ -284,9 +284,11 @@ def test_excluded_layer_on_a_one_channel_input_stays_fp32(tmp_path):
     nodes = [helper.make_node("Conv", ["x", "wa", "ba"], ["t"], name="conv_a", pads=[1, 1, 1, 1]),
              helper.make_node("Conv", ["t", "wb", "bb"], ["u"], name="conv_b"),
              helper.make_node("Conv", ["t", "wc", "bc"], ["v"], name="conv_c"),
-             helper.make_node("Add", ["u", "v"], ["y"], name="add")]
+             helper.make_node("Add", ["u", "v"], ["s"], name="add"),  # int8, for an int8 reader
+             helper.make_node("Conv", ["s", "wd", "bd"], ["y"], name="conv_d")]
     inits = [weight(rng, "wa", 1, 3, 3, 3), weight(rng, "ba", 1), weight(rng, "wb", 4, 1, 1, 1),
-             weight(rng, "bb", 4), weight(rng, "wc", 4, 1, 1, 1), weight(rng, "bc", 4)]
+             weight(rng, "bb", 4), weight(rng, "wc", 4, 1, 1, 1), weight(rng, "bc", 4),
+             weight(rng, "wd", 4, 4, 1, 1), weight(rng, "bd", 4)]
     m = make_model(nodes, inits, [("x", ["N", 3, 8, 8])], [("y", ["N", 4, 8, 8])])
     path = save(m, tmp_path / "one.onnx")
     feeds = [{"x": rng.standard_normal((2, 3, 8, 8)).astype(np.float32)} for _ in range(3)]

@@ -80,3 +80,45 @@ def test_ort_runs_qlinear_mul(tmp_path):
     ort.InferenceSession(out.model.SerializeToString(), so, providers=["CPUExecutionProvider"])
     ops = {n.op_type for n in onnx.load(str(tmp_path / "opt.onnx")).graph.node}
     assert "QLinearMul" in ops and "QLinearConv" in ops, ops
+
+
+def _float_ended(rng, tail):
+    """Conv -> Relu -> ConvTranspose (no int8 rule) -> `tail` -> graph output: the last op has no
+    weights and writes the graph output fp32."""
+    nodes = [helper.make_node("Conv", ["x", "w0", "b0"], ["c"], name="conv0", kernel_shape=[3, 3], pads=[1] * 4),
+             helper.make_node("Relu", ["c"], ["r"], name="relu0"),
+             helper.make_node("ConvTranspose", ["r", "wt"], ["u"], name="up", kernel_shape=[2, 2], strides=[2, 2])]
+    if tail == "sigmoid":
+        nodes.append(helper.make_node("Sigmoid", ["u"], ["y"], name="last"))
+    else:  # a Mul of two activations, itself read by a Sigmoid: both end fp32
+        nodes += [helper.make_node("Sigmoid", ["u"], ["s"], name="gate"),
+                  helper.make_node("Mul", ["u", "s"], ["v"], name="mul"),
+                  helper.make_node("Sigmoid", ["v"], ["y"], name="last")]
+    inits = [weight(rng, "w0", 4, 3, 3, 3, scale=0.4), weight(rng, "b0", 4, scale=0.1),
+             weight(rng, "wt", 4, 1, 2, 2, scale=2.0)]
+    return make_model(nodes, inits, [("x", ["N", 3, 8, 8])], [("y", ["N", 1, 16, 16])])
+
+
+def test_weightless_op_writing_fp32_output_runs_fp32(tmp_path):
+    """A Sigmoid whose output is the graph output does no int8 work in ONNX Runtime: its input's Q/DQ
+    only rounded the logits (DBNet's probability map: steps of 0.8 at the 0.3 threshold)."""
+    for tail in ("sigmoid", "silu"):
+        m = _float_ended(np.random.default_rng(4), tail)
+        out, d, feeds = quantize_tiny(m, tmp_path / tail, {"x": (2, 3, 8, 8)})
+        assert d["last"].status == "fp32" and "only round" in d["last"].reason, d["last"]
+        assert d["conv0"].status == "int8"
+        assert "u" not in out.plan.tensors and "r" in out.plan.tensors
+        if tail == "silu":  # the SiLU now feeds only fp32: it runs fp32 too, and nothing after conv0 is rounded
+            assert d["mul"].status == "fp32" and d["gate"].status == "fp32"
+            assert not {"s", "v"} & set(out.plan.tensors)
+        q = out.model
+        assert not any(n.op_type == "QuantizeLinear" and n.input[0] in ("u", "v") for n in q.graph.node)
+        # only conv0's input and output are rounded: the output is as close as conv0 alone allows
+        assert output_sqnr(m, q, feeds) > 25
+
+
+def test_weightless_op_feeding_int8_stays_int8(tmp_path):
+    """The same Sigmoid inside the network (its output quantized for an int8 reader) stays int8."""
+    m = _silu_net(np.random.default_rng(5))
+    _, d, _ = quantize_tiny(m, tmp_path, {"x": (2, 3, 8, 8)})
+    assert d["sig"].status == "int8" and d["silu"].status == "int8"
