@@ -7,7 +7,7 @@ from helpers import init, make_model
 from onnx import helper
 
 from qtool.metrics import position_agreement
-from qtool.quantize.method_choice import AGREEMENT_TIE, choose
+from qtool.quantize.method_choice import AGREEMENT_TIE, EXACT_DB, choose
 from qtool.quantize.samples import SampleSet, distribution_output
 
 CLIP = 0.5
@@ -17,6 +17,12 @@ def test_sqnr_decides_where_no_agreement_was_measured():
     scores = {"minmax": 20.0, "mse": 22.0, "entropy": 20.3}
     assert choose(scores, {}, "minmax", CLIP) == "mse"
     assert choose({"minmax": 20.0, "mse": 20.3}, {}, "minmax", CLIP) == "minmax"  # the clip not earned
+
+
+def test_samples_the_grid_does_not_touch_cannot_earn_a_clip():
+    """Above EXACT_DB the differences are float32 noise: the unclipped method stays."""
+    assert choose({"minmax": EXACT_DB + 27.4, "mse": EXACT_DB + 28.6}, {}, "minmax", CLIP) == "minmax"
+    assert choose({"minmax": EXACT_DB - 30.0, "mse": EXACT_DB + 28.6}, {}, "minmax", CLIP) == "mse"
 
 
 def test_agreement_outranks_sqnr_and_ties_go_to_sqnr():
