@@ -175,7 +175,7 @@ def _plan(model: onnx.ModelProto, exclude: dict, ranges: dict | None, prune_excl
             int8_out.add(out)
             if out not in plan.tensors:
                 plan.tensors.append(out)
-    _drop_unread_outputs(model, plan, facts)
+    _drop_unread_outputs(model, plan, facts.order)
     _drop_float_ended(model, plan, facts)
     if prune_excluded:
         _drop_excluded_only(model, plan, cons, exclude)
@@ -183,26 +183,16 @@ def _plan(model: onnx.ModelProto, exclude: dict, ranges: dict | None, prune_excl
     return plan
 
 
-# int8 ops that ONNX Runtime runs in int8 with a float output (DQ -> MatMul: MatMulIntegerToFloat,
-# DQ -> Gemm: QGemm without y_scale); a Conv runs int8 only with a QuantizeLinear after it
-FLOAT_OUTPUT_OPS = ("MatMul", "Gemm")
-
-
-def _drop_unread_outputs(model: onnx.ModelProto, plan: Plan, facts: ModelFacts) -> None:
-    """An int8 op keeps its output fp32 when only fp32 ops read it and either no int8 op follows
-    anywhere downstream (the classic case: the final MatMul before a bias Add and Softmax) or the op
-    runs int8 without a quantized output anyway (a transformer's MatMul before its fp32 bias Add:
-    the pair only rounded the sum before the bias, and the next int8 op quantizes again after it).
-    A Q/DQ pair there adds rounding error for no int8 work; the op itself still reads int8 inputs
-    and int8 weights."""
-    feeds_int8 = G.tensors_reaching(model, plan.int8_nodes, facts.order)
+def _drop_unread_outputs(model: onnx.ModelProto, plan: Plan, order: list) -> None:
+    """The last int8 op before the graph outputs keeps its output fp32 when only fp32 ops read it and
+    no int8 op follows anywhere downstream (the classic case: the final MatMul before a bias Add and
+    Softmax). A Q/DQ pair there adds rounding error right at the output for no int8 work after it;
+    the op itself still reads int8 inputs and int8 weights."""
+    feeds_int8 = G.tensors_reaching(model, plan.int8_nodes, order)
     produced = {n.output[0]: n for n in model.graph.node if n.name in plan.int8_nodes and n.output}
     for t in list(plan.tensors):
         node = produced.get(t)
-        if node is None or t in plan.shared or t in plan.shared.values():
-            continue
-        if t in feeds_int8 and not (node.op_type in FLOAT_OUTPUT_OPS and facts.weighted.get(node.name)
-                                    and not any(u.name in plan.int8_nodes for u in facts.consumers.get(t, []))):
+        if node is None or t in plan.shared or t in plan.shared.values() or t in feeds_int8:
             continue
         _unquantize(model, plan, t, "activation runs fp32: its output is left fp32")
         d = plan.decision(node.name)
@@ -236,7 +226,7 @@ def _drop_float_ended(model: onnx.ModelProto, plan: Plan, facts: ModelFacts) -> 
                     continue
                 if not any(u.name in plan.int8_nodes for u in readers.get(t, [])):
                     _unquantize(model, plan, t, "activation runs fp32: no int8 op reads it")
-        _drop_unread_outputs(model, plan, facts)
+        _drop_unread_outputs(model, plan, facts.order)
 
 
 def _output_quantized(node, plan: Plan, readers: dict) -> bool:
