@@ -205,3 +205,35 @@ def test_a_per_position_distribution_is_judged_per_position(tmp_path):
         assert abs(l["top1_agreement"] * n_positions - round(l["top1_agreement"] * n_positions)) < 1e-6
     assert layers[0]["top1_agreement"] < 1.0  # (the damaged layer flips some positions' winner)
     assert run(onnx.load(q.path), {"x": np.load(data / "000.npy")})[0].shape == (1, 10, 12)
+
+
+def gated_head(seed=0):
+    """Conv -> SiLU (Sigmoid, Mul: no weights, int8 because a Conv reads them) -> Conv -> Sigmoid
+    writing the graph output (fp32 in the plan: its output stays fp32)."""
+    rng = np.random.default_rng(seed)
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c"], name="c1", kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+             helper.make_node("Sigmoid", ["c"], ["s"], name="gate"),
+             helper.make_node("Mul", ["c", "s"], ["m"], name="silu"),
+             helper.make_node("Conv", ["m", "w2"], ["z"], name="c2", kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+             helper.make_node("Sigmoid", ["z"], ["y"], name="last")]
+    inits = [init("w1", rng.standard_normal((8, 3, 3, 3)) * 0.4), init("w2", rng.standard_normal((2, 8, 3, 3)) * 0.3)]
+    return make_model(nodes, inits, [("x", ["N", 3, 16, 16])], [("y", ["N", 2, 16, 16])])
+
+
+def test_an_op_without_weights_is_measured_as_the_model_runs_it(tmp_path):
+    """A weightless op is int8 in the model because an int8 op reads its output; measured alone it
+    keeps that output quantizer (it is not reported free), and the final Sigmoid the plan leaves fp32
+    stays fp32 in every variant (calibration has no range for its input)."""
+    from qtool.quantize.context import QuantizeContext
+    from qtool.quantize.samples import load_samples
+    from qtool.quantize.sensitivity import layer_sensitivity
+    model = save(gated_head(), str(tmp_path / "head.onnx"))
+    write_images(str(tmp_path / "images"), 8, seed=3)
+    cfg = write_config(str(tmp_path / "cfg.toml"), size=16)
+    r = calibrate(model, str(tmp_path / "images"), cfg, "minmax", workdir=str(tmp_path / "w"), show_progress=False)
+    ctx = QuantizeContext(r.fused, r.table, "minmax", threads=1)
+    samples = load_samples(r.fused, r.table, sorted(str(p) for p in (tmp_path / "images").iterdir()))
+    layers = {l.name: l for l in layer_sensitivity(ctx, samples)}
+    assert "last" not in layers and {"c1", "gate", "silu", "c2"} <= set(layers)
+    for name in ("gate", "silu"):
+        assert layers[name].output_sqnr_db < 80, (name, layers[name].output_sqnr_db)
