@@ -35,6 +35,7 @@ class Plan:
     shared: dict = field(default_factory=dict)  # passthrough output -> the input whose qparams it reuses
     clamp: dict = field(default_factory=dict)  # tensor -> (lo, hi) of a fused Relu/Clip
     weight_inputs: dict = field(default_factory=dict)  # node name -> activation tensor its weight multiplies
+    float_ended: set = field(default_factory=set)  # ops without weights left fp32 for their fp32 output
 
     def decision(self, name):
         return next(d for d in self.decisions if d.name == name)
@@ -202,9 +203,6 @@ def _drop_unread_outputs(model: onnx.ModelProto, plan: Plan, order: list) -> Non
         d.reason = "output left fp32: only fp32 ops read it on the way to the graph output"
 
 
-FLOAT_ENDED = "no weights and its output stays fp32: int8 inputs would only round"
-
-
 def _drop_float_ended(model: onnx.ModelProto, plan: Plan, facts: ModelFacts) -> None:
     """An int8 op without weights whose output stays fp32 (a Sigmoid writing the graph output, a
     Concat of a detector's heads) does no int8 work: ONNX Runtime dequantizes its inputs and runs it in
@@ -220,8 +218,9 @@ def _drop_float_ended(model: onnx.ModelProto, plan: Plan, facts: ModelFacts) -> 
                     or facts.weighted.get(node.name) or _output_quantized(node, plan, readers):
                 continue
             plan.int8_nodes.discard(node.name)
+            plan.float_ended.add(node.name)
             d = plan.decision(node.name)
-            d.status, d.reason = "fp32", FLOAT_ENDED
+            d.status, d.reason = "fp32", "no weights and its output stays fp32: int8 inputs would only round"
             dropped.append(node)
         if not dropped:
             return

@@ -20,7 +20,7 @@ import onnx
 
 from qtool.metrics import kl_each, kl_softmax, position_top1_agreement, sqnr_db, top1_agreement
 from qtool.quantize.context import QuantizeContext
-from qtool.plan import FLOAT_ENDED, make_plan
+from qtool.plan import make_plan
 from qtool.quantize.samples import SampleSet, distribution_output
 from qtool.quantize.simulate import Simulator
 
@@ -71,7 +71,7 @@ def layer_exclusions(sim: Simulator, only=None) -> tuple:
     # variant start at the input
     # and ops the whole plan leaves fp32 only because their output stays fp32 (a final Sigmoid): they
     # would be int8 again in a variant that keeps each layer's own output quantizer
-    others = set(names) | set(sim.plan.int8_nodes) | {d.name for d in sim.plan.decisions if d.reason == FLOAT_ENDED}
+    others = set(names) | sim.plan.int8_nodes | sim.plan.float_ended
     return picked, [{n: "sensitivity: only one layer int8" for n in others if n != d.name} for _, d in picked]
 
 
