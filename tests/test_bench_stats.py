@@ -22,17 +22,34 @@ def test_round_order_alternates():
     assert round_order(("a", "b"), 1) == ["b", "a"]
 
 
-def test_time_rounds_alternates_the_blocks():
+class _Engine:
+    def __init__(self, name, calls):
+        self.name, self.calls = name, calls
+
+    def run(self, outputs, feeds):
+        self.calls.append(self.name)
+
+
+def test_time_rounds_runs_the_engines_in_turn_and_alternates_the_order():
     calls = []
+    engines = {k: _Engine(k[0].upper() if k != "ort_fp32" else "F", calls) for k in ("native", "ort_int8", "ort_fp32")}
+    rounds = time_rounds(engines, None, 2, 3, 0.0)
+    # each round: one untimed run of each engine, then runs in turn, never one engine's block
+    assert "".join(calls) == "NOF" + "NOF" * 3 + "FON" + "FON" * 3
+    assert [r["order"][0] for r in rounds] == ["native", "ort_fp32"]
+    assert all(len(v) == 3 and all(t >= 0 for t in v) for r in rounds for v in r["runs"].values())
 
-    def timer(engine, feeds, min_runs, min_s, settle_s):
-        calls.append(engine)
-        return [0.001] * min_runs
 
-    rounds = time_rounds({"native": "N", "ort_int8": "I", "ort_fp32": "F"}, None, 4, 3, 0.0, timer=timer)
-    assert "".join(calls) == "NIF" "FIN" "NIF" "FIN"
-    assert [r["order"][0] for r in rounds] == ["native", "ort_fp32", "native", "ort_fp32"]
-    assert all(len(v) == 3 for r in rounds for v in r["runs"].values())
+def test_time_rounds_takes_a_timer():
+    seen = []
+
+    def timer(engines, order, feeds, min_runs, min_s, settle_s):
+        seen.append(tuple(order))
+        return {k: [0.001] * min_runs for k in order}
+
+    rounds = time_rounds({"native": 0, "ort_int8": 1}, None, 3, 2, 0.0, timer=timer)
+    assert seen == [("native", "ort_int8"), ("ort_int8", "native"), ("native", "ort_int8")]
+    assert rounds[1]["runs"] == {"ort_int8": [0.001] * 2, "native": [0.001] * 2}
 
 
 def test_interval_holds_the_true_ratio_and_excludes_one():

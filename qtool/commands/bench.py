@@ -19,7 +19,7 @@ from qtool.modelio import check_writable
 @click.option("--batch", "-b", "batches", type=click.IntRange(1, MAX_BATCH), multiple=True, help="Batch size; repeat for several (default 1 and 8).")
 @click.option("--threads", "-t", default=2, show_default=True, type=click.IntRange(1, 1024), help="Threads for every engine.")
 @click.option("--rounds", "-r", default=10, show_default=True, type=click.IntRange(1, 10000),
-              help="Interleaved rounds; each times every engine in one block, the order alternating.")
+              help="Interleaved rounds; in each the engines run in turn, the order alternating from round to round.")
 @click.option("--round-ms", default=100, show_default=True, type=click.IntRange(0, 600000),
               help="Each engine's timed runs per round last at least this long.")
 @click.option("--repeats", default=5, show_default=True, type=click.IntRange(1, 100000),
@@ -34,7 +34,7 @@ def command(model, fp32, batches, threads, rounds, round_ms, repeats, shape, pro
 
     Prints the median ms/image of each engine per batch size and each ratio (other engine's time /
     native time: above 1, native is faster) with its 95 % interval. The engines take turns in
-    rounds, one block each (after an untimed run), the order alternating from round to round, so a
+    rounds, one run each again and again (after an untimed run), the order alternating from round to round, so a
     busy machine slows them alike; a ratio is the median of the rounds' ratios, its interval where
     another run's ratio falls 95 % of the time (a bootstrap over the rounds, fixed seed; --json
     also has the median's confidence interval). A ratio whose interval holds 1.0 is printed as a tie.

@@ -1,9 +1,9 @@
 """Speed of qtool's native runtime against ONNX Runtime (int8 on the same file, fp32 on the
-original), measured side by side in interleaved rounds: each round times every engine in one block,
-in an order that alternates from round to round, so load from other processes and the host's state
-hit all of them alike, and each round gives a paired ratio (qtool.runtime.bench_stats makes the
-interval). Each block starts after a pause (`settle_s`) and an untimed run (wakes the engine's
-workers, warms the caches). No engine's idle threads may take the next one's time: ONNX Runtime's
+original), measured side by side in interleaved rounds: in each round the engines run in turn,
+one run each, again and again, in an order that alternates from round to round, so load from other
+processes and the host's state hit all of them alike, and each round gives a paired ratio
+(qtool.runtime.bench_stats makes the interval). Each round starts after a pause (`settle_s`) and an
+untimed run of each engine (wakes its workers, warms the caches). No engine's idle threads may take the next one's time: ONNX Runtime's
 sessions here do not spin (`session.intra_op.allow_spinning` 0; with it on, its workers spin for
 tens of milliseconds after a run: a native EfficientNet-Lite0 run right after an ORT run took 9-11 ms
 on the 2-vCPU box, 2.8 ms alone), and the native pool's workers spin for 100 us after a job, then
@@ -110,35 +110,45 @@ def busy_cpus(seconds: float = 0.25) -> float | None:
     return others_cpus(a, cpu_counters())
 
 
-def time_block(engine, feeds, min_runs: int, min_s: float, settle_s: float = 0.0) -> list:
-    """One engine's block in a round: a pause, an untimed run, then at least `min_runs` timed runs
-    and at least `min_s` seconds of them (at most 50 * min_runs). -> seconds per run."""
+def time_round(engines: dict, order: list, feeds, min_runs: int, min_s: float, settle_s: float = 0.0) -> dict:
+    """One round: a pause, an untimed run of each engine (wakes its workers, warms the caches), then
+    the engines' timed runs in turn (one run each, in `order`, again and again) until each has at
+    least `min_runs` and the round has lasted at least `min_s` seconds per engine (at most 50 *
+    min_runs runs each). -> {engine: [seconds per run, ...]}
+
+    Runs in turn rather than one block per engine: this 2-vCPU VM's slow spells are shorter than a
+    100 ms block, so they fell on one engine's block and not the other's (Lite0, batch 8, 10 rounds,
+    two runs one after the other: per-round ratios 0.59-0.94 with blocks, 0.80-0.98 with runs in
+    turn). Each engine's run follows another engine's, in every round alike: none keeps the caches
+    warm for itself."""
     if settle_s > 0:
         time.sleep(settle_s)
-    engine.run(None, feeds)
-    times = []
-    t_end = time.perf_counter() + min_s
-    while len(times) < min_runs or (time.perf_counter() < t_end and len(times) < 50 * min_runs):
-        t = time.perf_counter()
-        engine.run(None, feeds)
-        times.append(time.perf_counter() - t)
-    return times
+    for k in order:
+        engines[k].run(None, feeds)
+    runs = {k: [] for k in order}
+    t_end = time.perf_counter() + min_s * len(order)
+    while len(runs[order[0]]) < min_runs or (time.perf_counter() < t_end and len(runs[order[0]]) < 50 * min_runs):
+        for k in order:
+            t = time.perf_counter()
+            engines[k].run(None, feeds)
+            runs[k].append(time.perf_counter() - t)
+    return runs
 
 
 def time_rounds(engines: dict, feeds, rounds: int, min_runs: int, min_s: float, settle_s: float = 0.0,
-                timer=time_block) -> list:
-    """`rounds` rounds, each a block of every engine in round_order(r), and the CPUs other
-    processes kept busy during the round.
+                timer=time_round) -> list:
+    """`rounds` rounds (time_round), the engines in round_order(r), and the CPUs other processes kept
+    busy during each.
     -> [{'order': [...], 'runs': {engine: [seconds, ...]}, 'others_cpus': float | None}, ...]"""
     out = []
     for r in range(rounds):
         order = round_order(engines, r)
         gc.collect()
         was = gc.isenabled()
-        gc.disable()  # no collection inside a timed block
+        gc.disable()  # no collection inside a timed round
         try:
             c0 = cpu_counters()
-            runs = {k: timer(engines[k], feeds, min_runs, min_s, settle_s) for k in order}
+            runs = timer(engines, order, feeds, min_runs, min_s, settle_s)
             out.append({"order": order, "runs": runs, "others_cpus": others_cpus(c0, cpu_counters())})
         finally:
             if was:
@@ -154,7 +164,7 @@ def summarize(rounds: list, batch: int, between: float = 0.0) -> dict:
     engines = list(rounds[0]["runs"])
     use = rounds_to_use([rd.get("others_cpus") for rd in rounds])
     kept = [rounds[i] for i in use]
-    block_ms = {k: [float(np.median(r["runs"][k])) * 1000 / batch for r in kept] for k in engines}
+    round_ms = {k: [float(np.median(r["runs"][k])) * 1000 / batch for r in kept] for k in engines}
     r = {f"{k}_ms": float(np.median(np.concatenate([rd["runs"][k] for rd in kept]))) * 1000 / batch
          for k in engines}
     r.setdefault("ort_fp32_ms", None)
@@ -163,11 +173,11 @@ def summarize(rounds: list, batch: int, between: float = 0.0) -> dict:
                     **{f"{k}_ms": [t * 1000 / batch for t in rd["runs"][k]] for k in engines}}
                    for i, rd in enumerate(rounds)]
     r["rounds_used"] = len(use)
-    r["round_ms"] = block_ms
+    r["round_ms"] = round_ms
     r["ratios"] = {}
     for k in engines:
         if k != "native":
-            r["ratios"][k] = ratio_interval(block_ms[k], block_ms["native"], between=between).as_dict()
+            r["ratios"][k] = ratio_interval(round_ms[k], round_ms["native"], between=between).as_dict()
     r["between_runs"] = between
     r["native_vs_ort_int8"] = r["ratios"]["ort_int8"]["ratio"]
     r["native_vs_ort_fp32"] = r["ratios"]["ort_fp32"]["ratio"] if "ort_fp32" in r["ratios"] else None
@@ -222,8 +232,8 @@ def bench(model: str, fp32: str | None = None, batches=(1, 8), threads: int = 2,
     """-> {'batches': {bs: {'native_ms', 'ort_int8_ms', 'ort_fp32_ms', 'ratios', 'rounds', ...}}, 'profile': ...}
     Times are medians, in ms per image; ratios are other engine's time / native time (above 1:
     native is faster), each the median of `rounds` paired rounds with its 95 % bootstrap interval.
-    A block is at least `repeats` runs at batch 1 (a quarter, at least one, at larger batches) and
-    at least `round_s` seconds."""
+    A round is at least `repeats` runs of each engine at batch 1 (a quarter, at least one, at larger
+    batches) and at least `round_s` seconds per engine."""
     if not os.path.exists(model):
         raise QtoolError(f"{model}: no such file")
     if fp32 is not None and not os.path.exists(fp32):

@@ -1,9 +1,9 @@
 """The statistics of `qtool bench`: engines timed in interleaved rounds, their speed ratio with a
 bootstrap interval over the rounds, and the rule that calls a ratio a tie.
 
-A round times every engine once, one block each; the order alternates from round to round
-(forward, then reversed), so no engine always runs right after the same other one. Within a
-round the engines share the machine's state, so the ratio of their block medians is a paired
+A round runs the engines in turn, one run each, again and again; the order alternates from round
+to round (forward, then reversed), so no engine always runs right after the same other one. Within
+a round the engines share the machine's state, so the ratio of their medians in it is a paired
 measurement: slow periods of the host move both sides of it. The bootstrap resamples the rounds
 (with replacement) and takes the median of the resampled per-round ratios, from a fixed seed:
 the same timings always give the same interval. It gives two intervals: the confidence interval of
