@@ -34,8 +34,8 @@ def test_time_rounds_runs_the_engines_in_turn_and_alternates_the_order():
     calls = []
     engines = {k: _Engine(k[0].upper() if k != "ort_fp32" else "F", calls) for k in ("native", "ort_int8", "ort_fp32")}
     rounds = time_rounds(engines, None, 2, 3, 0.0)
-    # each round: one untimed run of each engine, then runs in turn, never one engine's block
-    assert "".join(calls) == "NOF" + "NOF" * 3 + "FON" + "FON" * 3
+    # each round: the engines' runs in turn, never one engine's block
+    assert "".join(calls) == "NOF" * 3 + "FON" * 3
     assert [r["order"][0] for r in rounds] == ["native", "ort_fp32"]
     assert all(len(v) == 3 and all(t >= 0 for t in v) for r in rounds for v in r["runs"].values())
 
@@ -186,3 +186,40 @@ def test_the_printed_range_holds_the_spread_between_processes():
               for r in range(4)]
     s = summarize(rounds, 1, BETWEEN_RUNS)
     assert s["between_runs"] == BETWEEN_RUNS and s["ratios"]["ort_int8"]["hi"] == pytest.approx(1.2 * (1 + BETWEEN_RUNS))
+
+
+def _noisy_timer(sd, seed=0):
+    """A timer whose ORT runs are 1.2x native's times per-round noise of `sd` (relative)."""
+    rng = np.random.default_rng(seed)
+    orders = []
+
+    def timer(engines, order, feeds, min_runs, min_s, settle_s):
+        orders.append(tuple(order))
+        host = rng.uniform(1.0, 1.5)
+        return {"native": [0.010 * host] * min_runs, "ort_int8": [0.012 * host * rng.normal(1.0, sd)] * min_runs}
+    return timer, orders
+
+
+def test_rounds_are_added_while_a_range_is_too_wide():
+    from qtool.runtime.bench import rounds_until_narrow
+    timer, orders = _noisy_timer(0.10)
+    r = rounds_until_narrow({"native": 0, "ort_int8": 1}, None, 1, 6, 1, 0.0, width=0.08, max_rounds=60, timer=timer)
+    assert len(r["rounds"]) > 6 and len(r["rounds"]) % 2 == 0
+    assert r["narrow"] and r["widest"] <= 0.08 == r["width_goal"]
+    assert r["ratios"]["ort_int8"]["lo"] <= 1.2 <= r["ratios"]["ort_int8"]["hi"]
+    # the added rounds keep alternating the order
+    assert all(orders[i][0] == ("native" if i % 2 == 0 else "ort_int8") for i in range(len(orders)))
+
+
+def test_quiet_rounds_need_no_more_and_the_limit_holds():
+    from qtool.runtime.bench import format_batch, rounds_until_narrow
+    timer, _ = _noisy_timer(0.001)
+    assert len(rounds_until_narrow({"native": 0, "ort_int8": 1}, None, 1, 6, 1, 0.0, timer=timer)["rounds"]) == 6
+    timer, _ = _noisy_timer(0.5)
+    r = rounds_until_narrow({"native": 0, "ort_int8": 1}, None, 1, 6, 1, 0.0, max_rounds=10, timer=timer)
+    assert len(r["rounds"]) == 10 and not r["narrow"]
+    assert "at the limit" in format_batch(1, r)
+    ticks = iter(range(100))
+    r = rounds_until_narrow({"native": 0, "ort_int8": 1}, None, 1, 6, 1, 0.0, max_rounds=40, max_s=2.0,
+                            timer=_noisy_timer(0.5)[0], clock=lambda: float(next(ticks)))
+    assert len(r["rounds"]) == 8  # (two rounds added, then the clock says 2 s)

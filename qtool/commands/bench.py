@@ -19,7 +19,10 @@ from qtool.modelio import check_writable
 @click.option("--batch", "-b", "batches", type=click.IntRange(1, MAX_BATCH), multiple=True, help="Batch size; repeat for several (default 1 and 8).")
 @click.option("--threads", "-t", default=2, show_default=True, type=click.IntRange(1, 1024), help="Threads for every engine.")
 @click.option("--rounds", "-r", default=10, show_default=True, type=click.IntRange(1, 10000),
-              help="Interleaved rounds; in each the engines run in turn, the order alternating from round to round.")
+              help="Interleaved rounds at least; in each the engines run in turn, the order alternating from round "
+                   "to round. More rounds follow, two at a time, while a ratio's range is wider than +-8 %.")
+@click.option("--max-rounds", default=40, show_default=True, type=click.IntRange(1, 10000),
+              help="Rounds at most per batch size (and 90 s at most) when the ranges stay wide.")
 @click.option("--round-ms", default=100, show_default=True, type=click.IntRange(0, 600000),
               help="Each engine's timed runs per round last at least this long.")
 @click.option("--repeats", default=5, show_default=True, type=click.IntRange(1, 100000),
@@ -29,13 +32,14 @@ from qtool.modelio import check_writable
               help="Per-op-type time, GMAC/s and share of the active tier's peak, measured here (native runtime).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write all figures as JSON here.")
 @common_options
-def command(model, fp32, batches, threads, rounds, round_ms, repeats, shape, profile, json_path, workdir, quiet, verbose, debug):
+def command(model, fp32, batches, threads, rounds, max_rounds, round_ms, repeats, shape, profile, json_path, workdir, quiet, verbose, debug):
     """Time qtool's native int8 runtime, ONNX Runtime int8 (same file) and ONNX Runtime fp32.
 
     Prints the median ms/image of each engine per batch size and each ratio (other engine's time /
     native time: above 1, native is faster) with its 95 % interval. The engines take turns in
     rounds, one run each again and again (after an untimed run), the order alternating from round to round, so a
-    busy machine slows them alike; a ratio is the median of the rounds' ratios, its interval where
+    busy machine slows them alike (rounds are added while a range is wider than +-8 %, up to
+    --max-rounds); a ratio is the median of the rounds' ratios, its interval where
     another run's ratio falls 95 % of the time (a bootstrap over the rounds, fixed seed; --json
     also has the median's confidence interval). A ratio whose interval holds 1.0 is printed as a tie.
     Rounds in which other processes kept a quarter of a CPU or more busy are left out, while at
@@ -80,7 +84,7 @@ def command(model, fp32, batches, threads, rounds, round_ms, repeats, shape, pro
             raise QtoolError(f"--shape {shape}: every dimension must be 1 or more")
     log = None if quiet else click.echo
     r = bench(model, fp32, tuple(batches) or (1, 8), threads, repeats, dims, profile, rounds=rounds,
-              round_s=round_ms / 1000.0, log=log)
+              round_s=round_ms / 1000.0, max_rounds=max_rounds, log=log)
     if profile and not quiet:
         from qtool.runtime.profile import format_table, format_top
         for bs, p in r["profile"].items():

@@ -24,8 +24,11 @@ from qtool.runtime.bench_stats import (
     BETWEEN_RUNS,
     BUSY_LIMIT,
     LEVEL,
+    MAX_ROUNDS,
+    MAX_SECONDS,
     RESAMPLES,
     SEED,
+    WIDTH,
     Ratio,
     ratio_interval,
     round_order,
@@ -111,20 +114,18 @@ def busy_cpus(seconds: float = 0.25) -> float | None:
 
 
 def time_round(engines: dict, order: list, feeds, min_runs: int, min_s: float, settle_s: float = 0.0) -> dict:
-    """One round: a pause, an untimed run of each engine (wakes its workers, warms the caches), then
-    the engines' timed runs in turn (one run each, in `order`, again and again) until each has at
-    least `min_runs` and the round has lasted at least `min_s` seconds per engine (at most 50 *
-    min_runs runs each). -> {engine: [seconds per run, ...]}
+    """One round: a pause, then the engines' timed runs in turn (one run each, in `order`, again and
+    again) until each has at least `min_runs` and the round has lasted at least `min_s` seconds per
+    engine (at most 50 * min_runs runs each). -> {engine: [seconds per run, ...]}
 
     Runs in turn rather than one block per engine: this 2-vCPU VM's slow spells are shorter than a
     100 ms block, so they fell on one engine's block and not the other's (Lite0, batch 8, 10 rounds,
     two runs one after the other: per-round ratios 0.59-0.94 with blocks, 0.80-0.98 with runs in
     turn). Each engine's run follows another engine's, in every round alike: none keeps the caches
-    warm for itself."""
+    warm for itself, and none needs an untimed run to wake its workers (the native pool is asleep
+    at the start of every run, as at the first)."""
     if settle_s > 0:
         time.sleep(settle_s)
-    for k in order:
-        engines[k].run(None, feeds)
     runs = {k: [] for k in order}
     t_end = time.perf_counter() + min_s * len(order)
     while len(runs[order[0]]) < min_runs or (time.perf_counter() < t_end and len(runs[order[0]]) < 50 * min_runs):
@@ -136,12 +137,12 @@ def time_round(engines: dict, order: list, feeds, min_runs: int, min_s: float, s
 
 
 def time_rounds(engines: dict, feeds, rounds: int, min_runs: int, min_s: float, settle_s: float = 0.0,
-                timer=time_round) -> list:
-    """`rounds` rounds (time_round), the engines in round_order(r), and the CPUs other processes kept
-    busy during each.
+                timer=time_round, first: int = 0) -> list:
+    """`rounds` rounds (time_round), numbered from `first`, the engines in round_order(r), and the
+    CPUs other processes kept busy during each.
     -> [{'order': [...], 'runs': {engine: [seconds, ...]}, 'others_cpus': float | None}, ...]"""
     out = []
-    for r in range(rounds):
+    for r in range(first, first + rounds):
         order = round_order(engines, r)
         gc.collect()
         was = gc.isenabled()
@@ -197,6 +198,26 @@ def model_macs(path: str, feeds: dict) -> int | None:
     return macs or None
 
 
+def rounds_until_narrow(engines: dict, feeds, batch: int, rounds: int, min_runs: int, min_s: float,
+                        settle_s: float = 0.0, width: float = WIDTH, max_rounds: int = MAX_ROUNDS,
+                        max_s: float = MAX_SECONDS, timer=time_round, clock=time.perf_counter) -> dict:
+    """summarize() of `rounds` rounds, then of two more at a time while some ratio's range is wider
+    than +-`width`, up to `max_rounds` rounds and `max_s` seconds: a host noisier than usual gets
+    more rounds, not a range too wide to decide anything (on this project's 2-vCPU VM, ResNet-50 at
+    batch 8 runs one 0.3 s run per engine a round, and 10 such rounds gave ranges of +-8 to +-23 %).
+    'widest' is the widest range's half-width at the end, 'narrow' whether it met `width`."""
+    t0 = clock()
+    rr = time_rounds(engines, feeds, rounds, min_runs, min_s, settle_s, timer=timer)
+    while True:
+        r = summarize(rr, batch, BETWEEN_RUNS)
+        r["widest"] = max((v["half_width"] for v in r["ratios"].values()), default=0.0)
+        r["narrow"] = r["widest"] <= width
+        if r["narrow"] or len(rr) >= max_rounds or clock() - t0 >= max_s:
+            r["width_goal"], r["seconds"] = width, clock() - t0
+            return r
+        rr += time_rounds(engines, feeds, 2, min_runs, min_s, settle_s, timer=timer, first=len(rr))
+
+
 def peak_share(macs: int | None, native_ms: float, peak_gmacs: float) -> dict | None:
     """The whole model's MACs per second at native's median time, and that as a share of the peak."""
     if not macs or native_ms <= 0 or peak_gmacs <= 0:
@@ -219,19 +240,21 @@ def format_batch(bs: int, r: dict) -> str:
 def rounds_note(r: dict) -> str:
     n, used = len(r["rounds"]), r.get("rounds_used", len(r["rounds"]))
     busy = sum(1 for rd in r["rounds"] if (rd.get("others_cpus") or 0.0) >= BUSY_LIMIT)
+    wide = "" if r.get("narrow", True) else f" (the widest range still +-{100 * r['widest']:.0f} % at the limit)"
     if used < n:
-        return f"{used} of {n} rounds, {n - used} left out: other processes busy, {r['runs']} native runs"
+        return f"{used} of {n} rounds, {n - used} left out: other processes busy, {r['runs']} native runs{wide}"
     if busy:
-        return f"{n} rounds, other processes busy in {busy} of them (too many to leave out), {r['runs']} native runs"
-    return f"{n} rounds, {r['runs']} native runs"
+        return f"{n} rounds, other processes busy in {busy} of them (too many to leave out), {r['runs']} native runs{wide}"
+    return f"{n} rounds, {r['runs']} native runs{wide}"
 
 
 def bench(model: str, fp32: str | None = None, batches=(1, 8), threads: int = 2, repeats: int = 5,
           shape=None, profile: bool = False, rounds: int = 10, round_s: float = 0.1, settle_s: float = 0.02,
-          log=print) -> dict:
+          max_rounds: int = MAX_ROUNDS, log=print) -> dict:
     """-> {'batches': {bs: {'native_ms', 'ort_int8_ms', 'ort_fp32_ms', 'ratios', 'rounds', ...}}, 'profile': ...}
     Times are medians, in ms per image; ratios are other engine's time / native time (above 1:
-    native is faster), each the median of `rounds` paired rounds with its 95 % bootstrap interval.
+    native is faster), each the median of at least `rounds` paired rounds (more, up to `max_rounds`,
+    while a range is wider than +-WIDTH: rounds_until_narrow) with its 95 % bootstrap interval.
     A round is at least `repeats` runs of each engine at batch 1 (a quarter, at least one, at larger
     batches) and at least `round_s` seconds per engine."""
     if not os.path.exists(model):
@@ -255,13 +278,15 @@ def bench(model: str, fp32: str | None = None, batches=(1, 8), threads: int = 2,
     res = {"load_average": load, "busy_cpus": busy, "cpus": cpus, "cpu": cpu_name(), "model": os.path.abspath(model),
            "fp32": os.path.abspath(fp32) if fp32 else None, "threads": threads,
            "isa": kinfo.get("isa"), "backend": native.backend, "spin_us": pool_spin_us(native.K),
-           "fallback_nodes": len(native.fallback_nodes()), "rounds": rounds, "round_s": round_s,
+           "fallback_nodes": len(native.fallback_nodes()), "rounds": rounds, "max_rounds": max(rounds, max_rounds),
+           "width_goal": WIDTH, "round_s": round_s,
            "settle_s": settle_s, "interval": {"level": LEVEL, "resamples": RESAMPLES, "seed": SEED,
                                               "of": "median of the per-round ratios, rounds resampled; lo-hi: another run's ratio, "
                                                     "ci_lo-ci_hi: the median's confidence interval"},
            "batches": {}}
     if log:
-        log(f"{res['cpu']}, {res['isa']} kernels, {threads} threads, {rounds} rounds per batch; ratios are the other "
+        log(f"{res['cpu']}, {res['isa']} kernels, {threads} threads, {rounds}-{max(rounds, max_rounds)} rounds per batch "
+            f"(more while a range is wider than +-{100 * WIDTH:.0f} %); ratios are the other "
             f"engine's time over native's (above 1: native faster), median of the rounds, and where another run's "
             f"falls (95 %)")
     one = make_feeds(native, 1, shape)
@@ -277,7 +302,7 @@ def bench(model: str, fp32: str | None = None, batches=(1, 8), threads: int = 2,
         for e in engines.values():  # warm up (and plan, for the native session)
             e.run(None, feeds)
         min_runs = repeats if bs == 1 else max(1, repeats // 4)
-        r = summarize(time_rounds(engines, feeds, rounds, min_runs, round_s, settle_s), bs, BETWEEN_RUNS)
+        r = rounds_until_narrow(engines, feeds, bs, rounds, min_runs, round_s, settle_s, max_rounds=max(rounds, max_rounds))
         r["peak"] = peak_share(macs, r["native_ms"], peak)
         res["batches"][bs] = r
         if log:

@@ -31,6 +31,11 @@ BETWEEN_RUNS = 0.03
 RESAMPLES = 4000
 SEED = 0
 BUSY_LIMIT = 0.25  # CPUs other processes may keep busy in a round that counts
+# `qtool bench` adds rounds while a ratio's range is wider than +-WIDTH, up to MAX_ROUNDS rounds and
+# MAX_SECONDS per batch size (ResNet-50 at batch 8, three engines: about 1.1 s a round here)
+WIDTH = 0.08
+MAX_ROUNDS = 40
+MAX_SECONDS = 90.0
 
 
 def rounds_to_use(others_cpus, limit: float = BUSY_LIMIT) -> list:
