@@ -20,7 +20,7 @@ from qtool.modelio import check_writable
 @click.option("--threads", "-t", default=2, show_default=True, type=click.IntRange(1, 1024), help="Threads for every engine.")
 @click.option("--rounds", "-r", default=10, show_default=True, type=click.IntRange(1, 10000),
               help="Interleaved rounds at least; in each the engines run in turn, the order alternating from round "
-                   "to round. More rounds follow, two at a time, while a ratio's range is wider than +-8 %.")
+                   "to round. More rounds follow, two at a time, while a ratio's range is wider than +-10 %.")
 @click.option("--max-rounds", default=40, show_default=True, type=click.IntRange(1, 10000),
               help="Rounds at most per batch size (and 90 s at most) when the ranges stay wide.")
 @click.option("--round-ms", default=100, show_default=True, type=click.IntRange(0, 600000),
@@ -38,7 +38,7 @@ def command(model, fp32, batches, threads, rounds, max_rounds, round_ms, repeats
     Prints the median ms/image of each engine per batch size and each ratio (other engine's time /
     native time: above 1, native is faster) with its 95 % interval. The engines take turns in
     rounds, one run each again and again (after an untimed run), the order alternating from round to round, so a
-    busy machine slows them alike (rounds are added while a range is wider than +-8 %, up to
+    busy machine slows them alike (rounds are added while a range is wider than +-10 %, up to
     --max-rounds); a ratio is the median of the rounds' ratios, its interval where
     another run's ratio falls 95 % of the time (a bootstrap over the rounds, fixed seed; --json
     also has the median's confidence interval). A ratio whose interval holds 1.0 is printed as a tie.
