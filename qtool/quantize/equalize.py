@@ -26,6 +26,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from qtool import graph as G
+from qtool.calibrate.table import FLAT
 from qtool.plan import make_plan
 
 MAX_GAIN = 32.0  # a channel is scaled up at most this much (a dead channel stays small)
@@ -100,16 +101,17 @@ class _Rewrite:
         p.input[2] = name
 
     def balanced(self, into: str, src: str, lo, hi, s) -> None:
-        """Tensor `into` holds `src`'s values divided by s per channel: its ranges and means. Every
-        method's range is the balanced extremes: a clip measured on the histogram of the tensor before
-        says nothing of where the balanced channels' tails are (mse's 60 % of a pre-activation's
-        negative end, set by its widest channel, cut every centred channel at 60 % of its lower half:
-        on 8 calibration samples PP-OCRv5's detector read 0.0 dB under any clipping method once
-        balanced, its recognizer 6.0; now 12.8 and 11.3-14.6, and the detector's int8 model, balanced
-        under percentile, 14.5 dB on 32 samples where it was 11.9 balanced under minmax)."""
+        """Tensor `into` holds `src`'s values divided by s per channel: its ranges and means. Each
+        method's range is the balanced extremes, clipped as that method clipped the tensor's own (mse
+        keeping 60 % of its max keeps 60 % of the balanced max: the histograms were of the tensor
+        before)."""
         new = [float((lo / s).min()), float((hi / s).max())]
-        for ranges in self.table.ranges.values():
-            ranges[into] = list(new)
+        own = self.table.ranges.get("minmax", {}).get(src)
+        for method, ranges in self.table.ranges.items():
+            # a flat end is no clip of the data: it holds for src's readers, not for the balanced channels
+            r = self.table.ranges.get(method[:-len(FLAT)], {}).get(src) if method.endswith(FLAT) else ranges.get(src)
+            clip = [r[0] / own[0] if own and r and own[0] < 0 else 1.0, r[1] / own[1] if own and r and own[1] > 0 else 1.0]
+            ranges[into] = [new[0] * min(max(clip[0], 0.0), 1.0), new[1] * min(max(clip[1], 0.0), 1.0)]
         self.table.histograms.pop(into, None)
         self.table.channel_ranges[into] = [(lo / s).tolist(), (hi / s).tolist()]
         if src in self.table.channel_means:
