@@ -37,8 +37,8 @@ def command(model, fp32, batches, threads, rounds, max_rounds, round_ms, repeats
 
     Prints the median ms/image of each engine per batch size and each ratio (other engine's time /
     native time: above 1, native is faster) with its 95 % interval. The engines take turns in
-    rounds, one run each again and again (after an untimed run), the order alternating from round to round, so a
-    busy machine slows them alike (rounds are added while a range is wider than +-10 %, up to
+    rounds, one run each again and again (after one untimed run of each), the order alternating from
+    round to round, so a busy machine slows them alike (rounds are added while a range is wider than +-10 %, up to
     --max-rounds); a ratio is the median of the rounds' ratios, its interval where
     another run's ratio falls 95 % of the time (a bootstrap over the rounds, fixed seed; --json
     also has the median's confidence interval). A ratio whose interval holds 1.0 is printed as a tie.

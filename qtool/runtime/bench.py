@@ -2,8 +2,9 @@
 original), measured side by side in interleaved rounds: in each round the engines run in turn,
 one run each, again and again, in an order that alternates from round to round, so load from other
 processes and the host's state hit all of them alike, and each round gives a paired ratio
-(qtool.runtime.bench_stats makes the interval). Each round starts after a pause (`settle_s`) and an
-untimed run of each engine (wakes its workers, warms the caches). No engine's idle threads may take the next one's time: ONNX Runtime's
+(qtool.runtime.bench_stats makes the interval). Each round starts after a pause (`settle_s`); every
+engine ran once, untimed, before the first (plans the native session, warms the caches). No
+engine's idle threads may take the next one's time: ONNX Runtime's
 sessions here do not spin (`session.intra_op.allow_spinning` 0; with it on, its workers spin for
 tens of milliseconds after a run: a native EfficientNet-Lite0 run right after an ORT run took 9-11 ms
 on the 2-vCPU box, 2.8 ms alone), and the native pool's workers spin for 100 us after a job, then
@@ -263,6 +264,7 @@ def bench(model: str, fp32: str | None = None, batches=(1, 8), threads: int = 2,
         raise QtoolError(f"{fp32}: no such file")
     if fp32 is not None:
         check_pair(fp32, model)
+    max_rounds = max(rounds, max_rounds)
     native = NativeSession(model, threads=threads)
     engines = {"native": native, "ort_int8": ort_session(model, threads)}
     if fp32:
@@ -278,14 +280,14 @@ def bench(model: str, fp32: str | None = None, batches=(1, 8), threads: int = 2,
     res = {"load_average": load, "busy_cpus": busy, "cpus": cpus, "cpu": cpu_name(), "model": os.path.abspath(model),
            "fp32": os.path.abspath(fp32) if fp32 else None, "threads": threads,
            "isa": kinfo.get("isa"), "backend": native.backend, "spin_us": pool_spin_us(native.K),
-           "fallback_nodes": len(native.fallback_nodes()), "rounds": rounds, "max_rounds": max(rounds, max_rounds),
+           "fallback_nodes": len(native.fallback_nodes()), "rounds": rounds, "max_rounds": max_rounds,
            "width_goal": WIDTH, "round_s": round_s,
            "settle_s": settle_s, "interval": {"level": LEVEL, "resamples": RESAMPLES, "seed": SEED,
                                               "of": "median of the per-round ratios, rounds resampled; lo-hi: another run's ratio, "
                                                     "ci_lo-ci_hi: the median's confidence interval"},
            "batches": {}}
     if log:
-        log(f"{res['cpu']}, {res['isa']} kernels, {threads} threads, {rounds}-{max(rounds, max_rounds)} rounds per batch "
+        log(f"{res['cpu']}, {res['isa']} kernels, {threads} threads, {rounds}-{max_rounds} rounds per batch "
             f"(more while a range is wider than +-{100 * WIDTH:.0f} %); ratios are the other "
             f"engine's time over native's (above 1: native faster), median of the rounds, and where another run's "
             f"falls (95 %)")
@@ -302,7 +304,7 @@ def bench(model: str, fp32: str | None = None, batches=(1, 8), threads: int = 2,
         for e in engines.values():  # warm up (and plan, for the native session)
             e.run(None, feeds)
         min_runs = repeats if bs == 1 else max(1, repeats // 4)
-        r = rounds_until_narrow(engines, feeds, bs, rounds, min_runs, round_s, settle_s, max_rounds=max(rounds, max_rounds))
+        r = rounds_until_narrow(engines, feeds, bs, rounds, min_runs, round_s, settle_s, max_rounds=max_rounds)
         r["peak"] = peak_share(macs, r["native_ms"], peak)
         res["batches"][bs] = r
         if log:
