@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 
 import numpy as np
 import onnx
 
 from helpers import run
+from qtool.api import calibrate, quantize
 from qtool.calibrate.run import held_out_rule
 from qtool.calibrate.table import CalibrationTable, load_table
 from qtool.quantize.equalize import fit_table
-from test_real_models import _unbalanced_mobilenet_block, default_run
+from test_real_models import _unbalanced_mobilenet_block, _write, save
 
 
 def test_held_out_samples_are_a_few_spread_over_the_data():
@@ -56,8 +58,15 @@ def _samples(rng, n, loud_held_out: float, wide: float = 40.0):
 
 
 def _calibrate_and_quantize(m, samples, tmp_path):
-    q = default_run(m, samples, tmp_path, min_db=0, rounding="nearest", sensitivity=False)
-    return load_table(os.path.join(tmp_path, "work", "calibration.json")), q
+    os.makedirs(tmp_path, exist_ok=True)
+    path = save(m, tmp_path / "model.onnx")
+    data = _write(tmp_path / "data", samples)
+    work = str(tmp_path / "work")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        calibrate(path, data, method="auto", workdir=work, verbose=False, threads=1)
+        q = quantize(work, strict=True, verbose=False, rounding="nearest", sensitivity=False)
+    return load_table(os.path.join(work, "calibration.json")), q
 
 
 def test_calibration_keeps_channel_ranges_without_the_held_out_samples(tmp_path):
@@ -97,31 +106,3 @@ def test_balancing_is_kept_only_where_samples_held_out_of_its_ranges_gain(tmp_pa
         return bool(balance(ctx, seen, say=lambda text: None, unseen=judged_on)) and ctx.fused is not fused
     assert balanced(1.0, unseen) and balanced(1.0, None)
     assert balanced(0.25, None) and not balanced(0.25, unseen)
-
-
-def test_nothing_is_balanced_where_the_full_ranges_are_even_enough(tmp_path):
-    """Chosen on the held-out samples by ranges fitted without them, balancing is then done by the ranges
-    of all samples; where those call for none (their channels within MIN_SPREAD), the graph stays as it
-    is, and so does the method chosen for it (mtcnn-onet took the balanced graph's method unbalanced)."""
-    from qtool.quantize.context import QuantizeContext
-    from qtool.quantize.equalize import balance
-    from qtool.quantize.samples import load_samples
-
-    m, samples = _samples(np.random.default_rng(3), 32, loud_held_out=0.0, wide=8.0)
-    table, _ = _calibrate_and_quantize(m, samples, tmp_path)
-    fused = onnx.load(str(tmp_path / "work" / "fused.onnx"))
-    files = sorted(str(p) for p in (tmp_path / "data").iterdir())
-    seen = load_samples(fused, table, [f for f in files if f not in table.held_out][:8])
-    unseen = load_samples(fused, table, table.held_out)
-    t = copy.copy(table)
-    t.channel_ranges_fit = table.channel_ranges
-    t.channel_ranges = {k: [[min(r[0])] * len(r[0]), [max(r[1])] * len(r[1])] for k, r in table.channel_ranges.items()}
-    ctx = QuantizeContext(fused, t, "minmax")
-    assert balance(ctx, seen, say=lambda text: None, unseen=unseen) == set() and ctx.fused is fused
-    ctx.table = table
-    assert balance(ctx, seen, say=lambda text: None, unseen=unseen) and ctx.fused is not fused
-    from qtool.quantize.run import balance_and_choose
-    first = ({"mse": 0.0}, None)  # (the unbalanced graph's method and scores, which stay)
-    ctx = QuantizeContext(fused, t, "mse")
-    assert balance_and_choose(ctx, seen, seen, first, say=lambda text: None, show_progress=False, unseen=unseen) is first
-    assert ctx.fused is fused and ctx.method == "mse"

@@ -248,27 +248,31 @@ def balance(ctx, samples, say=print, unseen=None) -> set:
     samples (held out of the calibration's per-channel ranges: fit_table()) and ranges fitted without
     them, that is measured on them. Sets ctx.fused and ctx.table; -> the tensors balanced."""
     fit = fit_table(ctx.table) if unseen is not None and len(unseen) else None
+    judge = ctx if fit is None else replace(ctx, table=fit)
+    chosen = _choose(judge, samples if fit is None else unseen, say, "" if fit is None else "held-out ")
+    if not chosen:
+        return set()
     if fit is None:
-        return choose_balanced(ctx, samples, say)
-    chosen = choose_balanced(replace(ctx, table=fit), unseen, say, "held-out ")
-    return apply(ctx, chosen) if chosen else set()
+        ctx.fused, ctx.table, ctx.weight_cache = judge.fused, judge.table, judge.weight_cache
+    else:
+        apply(ctx, chosen)
+    return chosen
 
 
-def apply(ctx, tensors: set) -> set:
-    """ctx's graph and table with those of `tensors` balanced that its own table's ranges call for
-    (ranges with more samples in them can be even enough: MIN_SPREAD); -> the tensors balanced."""
+def apply(ctx, tensors: set) -> None:
+    """ctx's graph and table with `tensors` balanced (by the context's own table's ranges)."""
     from qtool.quantize.context import QuantizeContext
 
     m, table, names = equalize(ctx.fused, ctx.table, say=lambda text: None, only=set(tensors))
-    if names:
-        trial = QuantizeContext(m, table, ctx.method, ctx.target, ctx.bias_correction, ctx.exclude, threads=ctx.threads)
-        ctx.fused, ctx.table, ctx.weight_cache = trial.fused, trial.table, trial.weight_cache
-    return set(names)
+    if not names:
+        return
+    trial = QuantizeContext(m, table, ctx.method, ctx.target, ctx.bias_correction, ctx.exclude, threads=ctx.threads)
+    ctx.fused, ctx.table, ctx.weight_cache = trial.fused, trial.table, trial.weight_cache
 
 
-def choose_balanced(ctx, samples, say=print, kind: str = "") -> set:
-    """Which candidate tensors to balance, measured on `samples` (`kind`: how they are named, "held-out ");
-    sets ctx.fused, ctx.table and ctx.weight_cache to the balanced ones; -> those tensors."""
+def _choose(ctx, samples, say, kind: str) -> set:
+    """Which candidate tensors to balance, measured on `samples` (`kind`: how they are named); sets
+    ctx.fused, ctx.table and ctx.weight_cache to the balanced ones."""
     from qtool.metrics import sqnr_db
     from qtool.quantize.context import QuantizeContext
     from qtool.quantize.simulate import Simulator, Variant

@@ -423,60 +423,35 @@ def balance_and_choose(ctx: QuantizeContext, tune: SampleSet, auto: SampleSet, f
     best as it is (81.6 % of the evaluation crops' words read), and balanced under entropy only 1 of
     23 tensors gained (percentile then, 78.0 %), where under minmax all 23 did and minmax then measured
     best by far (91.4 %); on a synthetic block, balancing under minmax gained nothing and under
-    entropy 2 dB. With `unseen` samples (held out of the calibration's per-channel ranges), balanced or
-    not is decided on them: _balance_held_out. -> the kept choice's (scores, agreement)."""
+    entropy 2 dB. With `unseen` samples (held out of the calibration's per-channel ranges) all of it is
+    measured on them, with ranges fitted without them (equalize.fit_table), the unbalanced graph too.
+    -> the kept choice's (scores, agreement)."""
     fit = fit_table(ctx.table) if unseen is not None and len(unseen) else None
-    if fit is not None:
-        return _balance_held_out(ctx, fit, auto, unseen, first, say, show_progress)
-    options = [(ctx, ctx.method) + tuple(first)]
+    judge, samples = (ctx, auto) if fit is None else (replace(ctx, table=fit), unseen.pick(_evenly(unseen.names, len(auto))))
+    options = [(judge, ctx.method, set()) + (tuple(first) if fit is None else _as_built(judge, samples))]
     for m in dict.fromkeys([ctx.method, ctx.table.range_method]):
-        v = replace(ctx, method=m)  # (the same weight cache: its keys hold the activation scale)
-        balance(v, tune, say)
-        if v.fused is not ctx.fused:
-            options.append((v,) + pick_method(v, auto, say, show_progress))
-    k = best_option([(scores[m], (agreement or {}).get(m)) for _, m, scores, agreement in options])
-    v, m, scores, agreement = options[k]
-    if k:
-        say(f"method auto, balanced: {m}")
-    ctx.fused, ctx.table, ctx.weight_cache, ctx.method = v.fused, v.table, v.weight_cache, m
+        v = replace(judge, method=m)  # (the same weight cache: its keys hold the activation scale)
+        chosen = balance(v, tune if fit is None else unseen, say)
+        if v.fused is not judge.fused:
+            best, scores, agreement = pick_method(v, samples, say, show_progress)
+            options.append((v, best, chosen, scores, agreement))
+    k = best_option([(scores[m], (agreement or {}).get(m)) for _, m, _, scores, agreement in options])
+    v, m, chosen, scores, agreement = options[k]
+    if not k:
+        return first
+    say(f"method auto, balanced: {m}" + ("" if fit is None else f" (judged on {len(samples)} held-out calibration samples)"))
+    ctx.method = m
+    if fit is None:
+        ctx.fused, ctx.table, ctx.weight_cache = v.fused, v.table, v.weight_cache
+    else:
+        apply_balance(ctx, chosen)
     return scores, agreement
 
 
-def _balance_held_out(ctx: QuantizeContext, fit, auto: SampleSet, unseen: SampleSet, first: tuple, say=print,
-                      show_progress: bool = True) -> tuple:
-    """balance_and_choose where calibration held samples out of the per-channel ranges: which tensors
-    to balance is measured on those (equalize.balance), each balanced graph (by the full ranges) gets
-    its method on the calibration samples as the unbalanced one did, and the unbalanced and balanced
-    graphs, each under its method, are compared on the held-out samples with ranges fitted without them.
-    The method is never chosen on the held-out samples: there every range misses some values, which
-    favours the clipping methods, and silero-vad's branch, balanced under entropy so chosen, fell from
-    21.3 to 14.4 dB on its evaluation chunks."""
-    held = unseen.pick(_evenly(unseen.names, len(auto)))
-
-    def on_held(trial):  # -> (dB, agreement or None) of the trial's own method on the held-out samples
-        agreement = {}
-        db = method_scores(trial, held, [trial.method], agreement=agreement)[trial.method]
-        return db, agreement.get(trial.method)
-
-    options = [(ctx, ctx.method, first, on_held(replace(ctx, table=fit)))]
-    for m in dict.fromkeys([ctx.method, ctx.table.range_method]):
-        v = replace(ctx, method=m)
-        chosen = balance(v, auto, say, unseen)
-        if not chosen:
-            continue
-        best, scores, agreement = pick_method(v, auto, say, show_progress)
-        trial = replace(ctx, table=fit, method=best)
-        if not apply_balance(trial, chosen):
-            continue
-        options.append((v, best, (scores, agreement), on_held(trial)))
-    k = best_option([o[3] for o in options])
-    say("channel balancing on " + f"{len(held)} held-out calibration samples: as it is ({options[0][1]}) "
-        f"{options[0][3][0]:.1f} dB" + "".join(f", balanced ({o[1]}) {o[3][0]:.1f} dB" for o in options[1:]))
-    v, m, kept, _ = options[k]
-    if k:
-        say(f"method auto, balanced: {m}")
-    ctx.fused, ctx.table, ctx.weight_cache, ctx.method = v.fused, v.table, v.weight_cache, m
-    return kept
+def _as_built(ctx: QuantizeContext, samples: SampleSet) -> tuple:
+    """({method: dB}, {method: agreement} or None) of the context's own method on `samples`."""
+    agreement = {}
+    return method_scores(ctx, samples, [ctx.method], agreement=agreement), agreement or None
 
 
 def choose_encodings(ctx: QuantizeContext, samples: SampleSet, say=print) -> dict:
