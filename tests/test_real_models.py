@@ -276,13 +276,13 @@ def test_position_embeddings_that_broadcast_over_the_batch(tmp_path):
     default_run(m, samples, tmp_path)
 
 
-def _unbalanced_mobilenet_block(rng, wide: float = 40.0):
-    """x -> 1x1 Conv (one output channel `wide` x the others) -> hard-swish (Add, Clip, Mul, Div: fp32 in
+def _unbalanced_mobilenet_block(rng):
+    """x -> 1x1 Conv (one output channel 40x the others) -> hard-swish (Add, Clip, Mul, Div: fp32 in
     the int8 model) -> depthwise 3x3 -> 1x1 Conv -> y: one uint8 range per tensor starves seven channels."""
     w1 = rng.standard_normal((8, 4, 1, 1)) * 0.5
-    w1[7] *= wide
+    w1[7] *= 40.0
     w2 = rng.standard_normal((4, 8, 1, 1)) * 0.5
-    w2[:, 7] /= wide  # (the output hears every channel alike)
+    w2[:, 7] /= 40.0  # (the output hears every channel alike)
     nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["z"], name="pw1", kernel_shape=[1, 1]),
              helper.make_node("Add", ["z", "three"], ["z3"], name="hs_add"),
              helper.make_node("Clip", ["z3", "zero", "six"], ["g"], name="hs_clip"),
@@ -312,7 +312,7 @@ def test_unbalanced_channels_are_balanced_exactly_and_gain(tmp_path, monkeypatch
     assert sum(n.op_type == "Mul" for n in balanced.graph.node) == 3  # hard-swish's own, one before it, one after
     for s in samples[:2]:
         np.testing.assert_allclose(run(balanced, s)[0], run(m, s)[0], rtol=1e-4, atol=1e-4)
-    monkeypatch.setattr(quantize_run, "balance", lambda *args: set())
+    monkeypatch.setattr(quantize_run, "balance", lambda ctx, samples, say: None)
     plain = default_run(m, samples, tmp_path / "plain", min_db=0, rounding="nearest")
 
     def db(q):

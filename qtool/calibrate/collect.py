@@ -35,10 +35,6 @@ class Observed:
     channel_counts: dict = field(default_factory=dict)  # tensor -> int64 [C], finite values summed per channel
     channel_min: dict = field(default_factory=dict)  # tensor -> float64 [C] (the `ranged` tensors, axis 1)
     channel_max: dict = field(default_factory=dict)
-    # the same over the samples that are not held out (collect's `held_out`): what quantize balances by when
-    # it judges balancing on the held-out samples, as unseen inputs will meet it
-    fit_min: dict = field(default_factory=dict)
-    fit_max: dict = field(default_factory=dict)
     n_samples: int = 0
     watch: OutputWatch | None = None  # the first model output, summarised (checks.py)
     # NaN and inf are excluded from every statistic (min, max, histogram, channel means) and counted:
@@ -55,14 +51,6 @@ class Observed:
 
     def channel_ranges(self) -> dict:
         return {t: [self.channel_min[t].tolist(), self.channel_max[t].tolist()] for t in self.channel_min}
-
-    def add_fit_range(self, t: str, lo: np.ndarray, hi: np.ndarray) -> None:
-        if t in self.fit_min:
-            lo, hi = np.minimum(self.fit_min[t], lo), np.maximum(self.fit_max[t], hi)
-        self.fit_min[t], self.fit_max[t] = lo, hi
-
-    def channel_ranges_fit(self) -> dict:
-        return {t: [self.fit_min[t].tolist(), self.fit_max[t].tolist()] for t in self.fit_min}
 
     def add_nonfinite(self, t: str, count: int, samples) -> None:
         self.nonfinite[t] = self.nonfinite.get(t, 0) + int(count)
@@ -86,8 +74,6 @@ class Observed:
             self.add_nonfinite(t, c, other.nonfinite_samples.get(t, []))
         for t in other.channel_min:
             self.add_channel_range(t, other.channel_min[t], other.channel_max[t])
-        for t in other.fit_min:
-            self.add_fit_range(t, other.fit_min[t], other.fit_max[t])
         self.n_samples += other.n_samples
         if self.watch is not None and other.watch is not None:
             self.watch.merge(other.watch)
@@ -102,12 +88,10 @@ MEAN_SAMPLES = 128  # per-channel means (for bias correction): 128 images x ever
 
 
 def collect(model: onnx.ModelProto, range_tensors: list, mean_tensors: list, batches, progress=None,
-            threads: int = 0, watch: str | None = None, where: str | None = None, ranged=(),
-            held_out=None) -> Observed:
+            threads: int = 0, watch: str | None = None, where: str | None = None, ranged=()) -> Observed:
     """`batches` yields dicts input name -> array; `progress(k)` is told of k more samples.
     `watch`: a float model output summarised per sample (Observed.watch, checks.OutputWatch).
-    `ranged`: tensors (of mean_tensors, channels on axis 1) whose per-channel min and max are kept too,
-    and again over the samples `held_out(index)` is false for (Observed.fit_min/fit_max).
+    `ranged`: tensors (of mean_tensors, channels on axis 1) whose per-channel min and max are kept too.
 
     Two workers each run a slice through one shared session on their share of the threads,
     then fold its outputs into their own histograms, while the other worker does the same
@@ -137,7 +121,7 @@ def collect(model: onnx.ModelProto, range_tensors: list, mean_tensors: list, bat
     graph_inputs = {i.name: (d[0] if d and isinstance(d[0], int) and d[0] > 0 else None)
                     for i in G.real_inputs(model) for d in [G.input_dims(i)]}
     workers = [_Worker(list(zip(sessions, segments)), range_tensors, mean_tensors, per_worker, progress, watch,
-                       set(ranged), held_out)
+                       set(ranged))
                for _ in range(n_workers)]
     per_sample = lambda: next((w.per_sample_bytes for w in workers if w.per_sample_bytes), None)
     slices = _slices(batches, graph_inputs, per_sample, MAX_OUTPUT_BYTES // n_workers)
@@ -238,13 +222,12 @@ class _Worker:
     """One thread: runs its slices through the session (or the session of each group of tensors)
     into its own buffers, folds them into its own Observed."""
 
-    def __init__(self, parts, range_tensors, mean_tensors, threads, progress, watch=None, ranged=frozenset(),
-                 held_out=None):
+    def __init__(self, parts, range_tensors, mean_tensors, threads, progress, watch=None, ranged=frozenset()):
         # (runner, segment, the tensors of range_tensors it observes, those of mean_tensors), per segment
         self.parts = [(_BoundRunner(sess, seg.outputs), seg, [t for t in range_tensors if t in set(seg.observe)],
                        {t: a for t, a in _as_axes(mean_tensors).items() if t in set(seg.observe)})
                       for sess, seg in parts]
-        self.range_tensors, self.mean_tensors, self.ranged, self.held_out = range_tensors, mean_tensors, ranged, held_out
+        self.range_tensors, self.mean_tensors, self.ranged = range_tensors, mean_tensors, ranged
         self.obs = Observed({t: Histogram() for t in range_tensors}, watch=OutputWatch(watch) if watch else None)
         self.threads, self.progress = threads, progress
         self.queue = queue.Queue(maxsize=1)
@@ -310,11 +293,7 @@ class _Worker:
                             self.obs.watch.observe(seen[self.obs.watch.name], first)
                         _observe(self.obs, seen, ranges, means, n, first, pool)
                         for t in self.ranged & set(seen):
-                            lo, hi = _channel_range(seen[t])
-                            self.obs.add_channel_range(t, lo, hi)
-                            fit = _fit_rows(seen[t], first, n, self.held_out)
-                            if fit is not None:
-                                self.obs.add_fit_range(t, *((lo, hi) if fit is ... else _channel_range(seen[t][fit])))
+                            self.obs.add_channel_range(t, *_channel_range(seen[t]))
                         del seen
                         for t in seg.drop:  # (a segment's values go before the next segment's come)
                             values.pop(t, None)
@@ -446,20 +425,6 @@ def _observe(obs: Observed, values: dict, range_tensors: list, mean_tensors: lis
             obs.channel_counts[t] = np.zeros(sums.size, np.int64)
         obs.channel_sums[t] += sums
         obs.channel_counts[t] += count
-
-
-def _fit_rows(v, first: int, n: int, held_out):
-    """Which rows of a slice's tensor `v` (samples first .. first+n-1) count for the fit ranges: ... (all),
-    a list of row indices, or None (none: every sample in it is held out)."""
-    held = [] if held_out is None else [i for i in range(n) if held_out(first + i)]
-    if not held:
-        return ...
-    if np.ndim(v) == 0 or np.shape(v)[0] != n:
-        # (axis 0 is not the samples': the slice's samples cannot be told apart in it, so it counts
-        # whole, held-out samples included; quantize then judges them less strictly, never wrongly built)
-        return ...
-    rows = [i for i in range(n) if i not in held]
-    return rows or None
 
 
 def _channel_range(v: np.ndarray) -> tuple:

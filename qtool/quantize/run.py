@@ -18,7 +18,7 @@ from qtool.quantize.budget import (METHOD_CHOICE_PASSES, ROUNDING_PASSES, SENSIT
                                   Budget)
 from qtool.quantize.context import QuantizeContext
 from qtool.quantize.encoding import DEFAULT_TARGET, PAIR_SAFE, S8, TARGETS, U8, portable_u8_layers
-from qtool.quantize.equalize import PROBE_SAMPLES, apply as apply_balance, balance, fit_table
+from qtool.quantize.equalize import balance
 from qtool.quantize.input_grid import choose_input_grid
 from qtool.quantize.exclude import CANDIDATES_PER_STEP, POOL as POOL_FOR_PROGRESS, exclude_sensitive
 from qtool.quantize.guard import guard_layers
@@ -167,13 +167,11 @@ def _evenly(files: list, n: int) -> list:
 class SampleSplit:
     """Which calibration samples each step uses: sensitivity, tuning (the first TUNE_SAMPLES of the
     sensitivity images, or MIN_TUNE_SAMPLES where those are fewer), the held-back rest for checking
-    exclusions, a few for --method auto, and those calibration held out of the per-channel ranges
-    (`unseen`: channel balancing is judged on them). Decoded once together."""
+    exclusions, a few for --method auto. Decoded once together."""
     sensitivity: list
     held_back: list
     auto: list
     tune: list
-    unseen: list = field(default_factory=list)
 
     @classmethod
     def of(cls, files: list, sensitivity_samples: int, tune: int | None = None,
@@ -188,13 +186,11 @@ class SampleSplit:
 
     def needed(self, auto: bool, tune: bool, sensitivity: bool, exclusion: bool) -> list:
         want = (self.auto if auto else []) + (self.tune if tune else []) \
-            + (self.sensitivity if sensitivity or exclusion else []) + (self.held_back if exclusion else []) \
-            + (self.unseen if auto or tune else [])
+            + (self.sensitivity if sensitivity or exclusion else []) + (self.held_back if exclusion else [])
         return list(dict.fromkeys(want))
 
 
 MAX_HELD_BACK = 512  # held-back samples decoded for the exclusion check, at most
-MIN_UNSEEN = 4  # fewer samples held out of the per-channel ranges: balancing judged on the others, as before
 
 
 @dataclass
@@ -415,7 +411,7 @@ CLIP_GAIN_DB = 0.5  # what a clipping range method must gain over minmax, on the
 
 
 def balance_and_choose(ctx: QuantizeContext, tune: SampleSet, auto: SampleSet, first: tuple, say=print,
-                       show_progress: bool = True, unseen: SampleSet | None = None) -> tuple:
+                       show_progress: bool = True) -> tuple:
     """Channel balancing (equalize.py) where the range method is chosen by measurement: the graph is
     balanced under the method chosen on it as it is and under the unclipped one, the methods compared
     again on each balanced graph, and the best of those and of the unbalanced choice (`first`: its
@@ -423,35 +419,19 @@ def balance_and_choose(ctx: QuantizeContext, tune: SampleSet, auto: SampleSet, f
     best as it is (81.6 % of the evaluation crops' words read), and balanced under entropy only 1 of
     23 tensors gained (percentile then, 78.0 %), where under minmax all 23 did and minmax then measured
     best by far (91.4 %); on a synthetic block, balancing under minmax gained nothing and under
-    entropy 2 dB. With `unseen` samples (held out of the calibration's per-channel ranges) all of it is
-    measured on them, with ranges fitted without them (equalize.fit_table), the unbalanced graph too.
-    -> the kept choice's (scores, agreement)."""
-    fit = fit_table(ctx.table) if unseen is not None and len(unseen) else None
-    judge, samples = (ctx, auto) if fit is None else (replace(ctx, table=fit), unseen.pick(_evenly(unseen.names, len(auto))))
-    options = [(judge, ctx.method, set()) + (tuple(first) if fit is None else _as_built(judge, samples))]
+    entropy 2 dB. -> the kept choice's (scores, agreement)."""
+    options = [(ctx, ctx.method) + tuple(first)]
     for m in dict.fromkeys([ctx.method, ctx.table.range_method]):
-        v = replace(judge, method=m)  # (the same weight cache: its keys hold the activation scale)
-        chosen = balance(v, tune if fit is None else unseen, say)
-        if v.fused is not judge.fused:
-            best, scores, agreement = pick_method(v, samples, say, show_progress)
-            options.append((v, best, chosen, scores, agreement))
-    k = best_option([(scores[m], (agreement or {}).get(m)) for _, m, _, scores, agreement in options])
-    v, m, chosen, scores, agreement = options[k]
-    if not k:
-        return first
-    say(f"method auto, balanced: {m}" + ("" if fit is None else f" (judged on {len(samples)} held-out calibration samples)"))
-    ctx.method = m
-    if fit is None:
-        ctx.fused, ctx.table, ctx.weight_cache = v.fused, v.table, v.weight_cache
-    else:
-        apply_balance(ctx, chosen)
+        v = replace(ctx, method=m)  # (the same weight cache: its keys hold the activation scale)
+        balance(v, tune, say)
+        if v.fused is not ctx.fused:
+            options.append((v,) + pick_method(v, auto, say, show_progress))
+    k = best_option([(scores[m], (agreement or {}).get(m)) for _, m, scores, agreement in options])
+    v, m, scores, agreement = options[k]
+    if k:
+        say(f"method auto, balanced: {m}")
+    ctx.fused, ctx.table, ctx.weight_cache, ctx.method = v.fused, v.table, v.weight_cache, m
     return scores, agreement
-
-
-def _as_built(ctx: QuantizeContext, samples: SampleSet) -> tuple:
-    """({method: dB}, {method: agreement} or None) of the context's own method on `samples`."""
-    agreement = {}
-    return method_scores(ctx, samples, [ctx.method], agreement=agreement), agreement or None
 
 
 def choose_encodings(ctx: QuantizeContext, samples: SampleSet, say=print) -> dict:
@@ -551,13 +531,7 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
     if afforded is not None:
         split, auto, rounding, sens_on = afforded.split, afforded.auto, afforded.rounding, afforded.sensitivity
         exclusion_on = exclusion_on and sens_on
-    if table.channel_ranges_fit:  # (as many as the steps that judge balancing measure on)
-        on = set(files)
-        split.unseen = _evenly([f for f in table.held_out if f in on],
-                               max(len(split.auto) if auto else 0, min(len(split.tune), PROBE_SAMPLES)))
-        if len(split.unseen) < MIN_UNSEEN:
-            split.unseen = []
-    need = split.needed(auto, rounding or tune_ranges, sens_on, exclusion_on)
+        need = split.needed(auto, rounding or tune_ranges, sens_on, exclusion_on)
     if need:
         say(f"decoding {len(need)} calibration images and running fp32 on them once")
     elif auto or rounding or tune_ranges or sens_on:
@@ -575,14 +549,13 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
         ctx.method, method_scores_db, method_agreement = steps.run(
             "method choice", pick_method, ctx, samples.pick(split.auto), say, opts.show_progress,
             fallback=(ctx.method, None, None))
-    unseen = samples.pick(split.unseen) if split.unseen else None
     if len(samples) and method_scores_db is not None:  # (ctx.fused and ctx.table become the balanced ones)
         method_scores_db, method_agreement = steps.run(
             "equalization", balance_and_choose, ctx, samples.pick(split.tune) if split.tune else samples,
-            samples.pick(split.auto), (method_scores_db, method_agreement), say, opts.show_progress, unseen,
+            samples.pick(split.auto), (method_scores_db, method_agreement), say, opts.show_progress,
             fallback=(method_scores_db, method_agreement))
     elif len(samples):
-        steps.run("equalization", balance, ctx, samples.pick(split.tune) if split.tune else samples, say, unseen)
+        steps.run("equalization", balance, ctx, samples.pick(split.tune) if split.tune else samples, say)
     grid_samples = samples.pick(split.auto) if auto and split.auto else samples.pick(split.tune)
     input_grid = steps.run("input grid", choose_input_grid, ctx, grid_samples, say, fallback=None) \
         if len(grid_samples) else None
