@@ -373,7 +373,7 @@ def _shared_images(n, shape, mean, std, start):
 
 
 @pytest.mark.parametrize("name,shape,mean,std,min_db", [
-    ("ppocr-cls-mobilenetv3.onnx", (1, 3, 48, 192), 127.5, 127.5, 12.0),
+    ("ppocr-cls-mobilenetv3.onnx", (1, 3, 48, 192), 127.5, 127.5, 16.0),
     ("yolox-det.onnx", (1, 3, 416, 416), 0.0, 1.0, 20.0),
 ])
 def test_shared_models_from_npy(tmp_path, name, shape, mean, std, min_db):
@@ -391,6 +391,11 @@ def test_shared_models_from_npy(tmp_path, name, shape, mean, std, min_db):
         q = quantize(str(tmp_path / "w"))
     onnx.checker.check_model(q.path)
     assert any("opset upgraded from 11 to 13" in n for n in q.report["notes"])
-    x = next(_shared_images(1, shape, mean, std, start=5))
+    # Judged over several unseen images: one image's SQNR moves by several dB with the last bit of the
+    # fp32 calibration run, which differs between CPUs (image 5 alone: 11.8 dB on Zen 4, above 12 on Zen 3; these 8 together: 18.5 dB on Zen 4).
     inp = onnx.load(path).graph.input[0].name
-    assert _sqnr(run(onnx.load(path), {inp: x})[0], run(onnx.load(q.path), {inp: x})[0]) > min_db
+    fp32, int8 = onnx.load(path), onnx.load(q.path)
+    xs = list(_shared_images(n, shape, mean, std, start=5))
+    ref = np.concatenate([run(fp32, {inp: x})[0] for x in xs])
+    out = np.concatenate([run(int8, {inp: x})[0] for x in xs])
+    assert _sqnr(ref, out) > min_db
