@@ -335,3 +335,32 @@ def test_float_hard_swish_chain_is_one_table(tmp_path):
     assert not s.fallback_nodes(), s.report()
     x = RNG.standard_normal((1, 4, 5, 5)).astype(np.float32) * 3
     np.testing.assert_array_equal(s.run(None, {"x": x})[0], _ort(str(path)).run(None, {"x": x})[0])
+
+
+def test_views_from_fp32_ops_keep_their_buffer_alive(tmp_path):
+    """An fp32 fallback Split returns views of the buffer it reads (a dequantized int8 output); that
+    buffer must not go back to the pool while a view is still to be read (nudenet's YOLOv8 head
+    read garbage: NaN and 1e24 in its boxes)."""
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+        helper.make_node("Split", ["c1", "sp"], ["a", "b"], axis=1),
+        helper.make_node("Conv", ["a", "w2", "b2"], ["c2"], pads=[1, 1, 1, 1]),
+        helper.make_node("Conv", ["c2", "w3", "b3"], ["c3"], pads=[1, 1, 1, 1]),
+        helper.make_node("Add", ["c3", "b"], ["y"]),  # b read last, after c2 took a buffer
+    ]
+    # c2 (uint8, 32 channels) as large as dequantized c1 (float32, 8): the best fit for its buffer, once (wrongly) free
+    inits = [_w("w1", 8, 3, 3, 3), _w("b1", 8, scale=0.1), _w("w2", 32, 4, 3, 3), _w("b2", 32, scale=0.1),
+             _w("w3", 4, 32, 3, 3), _w("b3", 4, scale=0.1),
+             numpy_helper.from_array(np.array([4, 4], np.int64), "sp")]
+    m = _model(nodes, inits, [1, 3, 8, 8], [1, 4, 8, 8])
+    f32, i8 = tmp_path / "v.onnx", tmp_path / "v.int8.onnx"
+    onnx.save(m, f32)
+    xs = [RNG.standard_normal((1, 3, 8, 8)).astype(np.float32) for _ in range(4)]
+    quantize_static(str(f32), str(i8), _Feed(xs), quant_format=QuantFormat.QDQ, per_channel=True,
+                    activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, op_types_to_quantize=["Conv"])
+    x = xs[0]
+    kept = NativeSession(str(i8), threads=1, reuse_buffers=False).run(None, {"x": x})[0]
+    s = NativeSession(str(i8), threads=1)
+    assert "Split" in [op for _, op, _ in s.fallback_nodes()], s.report()
+    for _ in range(2):  # the trace run, then the bound buffers
+        np.testing.assert_array_equal(s.run(None, {"x": x})[0], kept)

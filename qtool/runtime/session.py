@@ -160,12 +160,23 @@ class NativeSession:
         for slot, x in arrs:
             env[slot] = x
         steps = prog.steps
-        views = set()
+        views = set()  # steps whose output 0 is a view of input 0's fixed buffer: made once, at binding
+        aliases = {}  # step -> [(output, input)]: an output that is a view of an input
         for k, st in enumerate(steps):  # the trace run: every step allocates
             self._run_step(st, env, None)
             if st.uses_out and st.outs and st.ins and st.ins[0] is not None and env[st.ins[0]] is not None \
                     and isinstance(env[st.outs[0]], np.ndarray) and np.shares_memory(env[st.outs[0]], env[st.ins[0]]):
                 views.add(k)
+                aliases[k] = [(st.outs[0], st.ins[0])]
+            elif not st.uses_out:
+                # an fp32 fallback (Reshape, Slice, Split, Transpose in numpy) returns views of its inputs on
+                # every run: those inputs' buffers must outlive every reader of the views (nudenet's YOLOv8
+                # head read a Split's halves after the buffer under them was handed to the next step)
+                pairs = [(o, i) for o in st.outs if o is not None and isinstance(env[o], np.ndarray)
+                         for i in dict.fromkeys(st.ins) if i is not None and isinstance(env[i], np.ndarray)
+                         and np.may_share_memory(env[o], env[i])]
+                if pairs:
+                    aliases[k] = pairs
         # liveness over buffer roots (a view keeps its source alive)
         root = {}
         last = {}
@@ -174,8 +185,8 @@ class NativeSession:
                 if i is not None:
                     r = root.get(i, i)
                     last[r] = k
-            if k in views:
-                root[st.outs[0]] = root.get(st.ins[0], st.ins[0])
+            for o, i in aliases.get(k, ()):
+                root[o] = root.get(i, i)
         forever = {root.get(o[1], o[1]) for o in prog.outputs}
         if not self.reuse_buffers:
             forever = set(range(prog.n_slots))
