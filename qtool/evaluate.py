@@ -1,8 +1,12 @@
 """`eval`: int8 against fp32 on the same inputs: accuracy, agreement, output error, size, speed.
 
 Labels are optional: every model gets, per output, SQNR (dB) and max abs error; a classifier
-output [N, C] gets top-1 agreement; a detector-like output [N, R, K] (many rows of a few
-columns: YOLO's x, y, w, h, objectness, class scores) gets the agreement of its top-scoring rows.
+output [N, C] gets top-1 agreement; a sequence of distributions [N, T, C] (a CTC recognizer, a
+tagger) gets top-1 agreement per position and the share of sequences equal at every position; a
+detector-like output [N, R, K] (many rows of a few columns: YOLO's x, y, w, h, objectness, class
+scores) gets the agreement of its top-scoring rows. Maps and features (a text detector's
+probability map) get no top-1 figure: an argmax over their flattened values means nothing.
+Only a classifier's outputs are kept for the whole run (labels, top-5); everything else streams.
 Images (with the calibration preprocessing) or tensors (.npy / .npz folders, iterables) both work.
 """
 from __future__ import annotations
@@ -99,8 +103,9 @@ class ExactCheck:
         r = {"checked": len(a), "sqnr_ort_vs_exact_db": db, "max_abs_diff": float(np.abs(a - b).max()),
              "ort_int8_arithmetic": ort_int8_arithmetic(), "exact": bool(db >= floor), "target": self.target,
              "float_ops": self.float_ops, "min_sqnr_db": floor}
-        if a.shape[1] > 1:
-            r["top1_agreement_ort_vs_exact"] = float((a.argmax(1) == b.argmax(1)).mean())
+        if agreement_kind(self.shape) is not None:
+            c = self.shape[-1]
+            r["top1_agreement_ort_vs_exact"] = float((a.reshape(-1, c).argmax(1) == b.reshape(-1, c).argmax(1)).mean())
         return r
 
 
@@ -148,22 +153,26 @@ def evaluate(fp32_path: str, int8_path: str, data: str, config=None, labels: str
     out_name = sf.get_outputs()[0].name
     out_names = [o.name for o in sf.get_outputs()]
     stats = {n: OutputStats(n) for n in out_names}
+    native_stats = {"fp32": OutputStats(out_name), "int8": OutputStats(out_name)}  # native vs each
     label_of = dict(zip(src.files, y_true)) if y_true is not None else {}
-    rows = {"fp32": [], "int8": [], "native": []}
+    rows = {"fp32": [], "int8": []}  # a classifier's logits, for labels and top-5
     truth, sig, noise, maxerr = [], 0.0, 0.0, 0.0
     sample = None
     with tqdm(total=len(src), unit="img", desc="eval", disable=not show_progress, leave=False) as bar:
         for names, feeds in src.batches():
             outs_f, outs_q = sf.run(out_names, feeds), sq.run(out_names, feeds)
             for name, u, v in zip(out_names, outs_f, outs_q):
-                stats[name].add(u, v)
+                stats[name].add(u, v, len(names))
             a, b = outs_f[0], outs_q[0]
             if exact is not None:
                 exact.add(feeds, [b])
-            rows["fp32"].append(a.reshape(len(a), -1))
-            rows["int8"].append(b.reshape(len(b), -1))
+            if a.ndim == 2 and agreement_kind(a.shape) == "class":
+                rows["fp32"].append(a)
+                rows["int8"].append(b)
             if native is not None:
-                rows["native"].append(native.run([out_name], feeds)[0].reshape(len(a), -1))
+                c = native.run([out_name], feeds)[0]
+                native_stats["fp32"].add(a, c, len(names))
+                native_stats["int8"].add(b, c, len(names))
             a64, b64 = a.astype(np.float64), b.astype(np.float64)
             sig += float((a64 ** 2).sum())
             noise += float(((a64 - b64) ** 2).sum())
@@ -172,22 +181,26 @@ def evaluate(fp32_path: str, int8_path: str, data: str, config=None, labels: str
             if sample is None:
                 sample = {k: v[:1] for k, v in feeds.items()}
             bar.update(len(names))
-    lf, lq = np.concatenate(rows["fp32"]), np.concatenate(rows["int8"])
-    n = len(lf)
+    first = stats[out_name].result()
+    classifier = bool(rows["fp32"])
+    lf = np.concatenate(rows["fp32"]) if classifier else None
+    lq = np.concatenate(rows["int8"]) if classifier else None
     res = {
-        "n_images": n, "skipped": list(src.skipped),
+        "n_images": len(truth), "skipped": list(src.skipped),
         "fp32_model": os.path.abspath(fp32_path), "int8_model": os.path.abspath(int8_path),
-        "top1_agreement": float((lf.argmax(1) == lq.argmax(1)).mean()),
         "top5_overlap": float(np.mean([len(set(p) & set(q)) / 5 for p, q in zip(_topk(lf, 5), _topk(lq, 5))]))
-        if lf.shape[1] >= 5 else None,
+        if classifier and lf.shape[1] >= 5 else None,
         "output_sqnr_db": float(10 * np.log10(sig / noise)) if noise > 0 else float("inf"),
         "max_abs_error": maxerr,
         "outputs": {n: st.result() for n, st in stats.items()},
         "size_bytes": {"fp32": _size(fp32_path), "int8": _size(int8_path)},
     }
+    for k in ("top1_agreement", "agreement_over", "sequence_agreement", "ctc_text_agreement", "ctc_blank"):
+        if k in first:
+            res[k] = first[k]
     res["size_ratio"] = res["size_bytes"]["int8"] / res["size_bytes"]["fp32"]
     have = [t is not None for t in truth]
-    if any(have) and lf.shape[1] > 1:
+    if any(have) and classifier and lf.shape[1] > 1:
         m = np.array(have)
         yt = np.array([t for t in truth if t is not None])
         res["n_labelled"] = int(m.sum())
@@ -197,10 +210,10 @@ def evaluate(fp32_path: str, int8_path: str, data: str, config=None, labels: str
         res["top1_delta_pt"] = 100 * (res["int8"]["top1"] - res["fp32"]["top1"])
         res["top5_delta_pt"] = 100 * (res["int8"]["top5"] - res["fp32"]["top5"])
     if native is not None:
-        ln = np.concatenate(rows["native"])
-        res["native"] = {"top1_agreement_vs_fp32": float((lf.argmax(1) == ln.argmax(1)).mean()),
-                         "top1_agreement_vs_ort_int8": float((lq.argmax(1) == ln.argmax(1)).mean()),
-                         "max_abs_diff_vs_ort_int8": float(np.abs(ln - lq).max())}
+        vf, vq = native_stats["fp32"].result(), native_stats["int8"].result()
+        res["native"] = {"max_abs_diff_vs_ort_int8": vq["max_abs_error"]}
+        if "top1_agreement" in vq:
+            res["native"].update(top1_agreement_vs_fp32=vf["top1_agreement"], top1_agreement_vs_ort_int8=vq["top1_agreement"])
     if exact is not None:
         res["runtime_check"] = exact.result()
     if latency and sample is not None:
@@ -218,12 +231,19 @@ class OutputStats:
         self.name, self.top_rows = name, top_rows
         self.sig = self.noise = self.maxerr = 0.0
         self.n = 0
-        self.top1_same = 0
+        self.kind = None  # agreement_kind of the shape seen
+        self.same = self.positions = self.seq_same = 0
+        self.paths: list = []  # per sequence: (fp32's, int8's) top-1 class at each position (int32, small)
         self.rows: dict = {}  # k -> fraction of fp32's top-k rows also in int8's top-k, per sample
         self.row_err: list = []
         self.shape = None
 
-    def add(self, a: np.ndarray, b: np.ndarray) -> None:
+    def add(self, a: np.ndarray, b: np.ndarray, samples: int | None = None) -> None:
+        """`samples`: how many samples the batch holds, where known: a [T, N, C] output (sequence
+        first, as many CRNN exports write) is then read as N sequences of T positions."""
+        a, b = np.asarray(a), np.asarray(b)
+        if samples is not None and a.ndim == 3 and a.shape[0] != samples and a.shape[1] == samples:
+            a, b = a.swapaxes(0, 1), b.swapaxes(0, 1)
         a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
         self.shape = list(a.shape)
         self.sig += float((a64 ** 2).sum())
@@ -231,11 +251,21 @@ class OutputStats:
         self.maxerr = max(self.maxerr, float(np.abs(a64 - b64).max()) if a64.size else 0.0)
         n = len(a64) if a64.ndim else 1
         self.n += n
-        if a64.ndim == 2 and a64.shape[1] > 1:
-            self.top1_same += int((a64.argmax(1) == b64.argmax(1)).sum())
-        if detector_like(a64.shape):
+        kind = agreement_kind(a64.shape)
+        if kind is not None:
+            self.kind = kind
+            eq = a.argmax(-1) == b.argmax(-1)  # [N] or [N, T]
+            self.same += int(eq.sum())
+            self.positions += eq.size
+            if kind == "position":
+                self.seq_same += int(eq.all(axis=1).sum())
+                self.paths += list(zip(a.argmax(-1).astype(np.int32), b.argmax(-1).astype(np.int32)))
+        layout = detector_like(a64.shape)
+        if layout:
             for x, y in zip(a64, b64):
-                sf, sq = row_scores(x), row_scores(y)
+                if layout == "columns":
+                    x, y = x.T, y.T
+                sf, sq = row_scores(x, objectness=layout == "rows"), row_scores(y, objectness=layout == "rows")
                 for k in sorted({min(k, len(sf)) for k in self.top_rows}):  # top-k over at most R rows
                     tf, tq = np.argsort(-sf)[:k], np.argsort(-sq)[:k]
                     self.rows.setdefault(k, []).append(len(set(tf) & set(tq)) / k)
@@ -245,21 +275,80 @@ class OutputStats:
     def result(self) -> dict:
         r = {"shape": self.shape, "sqnr_db": float(10 * np.log10(self.sig / self.noise)) if self.noise > 0
              else float("inf"), "max_abs_error": self.maxerr}
-        if self.shape and len(self.shape) == 2 and self.shape[1] > 1:
-            r["top1_agreement"] = self.top1_same / max(self.n, 1)
+        if self.kind is not None:
+            r["top1_agreement"] = self.same / max(self.positions, 1)
+            r["agreement_over"] = "samples" if self.kind == "class" else "positions"
+            if self.kind == "position":
+                r["sequence_agreement"] = self.seq_same / max(self.n, 1)
+                r.update(ctc_agreement(self.paths))
         if any(self.rows.values()):
             r["top_rows_agreement"] = {f"top{k}": float(np.mean(v)) for k, v in self.rows.items() if v}
             r["top10_rows_max_abs_error"] = float(max(self.row_err))
         return r
 
 
-def detector_like(shape) -> bool:
-    """[N, R, K]: many rows (R >= 50) of a few columns (5 <= K <= 128), as YOLO heads write."""
-    return len(shape) == 3 and shape[1] >= 50 and 5 <= shape[2] <= 128
+def agreement_kind(shape) -> str | None:
+    """What top-1 agreement means for an output of this shape: "class" ([N, C], C > 1: a classifier),
+    "position" ([N, T, C], C > 1, not a detector's rows: a distribution at each position, as a CTC
+    recognizer or a tagger writes), or None (maps, features, boxes)."""
+    shape = tuple(shape)
+    if len(shape) == 2 and shape[1] > 1:
+        return "class"
+    if len(shape) == 3 and shape[2] > 1 and not detector_like(shape):
+        return "position"
+    return None
 
 
-def row_scores(rows: np.ndarray) -> np.ndarray:
-    """YOLO convention: objectness (column 4) times the best class score (columns 5...)."""
+CTC_MIN_BLANK_SHARE = 0.5  # a CTC recognizer's top-1 is its blank at most positions
+
+
+def ctc_collapse(path: np.ndarray, blank: int) -> tuple:
+    """Greedy CTC decoding of one top-1 path: repeats merged, then blanks dropped."""
+    keep = np.ones(len(path), bool)
+    keep[1:] = path[1:] != path[:-1]
+    return tuple(int(c) for c in path[keep] if c != blank)
+
+
+def ctc_agreement(paths: list) -> dict:
+    """Where the outputs look like CTC (one class is fp32's top-1 at over half of all positions: the
+    blank), the share of sequences whose greedy-decoded texts are equal: what a reader of the text sees,
+    where "equal at every position" also counts a blank moved by one step. {} where they do not."""
+    if not paths:
+        return {}
+    ref = np.concatenate([p for p, _ in paths])
+    counts = np.bincount(ref)
+    blank = int(counts.argmax())
+    if counts[blank] < CTC_MIN_BLANK_SHARE * len(ref):
+        return {}
+    same = sum(ctc_collapse(p, blank) == ctc_collapse(q, blank) for p, q in paths)
+    return {"ctc_text_agreement": same / len(paths), "ctc_blank": blank}
+
+
+def detector_like(shape) -> str | None:
+    """"rows" for [N, R, K]: many rows (R >= 50) of a few columns (5 <= K <= 128), as YOLOv5/X heads
+    write (x, y, w, h, objectness, class scores); "columns" for [N, K, R], the same transposed, as
+    YOLOv8 and later write (x, y, w, h, class scores: no objectness); None otherwise."""
+    if len(shape) != 3:
+        return None
+    if shape[1] >= 50 and 5 <= shape[2] <= 128:
+        return "rows"
+    if 5 <= shape[1] <= 128 and _anchor_count(shape[2]):
+        return "columns"
+    return None
+
+
+def _anchor_count(r: int) -> bool:
+    """Whether r cells fill the grids of strides 8, 16, 32 (and 64) of an image whose sides are multiples
+    of the largest stride: a multi-scale detection head's anchors (2100 at 320x320, 8400 at 640x640),
+    which a recognizer's class count (6625, 97) is not."""
+    return r >= 21 and ((r * 1024) % 21 == 0 or (r * 4096) % 85 == 0)
+
+
+def row_scores(rows: np.ndarray, objectness: bool = True) -> np.ndarray:
+    """Each row's score: objectness (column 4) times the best class score (columns 5...) in the YOLOv5
+    convention; the best class score (columns 4...) without objectness (YOLOv8)."""
+    if not objectness:
+        return rows[:, 4:].max(1)
     return rows[:, 4] * rows[:, 5:].max(1) if rows.shape[1] > 5 else rows[:, 4]
 
 
@@ -289,9 +378,10 @@ def evaluate_tensors(fp32_path: str, int8_path: str, data, limit: int | None = N
         runs["ort_fp32"].append(time.perf_counter() - t1)
         if exact is not None:
             exact.add(feeds, outs_q)
+        n_batch = len(next(iter(feeds.values())))
         for name, a, b in zip(names, outs_f, outs_q):
-            stats[name].add(a, b)
-        n_samples += len(next(iter(feeds.values())))
+            stats[name].add(a, b, n_batch)
+        n_samples += n_batch
         sample = sample or feeds
     if n_samples == 0:
         from qtool.errors import QtoolError

@@ -55,7 +55,7 @@ def render_outputs(r: dict) -> str:
     for name, o in r.get("outputs", {}).items():
         text = f"  {name} {o['shape']}: SQNR {o['sqnr_db']:.1f} dB, max |error| {o['max_abs_error']:.4g}"
         if "top1_agreement" in o:
-            text += f", top-1 agreement {o['top1_agreement']:.4f}"
+            text += ", " + _agreement(o)
         if "top_rows_agreement" in o:
             text += ", top-scoring rows shared: " + ", ".join(
                 f"{k} {v:.2f}" for k, v in o["top_rows_agreement"].items())
@@ -69,6 +69,16 @@ def render_outputs(r: dict) -> str:
         lines.append(f"ORT latency (ms, b=1): fp32 {lat['ort_fp32']:.2f}, int8 {lat['ort_int8']:.2f} "
                      f"({lat['ort_fp32'] / lat['ort_int8']:.2f}x)")
     return "\n".join(lines)
+
+
+def _agreement(o: dict) -> str:
+    if o.get("agreement_over") == "positions":
+        text = (f"top-1 agreement per position {o['top1_agreement']:.4f}, sequences equal at every position "
+                f"{o['sequence_agreement']:.4f}")
+        if "ctc_text_agreement" in o:
+            text += f", texts equal after greedy CTC decoding {o['ctc_text_agreement']:.4f} (blank {o['ctc_blank']})"
+        return text
+    return f"top-1 agreement {o['top1_agreement']:.4f}"
 
 
 def render(r: dict) -> str:
@@ -86,14 +96,26 @@ def render(r: dict) -> str:
         if "native_int8" in lat:
             lines.append(f"{'native int8 (ms, b=1)':22}{'':>12}{lat['native_int8']:>12.2f}"
                          f"{lat['ort_int8'] / lat['native_int8']:>9.2f}x vs ORT int8")
-    lines.append(f"top-1 agreement {r['top1_agreement']:.4f} over {r['n_images']} images"
-                 + (f" ({len(r['skipped'])} unreadable skipped)" if r["skipped"] else ""))
+    skipped = f" ({len(r['skipped'])} unreadable skipped)" if r["skipped"] else ""
+    if "top1_agreement" in r:
+        lines.append(f"{_agreement(r)} over {r['n_images']} images{skipped}")
+    else:
+        first = next(iter(r.get("outputs", {}).values()), {})
+        if "top_rows_agreement" in first:
+            lines.append(f"{r['n_images']} images{skipped}; detections: top-scoring rows shared with fp32 "
+                         + ", ".join(f"{k} {v:.2f}" for k, v in first["top_rows_agreement"].items()))
+        else:
+            lines.append(f"{r['n_images']} images{skipped}; no top-1 agreement: the first output is neither classes "
+                         "nor a sequence of distributions (judge it by the SQNR below, or by what it means)")
     lines.append(f"output SQNR {r['output_sqnr_db']:.1f} dB, max |error| {r['max_abs_error']:.4g}")
     if len(r.get("outputs", {})) > 1:
         lines += render_outputs(r).splitlines()[1:-2 if r.get("latency_ms") else -1]
     if "native" in r:
         n = r["native"]
-        lines.append(f"native runtime: agreement with ORT int8 {n['top1_agreement_vs_ort_int8']:.4f}, "
-                     f"with fp32 {n['top1_agreement_vs_fp32']:.4f}")
+        if "top1_agreement_vs_ort_int8" in n:
+            lines.append(f"native runtime: agreement with ORT int8 {n['top1_agreement_vs_ort_int8']:.4f}, "
+                         f"with fp32 {n['top1_agreement_vs_fp32']:.4f}")
+        else:
+            lines.append(f"native runtime: max |difference| from ORT int8 {n['max_abs_diff_vs_ort_int8']:.4g}")
     return "\n".join(lines)
 

@@ -93,7 +93,8 @@ def clip(ins, at):
 @op("Sigmoid")
 def sigmoid(ins, at):
     x = ins[0]
-    return [(1.0 / (1.0 + np.exp(-x))).astype(x.dtype)]
+    with np.errstate(over="ignore"):  # exp(-x) overflows to inf for x below about -88: 1 / inf = 0, as it should
+        return [(1.0 / (1.0 + np.exp(-x))).astype(x.dtype)]
 
 
 @op("HardSigmoid")

@@ -1,0 +1,129 @@
+"""What `eval` reports for outputs that are not a classifier's: a sequence of distributions (a CTC
+recognizer) gets top-1 agreement per position, a probability map (a text detector) none at all."""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+from onnx import helper
+
+from helpers import init, make_model, save, write_config, write_images
+from qtool.calibrate.run import calibrate
+from qtool.commands.eval import render
+from qtool.evaluate import OutputStats, agreement_kind, evaluate
+from qtool.quantize.run import quantize
+
+
+def _sequence_model(rng, t=16, classes=40):
+    """[1, 3, 16, 16] -> a 1x16 feature strip -> [1, T, classes] softmax, as a CTC head writes."""
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("ReduceMean", ["r1"], ["m"], axes=[2], keepdims=1),  # [1, 8, 1, 16]
+             helper.make_node("Conv", ["m", "w2", "b2"], ["c2"]),                   # [1, classes, 1, 16]
+             helper.make_node("Squeeze", ["c2", "ax"], ["s"]),                      # [1, classes, 16]
+             helper.make_node("Transpose", ["s"], ["tr"], perm=[0, 2, 1]),
+             helper.make_node("Softmax", ["tr"], ["probs"], axis=-1)]
+    inits = [init("w1", rng.standard_normal((8, 3, 3, 3)) * 0.5), init("b1", rng.standard_normal(8) * 0.1),
+             init("w2", rng.standard_normal((classes, 8, 1, 1))), init("b2", rng.standard_normal(classes) * 0.1),
+             init("ax", [2], np.int64)]
+    return make_model(nodes, inits, [("x", [1, 3, 16, 16])], [("probs", [1, t, classes])], opset=13)
+
+
+def _map_model(rng):
+    """[1, 3, 16, 16] -> [1, 1, 16, 16] sigmoid map, as DBNet writes."""
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], pads=[1, 1, 1, 1]),
+             helper.make_node("Sigmoid", ["c2"], ["prob"])]
+    inits = [init("w1", rng.standard_normal((8, 3, 3, 3)) * 0.5), init("b1", rng.standard_normal(8) * 0.1),
+             init("w2", rng.standard_normal((1, 8, 3, 3)) * 0.5), init("b2", np.zeros(1))]
+    return make_model(nodes, inits, [("x", [1, 3, 16, 16])], [("prob", [1, 1, 16, 16])], opset=13)
+
+
+def test_agreement_kind_by_shape():
+    assert agreement_kind((4, 1000)) == "class"
+    assert agreement_kind((4, 40, 6625)) == "position"  # CTC: many classes per position
+    assert agreement_kind((4, 3549, 6)) is None         # a detector's rows (judged by its top rows)
+    assert agreement_kind((4, 1, 640, 480)) is None     # a probability map
+    assert agreement_kind((4, 1)) is None               # one score
+
+
+def test_position_agreement_counts_positions_and_whole_sequences():
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((3, 10, 7)).astype(np.float32)
+    b = a.copy()
+    b[0, 2] = -b[0, 2]  # flips position 2 of sample 0 (its argmax becomes another class)
+    assert a[0, 2].argmax() != b[0, 2].argmax()
+    st = OutputStats("y")
+    st.add(a, b)
+    r = st.result()
+    assert r["agreement_over"] == "positions"
+    assert r["top1_agreement"] == pytest.approx(29 / 30) and r["sequence_agreement"] == pytest.approx(2 / 3)
+
+
+def _calibrated(tmp_path, model):
+    path = save(model, tmp_path / "m.onnx")
+    write_images(tmp_path / "cal", 6, seed=1, h=16, w=16)
+    write_images(tmp_path / "ev", 5, seed=2, h=16, w=16)
+    cfg = write_config(tmp_path / "cfg.toml", size=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        calibrate(path, str(tmp_path / "cal"), config=cfg, workdir=str(tmp_path / "w"), show_progress=False)
+        q = quantize(str(tmp_path / "w"))
+    return path, q.path, cfg
+
+
+def test_eval_of_a_sequence_output_is_per_position(tmp_path):
+    fp32, int8, cfg = _calibrated(tmp_path, _sequence_model(np.random.default_rng(3)))
+    r = evaluate(fp32, int8, str(tmp_path / "ev"), config=cfg, latency=False, show_progress=False)
+    assert r["n_images"] == 5 and r["agreement_over"] == "positions"
+    assert 0.5 < r["top1_agreement"] <= 1.0 and 0.0 <= r["sequence_agreement"] <= r["top1_agreement"]
+    assert "top5_overlap" in r and r["top5_overlap"] is None  # kept only for a classifier
+    assert "top-1 agreement per position" in render(r)
+
+
+def test_eval_of_a_probability_map_has_no_top1(tmp_path):
+    fp32, int8, cfg = _calibrated(tmp_path, _map_model(np.random.default_rng(4)))
+    r = evaluate(fp32, int8, str(tmp_path / "ev"), config=cfg, latency=False, show_progress=False,
+                 runtime="both")
+    assert r["n_images"] == 5 and "top1_agreement" not in r and r["output_sqnr_db"] > 15
+    assert "top1_agreement_vs_fp32" not in r["native"] and r["native"]["max_abs_diff_vs_ort_int8"] >= 0
+    text = render(r)
+    assert "no top-1 agreement" in text and "max |difference| from ORT int8" in text
+
+
+def test_sequence_first_output_is_read_per_sample():
+    """[T, N, C] (ddddocr's CRNN writes [54, 1, 8210]): N sequences of T positions, not T samples."""
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((10, 2, 7)).astype(np.float32)
+    b = a.copy()
+    b[3, 1] = -b[3, 1]  # one position of sample 1
+    st = OutputStats("y")
+    st.add(a, b, samples=2)
+    r = st.result()
+    assert r["top1_agreement"] == pytest.approx(19 / 20) and r["sequence_agreement"] == pytest.approx(1 / 2)
+
+
+def test_ctc_texts_equal_where_only_a_blank_moved():
+    from qtool.evaluate import ctc_agreement, ctc_collapse
+    assert ctc_collapse(np.array([0, 3, 3, 0, 3, 5, 0]), blank=0) == (3, 3, 5)
+    same = (np.array([0, 0, 3, 3, 0, 0, 5, 0]), np.array([0, 3, 3, 0, 0, 0, 5, 5]))  # the same text, "35"
+    other = (np.array([0, 0, 3, 0, 0, 0, 5, 0]), np.array([0, 0, 3, 0, 0, 0, 4, 0]))  # "35" against "34"
+    r = ctc_agreement([same, other])
+    assert r == {"ctc_text_agreement": 0.5, "ctc_blank": 0}
+    assert ctc_agreement([(np.array([1, 2, 3, 4]), np.array([1, 2, 3, 4]))]) == {}  # no blank: not CTC
+
+
+def test_detector_heads_in_both_layouts():
+    from qtool.evaluate import detector_like
+    assert detector_like((1, 3549, 6)) == "rows"       # YOLOX at 416: x, y, w, h, objectness, class
+    assert detector_like((1, 22, 2100)) == "columns"   # YOLOv8 at 320: x, y, w, h, 18 classes; 2100 anchors
+    assert detector_like((1, 84, 8400)) == "columns"
+    assert detector_like((4, 40, 6625)) is None        # a CTC recognizer's 6625 classes are no anchor grid
+    rng = np.random.default_rng(2)
+    a = rng.random((1, 22, 2100)).astype(np.float32)
+    st = OutputStats("y")
+    st.add(a, a.copy())
+    r = st.result()
+    assert "top1_agreement" not in r and r["top_rows_agreement"]["top100"] == 1.0
