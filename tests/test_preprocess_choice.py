@@ -59,6 +59,25 @@ def test_no_config_on_a_grey_input_takes_pixels_as_they_are(tmp_path):
     assert said[0].startswith("no --config: assumed grey pixels 0-255 as they are")
 
 
+@pytest.mark.parametrize("channels", [1, 3])
+def test_no_config_on_a_text_line_input_keeps_each_images_aspect_ratio(tmp_path, channels):
+    """A fixed height and a free width (ddddocr's [1, 1, 64, image_width], a CRNN's [N, 3, 32, W]) reads text
+    lines: each image goes to that height in its own aspect ratio, right-padded, never squashed to a square
+    (which the model's height refuses: 'pass a matching --config' was all a user got)."""
+    m = small_convnet()
+    m.graph.node[0].input[0] = "g"
+    w = onnx.numpy_helper.to_array(m.graph.initializer[0])
+    m.graph.initializer[0].CopyFrom(init("stem_w", w[:, :channels]))
+    m.graph.input[0].CopyFrom(helper.make_tensor_value_info("g", onnx.TensorProto.FLOAT, [1, channels, 16, "width"]))
+    net = save(m, tmp_path / "line.onnx")
+    write_images(tmp_path / "d", 2, w=40)
+    write_images(tmp_path / "d", 2, w=90, prefix="wide")
+    r, said, _ = _calibrate(net, tmp_path / "d", tmp_path)
+    c = r.table.config
+    assert (c["resize"], c["size"], c["color"]) == ("height", [16, 107], "GRAY" if channels == 1 else "RGB")
+    assert r.table.n_samples == 4 and "keeping its aspect ratio (a text line's geometry)" in said[0]
+
+
 @pytest.mark.parametrize("meta", ["efficientnet-lite", '[input]\nsize = [16, 16]\n[preprocess]\nresize = "exact"\n'
                                                        'crop = "none"\nmean = [1, 2, 3]\nstd = [4, 5, 6]\n'])
 def test_model_metadata_gives_the_preprocessing(tmp_path, meta):

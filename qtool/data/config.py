@@ -174,20 +174,30 @@ def image_geometry(dims: list) -> tuple:
     return None, None, (None, None)
 
 
+LINE_WIDTH_RATIO = 320 / 48  # a text line model's padded width over its height, as PP-OCR's recognizers take
+
+
 def assumed_config(dims: list) -> tuple:
     """(Preprocess, what was assumed, in words) for an image input with no --config and no metadata:
     the torchvision ImageNet preset for 3 channels (or a count the shape does not give), grey pixels
-    0-255 as they are for 1 channel. fit_to_input then sizes it to the input."""
-    layout, ch, _ = image_geometry(dims)
+    0-255 as they are for 1 channel. An input of fixed height and free width reads text lines: each image
+    is resized to that height in its own aspect ratio and right-padded (resize = "height"), as PP-OCR and
+    captcha recognizers are fed. fit_to_input then sizes it to the input."""
+    layout, ch, (h, w) = image_geometry(dims)
     if ch == 1:
         c = Preprocess(layout=layout, color="GRAY", resize="exact", crop="none", mean=(0.0,), std=(1.0,),
                        source="(assumed: grey pixels as they are)")
-        return c, "grey pixels 0-255 as they are"
-    c = load_config(ASSUMED_PRESET)
-    c.source = f"{ASSUMED_PRESET} (assumed: no --config)"
-    if layout:
-        c.layout = layout
-    return c, f"the torchvision ImageNet preprocessing ({ASSUMED_PRESET})"
+        what = "grey pixels 0-255 as they are"
+    else:
+        c = load_config(ASSUMED_PRESET)
+        c.source = f"{ASSUMED_PRESET} (assumed: no --config)"
+        if layout:
+            c.layout = layout
+        what = f"the torchvision ImageNet preprocessing ({ASSUMED_PRESET})"
+    if h and not w:  # a fixed height and a free width: a text line (an OCR or captcha recognizer)
+        c.resize, c.crop, c.size = "height", "none", (h, max(h, math.ceil(h * LINE_WIDTH_RATIO)))
+        what += f", each image resized to the model's height {h} keeping its aspect ratio (a text line's geometry)"
+    return c, what
 
 
 def config_name(c: Preprocess) -> str:
