@@ -160,13 +160,11 @@ class NativeSession:
         for slot, x in arrs:
             env[slot] = x
         steps = prog.steps
-        views = set()  # steps whose output 0 is a view of input 0's fixed buffer: made once, at binding
         aliases = {}  # step -> [(output, input)]: an output that is a view of an input
         for k, st in enumerate(steps):  # the trace run: every step allocates
             self._run_step(st, env, None)
             if st.uses_out and st.outs and st.ins and st.ins[0] is not None and env[st.ins[0]] is not None \
                     and isinstance(env[st.outs[0]], np.ndarray) and np.shares_memory(env[st.outs[0]], env[st.ins[0]]):
-                views.add(k)
                 aliases[k] = [(st.outs[0], st.ins[0])]
             elif not st.uses_out:
                 # an fp32 fallback (Reshape, Slice, Split, Transpose in numpy) returns views of its inputs on
@@ -177,6 +175,8 @@ class NativeSession:
                          and np.may_share_memory(env[o], env[i])]
                 if pairs:
                     aliases[k] = pairs
+        # steps whose output 0 is a view of input 0's fixed buffer: made once, at binding
+        views = {k for k in aliases if steps[k].uses_out}
         # liveness over buffer roots (a view keeps its source alive)
         root = {}
         last = {}
