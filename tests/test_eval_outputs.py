@@ -127,3 +127,28 @@ def test_detector_heads_in_both_layouts():
     st.add(a, a.copy())
     r = st.result()
     assert "top1_agreement" not in r and r["top_rows_agreement"]["top100"] == 1.0
+
+
+def _two_output_model(rng):
+    """[1, 3, 16, 16] -> a probability map and a [1, 8] pooled feature (SLANet writes two outputs)."""
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], pads=[1, 1, 1, 1]),
+             helper.make_node("Sigmoid", ["c2"], ["prob"]),
+             helper.make_node("GlobalAveragePool", ["r1"], ["g"]),
+             helper.make_node("Flatten", ["g"], ["feat"])]
+    inits = [init("w1", rng.standard_normal((8, 3, 3, 3)) * 0.5), init("b1", rng.standard_normal(8) * 0.1),
+             init("w2", rng.standard_normal((1, 8, 3, 3)) * 0.5), init("b2", np.zeros(1))]
+    return make_model(nodes, inits, [("x", [1, 3, 16, 16])], [("prob", [1, 1, 16, 16]), ("feat", [1, 8])],
+                      opset=13)
+
+
+def test_eval_on_images_of_a_two_output_model_reports_each_output(tmp_path):
+    """`qtool eval` on an image folder printed a two-output model's lines through the .npy path's renderer,
+    which wants n_samples: KeyError, exit 70, after the whole evaluation had run."""
+    fp32, int8, cfg = _calibrated(tmp_path, _two_output_model(np.random.default_rng(5)))
+    r = evaluate(fp32, int8, str(tmp_path / "ev"), config=cfg, latency=False, show_progress=False)
+    assert r["n_images"] == 5 and set(r["outputs"]) == {"prob", "feat"}
+    lines = render(r).splitlines()
+    assert any(line.startswith("  prob [") and "SQNR" in line for line in lines)
+    assert any(line.startswith("  feat [") and "SQNR" in line for line in lines)

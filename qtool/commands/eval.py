@@ -50,8 +50,21 @@ def _warn_runtime(r: dict) -> None:
 
 
 def render_outputs(r: dict) -> str:
+    """The .npy path's report: one line per output, then size and latency."""
+    lines = [f"{r['n_samples']} samples; per output, int8 vs fp32:"] + _output_lines(r)
+    sb = r["size_bytes"]
+    lines.append(f"model size {sb['fp32'] / 1e6:.2f} MB fp32 -> {sb['int8'] / 1e6:.2f} MB int8 "
+                 f"({100 * r['size_ratio']:.1f}%)")
+    lat = r.get("latency_ms")
+    if lat:
+        lines.append(f"ORT latency (ms, b=1): fp32 {lat['ort_fp32']:.2f}, int8 {lat['ort_int8']:.2f} "
+                     f"({lat['ort_fp32'] / lat['ort_int8']:.2f}x)")
+    return "\n".join(lines)
+
+
+def _output_lines(r: dict) -> list[str]:
     """One line per output: SQNR, max abs error, and agreement where the output's shape says what it is."""
-    lines = [f"{r['n_samples']} samples; per output, int8 vs fp32:"]
+    lines = []
     for name, o in r.get("outputs", {}).items():
         text = f"  {name} {o['shape']}: SQNR {o['sqnr_db']:.1f} dB, max |error| {o['max_abs_error']:.4g}"
         if "top1_agreement" in o:
@@ -61,14 +74,7 @@ def render_outputs(r: dict) -> str:
                 f"{k} {v:.2f}" for k, v in o["top_rows_agreement"].items())
             text += f" (max |error| in the top 10 rows {o['top10_rows_max_abs_error']:.4g})"
         lines.append(text)
-    sb = r["size_bytes"]
-    lines.append(f"model size {sb['fp32'] / 1e6:.2f} MB fp32 -> {sb['int8'] / 1e6:.2f} MB int8 "
-                 f"({100 * r['size_ratio']:.1f}%)")
-    lat = r.get("latency_ms")
-    if lat:
-        lines.append(f"ORT latency (ms, b=1): fp32 {lat['ort_fp32']:.2f}, int8 {lat['ort_int8']:.2f} "
-                     f"({lat['ort_fp32'] / lat['ort_int8']:.2f}x)")
-    return "\n".join(lines)
+    return lines
 
 
 def _agreement(o: dict) -> str:
@@ -109,7 +115,7 @@ def render(r: dict) -> str:
                          "nor a sequence of distributions (judge it by the SQNR below, or by what it means)")
     lines.append(f"output SQNR {r['output_sqnr_db']:.1f} dB, max |error| {r['max_abs_error']:.4g}")
     if len(r.get("outputs", {})) > 1:
-        lines += render_outputs(r).splitlines()[1:-2 if r.get("latency_ms") else -1]
+        lines += _output_lines(r)
     if "native" in r:
         n = r["native"]
         if "top1_agreement_vs_ort_int8" in n:
