@@ -226,7 +226,9 @@ class OutputStats:
         self.name, self.top_rows = name, top_rows
         self.sig = self.noise = self.maxerr = 0.0
         self.n = 0
-        self.kind = None  # agreement_kind of the shape seen
+        self.kind = None  # what agreement means here: decided on the first batch (output_kind)
+        self.layout = None  # a detector head's layout, or None
+        self.decided = False
         self.same = self.positions = self.seq_same = 0
         self.paths: list = []  # per sequence: (fp32's, int8's) top-1 class at each position (int32, small)
         self.rows: dict = {}  # k -> fraction of fp32's top-k rows also in int8's top-k, per sample
@@ -246,9 +248,11 @@ class OutputStats:
         self.maxerr = max(self.maxerr, float(np.abs(a64 - b64).max()) if a64.size else 0.0)
         n = len(a64) if a64.ndim else 1
         self.n += n
-        kind = agreement_kind(a64.shape)
+        if not self.decided:
+            self.kind, self.layout = output_kind(a64)
+            self.decided = True
+        kind, layout = self.kind, self.layout
         if kind is not None:
-            self.kind = kind
             ia, ib = a.argmax(-1), b.argmax(-1)  # [N] or [N, T]
             eq = ia == ib
             self.same += int(eq.sum())
@@ -256,7 +260,6 @@ class OutputStats:
             if kind == "position":
                 self.seq_same += int(eq.all(axis=1).sum())
                 self.paths += list(zip(ia.astype(np.int32), ib.astype(np.int32)))
-        layout = detector_like(a64.shape)
         if layout:
             for x, y in zip(a64, b64):
                 if layout == "columns":
@@ -293,6 +296,25 @@ def agreement_kind(shape) -> str | None:
     if len(shape) == 3 and shape[2] > 1 and not detector_like(shape):
         return "position"
     return None
+
+
+def is_distribution(a: np.ndarray, tol: float = 1e-2) -> bool:
+    """Whether every row along the last axis is a probability distribution (a softmax's output)."""
+    return a.size > 0 and a.shape[-1] > 1 and bool(a.min() >= 0 and a.max() <= 1 + tol
+                                                   and np.abs(a.sum(-1) - 1).max() <= tol)
+
+
+def output_kind(a: np.ndarray) -> tuple:
+    """(agreement kind, detector layout) of an output from its shape and fp32 values: a [N, T, C] whose
+    every row is a distribution is a sequence of them (SLANet's 501 structure tokens x 30 classes would
+    otherwise pass for a detector's rows); a few values per position that are not one (SLANet's 4 box
+    coordinates) are no classes."""
+    if a.ndim == 3 and is_distribution(a):
+        return "position", None
+    kind = agreement_kind(a.shape)
+    if kind == "position" and a.shape[2] < 5:
+        kind = None
+    return kind, detector_like(a.shape)
 
 
 CTC_MIN_BLANK_SHARE = 0.5  # a CTC recognizer's top-1 is its blank at most positions

@@ -152,3 +152,25 @@ def test_eval_on_images_of_a_two_output_model_reports_each_output(tmp_path):
     lines = render(r).splitlines()
     assert any(line.startswith("  prob [") and "SQNR" in line for line in lines)
     assert any(line.startswith("  feat [") and "SQNR" in line for line in lines)
+
+
+def test_a_sequence_of_distributions_is_judged_per_position_and_box_coordinates_not_at_all():
+    """SLANet writes [N, 501, 30] structure-token probabilities and [N, 501, 4] box coordinates: by shape
+    alone the first passed for a detector's rows (top-scoring rows shared) and the second for a 4-class
+    sequence (top-1 agreement over coordinates, CTC-decoded)."""
+    rng = np.random.default_rng(6)
+    logits = rng.standard_normal((2, 501, 30))
+    probs = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    st = OutputStats("structure")
+    st.add(probs, probs.copy(), samples=2)
+    r = st.result()
+    assert r["agreement_over"] == "positions" and r["top1_agreement"] == 1.0 and "top_rows_agreement" not in r
+    boxes = rng.random((2, 501, 4))
+    st = OutputStats("loc")
+    st.add(boxes, boxes + 0.01, samples=2)
+    r = st.result()
+    assert "top1_agreement" not in r and "top_rows_agreement" not in r and r["max_abs_error"] == pytest.approx(0.01)
+    yolo = np.concatenate([rng.random((1, 3549, 4)) * 416, rng.random((1, 3549, 2))], axis=2)  # still rows
+    st = OutputStats("det")
+    st.add(yolo, yolo.copy(), samples=1)
+    assert "top_rows_agreement" in st.result() and "top1_agreement" not in st.result()
