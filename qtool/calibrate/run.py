@@ -83,7 +83,8 @@ def _calibrate(model_path, data, config, method, workdir, batch, limit, show_pro
                budget_gmac):
     t0 = time.time()
     model_sha256 = model_hash(model_path)  # streamed, before the model is in memory
-    model = load_model(model_path)
+    load_notes = []
+    model = load_model(model_path, notes=load_notes)
     q = G.quantized_ops(model)
     if q:
         raise QtoolError(f"{model_path}: already int8 ({', '.join(f'{k} x{v}' for k, v in sorted(q.items()))}); "
@@ -95,7 +96,7 @@ def _calibrate(model_path, data, config, method, workdir, batch, limit, show_pro
         source = ImageData(data, cfg, model, model_path, batch=batch, limit=limit, files=files)
     elif config is not None:
         raise UsageError(f"--config describes image preprocessing; {_describe(data)} holds tensors, fed as they are")
-    notes, alerts = list(getattr(source, "notes", [])), []
+    notes, alerts = load_notes + list(getattr(source, "notes", [])), []
     for line in notes:
         say(line)
     if source.kind == "images":
