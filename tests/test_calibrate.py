@@ -606,6 +606,42 @@ def test_model_that_neither_shape_inference_nor_onnx_runtime_accepts_is_one_erro
     assert "\n" not in str(e.value)
 
 
+def test_outputs_whose_length_the_data_decides_are_calibrated(tmp_path):
+    """SLANet's decoder (a Loop that stops at an end token) writes sequences whose length depends on the
+    image, not on the input's shape; the buffers sized by the first batch then no longer fit and ONNX
+    Runtime failed the run (OutputMLValue INVALID). Here a Slice keeps 1 or 3 columns as the batch is
+    dark or bright."""
+    from onnx import helper
+    from helpers import init, make_model
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["r"]),
+             helper.make_node("Greater", ["x", "zero"], ["bright"]),  # no float tensor of its own to observe
+             helper.make_node("Cast", ["bright"], ["bi"], to=onnx.TensorProto.INT64),
+             helper.make_node("ReduceMax", ["bi"], ["k01"], keepdims=0),
+             helper.make_node("Mul", ["k01", "two"], ["k02"]),
+             helper.make_node("Add", ["k02", "one"], ["k"]),                      # 1 or 3
+             helper.make_node("Unsqueeze", ["k", "ax0"], ["ends"]),
+             helper.make_node("Slice", ["r", "start0", "ends", "ax3"], ["sl"]),
+             helper.make_node("Conv", ["sl", "w2", "b"], ["y"])]
+    inits = [init("w", rng.standard_normal((4, 3, 3, 3))), init("b", np.zeros(4)),
+             init("w2", rng.standard_normal((4, 4, 1, 1))),
+             init("zero", np.zeros(())), init("two", np.array(2), np.int64),
+             init("one", np.array(1), np.int64), init("ax0", [0], np.int64), init("start0", [0], np.int64),
+             init("ax3", [3], np.int64)]
+    m = make_model(nodes, inits, [("x", ["N", 3, 8, 8])], [("y", ["N", 4, 8, "W"])], opset=13)
+    p = save(m, tmp_path / "varlen.onnx")
+    d = tmp_path / "cal"
+    d.mkdir()
+    for i, v in enumerate([200, 200, 200, 200, 30, 30, 200, 200, 30, 30]):  # batches of 2: bright, bright, dark ...
+        Image.fromarray(np.full((8, 8, 3), v, np.uint8)).save(d / f"img{i:02d}.png")
+    cfg = write_config(tmp_path / "cfg.toml", size=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = calibrate(p, str(d), config=cfg, workdir=str(tmp_path / "w"), batch=2, show_progress=False, threads=1)
+    assert r.table.n_samples == 10 and "sl" in r.table.ranges["minmax"]
+
+
 def test_minmax_ranges_equal_direct_activation_extremes(calibrated):
     """The table's minmax range of every observed tensor equals min/max of that tensor computed directly
     in ONNX Runtime from the same preprocessed images."""

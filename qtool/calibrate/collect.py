@@ -22,6 +22,7 @@ from onnx import helper
 from qtool import graph as G
 from qtool.calibrate.checks import OutputWatch
 from qtool.calibrate.histogram import Histogram, scan
+from qtool.errors import QtoolError
 from qtool.ortsession import session, with_outputs  # noqa: F401  (with_outputs: used by callers)
 
 
@@ -363,7 +364,14 @@ class _BoundRunner:
         io, arrays, fetch = self.bufs[key]
         for name, value in feeds.items():
             io.bind_cpu_input(name, np.ascontiguousarray(value))
-        self.sess.run_with_iobinding(io)
+        try:
+            self.sess.run_with_iobinding(io)
+        except QtoolError:
+            # an output whose length the data decides (a Loop that stops at an end token: SLANet's
+            # decoder) no longer fits the buffer the first batch sized: ordinary runs from here on
+            self.shapes[sig] = None
+            self.bufs.clear()
+            return self.sess.run(self.names, feeds)
         if fresh:
             # ONNX Runtime may hand back its own tensor instead of filling a bound buffer:
             # those outputs are read from the binding on every run
