@@ -576,3 +576,15 @@ def test_eval_says_when_ort_int8_is_not_the_exact_result(project, capsys, monkey
             assert check["sqnr_ort_vs_exact_db"] < 50
         else:
             assert "warning" not in err and check["sqnr_ort_vs_exact_db"] > 1e300  # (inf: identical)
+
+
+def test_quantize_warns_where_the_int8_output_is_far_from_fp32():
+    """PP-OCRv4's seal detector measured 1.6 dB on its calibration images and the quantize output said so only
+    in passing; below 10 dB it is one warning line that asks for the judgement by meaning."""
+    from qtool.commands.quantize import far_from_fp32
+    report = {"target_cost": {"samples": 32, "output_sqnr_db": 1.57, "output_sqnr_plain_int8_db": 1.4}}
+    w = far_from_fp32(report, excluded_sensitive=False)
+    assert w.startswith("warning: ") and "1.6 dB" in w and "--exclude-sensitive" in w and "\n" not in w
+    assert "--exclude-sensitive" not in far_from_fp32(report, excluded_sensitive=True)
+    assert far_from_fp32({"target_cost": {"samples": 32, "output_sqnr_db": 24.0}}, False) is None
+    assert far_from_fp32({"target_cost": None}, False) is None

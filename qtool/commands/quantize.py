@@ -11,6 +11,23 @@ from qtool.quantize.encoding import DEFAULT_TARGET, TARGETS
 from qtool.quantize.run import SensitivityOptions, fp32_ops_of, quantize, reasons_text
 
 
+LOW_SQNR_DB = 10.0  # output SQNR on calibration images below which the user is told to check the model
+
+
+def far_from_fp32(report: dict, excluded_sensitive: bool) -> str | None:
+    """One warning line where the int8 output measured on the calibration images is far from fp32's.
+    Low SQNR alone does not make a model unusable (a detector's boxes can survive 5 dB of noise in its
+    raw scores), so it asks for the judgement by meaning, and names the option that may help."""
+    cost = report.get("target_cost")
+    if not cost or cost["output_sqnr_db"] >= LOW_SQNR_DB:
+        return None
+    hint = ("" if excluded_sensitive else
+            "; `qtool quantize --exclude-sensitive` keeps the layers that cost most in fp32")
+    return (f"warning: the int8 output is far from fp32's on {cost['samples']} calibration images "
+            f"({cost['output_sqnr_db']:.1f} dB SQNR, below {LOW_SQNR_DB:g}): check what it means with "
+            f"`qtool eval` (classes agreed, boxes, text read) before using it{hint}")
+
+
 @click.command("quantize", short_help="Write the INT8 QDQ model and the sensitivity report.")
 @click.option("--output", "-o", type=click.Path(dir_okay=False), help="Where to write the int8 model "
               "(default: WORKDIR/model.int8.onnx).")
@@ -116,6 +133,10 @@ def command(output, model, table, method, exclude, no_bias_correction, exclude_s
         line += (f"; output SQNR on {cost['samples']} calibration images {cost['output_sqnr_db']:.2f} dB "
                  f"(plain int8 weights: {cost['output_sqnr_plain_int8_db']:.2f} dB)")
     say(quiet, line)
+    warning = far_from_fp32(r.report, exclude_sensitive)
+    if warning:
+        click.echo(warning, err=True)  # even with -q: the model written may not be usable as it is
+        r.report["warnings"] = r.report.get("warnings", []) + [warning]
     for op, reasons in sorted(fp32_ops_of(r.output).items()):
         say(quiet, f"  fp32: {op} x{len(reasons)} ({reasons_text(reasons)})")
     for note in r.output.notes:
