@@ -228,7 +228,6 @@ class OutputStats:
         self.n = 0
         self.kind = None  # what agreement means here: decided on the first batch (output_kind)
         self.layout = None  # a detector head's layout, or None
-        self.decided = False
         self.same = self.positions = self.seq_same = 0
         self.paths: list = []  # per sequence: (fp32's, int8's) top-1 class at each position (int32, small)
         self.rows: dict = {}  # k -> fraction of fp32's top-k rows also in int8's top-k, per sample
@@ -246,11 +245,9 @@ class OutputStats:
         self.sig += float((a64 ** 2).sum())
         self.noise += float(((a64 - b64) ** 2).sum())
         self.maxerr = max(self.maxerr, float(np.abs(a64 - b64).max()) if a64.size else 0.0)
-        n = len(a64) if a64.ndim else 1
-        self.n += n
-        if not self.decided:
+        if not self.n:
             self.kind, self.layout = output_kind(a64)
-            self.decided = True
+        self.n += len(a64) if a64.ndim else 1
         kind, layout = self.kind, self.layout
         if kind is not None:
             ia, ib = a.argmax(-1), b.argmax(-1)  # [N] or [N, T]

@@ -259,6 +259,12 @@ def fit_to_input(c: Preprocess, dims: list) -> tuple:
     return c, changes
 
 
+def input_shape(c: Preprocess, h, w) -> list:
+    """The image input's shape in c's layout and colour, batch None (h or w None: left free)."""
+    ch = 1 if c.color == "GRAY" else 3
+    return [None, ch, h, w] if c.layout == "NCHW" else [None, h, w, ch]
+
+
 def pinned_size(c: Preprocess) -> tuple:
     """(h, w) to write into the model's input where the model leaves them free: the size the chosen
     preprocessing feeds (input_size), or (None, None) where the preprocessing was only assumed: the

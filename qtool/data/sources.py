@@ -8,7 +8,7 @@ import onnx
 
 from qtool import graph as G
 from qtool.data.config import (METADATA_KEY, Preprocess, assumed_config, config_from_metadata, config_name, describe,
-                               fit_to_input, input_size, pinned_size)
+                               fit_to_input, input_shape, input_size, pinned_size)
 from qtool.data.images import IMAGE_EXTS, ImageStream, list_images
 from qtool.errors import QtoolError
 
@@ -108,18 +108,15 @@ class ImageData:
 
     def _check_shape(self, model_path):
         d = self.inp.dims
-        h, w = input_size(self.cfg)
-        c = 1 if self.cfg.color == "GRAY" else 3
-        want = [None, c, h, w] if self.cfg.layout == "NCHW" else [None, h, w, c]
+        want = input_shape(self.cfg, *input_size(self.cfg))
         if len(d) != 4 or any(isinstance(a, int) and b is not None and a != b for a, b in zip(d, want)):
             raise QtoolError(f"{model_path}: input '{self.inp.name}' has shape {d}, but the preprocessing makes "
                              f"{['N'] + want[1:]} ({self.cfg.layout}); pass a matching --config")
 
     @property
     def pins(self) -> dict:
-        h, w = pinned_size(self.cfg)  # None: left dynamic, or the fused graph would take one image's size only
-        c = 1 if self.cfg.color == "GRAY" else 3
-        return {self.inp.name: [None, c, h, w] if self.cfg.layout == "NCHW" else [None, h, w, c]}
+        # None: left dynamic, or the fused graph would take one image's size only
+        return {self.inp.name: input_shape(self.cfg, *pinned_size(self.cfg))}
 
     @property
     def skipped(self) -> list:

@@ -99,10 +99,9 @@ def _pins(table) -> dict:
     c = table.config
     if not c or not table.input_name:
         return {}
-    from qtool.data.config import config_from_any, pinned_size
-    h, w = pinned_size(config_from_any(c))  # (None where the preset keeps each image's own size)
-    ch = 1 if c.get("color") == "GRAY" else 3
-    return {table.input_name: [None, ch, h, w] if c.get("layout", "NCHW") == "NCHW" else [None, h, w, ch]}
+    from qtool.data.config import config_from_any, input_shape, pinned_size
+    cfg = config_from_any(c)
+    return {table.input_name: input_shape(cfg, *pinned_size(cfg))}  # (None where each image keeps its own size)
 
 
 SENSITIVITY_SAMPLES = 64  # most, for a classifier: its ranking rests on agreement and KL per image
