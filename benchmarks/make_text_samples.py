@@ -64,6 +64,7 @@ def a_text(rng, words):
 
 def scene(photo):
     im = Image.open(photo).convert("RGB")
+    im.info.clear()  # no ICC profile carried into the scenes and crops
     s = max(W / im.width, H / im.height)
     im = im.resize((max(W, round(im.width * s)), max(H, round(im.height * s))), Image.BILINEAR)
     x0, y0 = (im.width - W) // 2, (im.height - H) // 2
