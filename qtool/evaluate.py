@@ -86,26 +86,27 @@ class ExactCheck:
         except Exception as e:  # the runtime fails on this model: no check, eval goes on
             self._give_up(e)
             return
-        self.rows["exact"].append(np.asarray(exact, np.float64).ravel())
-        self.rows["ort"].append(np.asarray(ort_out[0], np.float64).ravel())
+        # each batch kept in its own shape: samples of a model with free input sizes differ in length
+        self.rows["exact"].append(np.asarray(exact, np.float64))
+        self.rows["ort"].append(np.asarray(ort_out[0], np.float64))
         self.samples += len(next(iter(feeds.values()))) if feeds else 1
-        self.shape = np.shape(ort_out[0])
 
     def result(self) -> dict:
         if self.session is None or not self.rows["ort"]:
             return {"checked": 0, "error": self.error or "no samples"}
-        per = max(1, int(np.prod(self.shape[1:])) if len(self.shape) > 1 else 1)
-        a, b = np.concatenate(self.rows["exact"]).reshape(-1, per), np.concatenate(self.rows["ort"]).reshape(-1, per)
+        a = np.concatenate([x.ravel() for x in self.rows["exact"]])
+        b = np.concatenate([x.ravel() for x in self.rows["ort"]])
         from qtool.metrics import sqnr_db
         from qtool.ort_arithmetic import ort_int8_arithmetic
         db = sqnr_db(a, b)
         floor = CHECK_MIN_DB_WITH_FLOAT_OPS if self.float_ops else CHECK_MIN_DB
-        r = {"checked": len(a), "sqnr_ort_vs_exact_db": db, "max_abs_diff": float(np.abs(a - b).max()),
+        r = {"checked": self.samples, "sqnr_ort_vs_exact_db": db, "max_abs_diff": float(np.abs(a - b).max()),
              "ort_int8_arithmetic": ort_int8_arithmetic(), "exact": bool(db >= floor), "target": self.target,
              "float_ops": self.float_ops, "min_sqnr_db": floor}
-        if agreement_kind(self.shape) is not None:
-            c = self.shape[-1]
-            r["top1_agreement_ort_vs_exact"] = float((a.reshape(-1, c).argmax(1) == b.reshape(-1, c).argmax(1)).mean())
+        if all(agreement_kind(x.shape) is not None for x in self.rows["ort"]):
+            same = [x.reshape(-1, x.shape[-1]).argmax(1) == y.reshape(-1, y.shape[-1]).argmax(1)
+                    for x, y in zip(self.rows["exact"], self.rows["ort"])]
+            r["top1_agreement_ort_vs_exact"] = float(np.concatenate(same).mean())
         return r
 
 
@@ -241,7 +242,15 @@ class OutputStats:
         if samples is not None and a.ndim == 3 and a.shape[0] != samples and a.shape[1] == samples:
             a, b = a.swapaxes(0, 1), b.swapaxes(0, 1)
         a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        self.shape = list(a.shape)
+        if self.shape is not None and len(self.shape) == a.ndim:
+            # a size that changes between samples is a length ("?"), never a set of classes
+            self.shape = [d if d == e or k == 0 else "?" for k, (d, e) in enumerate(zip(self.shape, a.shape))]
+            if self.shape[-1] == "?" and self.kind is not None:
+                self.kind = None
+                self.same = self.positions = self.seq_same = 0
+                self.paths = []
+        else:
+            self.shape = list(a.shape)
         self.sig += float((a64 ** 2).sum())
         self.noise += float(((a64 - b64) ** 2).sum())
         self.maxerr = max(self.maxerr, float(np.abs(a64 - b64).max()) if a64.size else 0.0)

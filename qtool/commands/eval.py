@@ -66,7 +66,8 @@ def _output_lines(r: dict) -> list[str]:
     """One line per output: SQNR, max abs error, and agreement where the output's shape says what it is."""
     lines = []
     for name, o in r.get("outputs", {}).items():
-        text = f"  {name} {o['shape']}: SQNR {o['sqnr_db']:.1f} dB, max |error| {o['max_abs_error']:.4g}"
+        shape = "[" + ", ".join(str(d) for d in o["shape"] or []) + "]"  # (a "?" where samples differ in size)
+        text = f"  {name} {shape}: SQNR {o['sqnr_db']:.1f} dB, max |error| {o['max_abs_error']:.4g}"
         if "top1_agreement" in o:
             text += ", " + _agreement(o)
         if "top_rows_agreement" in o:
