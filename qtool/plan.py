@@ -183,6 +183,7 @@ def _plan(model: onnx.ModelProto, exclude: dict, ranges: dict | None, prune_excl
         # its output feeds int8 ops; ending it fp32 here would report it free: magika's LayerNorm
         # Square, which alone leaves the output at 4.1 dB, measured exact and was not guarded)
         _drop_float_ended(model, plan, facts)
+        _drop_idle_passthrough(model, plan, facts)
     _explain_chains(model, plan, chains)
     return plan
 
@@ -234,6 +235,52 @@ def _drop_float_ended(model: onnx.ModelProto, plan: Plan, facts: ModelFacts) -> 
         _drop_unread_outputs(model, plan, facts.order)
 
 
+def _drop_idle_passthrough(model: onnx.ModelProto, plan: Plan, facts: ModelFacts) -> None:
+    """Data movement that carries int8 from an fp32 tensor (a graph input, an fp32 op's output) to fp32
+    ops only does no int8 work: the quantizer at its root only rounds. wespeaker's fbank front end, its
+    mel MatMul kept fp32 by the guard, still quantized the waveform for the Slice and Reshape that frame
+    it (output 14.9 dB, nothing int8). Such a chain runs fp32 and its root loses its pair. A chain rooted
+    at an int8 op's output is left as it is (that op's output quantizer is _drop_unread_outputs' to take)."""
+    readers = facts.consumers
+    produced_int8 = {o for n in model.graph.node if n.name in plan.int8_nodes
+                     and RULES[n.op_type].kind == "compute" for o in n.output} | set(plan.clamp)  # (a fused Relu's)
+    nodes = {n.name: n for n in model.graph.node}
+
+    def feeds_compute(t, seen):
+        for u in readers.get(t, []):
+            if u.name not in plan.int8_nodes or u.name in seen:
+                continue
+            if RULES[u.op_type].kind == "compute":
+                return True
+            seen.add(u.name)
+            if any(o and feeds_compute(o, seen) for o in u.output):
+                return True
+        return False
+
+    roots = [t for t in plan.tensors if t not in produced_int8 and t not in plan.shared]
+    for t in roots:
+        users = [u for u in readers.get(t, []) if u.name in plan.int8_nodes]
+        idle = [u for u in users if RULES[u.op_type].kind != "compute"
+                and not any(o and feeds_compute(o, {u.name}) for o in u.output)]
+        if not idle:
+            continue
+        todo = list(idle)
+        while todo:  # the chains below t that reach no int8 layer: pass-through nodes only
+            u = todo.pop()
+            if u.name not in plan.int8_nodes:
+                continue
+            plan.int8_nodes.discard(u.name)
+            d = plan.decision(u.name)
+            d.status, d.reason = "fp32", "passes int8 on to fp32 ops only: runs fp32"
+            for o in u.output:
+                plan.shared.pop(o, None)
+                if o in plan.tensors:
+                    _unquantize(model, plan, o, "activation runs fp32: no int8 op reads it")
+                todo += [nodes[v.name] for v in readers.get(o, []) if v.name in plan.int8_nodes]
+        if len(idle) == len(users):
+            _unquantize(model, plan, t, "activation runs fp32: no int8 op reads it")
+
+
 def _output_quantized(node, plan: Plan, readers: dict) -> bool:
     """Whether the op's output (or that of the Relu/Clip fused into its clamp) carries a Q/DQ pair."""
     out = node.output[0]
@@ -283,8 +330,10 @@ def calibration_targets(model: onnx.ModelProto) -> tuple[list, dict]:
     per-channel mean it must record: axis 1 for a convolution's input, the last axis for a Gemm or
     MatMul's (a transformer's [N, T, K] tokens: K channels, T differing from sample to sample))."""
     plan = make_plan(model)
-    # pass-through outputs too: when the layer before is kept fp32, their consumer needs their own range
-    ranges = list(plan.tensors)
+    # pass-through outputs too: when the layer before is kept fp32, their consumer needs their own range;
+    # and what a layer measured alone quantizes (sensitivity plans without pruning: an idle pass-through
+    # chain's root is quantized there)
+    ranges = list(dict.fromkeys(plan.tensors + make_plan(model, prune_excluded=False).tensors))
     ops = {n.name: n.op_type for n in model.graph.node}
     means = {}
     for node, x in sorted(plan.weight_inputs.items(), key=lambda kv: kv[1]):

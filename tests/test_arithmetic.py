@@ -123,7 +123,7 @@ def test_the_runtime_check_allows_float_noise_where_layers_run_in_float():
         c = ExactCheck.__new__(ExactCheck)
         c.n, c.error, c.target, c.session, c.float_ops = 8, "", "portable", object(), float_ops
         noise = rng.standard_normal(exact.shape) * np.sqrt(np.mean(exact ** 2) / 10 ** (noise_db / 10))
-        c.rows, c.shape = {"exact": [exact.ravel()], "ort": [(exact + noise).ravel()]}, exact.shape
+        c.rows, c.samples = {"exact": [exact], "ort": [exact + noise]}, len(exact)
         return c.result()
     assert CHECK_MIN_DB_WITH_FLOAT_OPS < 30 < CHECK_MIN_DB
     r = checked(5, 30.0)

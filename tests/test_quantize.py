@@ -634,3 +634,23 @@ def test_the_default_method_is_chosen_by_measurement_and_an_explicit_one_is_kept
         calibrate(model, data, cfg, "percentile", workdir=str(tmp_path / "named"), show_progress=False, threads=1)
         q = quantize(str(tmp_path / "named"), say=lambda s: None)
     assert q.report["method"] == "percentile" and q.report["method_scores_db"] is None
+
+
+def test_data_movement_that_leads_only_to_fp32_ops_carries_no_int8():
+    """wespeaker's fbank front end: the waveform was quantized for a Reshape whose readers all run fp32
+    (here Abs and Log), so the model only rounded its input (14.9 dB, nothing int8). A chain that
+    reaches an int8 layer keeps its quantizer."""
+    nodes = [helper.make_node("Reshape", ["x", "shp"], ["framed"], name="Reshape_0"),
+             helper.make_node("Abs", ["framed"], ["mag"], name="Abs_1"),
+             helper.make_node("Log", ["mag"], ["y"], name="Log_2"),
+             helper.make_node("Reshape", ["x", "shp"], ["framed2"], name="Reshape_3"),
+             helper.make_node("MatMul", ["framed2", "w"], ["z"], name="MatMul_4")]
+    inits = [init("shp", [4, 4], np.int64), init("w", np.random.default_rng(0).standard_normal((4, 3)))]
+    m = make_model(nodes, inits, [("x", [16])], [("y", [4, 4]), ("z", [4, 3])])
+    p = make_plan(m)
+    d = {x.name: x for x in p.decisions}
+    assert d["Reshape_0"].status == "fp32" and "fp32 ops only" in d["Reshape_0"].reason
+    assert d["Reshape_3"].status == "passthrough" and d["MatMul_4"].status == "int8"
+    assert "x" in p.tensors and "framed" not in p.tensors  # x: for the MatMul's chain only
+    m2 = make_model(nodes[:3], inits[:1], [("x", [16])], [("y", [4, 4])])
+    assert make_plan(m2).tensors == [] and make_plan(m2, prune_excluded=False).tensors == ["x", "framed"]
