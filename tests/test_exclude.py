@@ -65,3 +65,44 @@ def test_the_report_says_the_gain_in_standard_errors():
     r = _run(np.full(N, 0.97))
     assert all(p.gain_se is not None for p in r.curve[1:])
     assert "gain_se" in r.to_dict()["curve"][1]
+
+
+class PairContext(FakeContext):
+    """Only r1 and r2 kept fp32 together cut the noise (the two readers of one noisy tensor: its
+    quantizer goes only when both do); either alone changes nothing."""
+
+    def score(self, feeds, excl, threads=None):
+        both = "r1" in excl and "r2" in excl
+        return self.ref + self.noise * (0.3 if both else 1.0), SimpleNamespace(model=None)
+
+
+def _pair_run(noisy):
+    ctx = PairContext(None)
+    samples = SampleSet([f"{k}" for k in range(N)], {"x": np.zeros((N, 1), np.float32)}, ctx.ref)
+    ranking = [SimpleNamespace(name=n, rank=k) for k, n in enumerate(("a", "r1", "r2"), 1)]
+    return exclude_sensitive(ctx, ranking, samples, target_agreement=1.01, max_excluded=3, measure_latency=False,
+                             noisy=noisy)
+
+
+def test_the_readers_of_a_noisy_quantizer_are_tried_together():
+    from qtool.quantize.quantizer_noise import QuantizerNoise
+    noisy = [QuantizerNoise("t", 12.0, ["r1", "r2"])] + [QuantizerNoise(f"u{k}", 40.0, ["a"]) for k in range(3)]
+    r = _pair_run(noisy)
+    assert set(r.excluded) == {"r1", "r2"}
+    assert "reads t" in r.excluded["r1"]
+    assert "r1+r2" in r.leave_one_out
+    # one layer at a time, neither helps: nothing stays
+    assert _pair_run(None).excluded == {}
+
+
+def test_a_quantizer_no_noisier_than_the_rest_proposes_nothing():
+    from qtool.quantize.exclude import noisy_groups
+    from qtool.quantize.quantizer_noise import QuantizerNoise
+    rank = {"a": 1, "r1": 2, "r2": 3, "r3": 4, "r4": 5}
+    same = [QuantizerNoise("t", 35.0, ["r1", "r2"])] + [QuantizerNoise(f"u{k}", 40.0, ["a"]) for k in range(3)]
+    assert noisy_groups(same, rank, {}, [], 5) == []
+    loud = [QuantizerNoise("t", 10.0, ["r1", "r2", "r3", "r4"]), QuantizerNoise("v", 11.0, ["r1", "x"]),
+            QuantizerNoise("w", 12.0, ["r3"])] + [QuantizerNoise(f"u{k}", 40.0, ["a"]) for k in range(3)]
+    # too many readers, a reader that is no layer of the ranking, one already a candidate: only w's
+    assert [g for g, _ in noisy_groups(loud, rank, {}, [], 5)] == [("r3",)]
+    assert noisy_groups(loud, rank, {}, [("r3",)], 5) == []

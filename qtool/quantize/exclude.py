@@ -4,7 +4,10 @@ Greedy: starting from the fully quantized model, each step tries the next few ca
 keeps the one whose exclusion helps most on the held-back images, and stops as soon as the
 target holds (or the cap is reached). The candidates are the top of the sensitivity ranking
 (each layer alone in int8), re-ordered by what excluding each one alone gains on the fully
-quantized model: the two differ where a layer's noise adds to, or cancels, the others'.
+quantized model: the two differ where a layer's noise adds to, or cancels, the others'. The readers
+of the noisiest activation quantizers (quantizer_noise.py) join the candidates, all the readers of one
+tensor as one candidate (its quantizer goes only when they all do): a quantizer that costs little in
+an fp32 model can cost much among the others, which the ranking of layers alone does not see.
 Where the output is a distribution over its last axis (samples.distribution_output: a CTC
 recognizer's [N, T, C]), agreement and KL are per position, each image's KL the mean of its
 positions'. "Helps most" is the lowest softmax KL divergence from fp32: like top-1 agreement it weighs
@@ -32,7 +35,13 @@ from qtool.quantize.context import QuantizeContext
 from qtool.quantize.samples import SampleSet, distribution_output
 
 CANDIDATES_PER_STEP = 2
-POOL = 8  # layers from the top of the sensitivity ranking whose leave-one-out gain is measured
+POOL = 8
+# and the readers of the noisiest activation quantizers, NOISY_BELOW dB or more under the median one's,
+# at most this many groups of at most GROUP_MAX layers (all the readers of one tensor, so that it
+# stays fp32)
+NOISY_GROUPS = 4
+NOISY_BELOW = 10.0
+GROUP_MAX = 3  # layers from the top of the sensitivity ranking whose leave-one-out gain is measured
 # an exclusion is kept only if its gain, per image against the best model so far, exceeds this many
 # standard errors of that paired difference: on 100 images a lower mean KL alone can be the noise of
 # a few images (each step picks the better of two candidates, which favours a lucky one)
@@ -100,11 +109,38 @@ def _deployed(ctx: QuantizeContext, scored, excl: dict):
     return ctx.build(excl).model if ctx.exact_storage else scored.model
 
 
+def with_group(excl: dict, group: tuple, why: str = "leave-one-out") -> dict:
+    return dict(excl, **{n: why for n in group})
+
+
+def noisy_groups(noisy: list, rank: dict, excl: dict, pool: list, max_excluded: int) -> list:
+    """[(group, reason)]: the int8 readers of each of the NOISY_GROUPS noisiest quantizers (noisy:
+    [QuantizerNoise], noisiest first) whose noise stands out (NOISY_BELOW dB under the median), where
+    they are layers of the ranking, at most GROUP_MAX and not already a candidate."""
+    if not noisy:
+        return []
+    median = float(np.median([q.sqnr_db for q in noisy]))
+    out, seen = [], set(pool)
+    for q in noisy:
+        if len(out) == NOISY_GROUPS or q.sqnr_db > median - NOISY_BELOW:
+            break
+        g = tuple(n for n in q.readers if n not in excl)
+        if not g or g in seen or len(g) > min(GROUP_MAX, max_excluded) or any(n not in rank for n in g):
+            continue
+        seen.add(g)
+        out.append((g, f"kept fp32 by --exclude-sensitive (reads {q.tensor}, whose quantizer alone gives "
+                       f"{q.sqnr_db:.1f} dB there)"))
+    return out
+
+
 def exclude_sensitive(ctx: QuantizeContext, ranking: list, samples: SampleSet, target_agreement: float = 0.995,
                       max_drop: float | None = None, labels=None, max_excluded: int = 5, progress=None,
-                      measure_latency: bool = True, partial: list | None = None) -> ExclusionResult:
+                      measure_latency: bool = True, partial: list | None = None,
+                      noisy: list | None = None) -> ExclusionResult:
     """Layers kept fp32 on top of the user's (ctx.exclude), judged on `samples` (held back).
-    `partial` gets the result as soon as it exists: what was kept so far, should a later step fail."""
+    `partial` gets the result as soon as it exists: what was kept so far, should a later step fail.
+    `noisy` ([QuantizerNoise], quantizer_noise.py): the readers of the noisiest quantizers are
+    candidates too, each group kept fp32 together."""
     base_exclude = dict(ctx.exclude)
     reference = samples.reference
     one = samples.feed(0, samples.batch if samples.fixed_batch else 1)  # (latency at batch 1)
@@ -172,22 +208,34 @@ def exclude_sensitive(ctx: QuantizeContext, ranking: list, samples: SampleSet, t
     if partial is not None:
         partial.append(res)
     best_q, best_pt = q, pt
-    order = [s.name for s in sorted(ranking, key=lambda s: s.rank) if s.name not in excl]
+    rank = {s.name: s.rank for s in ranking}
+    reason = {(n,): f"kept fp32 by --exclude-sensitive (sensitivity rank {r})" for n, r in rank.items()}
+    # a candidate is a group of layers kept fp32 together: one layer, or every reader of a noisy quantizer
+    order = [(s.name,) for s in sorted(ranking, key=lambda s: s.rank) if s.name not in excl]
     if not res.reached and max_excluded > 0:
-        # leave-one-out from the fully quantized model, for the top of the ranking
+        # leave-one-out from the fully quantized model, for the top of the ranking and the readers of
+        # the noisiest quantizers (quantizer_noise.py: what the ranking of layers alone misses)
         pool = order[:POOL]
-        alone = {name: r[1] for name, r in zip(pool, evaluate_all([dict(excl, **{n: "leave-one-out"}) for n in pool]))}
-        order = sorted(pool, key=lambda n: score(alone[n]), reverse=True) + order[POOL:]
-        res.leave_one_out = {n: {"kl": p.kl, "sqnr_db": p.sqnr_db, "agreement": p.agreement} for n, p in alone.items()}
+        for g, why in noisy_groups(noisy or [], rank, excl, pool, max_excluded):
+            pool.append(g)
+            reason[g] = why
+            if g in order:
+                order.remove(g)
+        alone = dict(zip(pool, (r[1] for r in evaluate_all([with_group(excl, g) for g in pool]))))
+        order = sorted(pool, key=lambda g: score(alone[g]), reverse=True) + [g for g in order if g not in alone]
+        res.leave_one_out = {"+".join(g): {"kl": p.kl, "sqnr_db": p.sqnr_db, "agreement": p.agreement}
+                             for g, p in alone.items()}
     misses = 0  # steps in a row whose exclusion did not stay
-    while not res.reached and len(excl) - len(base_exclude) < max_excluded and order and misses < MAX_MISSES:
-        names = order[:CANDIDATES_PER_STEP]
-        cands = [dict(excl, **{name: f"kept fp32 by --exclude-sensitive (sensitivity rank "
-                                     f"{next(s.rank for s in ranking if s.name == name)})"}) for name in names]
-        tried = [(name, cand) + r for name, cand, r in zip(names, cands, evaluate_all(cands))]
-        name, cand, q, pt = max(tried, key=lambda t: score(t[3]))
-        pt.added = name
-        order.remove(name)
+    while not res.reached and order and misses < MAX_MISSES:
+        room = max_excluded - (len(excl) - len(base_exclude))
+        groups = [g for g in order if len(g) <= room][:CANDIDATES_PER_STEP]
+        if not groups:
+            break
+        cands = [with_group(excl, g, reason[g]) for g in groups]
+        tried = [(g, cand) + r for g, cand, r in zip(groups, cands, evaluate_all(cands))]
+        group, cand, q, pt = max(tried, key=lambda t: score(t[3]))
+        pt.added = "+".join(group)
+        order.remove(group)
         # an exclusion stays only if it helps: a better score than the best so far, and no worse
         # than the all-int8 model in agreement and SQNR on the held-back images
         # and by more than the images' own noise

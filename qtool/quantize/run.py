@@ -20,7 +20,8 @@ from qtool.quantize.context import QuantizeContext
 from qtool.quantize.encoding import DEFAULT_TARGET, PAIR_SAFE, S8, TARGETS, U8, portable_u8_layers
 from qtool.quantize.equalize import balance
 from qtool.quantize.input_grid import choose_input_grid
-from qtool.quantize.exclude import CANDIDATES_PER_STEP, POOL as POOL_FOR_PROGRESS, exclude_sensitive
+from qtool.quantize.exclude import CANDIDATES_PER_STEP, NOISY_GROUPS, POOL as POOL_FOR_PROGRESS, exclude_sensitive
+from qtool.quantize.quantizer_noise import quantizer_noise
 from qtool.quantize.guard import guard_layers
 from qtool.quantize.method_choice import best_option, choose, method_scores
 from qtool.quantize.optional import OptionalSteps
@@ -316,10 +317,11 @@ def run_exclusion(ctx: QuantizeContext, ranking: list, check: SampleSet, opts: "
               else f"accuracy drop <= {opts.max_drop} pt")
     say(f"exclude-sensitive: keeping layers fp32 (at most {opts.max_excluded}) until {target} on {len(check)} "
         + ("held-back calibration images" if held_back else "calibration images"))
-    with _bar(1 + POOL_FOR_PROGRESS + opts.max_excluded * CANDIDATES_PER_STEP, "model", "exclude-sensitive (at most)",
-              opts.show_progress) as bar:
+    noisy = quantizer_noise(ctx, check, ctx.threads)
+    with _bar(1 + POOL_FOR_PROGRESS + NOISY_GROUPS + opts.max_excluded * CANDIDATES_PER_STEP, "model",
+              "exclude-sensitive (at most)", opts.show_progress) as bar:
         exclusion = exclude_sensitive(ctx, ranking, check, opts.target_agreement, opts.max_drop, labels,
-                                      opts.max_excluded, bar.update, partial=partial)
+                                      opts.max_excluded, bar.update, partial=partial, noisy=noisy)
         bar.total = bar.n  # the target held early: done
         bar.refresh()
     exclusion.check_images = len(check)

@@ -1,0 +1,42 @@
+"""quantize/quantizer_noise.py: the quantizer that a few wide channels swamp is found first."""
+import glob
+import os
+
+import numpy as np
+
+from helpers import save, write_config, write_images
+from test_sensitivity import damaged_chain
+from qtool.calibrate.run import calibrate
+from qtool.qparams import ActQParams
+from qtool.quantize.context import QuantizeContext
+from qtool.quantize.quantizer_noise import _measure, quantizer_noise
+from qtool.quantize.run import load_inputs
+from qtool.quantize.samples import load_samples
+
+
+def test_the_swamped_tensor_is_the_noisiest(tmp_path):
+    # c3's output channel 0 is 300x the others: c3's (Relu-fused) output, which c4 reads, has one
+    # range for all and the other channels get a handful of its steps
+    model = save(damaged_chain(damaged="c3"), str(tmp_path / "m.onnx"))
+    data = str(tmp_path / "images")
+    write_images(data, 12, seed=3)
+    wd = str(tmp_path / "work")
+    calibrate(model, data, write_config(str(tmp_path / "cfg.toml"), size=16), "minmax", workdir=wd,
+              show_progress=False)
+    fused, table, _ = load_inputs(wd, None, None)
+    ctx = QuantizeContext(fused, table, "minmax")
+    samples = load_samples(fused, table, sorted(glob.glob(os.path.join(data, "*"))))
+    noise = quantizer_noise(ctx, samples)
+    assert noise[0].tensor == "c3_r" and noise[0].readers == ["c4"], [(q.tensor, q.sqnr_db) for q in noise]
+    assert noise[0].sqnr_db + 10 < noise[1].sqnr_db
+    assert "x" in {q.tensor for q in noise}  # the model input's quantizer is measured too
+
+
+def test_values_below_a_flat_readers_range_are_no_noise():
+    p = ActQParams(scale=0.01, zero_point=100)  # range [-1.0, 1.55]
+    y = np.array([-5.0, -3.0, 0.5, 1.0], np.float32)
+    flat, plain = ({}, {}), ({}, {})
+    _measure("t", y, p, True, *flat)
+    _measure("t", y, p, False, *plain)
+    assert flat[1]["t"].sum() < 1e-9  # clipped where the reader is flat anyway: nothing lost
+    assert plain[1]["t"].sum() > 16  # (-5 -> -1 and -3 -> -1: 4^2 + 2^2)
