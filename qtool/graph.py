@@ -250,35 +250,26 @@ SELECTING = ("TopK", "NonMaxSuppression", "GatherElements")  # ops that pick ent
 COMPUTE = ("Conv", "ConvTranspose", "MatMul", "Gemm", "Einsum", "LSTM", "GRU", "RNN")  # where int8 work happens
 
 
-def _reaches(node, links: dict, ops: tuple, up: bool = False) -> bool:
-    """Whether an op of `ops` is downstream of `node` (links = consumers), or with up=True `node` itself
-    or upstream of it (links = producers)."""
-    seen, todo = set(), [node] if up else [c for o in node.output for c in links.get(o, [])]
-    while todo:
-        n = todo.pop()
-        if n is None or id(n) in seen:
-            continue
-        seen.add(id(n))
-        if n.op_type in ops:
-            return True
-        todo += [links.get(i) for i in n.input if i] if up else [c for o in n.output for c in links.get(o, [])]
-    return False
-
-
 def reference_output(model: onnx.ModelProto) -> str:
     """The tensor quantize judges a model by (its experiments' SQNR, agreement, KL): the first float
     output (a tagger's int64 path or a detector's count come before its scores in some exports), else
     the first output; but where the graph ends by selecting entries in a computed order (an NMS-free
     detector's TopK of 300 boxes), the dense tensor they are selected from: int8 noise reorders the
     selection, and an SQNR over reordered boxes (YOLO26n: 3.8 dB for every range method) tells nothing."""
-    prods, cons = producers(model), consumers(model)
+    prods, order = producers(model), topological_order(model)
+    compute = {n.name for n in order if n.op_type in COMPUTE}
+    before_compute = tensors_reaching(model, compute, order)  # tensors some compute reads, at any depth
+    computed = set()  # tensors some compute wrote, at any depth
+    for n in order:
+        if n.op_type in COMPUTE or any(i in computed for i in node_reads(n)):
+            computed.update(o for o in n.output if o)
     picked = []
     for n in model.graph.node:
         # only a selection at the end, made from what compute wrote: a GatherElements that frames a
         # waveform before an STFT and a mel MatMul (a speech front end) is input preparation, and the
         # tensor it reads is one no int8 layer touches (every experiment measured inf dB there)
-        if n.op_type in SELECTING and n.input and not _reaches(n, cons, COMPUTE) \
-                and _reaches(prods.get(n.input[0]), prods, COMPUTE, up=True):
+        if n.op_type in SELECTING and n.input and n.input[0] in computed \
+                and not any(o in before_compute for o in n.output if o):
             t = n.input[0]
             p = prods.get(t)
             if p is not None and p.op_type in ("Split", "Slice"):  # (boxes and scores cut from one tensor)

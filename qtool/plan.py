@@ -247,24 +247,14 @@ def _drop_idle_passthrough(model: onnx.ModelProto, plan: Plan, facts: ModelFacts
     readers = facts.consumers
     produced_int8 = {o for n in model.graph.node if n.name in plan.int8_nodes
                      and RULES[n.op_type].kind == "compute" for o in n.output} | set(plan.clamp)  # (a fused Relu's)
-    nodes = {n.name: n for n in model.graph.node}
-
-    def feeds_compute(t, seen):
-        for u in readers.get(t, []):
-            if u.name not in plan.int8_nodes or u.name in seen:
-                continue
-            if RULES[u.op_type].kind == "compute":
-                return True
-            seen.add(u.name)
-            if any(o and feeds_compute(o, seen) for o in u.output):
-                return True
-        return False
-
+    # tensors from which int8 data movement alone reaches an int8 layer (a walk through int8 nodes only)
+    int8_order = [n for n in facts.order if n.name in plan.int8_nodes]
+    compute = {n.name for n in int8_order if RULES[n.op_type].kind == "compute"}
+    feeds_compute = G.tensors_reaching(model, compute, int8_order)
     roots = [t for t in plan.tensors if t not in produced_int8 and t not in plan.shared]
     for t in roots:
         users = [u for u in readers.get(t, []) if u.name in plan.int8_nodes]
-        idle = [u for u in users if RULES[u.op_type].kind != "compute"
-                and not any(o and feeds_compute(o, {u.name}) for o in u.output)]
+        idle = [u for u in users if RULES[u.op_type].kind != "compute" and not any(o in feeds_compute for o in u.output if o)]
         if not idle:
             continue
         todo = list(idle)
@@ -279,7 +269,7 @@ def _drop_idle_passthrough(model: onnx.ModelProto, plan: Plan, facts: ModelFacts
                 plan.shared.pop(o, None)
                 if o in plan.tensors:
                     _unquantize(model, plan, o, "activation runs fp32: no int8 op reads it")
-                todo += [nodes[v.name] for v in readers.get(o, []) if v.name in plan.int8_nodes]
+                todo += [v for v in readers.get(o, []) if v.name in plan.int8_nodes]
         if len(idle) == len(users):
             _unquantize(model, plan, t, "activation runs fp32: no int8 op reads it")
 
