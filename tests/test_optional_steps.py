@@ -32,6 +32,7 @@ INJECT = {
     "range tuning": ("tune_activation_ranges", {"tune_ranges": True}),
     "sensitivity": ("run_sensitivity", {}),
     "guard": ("guard_layers", {}),
+    "quantizer noise": ("quantizer_noise", {"exclude_sensitive": True, "max_excluded": 1}),
     "exclusion": ("run_exclusion", {"exclude_sensitive": True, "max_excluded": 1}),
     "target cost": ("target_cost", {}),
 }

@@ -35,13 +35,13 @@ from qtool.quantize.context import QuantizeContext
 from qtool.quantize.samples import SampleSet, distribution_output
 
 CANDIDATES_PER_STEP = 2
-POOL = 8
+POOL = 8  # layers from the top of the sensitivity ranking whose leave-one-out gain is measured
 # and the readers of the noisiest activation quantizers, NOISY_BELOW dB or more under the median one's,
 # at most this many groups of at most GROUP_MAX layers (all the readers of one tensor, so that it
 # stays fp32)
 NOISY_GROUPS = 4
 NOISY_BELOW = 10.0
-GROUP_MAX = 3  # layers from the top of the sensitivity ranking whose leave-one-out gain is measured
+GROUP_MAX = 3
 # an exclusion is kept only if its gain, per image against the best model so far, exceeds this many
 # standard errors of that paired difference: on 100 images a lower mean KL alone can be the noise of
 # a few images (each step picks the better of two candidates, which favours a lucky one)

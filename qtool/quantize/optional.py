@@ -27,6 +27,7 @@ STEPS = {
     "range tuning": "the method's ranges",
     "sensitivity": "no sensitivity report, nothing excluded by it",
     "guard": "no layer kept fp32 for ruining the output alone",
+    "quantizer noise": "exclusion candidates from the sensitivity ranking alone",
     "exclusion": "the layers kept fp32 before the failure",
     "target cost": "the target's cost not measured",
     "subgraphs": "the If branches stay fp32",

@@ -309,15 +309,16 @@ def run_sensitivity(ctx: QuantizeContext, samples: SampleSet, opts: "Sensitivity
 
 
 def run_exclusion(ctx: QuantizeContext, ranking: list, check: SampleSet, opts: "SensitivityOptions",
-                  labels: list | None, say=print, held_back: bool = True, partial: list | None = None):
+                  labels: list | None, say=print, held_back: bool = True, partial: list | None = None,
+                  noisy: list | None = None):
     """`held_back`: `check` holds calibration images the sensitivity analysis did not use. `labels`:
-    {file: class} of the calibration images, if known. `partial` gets the result as it is built."""
+    {file: class} of the calibration images, if known. `partial` gets the result as it is built.
+    `noisy`: quantizer_noise's ranking, whose noisiest quantizers' readers are candidates too."""
     labels = None if labels is None else [labels.get(n, -1) for n in check.names]
     target = (f"top-1 agreement >= {opts.target_agreement}" if opts.max_drop is None or labels is None
               else f"accuracy drop <= {opts.max_drop} pt")
     say(f"exclude-sensitive: keeping layers fp32 (at most {opts.max_excluded}) until {target} on {len(check)} "
         + ("held-back calibration images" if held_back else "calibration images"))
-    noisy = quantizer_noise(ctx, check, ctx.threads)
     with _bar(1 + POOL_FOR_PROGRESS + NOISY_GROUPS + opts.max_excluded * CANDIDATES_PER_STEP, "model",
               "exclude-sensitive (at most)", opts.show_progress) as bar:
         exclusion = exclude_sensitive(ctx, ranking, check, opts.target_agreement, opts.max_drop, labels,
@@ -587,8 +588,9 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
                         f"{len(sens_samples) + MIN_HELD_BACK} or more for an independent check)")
                 check, held = every, False
             partial = []  # (the search so far, should it fail)
+            noisy = steps.run("quantizer noise", quantizer_noise, ctx, check, ctx.threads, fallback=None)
             exclusion = steps.run("exclusion", run_exclusion, ctx, ranking, check, opts, labels, say, held, partial,
-                                  fallback=lambda: partial[-1] if partial else None)
+                                  noisy, fallback=lambda: partial[-1] if partial else None)
     final_exclude = dict(exclusion.excluded) if exclusion is not None else dict(exclude)
     out = ctx.build(final_exclude)
     branches = []
