@@ -40,3 +40,31 @@ def test_values_below_a_flat_readers_range_are_no_noise():
     _measure("t", y, p, False, *plain)
     assert flat[1]["t"].sum() < 1e-9  # clipped where the reader is flat anyway: nothing lost
     assert plain[1]["t"].sum() > 16  # (-5 -> -1 and -3 -> -1: 4^2 + 2^2)
+
+
+def test_small_runs_and_a_slow_model_give_the_same_ranking(tmp_path, monkeypatch):
+    """Memory and time bounds change how the tensors are fetched and how many samples, not the ranking:
+    one tensor per fp32 run (a tiny byte budget), and one sample where the model is slow."""
+    from qtool.quantize import quantizer_noise as QN
+    model = save(damaged_chain(damaged="c3"), str(tmp_path / "m.onnx"))
+    data = str(tmp_path / "images")
+    write_images(data, 12, seed=3)
+    wd = str(tmp_path / "work")
+    calibrate(model, data, write_config(str(tmp_path / "cfg.toml"), size=16), "minmax", workdir=wd,
+              show_progress=False)
+    fused, table, _ = load_inputs(wd, None, None)
+    ctx = QuantizeContext(fused, table, "minmax")
+    samples = load_samples(fused, table, sorted(glob.glob(os.path.join(data, "*"))))
+    whole = quantizer_noise(ctx, samples)
+    runs = []
+    real = QN.session
+    monkeypatch.setattr(QN, "session", lambda *a, **k: runs.append(1) or real(*a, **k))
+    monkeypatch.setattr(QN, "BYTES_PER_PASS", 1)
+    small = quantizer_noise(ctx, samples)
+    fetched = len([q for q in whole if q.tensor != "x"])
+    assert len(runs) == 1 + (fetched - QN.FIRST_PASS)  # the first run's FIRST_PASS, then one tensor each
+    assert [(q.tensor, round(q.sqnr_db, 6)) for q in small] == [(q.tensor, round(q.sqnr_db, 6)) for q in whole]
+    samples.seconds_per_sample = 100.0  # slow: one sample only
+    one = quantizer_noise(ctx, samples)
+    assert one[0].tensor == "c3_r" and len(one) == len(whole)
+    assert [round(q.sqnr_db, 6) for q in one] != [round(q.sqnr_db, 6) for q in whole]  # (fewer samples)

@@ -28,7 +28,12 @@ from qtool.ortsession import session, with_outputs
 
 FLAT_BELOW = {"Relu", "Clip", "HardSwish", "HardSigmoid"}
 SAMPLES = 8  # the noise of a quantizer is a property of the tensor: a few samples measure it
-OUTPUTS_PER_PASS = 16  # tensors fetched per fp32 pass, one sample at a time (bounded memory)
+# memory: each fp32 run hands back FIRST_PASS tensors, then as many as fit in BYTES_PER_PASS at the
+# largest size seen so far (one sample per run); time: fewer samples, down to one, where the runs
+# this takes would exceed SECONDS at the fp32 model's measured speed (CRAFT: 437 GMAC per image)
+FIRST_PASS = 4
+BYTES_PER_PASS = 256 << 20
+SECONDS = 30.0
 
 
 @dataclass
@@ -62,17 +67,25 @@ def quantizer_noise(ctx, samples, threads: int = 0) -> list:
             last = all(c.op_type in ("MatMul", "Gemm") for c in cons.get(t, []) if c.name in plan.int8_nodes)
             axis[t] = -1 if last else 1
     flat = {t: f for t, _, f in tensors}
-    take = samples.subset(np.linspace(0, len(samples) - 1, min(SAMPLES, len(samples))).astype(int))
+    fetched = [t for t, _, _ in tensors if t not in inputs]
+    runs = -(-len(fetched) // FIRST_PASS)  # (at most: later runs fetch more at once)
+    n = SAMPLES
+    if samples.seconds_per_sample > 0:
+        n = max(1, min(SAMPLES, int(SECONDS / (samples.seconds_per_sample * max(runs, 1)))))
+    take = samples.subset(np.linspace(0, len(samples) - 1, min(n, len(samples))).astype(int))
     # one sample per run, where the model takes any batch (whole batches where its batch is fixed)
     feeds = take.feeds if take.fixed_batch else [take.feed(k, k + 1) for k in range(len(take))]
     signal, noise = {}, {}
-    fetched = [t for t, _, _ in tensors if t not in inputs]
-    for a in range(0, len(fetched), OUTPUTS_PER_PASS):
-        names = fetched[a:a + OUTPUTS_PER_PASS]
+    a, per_run, biggest = 0, FIRST_PASS, 1
+    while a < len(fetched):
+        names = fetched[a:a + per_run]
         sess = session(with_outputs(fused, names), threads, where="quantizer noise (fp32)")
         for feed in feeds:
             for t, y in zip(names, sess.run(names, feed)):
+                biggest = max(biggest, y.nbytes)
                 _measure(t, np.asarray(y, np.float32), qp[t], flat[t], signal, noise, axis[t])
+        a += len(names)
+        per_run = max(1, BYTES_PER_PASS // biggest)
     for t in (t for t, _, _ in tensors if t in inputs):
         for feed in feeds:
             _measure(t, np.asarray(feed[t], np.float32), qp[t], flat[t], signal, noise, axis[t])
