@@ -3,6 +3,7 @@ import glob
 import os
 
 import numpy as np
+import pytest
 
 from helpers import save, write_config, write_images
 from test_sensitivity import damaged_chain
@@ -14,9 +15,9 @@ from qtool.quantize.run import load_inputs
 from qtool.quantize.samples import load_samples
 
 
-def test_the_swamped_tensor_is_the_noisiest(tmp_path):
-    # c3's output channel 0 is 300x the others: c3's (Relu-fused) output, which c4 reads, has one
-    # range for all and the other channels get a handful of its steps
+@pytest.fixture
+def swamped(tmp_path):
+    """(context, calibration samples) of a chain whose c3 has one output channel 300x the others."""
     model = save(damaged_chain(damaged="c3"), str(tmp_path / "m.onnx"))
     data = str(tmp_path / "images")
     write_images(data, 12, seed=3)
@@ -26,6 +27,13 @@ def test_the_swamped_tensor_is_the_noisiest(tmp_path):
     fused, table, _ = load_inputs(wd, None, None)
     ctx = QuantizeContext(fused, table, "minmax")
     samples = load_samples(fused, table, sorted(glob.glob(os.path.join(data, "*"))))
+    return ctx, samples
+
+
+def test_the_swamped_tensor_is_the_noisiest(swamped):
+    # c3's output channel 0 is 300x the others: c3's (Relu-fused) output, which c4 reads, has one
+    # range for all and the other channels get a handful of its steps
+    ctx, samples = swamped
     noise = quantizer_noise(ctx, samples)
     assert noise[0].tensor == "c3_r" and noise[0].readers == ["c4"], [(q.tensor, q.sqnr_db) for q in noise]
     assert noise[0].sqnr_db + 10 < noise[1].sqnr_db
@@ -42,19 +50,11 @@ def test_values_below_a_flat_readers_range_are_no_noise():
     assert plain[1]["t"].sum() > 16  # (-5 -> -1 and -3 -> -1: 4^2 + 2^2)
 
 
-def test_small_runs_and_a_slow_model_give_the_same_ranking(tmp_path, monkeypatch):
+def test_small_runs_and_a_slow_model_give_the_same_ranking(swamped, monkeypatch):
     """Memory and time bounds change how the tensors are fetched and how many samples, not the ranking:
     one tensor per fp32 run (a tiny byte budget), and one sample where the model is slow."""
     from qtool.quantize import quantizer_noise as QN
-    model = save(damaged_chain(damaged="c3"), str(tmp_path / "m.onnx"))
-    data = str(tmp_path / "images")
-    write_images(data, 12, seed=3)
-    wd = str(tmp_path / "work")
-    calibrate(model, data, write_config(str(tmp_path / "cfg.toml"), size=16), "minmax", workdir=wd,
-              show_progress=False)
-    fused, table, _ = load_inputs(wd, None, None)
-    ctx = QuantizeContext(fused, table, "minmax")
-    samples = load_samples(fused, table, sorted(glob.glob(os.path.join(data, "*"))))
+    ctx, samples = swamped
     whole = quantizer_noise(ctx, samples)
     runs = []
     real = QN.session
