@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from qtool import graph as G
+from qtool import qparams as Q
 from qtool.ortsession import session, with_outputs
 
 FLAT_BELOW = {"Relu", "Clip", "HardSwish", "HardSigmoid"}
@@ -41,11 +42,6 @@ class QuantizerNoise:
     tensor: str
     sqnr_db: float  # its channels' signal over their rounding and clipping noise (the mean ratio, in dB)
     readers: list  # the int8 layers reading it: all of them fp32, and it is not quantized
-
-
-def _fake_quant(y: np.ndarray, scale: float, zero_point: int) -> np.ndarray:
-    q = np.clip(np.rint(y / np.float32(scale)) + zero_point, 0, 255)  # (rint: half to even, as ORT)
-    return ((q - zero_point) * np.float32(scale)).astype(np.float32)
 
 
 def quantizer_noise(ctx, samples, threads: int = 0) -> list:
@@ -102,7 +98,7 @@ def quantizer_noise(ctx, samples, threads: int = 0) -> list:
 def _measure(t, y, p, flat, signal, noise, axis: int = 1) -> None:
     """Adds tensor t's per-channel signal and noise energies (float64 [C]) of the batch y."""
     ref = np.maximum(y, np.float32(p.lo)) if flat else y
-    err = _fake_quant(y, p.scale, p.zero_point) - ref
+    err = Q.fake_quantize(y, p) - ref
     if y.ndim < 2:
         ref, err = ref.reshape(1, -1), err.reshape(1, -1)
         axis = 0
