@@ -417,8 +417,8 @@ def score_det(labels, det):
 def score_e2e(labels, e2e):
     n = ok = boxes = 0
     chars = 0.0
-    misses = []
-    for name, found in e2e.items():
+    misses, mask = [], []
+    for name, found in sorted(e2e.items()):
         words = labels[name]
         m = match([w["box"] for w in words], [aabb(box) for box, _, _ in found])
         boxes += len(found)
@@ -427,25 +427,43 @@ def score_e2e(labels, e2e):
             got = nospace(found[m[gi]][1]) if gi in m else ""
             n += 1
             ok += got == want
+            mask.append("1" if got == want else "0")
             chars += char_acc(got, want)
             if got != want and len(misses) < 400:
                 misses.append([name, w["text"], found[m[gi]][1] if gi in m else None])
     return {"words": n, "boxes": boxes, "read": ok, "word_acc": ok / max(1, n), "char_acc": chars / max(1, n),
-            "misread": misses}
+            "misread": misses, "read_mask": "".join(mask)}  # (each labelled word, images in name order: read or not)
 
 
 def score_crops(crop_text, crops):
     n = ok = 0
     chars = 0.0
-    misses = []
+    misses, texts = [], {}
     for name, (text, _score) in crops.items():
+        texts[name] = text
         want, got = nospace(crop_text[name]), nospace(text)
         n += 1
         ok += got == want
         chars += char_acc(got, want)
         if got != want:
             misses.append([name, crop_text[name], text])
-    return {"crops": n, "read": ok, "word_acc": ok / max(1, n), "char_acc": chars / max(1, n), "misread": misses}
+    return {"crops": n, "read": ok, "word_acc": ok / max(1, n), "char_acc": chars / max(1, n), "misread": misses,
+            "texts": texts}
+
+
+def against_fp32(v, base) -> dict | None:
+    """Paired with fp32 on the same words and crops: the words fp32 reads end to end and this variant does
+    not (lost) and the other way round (gained), and the crops whose text differs from fp32's. A difference
+    in accuracy of a few words is noise or not by these: lost and gained alike are flips either way."""
+    e, be = v.get("e2e"), (base or {}).get("e2e")
+    if v is base or not e or not be or len(e["read_mask"]) != len(be["read_mask"]):
+        return None
+    out = {"e2e_lost": sum(a == "1" and b == "0" for a, b in zip(be["read_mask"], e["read_mask"])),
+           "e2e_gained": sum(a == "0" and b == "1" for a, b in zip(be["read_mask"], e["read_mask"]))}
+    c, bc = v.get("crops"), base.get("crops")
+    if c and bc:
+        out["crops_changed"] = sum(bc["texts"].get(k) != t for k, t in c["texts"].items())
+    return out
 
 
 # ---- the zoo's other recognizers (secondary)
@@ -522,8 +540,8 @@ def delta_cell(v, base):
 
 
 VHEAD = ["variant", "det R/P/H %", "e2e word %", "e2e char %", "rec crops word %", "rec crops char %",
-         "quantize s (calibrate+quantize)", "client s/img"]
-VWIDTH = [22, 25, 13, 13, 16, 16, 31, 12]  # the rows printed as they come
+         "vs fp32: words lost/gained, crops changed", "quantize s (calibrate+quantize)", "client s/img"]
+VWIDTH = [22, 25, 13, 13, 16, 16, 22, 31, 12]  # the rows printed as they come
 
 
 def variant_cells(v, base):
@@ -535,10 +553,13 @@ def variant_cells(v, base):
     det = "-" if not d else f"{pct(d['recall'])}/{pct(d['precision'])}/{delta_cell(d['hmean'], get(bd, 'hmean'))}"
     sec = v.get("client_seconds", {}).get("e2e")
     per_img = f"{sec / max(1, v.get('images', 1)):.2f}" if sec else "-"
+    pair = v.get("vs_fp32")
+    paired = "-" if not pair else (f"-{pair['e2e_lost']}/+{pair['e2e_gained']}"
+                                   + (f", {pair['crops_changed']}" if "crops_changed" in pair else ""))
     cells = [v["name"], det, delta_cell(get(e, "word_acc"), get(be, "word_acc")),
              delta_cell(get(e, "char_acc"), get(be, "char_acc")),
              delta_cell(get(c, "word_acc"), get(bc, "word_acc")), delta_cell(get(c, "char_acc"), get(bc, "char_acc")),
-             v.get("quantize_time", "-"), per_img]
+             paired, v.get("quantize_time", "-"), per_img]
     if v.get("error"):
         cells[-1] += f"  ERROR: {v['error']}"
     return cells
@@ -761,6 +782,8 @@ def main(argv=None):
                          client_wall_seconds=s["seconds"])
         if name == "fp32":
             base = v
+        elif against_fp32(v, base) is not None:
+            v["vs_fp32"] = against_fp32(v, base)
         rows.append(v)
         result["variants"] = rows
         save()
@@ -784,13 +807,15 @@ def main(argv=None):
         if v and v.get("e2e") and base.get("e2e"):
             acc[tag] = {"e2e_word_pt": 100 * (v["e2e"]["word_acc"] - base["e2e"]["word_acc"]),
                         "rec_word_pt": 100 * (v["crops"]["word_acc"] - base["crops"]["word_acc"]),
-                        "det_hmean_pt": 100 * (v["det"]["hmean"] - base["det"]["hmean"])}
+                        "det_hmean_pt": 100 * (v["det"]["hmean"] - base["det"]["hmean"]),
+                        "vs_fp32": v.get("vs_fp32")}
     result["acceptance"] = acc
     lines = []
     for tag, x in acc.items():
         lines.append(f"acceptance ({tag} int8 det+rec - fp32, through the client): end-to-end word accuracy "
-                     f"{x['e2e_word_pt']:+.1f} pt, recognizer word accuracy {x['rec_word_pt']:+.1f} pt, "
-                     f"det hmean {x['det_hmean_pt']:+.1f} pt")
+                     f"{x['e2e_word_pt']:+.1f} pt"
+                     + (f" ({x['vs_fp32']['e2e_lost']} words lost, {x['vs_fp32']['e2e_gained']} gained)" if x["vs_fp32"] else "")
+                     + f", recognizer word accuracy {x['rec_word_pt']:+.1f} pt, det hmean {x['det_hmean_pt']:+.1f} pt")
     if "qtool" not in acc:
         lines.insert(0, "acceptance: qtool's int8 det+rec did not run through the client (see the errors above)")
     print("\n" + "\n".join(lines))
