@@ -68,3 +68,12 @@ def test_small_runs_and_a_slow_model_give_the_same_ranking(swamped, monkeypatch)
     one = quantizer_noise(ctx, samples)
     assert one[0].tensor == "c3_r" and len(one) == len(whole)
     assert [round(q.sqnr_db, 6) for q in one] != [round(q.sqnr_db, 6) for q in whole]  # (fewer samples)
+
+
+def test_the_plan_and_qparams_come_without_the_weights(swamped):
+    ctx, _ = swamped
+    full, light = ctx.build(), ctx.build(weights=False)
+    assert light.plan.tensors == full.plan.tensors and light.plan.int8_nodes == full.plan.int8_nodes
+    assert {t: (q.scale, q.zero_point) for t, q in light.qparams.items()} == \
+        {t: (q.scale, q.zero_point) for t, q in full.qparams.items()}
+    assert not light.layers and full.layers  # (no weight quantized)

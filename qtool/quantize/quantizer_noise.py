@@ -49,7 +49,7 @@ def quantizer_noise(ctx, samples, threads: int = 0) -> list:
     on up to SAMPLES of `samples` (a SampleSet)."""
     if not len(samples):
         return []
-    built = ctx.build()
+    built = ctx.build(weights=False)  # (the plan and the activation qparams; no weight is quantized for them)
     plan, qp = built.plan, built.qparams
     fused = ctx.fused
     cons = G.consumers(fused)
