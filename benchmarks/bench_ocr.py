@@ -782,8 +782,8 @@ def main(argv=None):
                          client_wall_seconds=s["seconds"])
         if name == "fp32":
             base = v
-        elif against_fp32(v, base) is not None:
-            v["vs_fp32"] = against_fp32(v, base)
+        elif (pair := against_fp32(v, base)) is not None:
+            v["vs_fp32"] = pair
         rows.append(v)
         result["variants"] = rows
         save()
