@@ -178,7 +178,7 @@ def evaluate(fp32_path: str, int8_path: str, data: str, config=None, labels: str
             if sample is None:
                 sample = {k: v[:1] for k, v in feeds.items()}
             bar.update(len(names))
-    first = stats[out_name].result()
+    first = _headline([stats[out_name].result()])
     classifier = bool(rows["fp32"])
     lf = np.concatenate(rows["fp32"]) if classifier else None
     lq = np.concatenate(rows["int8"]) if classifier else None
@@ -234,18 +234,27 @@ class OutputStats:
         self.rows: dict = {}  # k -> fraction of fp32's top-k rows also in int8's top-k, per sample
         self.row_err: list = []
         self.shape = None
+        self.text = False  # strings, compared for equality only
 
     def add(self, a: np.ndarray, b: np.ndarray, samples: int | None = None) -> None:
         """`samples`: how many samples the batch holds, where known: a [T, N, C] output (sequence
         first, as many CRNN exports write) is then read as N sequences of T positions."""
         a, b = np.asarray(a), np.asarray(b)
+        if a.dtype.kind in "OSU" or b.dtype.kind in "OSU":
+            # text out (a tokenizer's, a label's name): equal or not is all there is to say
+            self.text = True
+            self.shape = list(a.shape)
+            self.n += len(a) if a.ndim else 1
+            self.positions += a.size
+            self.same += int(np.sum(a == b)) if a.shape == b.shape else 0
+            return
         if samples is not None and a.ndim == 3 and a.shape[0] != samples and a.shape[1] == samples:
             a, b = a.swapaxes(0, 1), b.swapaxes(0, 1)
         a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
         if self.shape is not None and len(self.shape) == a.ndim:
             # a size that changes between samples is a length ("?"), never a set of classes
             self.shape = [d if d == e or k == 0 else "?" for k, (d, e) in enumerate(zip(self.shape, a.shape))]
-            if self.shape[-1] == "?" and self.kind is not None:
+            if self.shape and self.shape[-1] == "?" and self.kind is not None:
                 self.kind = None
                 self.same = self.positions = self.seq_same = 0
                 self.paths = []
@@ -278,6 +287,8 @@ class OutputStats:
                 self.row_err.append(float(np.abs(x[top] - y[top]).max()))
 
     def result(self) -> dict:
+        if self.text:
+            return {"shape": self.shape, "equal_fraction": self.same / max(self.positions, 1)}
         r = {"shape": self.shape, "sqnr_db": float(10 * np.log10(self.sig / self.noise)) if self.noise > 0
              else float("inf"), "max_abs_error": self.maxerr}
         if self.kind is not None:
@@ -411,7 +422,7 @@ def evaluate_tensors(fp32_path: str, int8_path: str, data, limit: int | None = N
         from qtool.errors import QtoolError
         raise QtoolError("no evaluation samples")
     outs = {n: s.result() for n, s in stats.items()}
-    first = outs[names[0]]
+    first = _headline([outs[n] for n in names])
     res = {"n_samples": n_samples, "data_kind": src.kind, "fp32_model": os.path.abspath(fp32_path),
            "int8_model": os.path.abspath(int8_path), "outputs": outs,
            "output_sqnr_db": first["sqnr_db"], "max_abs_error": first["max_abs_error"],
@@ -429,6 +440,16 @@ def evaluate_tensors(fp32_path: str, int8_path: str, data, limit: int | None = N
             res["latency_ms"] = {"ort_fp32": _latency_ms(lambda x: sf.run(None, x), one),
                                  "ort_int8": _latency_ms(lambda x: sq.run(None, x), one)}
     return res
+
+
+def _headline(results: list) -> dict:
+    """The output whose figures head the report: the first numeric one. A model that only writes text
+    gets an SQNR of inf when every string matched and NaN when not (strings have no error size)."""
+    for r in results:
+        if "sqnr_db" in r:
+            return r
+    same = all(r.get("equal_fraction") == 1.0 for r in results)
+    return {"sqnr_db": float("inf") if same else float("nan"), "max_abs_error": 0.0}
 
 
 def _size(path: str) -> int:

@@ -19,11 +19,11 @@ from qtool import graph as G
 from qtool.data.tensors import model_inputs
 from qtool.errors import UsageError, printable
 from qtool.fuse import fuse_model
+from qtool.fuse.upgrade_opset import MIN_OPSET
 from qtool.modelio import load_model
 from qtool.plan import make_plan
 from qtool.rules.activations import activation_inputs
 
-MIN_OPSET = 13  # per-axis DequantizeLinear (quantize/qdq.py upgrades older models to this)
 
 
 @dataclass
@@ -133,7 +133,7 @@ def inspect_model(path: str, shapes=None, exclude: dict | None = None) -> Inspec
     model = load_model(path)
     shapes = parse_shapes(shapes, model) if not isinstance(shapes, dict) else shapes
     v = G.opset(model)
-    note = (f"opset {v} is upgraded to {MIN_OPSET} when quantizing (per-axis DequantizeLinear needs {MIN_OPSET})"
+    note = (f"opset {v} is upgraded to {MIN_OPSET} when cleaning the graph (per-axis DequantizeLinear needs {MIN_OPSET})"
             if v < MIN_OPSET else f"opset {v} is kept")
     ins = []
     for spec, vi in zip(model_inputs(model), G.real_inputs(model)):

@@ -203,3 +203,40 @@ def test_samples_of_different_lengths_evaluate_and_a_length_is_no_class_axis(tmp
     out = r["outputs"]["y"] if "outputs" in r else r
     assert "top1_agreement" not in out and out["shape"] == [1, "?"]
     assert r["runtime_check"]["checked"] == 6 and "error" not in r["runtime_check"]
+
+
+def _text_and_scalar_model(rng):
+    """x [N, 8] float and s [N] strings in; logits [N, 5], their sum (a scalar) and s normalized out:
+    a model with a tokenizer's text beside its numbers."""
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Add", ["m", "b"], ["logits"]),
+             helper.make_node("ReduceSum", ["logits"], ["total"], keepdims=0),
+             helper.make_node("StringNormalizer", ["s"], ["t"], case_change_action="NONE")]
+    inits = [init("w", rng.standard_normal((8, 5))), init("b", rng.standard_normal(5) * 0.1)]
+    from onnx import TensorProto
+    vi = helper.make_tensor_value_info
+    g = helper.make_graph(nodes, "m", [vi("x", TensorProto.FLOAT, [1, 8]), vi("s", TensorProto.STRING, [1])],
+                          [vi("logits", TensorProto.FLOAT, [1, 5]), vi("total", TensorProto.FLOAT, []),
+                           vi("t", TensorProto.STRING, [1])], initializer=inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    m.ir_version = 8
+    return m
+
+
+def test_text_inputs_and_scalar_outputs(tmp_path):
+    """Calibration fed a string input to ONNX Runtime's I/O binding (which takes none); eval read a
+    scalar output's last dimension and turned strings into floats."""
+    from qtool.api import calibrate as api_calibrate, evaluate as api_evaluate, quantize as api_quantize
+    rng = np.random.default_rng(4)
+    path = save(_text_and_scalar_model(rng), tmp_path / "m.onnx")
+    words = ["monday", "tuesday", "apple", "x"]
+    samples = [{"x": rng.standard_normal((1, 8)).astype(np.float32), "s": np.array([w], dtype=object)}
+               for w in words * 2]
+    api_calibrate(path, samples, workdir=str(tmp_path / "w"))
+    api_quantize(workdir=str(tmp_path / "w"))
+    r = api_evaluate(workdir=str(tmp_path / "w"), data=samples)
+    assert r["outputs"]["t"] == {"shape": [1], "equal_fraction": 1.0}
+    assert r["outputs"]["total"]["shape"] == [] and r["outputs"]["total"]["sqnr_db"] > 20
+    assert r["output_sqnr_db"] == r["outputs"]["logits"]["sqnr_db"] > 20
+    from qtool.commands.eval import render_outputs
+    text = render_outputs(r)
+    assert "t [1]: text, 100.0 % of strings equal" in text and "total []: SQNR" in text

@@ -414,3 +414,26 @@ def test_fold_mul_scalar_into_conv_without_bias():
     r = fuse_model(m0)
     assert ops(r.model) == {"Conv": 1} and len(r.model.graph.node[0].input) == 3
     assert_same_function(m0, r.model, {"x": _x((2, 3, 4, 4))})
+
+
+def test_remove_dropout_whose_mask_nobody_reads():
+    """Opset 7-11 exports write Dropout's mask; unread, the Dropout is still an identity."""
+    nodes = [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Dropout", ["a"], ["b", "mask"], ratio=0.5),
+             helper.make_node("Neg", ["b"], ["y"])]
+    m0 = make_model(nodes, [], [("x", ["N", 4])], [("y", ["N", 4])], opset=11)
+    m1, changed, _ = _apply(remove_identity.run, m0)
+    assert changed and ops(m1) == {"Relu": 1, "Neg": 1}
+    assert_same_function(m0, m1, {"x": _x((3, 4))})
+
+
+def test_keep_dropout_whose_mask_is_read_or_that_trains():
+    read = [helper.make_node("Dropout", ["x"], ["b", "mask"]), helper.make_node("Cast", ["mask"], ["mf"], to=1),
+            helper.make_node("Add", ["b", "mf"], ["y"])]
+    m0 = make_model(read, [], [("x", ["N", 4])], [("y", ["N", 4])], opset=11)
+    assert not _apply(remove_identity.run, m0)[1]
+    train = [helper.make_node("Dropout", ["x", "", "t"], ["y"])]
+    m0 = make_model(train, [init("t", np.array(True), np.bool_)], [("x", ["N", 4])], [("y", ["N", 4])], opset=13)
+    assert not _apply(remove_identity.run, m0)[1]
+    off = [helper.make_node("Dropout", ["x", "", "t"], ["b"]), helper.make_node("Neg", ["b"], ["y"])]
+    m0 = make_model(off, [init("t", np.array(False), np.bool_)], [("x", ["N", 4])], [("y", ["N", 4])], opset=13)
+    assert _apply(remove_identity.run, m0)[1]

@@ -345,7 +345,8 @@ class _BoundRunner:
             batch_major = all(o.ndim >= 1 and o.shape[0] == n for o in outs)
             self.shapes[sig] = [o.shape[1:] for o in outs] if batch_major else None
             return outs
-        if self.shapes[sig] is None:
+        if self.shapes[sig] is None or any(np.asarray(v).dtype.kind in "OSU" for v in feeds.values()):
+            # (ONNX Runtime binds no string tensor: a model that takes text runs the ordinary way)
             return self.sess.run(self.names, feeds)
         key = (sig, n)
         fresh = key not in self.bufs

@@ -67,6 +67,9 @@ def _output_lines(r: dict) -> list[str]:
     lines = []
     for name, o in r.get("outputs", {}).items():
         shape = "[" + ", ".join(str(d) for d in o["shape"] or []) + "]"  # (a "?" where samples differ in size)
+        if "equal_fraction" in o:  # (strings)
+            lines.append(f"  {name} {shape}: text, {100 * o['equal_fraction']:.1f} % of strings equal")
+            continue
         text = f"  {name} {shape}: SQNR {o['sqnr_db']:.1f} dB, max |error| {o['max_abs_error']:.4g}"
         if "top1_agreement" in o:
             text += ", " + _agreement(o)

@@ -1,5 +1,8 @@
 """Graph cleanup and fusion: model -> fused fp32 graph computing the same function.
 
+A model below opset 13 is first upgraded to 13 (upgrade_opset), so that every later step sees the opset
+the int8 graph will have.
+
 Each pass is one small module with a `run(model, ctx) -> changed` function, listed in
 PASSES in the order they are tried; the list is applied until no pass changes anything.
 FINAL_PASSES then run once on the simplified graph: they choose among equivalent graphs
@@ -13,7 +16,8 @@ import onnx
 
 from qtool import graph as G
 from qtool.fuse import (fold_batchnorm, fold_constants, fold_mul_add, fold_pad, fold_reshape_shape, pair_channels,
-                        remove_dead, remove_identity)
+                        remove_dead, remove_identity, upgrade_opset)
+from qtool.errors import QtoolError
 
 PASSES = [
     ("remove_identity", remove_identity.run),
@@ -80,8 +84,13 @@ def fuse_model(model: onnx.ModelProto, input_pins: dict | None = None, passes=No
         m = onnx.ModelProto()
         m.CopyFrom(model)
     ctx = FuseContext(input_pins=dict(input_pins or {}))
-    pin_inputs(m, ctx.input_pins)
     before = _op_counts(m)
+    if passes is None:
+        try:
+            m = upgrade_opset.upgrade(m, ctx.messages)
+        except QtoolError as e:  # (quantize, which needs opset 13, says so again; calibration can go on)
+            ctx.messages.append(str(e))
+    pin_inputs(m, ctx.input_pins)
     for _ in range(max_rounds):
         changed = False
         for _name, fn in (passes or PASSES):

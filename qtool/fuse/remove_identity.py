@@ -6,16 +6,23 @@ produced by a node and used nowhere else); otherwise the node stays.
 """
 from __future__ import annotations
 
+import numpy as np
 import onnx
 
 from qtool import graph as G
 
 
-def _removable(node, model, types) -> bool:
+def _removable(node, model, types, used) -> bool:
     if node.op_type == "Identity":
         return True
     if node.op_type == "Dropout":
-        return len([o for o in node.output if o]) == 1
+        # at inference a Dropout copies its input; its mask (opset 7-11 exports name it) must go unread,
+        # and a training_mode input must be a constant false
+        if len(node.input) > 2 and node.input[2]:
+            mode = G.const_value(model, node.input[2])
+            if mode is None or bool(np.any(mode)):
+                return False
+        return not any(o in used for o in node.output[1:] if o)
     if node.op_type == "Cast":
         return types.get(node.input[0]) == G.attr(node, "to")
     return False
@@ -35,9 +42,11 @@ def _elem_types(model):
 def run(model: onnx.ModelProto, ctx) -> bool:
     types = _elem_types(model) if any(n.op_type == "Cast" for n in model.graph.node) else {}
     outputs = G.graph_output_names(model)
+    # (removing nodes only makes fewer tensors read, so this stays a safe over-estimate)
+    used = set(outputs) | {t for n in model.graph.node for t in G.node_reads(n)}
     changed = False
     for node in list(model.graph.node):
-        if not _removable(node, model, types):
+        if not _removable(node, model, types, used):
             continue
         x, y = node.input[0], node.output[0]
         if y in outputs:

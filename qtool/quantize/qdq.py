@@ -17,6 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 from qtool import graph as G
 from qtool import qparams as Q
 from qtool.errors import QtoolError
+from qtool.fuse.upgrade_opset import MIN_OPSET, upgrade as upgrade_opset
 from qtool.modelio import set_provenance
 from qtool.quantize.encoding import DEFAULT_TARGET, PAIR_SAFE, S7, S8, TARGETS, U8, W_MAX_OF, pair_partners
 from qtool.plan import Plan, make_plan
@@ -24,7 +25,6 @@ from qtool.lattice import Lattice, lattice_qparams
 from qtool.rules import RULES
 from qtool.quantize.weights import pair_safe_scale, quantize_weight
 
-MIN_OPSET = 13  # per-axis DequantizeLinear
 
 
 @dataclass
@@ -45,19 +45,6 @@ class QuantizeOutput:
     layers: dict = field(default_factory=dict)  # node name -> LayerInfo
     notes: list = field(default_factory=list)
     input_shifts: dict = field(default_factory=dict)  # model input -> the constant added before its quantizer
-
-
-def upgrade_opset(model: onnx.ModelProto, notes: list) -> onnx.ModelProto:
-    v = G.opset(model)
-    if v >= MIN_OPSET:
-        return model
-    from onnx import version_converter
-    try:
-        up = version_converter.convert_version(model, MIN_OPSET)
-    except Exception as e:
-        raise QtoolError(f"model opset {v} has no per-axis DequantizeLinear and upgrading it to {MIN_OPSET} failed: {e}") from None
-    notes.append(f"opset upgraded from {v} to {MIN_OPSET} (per-channel DequantizeLinear needs 13)")
-    return up
 
 
 def _tensor_qparams(plan: Plan, table, method, tensor, producers=None):

@@ -35,7 +35,8 @@ from qtool import graph as G
 from qtool import qparams as Q
 from qtool.ortsession import session
 from qtool.plan import ModelFacts, make_plan
-from qtool.quantize.qdq import activation_qparams, layer_weights, upgrade_opset
+from qtool.fuse.upgrade_opset import upgrade as upgrade_opset
+from qtool.quantize.qdq import activation_qparams, layer_weights
 from qtool.rules import RULES
 
 SESSION_SECONDS = (0.02, 1.5e-4)  # making a session: fixed, and per node of its graph (ORT 1.32, measured)
