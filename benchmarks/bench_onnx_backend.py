@@ -15,6 +15,8 @@ the defaults, eval, then ONNX Runtime on the int8 model against fp32. Outcomes:
 Exit 1 when any model FAILs. Results: OUT/backend.json, OUT/backend.md.
 
   python benchmarks/bench_onnx_backend.py --out DIR [--jobs 2] [--match Conv]
+  python benchmarks/bench_onnx_backend.py --write-node-tests NODE_DIR   # onnx's ~1900 one-op tests
+  python benchmarks/bench_onnx_backend.py --dir NODE_DIR --out DIR
 """
 import argparse
 import glob
@@ -30,12 +32,40 @@ from concurrent.futures import ThreadPoolExecutor
 TIMEOUT_S = 300
 
 
-def backend_models(match=None):
+def backend_models(match=None, root=None):
+    """The installed onnx package's test models, or the test folders (model.onnx + test_data_set_0) under
+    `root`: onnx's node tests, which the wheel no longer carries, are written by
+    `onnx.backend.test.case.node.collect_testcases()` (see --write-node-tests)."""
     import onnx
-    root = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data")
-    found = sorted(d for d in glob.glob(os.path.join(root, "*", "*")) if os.path.isfile(os.path.join(d, "model.onnx")))
-    found += sorted(glob.glob(os.path.join(root, "light", "*.onnx")))
+    if root is None:
+        root = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data")
+        found = sorted(d for d in glob.glob(os.path.join(root, "*", "*")) if os.path.isfile(os.path.join(d, "model.onnx")))
+        found += sorted(glob.glob(os.path.join(root, "light", "*.onnx")))
+    else:
+        found = sorted(d for d in glob.glob(os.path.join(root, "*")) if os.path.isfile(os.path.join(d, "model.onnx")))
     return [p for p in found if not match or match in os.path.basename(p.rstrip("/"))]
+
+
+def write_node_tests(out):
+    """onnx's ~1900 node test cases (one op each, every opset's variants) as test folders under `out`."""
+    import numpy as np
+    from onnx import TensorProto, numpy_helper
+    from onnx.backend.test.case.node import collect_testcases
+    n = 0
+    for case in collect_testcases():
+        d = os.path.join(out, case.name, "test_data_set_0")
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(out, case.name, "model.onnx"), "wb") as f:
+            f.write(case.model.SerializeToString())
+        for j, x in enumerate(case.data_sets[0][0] if case.data_sets else []):
+            vi = case.model.graph.input[j]
+            if not vi.type.HasField("tensor_type"):
+                break
+            t = x if isinstance(x, TensorProto) else numpy_helper.from_array(np.asarray(x), vi.name)
+            with open(os.path.join(d, f"input_{j}.pb"), "wb") as f:
+                f.write(t.SerializeToString())
+        n += 1
+    return n
 
 
 def name_of(path):
@@ -147,6 +177,8 @@ def main():
     ap.add_argument("--out", default="bench_out/backend")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--match", help="only models whose name contains this")
+    ap.add_argument("--dir", help="test folders (model.onnx + test_data_set_0/input_*.pb) to run instead")
+    ap.add_argument("--write-node-tests", metavar="DIR", help="write onnx's node test cases into DIR and stop")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -155,7 +187,12 @@ def main():
         warnings.simplefilter("ignore")
         print(json.dumps(run_one(a.one, a.work), default=str))
         return 0
-    models = backend_models(a.match)
+    if a.write_node_tests:
+        import warnings
+        warnings.simplefilter("ignore")
+        print(f"{write_node_tests(a.write_node_tests)} node tests written to {a.write_node_tests}")
+        return 0
+    models = backend_models(a.match, a.dir)
     if not models:
         print("no backend-test models found in the installed onnx package", file=sys.stderr)
         return 1
