@@ -152,7 +152,9 @@ def stem_fit(model: onnx.ModelProto, input_name: str, files: list, cfg, current:
             options[label] = key
     alike = {k: (presets[k].layout == cfg.layout) + (presets[k].resize == cfg.resize) for k in options if k in presets}
     sess = session(_stem_model(model, input_name, nodes, bn.input[0]), threads)
-    fixed = G.input_dims(next(i for i in model.graph.input if i.name == input_name))[0]
+    vi = next(i for i in model.graph.input if i.name == input_name)
+    fixed = G.input_dims(vi)[0]
+    dtype = np.float16 if vi.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16 else np.float32
     chunk = fixed if isinstance(fixed, int) and fixed > 0 else len(x0)  # a fixed batch takes whole batches only
     if chunk > len(x0):
         return None
@@ -161,7 +163,7 @@ def stem_fit(model: onnx.ModelProto, input_name: str, files: list, cfg, current:
     shape[cax] = -1
     for label, (color, m, s) in options.items():
         x = np.flip(x0, axis=cax) if color == "BGR" else x0
-        x = ((x - np.reshape(m, shape)) / np.reshape(s, shape)).astype(np.float32)
+        x = ((x - np.reshape(m, shape)) / np.reshape(s, shape)).astype(dtype)
         y = np.concatenate([sess.run(None, {input_name: x[a:a + chunk]})[0]
                             for a in range(0, len(x) - chunk + 1, chunk)]).astype(np.float64)
         if y.ndim < 2 or y.shape[1] != len(mean):

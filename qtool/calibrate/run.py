@@ -107,6 +107,9 @@ def _calibrate(model_path, data, config, method, workdir, batch, limit, show_pro
             warnings.warn(alerts[-1], stacklevel=2)
     fused = fuse_model(model, source.pins, inplace=True)
     del model  # fused in place: the fused graph is all that is needed from here on
+    for line in fused.messages:  # (what changed the model as a whole, not one node)
+        if line.startswith(("upgrade_opset:", "upcast_float16:")):
+            say("note: " + line.split(": ", 1)[1])
     ranges, means = calibration_targets(fused.model)
     if not ranges:  # (the int8 model will be the fp32 one; quantize says which ops stay fp32 and why)
         warnings.warn(f"{model_path}: nothing in this model's graph has an int8 rule"

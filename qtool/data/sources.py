@@ -17,11 +17,15 @@ from qtool.errors import QtoolError
 class ModelInput:
     name: str
     dims: list  # ints where static, str/None where dynamic
+    dtype: str = "float32"  # what the pixels are handed over as: float32, or float16 for a half-precision model
+
+
+_IMAGE_TYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16"}
 
 
 def float_inputs(model: onnx.ModelProto) -> list:
-    return [ModelInput(i.name, G.input_dims(i)) for i in G.real_inputs(model)
-            if i.type.tensor_type.elem_type == onnx.TensorProto.FLOAT]
+    return [ModelInput(i.name, G.input_dims(i), _IMAGE_TYPES[i.type.tensor_type.elem_type])
+            for i in G.real_inputs(model) if i.type.tensor_type.elem_type in _IMAGE_TYPES]
 
 
 def image_input(model: onnx.ModelProto, cfg: Preprocess, path: str) -> ModelInput:
@@ -37,7 +41,7 @@ def image_input(model: onnx.ModelProto, cfg: Preprocess, path: str) -> ModelInpu
                              f"feed one input only: calibrate from .npz files holding every input")
         return match[0]
     if not ins:
-        raise QtoolError(f"{path}: model has no float32 input to feed images to")
+        raise QtoolError(f"{path}: model has no float32 or float16 input to feed images to")
     chosen = ins[0]
     others = [i.name for i in G.real_inputs(model) if i.name != chosen.name]
     if others:
@@ -127,4 +131,4 @@ class ImageData:
 
     def batches(self):
         for names, x in self.stream:
-            yield names, {self.inp.name: x}
+            yield names, {self.inp.name: x if self.inp.dtype == "float32" else x.astype(self.inp.dtype)}

@@ -1,7 +1,7 @@
 """Graph cleanup and fusion: model -> fused fp32 graph computing the same function.
 
 A model below opset 13 is first upgraded to 13 (upgrade_opset), so that every later step sees the opset
-the int8 graph will have.
+the int8 graph will have, and a float16 model is widened to compute in float32 (upcast_float16).
 
 Each pass is one small module with a `run(model, ctx) -> changed` function, listed in
 PASSES in the order they are tried; the list is applied until no pass changes anything.
@@ -16,7 +16,7 @@ import onnx
 
 from qtool import graph as G
 from qtool.fuse import (fold_batchnorm, fold_constants, fold_mul_add, fold_pad, fold_reshape_shape, pair_channels,
-                        remove_dead, remove_identity, upgrade_opset)
+                        remove_dead, remove_identity, upcast_float16, upgrade_opset)
 from qtool.errors import QtoolError
 
 PASSES = [
@@ -86,10 +86,16 @@ def fuse_model(model: onnx.ModelProto, input_pins: dict | None = None, passes=No
     ctx = FuseContext(input_pins=dict(input_pins or {}))
     before = _op_counts(m)
     if passes is None:
+        notes = []
         try:
-            m = upgrade_opset.upgrade(m, ctx.messages)
+            m = upgrade_opset.upgrade(m, notes)
         except QtoolError as e:  # (quantize, which needs opset 13, says so again; calibration can go on)
-            ctx.messages.append(str(e))
+            notes.append(str(e))
+        for line in notes:
+            ctx.log("upgrade_opset", line)
+        notes = []
+        if upcast_float16.upcast(m, notes):
+            ctx.log("upcast_float16", notes[0])
     pin_inputs(m, ctx.input_pins)
     for _ in range(max_rounds):
         changed = False

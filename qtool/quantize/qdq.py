@@ -17,6 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 from qtool import graph as G
 from qtool import qparams as Q
 from qtool.errors import QtoolError
+from qtool.fuse import upcast_float16
 from qtool.fuse.upgrade_opset import MIN_OPSET, upgrade as upgrade_opset
 from qtool.modelio import set_provenance
 from qtool.quantize.encoding import DEFAULT_TARGET, PAIR_SAFE, S7, S8, TARGETS, U8, W_MAX_OF, pair_partners
@@ -190,6 +191,7 @@ def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exc
     m = onnx.ModelProto()
     m.CopyFrom(fused)
     m = upgrade_opset(m, notes)
+    upcast_float16.noted(m, notes)
     plan = make_plan(m, exclude, {**table.ranges.get(method or table.range_method, {}), **(ranges or {})}, prune_excluded)
     nodes = {n.name: n for n in m.graph.node}
     # fused activations: the producer writes the activation's output, the activation goes
