@@ -404,7 +404,7 @@ def evaluate_tensors(fp32_path: str, int8_path: str, data, limit: int | None = N
     exact = ExactCheck(int8_path, threads) if check else None
     sample, n_samples = None, 0
     runs = {"ort_fp32": [], "ort_int8": []}  # seconds per run; at batch 1 these are the latencies
-    for _, feeds in src.batches():
+    for batch_names, feeds in src.batches():
         t0 = time.perf_counter()
         outs_q = sq.run(names, feeds)
         t1 = time.perf_counter()
@@ -413,7 +413,8 @@ def evaluate_tensors(fp32_path: str, int8_path: str, data, limit: int | None = N
         runs["ort_fp32"].append(time.perf_counter() - t1)
         if exact is not None:
             exact.add(feeds, outs_q)
-        n_batch = len(next(iter(feeds.values())))
+        # (a file is one sample, whatever its axis 0 holds; an iterable's item may be a batch)
+        n_batch = len(batch_names) if src.kind in ("npy", "npz") else len(next(iter(feeds.values())))
         for name, a, b in zip(names, outs_f, outs_q):
             stats[name].add(a, b, n_batch)
         n_samples += n_batch

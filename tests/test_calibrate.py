@@ -366,7 +366,7 @@ def test_a_model_run_in_segments_gives_the_same_table(tmp_path, net, monkeypatch
     real = collect._segments
     monkeypatch.setattr(collect, "GROUPED_ABOVE", 0)
     monkeypatch.setattr(collect, "GROUP_BYTES", 1)  # (a segment per observed tensor)
-    monkeypatch.setattr(collect, "_segments", lambda *a: seen.append(real(*a)) or seen[-1])
+    monkeypatch.setattr(collect, "_segments", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
     cut = _calibrate(net, d, tmp_path / "2", threads=2).table
     assert len(seen[0]) > 3  # (cut, for real)
     assert cut.n_samples == whole.n_samples == 7

@@ -89,8 +89,10 @@ MEAN_SAMPLES = 128  # per-channel means (for bias correction): 128 images x ever
 
 
 def collect(model: onnx.ModelProto, range_tensors: list, mean_tensors: list, batches, progress=None,
-            threads: int = 0, watch: str | None = None, where: str | None = None, ranged=()) -> Observed:
+            threads: int = 0, watch: str | None = None, where: str | None = None, ranged=(), cut: bool = True) -> Observed:
     """`batches` yields dicts input name -> array; `progress(k)` is told of k more samples.
+    `cut`: axis 0 of the feeds holds samples, which may be run in slices; False: each feed is one
+    sample, run whole (a model whose axis 0 is the sample's own, time or nodes).
     `watch`: a float model output summarised per sample (Observed.watch, checks.OutputWatch).
     `ranged`: tensors (of mean_tensors, channels on axis 1) whose per-channel min and max are kept too.
 
@@ -109,7 +111,7 @@ def collect(model: onnx.ModelProto, range_tensors: list, mean_tensors: list, bat
     wanted = list(dict.fromkeys(list(range_tensors) + list(mean_tensors) + ([watch] if watch else [])))
     batches = iter(batches)
     head = next(batches, None)
-    segments = _segments(model, wanted, head)
+    segments = _segments(model, wanted, head, per_row=cut)
     batches = itertools.chain([] if head is None else [head], batches)
     threads = threads or min(os.cpu_count() or 1, 8)
     n_workers = WORKERS if threads >= WORKERS and len(segments) == 1 else 1
@@ -125,7 +127,8 @@ def collect(model: onnx.ModelProto, range_tensors: list, mean_tensors: list, bat
                        set(ranged))
                for _ in range(n_workers)]
     per_sample = lambda: next((w.per_sample_bytes for w in workers if w.per_sample_bytes), None)
-    slices = _slices(batches, graph_inputs, per_sample, MAX_OUTPUT_BYTES // n_workers)
+    slices = _slices(batches, graph_inputs, per_sample, MAX_OUTPUT_BYTES // n_workers) if cut else \
+        ({k: v for k, v in f.items() if k in graph_inputs} for f in batches)
     try:
         for w in workers:
             w.start()
@@ -138,7 +141,7 @@ def collect(model: onnx.ModelProto, range_tensors: list, mean_tensors: list, bat
             feeds = next(slices, None)
             if feeds is None:
                 break
-            n = len(next(iter(feeds.values()))) if feeds else 0
+            n = (len(next(iter(feeds.values()))) if feeds else 0) if cut else 1
             workers[k % n_workers].put((first, n, feeds), workers)
             first += n
     except _WorkerFailed:
@@ -170,7 +173,7 @@ class _Segment:
     drop: list = field(default_factory=list)
 
 
-def _segments(model: onnx.ModelProto, wanted: list, feeds: dict | None) -> list:
+def _segments(model: onnx.ModelProto, wanted: list, feeds: dict | None, per_row: bool = True) -> list:
     """The whole graph as one segment reading out `wanted`, or, when one sample's values of them exceed
     GROUPED_ABOVE, its nodes (in graph order) cut into segments that each write about GROUP_BYTES of
     them: each node runs once, and only one segment's values and the tensors crossing the cuts are
@@ -180,8 +183,11 @@ def _segments(model: onnx.ModelProto, wanted: list, feeds: dict | None) -> list:
     if not feeds:
         return whole
     from qtool.plan import elem_types
-    shapes = G.inferred_shapes(model, {k: (1,) + tuple(np.shape(v)[1:]) if np.ndim(v) else () for k, v in feeds.items()})
-    size = {t: 4 * int(np.prod(shapes[t])) for t in wanted if shapes.get(t) is not None and all(shapes[t])}
+    # inferred at the batch's own shapes, one sample's share taken after: at one row, onnx's data propagation
+    # aborted the process (a std::clamp assertion) on madmom's onsets CNN, whose axis 0 is time
+    shapes = G.inferred_shapes(model, {k: np.shape(v) for k, v in feeds.items()})
+    rows = max(1, len(next(iter(feeds.values())))) if per_row and np.ndim(next(iter(feeds.values()))) else 1
+    size = {t: 4 * int(np.prod(shapes[t])) // rows for t in wanted if shapes.get(t) is not None and all(shapes[t])}
     big = max(size.values(), default=0)
     if sum(size.get(t, big) for t in wanted) <= GROUPED_ABOVE:
         return whole

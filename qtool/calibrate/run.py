@@ -142,7 +142,8 @@ def _calibrate(model_path, data, config, method, workdir, batch, limit, show_pro
 
     with tqdm(total=len(source) or None, unit="sample", desc="calibrate", disable=not show_progress, leave=False) as bar:
         obs = collect(fused.model, ranges, means, feeds(), bar.update, threads, watch=watch,
-                      where=f"{model_path} (fused)", ranged=balanced_tensors(fused.model))
+                      where=f"{model_path} (fused)", ranged=balanced_tensors(fused.model),
+                      cut=source.kind == "images" or source.batch > 1)
     if obs.n_samples == 0:
         raise QtoolError(f"{_describe(data)}: no samples" if source.kind != "images" else
                          f"{data}: none of the {len(source)} images could be read")

@@ -211,6 +211,13 @@ class TensorData:
 
     kind = "tensors"
 
+    def _whole(self, shapes: dict) -> bool:
+        """A file is one sample: where one of its arrays already has the model's rank and more than one
+        row on axis 0, that axis is the sample's own (madmom's [frames, bins] spectrogram), not a batch
+        to cut into rows or join with other files. Such files run one at a time, whole."""
+        return any(spec.dims and spec.dims[0] is None and len(shapes[spec.name]) == len(spec.dims)
+                   and shapes[spec.name][0] != 1 for spec in self.inputs if spec.name in shapes)
+
     def __init__(self, model: onnx.ModelProto, model_path: str, batch: int = 8):
         self.inputs = model_inputs(model)
         if not self.inputs:
@@ -268,10 +275,12 @@ class NpyFolder(TensorData):
         if not files:
             raise QtoolError(f"{folder}: no .npy files")
         self.files = files[:limit] if limit else files
-        spec = self.inputs[0]
+        whole = False
         for f in self.files:  # headers only: every file is checked before any inference runs
             shape, dtype = _npy_header(f)
             check_array(self.inputs[0], shape, dtype, f)
+            whole = whole or self._whole({self.inputs[0].name: shape})
+        self.batch = 1 if whole else self.batch
 
     def samples(self):
         for f in self.files:
@@ -288,8 +297,12 @@ class NpzFolder(TensorData):
         if not files:
             raise QtoolError(f"{folder}: no .npz files")
         self.files = files[:limit] if limit else files
+        whole = False
         for f in self.files:  # headers only: every file is checked before any inference runs
-            check_headers(_npz_headers(f), self.inputs, f)
+            headers = _npz_headers(f)
+            check_headers(headers, self.inputs, f)
+            whole = whole or self._whole({k: sh for k, (sh, _) in headers.items()})
+        self.batch = 1 if whole else self.batch
 
     def samples(self):
         for f in self.files:

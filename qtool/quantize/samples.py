@@ -89,9 +89,13 @@ def load_samples(fused, table, files: list, threads: int = 0, progress=None) -> 
         return SampleSet.empty()
     data = ImageData(os.path.dirname(files[0]), config_from_any(table.config), fused, table.model_path,
                      batch=BATCH, files=files)
+    stacked = getattr(data, "kind", "") != "images" and data.batch == 1  # (each sample fed whole, as recorded)
     by_shape = {}  # a dynamic model's samples may differ in size: (each sample's input shapes) -> (names, parts)
     for n, f in data.batches():
-        names, parts = by_shape.setdefault(tuple((k, v.shape[1:]) for k, v in sorted(f.items())), ([], {}))
+        # samples fed whole need not share a size (graphs of different node counts, spectrograms of different
+        # lengths): they are kept as they are, one object each
+        key = () if stacked else tuple((k, v.shape[1:]) for k, v in sorted(f.items()))
+        names, parts = by_shape.setdefault(key, ([], {}))
         names.extend(n)
         for k, v in f.items():
             parts.setdefault(k, []).append(v)
@@ -110,8 +114,8 @@ def load_samples(fused, table, files: list, threads: int = 0, progress=None) -> 
     if skipped:
         warnings.warn(f"{skipped} of {len(files)} calibration samples can no longer be read; using the other "
                       f"{len(names)}", stacklevel=2)
-    if getattr(data, "kind", "") != "images" and data.batch == 1:  # (tensors that cannot be stacked on axis 0)
-        s = SampleSet(names, {k: np.stack(v) for k, v in parts.items()}, np.zeros((0,)), 1, True, stacked=True)
+    if stacked:  # (tensors that cannot be stacked on axis 0)
+        s = SampleSet(names, {k: _stack(v) for k, v in parts.items()}, np.zeros((0,)), 1, True, stacked=True)
     else:
         fixed = [d[0] for d in (G.input_dims(i) for i in G.real_inputs(fused)) if d and isinstance(d[0], int)]
         s = SampleSet(names, {k: np.concatenate(v) for k, v in parts.items()}, np.zeros((0,)),
@@ -132,17 +136,46 @@ def load_samples(fused, table, files: list, threads: int = 0, progress=None) -> 
         if progress:
             progress(min(s.batch, len(s) - a))
     s.seconds_per_sample = (time.perf_counter() - t0) / len(s)
+    if s.stacked and len({y.shape for y in ys}) > 1:
+        # outputs that differ in size (one value per frame) cannot be compared as one array: the samples
+        # whose output has the most common size are kept
+        common = max({y.shape for y in ys}, key=lambda sh: sum(y.shape == sh for y in ys))
+        keep = [i for i, y in enumerate(ys) if y.shape == common]
+        warnings.warn(f"the fp32 outputs of the calibration samples differ in size; the {len(keep)} of the most "
+                      f"common size {list(common)} are used for method choice, rounding, range tuning and "
+                      f"sensitivity", stacklevel=2)
+        s, ys = s.subset(keep), [ys[i] for i in keep]
     s.reference = s.join(ys)
     return _finite_only(s)
+
+
+def _stack(arrays: list) -> np.ndarray:
+    """[N, ...] when the arrays share a shape; else an object array of them, which subset() and feed()
+    index the same way."""
+    if len({a.shape for a in arrays}) == 1:
+        return np.stack(arrays)
+    out = np.empty(len(arrays), object)
+    out[:] = [a for a in arrays]
+    return out
 
 
 def _sample_axis(sess, out: str, s: SampleSet) -> tuple:
     """(axis, rows): where the output holds the samples, found by running one sample and two: the
     one axis that grows with them (a CRNN's [T, N, C] output: axis 1), and its size for one sample
     (> 1 where the batch is folded into it). Axis 0, one row, where nothing tells."""
-    if s.fixed_batch or len(s) < 2:
+    if s.fixed_batch or s.stacked or len(s) < 2:
         return 0, 1
-    one, two = (sess.run([out], s.feed(0, n))[0].shape for n in (1, 2))
+    from qtool.errors import QtoolError
+    try:
+        one, two = (sess.run([out], s.feed(0, n))[0].shape for n in (1, 2))
+    except QtoolError:
+        # a batch dimension declared free that the graph does not honour (khmersm: a Reshape to one
+        # sentence): every step runs the samples one at a time, each fed whole
+        if all(len(v) == len(s.names) for v in s.inputs.values()):
+            s.inputs = {k: v[:, None] for k, v in s.inputs.items()}
+            s.stacked, s.batch = True, 1
+            return 0, 1
+        raise
     grown = [a for a, (p, q) in enumerate(zip(one, two)) if p != q]
     if len(one) != len(two) or len(grown) != 1 or two[grown[0]] != 2 * one[grown[0]]:
         return 0, 1

@@ -428,6 +428,8 @@ class Simulator:
         size = max(1, min(len(samples), CACHE_BYTES // per_sample))
         if samples.fixed_batch:
             size = samples.batch  # (a model with a fixed batch takes exactly that many; the set holds whole batches)
+        if samples.stacked:
+            size = 1  # (each sample is a whole feed of its own)
         for a in range(0, len(samples), size):
             yield samples.feed(a, min(a + size, len(samples))), min(size, len(samples) - a)
 
