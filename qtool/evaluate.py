@@ -23,7 +23,7 @@ from qtool.data.sources import ImageData
 from qtool.data.images import list_images
 from qtool.labels import labels_from_file, labels_from_folders
 from qtool.arithmetic import ORT_X86_NOVNNI
-from qtool.modelio import check_pair, load_model, provenance
+from qtool.modelio import check_pair, load_model, model_bytes, provenance
 
 
 def _topk(logits: np.ndarray, k: int) -> np.ndarray:
@@ -454,9 +454,7 @@ def _headline(results: list) -> dict:
 
 
 def _size(path: str) -> int:
-    total = os.path.getsize(path)
-    data = path + ".data"
-    return total + (os.path.getsize(data) if os.path.exists(data) else 0)
+    return model_bytes(path)
 
 
 def evaluate_workdir(workdir: str | None = None, data=None, labels: str | None = None, model: str | None = None,

@@ -231,6 +231,31 @@ def file_hash(path: str) -> str:
     return h.hexdigest()
 
 
+def _external_files(path: str) -> list:
+    """The external-data files a model reads (full paths, sorted), [] for a self-contained one."""
+    marker, tail, found = b"location", b"", False
+    with open(path, "rb") as f:  # (streamed: the file may be gigabytes)
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            if marker in tail + chunk:
+                found = True
+                break
+            tail = chunk[-len(marker):]
+    if not found:  # no external data can be referenced
+        return []
+    try:
+        m = onnx.load(path, load_external_data=False)
+    except Exception:
+        return []
+    root = os.path.realpath(os.path.dirname(os.path.abspath(path)))
+    return sorted({_external_info(t, path, root)[1] for t in external_data_helper._get_all_tensors(m)
+                   if t.data_location == onnx.TensorProto.EXTERNAL})
+
+
+def model_bytes(path: str) -> int:
+    """A model's size on disk: its file and the external-data files it reads."""
+    return os.path.getsize(path) + sum(os.path.getsize(f) for f in _external_files(path))
+
+
 def model_hash(path: str) -> str:
     """sha256 that names a model: of its file, and, for a model with external data, of the
     external-data files it reads too (a changed weight file is a changed model)."""

@@ -37,8 +37,8 @@ from qtool.calibrate.run import FUSED
 from qtool.calibrate.table import FLAT, load_table, range_candidates
 from qtool.errors import QtoolError
 from qtool.fuse import fuse_model
-from qtool.modelio import (atomic_write_text, check_writable, file_hash, json_safe, load_model, model_hash, save_model,
-                           set_provenance)
+from qtool.modelio import (atomic_write_text, check_writable, file_hash, json_safe, load_model, model_bytes, model_hash,
+                           save_model, set_provenance)
 from qtool.quantize.qdq import QuantizeOutput
 from qtool.workdir import Workdir
 
@@ -628,7 +628,7 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
         "nodes": [d.__dict__ for d in out.plan.decisions],
         "notes": out.notes,
         "layers": {k: v.__dict__ for k, v in out.layers.items()},
-        "size_bytes": {"fp32": os.path.getsize(model_path), "int8": os.path.getsize(path)},
+        "size_bytes": {"fp32": model_bytes(model_path), "int8": model_bytes(path)},
     }
     if sens is not None:
         srep = {"meta": {"model": os.path.basename(model_path), "method": ctx.method, "target": target,
