@@ -86,6 +86,10 @@ class ExactCheck:
         except Exception as e:  # the runtime fails on this model: no check, eval goes on
             self._give_up(e)
             return
+        if np.shape(exact) != np.shape(ort_out[0]):  # (a runtime bug to report, not a reason to stop eval)
+            self._give_up(ValueError(f"the native runtime wrote shape {list(np.shape(exact))} where ONNX Runtime "
+                                     f"wrote {list(np.shape(ort_out[0]))}"))
+            return
         # each batch kept in its own shape: samples of a model with free input sizes differ in length
         self.rows["exact"].append(np.asarray(exact, np.float64))
         self.rows["ort"].append(np.asarray(ort_out[0], np.float64))
@@ -98,9 +102,10 @@ class ExactCheck:
         b = np.concatenate([x.ravel() for x in self.rows["ort"]])
         from qtool.metrics import sqnr_db
         from qtool.ort_arithmetic import ort_int8_arithmetic
-        db = sqnr_db(a, b)
+        db = sqnr_db(a, b) if a.size else float("inf")
         floor = CHECK_MIN_DB_WITH_FLOAT_OPS if self.float_ops else CHECK_MIN_DB
-        r = {"checked": self.samples, "sqnr_ort_vs_exact_db": db, "max_abs_diff": float(np.abs(a - b).max()),
+        r = {"checked": self.samples, "sqnr_ort_vs_exact_db": db,
+             "max_abs_diff": float(np.abs(a - b).max()) if a.size else 0.0,
              "ort_int8_arithmetic": ort_int8_arithmetic(), "exact": bool(db >= floor), "target": self.target,
              "float_ops": self.float_ops, "min_sqnr_db": floor}
         if all(agreement_kind(x.shape) is not None for x in self.rows["ort"]):
@@ -239,6 +244,8 @@ class OutputStats:
     def add(self, a: np.ndarray, b: np.ndarray, samples: int | None = None) -> None:
         """`samples`: how many samples the batch holds, where known: a [T, N, C] output (sequence
         first, as many CRNN exports write) is then read as N sequences of T positions."""
+        if isinstance(a, list) or isinstance(b, list):  # a sequence output: its tensors' values, end to end
+            a, b = (np.concatenate([np.ravel(x) for x in v]) if len(v) else np.zeros(0, np.float32) for v in (a, b))
         a, b = np.asarray(a), np.asarray(b)
         if a.dtype.kind in "OSU" or b.dtype.kind in "OSU":
             # text out (a tokenizer's, a label's name): equal or not is all there is to say
@@ -351,6 +358,8 @@ def ctc_agreement(paths: list) -> dict:
     if not paths:
         return {}
     ref = np.concatenate([p for p, _ in paths])
+    if not ref.size:  # (empty sequences)
+        return {}
     counts = np.bincount(ref)
     blank = int(counts.argmax())
     if counts[blank] < CTC_MIN_BLANK_SHARE * len(ref):

@@ -240,3 +240,32 @@ def test_text_inputs_and_scalar_outputs(tmp_path):
     from qtool.commands.eval import render_outputs
     text = render_outputs(r)
     assert "t [1]: text, 100.0 % of strings equal" in text and "total []: SQNR" in text
+
+
+def test_sequence_and_empty_outputs(tmp_path):
+    """A sequence output (SplitToSequence's: a list of arrays from ONNX Runtime) made calibration's bound
+    runner and eval fail ('list' has no nbytes; an inhomogeneous array); an empty output made eval's CTC
+    guess and the runtime check reduce over nothing."""
+    from onnx import TensorProto
+    from qtool.api import calibrate as api_calibrate, evaluate as api_evaluate, quantize as api_quantize
+    rng = np.random.default_rng(8)
+    vi = helper.make_tensor_value_info
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Relu", ["m"], ["r"]),
+             helper.make_node("MatMul", ["r", "w2"], ["y"]),
+             helper.make_node("SplitToSequence", ["y", "split"], ["seq"], axis=1),
+             helper.make_node("Slice", ["y", "start", "end", "axis"], ["empty"])]
+    inits = [init("w", rng.standard_normal((6, 8))), init("w2", rng.standard_normal((8, 4))),
+             init("split", [1, 3], np.int64), init("start", [2], np.int64), init("end", [2], np.int64),
+             init("axis", [1], np.int64)]
+    g = helper.make_graph(nodes, "s", [vi("x", TensorProto.FLOAT, ["N", 6])],
+                          [vi("y", TensorProto.FLOAT, ["N", 4]), helper.make_tensor_sequence_value_info("seq", TensorProto.FLOAT, None),
+                           vi("empty", TensorProto.FLOAT, ["N", 0])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    m.ir_version = 8
+    path = save(m, tmp_path / "s.onnx")
+    samples = [rng.standard_normal((2, 6)).astype(np.float32) for _ in range(6)]
+    api_calibrate(path, samples, workdir=str(tmp_path / "w"))
+    api_quantize(workdir=str(tmp_path / "w"))
+    r = api_evaluate(workdir=str(tmp_path / "w"), data=samples)
+    assert r["outputs"]["y"]["sqnr_db"] > 20 and r["outputs"]["seq"]["sqnr_db"] > 20
+    assert r["outputs"]["empty"]["shape"][1] == 0

@@ -344,11 +344,13 @@ class _BoundRunner:
         sig = tuple((k, np.shape(v)[1:]) for k, v in sorted(feeds.items()))
         if sig not in self.shapes:
             outs = self.sess.run(self.names, feeds)
-            self.per_sample_bytes = self.per_sample_bytes or max(1, sum(o.nbytes for o in outs) // max(n, 1))
+            # (a sequence output, SplitToSequence's or an If's, comes back as a list of arrays)
+            self.per_sample_bytes = self.per_sample_bytes or max(1, sum(getattr(o, "nbytes", 0) for o in outs)
+                                                                 // max(n, 1))
             if n < 2:
                 # one sample tells nothing: a transformer's position embeddings are [1, T, C] whatever the batch
                 return outs
-            batch_major = all(o.ndim >= 1 and o.shape[0] == n for o in outs)
+            batch_major = all(isinstance(o, np.ndarray) and o.ndim >= 1 and o.shape[0] == n for o in outs)
             self.shapes[sig] = [o.shape[1:] for o in outs] if batch_major else None
             return outs
         if self.shapes[sig] is None or any(np.asarray(v).dtype.kind in "OSU" for v in feeds.values()):
