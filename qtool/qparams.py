@@ -33,6 +33,11 @@ class ActQParams:
         return float(np.float32(self.scale) * np.float32(U8_MAX - self.zero_point))
 
 
+def uint8_span(r) -> float:
+    """The width a uint8 grid spends on range r = (lo, hi): widened to contain 0, as activation_qparams does."""
+    return max(float(r[1]), 0.0) - min(float(r[0]), 0.0)
+
+
 def activation_qparams(lo: float, hi: float) -> ActQParams:
     """Scale and zero point for a float range; the range is widened to contain 0 so
     that zero (padding, Relu) is exactly representable."""

@@ -89,7 +89,8 @@ MEAN_SAMPLES = 128  # per-channel means (for bias correction): 128 images x ever
 
 
 def collect(model: onnx.ModelProto, range_tensors: list, mean_tensors: list, batches, progress=None,
-            threads: int = 0, watch: str | None = None, where: str | None = None, ranged=(), cut: bool = True) -> Observed:
+            threads: int = 0, watch: str | None = None, where: str | None = None, ranged=(),
+            cut: bool = True) -> Observed:
     """`batches` yields dicts input name -> array; `progress(k)` is told of k more samples.
     `cut`: axis 0 of the feeds holds samples, which may be run in slices; False: each feed is one
     sample, run whole (a model whose axis 0 is the sample's own, time or nodes).

@@ -9,6 +9,7 @@ Add's inputs quantized (18 of 64 files changed type).
 import math
 
 from qtool import graph as G
+from qtool.qparams import uint8_span
 
 MAX_CANCEL_RATIO = 8.0  # three bits
 
@@ -19,16 +20,12 @@ def _check(node, model):
     return None
 
 
-def _span(r):
-    return max(r[1], 0.0) - min(r[0], 0.0)
-
-
 def _range_check(node, ranges):
-    ins = [_span(ranges[i]) for i in node.input if i in ranges]
+    ins = [uint8_span(ranges[i]) for i in node.input if i in ranges]
     out = ranges.get(node.output[0])
-    if len(ins) < 2 or out is None or _span(out) <= 0:
+    if len(ins) < 2 or out is None or uint8_span(out) <= 0:
         return None
-    ratio = max(ins) / _span(out)
+    ratio = max(ins) / uint8_span(out)
     if ratio > MAX_CANCEL_RATIO:
         return (f"its inputs span {ratio:.0f}x its output (they cancel): uint8 inputs would leave the sum "
                 f"{math.log2(ratio):.1f} bits fewer")

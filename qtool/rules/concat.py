@@ -10,6 +10,7 @@ Stays fp32 when
 import math
 
 from qtool import graph as G
+from qtool.qparams import uint8_span
 
 MAX_SPAN_RATIO = 4.0  # two bits
 
@@ -20,12 +21,8 @@ def _check(node, model):
     return None
 
 
-def _span(r):
-    return max(r[1], 0.0) - min(r[0], 0.0)
-
-
 def _range_check(node, ranges):
-    spans = [_span(ranges[i]) for i in node.input if i in ranges]
+    spans = [uint8_span(ranges[i]) for i in node.input if i in ranges]
     spans = [s for s in spans if s > 0]
     if len(spans) < 2:
         return None
