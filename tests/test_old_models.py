@@ -108,3 +108,16 @@ def test_upgrade_of_ir3_graph_without_weights_as_inputs():
 def test_fuse_upgrades_old_opsets_first():
     r = fuse_model(old_ir_conv_bn(hw=8))
     assert G.opset(r.model) == MIN_OPSET and any("upgraded from 9" in s for s in r.messages)
+
+
+def test_a_model_without_onnx_domain_ops_is_not_upgraded():
+    """An ai.onnx.ml-only graph (ArrayFeatureExtractor) has no default-domain opset; the upgrade took it for
+    opset 1, failed, and quantize refused a model it had nothing to do to."""
+    vi = helper.make_tensor_value_info
+    g = helper.make_graph([helper.make_node("ArrayFeatureExtractor", ["x", "i"], ["y"], domain="ai.onnx.ml")], "ml",
+                          [vi("x", TensorProto.FLOAT, [2, 4]), vi("i", TensorProto.INT64, [1])],
+                          [vi("y", TensorProto.FLOAT, [2, 1])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("ai.onnx.ml", 1)])
+    m.ir_version = 8
+    notes = []
+    assert upgrade(m, notes) is m and notes == []

@@ -24,6 +24,8 @@ def _note(v) -> str:
 def upgrade(model: onnx.ModelProto, notes: list) -> onnx.ModelProto:
     """`model` if its opset is 13 or more, else an upgraded copy (a note says so)."""
     v = G.opset(model)
+    if not any(o.domain in ("", "ai.onnx") for o in model.opset_import):
+        return model  # (no ONNX-domain op at all, an ai.onnx.ml pipeline: nothing qtool quantizes, nothing to upgrade)
     if v >= MIN_OPSET:
         was = next((p.value for p in model.metadata_props if p.key == KEY), None)
         if was is not None:  # (upgraded when calibrate cleaned the graph: quantize's report says so too)
