@@ -338,7 +338,19 @@ def output_kind(a: np.ndarray) -> tuple:
     kind = agreement_kind(a.shape)
     if kind == "position" and a.shape[2] < 5:
         kind = None
+    if kind == "position" and a.shape[1] == 1 and not is_log_distribution(a):
+        # one position of numbers that are no scores: a recurrent net's state [1, 1, 128] (its h and c)
+        # or a decoder's hidden vector, where "top-1 per position" means nothing
+        kind = None
     return kind, detector_like(a.shape)
+
+
+def is_log_distribution(a: np.ndarray, tol: float = 1e-2) -> bool:
+    """Whether every row along the last axis holds log-probabilities (a LogSoftmax's output)."""
+    if a.size == 0 or a.shape[-1] < 2 or a.max() > tol:
+        return False
+    m = a.max(-1, keepdims=True)
+    return bool(np.abs(np.log(np.exp(a - m).sum(-1)) + m[..., 0]).max() <= tol)
 
 
 CTC_MIN_BLANK_SHARE = 0.5  # a CTC recognizer's top-1 is its blank at most positions

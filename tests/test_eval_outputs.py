@@ -269,3 +269,17 @@ def test_sequence_and_empty_outputs(tmp_path):
     r = api_evaluate(workdir=str(tmp_path / "w"), data=samples)
     assert r["outputs"]["y"]["sqnr_db"] > 20 and r["outputs"]["seq"]["sqnr_db"] > 20
     assert r["outputs"]["empty"]["shape"][1] == 0
+
+
+def test_one_position_states_get_no_top1_figure():
+    """faster-whisper's VAD writes its LSTM state h, c [1, 1, 128]: eval scored them 'top-1 agreement per
+    position 0.59' and 'texts equal after CTC decoding'. One position of log-probabilities (a decoder step)
+    keeps its figure."""
+    from qtool.evaluate import output_kind
+    rng = np.random.default_rng(0)
+    state = np.tanh(rng.standard_normal((1, 1, 128)))
+    assert output_kind(state)[0] is None
+    z = rng.standard_normal((1, 1, 40))
+    logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    assert output_kind(logp)[0] == "position"
+    assert output_kind(rng.standard_normal((2, 7, 40)))[0] == "position"  # (several positions: as before)
