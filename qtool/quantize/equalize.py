@@ -178,7 +178,9 @@ def equalize(fused: onnx.ModelProto, table, say=print, only=None) -> tuple:
             # mostly below zero beside one mostly above) all fill the one range; the shift goes into the
             # producer's bias and comes back in an Add before the fp32 readers
             c = f[2]
-            rank = len(G.inferred_shapes(m).get(t) or [0, 0, 0, 0])
+            # the output's rank from the layer itself: a Gemm writes [N, C], a Conv its weight's rank (shape
+            # inference, which knows no size in a model whose inputs are all free, made minimol's Gemm output 4-D)
+            rank = 2 if node.op_type == "Gemm" else len(inits[node.input[1]].dims)
             rw.shift_producer(node, c)
             rw.scale_producer(node, _weight_axis(node, inits), 1 / s)
             restored = rw.add(rw.mul(t, s, rank), c, rank)
