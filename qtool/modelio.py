@@ -240,8 +240,11 @@ def _external_files(path: str) -> list:
                 found = True
                 break
             tail = chunk[-len(marker):]
-    if not found:  # no external data can be referenced
-        return []
+    return _referenced_files(path) if found else []  # (without the word, no external data can be referenced)
+
+
+def _referenced_files(path: str) -> list:
+    """The external-data files the model at `path` names (full paths, sorted; [] if it cannot be parsed)."""
     try:
         m = onnx.load(path, load_external_data=False)
     except Exception:
@@ -273,15 +276,10 @@ def model_hash(path: str) -> str:
     digest = h.hexdigest()
     if not found:  # no external data can be referenced: the file alone
         return digest
-    try:
-        m = onnx.load(path, load_external_data=False)
-    except Exception:
-        return digest
-    root = os.path.realpath(os.path.dirname(os.path.abspath(path)))
-    locs = sorted({_external_info(t, path, root)[1] for t in external_data_helper._get_all_tensors(m)
-                   if t.data_location == onnx.TensorProto.EXTERNAL})
+    locs = _referenced_files(path)
     if not locs:
         return digest
+    root = os.path.realpath(os.path.dirname(os.path.abspath(path)))
     h = hashlib.sha256(digest.encode())
     for full in locs:
         h.update(os.path.relpath(full, root).encode() + b"\0" + file_hash(full).encode())
