@@ -5,24 +5,19 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import helper
 
-from helpers import init, run, save
+from helpers import init, make_model, run, save
 from qtool.api import calibrate, quantize
 
 
 def _mlp(rng):
-    vi = helper.make_tensor_value_info
     w1 = rng.standard_normal((16, 12)) * np.geomspace(0.02, 8, 12)  # output channels 400x apart
     nodes = [helper.make_node("Gemm", ["x", "w1", "b1"], ["h"]), helper.make_node("HardSwish", ["h"], ["a"]),
              helper.make_node("Gemm", ["a", "w2", "b2"], ["y"])]
     inits = [init("w1", w1), init("b1", rng.standard_normal(12) * 0.1), init("w2", rng.standard_normal((12, 5))),
              init("b2", np.zeros(5))]
-    g = helper.make_graph(nodes, "mlp", [vi("x", TensorProto.FLOAT, ["N", 16])], [vi("y", TensorProto.FLOAT, ["N", 5])],
-                          inits)
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 14)])
-    m.ir_version = 8
-    return m
+    return make_model(nodes, inits, [("x", ["N", 16])], [("y", ["N", 5])], opset=14)
 
 
 def test_balanced_gemm_output_stays_2d_without_shape_inference(tmp_path, monkeypatch):

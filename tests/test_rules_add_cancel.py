@@ -4,25 +4,20 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import helper
 
-from helpers import init, run, save
+from helpers import init, make_model, run, save
 from qtool.api import calibrate, quantize
 
 
 def _cancelling(rng):
     """u = x W (+-50), v = x W2 - u, y = u + v = x W2 (+-1), then a MatMul reading y."""
-    vi = helper.make_tensor_value_info
     nodes = [helper.make_node("MatMul", ["x", "w"], ["u"]), helper.make_node("MatMul", ["x", "w2"], ["z"]),
              helper.make_node("Sub", ["z", "u"], ["v"]), helper.make_node("Add", ["u", "v"], ["y"], name="cancel"),
              helper.make_node("MatMul", ["y", "w3"], ["out"])]
     inits = [init("w", rng.standard_normal((16, 16)) * 12), init("w2", rng.standard_normal((16, 16)) * 0.25),
              init("w3", rng.standard_normal((16, 4)))]
-    g = helper.make_graph(nodes, "c", [vi("x", TensorProto.FLOAT, ["N", 16])], [vi("out", TensorProto.FLOAT, ["N", 4])],
-                          inits)
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
-    m.ir_version = 8
-    return m
+    return make_model(nodes, inits, [("x", ["N", 16])], [("out", ["N", 4])], opset=13)
 
 
 def _sqnr(a, b):

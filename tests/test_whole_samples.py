@@ -4,20 +4,18 @@ madmom's beat/onset/key networks take a [frames, bins] spectrogram: cut into one
 convolutions over time failed in ONNX Runtime, and onnx's shape inference aborted the process."""
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import helper
 
-from helpers import init, save
+from helpers import init, make_model, save
 from qtool.api import calibrate, evaluate, quantize
 
 
 def _frames_model(rng, bins=8, k=5):
     """x [T, bins] -> a convolution over time (kernel k, no padding) -> per-frame values [T - k + 1] and
     the key-like mean over time [4]."""
-    vi = helper.make_tensor_value_info
     nodes = [helper.make_node("Transpose", ["x"], ["xt"], perm=[1, 0]),
              helper.make_node("Unsqueeze", ["xt", "ax0"], ["x3"]),                        # [1, bins, T]
              helper.make_node("Conv", ["x3", "w1", "b1"], ["c1"], kernel_shape=[k]),    # [1, 4, T - k + 1]
@@ -29,12 +27,7 @@ def _frames_model(rng, bins=8, k=5):
     inits = [init("w1", rng.standard_normal((4, bins, k)) * 0.3), init("b1", rng.standard_normal(4) * 0.1),
              init("w2", rng.standard_normal((1, 4, 1))), init("b2", np.zeros(1)),
              init("ax0", [0], np.int64), init("ax01", [0, 1], np.int64)]
-    g = helper.make_graph(nodes, "frames", [vi("x", TensorProto.FLOAT, ["T", bins])],
-                          [vi("frames", TensorProto.FLOAT, ["F"]), vi("key", TensorProto.FLOAT, [4])], inits)
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
-    m.ir_version = 8
-    onnx.checker.check_model(m)
-    return m
+    return make_model(nodes, inits, [("x", ["T", bins])], [("frames", ["F"]), ("key", [4])], opset=13)
 
 
 def _files(folder, lengths, seed, bins=8):
@@ -73,17 +66,12 @@ def test_rows_of_a_batch_axis_still_join(tmp_path):
 def _batch_one_model(rng, t=12, c=6):
     """ids-like x [N, T, C] declared with a free N, but a Reshape to [1, T * C] inside: it runs at batch 1
     only (khmersm's segmenter views its one sentence so)."""
-    vi = helper.make_tensor_value_info
     nodes = [helper.make_node("Reshape", ["x", "shape"], ["flat"]),
              helper.make_node("MatMul", ["flat", "w"], ["h"]), helper.make_node("Relu", ["h"], ["r"]),
              helper.make_node("MatMul", ["r", "w2"], ["y"])]
     inits = [init("shape", [1, t * c], np.int64), init("w", rng.standard_normal((t * c, 16)) * 0.2),
              init("w2", rng.standard_normal((16, 5)))]
-    g = helper.make_graph(nodes, "b1", [vi("x", TensorProto.FLOAT, ["N", t, c])], [vi("y", TensorProto.FLOAT, [1, 5])],
-                          inits)
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
-    m.ir_version = 8
-    return m
+    return make_model(nodes, inits, [("x", ["N", t, c])], [("y", [1, 5])], opset=13)
 
 
 def test_a_free_batch_the_graph_does_not_honour(tmp_path):
