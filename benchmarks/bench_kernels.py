@@ -1,9 +1,9 @@
 """Micro-benchmark of the native INT8 kernels on the conv / GEMM / depthwise shapes of ResNet-50
-and EfficientNet-Lite0 (batch 1, NHWC). Reports GMAC/s and the fraction of the vpdpbusd peak
+and EfficientNet-Lite0 (NHWC, batch 1 or --batch). Reports GMAC/s and the fraction of the vpdpbusd peak
 (about 233 GMAC/s per core here; on the AMX tier the tdpbusd peak, about 2.7 TMAC/s per core),
 plus the summed time of each model's conv layers.
 
-    .venv/bin/python benchmarks/bench_kernels.py [--threads 2] [--isa avx512vnni] [--model resnet50]
+    .venv/bin/python benchmarks/bench_kernels.py [--threads 2] [--isa avx512vnni] [--model resnet50] [--batch 8]
 """
 from __future__ import annotations
 
@@ -113,30 +113,31 @@ def weights(rng, shape, kind):
 
 
 def layer_fn(lname, x, w, bias, cin, cout, k, s, p, g):
+    n = x.shape[0]
     if lname.startswith("fc"):
         pk = K.pack_gemm(w.reshape(cout, cin), bias, x_zp=3, multiplier=np.float32(1e-3), y_zp=5)
-        xx = x.reshape(1, cin)
-        out = np.empty((1, cout), np.uint8)
-        return pk, (lambda: K.gemm(pk, xx, out=out)), cin * cout
+        xx = x.reshape(n, cin)
+        out = np.empty((n, cout), np.uint8)
+        return pk, (lambda: K.gemm(pk, xx, out=out)), n * cin * cout
     pk = K.pack_conv2d(w, bias, x_zp=3, multiplier=np.float32(1e-3), y_zp=5, strides=(s, s),
                        pads=(p,) * 4, group=g)
-    out = np.empty(pk.out_shape(1, x.shape[1], x.shape[2]), np.uint8)
-    return pk, (lambda: K.conv2d(pk, x, out=out)), out.shape[1] * out.shape[2] * cout * (cin // g) * k * k
+    out = np.empty(pk.out_shape(n, x.shape[1], x.shape[2]), np.uint8)
+    return pk, (lambda: K.conv2d(pk, x, out=out)), out.size * (cin // g) * k * k
 
 
-def run_model(name, layers, threads, min_time, wkind="normal", compare=False):
+def run_model(name, layers, threads, min_time, wkind="normal", compare=False, batch=1):
     rng = np.random.default_rng(0)
     isa = K.get_isa()
     per = AMX_PEAK_PER_CORE if isa == "amx" else K.peak_gmacs(isa)[0]
     peak = per * threads
     compare = compare and isa == "avx2"
-    print(f"\n== {name}: ISA {isa}, {threads} thread(s), {wkind} weights, peak {peak:.0f} GMAC/s "
+    print(f"\n== {name}: ISA {isa}, batch {batch}, {threads} thread(s), {wkind} weights, peak {peak:.0f} GMAC/s "
           f"(measured here: {K.peak_gmacs(isa)[1]}) ==")
     print(f"{'layer':22s} {'kernel':56s} {'MMAC':>8s} {'us':>9s} {'GMAC/s':>7s} {'%peak':>6s} {'x':>2s}"
           + ("  exact GMAC/s  speed-up" if compare else ""))
     total_t = total_mac = total_te = 0.0
     for lname, h, cin, cout, k, s, p, g, count in layers:
-        x = rng.integers(0, 256, (1, h, h, cin), dtype=np.uint8)
+        x = rng.integers(0, 256, (batch, h, h, cin), dtype=np.uint8)
         w = weights(rng, (cout, cin // g, k, k), wkind)
         bias = rng.integers(-1000, 1000, cout, dtype=np.int32)
         pk, fn, macs = layer_fn(lname, x, w, bias, cin, cout, k, s, p, g)
@@ -170,6 +171,7 @@ def main():
                     help="time with the thread's CPU clock (only meaningful with --threads 1; "
                          "ignores time lost to other processes on a shared machine)")
     ap.add_argument("--weights", choices=["normal", "uniform"], default="normal")
+    ap.add_argument("--batch", type=int, default=1, help="images per call (NHWC batch)")
     ap.add_argument("--compare-exact", action="store_true",
                     help="AVX2 tier: also time the exact 16-bit kernels on each layer, in turns")
     a = ap.parse_args()
@@ -180,7 +182,7 @@ def main():
     K.set_isa(a.isa)
     print({k: v for k, v in K.info().items() if k != "supported"})
     for name in (MODELS if a.model == "all" else [a.model]):
-        run_model(name, MODELS[name], a.threads, a.min_time, a.weights, a.compare_exact)
+        run_model(name, MODELS[name], a.threads, a.min_time, a.weights, a.compare_exact, a.batch)
 
 
 if __name__ == "__main__":

@@ -311,6 +311,7 @@ typedef struct {
   size_t n, h, w, oh, ow, m;
   size_t nch;                    /* AMX: panel chunks per row block */
   int rows_outer;                /* igemm: row blocks outer, panels inner (see rows_outer) */
+  size_t rb;                     /* igemm, panel-major: row blocks per row chunk (row_chunk) */
 } conv_job;
 
 /* AMX: per-thread packed-A block and accumulator scratch (pool threads live for the process) */
@@ -383,6 +384,28 @@ static inline const char* panel_at(const qt_conv* cv, size_t gp) {
   return (const char*)cv->w + (cv->panel_off ? cv->panel_off[gp] : gp * cv->panel_bytes);
 }
 
+/* Panel-major order over all of M sweeps the whole input once per panel and writes each output
+ * row a panel's columns at a time: with M large (ResNet-50's first stage at batch 8: 25088 rows,
+ * 6.4 MB out) every output line is fetched and written back once per panel pair and the input
+ * comes from L3 each time. Cut M into chunks whose input rows and output rows fit in L2 with room
+ * to spare, and run the panels over one chunk before the next; the weights (small enough to stay
+ * in L2) are read once per chunk. Rows a chunk reads: K bytes for a 1x1 or an im2col'd layer,
+ * about Cin * stride^2 new input bytes per output pixel for a strided or 3x3 window. */
+#define QT_ROW_CHUNK_BYTES (256 * 1024)
+static size_t row_chunk(const qt_conv* cv, size_t m) {
+  const size_t mblocks = cv->mblocks, mr = cv->mr;
+  if (cv->panels_per_group < 2 || cv->panels_per_group * cv->panel_bytes > QT_ROW_CHUNK_BYTES)
+    return mblocks;
+  const size_t es = cv->rq.out_f32 ? 4 : 1;
+  const size_t a_row = (cv->kh * cv->kw == 1 || cv->im2col) ? cv->gemm_ks * cv->gemm_kc
+                                                             : cv->cin_g * cv->sh * cv->sw;
+  const size_t row_bytes = a_row + cv->cout_g * es;
+  if (m * row_bytes <= 2 * QT_ROW_CHUNK_BYTES) return mblocks;
+  size_t rb = QT_ROW_CHUNK_BYTES / row_bytes / mr;
+  if (rb < 8) rb = 8;  /* K blocking wants runs of >= 8 row blocks */
+  return rb < mblocks ? rb : mblocks;
+}
+
 static void igemm_task(void* ctx, size_t begin, size_t end) {
   const conv_job* j = (const conv_job*)ctx;
   const qt_conv* cv = j->cv;
@@ -404,14 +427,23 @@ static void igemm_task(void* ctx, size_t begin, size_t end) {
     }
     return;
   }
+  /* task order: group, row chunk (rb row blocks; the last may be shorter), panel, row block */
+  const size_t rb = j->rb, full = mblocks / rb, per_group = mblocks * ppg;
   size_t t = begin;
   while (t < end) {
-    const size_t gp = t / mblocks, mb0 = t % mblocks;
-    const size_t g = gp / ppg, p = gp % ppg;
+    const size_t g = t / per_group, u = t % per_group;
+    size_t chunk0, rbc, rem;
+    if (u < full * rb * ppg) {
+      chunk0 = u / (rb * ppg) * rb; rbc = rb; rem = u % (rb * ppg);
+    } else {
+      chunk0 = full * rb; rbc = mblocks - chunk0; rem = u - full * rb * ppg;
+    }
+    const size_t p = rem / rbc, gp = g * ppg + p;
+    const size_t mb0 = chunk0 + rem % rbc;
+    size_t mb1 = chunk0 + rbc;                  /* this run: row blocks of one panel in the chunk */
+    if (mb1 - mb0 > end - t) mb1 = mb0 + (end - t);
     const size_t col0 = p * nr;
     const size_t nc = cv->cout_g - col0 < nr ? cv->cout_g - col0 : nr;
-    size_t mb1 = mblocks;                       /* this run: row blocks of one panel */
-    if ((gp + 1) * mblocks > end) mb1 = end - gp * mblocks;
     const uint8_t* xg = j->x + g * cv->cin_g;
     const char* panel = panel_at(cv, gp);
     char* cbase = (char*)j->y + (g * cv->cout_g + col0) * es;
@@ -442,7 +474,7 @@ static void igemm_task(void* ctx, size_t begin, size_t end) {
            cstride, &cv->rq);
       }
     }
-    t = gp * mblocks + mb1;
+    t += mb1 - mb0;
   }
   free(scratch);
 }
@@ -631,6 +663,7 @@ static int conv_run_locked(qt_conv* cv, const uint8_t* x, size_t n, size_t h, si
                 macs / 500.0 + (double)(j.m * cv->cout) / 4.0 + (double)(j.m * cv->amx_kp) / 16.0);
     return 0;
   }
+  j.rb = row_chunk(cv, j.m);
   const double macs = (double)j.m * (double)(cv->cout * cv->cin_g * cv->kh * cv->kw);
   qt_parallel(cv->groups * cv->panels_per_group * cv->mblocks, igemm_task, &j,
               macs / 150.0 + (double)(j.m * cv->cout) / 8.0);
