@@ -129,6 +129,7 @@ CONV_CASES = [
     (2, 69, 70, 64, 256, 1, 1, 1, (0, 0, 0, 0), 1, 1),   # 1x1 (8 panels), a short last chunk
     (2, 60, 61, 32, 80, 3, 3, 1, (1, 1, 1, 1), 1, 1),    # 3x3, half-width last panel, short last chunk
     (1, 30, 31, 1024, 64, 1, 1, 1, (0, 0, 0, 0), 1, 1),  # K split and K-blocked inside each chunk
+    (2, 41, 39, 3, 40, 5, 5, 1, (2, 2, 2, 2), 1, 1),     # im2col per task: 82 rows of 39 pixels, half panel
 ]
 
 
