@@ -57,6 +57,11 @@ QT_TARGET_AVX512VNNI QT_INLINE void store_pair_u8(__m512i a0, __m512i a1, __m512
   const __m512i pb = _mm512_adds_epi16(_mm512_packs_epi32(rq_cvt(b0, k->m0, k->hi), rq_cvt(b1, k->m1, k->hi)), k->zp16);
   __m512i y = _mm512_max_epu8(_mm512_packus_epi16(pa, pb), k->lo8);
   y = _mm512_permutexvar_epi32(k->perm, y);
+  if (k->mask == 0xFFFFFFFFu) {  /* full panel: plain stores (masked ones cost more on AMD) */
+    _mm256_storeu_si256((__m256i*)ca, _mm512_castsi512_si256(y));
+    if (store_b) _mm256_storeu_si256((__m256i*)cb, _mm512_extracti64x4_epi64(y, 1));
+    return;
+  }
   _mm256_mask_storeu_epi8(ca, k->mask, _mm512_castsi512_si256(y));
   if (store_b) _mm256_mask_storeu_epi8(cb, k->mask, _mm512_extracti64x4_epi64(y, 1));
 }
