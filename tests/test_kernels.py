@@ -337,6 +337,53 @@ def test_threads_agree():
         K.set_num_threads(prev)
 
 
+def _wait_sleeping(want, limit_s=2.0):
+    """Poll (busy: an awake worker sleeps again 100 us later) until `want` workers sleep."""
+    import time
+    t_end = time.perf_counter() + limit_s
+    while time.perf_counter() < t_end:
+        if (now := K._native.pool_sleeping()) == want:
+            return now
+    return K._native.pool_sleeping()
+
+
+def test_pool_prewake_wakes_sleeping_workers():
+    """pool_prewake posts an empty job: the asleep workers wake and spin (the next job starts
+    without the OS wake-up), then fall asleep again after their spin time."""
+    prev, prev_spin = K.get_num_threads(), K.get_spin_us()
+    try:
+        K.set_num_threads(2)
+        K.set_spin_us(1000)
+        x = np.zeros((64, 56, 56, 32), np.uint8)
+        K.add(x, x, a_scale=1.0, a_zp=0, b_scale=1.0, b_zp=0, y_scale=1.0, y_zp=0)  # starts the worker
+        assert _wait_sleeping(1) == 1
+        K.set_spin_us(50000)  # awake long enough to be seen on a busy machine
+        K.pool_prewake()
+        assert _wait_sleeping(0) == 0
+        assert _wait_sleeping(1) == 1  # back to sleep after the spin
+    finally:
+        K.set_num_threads(prev)
+        K.set_spin_us(prev_spin)
+
+
+def test_pool_jobs_of_every_size_after_prewakes():
+    """Jobs with few and many chunks, each after an empty (prewake) job or right after another:
+    a worker late from one job must not run a chunk of the next one under the old job's claim."""
+    rng = np.random.default_rng(11)
+    prev = K.get_num_threads()
+    try:
+        K.set_num_threads(2)
+        for i in range(300):
+            n = int(rng.integers(1, 200_000))
+            a, b = rand_u8(rng, (n,)), rand_u8(rng, (n,))
+            kw = dict(a_scale=0.02, a_zp=100, b_scale=0.03, b_zp=7, y_scale=0.05, y_zp=50)
+            if i % 3 == 0:
+                K.pool_prewake()
+            assert (K.add(a, b, **kw) == R.add(a, b, **kw)).all(), n
+    finally:
+        K.set_num_threads(prev)
+
+
 @pytest.mark.parametrize("shape", [(1, 3, 17, 9), (2, 5, 4, 3), (3, 40), (2, 3, 6, 37), (1, 3, 4, 16)], ids=str)
 def test_quantize_dequantize(isa, shape):
     rng = np.random.default_rng(len(shape))

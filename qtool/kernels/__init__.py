@@ -23,7 +23,8 @@ __all__ = ["info", "set_isa", "get_isa", "available_isas", "set_num_threads", "g
            "quantize_nchw_to_nhwc", "dequantize_nhwc_to_nchw", "bind_conv2d", "bind_gemm",
            "bind_add", "bind_maxpool2d", "bind_avgpool2d", "bind_global_avgpool", "bind_concat",
            "bind_quantize_nchw_to_nhwc", "bind_dequantize_nhwc_to_nchw", "mul", "bind_mul", "lut",
-           "bind_lut", "peak_gmacs", "set_exact_only", "set_spin_us", "get_spin_us", "pool_wakeup"]
+           "bind_lut", "peak_gmacs", "set_exact_only", "set_spin_us", "get_spin_us", "pool_wakeup",
+           "pool_prewake"]
 
 
 # ---- runtime / dispatch --------------------------------------------------------------------
@@ -66,6 +67,12 @@ def set_spin_us(us: float) -> None:
 
 def get_spin_us() -> float:
     return _native.get_spin_ns() / 1000.0
+
+
+def pool_prewake() -> None:
+    """Wake the pool's sleeping workers and return at once, so that a job posted within their
+    spin time (100 us) starts without the OS wake-up; NativeSession calls it as a run starts."""
+    _native.pool_prewake()
 
 
 def pool_wakeup(samples: int = 15) -> dict:

@@ -62,6 +62,7 @@ class NativeSession:
         self.K, self.backend = load_backend(backend)
         self.threads = int(threads)
         self._set_threads()
+        self._prewake = getattr(self.K, "pool_prewake", None) if self.threads > 1 else None
         t = time.perf_counter()
         self.program = Compiler(m, self.K, self.where, arithmetic).compile()
         self.load_seconds = time.perf_counter() - t
@@ -78,6 +79,8 @@ class NativeSession:
         return [NodeArg(n, None, "tensor") for n in self._out_names]
 
     def run(self, output_names, feeds: dict):
+        if self._prewake is not None:  # the workers wake while Python checks the inputs
+            self._prewake()
         plan = self._plan_for(feeds)
         for f in plan.calls:
             f()

@@ -109,6 +109,17 @@ static PyObject* py_pool_wake_ns(PyObject* self, PyObject* args) {
   return PyFloat_FromDouble(ns);
 }
 
+static PyObject* py_pool_prewake(PyObject* self, PyObject* args) {
+  (void)self; (void)args;
+  qt_pool_prewake();  /* takes the pool's call lock only briefly */
+  Py_RETURN_NONE;
+}
+
+static PyObject* py_pool_sleeping(PyObject* self, PyObject* args) {
+  (void)self; (void)args;
+  return PyLong_FromLong(qt_pool_sleeping());
+}
+
 static PyObject* py_pause_ns(PyObject* self, PyObject* args) {
   (void)self; (void)args;
   double ns;
@@ -443,6 +454,9 @@ static PyMethodDef methods[] = {
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "threads used by the kernels"},
     {"set_spin_ns", py_set_spin_ns, METH_VARARGS, "how long idle pool workers spin before sleeping (ns)"},
     {"get_spin_ns", py_get_spin_ns, METH_NOARGS, "how long idle pool workers spin before sleeping (ns)"},
+    {"pool_prewake", py_pool_prewake, METH_NOARGS,
+     "wake sleeping pool workers (they spin for the spin time) and return at once"},
+    {"pool_sleeping", py_pool_sleeping, METH_NOARGS, "pool workers asleep now"},
     {"pool_wake_ns", py_pool_wake_ns, METH_VARARGS,
      "ns from posting a job to a worker starting it, one sample (1: worker asleep, 0: spinning); < 0: none"},
     {"pause_ns", py_pause_ns, METH_NOARGS, "ns one pause instruction takes here"},

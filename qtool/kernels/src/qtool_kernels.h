@@ -205,6 +205,8 @@ void qt_set_spin_ns(double ns);   /* how long idle workers spin before sleeping 
 double qt_get_spin_ns(void);
 double qt_pool_wake_ns(int asleep);  /* one wake-up sample (ns), worker asleep or spinning; < 0: none */
 double qt_pause_ns(void);
+void qt_pool_prewake(void);  /* wake sleeping workers (an empty job) and return at once */
+int qt_pool_sleeping(void);  /* workers asleep now */
 
 /* Per-ISA kernel tables (defined in the kernel files). */
 extern const qt_igemm_config qt_igemm_scalar, qt_igemm_avx2, qt_igemm_avx2_maddubs,
