@@ -20,6 +20,10 @@ CASES = [
     ("AveragePool", [], dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])),
     ("AveragePool", [], dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1], count_include_pad=1)),
     ("AveragePool", [], dict(kernel_shape=[2, 2], strides=[2, 2], ceil_mode=1)),
+    # ceil_mode where the last window would start past the input: ONNX Runtime drops it (H 12 -> 4, not 5)
+    ("AveragePool", [], dict(kernel_shape=[2, 2], strides=[3, 3], ceil_mode=1)),
+    ("AveragePool", [], dict(kernel_shape=[3, 3], strides=[3, 3], pads=[1, 0, 1, 1], ceil_mode=1, count_include_pad=1)),
+    ("MaxPool", [], dict(kernel_shape=[2, 2], strides=[3, 3], pads=[1, 0, 1, 1], ceil_mode=1)),
     ("GlobalAveragePool", [], {}),
     ("Conv", [np.random.default_rng(1).standard_normal((6, 5, 3, 3)).astype(np.float32)], dict(pads=[1, 0, 1, 2], strides=[2, 1])),
     ("Conv", [np.random.default_rng(2).standard_normal((5, 1, 3, 3)).astype(np.float32)], dict(group=5, auto_pad="SAME_UPPER")),
@@ -55,3 +59,37 @@ def test_fp32_op_matches_ort(op, extra, attrs):
     y = FP32_OPS[op]([X] + [e if e.size else None for e in extra], at)[0]
     assert y.shape == ref.shape
     np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
+
+
+CASES_18 = [
+    ("Resize", [np.zeros(0, np.float32), F32(2, 0.5)], dict(mode="nearest", axes=[2, 3])),
+    ("Resize", [np.zeros(0, np.float32), F32(3)], dict(mode="nearest", axes=[-1])),
+    ("Resize", [np.zeros(0, np.float32), np.zeros(0, np.float32), I64(30, 7)],
+     dict(mode="nearest", axes=[2, 3], keep_aspect_ratio_policy="not_larger")),
+    ("Resize", [np.zeros(0, np.float32), np.zeros(0, np.float32), I64(30, 7)],
+     dict(mode="nearest", axes=[2, 3], keep_aspect_ratio_policy="not_smaller")),
+    ("Split", [], dict(axis=3, num_outputs=3)),  # 11 = 4 + 4 + 3
+    ("Split", [], dict(axis=1, num_outputs=2)),  # 5 = 3 + 2
+]
+
+
+@pytest.mark.parametrize("op,extra,attrs", CASES_18, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES_18)])
+def test_fp32_op_matches_ort_opset18(op, extra, attrs):
+    """Opset 18's Resize axes / keep_aspect_ratio_policy and Split num_outputs with uneven parts."""
+    names = ["x"] + [f"in{i}" for i in range(len(extra))]
+    inits = [numpy_helper.from_array(a, n) for a, n in zip(extra, names[1:])]
+    n_out = attrs.get("num_outputs", 1)
+    outs = [f"y{i}" for i in range(n_out)]
+    node = helper.make_node(op, names, outs, **attrs)
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, X.shape)],
+                          [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outs], initializer=inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+    m.ir_version = 8
+    refs = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": X})
+    at = dict(attrs)
+    at["_n_outputs"] = n_out
+    ys = FP32_OPS[op]([X] + [e if e.size else None for e in extra], at)
+    assert len(ys) == len(refs)
+    for y, ref in zip(ys, refs):
+        assert y.shape == ref.shape
+        np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)

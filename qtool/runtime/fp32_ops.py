@@ -200,9 +200,10 @@ def split(ins, at, n_out=None):
     x = ins[0]
     axis = at.get("axis", 0)
     sp = ins[1] if len(ins) > 1 and ins[1] is not None else at.get("split")
-    if sp is None:
-        n = at["_n_outputs"]
-        sp = [x.shape[axis] // n] * n
+    if sp is None:  # equal parts; opset 18's num_outputs: the last part is the smaller one
+        n = at.get("num_outputs", at["_n_outputs"])
+        size = -(-x.shape[axis] // n)
+        sp = [size] * (n - 1) + [x.shape[axis] - size * (n - 1)]
     idx = np.cumsum(sp)[:-1]
     return list(np.split(x, idx, axis=axis))
 
@@ -411,7 +412,10 @@ def _pool_geometry(x, at):
     oh = []
     for i, (k, s, d) in enumerate(((kh, sh, dh), (kw, sw, dw))):
         span = x.shape[2 + i] + p[i] + p[i + 2] - (k - 1) * d - 1
-        oh.append((-(-span // s) if ceil else span // s) + 1)
+        o = (-(-span // s) if ceil else span // s) + 1
+        if ceil and (o - 1) * s >= x.shape[2 + i] + p[i]:
+            o -= 1  # ONNX Runtime drops a last window that would start past the input and its head pad
+        oh.append(o)
     return kh, kw, sh, sw, dh, dw, p, oh[0], oh[1]
 
 
@@ -479,10 +483,23 @@ def resize(ins, at):
     else:
         scales = ins[2] if len(ins) > 2 and ins[2] is not None and ins[2].size else None
         sizes = ins[3] if len(ins) > 3 and ins[3] is not None and ins[3].size else None
+    axes = [a % x.ndim for a in at["axes"]] if at.get("axes") is not None else list(range(x.ndim))
     if sizes is not None:
-        out = [int(s) for s in sizes]
-        scales = [o / i for o, i in zip(out, x.shape)]
+        pol = at.get("keep_aspect_ratio_policy", b"stretch")
+        pol = pol.decode() if isinstance(pol, bytes) else pol
+        want = {a: int(v) for a, v in zip(axes, sizes)}
+        if pol == "stretch":
+            sc = {a: want[a] / x.shape[a] for a in axes}
+            out_d = want
+        else:  # opset 18: one scale for the given axes, the aspect ratio kept
+            f = (min if pol == "not_larger" else max)(want[a] / x.shape[a] for a in axes)
+            sc = {a: f for a in axes}
+            out_d = {a: int(np.floor(x.shape[a] * f + 0.5)) for a in axes}
+        out = [out_d.get(a, x.shape[a]) for a in range(x.ndim)]
+        scales = [sc.get(a, 1.0) for a in range(x.ndim)]
     else:
+        sc = {a: float(v) for a, v in zip(axes, scales)}
+        scales = [sc.get(a, 1.0) for a in range(x.ndim)]
         out = [int(np.floor(i * s)) for i, s in zip(x.shape, scales)]
     ctm = at.get("coordinate_transformation_mode", b"half_pixel")
     ctm = ctm.decode() if isinstance(ctm, bytes) else ctm
