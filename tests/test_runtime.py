@@ -364,3 +364,44 @@ def test_views_from_fp32_ops_keep_their_buffer_alive(tmp_path):
     assert "Split" in [op for _, op, _ in s.fallback_nodes()], s.report()
     for _ in range(2):  # the trace run, then the bound buffers
         np.testing.assert_array_equal(s.run(None, {"x": x})[0], kept)
+
+
+def _residual_net(shared_conv_out=False):
+    """x -> conv a -> relu r1; r1 -> conv b -> Add(c, r1) and Add(r1, c2) (the convolution on
+    either side of the Add); with `shared_conv_out` the second convolution's output also feeds
+    the graph output's Concat, so that Add cannot be fused."""
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"]),
+        helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"]),
+        helper.make_node("Add", ["c2", "r1"], ["a1"]),
+        helper.make_node("Relu", ["a1"], ["r2"]),
+        helper.make_node("Conv", ["r2", "w3", "b3"], ["c3"], pads=[1, 1, 1, 1]),
+        helper.make_node("Add", ["r2", "c3"], ["a2"]),
+    ]
+    out = "a2"
+    if shared_conv_out:
+        nodes.append(helper.make_node("Concat", ["a2", "c3"], ["cat"], axis=1))
+        out = "cat"
+    nodes.append(helper.make_node("GlobalAveragePool", [out], ["y"]))
+    inits = [_w("w1", 32, 3, 3, 3), _w("b1", 32, scale=0.1), _w("w2", 32, 32, 1, 1, scale=0.2),
+             _w("b2", 32, scale=0.1), _w("w3", 32, 32, 3, 3, scale=0.1), _w("b3", 32, scale=0.1)]
+    return _model(nodes, inits, ["N", 3, 24, 24], ["N", 64 if shared_conv_out else 32, 1, 1])
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["fused", "conv-output-shared"])
+def test_conv_add_fusion_is_exact(tmp_path, shared):
+    """A convolution whose output only an Add reads runs with that Add (steps.ConvAddStep), on
+    either side of it; the result is the reference backend's (no fusion) bit for bit, at a batch
+    where the Add runs chunk by chunk and at one where it runs after the convolution."""
+    path = _quantize(_residual_net(shared), tmp_path, (1, 3, 24, 24))
+    s = NativeSession(path, threads=2)
+    if s.backend != "native":
+        pytest.skip("native kernels not built")
+    fused = [st for st in s.program.steps if type(st).__name__ == "ConvAddStep"]
+    assert len(fused) == (1 if shared else 2), [type(st).__name__ for st in s.program.steps]
+    assert {st.conv_first for st in fused} == ({True} if shared else {True, False})
+    ref = NativeSession(path, backend="reference")
+    for n in (8, 1):
+        x = RNG.standard_normal((n, 3, 24, 24)).astype(np.float32)
+        np.testing.assert_array_equal(s.run(None, {"x": x})[0], ref.run(None, {"x": x})[0])
