@@ -24,7 +24,7 @@ __all__ = ["info", "set_isa", "get_isa", "available_isas", "set_num_threads", "g
            "bind_add", "bind_maxpool2d", "bind_avgpool2d", "bind_global_avgpool", "bind_concat",
            "bind_quantize_nchw_to_nhwc", "bind_dequantize_nhwc_to_nchw", "mul", "bind_mul", "lut",
            "bind_lut", "peak_gmacs", "set_exact_only", "set_spin_us", "get_spin_us", "pool_wakeup",
-           "pool_prewake", "conv2d_add", "bind_conv2d_add"]
+           "pool_prewake"]
 
 
 # ---- runtime / dispatch --------------------------------------------------------------------
@@ -287,35 +287,6 @@ def conv2d(p: PackedConv, x: np.ndarray, out=None) -> np.ndarray:
 
 def bind_conv2d(p: PackedConv, x: np.ndarray, out: np.ndarray):
     return _bind(_plan_conv2d(p, x, out))
-
-
-def _plan_conv2d_add(p: PackedConv, x, residual, out, conv_first, a_scale, a_zp, b_scale, b_zp, y_scale, y_zp,
-                     lo, hi):
-    y, _, args = _plan_conv2d(p, x, out)
-    _u8(residual, "residual")
-    if p.out_dtype != np.uint8 or residual.shape != y.shape:
-        raise ValueError(f"conv2d_add: residual {residual.shape} must be the uint8 convolution's output shape {y.shape}")
-    if np.shares_memory(residual, y):
-        raise ValueError("conv2d_add: the residual and the output must not overlap")
-    lo, hi = _clamp(lo, hi)
-    mc, zc, mr, zr = _ratio(a_scale, y_scale), int(a_zp), _ratio(b_scale, y_scale), int(b_zp)
-    if not conv_first:
-        mc, zc, mr, zr = mr, zr, mc, zc
-    return y, _native.conv_run_add, args + (residual, mc, zc, mr, zr, int(y_zp), lo, hi, bool(conv_first))
-
-
-def conv2d_add(p: PackedConv, x, residual, *, conv_first=True, a_scale, a_zp, b_scale, b_zp, y_scale, y_zp,
-               lo=0, hi=255, out=None) -> np.ndarray:
-    """add(conv2d(p, x), residual) (or add(residual, conv2d(p, x)) with conv_first=False) in one
-    pass, bit for bit as the two calls: the Add's a/b parameters are in the Add's input order."""
-    return _call(_plan_conv2d_add(p, x, residual, out, conv_first, a_scale, a_zp, b_scale, b_zp, y_scale, y_zp,
-                                  lo, hi))
-
-
-def bind_conv2d_add(p: PackedConv, x, residual, out, *, conv_first=True, a_scale, a_zp, b_scale, b_zp, y_scale,
-                    y_zp, lo=0, hi=255):
-    return _bind(_plan_conv2d_add(p, x, residual, out, conv_first, a_scale, a_zp, b_scale, b_zp, y_scale, y_zp,
-                                  lo, hi))
 
 
 def pack_gemm(w, bias, *, x_zp, multiplier, y_zp=0, lo=0, hi=255, out_dtype="uint8") -> PackedConv:

@@ -32,7 +32,6 @@ from qtool.runtime import saturating
 from qtool.runtime import steps as S
 from qtool.runtime.backend import conv_multiplier
 from qtool.runtime.fp32_ops import FP32_OPS
-from qtool.runtime.fusion import fuse_residual_adds
 
 
 @dataclass
@@ -346,8 +345,7 @@ class Compiler:
                 raise QtoolError(f"{self.where}: graph output '{o.name}' is never produced")
         consts = {slot: self.consts[name] for name, slot in self.const_slots.items()}
         values = {n: (v.slot, v.kind, v.nhwc) for n, v in self.vals.items()}
-        steps = fuse_residual_adds(self.steps, self.K, {o[1] for o in outputs})
-        return Program(steps, self.n_slots, consts, inputs, outputs, self.entries, values)
+        return Program(self.steps, self.n_slots, consts, inputs, outputs, self.entries, values)
 
     def node(self, node):
         op = node.op_type

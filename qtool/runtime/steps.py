@@ -224,51 +224,6 @@ class AddStep(Step):
         return int(env[self.outs[0]].size)
 
 
-class ConvAddStep(Step):
-    """A convolution whose uint8 output only an Add reads, run with that Add in one pass
-    (kernels' conv2d_add: the Add on each chunk of rows while it is in cache); bit for bit the
-    two steps (fusion.py makes it). A residual the Add would broadcast runs them one by one."""
-
-    def __init__(self, conv: ConvStep, add: AddStep, conv_first: bool):
-        residual = add.ins[1 if conv_first else 0]
-        super().__init__(conv.name, conv.op, [conv.ins[0], residual], list(add.outs))
-        self.conv, self.add, self.conv_first = conv, add, conv_first
-        self.K = conv.K
-        self.kernel = conv.kernel + " + add"
-        self.fused_add = add.name
-
-    def _separate(self, env, out):
-        """conv then add (a broadcast residual), through the two steps' own code"""
-        x = env[self.ins[0]]
-        y = self.K.conv2d(self.conv.packed(x), x)
-        a, b = (y, env[self.ins[1]]) if self.conv_first else (env[self.ins[1]], y)
-        if a.shape != b.shape:
-            shape = np.broadcast_shapes(a.shape, b.shape)
-            a, b = np.ascontiguousarray(np.broadcast_to(a, shape)), np.ascontiguousarray(np.broadcast_to(b, shape))
-        env[self.outs[0]] = self.K.add(a, b, out=out[0] if out else None, **self.add.kw)
-
-    def _fits(self, env):
-        x, r = env[self.ins[0]], env[self.ins[1]]
-        p = self.conv.packed(x)
-        return p, x, r, tuple(r.shape) == tuple(p.out_shape(*x.shape[:3])) and r.dtype == np.uint8
-
-    def run(self, env, out):
-        p, x, r, fits = self._fits(env)
-        if not fits:
-            return self._separate(env, out)
-        env[self.outs[0]] = self.K.conv2d_add(p, x, r, conv_first=self.conv_first, out=out[0] if out else None,
-                                              **self.add.kw)
-
-    def bind(self, env, out):
-        p, x, r, fits = self._fits(env)
-        if out is None or not fits:
-            return super().bind(env, out)
-        return self.K.bind_conv2d_add(p, x, r, out[0], conv_first=self.conv_first, **self.add.kw)
-
-    def macs(self, env):
-        return int(env[self.outs[0]].size) * self.conv.cig * self.conv.kh * self.conv.kw
-
-
 def _pool_pads(at, hw, k, strides, dil=(1, 1)):
     p = list(conv_pads(at, hw, k))
     if at.get("ceil_mode", 0):  # extend the end pads so that floor division gives ceil's size

@@ -219,39 +219,6 @@ static PyObject* py_conv_info(PyObject* self, PyObject* args) {
 }
 
 /* conv_run(cap, x, n, h, w, y, oh, ow) */
-/* conv_run_add(cap, x, n, h, w, y, oh, ow, r, m_conv, z_conv, m_r, z_r, y_zp, lo, hi, conv_first) */
-static PyObject* py_conv_run_add(PyObject* self, PyObject* args) {
-  (void)self;
-  PyObject *cap, *ox, *oy, *orr;
-  Py_ssize_t n, h, w, oh, ow;
-  float m_conv, m_r;
-  int z_conv, z_r, y_zp, lo, hi, conv_first;
-  if (!PyArg_ParseTuple(args, "OOnnnOnnOfifiiiip", &cap, &ox, &n, &h, &w, &oy, &oh, &ow, &orr, &m_conv,
-                        &z_conv, &m_r, &z_r, &y_zp, &lo, &hi, &conv_first))
-    return NULL;
-  qt_conv* cv = (qt_conv*)PyCapsule_GetPointer(cap, CAPSULE_NAME);
-  if (!cv) return NULL;
-  if (n < 0 || h < 0 || w < 0 || oh < 0 || ow < 0 || cv->rq.out_f32) {
-    PyErr_SetString(PyExc_ValueError, "conv_run_add: negative dimension or a float32 convolution");
-    return NULL;
-  }
-  buf_t bx, by, br;
-  bx.ok = by.ok = br.ok = 0;
-  int rc = -2;
-  const Py_ssize_t ny = n * oh * ow * (Py_ssize_t)cv->cout;
-  if (get_buf(ox, &bx, 0, n * h * w * (Py_ssize_t)cv->cin, "x") == 0 && get_buf(oy, &by, 1, ny, "out") == 0 &&
-      get_buf(orr, &br, 0, ny, "residual") == 0) {
-    qt_residual res = {(const uint8_t*)br.b.buf, m_conv, m_r, z_conv, z_r, y_zp, lo, hi, conv_first};
-    Py_BEGIN_ALLOW_THREADS
-    rc = qt_conv_run_add(cv, (const uint8_t*)bx.b.buf, n, h, w, (uint8_t*)by.b.buf, oh, ow, &res);
-    Py_END_ALLOW_THREADS
-    if (rc == -1) PyErr_NoMemory();
-  }
-  rel(&bx); rel(&by); rel(&br);
-  if (rc != 0) return NULL;
-  Py_RETURN_NONE;
-}
-
 static PyObject* py_conv_run(PyObject* self, PyObject* args) {
   (void)self;
   PyObject *cap, *ox, *oy;
@@ -504,7 +471,6 @@ static PyMethodDef methods[] = {
     {"conv_create", py_conv_create, METH_VARARGS, "pack a convolution / GEMM"},
     {"conv_info", py_conv_info, METH_VARARGS, "kernel of a packed convolution"},
     {"conv_run", py_conv_run, METH_VARARGS, "run a packed convolution"},
-    {"conv_run_add", py_conv_run_add, METH_VARARGS, "a packed convolution and the Add after it"},
     {"add", py_add, METH_VARARGS, "quantized add"},
     {"pool", py_pool, METH_VARARGS, "max / average pooling"},
     {"concat", py_concat, METH_VARARGS, "requantizing concat"},

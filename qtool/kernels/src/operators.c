@@ -7,7 +7,6 @@
 static size_t round_up(size_t v, size_t m) { return (v + m - 1) / m * m; }
 
 #define QT_L1_SLICE (24 * 1024)
-#define QT_CHUNK 16384  /* elementwise ops: bytes per task */
 
 /* The AMX tier runs a convolution on tiles only when K = KH*KW*Cin/group >= QT_AMX_MIN_K and a
  * group has more than 16 output channels: below that the padding of K to 64 (and of N to 32) and
@@ -315,8 +314,6 @@ typedef struct {
   size_t rb;                     /* igemm, panel-major: row blocks per row chunk (row_chunk);
                                     im2col_igemm_task: output rows per task */
   int failed;                    /* a task could not allocate its buffer */
-  const qt_residual* res;        /* igemm_add_task: the Add that follows */
-  qt_requant add_rq;
 } conv_job;
 
 /* AMX: per-thread packed-A block and accumulator scratch (pool threads live for the process) */
@@ -411,50 +408,6 @@ static size_t row_chunk(const qt_conv* cv, size_t m) {
   return rb < mblocks ? rb : mblocks;
 }
 
-/* Panel p of group g over row blocks [mb0, mb1): the full-K kernel, or K-blocked through int32
- * partial sums (*scratch, allocated on first use, freed by the caller) when the panel's weights
- * exceed L1. */
-static void run_panel_rows(const conv_job* j, size_t g, size_t p, size_t mb0, size_t mb1, int32_t** scratch_p) {
-  const qt_conv* cv = j->cv;
-  const qt_igemm_config* gc = cv->gc;
-  const size_t mr = gc->mr, nr = gc->nr, ks = cv->gemm_ks, kc = cv->gemm_kc;
-  const size_t es = cv->rq.out_f32 ? 4 : 1;
-  const size_t mblocks = cv->mblocks, ppg = cv->panels_per_group, gp = g * ppg + p;
-  int32_t* scratch = *scratch_p;
-  const size_t col0 = p * nr;
-  const size_t nc = cv->cout_g - col0 < nr ? cv->cout_g - col0 : nr;
-  const uint8_t* xg = j->x + g * cv->cin_g;
-  const char* panel = panel_at(cv, gp);
-  char* cbase = (char*)j->y + (g * cv->cout_g + col0) * es;
-  const size_t cstride = cv->cout * es;
-  /* K blocking pays off only when a weight slice is reused by many row blocks (measured: it
-   * loses ~10% at 7 row blocks, gains a few % at 25+ under cache contention) */
-  const int blocked = cv->tap_block && nc > nr / 2 && mb1 - mb0 >= (cv->kblock_forced ? 1 : 8);
-  if (blocked && !scratch) scratch = *scratch_p = (int32_t*)malloc(sizeof(int32_t) * mr * nr * mblocks);
-  if (blocked && scratch) {
-    for (size_t t0 = 0; t0 < ks; t0 += cv->tap_block) {
-      const size_t nt = ks - t0 < cv->tap_block ? ks - t0 : cv->tap_block;
-      const int first = t0 == 0, last = t0 + nt >= ks;
-      for (size_t mb = mb0; mb < mb1; mb++) {
-        const size_t row0 = mb * mr;
-        const size_t rows = j->m - row0 < mr ? j->m - row0 : mr;
-        int32_t* acc = scratch + (mb - mb0) * mr * nr;
-        gc->ukernel_acc(rows, nc, kc, t0, nt, cv->ind + (mb * ks + t0) * mr, xg, cv->zero, panel,
-                        first ? NULL : acc, last ? NULL : acc, cbase + row0 * cstride, cstride,
-                        &cv->rq);
-      }
-    }
-  } else {
-    const qt_igemm_ukernel uk = (gc->ukernel_half && nc <= nr / 2) ? gc->ukernel_half : gc->ukernel;
-    for (size_t mb = mb0; mb < mb1; mb++) {
-      const size_t row0 = mb * mr;
-      const size_t rows = j->m - row0 < mr ? j->m - row0 : mr;
-      uk(rows, nc, kc, ks, cv->ind + mb * ks * mr, xg, cv->zero, panel, cbase + row0 * cstride,
-         cstride, &cv->rq);
-    }
-  }
-}
-
 static void igemm_task(void* ctx, size_t begin, size_t end) {
   const conv_job* j = (const conv_job*)ctx;
   const qt_conv* cv = j->cv;
@@ -487,11 +440,42 @@ static void igemm_task(void* ctx, size_t begin, size_t end) {
     } else {
       chunk0 = full * rb; rbc = mblocks - chunk0; rem = u - full * rb * ppg;
     }
-    const size_t p = rem / rbc;
+    const size_t p = rem / rbc, gp = g * ppg + p;
     const size_t mb0 = chunk0 + rem % rbc;
     size_t mb1 = chunk0 + rbc;                  /* this run: row blocks of one panel in the chunk */
     if (mb1 - mb0 > end - t) mb1 = mb0 + (end - t);
-    run_panel_rows(j, g, p, mb0, mb1, &scratch);
+    const size_t col0 = p * nr;
+    const size_t nc = cv->cout_g - col0 < nr ? cv->cout_g - col0 : nr;
+    const uint8_t* xg = j->x + g * cv->cin_g;
+    const char* panel = panel_at(cv, gp);
+    char* cbase = (char*)j->y + (g * cv->cout_g + col0) * es;
+    const size_t cstride = cv->cout * es;
+    /* K blocking pays off only when a weight slice is reused by many row blocks (measured: it
+     * loses ~10% at 7 row blocks, gains a few % at 25+ under cache contention) */
+    const int blocked = cv->tap_block && nc > nr / 2 && mb1 - mb0 >= (cv->kblock_forced ? 1 : 8);
+    if (blocked && !scratch) scratch = (int32_t*)malloc(sizeof(int32_t) * mr * nr * mblocks);
+    if (blocked && scratch) {
+      for (size_t t0 = 0; t0 < ks; t0 += cv->tap_block) {
+        const size_t nt = ks - t0 < cv->tap_block ? ks - t0 : cv->tap_block;
+        const int first = t0 == 0, last = t0 + nt >= ks;
+        for (size_t mb = mb0; mb < mb1; mb++) {
+          const size_t row0 = mb * mr;
+          const size_t rows = j->m - row0 < mr ? j->m - row0 : mr;
+          int32_t* acc = scratch + (mb - mb0) * mr * nr;
+          gc->ukernel_acc(rows, nc, kc, t0, nt, cv->ind + (mb * ks + t0) * mr, xg, cv->zero, panel,
+                          first ? NULL : acc, last ? NULL : acc, cbase + row0 * cstride, cstride,
+                          &cv->rq);
+        }
+      }
+    } else {
+      const qt_igemm_ukernel uk = (gc->ukernel_half && nc <= nr / 2) ? gc->ukernel_half : gc->ukernel;
+      for (size_t mb = mb0; mb < mb1; mb++) {
+        const size_t row0 = mb * mr;
+        const size_t rows = j->m - row0 < mr ? j->m - row0 : mr;
+        uk(rows, nc, kc, ks, cv->ind + mb * ks * mr, xg, cv->zero, panel, cbase + row0 * cstride,
+           cstride, &cv->rq);
+      }
+    }
     t += mb1 - mb0;
   }
   free(scratch);
@@ -758,75 +742,6 @@ int qt_conv_run(qt_conv* cv, const uint8_t* x, size_t n, size_t h, size_t w, voi
   return rc;
 }
 
-/* the Add on output rows [r0, r1), in place */
-static void residual_rows(const conv_job* j, size_t r0, size_t r1) {
-  const qt_residual* res = j->res;
-  const size_t c = j->cv->cout, n = (r1 - r0) * c;
-  uint8_t* y = (uint8_t*)j->y + r0 * c;
-  const uint8_t* r = res->r + r0 * c;
-  if (res->conv_first)
-    j->cv->d->add(n, y, r, y, res->m_conv, res->z_conv, res->m_r, res->z_r, &j->add_rq);
-  else
-    j->cv->d->add(n, r, y, y, res->m_r, res->z_r, res->m_conv, res->z_conv, &j->add_rq);
-}
-
-/* task = a chunk of j->rb row blocks: every panel over it, then the Add over its rows while they
- * are in L2 (the convolution's own output never goes to memory and back) */
-static void igemm_add_task(void* ctx, size_t begin, size_t end) {
-  const conv_job* j = (const conv_job*)ctx;
-  const qt_conv* cv = j->cv;
-  const size_t mblocks = cv->mblocks, mr = cv->mr;
-  int32_t* scratch = NULL;
-  for (size_t c = begin; c < end; c++) {
-    const size_t mb0 = c * j->rb, mb1 = mb0 + j->rb < mblocks ? mb0 + j->rb : mblocks;
-    for (size_t p = 0; p < cv->panels_per_group; p++) run_panel_rows(j, 0, p, mb0, mb1, &scratch);
-    residual_rows(j, mb0 * mr, mb1 * mr < j->m ? mb1 * mr : j->m);
-  }
-  free(scratch);
-}
-
-static void residual_task(void* ctx, size_t begin, size_t end) {
-  const conv_job* j = (const conv_job*)ctx;
-  const size_t rows = QT_CHUNK / j->cv->cout + 1;
-  for (size_t t = begin; t < end; t++) {
-    const size_t r0 = t * rows;
-    residual_rows(j, r0, r0 + rows < j->m ? r0 + rows : j->m);
-  }
-}
-
-int qt_conv_run_add(qt_conv* cv, const uint8_t* x, size_t n, size_t h, size_t w, uint8_t* y,
-                    size_t oh, size_t ow, const qt_residual* res) {
-  pthread_mutex_lock(&cv->lock);
-  conv_job j = {cv, x, y, n, h, w, oh, ow, n * oh * ow, 1, 0};
-  j.res = res;
-  fill_requant(&j.add_rq, res->y_zp, res->lo, res->hi, 0);
-  j.add_rq.lo_f = (float)res->lo;  /* the add kernel clamps after adding the output zero point */
-  j.add_rq.hi_f = (float)res->hi;
-  const size_t T = (size_t)qt_get_num_threads();
-  int rc = 0;
-  /* fused when there are enough row chunks for every thread and the weights, read once per
-   * chunk, stay in L2 */
-  const int fusable = cv->kind == QT_CONV_IGEMM && !cv->im2col && !cv->amx && !cv->rq.out_f32 &&
-                      cv->groups == 1 && cv->panels_per_group * cv->panel_bytes <= QT_ROW_CHUNK_BYTES &&
-                      j.m > 0 && build_indirection(cv, n, h, w, oh, ow) == 0 && cv->mblocks >= 16 * T;
-  if (fusable) {
-    size_t rb = row_chunk(cv, j.m);
-    const size_t fair = (cv->mblocks + 4 * T - 1) / (4 * T);
-    if (rb > fair) rb = fair;
-    j.rb = rb ? rb : 1;
-    const double macs = (double)j.m * (double)(cv->cout * cv->cin_g * cv->kh * cv->kw);
-    qt_parallel((cv->mblocks + j.rb - 1) / j.rb, igemm_add_task, &j, macs / 150.0 + (double)(j.m * cv->cout) / 4.0);
-  } else {
-    rc = conv_run_locked(cv, x, n, h, w, y, oh, ow);
-    if (rc == 0 && j.m > 0) {
-      const size_t rows = QT_CHUNK / cv->cout + 1;
-      qt_parallel((j.m + rows - 1) / rows, residual_task, &j, (double)(j.m * cv->cout) / 8.0);
-    }
-  }
-  pthread_mutex_unlock(&cv->lock);
-  return rc;
-}
-
 /* ---- pooling ---- */
 typedef struct {
   const qt_dispatch* d;
@@ -912,6 +827,8 @@ typedef struct {
   int32_t za, zb;
   qt_requant rq;
 } add_job;
+
+#define QT_CHUNK 16384
 
 static void add_task(void* ctx, size_t begin, size_t end) {
   const add_job* j = (const add_job*)ctx;

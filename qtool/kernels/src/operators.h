@@ -51,17 +51,6 @@ void qt_conv_free(qt_conv* cv);
 void qt_set_kblock(int on);
 int qt_conv_run(qt_conv* cv, const uint8_t* x, size_t n, size_t h, size_t w, void* y, size_t oh,
                 size_t ow);
-/* A convolution whose uint8 output goes only into an Add with another uint8 tensor r of the same
- * [N, OH, OW, Cout] shape: y = Add(conv(x), r) (or Add(r, conv(x))), bit for bit as the two ops
- * one after the other (qt_add's arithmetic on the convolution's uint8 output). */
-typedef struct {
-  const uint8_t* r;
-  float m_conv, m_r;             /* input scale / output scale of the Add, per input */
-  int32_t z_conv, z_r, y_zp, lo, hi;
-  int conv_first;                /* the convolution's output is the Add's first input */
-} qt_residual;
-int qt_conv_run_add(qt_conv* cv, const uint8_t* x, size_t n, size_t h, size_t w, uint8_t* y,
-                    size_t oh, size_t ow, const qt_residual* res);
 void qt_pool(const uint8_t* x, uint8_t* y, size_t n, size_t h, size_t w, size_t c, size_t oh,
              size_t ow, size_t kh, size_t kw, size_t sh, size_t sw, size_t pt, size_t pl, size_t pb,
              size_t pr, size_t dh, size_t dw, int avg, int count_include_pad, int32_t x_zp, float mult,
