@@ -255,7 +255,7 @@ class Simulator:
                         fp = stem + ":0"
                         big[fp] = self._value(fp, np.zeros_like(val))
                     before.setdefault(n.name, []).append(
-                        helper.make_node("Where", [f"sim:{n.name}", stem, fp], [stem + ":v"]))  # exact either way
+                        helper.make_node("Where", [f"sim:w:{n.name}", stem, fp], [stem + ":v"]))  # exact either way
                 while len(n.input) <= idx:
                     n.input.append("")
                 n.input[idx] = stem if fixed is not None else stem + ":v"
@@ -287,15 +287,16 @@ class Simulator:
             off = helper.make_graph([helper.make_node("Identity", [t], [f"sim:{t}:id"])], "off", [],
                                     [helper.make_tensor_value_info(f"sim:{t}:id", TensorProto.FLOAT, None)])
             after.setdefault(produced.get(t), []).append(
-                helper.make_node("If", [f"sim:{t}"], [rename[t]], then_branch=on, else_branch=off))
+                helper.make_node("If", [f"sim:t:{t}"], [rename[t]], then_branch=on, else_branch=off))
         ordered = list(after.get(None, []))
         for n in nodes:
             ordered.extend(before.get(n.name, []) + [n] + after.get(n.name, []))
         if fixed is not None:
             weights, tensors = [], []
-        switches = [helper.make_tensor_value_info(f"sim:{n}", TensorProto.BOOL, []) for n in weights]
+        # (a weight's switch and a tensor's have prefixes of their own: tf2onnx names nodes after their outputs)
+        switches = [helper.make_tensor_value_info(f"sim:w:{n}", TensorProto.BOOL, []) for n in weights]
         for t in tensors:
-            switches += [helper.make_tensor_value_info(f"sim:{t}", TensorProto.BOOL, []),
+            switches += [helper.make_tensor_value_info(f"sim:t:{t}", TensorProto.BOOL, []),
                          helper.make_tensor_value_info(f"sim:{t}:s", TensorProto.FLOAT, []),
                          helper.make_tensor_value_info(f"sim:{t}:z", TensorProto.UINT8, [])]
         m, big = self._model(ordered, "variants",
@@ -316,10 +317,10 @@ class Simulator:
 
     def _switch_feed(self, v: Variant, switches) -> dict:
         weights, tensors = switches
-        f = {f"sim:{n}": np.array(n in v.weights) for n in weights}
+        f = {f"sim:w:{n}": np.array(n in v.weights) for n in weights}
         for t in tensors:
             qp = v.tensors.get(t) or self.qparams.get(t) or Q.ActQParams(1.0, 0)
-            f.update({f"sim:{t}": np.array(t in v.tensors),
+            f.update({f"sim:t:{t}": np.array(t in v.tensors),
                       f"sim:{t}:s": np.array(qp.scale, np.float32), f"sim:{t}:z": np.array(qp.zero_point, np.uint8)})
         return f
 
