@@ -47,3 +47,34 @@ def test_node_named_like_its_output_tensor(tmp_path):
     w = _calibrate(m, tmp_path, [rng.standard_normal((1, 3, 16, 16)).astype(np.float32) for _ in range(16)])
     r = quantize(w, strict=True, say=lambda *a, **k: None, sensitivity=SensitivityOptions(show_progress=False))
     onnx.checker.check_model(r.path)
+
+
+def test_if_branch_of_constants_only(tmp_path):
+    """An If whose taken branch reads only initializers (svtrv2's decoder: Identity(char_token))
+    stays as it is: it has nothing to calibrate, and --strict does not stop on it."""
+    rng = np.random.default_rng(1)
+    tok = onnx.numpy_helper.from_array(rng.standard_normal((1, 8, 16)).astype(np.float32), "tok0")
+    then_g = helper.make_graph([helper.make_node("Neg", ["tok0"], ["t_then"])], "then", [],
+                               [helper.make_tensor_value_info("t_then", TensorProto.FLOAT, [1, 8, 16])])
+    else_g = helper.make_graph([helper.make_node("Identity", ["tok0"], ["t_else"])], "else", [],
+                               [helper.make_tensor_value_info("t_else", TensorProto.FLOAT, [1, 8, 16])])
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv", kernel_shape=[1, 1]),
+             helper.make_node("Shape", ["x"], ["s"]),
+             helper.make_node("Gather", ["s", "ax"], ["steps"], axis=0),
+             helper.make_node("Greater", ["steps", "limit"], ["long"]),  # never true here
+             helper.make_node("If", ["long"], ["t"], then_branch=then_g, else_branch=else_g),
+             helper.make_node("Squeeze", ["c", "sq"], ["c3"]),
+             helper.make_node("Transpose", ["c3"], ["ct"], perm=[0, 2, 1]),
+             helper.make_node("MatMul", ["ct", "t"], ["y"])]
+    inits = [weight(rng, "w", 8, 8, 1, 1, scale=0.3), weight(rng, "b", 8, scale=0.1), tok,
+             onnx.numpy_helper.from_array(np.array(100, np.int64), "limit"),
+             onnx.numpy_helper.from_array(np.array(3, np.int64), "ax"),
+             onnx.numpy_helper.from_array(np.array([2], np.int64), "sq")]
+    g = helper.make_graph(nodes, "t", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 1, "W"])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "W", 16])], initializer=inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    onnx.checker.check_model(m)
+    w = _calibrate(m, tmp_path, [rng.standard_normal((1, 8, 1, 32)).astype(np.float32) for _ in range(8)])
+    r = quantize(w, strict=True, say=lambda *a, **k: None, sensitivity=SensitivityOptions(show_progress=False))
+    onnx.checker.check_model(r.path)

@@ -134,6 +134,8 @@ def quantize_branches(model: onnx.ModelProto, fused: onnx.ModelProto, samples, w
 
     done = []
     for node, which, outer in taken_branches(fused, samples):
+        if not outer:  # reads no tensor of the graph around it: constants only, nothing to calibrate
+            continue
         names = sorted(outer)
         sub = branch_model(fused, node, which, outer)
         folder = os.path.join(workdir, "subgraphs", f"{len(done)}-{which}")
