@@ -180,15 +180,19 @@ def evaluate(fp32_path: str, int8_path: str, data: str, config=None, labels: str
                 native_stats["fp32"].add(a, c, len(names))
                 native_stats["int8"].add(b, c, len(names))
             truth.extend(label_of.get(n) for n in names)
-            if sample is None:
-                sample = {k: v[:1] for k, v in feeds.items()}
+            if sample is None:  # (a model whose batch is fixed takes that batch only)
+                sample = feeds if getattr(src, "fixed_batch", None) else {k: v[:1] for k, v in feeds.items()}
             bar.update(len(names))
+    if not truth and getattr(src, "fixed_batch", None):
+        from qtool.errors import QtoolError
+        raise QtoolError(f"{data}: {src.left_out} images, but the model's batch is fixed at {src.fixed_batch}: "
+                         f"give at least {src.fixed_batch}")
     first = _headline([stats[out_name].result()])
     classifier = bool(rows["fp32"])
     lf = np.concatenate(rows["fp32"]) if classifier else None
     lq = np.concatenate(rows["int8"]) if classifier else None
     res = {
-        "n_images": len(truth), "skipped": list(src.skipped),
+        "n_images": len(truth), "skipped": list(src.skipped), "left_out": getattr(src, "left_out", 0),
         "fp32_model": os.path.abspath(fp32_path), "int8_model": os.path.abspath(int8_path),
         "top5_overlap": float(np.mean([len(set(p) & set(q)) / 5 for p, q in zip(_topk(lf, 5), _topk(lq, 5))]))
         if classifier and lf.shape[1] >= 5 else None,

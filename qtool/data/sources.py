@@ -86,6 +86,8 @@ class ImageData:
                              f"{', '.join(IMAGE_EXTS)})" if n else f"{folder}: data folder is empty")
         self.files = files[:limit] if limit else files
         fixed_batch = self.inp.dims[0] if self.inp.dims and isinstance(self.inp.dims[0], int) else None
+        self.fixed_batch = fixed_batch if fixed_batch and fixed_batch > 1 else None
+        self.left_out = 0  # images of a last, partial batch a fixed-batch model cannot take
         self.stream = ImageStream(self.files, self.cfg, batch=fixed_batch or batch)
 
     def _choose(self, cfg: Preprocess | None, model: onnx.ModelProto, model_path: str) -> tuple:
@@ -131,4 +133,7 @@ class ImageData:
 
     def batches(self):
         for names, x in self.stream:
+            if self.fixed_batch and len(names) < self.fixed_batch:  # (its batch dimension is fixed)
+                self.left_out += len(names)
+                continue
             yield names, {self.inp.name: x if self.inp.dtype == "float32" else x.astype(self.inp.dtype)}
