@@ -108,6 +108,32 @@ def test_fold_constants_leaves_batch_dependent_value():
         np.testing.assert_allclose(run(m1, {"x": x})[0], x + n, rtol=1e-6)
 
 
+@pytest.mark.parametrize("case", ["dim_is_one", "max_256"])
+def test_fold_constants_keeps_thresholds_on_free_dims_dynamic(case):
+    """Values that the usual stand-in sizes (7-200) all compute alike but a real size does not:
+    pyannote branches on Shape(x)[1] == 1; swift-f0 pads to whole frames of max(length, 256)."""
+    if case == "dim_is_one":  # y = x * (C == 1)
+        nodes = [helper.make_node("Shape", ["x"], ["shp"]), helper.make_node("Gather", ["shp", "i1"], ["c"], axis=0),
+                 helper.make_node("Equal", ["c", "i1"], ["eq"]),
+                 helper.make_node("Cast", ["eq"], ["f"], to=onnx.TensorProto.FLOAT),
+                 helper.make_node("Mul", ["x", "f"], ["y"])]
+        inits = [init("i1", 1, np.int64)]
+        sizes, want = (1, 5), lambda x: x * float(x.shape[1] == 1)
+    else:  # y = x + (max(T, 256) - T)
+        nodes = [helper.make_node("Shape", ["x"], ["shp"]), helper.make_node("Gather", ["shp", "i1"], ["t"], axis=0),
+                 helper.make_node("Max", ["t", "k"], ["m"]), helper.make_node("Sub", ["m", "t"], ["d"]),
+                 helper.make_node("Cast", ["d"], ["f"], to=onnx.TensorProto.FLOAT),
+                 helper.make_node("Add", ["x", "f"], ["y"])]
+        inits = [init("i1", 1, np.int64), init("k", 256, np.int64)]
+        sizes, want = (100, 300), lambda x: x + float(max(x.shape[1], 256) - x.shape[1])
+    shape = ["N", "C", 4] if case == "dim_is_one" else ["N", "T"]
+    m0 = make_model(nodes, inits, [("x", shape)], [("y", shape)])
+    m1, _, _ = _apply(fold_constants.run, m0)
+    for size in sizes:
+        x = _x((2, size, 4) if case == "dim_is_one" else (2, size))
+        np.testing.assert_allclose(run(m1, {"x": x})[0], want(x), rtol=1e-6)
+
+
 def test_fold_constants_does_not_fold_graph_output_computed_from_constants():
     nodes = [helper.make_node("Add", ["a", "b"], ["c"]), helper.make_node("Add", ["x", "c"], ["y"])]
     m0 = make_model(nodes, [init("a", [1.0, 2.0]), init("b", [3.0, 4.0])], [("x", [2])], [("y", [2])])

@@ -9,8 +9,9 @@ different instantiations of every unknown dimension (batch 1, 2 and 3, other fre
 and 200: different parities and residues, so padding that depends on size mod stride shows),
 and a value is folded only where all agree, so nothing that depends on the batch (or on a free
 spatial size) is frozen. Two were not enough: 33 and 64 both shrink to 2 at stride 32, and a
-detector's attention reshape [N, 2, 128, H*W] froze H*W at 4. A fourth, small size (7) vetoes
-where it computes: a Slice of 32 learned positions gives 32 rows for every length above 32.
+detector's attention reshape [N, 2, 128, H*W] froze H*W at 4. Three more sizes veto where they
+compute (VETOS): 7 (a Slice of 32 learned positions gives 32 rows for every length above 32), 1
+(a test of `dim == 1`) and 1031 (a threshold above 200, as max(length, 256)).
 """
 from __future__ import annotations
 
@@ -30,10 +31,13 @@ _NEVER = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLik
 # ConstantOfShape([1e5, 1e5]) must not allocate 40 GB), and all values computed for one graph
 # together stay under MAX_FOLD_TOTAL_BYTES
 _MAX_FOLD_ELEMS = MAX_FOLD_ELEMS
-FREE_DIMS = (33, 64, 200, 7)  # a free dim in each instantiation (the batch: 1, 2, 3, 4)
+FREE_DIMS = (33, 64, 200, 7, 1, 1031)  # a free dim in each instantiation
+BATCH = (1, 2, 3, 4, 1, 5)  # the batch in each
 VARIANTS = range(3)  # where a value must be computed, and equal
-VETO = 3  # where a value computed must be equal too (a small size: a Slice of 32 learned positions clamps
-# every larger length to 32); a graph whose shapes do not work at that size does not compute it there
+VETOS = (3, 4, 5)  # where a value computed must be equal too; a graph whose shapes do not work at that size
+# does not compute it there. 7, small: a Slice of 32 learned positions clamps every larger length to 32.
+# 1: a branch on `dim == 1` (pyannote's segmentation model takes its 1-channel path on Shape(x)[1] == 1).
+# 1031, large: padding to whole frames of max(length, 256) (swift-f0) is 0 for every length below 256.
 
 def _pinned(model: onnx.ModelProto, variant: int, pins: dict) -> onnx.ModelProto:
     m = G.skeleton(model)
@@ -46,7 +50,7 @@ def _pinned(model: onnx.ModelProto, variant: int, pins: dict) -> onnx.ModelProto
             if pin is not None and k < len(pin) and pin[k] and k > 0:
                 d.dim_value = int(pin[k])
             elif not (d.HasField("dim_value") and d.dim_value > 0):
-                d.dim_value = (1 + variant) if k == 0 else FREE_DIMS[variant]
+                d.dim_value = BATCH[variant] if k == 0 else FREE_DIMS[variant]
     return m
 
 
@@ -141,7 +145,7 @@ def run(model: onnx.ModelProto, ctx) -> bool:
     if not any(n.op_type in ("Constant", "Shape") for n in model.graph.node) and not foldable:
         return False
     a, *rest = [_values(model, v, ctx.input_pins) for v in VARIANTS]
-    veto = _values(model, VETO, ctx.input_pins)
+    vetos = [_values(model, v, ctx.input_pins) for v in VETOS]
     outputs = G.graph_output_names(model)
     fold = []
     for n in model.graph.node:
@@ -149,7 +153,7 @@ def run(model: onnx.ModelProto, ctx) -> bool:
         if not outs or any(o not in v for o in outs for v in [a] + rest):
             continue
         same = all(a[o].shape == b[o].shape and a[o].dtype == b[o].dtype and np.array_equal(a[o], b[o])
-                   for o in outs for b in rest + [veto] if o in b)
+                   for o in outs for b in rest + vetos if o in b)
         if same and all(a[o].size <= _MAX_FOLD_ELEMS for o in outs) and not (set(outs) & outputs and n.op_type != "Constant"):
             fold.append(n)
     if not fold:

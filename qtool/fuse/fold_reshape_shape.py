@@ -3,8 +3,8 @@
 Before: Shape(x) -> Gather(0) -> Unsqueeze -> Concat([-1]) -> Reshape(x, shape)
 After:  Reshape(x, [0, -1])
 
-The target shape is evaluated under three instantiations of the free dimensions (see
-fold_constants). An entry equal in all stays a constant; an entry that changes but
+The target shape is evaluated under three instantiations of the free dimensions, and the veto
+sizes where they compute (see fold_constants). An entry equal in all stays a constant; an entry that changes but
 always equals the input's dimension at the same position becomes 0 ("copy", allowzero=0);
 at most one other changing entry becomes -1. Anything else leaves the node alone.
 """
@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 
 from qtool import graph as G
-from qtool.fuse.fold_constants import VARIANTS, VETO, instantiate
+from qtool.fuse.fold_constants import VARIANTS, VETOS, instantiate
 
 
 def run(model: onnx.ModelProto, ctx) -> bool:
@@ -24,13 +24,13 @@ def run(model: onnx.ModelProto, ctx) -> bool:
     if not todo:
         return False
     main = [instantiate(model, v, ctx.input_pins) for v in VARIANTS]  # (shapes, values) of each
-    veto = instantiate(model, VETO, ctx.input_pins)
+    vetos = [instantiate(model, v, ctx.input_pins) for v in VETOS]
     changed = False
     for n in todo:
         x, s = n.input[0], n.input[1]
         if any(s not in vals or x not in shapes for shapes, vals in main):
             continue
-        runs = main + ([veto] if s in veto[1] and x in veto[0] else [])  # (the veto size, where it computes)
+        runs = main + [v for v in vetos if s in v[1] and x in v[0]]  # (the veto sizes, where they compute)
         targets = [vals[s].astype(np.int64).ravel() for _, vals in runs]
         if any(t.shape != targets[0].shape for t in targets):
             continue
