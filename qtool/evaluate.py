@@ -244,6 +244,8 @@ class OutputStats:
         self.row_err: list = []
         self.shape = None
         self.text = False  # strings, compared for equality only
+        self.mismatch = 0  # batches whose int8 output has another shape than fp32's (not compared)
+        self.mismatch_shapes = None
 
     def add(self, a: np.ndarray, b: np.ndarray, samples: int | None = None) -> None:
         """`samples`: how many samples the batch holds, where known: a [T, N, C] output (sequence
@@ -258,6 +260,12 @@ class OutputStats:
             self.n += len(a) if a.ndim else 1
             self.positions += a.size
             self.same += int(np.sum(a == b)) if a.shape == b.shape else 0
+            return
+        if a.shape != b.shape:
+            # never broadcast one on the other (a figure for a broken graph); a detector's count of boxes
+            # may differ honestly, so this is counted and said, not an error
+            self.mismatch += 1
+            self.mismatch_shapes = self.mismatch_shapes or (list(a.shape), list(b.shape))
             return
         if samples is not None and a.ndim == 3 and a.shape[0] != samples and a.shape[1] == samples:
             a, b = a.swapaxes(0, 1), b.swapaxes(0, 1)
@@ -301,7 +309,10 @@ class OutputStats:
         if self.text:
             return {"shape": self.shape, "equal_fraction": self.same / max(self.positions, 1)}
         r = {"shape": self.shape, "sqnr_db": float(10 * np.log10(self.sig / self.noise)) if self.noise > 0
-             else float("inf"), "max_abs_error": self.maxerr}
+             else (float("inf") if self.shape is not None else None), "max_abs_error": self.maxerr}
+        if self.mismatch:
+            r["shape_mismatch"] = {"batches": self.mismatch, "fp32": self.mismatch_shapes[0],
+                                   "int8": self.mismatch_shapes[1]}
         if self.kind is not None:
             r["top1_agreement"] = self.same / max(self.positions, 1)
             r["agreement_over"] = "samples" if self.kind == "class" else "positions"

@@ -110,3 +110,16 @@ def test_eval_of_a_fixed_batch_model(tmp_path):
         assert r["latency_ms"]["ort_int8"] > 0
         with pytest.raises(QtoolError, match="fixed at 4"):
             evaluate(str(path), q.path, str(tmp_path / "eval"), limit=3, show_progress=False)
+
+
+def test_eval_says_outputs_of_different_shapes():
+    """An int8 output of another shape than fp32's (swift-f0's fused graph gave 1 frame for 62) is
+    counted and said, never broadcast into an SQNR (a detector's box count may differ honestly)."""
+    from qtool.commands.eval import _output_lines
+    from qtool.evaluate import OutputStats
+    st = OutputStats("pitch")
+    st.add(np.ones((1, 62), np.float32), np.ones((1, 1), np.float32), 1)
+    r = st.result()
+    assert r["sqnr_db"] is None and r["shape_mismatch"] == {"batches": 1, "fp32": [1, 62], "int8": [1, 1]}
+    lines = _output_lines({"outputs": {"pitch": r}})
+    assert len(lines) == 1 and "WARNING pitch" in lines[0] and "[1, 1]" in lines[0]

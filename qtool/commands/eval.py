@@ -70,6 +70,12 @@ def _output_lines(r: dict) -> list[str]:
         if "equal_fraction" in o:  # (strings)
             lines.append(f"  {name} {shape}: text, {100 * o['equal_fraction']:.1f} % of strings equal")
             continue
+        mm = o.get("shape_mismatch")
+        if mm:
+            lines.append(f"  WARNING {name}: the int8 model's output has shape {mm['int8']} where fp32's has {mm['fp32']} "
+                         f"({mm['batches']} batches not compared)")
+        if o.get("sqnr_db") is None:
+            continue
         text = f"  {name} {shape}: SQNR {o['sqnr_db']:.1f} dB, max |error| {o['max_abs_error']:.4g}"
         if "top1_agreement" in o:
             text += ", " + _agreement(o)
@@ -119,7 +125,10 @@ def render(r: dict) -> str:
         else:
             lines.append(f"{r['n_images']} images{skipped}; no top-1 agreement: the first output is neither classes "
                          "nor a sequence of distributions (judge it by the SQNR below, or by what it means)")
-    lines.append(f"output SQNR {r['output_sqnr_db']:.1f} dB, max |error| {r['max_abs_error']:.4g}")
+    if r["output_sqnr_db"] is None:
+        lines.append("output SQNR: none (the int8 output's shape differs from fp32's, see below)")
+    else:
+        lines.append(f"output SQNR {r['output_sqnr_db']:.1f} dB, max |error| {r['max_abs_error']:.4g}")
     if len(r.get("outputs", {})) > 1:
         lines += _output_lines(r)
     if "native" in r:
