@@ -277,6 +277,11 @@ def reference_output(model: onnx.ModelProto) -> str:
             picked.append(t)
     if picked:
         return max(dict.fromkeys(picked), key=picked.count)
+    return first_output(model)
+
+
+def first_output(model: onnx.ModelProto) -> str:
+    """The first float output, else the first output."""
     outs = list(model.graph.output)
     floats = [o for o in outs if o.type.tensor_type.elem_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16,
                                                                    onnx.TensorProto.DOUBLE)]

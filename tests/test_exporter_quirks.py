@@ -123,3 +123,22 @@ def test_eval_says_outputs_of_different_shapes():
     assert r["sqnr_db"] is None and r["shape_mismatch"] == {"batches": 1, "fp32": [1, 62], "int8": [1, 1]}
     lines = _output_lines({"outputs": {"pitch": r}})
     assert len(lines) == 1 and "WARNING pitch" in lines[0] and "[1, 1]" in lines[0]
+
+
+def test_selection_from_an_infinite_tensor(tmp_path):
+    """swift-f0 picks its pitch peak with ArgMax + GatherElements from a tensor padded with -inf:
+    that tensor, which quantize would judge by, is never finite; quantize judges by the output
+    instead of leaving every calibration sample out."""
+    import pytest
+    rng = np.random.default_rng(3)
+    inits = [weight(rng, "W", 16, 8, scale=0.5), onnx.numpy_helper.from_array(np.array([0, 1, 0, 1], np.int64), "pads"),
+             onnx.numpy_helper.from_array(np.array(-np.inf, np.float32), "neg_inf")]
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["m"]), helper.make_node("Relu", ["m"], ["r"]),
+             helper.make_node("Pad", ["r", "pads", "neg_inf"], ["p"]),
+             helper.make_node("ArgMax", ["p"], ["i"], axis=1, keepdims=1),
+             helper.make_node("GatherElements", ["p", "i"], ["y"], axis=1)]
+    m = make_model(nodes, inits, [("x", ["N", 16])], [("y", ["N", 1])], opset=18)
+    w = _calibrate(m, tmp_path, [rng.standard_normal((1, 16)).astype(np.float32) for _ in range(16)])
+    with pytest.warns(UserWarning, match="judges by the output 'y'"):
+        r = quantize(w, strict=True, say=lambda *a, **k: None, sensitivity=SensitivityOptions(show_progress=False))
+    assert "sensitivity" in r.report and r.report["rounding"] == "output-aware", r.report

@@ -129,7 +129,7 @@ def render(r: dict) -> str:
         lines.append("output SQNR: none (the int8 output's shape differs from fp32's, see below)")
     else:
         lines.append(f"output SQNR {r['output_sqnr_db']:.1f} dB, max |error| {r['max_abs_error']:.4g}")
-    if len(r.get("outputs", {})) > 1:
+    if len(r.get("outputs", {})) > 1 or any(o.get("shape_mismatch") for o in r.get("outputs", {}).values()):
         lines += _output_lines(r)
     if "native" in r:
         n = r["native"]

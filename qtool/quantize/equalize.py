@@ -241,7 +241,7 @@ def balance(ctx, samples, say=print) -> None:
 
     def noise(fused, tab, tensors: list) -> list:
         sim = Simulator(QuantizeContext(fused, tab, ctx.method, ctx.target, ctx.bias_correction, dict(ctx.exclude),
-                                        threads=ctx.threads))
+                                        threads=ctx.threads), samples.output)
         live = [t for t in tensors if t in sim.qparams]
         got = dict(zip(live, sim.run(samples, [Variant(set(), {t: sim.qparams[t]}, sim.plan.int8_nodes) for t in live],
                                      reduce=lambda y: sqnr_db(ref, y))))

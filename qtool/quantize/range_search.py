@@ -114,7 +114,7 @@ def search_ranges(ctx, samples, progress=None, total=None) -> RangeSearch:
     tensors, cands = tunable(ctx)
     if not tensors:
         return RangeSearch()
-    sim = Simulator(ctx)
+    sim = Simulator(ctx, samples.output)
     probe_set = samples.subset(np.linspace(0, len(samples) - 1, min(PROBE_SAMPLES, len(samples))).astype(int))
     if not len(probe_set):  # (a model whose fixed batch is larger than PROBE_SAMPLES)
         probe_set = samples

@@ -127,15 +127,23 @@ def load_samples(fused, table, files: list, threads: int = 0, progress=None) -> 
         return s
     from qtool.ortsession import session, with_outputs
     out = s.output = G.reference_output(fused)
-    sess = session(with_outputs(fused, [out]), threads, where=f"{table.model_path} (fused)")
-    s.axis, s.rows = _sample_axis(sess, out, s)
-    ys = []
-    t0 = time.perf_counter()
-    for a, f in zip(range(0, len(s), s.batch), s.feeds):
-        ys.append(sess.run([out], f)[0])
-        if progress:
-            progress(min(s.batch, len(s) - a))
-    s.seconds_per_sample = (time.perf_counter() - t0) / len(s)
+    for attempt in (0, 1):
+        sess = session(with_outputs(fused, [out]), threads, where=f"{table.model_path} (fused)")
+        s.axis, s.rows = _sample_axis(sess, out, s)
+        ys = []
+        t0 = time.perf_counter()
+        for a, f in zip(range(0, len(s), s.batch), s.feeds):
+            ys.append(sess.run([out], f)[0])
+            if progress and not attempt:
+                progress(min(s.batch, len(s) - a))
+        s.seconds_per_sample = (time.perf_counter() - t0) / len(s)
+        if attempt or out == G.first_output(fused) or not all(_nowhere_finite(y) for y in ys):
+            break
+        # the tensor a final selection reads is -inf by design (a peak picker's padding, swift-f0): every
+        # sample would be left out as non-finite; the output itself is the judge instead
+        warnings.warn(f"'{out}', which the model's last selection reads, is not finite in any calibration sample; "
+                      f"quantize judges by the output '{G.first_output(fused)}' instead", stacklevel=2)
+        out = s.output = G.first_output(fused)
     if s.stacked and len({y.shape for y in ys}) > 1:
         # outputs that differ in size (one value per frame) cannot be compared as one array: the samples
         # whose output has the most common size are kept
@@ -180,6 +188,13 @@ def _sample_axis(sess, out: str, s: SampleSet) -> tuple:
     if len(one) != len(two) or len(grown) != 1 or two[grown[0]] != 2 * one[grown[0]]:
         return 0, 1
     return grown[0], one[grown[0]]
+
+
+def _nowhere_finite(y) -> bool:
+    """A float batch in which every sample holds a NaN/inf."""
+    y = np.asarray(y)
+    return bool(np.issubdtype(y.dtype, np.floating) and y.ndim and len(y)
+                and not np.isfinite(y.reshape(len(y), -1)).all(axis=1).any())
 
 
 def _finite_only(s: SampleSet) -> SampleSet:

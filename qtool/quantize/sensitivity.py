@@ -86,7 +86,7 @@ def layer_sensitivity(ctx: QuantizeContext, samples: SampleSet, progress=None, o
     ranges, output-aware rounding) for the one layer quantized. Each layer's model is simulated
     from the last cut before it (simulate.py): only the part of the network after it re-runs.
     `only` (layer names): measure just these, each still alone in int8 among all the others."""
-    sim = Simulator(ctx)
+    sim = Simulator(ctx, samples.output)
     picked, variants = layer_variants(sim, only)
     ref = samples.reference
     dist = distribution_output(ctx.fused, samples)

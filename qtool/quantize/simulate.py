@@ -57,7 +57,9 @@ class Variant:
 
 
 class Simulator:
-    def __init__(self, ctx):
+    def __init__(self, ctx, output: str | None = None):
+        """`output`: the tensor the variants are judged by (the samples' reference, SampleSet.output;
+        None: graph.reference_output)."""
         self.ctx = ctx
         self.base = upgrade_opset(ctx.fused, [])  # what the plans are made on and the variants cut from (read only)
         self.facts = ModelFacts.of(self.base)
@@ -65,7 +67,7 @@ class Simulator:
         self.shapes = G.inferred_shapes(self.base)
         self.plan = self.plan_for({})
         self.qparams = activation_qparams(self.base, self.plan, ctx.table, ctx.method, ctx.ranges)
-        self.output = G.reference_output(self.base)
+        self.output = output or G.reference_output(self.base)
         self.nodes = list(self.base.graph.node)
         self.pos = {n.name: k for k, n in enumerate(self.nodes)}
         # the nodes the reference output depends on: a variant runs only those (another head of a
@@ -247,19 +249,19 @@ class Simulator:
             if n.name not in weights:
                 continue
             for idx, val in self.layer_weights(n.name):
-                stem = f"sim:{n.name}:{idx}"
+                stem = f"sim:w{idx}:{n.name}"
                 fp = n.input[idx] if len(n.input) > idx and n.input[idx] else None
                 big[stem] = self._value(stem, val)
                 if fixed is None:
                     if fp is None:  # no bias in the fp32 graph: zeros stand for it when the switch is off
-                        fp = stem + ":0"
+                        fp = f"sim:w{idx}zero:{n.name}"
                         big[fp] = self._value(fp, np.zeros_like(val))
                     before.setdefault(n.name, []).append(
-                        helper.make_node("Where", [f"sim:w:{n.name}", stem, fp], [stem + ":v"]))  # exact either way
+                        helper.make_node("Where", [f"sim:w:{n.name}", stem, fp], [f"sim:w{idx}on:{n.name}"]))  # exact either way
                 while len(n.input) <= idx:
                     n.input.append("")
-                n.input[idx] = stem if fixed is not None else stem + ":v"
-        rename = {t: f"sim:{t}:y" for t in tensors}
+                n.input[idx] = stem if fixed is not None else f"sim:w{idx}on:{n.name}"
+        rename = {t: f"sim:y:{t}" for t in tensors}
         for n in nodes:
             for k, i in enumerate(n.input):
                 # as the build does, fp32 readers of a graph input read it before quantization (and a
@@ -272,20 +274,20 @@ class Simulator:
         for t in tensors:
             if fixed is not None:
                 qp = fixed.tensors[t]
-                sc, z = f"sim:{t}:s", f"sim:{t}:z"
+                sc, z = f"sim:s:{t}", f"sim:z:{t}"
                 consts += [helper.make_tensor(sc, TensorProto.FLOAT, [], [qp.scale]),
                            helper.make_tensor(z, TensorProto.UINT8, [], [qp.zero_point])]
                 after.setdefault(produced.get(t), []).extend(
-                    [helper.make_node("QuantizeLinear", [t, sc, z], [f"sim:{t}:q"]),
-                     helper.make_node("DequantizeLinear", [f"sim:{t}:q", sc, z], [rename[t]])])
+                    [helper.make_node("QuantizeLinear", [t, sc, z], [f"sim:q:{t}"]),
+                     helper.make_node("DequantizeLinear", [f"sim:q:{t}", sc, z], [rename[t]])])
                 continue
             # If, not arithmetic on a gate: a switch that is off then costs one copy, not five passes
-            sc, z = f"sim:{t}:s", f"sim:{t}:z"
-            on = helper.make_graph([helper.make_node("QuantizeLinear", [t, sc, z], [f"sim:{t}:q"]),
-                                    helper.make_node("DequantizeLinear", [f"sim:{t}:q", sc, z], [f"sim:{t}:dq"])],
-                                   "on", [], [helper.make_tensor_value_info(f"sim:{t}:dq", TensorProto.FLOAT, None)])
-            off = helper.make_graph([helper.make_node("Identity", [t], [f"sim:{t}:id"])], "off", [],
-                                    [helper.make_tensor_value_info(f"sim:{t}:id", TensorProto.FLOAT, None)])
+            sc, z = f"sim:s:{t}", f"sim:z:{t}"
+            on = helper.make_graph([helper.make_node("QuantizeLinear", [t, sc, z], [f"sim:q:{t}"]),
+                                    helper.make_node("DequantizeLinear", [f"sim:q:{t}", sc, z], [f"sim:dq:{t}"])],
+                                   "on", [], [helper.make_tensor_value_info(f"sim:dq:{t}", TensorProto.FLOAT, None)])
+            off = helper.make_graph([helper.make_node("Identity", [t], [f"sim:id:{t}"])], "off", [],
+                                    [helper.make_tensor_value_info(f"sim:id:{t}", TensorProto.FLOAT, None)])
             after.setdefault(produced.get(t), []).append(
                 helper.make_node("If", [f"sim:t:{t}"], [rename[t]], then_branch=on, else_branch=off))
         ordered = list(after.get(None, []))
@@ -293,12 +295,13 @@ class Simulator:
             ordered.extend(before.get(n.name, []) + [n] + after.get(n.name, []))
         if fixed is not None:
             weights, tensors = [], []
-        # (a weight's switch and a tensor's have prefixes of their own: tf2onnx names nodes after their outputs)
+        # (every name made here is sim:KIND:NAME, KIND without a colon: none can equal another, though
+        # tf2onnx names nodes after their outputs and a tensor may be called "z")
         switches = [helper.make_tensor_value_info(f"sim:w:{n}", TensorProto.BOOL, []) for n in weights]
         for t in tensors:
             switches += [helper.make_tensor_value_info(f"sim:t:{t}", TensorProto.BOOL, []),
-                         helper.make_tensor_value_info(f"sim:{t}:s", TensorProto.FLOAT, []),
-                         helper.make_tensor_value_info(f"sim:{t}:z", TensorProto.UINT8, [])]
+                         helper.make_tensor_value_info(f"sim:s:{t}", TensorProto.FLOAT, []),
+                         helper.make_tensor_value_info(f"sim:z:{t}", TensorProto.UINT8, [])]
         m, big = self._model(ordered, "variants",
                              [helper.make_tensor_value_info(t, self.types.get(t, TensorProto.FLOAT),
                                                             _dims(self.shapes.get(t))) for t in frontier] + switches,
@@ -321,7 +324,7 @@ class Simulator:
         for t in tensors:
             qp = v.tensors.get(t) or self.qparams.get(t) or Q.ActQParams(1.0, 0)
             f.update({f"sim:t:{t}": np.array(t in v.tensors),
-                      f"sim:{t}:s": np.array(qp.scale, np.float32), f"sim:{t}:z": np.array(qp.zero_point, np.uint8)})
+                      f"sim:s:{t}": np.array(qp.scale, np.float32), f"sim:z:{t}": np.array(qp.zero_point, np.uint8)})
         return f
 
     # ------------------------------------------------------------------ running variants
