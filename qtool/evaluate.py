@@ -345,10 +345,11 @@ def is_distribution(a: np.ndarray, tol: float = 1e-2) -> bool:
 
 def output_kind(a: np.ndarray) -> tuple:
     """(agreement kind, detector layout) of an output from its shape and fp32 values: a [N, T, C] whose
-    every row is a distribution is a sequence of them (SLANet's 501 structure tokens x 30 classes would
+    every row is a distribution (or log-probabilities) is a sequence of them (SLANet's 501 structure tokens x 30 classes would
     otherwise pass for a detector's rows); a few values per position that are not one (SLANet's 4 box
     coordinates) are no classes."""
-    if a.ndim == 3 and is_distribution(a):
+    if a.ndim == 3 and (is_distribution(a) or is_log_distribution(a)):
+        # (pyannote's segmentation: a LogSoftmax over 7 classes at each of 293 frames, no detector rows)
         return "position", None
     kind = agreement_kind(a.shape)
     if kind == "position" and a.shape[2] < 5:

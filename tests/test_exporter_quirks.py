@@ -142,3 +142,18 @@ def test_selection_from_an_infinite_tensor(tmp_path):
     with pytest.warns(UserWarning, match="judges by the output 'y'"):
         r = quantize(w, strict=True, say=lambda *a, **k: None, sensitivity=SensitivityOptions(show_progress=False))
     assert "sensitivity" in r.report and r.report["rounding"] == "output-aware", r.report
+
+
+def test_eval_reads_per_frame_log_probabilities_as_positions():
+    """pyannote's segmentation writes a LogSoftmax over 7 classes at each of 293 frames: top-1 per
+    frame is what it means, not a detector's top-scoring rows."""
+    from qtool.evaluate import OutputStats
+    rng = np.random.default_rng(4)
+    z = rng.standard_normal((2, 293, 7)).astype(np.float32)
+    a = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    b = a + rng.standard_normal(a.shape).astype(np.float32) * 0.01
+    st = OutputStats("output")
+    st.add(a, b, 2)
+    r = st.result()
+    assert "top_rows_agreement" not in r and r.get("agreement_over") == "positions", r
+    assert r["top1_agreement"] > 0.95
