@@ -687,7 +687,7 @@ static int conv_run_locked(qt_conv* cv, const uint8_t* x, size_t n, size_t h, si
   if (j.m == 0) return 0;
   if (cv->small_m && j.m < QT_AMX_MIN_M)  /* under cv's lock, which covers its twin */
     return conv_run_locked(cv->small_m, x, n, h, w, y, oh, ow);
-  if (cv->im2col && !cv->amx) {
+  if (cv->im2col && !cv->amx && cv->mr <= 16) {  /* (16: im2col_igemm_task's indirection block) */
     /* output rows per task: their patches and outputs within QT_ROW_CHUNK_BYTES, and at least
      * 4 tasks per thread */
     const size_t rows = n * oh, T = (size_t)qt_get_num_threads();
