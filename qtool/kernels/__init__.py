@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from qtool.qparams import U8_MAX, U8_MIN
+from qtool.windows import out_size
 
 from . import _native
 
@@ -166,14 +167,7 @@ def conv_out_hw(h, w, kernel, strides, pads, dilations, ceil_mode=False):
     """ONNX output spatial size (pads = top, left, bottom, right)."""
     (kh, kw), (sh, sw), (dh, dw) = kernel, strides, dilations
     pt, pl, pb, pr = pads
-    rnd = (lambda a, b: -(-a // b)) if ceil_mode else (lambda a, b: a // b)
-    oh = rnd(h + pt + pb - ((kh - 1) * dh + 1), sh) + 1
-    ow = rnd(w + pl + pr - ((kw - 1) * dw + 1), sw) + 1
-    if ceil_mode:  # the last window must start inside the input or left padding (ONNX/PyTorch)
-        if (oh - 1) * sh >= h + pt:
-            oh -= 1
-        if (ow - 1) * sw >= w + pl:
-            ow -= 1
+    oh, ow = out_size(h, kh, sh, dh, pt, pb, ceil_mode), out_size(w, kw, sw, dw, pl, pr, ceil_mode)
     if oh < 1 or ow < 1:
         raise ValueError(f"output would be empty: input {h}x{w}, kernel {kh}x{kw}, strides "
                          f"{sh}x{sw}, pads {pads}, dilations {dh}x{dw}")

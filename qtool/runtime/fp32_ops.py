@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from qtool.windows import out_size
+
 FP32_OPS = {}
 
 
@@ -409,13 +411,8 @@ def _pool_geometry(x, at):
     p = conv_pads(at, x.shape[2:], (kh, kw))
     check_window(x.shape, (kh, kw), (sh, sw), (dh, dw), p, "pooling")
     ceil = at.get("ceil_mode", 0)
-    oh = []
-    for i, (k, s, d) in enumerate(((kh, sh, dh), (kw, sw, dw))):
-        span = x.shape[2 + i] + p[i] + p[i + 2] - (k - 1) * d - 1
-        o = (-(-span // s) if ceil else span // s) + 1
-        if ceil and (o - 1) * s >= x.shape[2 + i] + p[i]:
-            o -= 1  # ONNX Runtime drops a last window that would start past the input and its head pad
-        oh.append(o)
+    oh = [out_size(x.shape[2 + i], k, s, d, p[i], p[i + 2], bool(ceil))
+          for i, (k, s, d) in enumerate(((kh, sh, dh), (kw, sw, dw)))]
     return kh, kw, sh, sw, dh, dw, p, oh[0], oh[1]
 
 
