@@ -231,16 +231,24 @@ def file_hash(path: str) -> str:
     return h.hexdigest()
 
 
+def _mentions_location(path: str, h=None) -> bool:
+    """Whether the file holds the word "location", without which no external data can be referenced;
+    streamed (the file may be gigabytes), each chunk also into the hash `h` when given (then read whole)."""
+    marker, tail, found = b"location", b"", False
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            found = found or marker in tail + chunk
+            if h is None and found:
+                break
+            if h is not None:
+                h.update(chunk)
+            tail = chunk[-len(marker):]
+    return found
+
+
 def _external_files(path: str) -> list:
     """The external-data files a model reads (full paths, sorted), [] for a self-contained one."""
-    marker, tail, found = b"location", b"", False
-    with open(path, "rb") as f:  # (streamed: the file may be gigabytes)
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            if marker in tail + chunk:
-                found = True
-                break
-            tail = chunk[-len(marker):]
-    return _referenced_files(path) if found else []  # (without the word, no external data can be referenced)
+    return _referenced_files(path) if _mentions_location(path) else []
 
 
 def _referenced_files(path: str) -> list:
@@ -264,13 +272,8 @@ def model_hash(path: str) -> str:
     external-data files it reads too (a changed weight file is a changed model)."""
     regular_file(path, "model file")
     h = hashlib.sha256()
-    marker, tail, found = b"location", b"", False
     try:
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-                found = found or marker in tail + chunk
-                tail = chunk[-len(marker):]
+        found = _mentions_location(path, h)
     except OSError as e:
         raise QtoolError(f"{path}: cannot read ({e.strerror or e})") from None
     digest = h.hexdigest()
