@@ -14,6 +14,7 @@ import onnx
 from qtool import graph as G
 from qtool.rules import FUSABLE_ACTIVATIONS, RULES
 from qtool.rules.activations import activation_chains
+from qtool.rules.log_domain import log_domain
 
 FLOAT = onnx.TensorProto.FLOAT
 
@@ -80,10 +81,12 @@ class ModelFacts:
     order: list  # topological order of the nodes
     checks: dict = field(default_factory=dict)  # node -> its rule's own verdict (None: may be int8)
     weighted: dict = field(default_factory=dict)  # node -> whether its rule names a weight
+    log_domain: dict = field(default_factory=dict)  # node -> why it stays fp32: it feeds a Log (rules/log_domain.py)
 
     @classmethod
     def of(cls, model: onnx.ModelProto) -> "ModelFacts":
         f = cls(elem_types(model), G.consumers(model), activation_chains(model), G.topological_order(model))
+        f.log_domain = log_domain(model)
         with G.initializers_frozen(model):
             for node in model.graph.node:
                 rule = RULES.get(node.op_type)
@@ -107,6 +110,8 @@ def make_plan(model: onnx.ModelProto, exclude: dict | None = None, ranges: dict 
 def _plan(model: onnx.ModelProto, exclude: dict, ranges: dict | None, prune_excluded: bool,
           facts: ModelFacts) -> Plan:
     plan = Plan()
+    # a spectrum on its way to a Log stays fp32 in every plan, as an exclusion no one can lift
+    exclude = {**facts.log_domain, **exclude}
     types, cons = facts.types, facts.consumers
     outputs = G.graph_output_names(model)
     inits = G.initializers(model)
@@ -177,6 +182,8 @@ def _plan(model: onnx.ModelProto, exclude: dict, ranges: dict | None, prune_excl
             if out not in plan.tensors:
                 plan.tensors.append(out)
     _drop_unread_outputs(model, plan, facts.order)
+    if not prune_excluded:  # (a layer measured alone: the rest is excluded but keeps its quantizers; a Log's chain does not)
+        _drop_excluded_only(model, plan, cons, facts.log_domain)
     if prune_excluded:
         _drop_excluded_only(model, plan, cons, exclude)
         # (not for a layer measured alone, every other one excluded: in the model it is measured for,

@@ -1,9 +1,10 @@
 """Layers that alone ruin the output stay fp32, by default.
 
 The sensitivity pass measures each layer alone in int8. Most layers cost the output little (30-45 dB
-of SQNR each); a few cannot be quantized linearly at all: an audio front end's power spectrum, whose
-loud bins set a uint8 range in which every quiet bin rounds to zero before a Log (openWakeWord's
-mel spectrogram: 5.5 dB with that one Add in int8), or a recognizer's layer with an outlier channel.
+of SQNR each); a few cannot be quantized linearly at all: a recognizer's layer with an outlier channel,
+a LayerNorm's Square. (An audio front end's spectrum on its way to a Log, whose loud bins set a uint8
+range in which every quiet bin rounds to zero, is not left to this measurement: rules/log_domain.py
+keeps the whole chain fp32 in every plan; one layer of it fp32 was not enough.)
 A layer alone below GUARD_DB leaves no usable model whatever the rest does, so the default keeps
 such layers fp32 (the worst first, at most MAX_SHARE of the layers) where the whole model then
 measures better on the calibration samples. --exclude-sensitive still searches for more, against

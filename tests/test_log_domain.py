@@ -1,0 +1,133 @@
+"""rules/log_domain.py: a spectrum on its way to a Log stays fp32, the network after it int8."""
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+from helpers import init, make_model, run, save
+from qtool.plan import make_plan
+from qtool.rules.log_domain import log_domain
+
+FRAME, BINS, MELS = 64, 33, 12
+
+
+def _front_end_nodes():
+    """frames -> DFT (two MatMuls) -> re^2 + im^2 -> Sqrt -> mel MatMul -> + eps -> Log"""
+    return [helper.make_node("MatMul", ["x", "dft_re"], ["re"], name="dft_re"),
+            helper.make_node("MatMul", ["x", "dft_im"], ["im"], name="dft_im"),
+            helper.make_node("Mul", ["re", "re"], ["re2"], name="re2"),
+            helper.make_node("Mul", ["im", "im"], ["im2"], name="im2"),
+            helper.make_node("Add", ["re2", "im2"], ["power"], name="power"),
+            helper.make_node("Sqrt", ["power"], ["mag"], name="mag"),
+            helper.make_node("MatMul", ["mag", "mel_w"], ["mel"], name="mel"),
+            helper.make_node("Add", ["mel", "eps"], ["mel_eps"], name="eps"),
+            helper.make_node("Log", ["mel_eps"], ["logmel"], name="log")]
+
+
+def _front_end_inits(rng):
+    n = np.arange(FRAME)[:, None] * np.arange(BINS)[None, :]
+    window = np.hanning(FRAME)[:, None]
+    mel = np.zeros((BINS, MELS))
+    edges = np.linspace(0, BINS - 1, MELS + 2)
+    for m in range(MELS):  # triangular filters
+        lo, mid, hi = edges[m], edges[m + 1], edges[m + 2]
+        k = np.arange(BINS)
+        mel[:, m] = np.clip(np.minimum((k - lo) / (mid - lo), (hi - k) / (hi - mid)), 0, None)
+    return [init("dft_re", window * np.cos(2 * np.pi * n / FRAME)),
+            init("dft_im", -window * np.sin(2 * np.pi * n / FRAME)),
+            init("mel_w", mel), init("eps", np.array(1e-6))]
+
+
+def spectrum_model(seed=0):
+    """A log-mel front end and a two-layer network over its frames: [N, T, 64] -> [N, T, 4]."""
+    rng = np.random.default_rng(seed)
+    nodes = _front_end_nodes() + [
+        helper.make_node("MatMul", ["logmel", "w1"], ["h"], name="fc1"),
+        helper.make_node("Relu", ["h"], ["hr"], name="relu1"),
+        helper.make_node("MatMul", ["hr", "w2"], ["y"], name="fc2")]
+    inits = _front_end_inits(rng) + [init("w1", rng.standard_normal((MELS, 16)) / 4),
+                                     init("w2", rng.standard_normal((16, 4)) / 4)]
+    return make_model(nodes, inits, [("x", ["N", 20, FRAME])], [("y", ["N", 20, 4])])
+
+
+def sounds(rng, n):
+    """n clips of 20 frames: a few partials whose levels span 60 dB, over a faint noise floor"""
+    out = []
+    for _ in range(n):
+        t = np.arange(20 * FRAME) / 8000.0
+        f0 = rng.uniform(150, 600)
+        clip = sum(10.0 ** (-3.0 * k / 6) * np.sin(2 * np.pi * f0 * (k + 1) * t + rng.uniform(0, 6))
+                   for k in range(7))
+        clip = clip * rng.uniform(0.2, 1.0) + rng.standard_normal(t.size) * 1e-4
+        out.append(clip.reshape(1, 20, FRAME).astype(np.float32))
+    return out
+
+
+def test_the_walk_takes_the_front_end_and_leaves_the_network():
+    m = spectrum_model()
+    assert log_domain(m) == {n: log_domain(m)[n] for n in
+                             ("dft_re", "dft_im", "re2", "im2", "power", "mag", "mel", "eps")}
+    plan = make_plan(m)
+    status = {d.name: (d.status, d.reason) for d in plan.decisions}
+    assert status["mel"][0] == "fp32" and "feeds a Log" in status["mel"][1]
+    assert status["fc1"][0] == "int8" and status["fc2"][0] == "int8"
+    # the framed waveform is read by the DFT alone: no quantizer left on it, nor on the spectrum
+    assert "x" not in plan.tensors and not {"re", "im", "power", "mel"} & set(plan.tensors)
+    assert "logmel" in plan.tensors
+
+
+def test_a_log_after_a_softmax_keeps_the_network_int8():
+    rng = np.random.default_rng(1)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["z"], name="fc"),
+             helper.make_node("Softmax", ["z"], ["p"], name="softmax", axis=-1),
+             helper.make_node("Log", ["p"], ["y"], name="log")]
+    m = make_model(nodes, [init("w", rng.standard_normal((8, 4)))], [("x", ["N", 8])], [("y", ["N", 4])])
+    assert log_domain(m) == {}
+    assert "fc" in make_plan(m).int8_nodes
+
+
+def test_the_walk_stops_after_two_linear_layers():
+    """A Log right on a CNN's output keeps at most the last two layers fp32."""
+    rng = np.random.default_rng(2)
+    nodes, x = [], "x"
+    for k in range(4):
+        nodes += [helper.make_node("Conv", [x, f"w{k}"], [f"c{k}"], name=f"conv{k}", kernel_shape=[3, 3],
+                                   pads=[1, 1, 1, 1]),
+                  helper.make_node("Relu", [f"c{k}"], [f"r{k}"], name=f"relu{k}")]
+        x = f"r{k}"
+    nodes += [helper.make_node("Add", [x, "one"], ["r1p"], name="plus_one"),
+              helper.make_node("Log", ["r1p"], ["y"], name="log")]
+    inits = [init(f"w{k}", rng.standard_normal((4, 4 if k else 3, 3, 3)) / 6) for k in range(4)] + [init("one", 1.0)]
+    m = make_model(nodes, inits, [("x", ["N", 3, 8, 8])], [("y", ["N", 4, 8, 8])])
+    assert set(log_domain(m)) == {"plus_one", "relu3", "conv3", "relu2", "conv2"}
+
+
+def _quantized_sqnr(tmp_path, monkeypatch, rule: bool) -> float:
+    from qtool.calibrate.run import calibrate
+    from qtool.quantize.run import quantize
+    if not rule:
+        monkeypatch.setattr("qtool.plan.log_domain", lambda model: {})
+    rng = np.random.default_rng(3)
+    m = spectrum_model()
+    model = save(m, str(tmp_path / "spectrum.onnx"))
+    data = tmp_path / f"clips-{rule}"
+    data.mkdir()
+    for i, s in enumerate(sounds(rng, 24)):
+        np.save(data / f"{i:03d}.npy", s)
+    wd = str(tmp_path / f"work-{rule}")
+    calibrate(model, str(data), None, "minmax", workdir=wd, show_progress=False)
+    r = quantize(wd, say=lambda s: None)
+    q = onnx.load(r.report["int8_model"])
+    ys, yq = [], []
+    for s in sounds(np.random.default_rng(4), 8):
+        ys.append(run(m, {"x": s})[0])
+        yq.append(run(q, {"x": s})[0])
+    ys, yq = np.concatenate(ys), np.concatenate(yq)
+    return float(10 * np.log10(np.sum(ys ** 2) / np.sum((ys - yq) ** 2)))
+
+
+def test_quiet_bins_survive_quantization(tmp_path, monkeypatch):
+    with_rule = _quantized_sqnr(tmp_path, monkeypatch, rule=True)
+    monkeypatch.undo()
+    without = _quantized_sqnr(tmp_path, monkeypatch, rule=False)
+    assert with_rule > 30.0 and without < with_rule - 10.0, (with_rule, without)
