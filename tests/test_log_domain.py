@@ -86,20 +86,39 @@ def test_a_log_after_a_softmax_keeps_the_network_int8():
     assert "fc" in make_plan(m).int8_nodes
 
 
-def test_the_walk_stops_after_two_linear_layers():
-    """A Log right on a CNN's output keeps at most the last two layers fp32."""
+def _conv_chain(relu: bool):
+    """x -> four 3x3 convolutions (each followed by a Relu when `relu`) -> + 1 -> Log"""
     rng = np.random.default_rng(2)
     nodes, x = [], "x"
     for k in range(4):
-        nodes += [helper.make_node("Conv", [x, f"w{k}"], [f"c{k}"], name=f"conv{k}", kernel_shape=[3, 3],
-                                   pads=[1, 1, 1, 1]),
-                  helper.make_node("Relu", [f"c{k}"], [f"r{k}"], name=f"relu{k}")]
-        x = f"r{k}"
-    nodes += [helper.make_node("Add", [x, "one"], ["r1p"], name="plus_one"),
-              helper.make_node("Log", ["r1p"], ["y"], name="log")]
+        nodes.append(helper.make_node("Conv", [x, f"w{k}"], [f"c{k}"], name=f"conv{k}", kernel_shape=[3, 3],
+                                      pads=[1, 1, 1, 1]))
+        x = f"c{k}"
+        if relu:
+            nodes.append(helper.make_node("Relu", [x], [f"r{k}"], name=f"relu{k}"))
+            x = f"r{k}"
+    nodes += [helper.make_node("Mul", [x, x], ["sq"], name="square"),
+              helper.make_node("Add", ["sq", "one"], ["sq1"], name="plus_one"),
+              helper.make_node("Log", ["sq1"], ["y"], name="log")]
     inits = [init(f"w{k}", rng.standard_normal((4, 4 if k else 3, 3, 3)) / 6) for k in range(4)] + [init("one", 1.0)]
-    m = make_model(nodes, inits, [("x", ["N", 3, 8, 8])], [("y", ["N", 4, 8, 8])])
-    assert set(log_domain(m)) == {"plus_one", "relu3", "conv3", "relu2", "conv2"}
+    return make_model(nodes, inits, [("x", ["N", 3, 8, 8])], [("y", ["N", 4, 8, 8])])
+
+
+def test_a_log_on_a_network_is_no_front_end():
+    """A Log on a Relu'd CNN keeps the CNN int8; a chain of filters alone is a front end, kept fp32 down to
+    its second filter (the first may stay int8, as a front end's framing does)."""
+    assert log_domain(_conv_chain(relu=True)) == {}
+    assert set(log_domain(_conv_chain(relu=False))) == {"plus_one", "square", "conv3", "conv2"}
+
+
+def test_a_dft_basis_may_be_the_first_operand():
+    """swift-f0 multiplies a constant basis by the frames (MatMul(basis, frames)): still a linear filter."""
+    rng = np.random.default_rng(5)
+    nodes = [helper.make_node("MatMul", ["basis", "x"], ["re"], name="dft"),
+             helper.make_node("Mul", ["re", "re"], ["p"], name="power"),
+             helper.make_node("Log", ["p"], ["y"], name="log")]
+    m = make_model(nodes, [init("basis", rng.standard_normal((6, 8)))], [("x", [8, 3])], [("y", [6, 3])])
+    assert set(log_domain(m)) == {"dft", "power"}
 
 
 def _quantized_sqnr(tmp_path, monkeypatch, rule: bool) -> float:

@@ -10,39 +10,76 @@ within 50 cents on 53 % of the frames both call voiced; with its three spectra f
 are lost wherever the spectrum is rounded first (the sensitivity guard's one-layer exclusion of
 swift-f0's power Add measured 4.5 -> 3.7 dB).
 
-So every node between a Log and the spectrum's source stays fp32: walking up from the Log's input
-through elementwise arithmetic, data movement and reductions, and through linear ops with a
-constant weight (a filterbank, the DFT) up to the second such op on a path (the DFT in a log-mel
-front end), whose input (the framed waveform) is the front end's and may stay int8. The walk stops
-at anything else (a Softmax before a Log, a Sigmoid, an LSTM), so a Log after a classifier keeps
-its int8 network; a Log directly on a CNN's output keeps at most two layers fp32.
+A Log is taken for a front end's when everything above it is signal processing on the graph's
+inputs: walking up from its input through elementwise arithmetic (no Relu: a network's), data
+movement, reductions and linear ops with a constant weight reaches only graph inputs and constants.
+A Log after a Softmax, a Sigmoid, a Relu'd CNN or an LSTM is no front end's, and keeps its network
+int8. For a front end's Log, the nodes on that walk down to the second linear op on each path (the
+DFT under a mel or constant-Q filterbank) stay fp32; the DFT's input (the framed waveform) may stay
+int8, and so may what a longer chain of filters computes before it (basic-pitch's octave
+downsampling).
 """
 from __future__ import annotations
 
 from qtool import graph as G
 
 # ops whose output keeps the spectrum's spread (or less of it): walked through
-ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Sqrt", "Pow", "Abs", "Max", "Min", "Clip", "Relu", "Neg",
-               "Reciprocal"}
+ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Sqrt", "Pow", "Abs", "Max", "Min", "Clip", "Neg", "Reciprocal"}
 MOVEMENT = {"Transpose", "Reshape", "Slice", "Squeeze", "Unsqueeze", "Concat", "Pad", "Gather", "Split",
             "Flatten", "Identity", "Expand", "Tile", "Cast"}
 REDUCTIONS = {"ReduceSum", "ReduceMean", "ReduceSumSquare", "ReduceL2", "ReduceL1", "ReduceMax"}
-LINEAR = {"MatMul": 1, "Gemm": 1, "Conv": 1, "ConvTranspose": 1}  # op -> index of its weight input
+LINEAR = ("MatMul", "Gemm", "Conv", "ConvTranspose")  # with one constant operand: a filterbank, a DFT
 MAX_LINEAR = 2  # a filterbank and the transform under it
 
 
 def _weight_is_constant(node, inits: dict) -> bool:
-    i = LINEAR[node.op_type]
-    return len(node.input) > i and node.input[i] in inits
+    """A Conv's weight, or one of a MatMul's or Gemm's two operands (a DFT basis may come first)."""
+    ops = node.input[:2]
+    if node.op_type in ("Conv", "ConvTranspose"):
+        return len(ops) == 2 and ops[1] in inits
+    return len(ops) == 2 and (ops[0] in inits) != (ops[1] in inits)
+
+
+def _data_inputs(node, inits: dict) -> list:
+    op = node.op_type
+    if op in LINEAR:
+        data = node.input[:2]
+    elif (op in MOVEMENT and op != "Concat") or op in REDUCTIONS or op == "Pow":
+        data = node.input[:1]
+    else:
+        data = node.input
+    return [i for i in data if i and i not in inits]
+
+
+def _walkable(node, inits: dict) -> bool:
+    op = node.op_type
+    if op in LINEAR:
+        return _weight_is_constant(node, inits)
+    return op in ELEMENTWISE or op in MOVEMENT or op in REDUCTIONS
+
+
+def _front_end(t: str, producer: dict, inits: dict) -> bool:
+    """Whether everything above tensor t is signal processing on the graph inputs."""
+    todo, seen = [t], set()
+    while todo:
+        node = producer.get(todo.pop())
+        if node is None or node.name in seen:
+            continue  # (a graph input, or an outer scope's tensor in a subgraph)
+        seen.add(node.name)
+        if not _walkable(node, inits):
+            return False
+        todo += _data_inputs(node, inits)
+    return True
 
 
 def log_domain(model) -> dict:
-    """{node name: reason} of the nodes that feed a Log's input as described above."""
+    """{node name: reason} of the nodes that feed a front end's Log as described above."""
     inits = G.initializers(model)
     producer = {o: n for n in model.graph.node for o in n.output if o}
     keep: dict = {}
     for log in model.graph.node:
-        if log.op_type != "Log" or not log.input or not log.input[0]:
+        if log.op_type != "Log" or not log.input or not log.input[0] \
+                or not _front_end(log.input[0], producer, inits):
             continue
         why = "feeds a Log: uint8 steps would round a spectrum's quiet values to zero"
         todo = [(log.input[0], 0)]
@@ -53,19 +90,10 @@ def log_domain(model) -> dict:
             if node is None or (node.name, linear) in seen:
                 continue
             seen.add((node.name, linear))
-            op = node.op_type
-            if op in LINEAR:
-                if not _weight_is_constant(node, inits):
-                    continue
-                keep.setdefault(node.name, why)
-                linear += 1
-                if linear < MAX_LINEAR:
-                    todo.append((node.input[0], linear))
-                continue
-            if op not in ELEMENTWISE and op not in MOVEMENT and op not in REDUCTIONS:
-                continue
             keep.setdefault(node.name, why)
-            one = (op in MOVEMENT and op != "Concat") or op in REDUCTIONS or op == "Pow"
-            data = node.input[:1] if one else node.input
-            todo += [(i, linear) for i in data if i and i not in inits]
+            if node.op_type in LINEAR:
+                linear += 1
+                if linear >= MAX_LINEAR:
+                    continue
+            todo += [(i, linear) for i in _data_inputs(node, inits)]
     return keep
