@@ -563,7 +563,7 @@ def _evaluate_workdir(wd, data, labels, model, int8_path, config, limit, threads
     if not images:
         r = evaluate_tensors(model, int8_path, data, limit, files=files, threads=threads)
         wd.update(eval={"n_samples": r["n_samples"], "output_sqnr_db": r["output_sqnr_db"],
-                        "outputs": {k: v["sqnr_db"] for k, v in r["outputs"].items()}})
+                        "outputs": {k: v.get("sqnr_db") for k, v in r["outputs"].items()}})  # (a ZipMap has none)
         return r
     r = evaluate(model, int8_path, data, cfg, labels, limit, files=files, threads=threads, show_progress=show_progress,
                  runtime=runtime)

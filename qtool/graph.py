@@ -270,7 +270,7 @@ def reference_output(model: onnx.ModelProto) -> str:
         # tensor it reads is one no int8 layer touches (every experiment measured inf dB there)
         if n.op_type in SELECTING and n.input and n.input[0] in computed \
                 and not any(o in before_compute for o in n.output if o):
-            t = n.input[0]
+            t = _before_filter(n.input[0], prods)
             p = prods.get(t)
             if p is not None and p.op_type in ("Split", "Slice"):  # (boxes and scores cut from one tensor)
                 t = p.input[0]
@@ -278,6 +278,49 @@ def reference_output(model: onnx.ModelProto) -> str:
     if picked:
         return max(dict.fromkeys(picked), key=picked.count)
     return first_output(model)
+
+
+# indices that depend on the data: the candidates a score threshold keeps, the best k
+_DATA_INDICES = ("NonZero", "TopK", "ArgMax", "ArgMin", "NonMaxSuppression")
+_MOVEMENT = ("Unsqueeze", "Squeeze", "Reshape", "Transpose", "Flatten", "Identity", "Split", "Slice")
+
+
+def _before_filter(t: str, prods: dict, depth: int = 12) -> str:
+    """Where a selection reads candidates that a data-dependent gather picked (a YOLO export's NMS over
+    the boxes whose score passed a threshold: NonZero, GatherND, box arithmetic, [1, K, 4], K varying),
+    the dense tensor they were gathered from, back over data movement and a constant pick of one image
+    ([N, 8400, 4 + classes]: its rows follow the samples); else t itself."""
+    todo, seen = [(t, 0)], set()
+    while todo:  # breadth first: the gather nearest the selection
+        u, d = todo.pop(0)
+        p = prods.get(u)
+        if p is None or u in seen or d > depth:
+            continue
+        seen.add(u)
+        if p.op_type in ("GatherND", "Gather", "Compress") and len(p.input) > 1 and _data_dependent(p.input[1], prods):
+            v = p.input[0]
+            while True:
+                q = prods.get(v)
+                if q is None or not q.input or not (q.op_type in _MOVEMENT or (
+                        q.op_type == "Gather" and len(q.input) > 1 and q.input[1] not in prods)):
+                    return v
+                v = q.input[0]
+        todo += [(i, d + 1) for i in p.input if i]
+    return t
+
+
+def _data_dependent(t: str, prods: dict, depth: int = 8) -> bool:
+    todo, seen = [(t, 0)], set()
+    while todo:
+        u, d = todo.pop()
+        p = prods.get(u)
+        if p is None or u in seen or d > depth:
+            continue
+        seen.add(u)
+        if p.op_type in _DATA_INDICES:
+            return True
+        todo += [(i, d + 1) for i in p.input if i]
+    return False
 
 
 def first_output(model: onnx.ModelProto) -> str:

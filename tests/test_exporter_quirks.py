@@ -157,3 +157,94 @@ def test_eval_reads_per_frame_log_probabilities_as_positions():
     r = st.result()
     assert "top_rows_agreement" not in r and r.get("agreement_over") == "positions", r
     assert r["top1_agreement"] > 0.95
+
+
+def _threshold_nms_model(rng):
+    """A YOLO export's post-processing (mk8dx's player detector): the dense head [N, 8, 5] (4 box
+    coordinates, a score), image 0 picked, the boxes whose score passes 0.5 gathered (NonZero,
+    GatherND), their corners computed, NMS over [1, K, 4] with K data-dependent."""
+    c = onnx.numpy_helper.from_array
+    inits = [weight(rng, "wh", 5, 3, 4, 4, scale=0.3), c(np.array([0, 2, 1], np.int64), "perm_dummy"),
+             c(np.array(0, np.int64), "img0"), c(np.array([0], np.int64), "z"),
+             c(np.array([0], np.int64), "s0"), c(np.array([4], np.int64), "s4"), c(np.array([5], np.int64), "s5"),
+             c(np.array([1], np.int64), "ax1"), c(np.array(0.5, np.float32), "half"),
+             c(np.array([10], np.int64), "maxout"), c(np.array([0.5], np.float32), "iou"),
+             c(np.array([-1, 8, 5], np.int64), "shp"), c(np.array(2, np.int64), "two")]
+    nodes = [helper.make_node("Conv", ["x", "wh"], ["head"], strides=[4, 4], name="head"),  # [N, 5, 2, 4]
+             helper.make_node("Reshape", ["head", "shp"], ["hr"], name="hr"),  # [N, 8, 5]: (cells, box + score)
+             helper.make_node("Gather", ["hr", "img0"], ["one"], axis=0, name="image0"),  # [8, 5]
+             helper.make_node("Slice", ["one", "s0", "s4", "ax1"], ["boxes_all"], name="boxes_all"),  # [8, 4]
+             helper.make_node("Slice", ["one", "s4", "s5", "ax1"], ["sc2"], name="scores_all"),  # [8, 1]
+             helper.make_node("Sigmoid", ["sc2"], ["sc"], name="sig"),
+             helper.make_node("Greater", ["sc", "half"], ["keep"], name="keep"),
+             helper.make_node("NonZero", ["keep"], ["nz"], name="nz"),  # [2, K]
+             helper.make_node("Gather", ["nz", "z"], ["rows"], axis=0, name="rows"),  # [1, K]
+             helper.make_node("Transpose", ["rows"], ["idx"], perm=[1, 0], name="idx"),  # [K, 1]
+             helper.make_node("GatherND", ["boxes_all", "idx"], ["b"], name="gather_boxes"),  # [K, 4]
+             helper.make_node("GatherND", ["sc", "idx"], ["s"], name="gather_scores"),  # [K, 1]
+             helper.make_node("Mul", ["b", "half"], ["b2"], name="corners"),
+             helper.make_node("Concat", ["b", "b2"], ["bc"], axis=1, name="cat"),  # [K, 8]
+             helper.make_node("Slice", ["bc", "s0", "s4", "ax1"], ["bx"], name="xyxy"),  # [K, 4]
+             helper.make_node("Unsqueeze", ["bx", "z"], ["boxes"], name="boxes"),  # [1, K, 4]
+             helper.make_node("Transpose", ["s"], ["st"], perm=[1, 0], name="st"),  # [1, K]
+             helper.make_node("Unsqueeze", ["st", "z"], ["scores"], name="scores"),  # [1, 1, K]
+             helper.make_node("NonMaxSuppression", ["boxes", "scores", "maxout", "iou"], ["sel"], name="nms"),
+             helper.make_node("Gather", ["sel", "two"], ["bi"], axis=1, name="bi"),
+             helper.make_node("Gather", ["bx", "bi"], ["y"], axis=0, name="picked")]
+    return make_model(nodes, inits, [("x", ["N", 3, 8, 16])], [("y", ["M", 4])], opset=13)
+
+
+def test_selection_after_a_score_threshold(tmp_path):
+    """mk8dx's detector: the NMS reads [1, K, 4], candidates of image 0 that passed a score threshold,
+    K varying. quantize judged by that tensor (one row for a batch of 9 samples: IndexError, exit 70);
+    it judges by the dense head the candidates were gathered from."""
+    from qtool import graph as G
+    rng = np.random.default_rng(4)
+    m = _threshold_nms_model(rng)
+    assert G.reference_output(m) == "head"  # (back over the Reshape: the same values, N first)
+    w = _calibrate(m, tmp_path, [rng.standard_normal((1, 3, 8, 16)).astype(np.float32) for _ in range(12)])
+    r = quantize(w, strict=True, say=lambda *a, **k: None, sensitivity=SensitivityOptions(show_progress=False))
+    assert r.report["rounding"] == "output-aware" and "sensitivity" in r.report, r.report
+
+
+def test_a_judge_tensor_whose_rows_do_not_follow_the_samples(tmp_path, monkeypatch):
+    """Should the tensor quantize judges by still not hold one row per sample (a post-processing no rule
+    foresaw), the steps that need samples are skipped with a warning: no IndexError, no exit 70."""
+    import pytest
+    rng = np.random.default_rng(5)
+    m = _threshold_nms_model(rng)
+    w = _calibrate(m, tmp_path, [rng.standard_normal((1, 3, 8, 16)).astype(np.float32) for _ in range(12)])
+    monkeypatch.setattr("qtool.graph.reference_output", lambda model: "boxes")
+    with pytest.warns(UserWarning, match="does not hold one entry per calibration sample"):
+        r = quantize(w, say=lambda *a, **k: None, sensitivity=SensitivityOptions(show_progress=False))
+    onnx.checker.check_model(r.path)
+
+
+def test_eval_of_a_classifier_whose_probabilities_are_a_zipmap(tmp_path):
+    """A LightGBM model converted by onnxmltools (luscinia): label int64, probabilities as ZipMap's
+    sequence of maps, nothing int8. eval stopped with an internal error (KeyError 'sqnr_db': a map
+    output has no SQNR); it reports the maps as equal or not."""
+    from qtool.evaluate import evaluate_workdir
+    tree = helper.make_node(
+        "TreeEnsembleClassifier", ["X"], ["label", "probs"], domain="ai.onnx.ml",
+        nodes_treeids=[0, 0, 0], nodes_nodeids=[0, 1, 2], nodes_featureids=[0, 0, 0], nodes_values=[0.5, 0, 0],
+        nodes_modes=["BRANCH_LEQ", "LEAF", "LEAF"], nodes_truenodeids=[1, 0, 0], nodes_falsenodeids=[2, 0, 0],
+        nodes_hitrates=[1.0, 1.0, 1.0], nodes_missing_value_tracks_true=[0, 0, 0],
+        class_treeids=[0, 0, 0, 0], class_nodeids=[1, 1, 2, 2], class_ids=[0, 1, 0, 1],
+        class_weights=[0.8, 0.2, 0.3, 0.7], classlabels_int64s=[0, 1], post_transform="NONE")
+    zm = helper.make_node("ZipMap", ["probs"], ["probabilities"], domain="ai.onnx.ml", classlabels_int64s=[0, 1])
+    seqmap = helper.make_sequence_type_proto(helper.make_map_type_proto(TensorProto.INT64,
+                                                                        helper.make_tensor_type_proto(TensorProto.FLOAT, [])))
+    g = helper.make_graph([tree, zm], "zipmap", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["N", 4])],
+                          [helper.make_tensor_value_info("label", TensorProto.INT64, ["N"]),
+                           helper.make_value_info("probabilities", seqmap)])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13), helper.make_opsetid("ai.onnx.ml", 1)],
+                          ir_version=8)
+    rng = np.random.default_rng(6)
+    w = _calibrate(m, tmp_path, [rng.random((4, 4), dtype=np.float32) for _ in range(24)])
+    quantize(w, strict=True, say=lambda *a, **k: None, sensitivity=SensitivityOptions(show_progress=False))
+    held = _npy_folder(tmp_path / "held", [rng.random((4, 4), dtype=np.float32) for _ in range(6)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = evaluate_workdir(w, held, show_progress=False)
+    assert r["outputs"]["probabilities"].get("equal_fraction") == 1.0, r["outputs"]

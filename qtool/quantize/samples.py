@@ -153,7 +153,17 @@ def load_samples(fused, table, files: list, threads: int = 0, progress=None) -> 
                       f"common size {list(common)} are used for method choice, rounding, range tuning and "
                       f"sensitivity", stacklevel=2)
         s, ys = s.subset(keep), [ys[i] for i in keep]
-    s.reference = s.join(ys)
+    try:
+        s.reference = s.join(ys)
+    except ValueError:  # (outputs of the feeds that cannot be joined: sizes that follow the data)
+        s.reference = np.zeros((0,))
+    if len(s.reference) != len(s):
+        # a tensor whose rows do not follow the samples (candidates a threshold kept for the whole batch):
+        # the steps cannot pair samples with it; they are skipped, quantize goes on
+        warnings.warn(f"'{out}', which quantize judges the model by, does not hold one entry per calibration "
+                      f"sample ({len(s.reference)} for {len(s)}); the steps that need samples are skipped",
+                      stacklevel=2)
+        return SampleSet.empty()
     return _finite_only(s)
 
 
