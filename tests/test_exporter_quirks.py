@@ -248,3 +248,26 @@ def test_eval_of_a_classifier_whose_probabilities_are_a_zipmap(tmp_path):
         warnings.simplefilter("ignore")
         r = evaluate_workdir(w, held, show_progress=False)
     assert r["outputs"]["probabilities"].get("equal_fraction") == 1.0, r["outputs"]
+
+
+def test_fixed_batch_with_a_sequence_first_output(tmp_path):
+    """ddddocr's CRNN: batch fixed at 1, output [T, 1, C] (sequence first), fed images. The samples were
+    joined on axis 0 (T rows each), so the experiments compared 8 rows against 8 * T: --strict exit 70."""
+    from helpers import write_config, write_images
+    rng = np.random.default_rng(7)
+    c = 12
+    nodes = [helper.make_node("Conv", ["x", "w"], ["cv"], strides=[1, 4], name="conv"),  # [1, C, 1, 4]
+             helper.make_node("Squeeze", ["cv", "ax2"], ["sq"], name="squeeze"),  # [1, C, 4]
+             helper.make_node("Transpose", ["sq"], ["y"], perm=[2, 0, 1], name="seq_first")]  # [4, 1, C]
+    inits = [weight(rng, "w", c, 1, 16, 4, scale=0.3), onnx.numpy_helper.from_array(np.array([2], np.int64), "ax2")]
+    m = make_model(nodes, inits, [("x", [1, 1, 16, 16])], [("y", [4, 1, c])], opset=13)
+    save(m, tmp_path / "m.onnx")
+    write_images(tmp_path / "imgs", 16, seed=7)
+    cfg = write_config(tmp_path / "c.toml", size=16, color="GRAY")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        calibrate(str(tmp_path / "m.onnx"), str(tmp_path / "imgs"), cfg, workdir=str(tmp_path / "w"),
+                  show_progress=False, threads=1)
+    r = quantize(str(tmp_path / "w"), strict=True, say=lambda *a, **k: None,
+                 sensitivity=SensitivityOptions(show_progress=False))
+    assert r.report["method_scores_db"] and "sensitivity" in r.report, r.report

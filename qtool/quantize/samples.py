@@ -181,6 +181,12 @@ def _sample_axis(sess, out: str, s: SampleSet) -> tuple:
     """(axis, rows): where the output holds the samples, found by running one sample and two: the
     one axis that grows with them (a CRNN's [T, N, C] output: axis 1), and its size for one sample
     (> 1 where the batch is folded into it). Axis 0, one row, where nothing tells."""
+    if s.fixed_batch and not s.stacked and len(s):
+        # a fixed batch B cannot be fed 1 and 2: the samples are on the axis of size B, axis 0 first (ddddocr's
+        # CRNN, batch 1, writes [T, 1, C]: joined on axis 0 its rows were T per sample, not one)
+        shape = sess.run([out], s.feed(0, s.batch))[0].shape
+        axes = [a for a, d in enumerate(shape) if d == s.batch]
+        return (axes[0] if axes else 0), 1
     if s.fixed_batch or s.stacked or len(s) < 2:
         return 0, 1
     from qtool.errors import QtoolError
