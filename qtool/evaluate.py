@@ -244,6 +244,7 @@ class OutputStats:
         self.row_err: list = []
         self.shape = None
         self.text = False  # strings, compared for equality only
+        self.labels = False  # integers (a tagger's ArgMax, a class id): equal or not, per value and per sample
         self.mismatch = 0  # batches whose int8 output has another shape than fp32's (not compared)
         self.mismatch_shapes = None
 
@@ -260,6 +261,17 @@ class OutputStats:
             self.n += len(a) if a.ndim else 1
             self.positions += a.size
             self.same += int(np.sum(a == b)) if a.shape == b.shape else 0
+            return
+        if a.dtype.kind in "iub" and b.dtype.kind in "iub" and a.shape == b.shape:
+            # ids out (unidic's tags from an ArgMax): an SQNR over ids, or an argmax over them, means nothing
+            self.labels = True
+            self.shape = list(a.shape)
+            rows = a.reshape(len(a), -1) if a.ndim else a.reshape(1, 1)
+            eq = rows == b.reshape(rows.shape)
+            self.n += len(rows)
+            self.positions += eq.size
+            self.same += int(eq.sum())
+            self.seq_same += int(eq.all(axis=1).sum())
             return
         if a.shape != b.shape:
             # never broadcast one on the other (a figure for a broken graph); a detector's count of boxes
@@ -308,6 +320,9 @@ class OutputStats:
     def result(self) -> dict:
         if self.text:
             return {"shape": self.shape, "equal_fraction": self.same / max(self.positions, 1)}
+        if self.labels:
+            return {"shape": self.shape, "labels_equal": self.same / max(self.positions, 1),
+                    "samples_equal": self.seq_same / max(self.n, 1)}
         r = {"shape": self.shape, "sqnr_db": float(10 * np.log10(self.sig / self.noise)) if self.noise > 0
              else (float("inf") if self.shape is not None else None), "max_abs_error": self.maxerr}
         if self.mismatch:
@@ -486,8 +501,12 @@ def _headline(results: list) -> dict:
     for r in results:
         if "sqnr_db" in r:
             return r
-    same = all(r.get("equal_fraction") == 1.0 for r in results)
-    return {"sqnr_db": float("inf") if same else float("nan"), "max_abs_error": 0.0}
+    same = all(r.get("equal_fraction", r.get("labels_equal")) == 1.0 for r in results)
+    head = {"sqnr_db": float("inf") if same else float("nan"), "max_abs_error": 0.0}
+    ids = next((r for r in results if "labels_equal" in r), None)
+    if ids is not None:  # (a tagger that writes only its tags: how many it keeps is its top-1 agreement)
+        head["top1_agreement"] = ids["labels_equal"]
+    return head
 
 
 def _size(path: str) -> int:

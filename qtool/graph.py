@@ -244,7 +244,8 @@ def _macs_each(model: onnx.ModelProto, inputs: dict) -> list | None:
     return each
 
 
-SELECTING = ("TopK", "NonMaxSuppression", "GatherElements")  # ops that pick entries by a computed order
+# ops that pick entries by a computed order (ArgMax: a tagger's or a classifier's ids out of its scores)
+SELECTING = ("TopK", "NonMaxSuppression", "GatherElements", "ArgMax", "ArgMin")
 
 
 COMPUTE = ("Conv", "ConvTranspose", "MatMul", "Gemm", "Einsum", "LSTM", "GRU", "RNN")  # where int8 work happens

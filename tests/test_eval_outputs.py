@@ -283,3 +283,26 @@ def test_one_position_states_get_no_top1_figure():
     logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
     assert output_kind(logp)[0] == "position"
     assert output_kind(rng.standard_normal((2, 7, 40)))[0] == "position"  # (several positions: as before)
+
+
+def test_integer_ids_are_compared_as_ids():
+    """unidic's tagger writes only its ArgMax tags (int64): eval printed an SQNR over tag numbers and a
+    'top-1' over the id vector; ids are equal or not, per value and per sample."""
+    s = OutputStats("tags")
+    fp = np.array([[3, 1, 4, 1], [5, 9, 2, 6]], np.int64)
+    q = np.array([[3, 1, 4, 1], [5, 9, 7, 6]], np.int64)
+    s.add(fp, q, 2)
+    r = s.result()
+    assert r["labels_equal"] == 7 / 8 and r["samples_equal"] == 0.5 and "sqnr_db" not in r
+    text = "\n".join(__import__("qtool.commands.eval", fromlist=["_output_lines"])._output_lines({"outputs": {"tags": r}}))
+    assert "87.5 % equal" in text and "50.0 %" in text
+
+
+def test_a_tagger_is_judged_by_the_scores_before_its_argmax():
+    from qtool import graph as G
+    rng = np.random.default_rng(8)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["scores"]),
+             helper.make_node("ArgMax", ["scores"], ["tags"], axis=-1, keepdims=0)]
+    m = make_model(nodes, [init("w", rng.standard_normal((8, 5)))], [("x", ["N", 6, 8])], [])
+    m.graph.output.append(helper.make_tensor_value_info("tags", 7, ["N", 6]))
+    assert G.reference_output(m) == "scores"

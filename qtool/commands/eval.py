@@ -70,6 +70,10 @@ def _output_lines(r: dict) -> list[str]:
         if "equal_fraction" in o:  # (strings)
             lines.append(f"  {name} {shape}: text, {100 * o['equal_fraction']:.1f} % of strings equal")
             continue
+        if "labels_equal" in o:  # (integers: ids, tags, class numbers)
+            lines.append(f"  {name} {shape}: ids, {100 * o['labels_equal']:.1f} % equal, samples equal throughout "
+                         f"{100 * o['samples_equal']:.1f} %")
+            continue
         mm = o.get("shape_mismatch")
         if mm:
             lines.append(f"  WARNING {name}: the int8 model's output has shape {mm['int8']} where fp32's has {mm['fp32']} "
