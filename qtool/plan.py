@@ -182,14 +182,14 @@ def _plan(model: onnx.ModelProto, exclude: dict, ranges: dict | None, prune_excl
             if out not in plan.tensors:
                 plan.tensors.append(out)
     _drop_unread_outputs(model, plan, facts.order)
-    if not prune_excluded:  # (a layer measured alone: the rest is excluded but keeps its quantizers; a Log's chain does not)
-        _drop_excluded_only(model, plan, cons, facts.log_domain)
     if prune_excluded:
         _drop_excluded_only(model, plan, cons, exclude)
         # (not for a layer measured alone, every other one excluded: in the model it is measured for,
         # its output feeds int8 ops; ending it fp32 here would report it free: magika's LayerNorm
         # Square, which alone leaves the output at 4.1 dB, measured exact and was not guarded)
         _drop_float_ended(model, plan, facts)
+    else:  # (a layer measured alone: the rest is excluded but keeps its quantizers; a Log's chain does not)
+        _drop_excluded_only(model, plan, cons, facts.log_domain)
     # (with or without pruning: a chain no int8 layer reads rounds the same for a layer measured alone; left
     # in a measured variant and not in the model it is measured against, every variant re-ran from the graph
     # input, and the chain's rounding was counted against each layer)
