@@ -393,26 +393,30 @@ def copy_fields(src, dst, skip=()) -> None:
                 setattr(dst, f.name, getattr(src, f.name))
 
 
-def skeleton(model: onnx.ModelProto, max_elems: int = SKELETON_MAX_ELEMS) -> onnx.ModelProto:
+def skeleton(model: onnx.ModelProto, max_elems: int = SKELETON_MAX_ELEMS, drop_tables: bool = True,
+             nodes: bool = True) -> onnx.ModelProto:
     """A copy of the model without its large weights, for shape and type inference.
 
     Large initializers become graph inputs of the same type and shape, so inference sees
     every shape while never serializing hundreds of MB of weights; small ones (shapes,
     axes, pads) stay, since inference reads their values. The model itself is only read
-    (its weights are neither copied nor moved).
+    (its weights are neither copied nor moved). `drop_tables`: also without the long list attributes of
+    ai.onnx.ml's and other domains' ops, which no shape depends on (False for the checker, which wants
+    them: a required one missing fails it, as TreeEnsemble's at ai.onnx.ml opset 5, and for a size).
+    `nodes`: False leaves the nodes out (a size measured a node at a time).
     """
     m = onnx.ModelProto()
     copy_fields(model, m, skip=("graph",))
     graph = model.graph
     copy_fields(graph, m.graph, skip=("initializer", "node"))
-    for node in graph.node:
+    for node in graph.node if nodes else ():
         # a tree ensemble's node and leaf tables (luscinia's LightGBM: 194 MB of attributes, 2.5 GB copied into
         # inference) say nothing about shapes; its class labels, which set the output type, are kept (only
         # ai.onnx.ml's and other domains' ops: a Constant's long value_floats is its output)
         n = m.graph.node.add()
         copy_fields(node, n, skip=("attribute",))
-        n.attribute.extend(a for a in node.attribute if node.domain in ("", "ai.onnx") or "label" in a.name
-                           or max(len(a.ints), len(a.floats), len(a.strings)) <= max_elems)
+        n.attribute.extend(a for a in node.attribute if not drop_tables or node.domain in ("", "ai.onnx")
+                           or "label" in a.name or max(len(a.ints), len(a.floats), len(a.strings)) <= max_elems)
     big = []
     for t in graph.initializer:
         if int(np.prod(t.dims)) <= max_elems:

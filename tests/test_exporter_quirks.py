@@ -273,6 +273,7 @@ def test_skeleton_leaves_out_a_tree_ensembles_tables():
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13), helper.make_opsetid("ai.onnx.ml", 1)])
     sk = G.skeleton(m)
     kept = {a.name for a in sk.graph.node[0].attribute}
+    assert len(G.skeleton(m, drop_tables=False).graph.node[0].attribute) == 12  # (the checker's copy keeps them)
     assert "nodes_values" not in kept and "nodes_modes" not in kept and "classlabels_int64s" in kept
     assert "class_ids" in kept  # (short: kept)
     assert len(m.graph.node[0].attribute) == 12  # the model itself unchanged
@@ -299,3 +300,25 @@ def test_fixed_batch_with_a_sequence_first_output(tmp_path):
     r = quantize(str(tmp_path / "w"), strict=True, say=lambda *a, **k: None,
                  sensitivity=SensitivityOptions(show_progress=False))
     assert r.report["method_scores_db"] and "sensitivity" in r.report, r.report
+
+
+def test_a_tree_ensemble_with_required_tables_passes_the_load_check(tmp_path):
+    """ai.onnx.ml opset 5's TreeEnsemble requires its tables: the checker ran on a skeleton without the
+    long ones and rejected a valid model (atspm-detector's decode_v3: calibrate exit 1)."""
+    from qtool.modelio import load_model
+    n = 1500
+    node = helper.make_node(
+        "TreeEnsemble", ["X"], ["Y"], domain="ai.onnx.ml", n_targets=1, aggregate_function=1,
+        tree_roots=list(range(n)), nodes_featureids=[0] * n,
+        nodes_modes=helper.make_tensor("nodes_modes", TensorProto.UINT8, [n], [0] * n),
+        nodes_splits=helper.make_tensor("nodes_splits", TensorProto.DOUBLE, [n], [0.5] * n),
+        nodes_truenodeids=list(range(0, 2 * n, 2)), nodes_trueleafs=[1] * n,
+        nodes_falsenodeids=list(range(1, 2 * n, 2)), nodes_falseleafs=[1] * n,
+        leaf_targetids=[0] * (2 * n),
+        leaf_weights=helper.make_tensor("leaf_weights", TensorProto.DOUBLE, [2 * n], [0.01] * (2 * n)))
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("X", TensorProto.DOUBLE, [None, 4])],
+                          [helper.make_tensor_value_info("Y", TensorProto.DOUBLE, [None, 1])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("ai.onnx.ml", 5)],
+                          ir_version=10)
+    save(m, tmp_path / "t.onnx")
+    load_model(str(tmp_path / "t.onnx"))  # (raised "ONNX checker rejects the model")
