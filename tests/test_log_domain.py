@@ -150,3 +150,27 @@ def test_quiet_bins_survive_quantization(tmp_path, monkeypatch):
     monkeypatch.undo()
     without = _quantized_sqnr(tmp_path, monkeypatch, rule=False)
     assert with_rule > 30.0 and without < with_rule - 10.0, (with_rule, without)
+
+
+def test_an_stft_front_end_with_a_length_mask():
+    """Whisper's and NeMo's exports: STFT as one op (opset 17), the samples past the length masked with
+    Where, |X|^2 summed over real and imaginary parts, a mel MatMul, Log (Whisper's mel MatMul in int8:
+    10.3 dB). The STFT and what follows stay fp32, the network after the Log int8."""
+    rng = np.random.default_rng(9)
+    nodes = [helper.make_node("Where", ["mask", "x", "zero"], ["xm"], name="mask_len"),
+             helper.make_node("STFT", ["xm", "step", "window"], ["spec"], name="stft"),  # [N, F, 33, 2]
+             helper.make_node("ReduceSumSquare", ["spec", "last"], ["power"], name="power", keepdims=0),
+             helper.make_node("MatMul", ["power", "mel_w"], ["mel"], name="mel"),
+             helper.make_node("Clip", ["mel", "floor"], ["mc"], name="floor"),
+             helper.make_node("Log", ["mc"], ["logmel"], name="log"),
+             helper.make_node("MatMul", ["logmel", "w1"], ["y"], name="fc")]
+    inits = [init("zero", 0.0), init("step", np.array(32), np.int64), init("window", np.hanning(64)),
+             init("last", np.array([-1]), np.int64), init("mel_w", np.abs(rng.standard_normal((33, 12)))),
+             init("floor", 1e-10), init("w1", rng.standard_normal((12, 4)))]
+    g = helper.make_graph(nodes, "stft", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", 640]),
+                                          helper.make_tensor_value_info("mask", onnx.TensorProto.BOOL, ["N", 640])],
+                          [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 19, 4])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+    onnx.checker.check_model(m)
+    assert set(log_domain(m)) == {"stft", "power", "mel", "floor"}
+    assert "fc" in make_plan(m).int8_nodes

@@ -12,7 +12,8 @@ swift-f0's power Add measured 4.5 -> 3.7 dB).
 
 A Log is taken for a front end's when everything above it is signal processing on the graph's
 inputs: walking up from its input through elementwise arithmetic (no Relu: a network's), data
-movement, reductions and linear ops with a constant weight reaches only graph inputs and constants.
+movement, reductions, linear ops with a constant weight and STFT/DFT reaches only graph inputs and
+constants (Whisper's log-mel front end, STFT then a mel MatMul: 10.3 dB with that MatMul int8).
 A Log after a Softmax, a Sigmoid, a Relu'd CNN or an LSTM is no front end's, and keeps its network
 int8. For a front end's Log, the nodes on that walk down to the second linear op on each path (the
 DFT under a mel or constant-Q filterbank) stay fp32; the DFT's input (the framed waveform) may stay
@@ -29,6 +30,11 @@ MOVEMENT = {"Transpose", "Reshape", "Slice", "Squeeze", "Unsqueeze", "Concat", "
             "Flatten", "Identity", "Expand", "Tile", "Cast"}
 REDUCTIONS = {"ReduceSum", "ReduceMean", "ReduceSumSquare", "ReduceL2", "ReduceL1", "ReduceMax"}
 LINEAR = ("MatMul", "Gemm", "Conv", "ConvTranspose")  # with one constant operand: a filterbank, a DFT
+TRANSFORMS = ("STFT", "DFT")  # the DFT as one op (Whisper's and torch.stft's exports): linear on its signal
+# a signal's preparation: which inputs carry it (NeMo masks the samples past each length with Where, Kaldi's
+# front end edits its frames with ScatterElements, others frame with GatherElements)
+PREPARATION = {"Where": (1, 2), "ScatterElements": (0, 2), "ScatterND": (0, 2), "GatherElements": (0,),
+               "GatherND": (0,)}
 MAX_LINEAR = 2  # a filterbank and the transform under it
 
 
@@ -44,7 +50,9 @@ def _data_inputs(node, inits: dict) -> list:
     op = node.op_type
     if op in LINEAR:
         data = node.input[:2]
-    elif (op in MOVEMENT and op != "Concat") or op in REDUCTIONS or op == "Pow":
+    elif op in PREPARATION:
+        data = [node.input[i] for i in PREPARATION[op] if i < len(node.input)]
+    elif (op in MOVEMENT and op != "Concat") or op in REDUCTIONS or op in TRANSFORMS or op == "Pow":
         data = node.input[:1]
     else:
         data = node.input
@@ -55,7 +63,7 @@ def _walkable(node, inits: dict) -> bool:
     op = node.op_type
     if op in LINEAR:
         return _weight_is_constant(node, inits)
-    return op in ELEMENTWISE or op in MOVEMENT or op in REDUCTIONS
+    return op in ELEMENTWISE or op in MOVEMENT or op in REDUCTIONS or op in TRANSFORMS or op in PREPARATION
 
 
 def _front_end(t: str, producer: dict, inits: dict) -> bool:
@@ -91,7 +99,7 @@ def log_domain(model) -> dict:
                 continue
             seen.add((node.name, linear))
             keep.setdefault(node.name, why)
-            if node.op_type in LINEAR:
+            if node.op_type in LINEAR or node.op_type in TRANSFORMS:
                 linear += 1
                 if linear >= MAX_LINEAR:
                     continue
