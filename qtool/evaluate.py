@@ -440,11 +440,32 @@ def row_scores(rows: np.ndarray, objectness: bool = True) -> np.ndarray:
     return rows[:, 4] * rows[:, 5:].max(1) if rows.shape[1] > 5 else rows[:, 4]
 
 
+EVAL_MEMORY = 1 << 30  # about what the fp32 and int8 sessions' activations may take together
+
+
+def eval_batch(model, data, path: str, files: list | None, batch: int) -> int:
+    """Samples per run for a folder of tensors: fewer where one sample's activations are large (afis's
+    fingerprint network: 31 MB tensors, each ORT session 2.0 GB at 8 samples, 0.33 GB at 1; eval peaked
+    at 3.9 GB). About 8 x its largest tensor per sample and session, from shape inference on the first."""
+    from qtool.data.tensors import tensor_source
+    from qtool.limits import elems
+    try:
+        probe = tensor_source(data, model, path, batch=1, files=files, limit=1)
+        _, feeds = next(iter(probe.batches()))
+        dims = G.inferred_shapes(model, {k: np.shape(v) for k, v in feeds.items()}).values()
+        largest = max((elems(d) * 4 for d in dims if d and all(isinstance(x, int) for x in d)), default=0)
+    except Exception:  # (a shape inference that cannot follow the graph: the default batch)
+        return batch
+    return int(max(1, min(batch, EVAL_MEMORY // (2 * 8 * largest)))) if largest else batch
+
+
 def evaluate_tensors(fp32_path: str, int8_path: str, data, limit: int | None = None, files: list | None = None,
                      threads: int = 2, batch: int = 8, latency: bool = True, check: bool = True) -> dict:
     """Every output of int8 vs fp32 over tensor data (a .npy/.npz folder or an iterable of input dicts)."""
     from qtool.data.tensors import tensor_source
     fp32 = load_model(fp32_path)
+    if isinstance(data, (str, os.PathLike)) and batch > 1:
+        batch = eval_batch(fp32, data, fp32_path, files, batch)
     # (a model nothing of which runs in int8 has no int8 arithmetic to check: luscinia's 194 MB tree ensemble
     # took a third copy in the runtime for it, eval peaked at 5.9 GB)
     int8_ops = bool(G.quantized_ops(load_model(int8_path, check=False)))

@@ -306,3 +306,21 @@ def test_a_tagger_is_judged_by_the_scores_before_its_argmax():
     m = make_model(nodes, [init("w", rng.standard_normal((8, 5)))], [("x", ["N", 6, 8])], [])
     m.graph.output.append(helper.make_tensor_value_info("tags", 7, ["N", 6]))
     assert G.reference_output(m) == "scores"
+
+
+def test_eval_runs_fewer_samples_at_once_where_activations_are_large(tmp_path):
+    """afis's fingerprint network took 2.0 GB per ORT session at 8 samples a run (eval 3.9 GB in all);
+    eval sizes its runs by the largest tensor of one sample."""
+    from qtool.evaluate import eval_batch
+    rng = np.random.default_rng(10)
+
+    def conv_model(cout):
+        return make_model([helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1])],
+                          [init("w", rng.standard_normal((cout, 1, 3, 3)))], [("x", ["N", 1, 256, 256])],
+                          [("y", ["N", cout, 256, 256])])
+    d = tmp_path / "x"
+    d.mkdir()
+    for i in range(3):
+        np.save(d / f"{i}.npy", rng.standard_normal((1, 1, 256, 256)).astype(np.float32))
+    assert eval_batch(conv_model(256), str(d), "m.onnx", None, 8) == 1  # 67 MB a sample
+    assert eval_batch(conv_model(2), str(d), "m.onnx", None, 8) == 8
