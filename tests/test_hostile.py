@@ -66,6 +66,17 @@ def limited(code: str, cwd, timeout: float = 240) -> subprocess.CompletedProcess
                           text=True, timeout=timeout)
 
 
+# for code run by limited(): the peak resident size since the last reset(), and the resident size now
+PEAK_HELPERS = """
+def hwm():
+    return int([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1]) * 1024
+def reset():
+    open('/proc/self/clear_refs', 'w').write('5')
+def rss():
+    return int(open('/proc/self/statm').read().split()[1]) * 4096
+"""
+
+
 def limited_cli(args, cwd, timeout: float = 240) -> subprocess.CompletedProcess:
     return limited(f"sys.argv = ['qtool'] + {[str(a) for a in args]!r}\nfrom qtool.__main__ import main\nmain()\n",
                    cwd, timeout)
@@ -408,15 +419,9 @@ def test_inspect_and_save_peak_at_most_twice_the_model(tmp_path):
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
     m.ir_version = 8
     onnx.save(m, str(tmp_path / "big.onnx"))
-    r = limited(f"""
+    r = limited(PEAK_HELPERS + textwrap.dedent(f"""
         import onnx
         import qtool.inspect, qtool.modelio
-        def hwm():
-            return int([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1]) * 1024
-        def reset():
-            open('/proc/self/clear_refs', 'w').write('5')
-        def rss():
-            return int(open('/proc/self/statm').read().split()[1]) * 4096
         size = {n * n * 4}
         base = rss(); reset()
         qtool.inspect.inspect_model('big.onnx')
@@ -429,7 +434,7 @@ def test_inspect_and_save_peak_at_most_twice_the_model(tmp_path):
         qtool.modelio.save_model(m, 'ext.onnx', external_threshold=1 << 20)
         print('save-external', (hwm() - base) / size)
         assert onnx.load('inline.onnx').graph.initializer[0].dims == [{n}, {n}]
-    """, tmp_path)
+    """), tmp_path)
     assert r.returncode == 0, r.stderr
     ratios = dict((k, float(v)) for k, v in (line.split() for line in r.stdout.split("\n") if line))
     print(ratios)
@@ -891,15 +896,9 @@ def test_save_streams_nodes_with_long_attributes(tmp_path):
                           [helper.make_tensor_value_info("z", TensorProto.FLOAT, [4])])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13), helper.make_opsetid("test.domain", 1)])
     onnx.save(m, str(tmp_path / "tables.onnx"))
-    r = limited(f"""
+    r = limited(PEAK_HELPERS + textwrap.dedent(f"""
         import onnx
         import qtool.modelio
-        def hwm():
-            return int([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1]) * 1024
-        def reset():
-            open('/proc/self/clear_refs', 'w').write('5')
-        def rss():
-            return int(open('/proc/self/statm').read().split()[1]) * 4096
         m = onnx.load('tables.onnx')
         size = m.ByteSize()
         base = rss(); reset()
@@ -909,7 +908,7 @@ def test_save_streams_nodes_with_long_attributes(tmp_path):
         assert [x.name for x in back.graph.node] == ['big', 'after']
         a, b = back.graph.node[0].attribute[0].floats, m.graph.node[0].attribute[0].floats
         assert len(a) == len(b) and a[12345] == b[12345] and a[len(a) - 1] == b[len(b) - 1]
-    """, tmp_path)
+    """), tmp_path)
     assert r.returncode == 0, r.stderr
     ratio = float(r.stdout.split()[-1])
     assert ratio <= 2.1, ratio
