@@ -503,33 +503,14 @@ def _write_model(model: onnx.ModelProto, f, external=None) -> None:
     f.write(_len_field(_GRAPH, len(body)))
     f.write(body)
     del body
-    # the nodes as occurrences of the graph field too, each serialized from the model's own message: a copy
-    # of the graph's nodes doubled a tree ensemble's 1.3 GB of attribute lists (luscinia)
-    nodes, pending = [], 0
-
-    def flush_nodes(parts):
-        inner = b"".join(parts)
-        f.write(_len_field(_GRAPH, len(inner)))
-        f.write(inner)
-
+    # each node as an occurrence of the graph field of its own (parsers append them, in order), serialized from
+    # the model's own message: a copy of the graph's nodes doubled a tree ensemble's 1.3 GB of attribute lists
     for node in model.graph.node:
         b = node.SerializeToString()
         tag = _len_field(_NODE, len(b))
-        if len(b) >= 1 << 20:  # a large node goes out as it is, not joined into a second copy
-            if nodes:
-                flush_nodes(nodes)
-                nodes, pending = [], 0
-            f.write(_len_field(_GRAPH, len(tag) + len(b)))
-            f.write(tag)
-            f.write(b)
-            continue
-        nodes += [tag, b]
-        pending += len(b)
-        if pending >= 1 << 20:
-            flush_nodes(nodes)
-            nodes, pending = [], 0
-    if nodes:
-        flush_nodes(nodes)
+        f.write(_len_field(_GRAPH, len(tag) + len(b)))
+        f.write(tag)
+        f.write(b)
     small = onnx.GraphProto()  # small initializers go out together, as one occurrence of the graph
 
     def flush():

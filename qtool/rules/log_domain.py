@@ -83,7 +83,7 @@ def _front_end(t: str, producer: dict, inits: dict) -> bool:
 def log_domain(model) -> dict:
     """{node name: reason} of the nodes that feed a front end's Log as described above."""
     inits = G.initializers(model)
-    producer = {o: n for n in model.graph.node for o in n.output if o}
+    producer = G.producers(model)
     keep: dict = {}
     for log in model.graph.node:
         if log.op_type != "Log" or not log.input or not log.input[0] \
