@@ -23,6 +23,7 @@ from qtool.quantize.input_grid import choose_input_grid
 from qtool.quantize.exclude import CANDIDATES_PER_STEP, NOISY_GROUPS, POOL as POOL_FOR_PROGRESS, exclude_sensitive
 from qtool.quantize.quantizer_noise import quantizer_noise
 from qtool.quantize.guard import guard_layers
+from qtool.quantize.unbounded import unbounded_exclusions
 from qtool.quantize.method_choice import best_option, choose, method_scores
 from qtool.quantize.optional import OptionalSteps
 from qtool.quantize.range_search import search_ranges
@@ -511,6 +512,12 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
                          f"(`qtool inspect` lists the names)")
     if target not in TARGETS:
         raise QtoolError(f"--target: no target named {target!r}; choose one of {', '.join(TARGETS)}")
+    unbounded, held = unbounded_exclusions(fused, table)
+    if unbounded:
+        names = ", ".join(f"'{t}' ({why})" for t, why in list(held.items())[:3])
+        say(f"note: {len(unbounded)} op(s) stay fp32 around {len(held)} tensor(s) no range can hold: {names}"
+            f"{', ...' if len(held) > 3 else ''}")
+        exclude = {**unbounded, **exclude}  # (a user's own reason for a node wins)
     wd = Workdir(workdir)
     opts = sensitivity or SensitivityOptions(enabled=False, show_progress=False)
     sens_on = opts.enabled
