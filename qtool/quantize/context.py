@@ -62,6 +62,7 @@ class QuantizeContext:
     on_error: object = None  # (layer, exception): a layer's output-aware rounding failed (qdq.layer_weights)
     encodings: dict = field(default_factory=dict)  # node -> encoding where it is not the target's (encoding.py)
     input_grid: bool = False  # shift a lattice input onto its grid (input_grid.py chooses; off: as calibrated)
+    resized: float = 0.0  # the largest share of samples an experiment's int8 output changed the size of
 
     def __post_init__(self):
         if self.target not in TARGETS:
@@ -90,4 +91,6 @@ class QuantizeContext:
         q = self.build(exclude, scoring=True, **over)
         name = samples.output or G.reference_output(q.model)
         outs = run_output(q.model, name, samples.feeds, self.threads if threads is None else threads)
-        return samples.join(outs), q
+        y, resized = samples.join_like_reference(outs)
+        self.resized = max(self.resized, resized / max(len(samples), 1))
+        return y, q

@@ -621,6 +621,9 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
     set_provenance(out.model, fp32_sha256=table.model_sha256, table_sha256=table_sha256)
     save_model(out.model, path)
     cost = steps.run("target cost", target_cost, ctx, tune_samples, final_exclude, say, opts.show_progress)
+    if ctx.resized:
+        say(f"note: int8 changed the output's size on up to {100 * ctx.resized:.0f} % of the samples an experiment "
+            f"ran (a size that follows the values, as a duration predictor's); those counted as wholly wrong")
     report = {
         "model": model_path, "int8_model": os.path.abspath(path), "method": ctx.method,
         "method_scores_db": method_scores_db, "method_agreement": method_agreement, "target": target, "target_description": TARGETS[target].description,
@@ -635,6 +638,7 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
         "unrounded_layers": tuning.unrounded if tuning.hessians else {},
         "budget": None if afforded is None else afforded.to_dict(),
         "optional_steps": steps.to_dict(),
+        "resized_share": ctx.resized,
         "summary": out.plan.summary(),
         "subgraphs": [{"node": n, "branch": b, "summary": q.report["summary"], "int8_model": q.path,
                        "fallbacks": q.report["optional_steps"]["fallbacks"]} for n, b, q in branches],

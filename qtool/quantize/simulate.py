@@ -356,7 +356,7 @@ class Simulator:
                     self._run_group(samples, sorted({cut_of[k] for k in part}), [variants[k] for k in part],
                                     [cut_of[k] for k in part], outs, progress)
                     for k, o in zip(part, outs):
-                        results[k] = reduce(samples.join(o))
+                        results[k] = reduce(samples.join_like_reference(o)[0])
         return results
 
     def _groups(self, cuts: list) -> list:
