@@ -7,11 +7,20 @@ stretched to -3.4e38 rounds every score to zero. Either way no range can hold th
 reaction mapper (one attention layer applied 7 times, each mask Add alone in int8 leaving the output at
 6.2 dB) read 5.3 dB with them int8 and 19.6 dB with them fp32. Calibration leaves NaN/inf out of every
 range and counts them per tensor (calibrate/run.py check_nonfinite); a finite stand-in shows in the range.
+Only an infinity the graph itself puts there counts (a constant holding one, and what it reaches): one inf in
+one corrupt calibration sample spreads through every layer after it, and must cost that sample, not the
+int8 model.
 """
 from __future__ import annotations
 
 import math
 
+import numpy as np
+from onnx import numpy_helper
+
+from qtool import graph as G
+
+MAX_SCANNED = 1 << 16  # constants larger than this are weights, not masks: not scanned
 UNBOUNDED = 1e30  # a range end beyond this stands for an infinity: no activation of a trained network gets near
 
 
@@ -28,10 +37,40 @@ def unbounded_tensors(table) -> dict:
     return out
 
 
+def infinite_constants(model) -> set:
+    """Tensors the graph sets to an infinity or its stand-in: small initializers, Constant and
+    ConstantOfShape outputs holding a value at or beyond UNBOUNDED."""
+    def unbounded(t) -> bool:
+        if len(t.dims) and int(np.prod(t.dims)) > MAX_SCANNED:
+            return False
+        v = numpy_helper.to_array(t)
+        return v.dtype.kind == "f" and bool(v.size) and not bool(np.all(np.abs(v) < UNBOUNDED))
+    out = {t.name for t in model.graph.initializer if unbounded(t)}
+    for n in model.graph.node:
+        if n.op_type in ("Constant", "ConstantOfShape"):
+            value = G.attr(n, "value")
+            if value is not None and not isinstance(value, (int, float, list)) and unbounded(value):
+                out.add(n.output[0])
+    return out
+
+
+def _reached(model, sources: set) -> set:
+    """Every tensor computed from `sources` (graph order: a node's inputs are written before it)."""
+    out = set(sources)
+    for n in model.graph.node:
+        if any(i in out for i in G.node_reads(n)):
+            out.update(o for o in n.output if o)
+    return out
+
+
 def unbounded_exclusions(model, table) -> tuple:
-    """(node -> reason, tensor -> what it holds): every top-level node that writes or reads an unbounded
-    tensor. (The reason names no tensor, so that the summary counts such ops under one line.)"""
+    """(node -> reason, tensor -> what it holds): every top-level node that writes or reads a tensor
+    holding an infinity the graph puts there. (The reason names no tensor, so that the summary counts
+    such ops under one line.)"""
     held = unbounded_tensors(table)
+    sources = infinite_constants(model) if held else set()
+    reached = _reached(model, sources) if sources else set()
+    held = {t: why for t, why in held.items() if t in reached}
     out = {}
     for node in model.graph.node:
         for t in list(node.output) + list(node.input):
