@@ -101,6 +101,9 @@ class ExactCheck:
             return {"checked": 0, "error": self.error or "no samples"}
         a = np.concatenate([x.ravel() for x in self.rows["exact"]])
         b = np.concatenate([x.ravel() for x in self.rows["ort"]])
+        both = np.isfinite(a) & np.isfinite(b)
+        if not both.all():  # (NaN where the model masks entries by design: compared where both are finite)
+            a, b = a[both], b[both]
         from qtool.metrics import sqnr_db
         from qtool.ort_arithmetic import ort_int8_arithmetic
         db = sqnr_db(a, b) if a.size else float("inf")
@@ -248,6 +251,7 @@ class OutputStats:
         self.labels = False  # integers (a tagger's ArgMax, a class id): equal or not, per value and per sample
         self.mismatch = 0  # batches whose int8 output has another shape than fp32's (not compared)
         self.mismatch_shapes = None
+        self.not_finite = self.finite_differs = 0  # positions NaN/inf in either; in one only
 
     def add(self, a: np.ndarray, b: np.ndarray, samples: int | None = None) -> None:
         """`samples`: how many samples the batch holds, where known: a [T, N, C] output (sequence
@@ -283,6 +287,14 @@ class OutputStats:
         if samples is not None and a.ndim == 3 and a.shape[0] != samples and a.shape[1] == samples:
             a, b = a.swapaxes(0, 1), b.swapaxes(0, 1)
         a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        fa, fb = np.isfinite(a64), np.isfinite(b64)
+        if not (fa.all() and fb.all()):
+            # NaN where the model masks an entry by design (caustic-nmr's shifts of atoms a residue lacks):
+            # compared where both are finite, and counted; a NaN made the noise NaN, reported as exact
+            both = fa & fb
+            self.not_finite += int(both.size - both.sum())
+            self.finite_differs += int((fa != fb).sum())
+            a64, b64 = np.where(both, a64, 0.0), np.where(both, b64, 0.0)
         if self.shape is not None and len(self.shape) == a.ndim:
             # a size that changes between samples is a length ("?"), never a set of classes
             self.shape = [d if d == e or k == 0 else "?" for k, (d, e) in enumerate(zip(self.shape, a.shape))]
@@ -300,7 +312,7 @@ class OutputStats:
         self.n += len(a64) if a64.ndim else 1
         kind, layout = self.kind, self.layout
         if kind is not None:
-            ia, ib = a.argmax(-1), b.argmax(-1)  # [N] or [N, T]
+            ia, ib = a64.argmax(-1), b64.argmax(-1)  # [N] or [N, T]
             eq = ia == ib
             self.same += int(eq.sum())
             self.positions += eq.size
@@ -329,6 +341,8 @@ class OutputStats:
         if self.mismatch:
             r["shape_mismatch"] = {"batches": self.mismatch, "fp32": self.mismatch_shapes[0],
                                    "int8": self.mismatch_shapes[1]}
+        if self.not_finite:
+            r["not_finite"] = {"positions": self.not_finite, "finite_in_one_only": self.finite_differs}
         if self.kind is not None:
             r["top1_agreement"] = self.same / max(self.positions, 1)
             r["agreement_over"] = "samples" if self.kind == "class" else "positions"

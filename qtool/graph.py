@@ -278,7 +278,35 @@ def reference_output(model: onnx.ModelProto) -> str:
             picked.append(t)
     if picked:
         return max(dict.fromkeys(picked), key=picked.count)
-    return first_output(model)
+    return unmasked(model, first_output(model), prods)
+
+
+def unmasked(model: onnx.ModelProto, t: str, prods: dict | None = None) -> str:
+    """Where the output is Where(mask, values, NaN or inf): entries masked by design (caustic-nmr writes
+    NaN for the shifts of atoms a residue lacks), the values. Judged by the output, every sample held a
+    NaN and was left out: no experiment ran."""
+    prods = producers(model) if prods is None else prods
+    for _ in range(4):
+        p = prods.get(t)
+        if p is None or p.op_type != "Where" or len(p.input) < 3:
+            break
+        if _not_finite_constant(model, p.input[2], prods):
+            t = p.input[1]
+        elif _not_finite_constant(model, p.input[1], prods):
+            t = p.input[2]
+        else:
+            break
+    return t
+
+
+def _not_finite_constant(model: onnx.ModelProto, name: str, prods: dict) -> bool:
+    p = prods.get(name)
+    if p is not None and p.op_type == "Constant":
+        v = attr(p, "value")
+        v = numpy_helper.to_array(v) if isinstance(v, onnx.TensorProto) else None
+    else:
+        v = const_value(model, name)
+    return v is not None and v.dtype.kind == "f" and 0 < v.size <= 64 and not np.isfinite(v).any()
 
 
 # indices that depend on the data: the candidates a score threshold keeps, the best k

@@ -416,3 +416,40 @@ def test_nodes_listed_out_of_order(tmp_path):
     save(cyc, str(tmp_path / "cycle.onnx"))
     with pytest.raises(QtoolError, match=r"cycle.onnx: the graph has a cycle: node 'r[12]'"):
         load_model(str(tmp_path / "cycle.onnx"))
+
+
+def test_an_output_masked_with_nan_by_design(tmp_path):
+    """caustic-nmr writes NaN for the shifts of atoms a residue lacks (Where(mask, shifts, NaN)): every
+    calibration sample was left out as NaN (no method choice, no rounding), calibrate blamed the
+    preprocessing, and eval reported the output exact (its NaN noise read as no noise). quantize now judges
+    by the values before the mask, and eval compares where both models are finite and counts the rest."""
+    from qtool.evaluate import evaluate_workdir
+    rng = np.random.default_rng(9)
+    nodes = [helper.make_node("MatMul", ["x", "W1"], ["a"], name="l1"), helper.make_node("Relu", ["a"], ["r"], name="relu"),
+             helper.make_node("MatMul", ["r", "W2"], ["p"], name="l2"),
+             helper.make_node("Where", ["mask", "p", "nan"], ["y"], name="mask_out")]
+    inits = [weight(rng, "W1", 8, 32), weight(rng, "W2", 32, 6), onnx.numpy_helper.from_array(np.array(np.nan, np.float32), "nan")]
+    g = helper.make_graph(nodes, "masked", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["R", 8]),
+                                            helper.make_tensor_value_info("mask", TensorProto.BOOL, ["R", 6])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["R", 6])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    m.ir_version = 8
+    save(m, str(tmp_path / "m.onnx"))
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(16):
+        mask = np.ones((12, 6), bool)
+        mask[rng.integers(12), 4] = False
+        np.savez(data / f"{i:02d}.npz", x=rng.standard_normal((12, 8)).astype(np.float32), mask=mask)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        r = calibrate(str(tmp_path / "m.onnx"), str(data), method="minmax", workdir=str(tmp_path / "w"),
+                      show_progress=False)
+    assert not any("degenerate" in str(c.message) for c in caught) and not any("degenerate" in a for a in r.warnings)
+    q = quantize(str(tmp_path / "w"), strict=True, say=lambda *a, **k: None, sensitivity=SensitivityOptions(show_progress=False))
+    assert q.report["rounding"] == "output-aware" and "sensitivity" in q.report
+    e = evaluate_workdir(str(tmp_path / "w"), data=str(data), show_progress=False)
+    out = e["outputs"]["y"]
+    assert 20 < out["sqnr_db"] < 80 and out["max_abs_error"] > 0
+    assert out["not_finite"] == {"positions": 16, "finite_in_one_only": 0}
+    assert e["runtime_check"]["exact"]

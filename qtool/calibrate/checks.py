@@ -212,10 +212,11 @@ class OutputWatch:
                      largest_class_share=max(np.bincount(list(self.top1.values()))) / len(self.top1))
         return d
 
-    def warning(self) -> str | None:
-        """One line when the outputs look degenerate, else None."""
+    def warning(self, nan_by_design: bool = False) -> str | None:
+        """One line when the outputs look degenerate, else None. `nan_by_design`: the output masks
+        entries with NaN/inf (graph.unmasked), so those say nothing of the preprocessing."""
         problems = []
-        if not self.finite:
+        if not self.finite and not nan_by_design:
             problems.append("NaN or infinite values")
         n = len(self.top1)
         if self.classes:

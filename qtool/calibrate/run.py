@@ -148,8 +148,9 @@ def _calibrate(model_path, data, config, method, workdir, batch, limit, show_pro
         raise QtoolError(f"{_describe(data)}: no samples" if source.kind != "images" else
                          f"{data}: none of the {len(source)} images could be read")
     nonfinite = check_nonfinite(obs, names, _describe(data))
-    if obs.watch is not None and obs.watch.warning():
-        alerts.append(obs.watch.warning())
+    by_design = obs.watch is not None and G.unmasked(fused.model, obs.watch.name) != obs.watch.name
+    if obs.watch is not None and obs.watch.warning(by_design):
+        alerts.append(obs.watch.warning(by_design))
         warnings.warn(alerts[-1], stacklevel=2)
     ranges_all = ranges_for_all_methods(obs.histograms)
     aware = {}  # tensors read only by an activation: `mse` minimises the activation's output error

@@ -87,6 +87,10 @@ def _output_lines(r: dict) -> list[str]:
             text += ", top-scoring rows shared: " + ", ".join(
                 f"{k} {v:.2f}" for k, v in o["top_rows_agreement"].items())
             text += f" (max |error| in the top 10 rows {o['top10_rows_max_abs_error']:.4g})"
+        nf = o.get("not_finite")
+        if nf:
+            text += f"; over the finite values ({nf['positions']} NaN/inf left out"
+            text += f", {nf['finite_in_one_only']} of them finite in one model only)" if nf["finite_in_one_only"] else ")"
         lines.append(text)
     return lines
 
