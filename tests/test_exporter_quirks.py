@@ -453,3 +453,22 @@ def test_an_output_masked_with_nan_by_design(tmp_path):
     assert 20 < out["sqnr_db"] < 80 and out["max_abs_error"] > 0
     assert out["not_finite"] == {"positions": 16, "finite_in_one_only": 0}
     assert e["runtime_check"]["exact"]
+
+
+def test_a_scalar_output_with_a_free_batch(tmp_path):
+    """speechmos' PLCMOS writes one score as a 0-d output and declares its batch free: no axis of the
+    output follows the samples, and every step that needs samples was skipped. They are fed one at a time."""
+    rng = np.random.default_rng(10)
+    nodes = [helper.make_node("Conv", ["x", "W"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["r"], name="relu"),
+             helper.make_node("GlobalAveragePool", ["r"], ["g"], name="gap"),
+             helper.make_node("Flatten", ["g"], ["f"], name="flat"),
+             helper.make_node("MatMul", ["f", "V"], ["m"], name="fc"),
+             helper.make_node("ReduceSum", ["m"], ["y"], name="score", keepdims=0)]
+    m = _unchecked(nodes, [weight(rng, "W", 8, 4, 3, 3), weight(rng, "V", 8, 1)], [("x", ["N", 4, 16, 16])], [("y", [])])
+    w = _calibrate(m, tmp_path, [rng.standard_normal((1, 4, 16, 16)).astype(np.float32) for _ in range(12)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        r = quantize(w, strict=True, say=lambda *a, **k: None, sensitivity=SensitivityOptions(show_progress=False))
+    assert not any("does not hold one entry" in str(c.message) for c in caught)
+    assert r.report["rounding"] == "output-aware" and "sensitivity" in r.report

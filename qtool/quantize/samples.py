@@ -207,7 +207,11 @@ def _sample_axis(sess, out: str, s: SampleSet) -> tuple:
         shape = sess.run([out], s.feed(0, s.batch))[0].shape
         axes = [a for a, d in enumerate(shape) if d == s.batch]
         return (axes[0] if axes else 0), 1
-    if s.fixed_batch or s.stacked or len(s) < 2:
+    if s.fixed_batch or s.stacked or not len(s):
+        return 0, 1
+    if len(s) < 2:
+        if np.ndim(sess.run([out], s.feed(0, 1))[0]) == 0:
+            _one_at_a_time(s)  # (a scalar holds no sample axis, see below)
         return 0, 1
     from qtool.errors import QtoolError
     try:
@@ -216,14 +220,23 @@ def _sample_axis(sess, out: str, s: SampleSet) -> tuple:
         # a batch dimension declared free that the graph does not honour (khmersm: a Reshape to one
         # sentence): every step runs the samples one at a time, each fed whole
         if all(len(v) == len(s.names) for v in s.inputs.values()):
-            s.inputs = {k: v[:, None] for k, v in s.inputs.items()}
-            s.stacked, s.batch = True, 1
+            _one_at_a_time(s)
             return 0, 1
         raise
     grown = [a for a, (p, q) in enumerate(zip(one, two)) if p != q]
+    if one == two and all(len(v) == len(s.names) for v in s.inputs.values()):
+        # nothing grows with the batch: the output sums over it (a quality score written as one scalar,
+        # speechmos' PLCMOS with its batch declared free): the samples are fed one at a time
+        _one_at_a_time(s)
+        return 0, 1
     if len(one) != len(two) or len(grown) != 1 or two[grown[0]] != 2 * one[grown[0]]:
         return 0, 1
     return grown[0], one[grown[0]]
+
+
+def _one_at_a_time(s: SampleSet) -> None:
+    s.inputs = {k: v[:, None] for k, v in s.inputs.items()}
+    s.stacked, s.batch = True, 1
 
 
 def _nowhere_finite(y) -> bool:
