@@ -474,3 +474,41 @@ def test_a_scalar_output_with_a_free_batch(tmp_path):
         r = quantize(w, strict=True, say=lambda *a, **k: None, sensitivity=SensitivityOptions(show_progress=False))
     assert not any("does not hold one entry" in str(c.message) for c in caught)
     assert r.report["rounding"] == "output-aware" and "sensitivity" in r.report
+
+
+def test_an_output_whose_length_follows_the_whole_batch(tmp_path):
+    """SLANet's Loop decodes until every sequence of its batch has ended: run in batches, its output's
+    length is the batch's, no entry per sample, and every step that needs samples was skipped. The samples
+    are run one at a time then."""
+    rng = np.random.default_rng(11)
+    c = onnx.numpy_helper.from_array
+    nodes = [helper.make_node("Conv", ["x", "W"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["r"], name="relu"),
+             helper.make_node("GlobalAveragePool", ["r"], ["g"], name="gap"),
+             helper.make_node("Reshape", ["g", "s1"], ["g3"], name="g3"),
+             helper.make_node("ReduceMax", ["g"], ["mx"], name="batch_max", keepdims=0),
+             helper.make_node("Mul", ["mx", "k"], ["m8"], name="scale"),
+             helper.make_node("Floor", ["m8"], ["fl"], name="floor"),
+             helper.make_node("Cast", ["fl"], ["L0"], name="cast", to=TensorProto.INT64),
+             helper.make_node("Add", ["L0", "one"], ["L"], name="plus1"),
+             helper.make_node("Reshape", ["L", "s0"], ["L1"], name="L1"),
+             helper.make_node("Shape", ["x"], ["xs"], name="xs"),
+             helper.make_node("Slice", ["xs", "z", "one1"], ["N"], name="N"),
+             helper.make_node("Concat", ["N", "L1", "c8"], ["shp"], name="shp", axis=0),
+             helper.make_node("Expand", ["g3", "shp"], ["y"], name="expand")]
+    inits = [weight(rng, "W", 8, 3, 3, 3, scale=0.3), c(np.array([0, 1, 8], np.int64), "s1"),
+             c(np.array(64.0, np.float32), "k"), c(np.array(1, np.int64), "one"), c(np.array([1], np.int64), "s0"),
+             c(np.array([0], np.int64), "z"), c(np.array([1], np.int64), "one1"), c(np.array([8], np.int64), "c8")]
+    g = helper.make_graph(nodes, "blen", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 16, 16])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", "L", 8])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    m.ir_version = 8
+    # 20 copies of one picture and 4 of it brighter: the second batch of 16 decodes longer than the first,
+    # one at a time 20 outputs are as long
+    x0 = rng.random((1, 3, 16, 16)).astype(np.float32)
+    w = _calibrate(m, tmp_path, [x0] * 20 + [3 * x0] * 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        r = quantize(w, strict=True, say=lambda *a, **k: None, sensitivity=SensitivityOptions(show_progress=False))
+    assert not any("does not hold one entry" in str(c.message) for c in caught), [str(c.message) for c in caught]
+    assert r.report["rounding"] == "output-aware" and "sensitivity" in r.report

@@ -164,6 +164,13 @@ def load_samples(fused, table, files: list, threads: int = 0, progress=None) -> 
         warnings.warn(f"'{out}', which the model's last selection reads, is not finite in any calibration sample; "
                       f"quantize judges by the output '{G.first_output(fused)}' instead", stacklevel=2)
         out = s.output = G.first_output(fused)
+    if not s.stacked and not s.fixed_batch and not _joins(s, ys) \
+            and all(len(v) == len(s) for v in s.inputs.values()):
+        # an output whose length follows the whole batch (SLANet's Loop decodes until every sequence of the
+        # batch has ended): the samples are run one at a time, each output its own
+        _one_at_a_time(s)
+        s.axis, s.rows = 0, 1
+        ys = [sess.run([out], f)[0] for f in s.feeds]
     if s.stacked and len({y.shape for y in ys}) > 1:
         # outputs that differ in size (one value per frame) cannot be compared as one array: the samples
         # whose output has the most common size are kept
@@ -232,6 +239,14 @@ def _sample_axis(sess, out: str, s: SampleSet) -> tuple:
     if len(one) != len(two) or len(grown) != 1 or two[grown[0]] != 2 * one[grown[0]]:
         return 0, 1
     return grown[0], one[grown[0]]
+
+
+def _joins(s: SampleSet, ys: list) -> bool:
+    """Whether the outputs of s's feeds join into one entry per sample."""
+    try:
+        return len(s.join(ys)) == len(s)
+    except ValueError:
+        return False
 
 
 def _one_at_a_time(s: SampleSet) -> None:
