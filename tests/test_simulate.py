@@ -156,3 +156,14 @@ def test_the_prefix_of_an_old_ir_model_loads(tmp_path):
     pm, big = sim.prefix_model(cut)
     got = session(pm, 1, external=big).run(cut, samples.feeds[0])
     assert [g.shape[0] for g in got] == [len(samples)] * len(cut)
+
+
+def test_a_shape_vector_crossing_a_cut_keeps_its_length():
+    """A cut model's inputs leave axis 0 unnamed (the batch), but an int64 shape vector's axis 0 is its
+    length: left unknown, ONNX Runtime took SLANet-plus's Resize `sizes`, a Concat of it, for an empty
+    tensor and refused every experiment past that cut (exit 70 under --strict)."""
+    from qtool.quantize.simulate import _dims
+    assert _dims([1, 3, 8, 8]) == [None, 3, 8, 8]
+    assert _dims([2], batched=False) == [2]
+    assert _dims([None, 4], batched=False) == [None, 4]
+    assert _dims(None, batched=False) is None

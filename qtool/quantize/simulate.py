@@ -304,7 +304,9 @@ class Simulator:
                          helper.make_tensor_value_info(f"sim:z:{t}", TensorProto.UINT8, [])]
         m, big = self._model(ordered, "variants",
                              [helper.make_tensor_value_info(t, self.types.get(t, TensorProto.FLOAT),
-                                                            _dims(self.shapes.get(t))) for t in frontier] + switches,
+                                                            _dims(self.shapes.get(t),
+                                                                  self.types.get(t, TensorProto.FLOAT) == TensorProto.FLOAT))
+                              for t in frontier] + switches,
                              [o for o in self.base.graph.output if o.name == self.output]
                              or [helper.make_empty_tensor_value_info(self.output)],
                              set().union(*(G.node_reads(n) for n in ordered)), big, consts)
@@ -471,13 +473,15 @@ def tails(share: np.ndarray) -> np.ndarray:
     return np.concatenate([np.cumsum(share[::-1])[::-1], [0.0]])
 
 
-def _dims(shape):
+def _dims(shape, batched: bool = True):
     """A value-info shape: the known dims, the batch (and any unknown one) left unnamed: a name shared by
     two tensors tells ONNX Runtime their sizes are equal (a text detector's feature maps of several
-    sizes, each with a dynamic height, are not)."""
+    sizes, each with a dynamic height, are not). `batched` False (an int64 shape vector crossing a cut):
+    axis 0 is no batch and keeps its size; left unknown, ONNX Runtime took a Resize's `sizes` built from
+    it for an empty tensor and refused the experiment (SLANet-plus)."""
     if shape is None:
         return None
-    return [d if d and k > 0 else None for k, d in enumerate(shape)]
+    return [d if d and (k > 0 or not batched) else None for k, d in enumerate(shape)]
 
 
 def _numel(shape, batch: int = 1) -> int:
