@@ -301,7 +301,7 @@ def unmasked(model: onnx.ModelProto, t: str, prods: dict | None = None) -> str:
 
 def _not_finite_constant(model: onnx.ModelProto, name: str, prods: dict) -> bool:
     p = prods.get(name)
-    if p is not None and p.op_type == "Constant":
+    if p is not None and p.op_type in ("Constant", "ConstantOfShape"):  # (a NaN map of the values' shape)
         v = attr(p, "value")
         v = numpy_helper.to_array(v) if isinstance(v, onnx.TensorProto) else None
     else:

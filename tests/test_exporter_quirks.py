@@ -6,6 +6,7 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
+import pytest
 import onnx
 from onnx import TensorProto, helper
 
@@ -421,7 +422,8 @@ def test_nodes_listed_out_of_order(tmp_path):
         load_model(str(tmp_path / "cycle.onnx"))
 
 
-def test_an_output_masked_with_nan_by_design(tmp_path):
+@pytest.mark.parametrize("nan_from", ["initializer", "constant_of_shape"])
+def test_an_output_masked_with_nan_by_design(tmp_path, nan_from):
     """caustic-nmr writes NaN for the shifts of atoms a residue lacks (Where(mask, shifts, NaN)): every
     calibration sample was left out as NaN (no method choice, no rounding), calibrate blamed the
     preprocessing, and eval reported the output exact (its NaN noise read as no noise). quantize now judges
@@ -431,7 +433,13 @@ def test_an_output_masked_with_nan_by_design(tmp_path):
     nodes = [helper.make_node("MatMul", ["x", "W1"], ["a"], name="l1"), helper.make_node("Relu", ["a"], ["r"], name="relu"),
              helper.make_node("MatMul", ["r", "W2"], ["p"], name="l2"),
              helper.make_node("Where", ["mask", "p", "nan"], ["y"], name="mask_out")]
-    inits = [weight(rng, "W1", 8, 32), weight(rng, "W2", 32, 6), onnx.numpy_helper.from_array(np.array(np.nan, np.float32), "nan")]
+    inits = [weight(rng, "W1", 8, 32), weight(rng, "W2", 32, 6)]
+    if nan_from == "initializer":
+        inits.append(onnx.numpy_helper.from_array(np.array(np.nan, np.float32), "nan"))
+    else:  # (caustic-nmr's: ConstantOfShape(Shape(values), value=NaN))
+        nodes[3:3] = [helper.make_node("Shape", ["p"], ["ps"], name="ps"),
+                      helper.make_node("ConstantOfShape", ["ps"], ["nan"], name="nans",
+                                       value=onnx.numpy_helper.from_array(np.array([np.nan], np.float32)))]
     g = helper.make_graph(nodes, "masked", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["R", 8]),
                                             helper.make_tensor_value_info("mask", TensorProto.BOOL, ["R", 6])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["R", 6])], inits)
