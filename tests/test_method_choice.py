@@ -74,7 +74,8 @@ def test_a_clip_needs_more_than_a_few_samples(monkeypatch):
                         {"minmax": 27.8, "mse": 39.2})
     ctx = SimpleNamespace(table=SimpleNamespace(range_method="minmax", ranges={"minmax": {}, "mse": {}}))
     said = []
-    for n, want in ((1, "minmax"), (run.MIN_CHOICE_SAMPLES - 1, "minmax"), (run.MIN_CHOICE_SAMPLES, "mse")):
+    assert run.MIN_CHOICE_SAMPLES == 2
+    for n, want in ((1, "minmax"), (2, "mse"), (8, "mse")):
         s = SampleSet([f"s{i}" for i in range(n)], {"x": np.zeros((n, 2), np.float32)}, np.zeros((n, 2), np.float32))
         assert run.pick_method(ctx, s, said.append, show_progress=False)[0] == want
     assert any("too few" in line for line in said)

@@ -420,8 +420,10 @@ def pick_method(ctx: QuantizeContext, samples: SampleSet, say=print, show_progre
 CLIP_GAIN_DB = 0.5  # what a clipping range method must gain over minmax, on the calibration samples
 # fewer samples than this choose the unclipped method: wired-table-rec's line segmenter (tables of 10 sizes, one
 # of the most common) measured mse 39.2 dB against minmax 27.8 on its one sample, and on 16 other tables mse gave
-# 26.4 dB and line IoU 0.85 where minmax gave 29.5 dB and 0.94 (ONNX Runtime's MinMax 0.93)
-MIN_CHOICE_SAMPLES = 4
+# 26.4 dB and line IoU 0.85 where minmax gave 29.5 dB and 0.94 (ONNX Runtime's MinMax 0.93). Not 4: the zoo's
+# MiniLM (sentences of many lengths, 3 of the most common) chose entropy there, 9.3 dB on its evaluation sentences
+# where minmax reads 6.7; PLCMOS on 2 clips: mse 23.5 dB, minmax 23.1
+MIN_CHOICE_SAMPLES = 2
 
 
 def balance_and_choose(ctx: QuantizeContext, tune: SampleSet, auto: SampleSet, first: tuple, say=print,
