@@ -588,3 +588,22 @@ def test_quantize_warns_where_the_int8_output_is_far_from_fp32():
     assert "--exclude-sensitive" not in far_from_fp32(report, excluded_sensitive=True)
     assert far_from_fp32({"target_cost": {"samples": 32, "output_sqnr_db": 24.0}}, False) is None
     assert far_from_fp32({"target_cost": None}, False) is None
+
+
+def test_a_warning_during_a_progress_bar_gets_a_line_of_its_own():
+    """Both sweeps' helpers missed warnings printed on a progress bar's line (a log filtered for the bars
+    dropped them): in a log the warning starts a new line, on a terminal the bar is drawn again below it."""
+    import io
+    import warnings
+    from tqdm import tqdm
+    from qtool.commands.common import setup_output
+    with warnings.catch_warnings():
+        setup_output(False, 0)
+        buf = io.StringIO()
+        with tqdm(total=10, file=buf, desc="decode + fp32") as bar:
+            bar.update(3)
+            warnings.showwarning("the samples come in 5 input sizes", UserWarning, "x.py", 1, file=buf)
+            bar.update(3)
+    lines = buf.getvalue().split("\n")
+    assert "qtool: warning: the samples come in 5 input sizes" in lines
+    assert not any("%|" in ln and "warning" in ln for ln in lines)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import warnings
 
 import click
@@ -36,6 +37,20 @@ def setup_output(quiet: bool, verbose: int) -> None:
     logging.basicConfig(level=level, format="%(message)s")
     warnings.simplefilter("ignore" if quiet else "default")
     warnings.formatwarning = lambda msg, cat, *a, **k: f"qtool: warning: {printable(msg)}\n"
+    warnings.showwarning = show_warning
+
+
+def show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning on a line of its own, also while a progress bar is drawn: on a terminal the bar is
+    cleared and drawn again below it (tqdm.write); in a log, where the bar's line never ends, a new line
+    first (a warning printed after a bar's last frame was lost to a reader filtering the bars out)."""
+    from tqdm import tqdm
+    text = warnings.formatwarning(message, category, filename, lineno, line)
+    out = file or sys.stderr
+    bars = [b for b in getattr(tqdm, "_instances", ()) if not b.disable]
+    if bars and not getattr(out, "isatty", lambda: False)():
+        text = "\n" + text
+    tqdm.write(text.rstrip("\n"), file=out)
 
 
 def say(quiet: bool, text: str = "") -> None:
