@@ -300,13 +300,22 @@ def unmasked(model: onnx.ModelProto, t: str, prods: dict | None = None) -> str:
 
 
 def _not_finite_constant(model: onnx.ModelProto, name: str, prods: dict) -> bool:
+    v = small_constant(model, name, prods, 64)
+    return v is not None and v.dtype.kind == "f" and v.size > 0 and not np.isfinite(v).any()
+
+
+def small_constant(model: onnx.ModelProto, name: str, prods: dict, max_elems: int, inits: dict | None = None):
+    """The value the graph itself sets a tensor to, where it holds at most `max_elems` values: an
+    initializer's, a Constant's, or the one a ConstantOfShape fills with (a NaN map of the values' shape);
+    None for a computed tensor or a larger one, which is never read."""
     p = prods.get(name)
-    if p is not None and p.op_type in ("Constant", "ConstantOfShape"):  # (a NaN map of the values' shape)
-        v = attr(p, "value")
-        v = numpy_helper.to_array(v) if isinstance(v, onnx.TensorProto) else None
+    if p is not None and p.op_type in ("Constant", "ConstantOfShape"):
+        t = attr(p, "value")
     else:
-        v = const_value(model, name)
-    return v is not None and v.dtype.kind == "f" and 0 < v.size <= 64 and not np.isfinite(v).any()
+        t = (inits if inits is not None else _FROZEN.get(id(model)) or initializers(model)).get(name)
+    if not isinstance(t, onnx.TensorProto) or int(np.prod(t.dims)) > max_elems:
+        return None
+    return numpy_helper.to_array(t)
 
 
 # indices that depend on the data: the candidates a score threshold keeps, the best k

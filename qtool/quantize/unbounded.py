@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from onnx import numpy_helper
 
 from qtool import graph as G
 
@@ -40,17 +39,13 @@ def unbounded_tensors(table) -> dict:
 def infinite_constants(model) -> set:
     """Tensors the graph sets to an infinity or its stand-in: small initializers, Constant and
     ConstantOfShape outputs holding a value at or beyond UNBOUNDED."""
-    def unbounded(t) -> bool:
-        if len(t.dims) and int(np.prod(t.dims)) > MAX_SCANNED:
-            return False
-        v = numpy_helper.to_array(t)
-        return v.dtype.kind == "f" and bool(v.size) and not bool(np.all(np.abs(v) < UNBOUNDED))
-    out = {t.name for t in model.graph.initializer if unbounded(t)}
-    for n in model.graph.node:
-        if n.op_type in ("Constant", "ConstantOfShape"):
-            value = G.attr(n, "value")
-            if value is not None and not isinstance(value, (int, float, list)) and unbounded(value):
-                out.add(n.output[0])
+    prods, inits = G.producers(model), G.initializers(model)
+    names = list(inits) + [n.output[0] for n in model.graph.node if n.op_type in ("Constant", "ConstantOfShape")]
+    out = set()
+    for name in names:
+        v = G.small_constant(model, name, prods, MAX_SCANNED, inits)
+        if v is not None and v.dtype.kind == "f" and v.size and not np.all(np.abs(v) < UNBOUNDED):
+            out.add(name)
     return out
 
 
