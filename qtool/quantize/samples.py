@@ -214,12 +214,8 @@ def _sample_axis(sess, out: str, s: SampleSet) -> tuple:
         shape = sess.run([out], s.feed(0, s.batch))[0].shape
         axes = [a for a, d in enumerate(shape) if d == s.batch]
         return (axes[0] if axes else 0), 1
-    if s.fixed_batch or s.stacked or not len(s):
-        return 0, 1
-    if len(s) < 2:
-        if np.ndim(sess.run([out], s.feed(0, 1))[0]) == 0:
-            _one_at_a_time(s)  # (a scalar holds no sample axis, see below)
-        return 0, 1
+    if s.fixed_batch or s.stacked or len(s) < 2:
+        return 0, 1  # (one sample whose output holds no entry for it, a scalar: load_samples runs it alone)
     from qtool.errors import QtoolError
     try:
         one, two = (sess.run([out], s.feed(0, n))[0].shape for n in (1, 2))
