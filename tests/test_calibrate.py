@@ -368,7 +368,7 @@ def test_a_model_run_in_segments_gives_the_same_table(tmp_path, net, monkeypatch
     monkeypatch.setattr(collect, "GROUP_BYTES", 1)  # (a segment per observed tensor)
     monkeypatch.setattr(collect, "_segments", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
     cut = _calibrate(net, d, tmp_path / "2", threads=2).table
-    assert len(seen[0]) > 3  # (cut, for real)
+    assert len(seen[0][0]) > 3  # (cut, for real)
     assert cut.n_samples == whole.n_samples == 7
     assert cut.histograms.keys() == whole.histograms.keys()
     for t, h in whole.histograms.items():
@@ -381,6 +381,47 @@ def test_a_model_run_in_segments_gives_the_same_table(tmp_path, net, monkeypatch
         np.testing.assert_allclose(cut.channel_ranges[t], r, rtol=1e-5, atol=1e-6)
     for t in whole.channel_means:
         np.testing.assert_allclose(cut.channel_means[t], whole.channel_means[t], rtol=1e-6, atol=1e-7)
+
+
+def test_a_larger_sample_later_is_planned_at_its_own_size(tmp_path, monkeypatch):
+    """The graph is planned (whole or in segments) at the first sample's size; a later sample whose
+    activations would take that plan past GROUPED_ABOVE gets a plan of its own (here: segments),
+    where it ran whole before (5.4 GB on 1024x1024 after a 256x256 first sample). Same table."""
+    from helpers import make_model, weight
+    from qtool.calibrate import collect
+    rng = np.random.default_rng(0)
+    nodes, inits, x = [], [weight(rng, "W0", 4, 3, 3, 3)], "x"
+    nodes.append(onnx.helper.make_node("Conv", ["x", "W0"], ["c0"], pads=[1, 1, 1, 1]))
+    for i in range(1, 4):
+        nodes += [onnx.helper.make_node("Relu", [f"c{i - 1}"], [f"r{i}"]),
+                  onnx.helper.make_node("Conv", [f"r{i}", f"W{i}"], [f"c{i}"], pads=[1, 1, 1, 1])]
+        inits.append(weight(rng, f"W{i}", 4, 4, 3, 3, scale=0.3))
+    model = save(make_model(nodes, inits, [("x", [1, 3, "H", "W"])], [("c3", [1, 4, "H", "W"])]),
+                 tmp_path / "dyn.onnx")
+    d = tmp_path / "d"
+    d.mkdir()
+    for k, hw in enumerate([8, 8, 32, 32, 16]):  # (files in name order: the small ones first)
+        np.save(d / f"{k}.npy", rng.random((1, 3, hw, hw)).astype(np.float32))
+    (tmp_path / "1").mkdir()
+    (tmp_path / "2").mkdir()
+    whole = _calibrate(model, d, tmp_path / "1", threads=1, config=None).table
+    seen = []
+    real = collect._segments
+    # 8x8 observes about 4 KB per sample, 32x32 16x more: only the larger samples exceed the bound
+    monkeypatch.setattr(collect, "GROUPED_ABOVE", 20_000)
+    monkeypatch.setattr(collect, "GROUP_BYTES", 1)
+    monkeypatch.setattr(collect, "_segments", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    planned = _calibrate(model, d, tmp_path / "2", threads=2, config=None).table
+    # whole at 8x8, then cut at 32x32 (and not planned again at 16x16)
+    assert len(seen) == 2 and len(seen[0][0]) == 1 and len(seen[1][0]) > 2
+    assert planned.n_samples == whole.n_samples == 5
+    for t, h in whole.histograms.items():
+        assert sum(planned.histograms[t]["counts"]) == sum(h["counts"]) and planned.histograms[t]["e"] == h["e"], t
+    for m, ranges in whole.ranges.items():
+        for t, r in ranges.items():
+            np.testing.assert_allclose(planned.ranges[m][t], r, rtol=1e-5, atol=1e-6, err_msg=t)
+    for t in whole.channel_means:
+        np.testing.assert_allclose(planned.channel_means[t], whole.channel_means[t], rtol=1e-6, atol=1e-7)
 
 
 def test_sampled_histograms_do_not_depend_on_threads_or_batch(tmp_path):

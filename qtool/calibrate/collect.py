@@ -110,20 +110,72 @@ def collect(model: onnx.ModelProto, range_tensors: list, mean_tensors: list, bat
     a 960x1280 U-Net: 1.9 GB) runs in segments of its graph, one worker, each segment's tensors observed
     before the next runs: memory bounded, each node still run once."""
     wanted = list(dict.fromkeys(list(range_tensors) + list(mean_tensors) + ([watch] if watch else [])))
-    batches = iter(batches)
-    head = next(batches, None)
-    segments = _segments(model, wanted, head, per_row=cut)
-    batches = itertools.chain([] if head is None else [head], batches)
     threads = threads or min(os.cpu_count() or 1, 8)
+    # name -> the size of axis 0 when fixed (a fixed batch is never cut into slices), else None
+    graph_inputs = {i.name: (d[0] if d and isinstance(d[0], int) and d[0] > 0 else None)
+                    for i in G.real_inputs(model) for d in [G.input_dims(i)]}
+    stream = _Stream(iter(batches), graph_inputs, cut)
+    obs, first = None, 0
+    head = stream.next_head()
+    while True:
+        # the graph is planned (whole or in segments) at the largest sample met so far: a later
+        # sample beyond it ends the phase and the rest runs under a plan made at its size
+        segments, per_sample = _segments(model, wanted, head, per_row=cut)
+        stream.plan(head, per_sample)
+        got, first = _collect_phase(model, segments, stream, head, range_tensors, mean_tensors, graph_inputs,
+                                    threads, progress, watch, where, ranged, cut, first)
+        if obs is None:
+            obs = got
+        else:
+            obs.merge(got)
+        head = stream.replan
+        if head is None:
+            return obs
+
+
+class _Stream:
+    """The batches, handed on until one whose samples are larger than the plan's (GROW times its
+    input values per sample) would take the plan past GROUPED_ABOVE; that one is kept in `replan`.
+    (Samples grow their activations about as their inputs: images, sequences.)"""
+    GROW = 1.5
+
+    def __init__(self, batches, graph_inputs: dict, cut: bool):
+        self.batches, self.graph_inputs, self.cut = batches, graph_inputs, cut
+        self.planned = self.planned_bytes = 0
+        self.replan = None
+
+    def values_per_sample(self, feeds: dict) -> float:
+        arrays = [np.asarray(v) for k, v in feeds.items() if k in self.graph_inputs and np.asarray(v).dtype.kind in "biuf"]
+        rows = len(arrays[0]) if self.cut and arrays and arrays[0].ndim and len(arrays[0]) else 1
+        return sum(a.size for a in arrays) / rows
+
+    def next_head(self):
+        return next(self.batches, None)
+
+    def plan(self, head, per_sample_bytes: int) -> None:
+        self.replan = None
+        self.planned = self.values_per_sample(head) if head is not None else 0
+        self.planned_bytes = per_sample_bytes
+
+    def __iter__(self):
+        for feeds in self.batches:
+            grow = self.values_per_sample(feeds) / max(self.planned, 1)
+            if grow > self.GROW and self.planned_bytes * grow > GROUPED_ABOVE:
+                self.replan = feeds
+                return
+            yield feeds
+
+
+def _collect_phase(model, segments, stream, head, range_tensors, mean_tensors, graph_inputs, threads, progress,
+                   watch, where, ranged, cut, first) -> tuple:
+    """Runs `head` and then `stream` under one plan of segments -> (Observed, index of the next sample)."""
+    batches = itertools.chain([] if head is None else [head], stream)
     n_workers = WORKERS if threads >= WORKERS and len(segments) == 1 else 1
     per_worker = max(1, threads // n_workers)
     # segments run one after another: one arena for all holds one segment's peak, where an arena each
     # would pin every segment's peak at once (CRAFT at 960x1280: 6.9 GB)
     arena = True if len(segments) == 1 else "shared"
     sessions = [session(seg.model, per_worker, arena=arena, spin=False, where=where) for seg in segments]
-    # name -> the size of axis 0 when fixed (a fixed batch is never cut into slices), else None
-    graph_inputs = {i.name: (d[0] if d and isinstance(d[0], int) and d[0] > 0 else None)
-                    for i in G.real_inputs(model) for d in [G.input_dims(i)]}
     workers = [_Worker(list(zip(sessions, segments)), range_tensors, mean_tensors, per_worker, progress, watch,
                        set(ranged))
                for _ in range(n_workers)]
@@ -133,7 +185,6 @@ def collect(model: onnx.ModelProto, range_tensors: list, mean_tensors: list, bat
     try:
         for w in workers:
             w.start()
-        first = 0
         for k in itertools.count():
             if k == 1:
                 # the first slice goes alone: its run measures the output size per sample,
@@ -155,7 +206,7 @@ def collect(model: onnx.ModelProto, range_tensors: list, mean_tensors: list, bat
     obs = workers[0].obs
     for w in workers[1:]:
         obs.merge(w.obs)
-    return obs
+    return obs, first
 
 
 GROUPED_ABOVE = 1 << 30  # observed bytes per sample beyond which the graph is run in segments
@@ -174,15 +225,15 @@ class _Segment:
     drop: list = field(default_factory=list)
 
 
-def _segments(model: onnx.ModelProto, wanted: list, feeds: dict | None, per_row: bool = True) -> list:
+def _segments(model: onnx.ModelProto, wanted: list, feeds: dict | None, per_row: bool = True) -> tuple:
     """The whole graph as one segment reading out `wanted`, or, when one sample's values of them exceed
     GROUPED_ABOVE, its nodes (in graph order) cut into segments that each write about GROUP_BYTES of
     them: each node runs once, and only one segment's values and the tensors crossing the cuts are
-    held. Sizes from shape inference at the first batch's input shapes; a tensor of unknown size counts
-    as the largest known one."""
+    held. Sizes from shape inference at the batch's input shapes; a tensor of unknown size counts
+    as the largest known one. -> (segments, the observed bytes per sample at these shapes)"""
     whole = [_Segment(with_outputs(model, wanted), [], wanted, wanted)]
     if not feeds:
-        return whole
+        return whole, 0
     from qtool.plan import elem_types
     # inferred at the batch's own shapes, one sample's share taken after: at one row, onnx's data propagation
     # aborted the process (a std::clamp assertion) on madmom's onsets CNN, whose axis 0 is time
@@ -190,8 +241,9 @@ def _segments(model: onnx.ModelProto, wanted: list, feeds: dict | None, per_row:
     rows = max(1, len(next(iter(feeds.values())))) if per_row and np.ndim(next(iter(feeds.values()))) else 1
     size = {t: 4 * int(np.prod(shapes[t])) // rows for t in wanted if shapes.get(t) is not None and all(shapes[t])}
     big = max(size.values(), default=0)
-    if sum(size.get(t, big) for t in wanted) <= GROUPED_ABOVE:
-        return whole
+    total = sum(size.get(t, big) for t in wanted)
+    if total <= GROUPED_ABOVE:
+        return whole, total
     nodes = G.topological_order(model)
     want = set(wanted)
     cuts, used = [0], 0
@@ -223,7 +275,7 @@ def _segments(model: onnx.ModelProto, wanted: list, feeds: dict | None, per_row:
     for k, seg in enumerate(segs):  # what no later segment reads goes once this one is done
         ahead = set().union(*(s.inputs for s in segs[k + 1:])) if k + 1 < len(segs) else set()
         seg.drop = [t for t in seg.outputs + seg.inputs if t not in ahead]
-    return segs
+    return segs, total
 
 
 class _Worker:
@@ -346,8 +398,9 @@ class _BoundRunner:
         if sig not in self.shapes:
             outs = self.sess.run(self.names, feeds)
             # (a sequence output, SplitToSequence's or an If's, comes back as a list of arrays)
-            self.per_sample_bytes = self.per_sample_bytes or max(1, sum(getattr(o, "nbytes", 0) for o in outs)
-                                                                 // max(n, 1))
+            # (the largest of the input shapes met: a larger image later must not overfill the slices)
+            self.per_sample_bytes = max(self.per_sample_bytes or 0,
+                                        max(1, sum(getattr(o, "nbytes", 0) for o in outs) // max(n, 1)))
             if n < 2:
                 # one sample tells nothing: a transformer's position embeddings are [1, T, C] whatever the batch
                 return outs
