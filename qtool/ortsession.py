@@ -128,9 +128,11 @@ def run_first_output(model: onnx.ModelProto | str, feeds: list, threads: int = 0
     return np.concatenate([s.run([name], f)[0] for f in feeds])
 
 
-def run_output(model: onnx.ModelProto, name: str, feeds: list, threads: int = 0, where: str | None = None) -> list:
-    """Output `name` of the model (a graph output, or any tensor it computes) for each of a list of input dicts.
+def run_output(model: onnx.ModelProto, name: str, feeds: list, threads: int = 0, where: str | None = None):
+    """Output `name` of the model (a graph output, or any tensor it computes) for each of a list of input dicts,
+    one at a time as they are computed (the caller may place each before the next exists).
     The session's arena is the process's shared one: quantize's experiments build hundreds of sessions,
     two at a time, and their own arenas piled up (PP-OCRv5's recognizer, --exclude-sensitive: 14 GB)."""
     s = session(with_outputs(model, [name]), threads, arena="shared", where=where)
-    return [s.run([name], f)[0] for f in feeds]
+    for f in feeds:
+        yield s.run([name], f)[0]

@@ -521,3 +521,23 @@ def test_an_output_whose_length_follows_the_whole_batch(tmp_path):
         r = quantize(w, strict=True, say=lambda *a, **k: None, sensitivity=SensitivityOptions(show_progress=False))
     assert not any("does not hold one entry" in str(c.message) for c in caught), [str(c.message) for c in caught]
     assert r.report["rounding"] == "output-aware" and "sensitivity" in r.report
+
+
+def test_outputs_gathered_as_they_come_join_as_the_reference_does():
+    """gather_like_reference writes each batch's output into one array as it comes (one copy held, not the
+    parts and their join) and, where they do not line up (another width, dtype or count), joins as
+    join_like_reference does."""
+    from qtool.quantize.samples import SampleSet
+    rng = np.random.default_rng(0)
+    ref = rng.random((5, 3, 4)).astype(np.float32)
+    s = SampleSet(list("abcde"), {"x": np.zeros((5, 1))}, ref, batch=2)
+    parts = [ref[0:2] + 1, ref[2:4] + 2, ref[4:5] + 3]
+    made = []
+    y, n = s.gather_like_reference(made.append(p) or p for p in parts)
+    assert n == 0 and np.array_equal(y, np.concatenate(parts)) and len(made) == 3
+    for odd in ([parts[0], np.ones((2, 3, 5), np.float32), parts[2]],  # a batch of another width
+                [parts[0], parts[1]],  # one batch short
+                [parts[0], parts[1].astype(np.float64), parts[2]]):
+        (a, na), (b, nb) = s.gather_like_reference(iter(odd)), s.join_like_reference(odd)
+        assert na == nb and a.dtype == b.dtype and np.array_equal(a, b)
+    assert s.gather_like_reference(iter([parts[0], parts[1].astype(np.float64), parts[2]]))[1] == 0

@@ -91,6 +91,6 @@ class QuantizeContext:
         q = self.build(exclude, scoring=True, **over)
         name = samples.output or G.reference_output(q.model)
         outs = run_output(q.model, name, samples.feeds, self.threads if threads is None else threads)
-        y, resized = samples.join_like_reference(outs)
+        y, resized = samples.gather_like_reference(outs)
         self.resized = max(self.resized, resized / max(len(samples), 1))
         return y, q

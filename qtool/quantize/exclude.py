@@ -50,6 +50,9 @@ SIGNIFICANCE = 1.0
 # layers help less still, and without it a model where nothing helps tried every layer (PP-OCRv5's
 # recognizer: 73 layers, 37 steps, 10 minutes)
 MAX_MISSES = 2
+# models are scored one after another (on every thread) where each output over the check images is
+# larger than this: side by side, two of them were held at once (PP-OCRv5's recognizer: 634 MB each)
+SIDE_BY_SIDE_BYTES = 256 << 20
 
 
 @dataclass
@@ -176,7 +179,7 @@ def exclude_sensitive(ctx: QuantizeContext, ranking: list, samples: SampleSet, t
         """evaluate() of each, side by side with one ORT thread each: one model's graph is built (Python)
         while another runs, and one thread per session beats two on a model this size (simulate.py)."""
         workers = min(len(excls), ctx.workers)
-        if workers <= 1:
+        if workers <= 1 or reference.nbytes > SIDE_BY_SIDE_BYTES:
             return [evaluate(e) for e in excls]
         with ThreadPoolExecutor(workers) as pool:
             return list(pool.map(lambda e: evaluate(e, 1), excls))

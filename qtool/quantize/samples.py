@@ -81,6 +81,24 @@ class SampleSet:
             return np.zeros_like(self.reference), len(self)
         return y, 0
 
+    def gather_like_reference(self, outputs) -> tuple:
+        """join_like_reference of the outputs of self.feeds as they come (an iterable), each written into
+        its rows of one array as it arrives where it lines up with the reference: one copy of the output
+        held instead of the parts and their join (PP-OCRv5's recognizer on 226 crops: 634 MB each)."""
+        if self.stacked or self.axis != 0 or self.rows != 1 or not self.reference.ndim:
+            return self.join_like_reference(list(outputs))
+        y = np.empty(self.reference.shape, self.reference.dtype)
+        at, rest = 0, []
+        for o in outputs:
+            if rest or o.dtype != y.dtype or o.shape[1:] != y.shape[1:] or at + len(o) > len(y):
+                rest.append(o)  # (it does not line up: joined the ordinary way below)
+                continue
+            y[at:at + len(o)] = o
+            at += len(o)
+        if rest or at != len(y):
+            return self.join_like_reference([y[:at]] + rest if at else rest)
+        return y, 0
+
     def _like(self, names, inputs, reference) -> "SampleSet":
         return SampleSet(names, inputs, reference, self.batch, self.fixed_batch, self.axis, self.rows, self.stacked,
                          self.seconds_per_sample, self.output)
