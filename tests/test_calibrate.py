@@ -424,6 +424,24 @@ def test_a_larger_sample_later_is_planned_at_its_own_size(tmp_path, monkeypatch)
         np.testing.assert_allclose(planned.channel_means[t], whole.channel_means[t], rtol=1e-6, atol=1e-7)
 
 
+def test_two_workers_only_while_two_samples_tensors_fit(tmp_path, net, monkeypatch):
+    """Two workers each hold one sample's observed tensors: beyond half of GROUPED_ABOVE one worker runs the
+    whole graph (a 640x640 YOLOv8x classifier's 769 MB per sample took calibrate to 3.4 GB with two)."""
+    from qtool.calibrate import collect
+    d = tmp_path / "d"
+    write_images(d, 5, seed=4)
+    used, sizes = [], []
+    real, plan = collect._collect_phase, collect._segments
+    monkeypatch.setattr(collect, "_collect_phase", lambda *a: used.append((len(a[1]), a[8])) or real(*a))
+    monkeypatch.setattr(collect, "_segments", lambda *a, **k: sizes.append(plan(*a, **k)[1]) or plan(*a, **k))
+    (tmp_path / "0").mkdir()
+    assert _calibrate(net, d, tmp_path / "0", threads=2).table.n_samples == 5
+    monkeypatch.setattr(collect, "GROUPED_ABOVE", int(sizes[0] * 1.5))  # (one sample's tensors fit, two do not)
+    (tmp_path / "1").mkdir()
+    assert _calibrate(net, d, tmp_path / "1", threads=2).table.n_samples == 5
+    assert used == [(1, 2), (1, 1)]  # (the whole graph both times)
+
+
 def test_sampled_histograms_do_not_depend_on_threads_or_batch(tmp_path):
     """At 96x96 every tensor holds more values per image than a histogram counts (blocks are
     sampled); which blocks of image j are counted depends on j alone, so one worker with batches

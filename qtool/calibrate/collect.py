@@ -122,8 +122,9 @@ def collect(model: onnx.ModelProto, range_tensors: list, mean_tensors: list, bat
         # sample beyond it ends the phase and the rest runs under a plan made at its size
         segments, per_sample = _segments(model, wanted, head, per_row=cut)
         stream.plan(head, per_sample)
+        workers = WORKERS if threads >= WORKERS and _level(per_sample) == 0 else 1
         got, first = _collect_phase(model, segments, stream, head, range_tensors, mean_tensors, graph_inputs,
-                                    threads, progress, watch, where, ranged, cut, first)
+                                    threads, workers, progress, watch, where, ranged, cut, first)
         if obs is None:
             obs = got
         else:
@@ -135,7 +136,7 @@ def collect(model: onnx.ModelProto, range_tensors: list, mean_tensors: list, bat
 
 class _Stream:
     """The batches, handed on until one whose samples are larger than the plan's (GROW times its
-    input values per sample) would take the plan past GROUPED_ABOVE; that one is kept in `replan`.
+    input values per sample) would need another plan (_level); that one is kept in `replan`.
     (Samples grow their activations about as their inputs: images, sequences.)"""
     GROW = 1.5
 
@@ -160,17 +161,25 @@ class _Stream:
     def __iter__(self):
         for feeds in self.batches:
             grow = self.values_per_sample(feeds) / max(self.planned, 1)
-            if grow > self.GROW and self.planned_bytes * grow > GROUPED_ABOVE:
+            if grow > self.GROW and (_level(self.planned_bytes) == 2 or
+                                     _level(self.planned_bytes * grow) > _level(self.planned_bytes)):
                 self.replan = feeds
                 return
             yield feeds
 
 
-def _collect_phase(model, segments, stream, head, range_tensors, mean_tensors, graph_inputs, threads, progress,
-                   watch, where, ranged, cut, first) -> tuple:
-    """Runs `head` and then `stream` under one plan of segments -> (Observed, index of the next sample)."""
+def _level(per_sample_bytes: int) -> int:
+    """The plan for samples observing this many bytes each: 0 the whole graph, two workers (each holds
+    its sample's tensors: a 640x640 YOLOv8x classifier's 769 MB twice took calibrate to 3.4 GB); 1 the
+    whole graph, one worker; 2 segments of the graph, one worker."""
+    return 0 if per_sample_bytes <= GROUPED_ABOVE // WORKERS else 1 if per_sample_bytes <= GROUPED_ABOVE else 2
+
+
+def _collect_phase(model, segments, stream, head, range_tensors, mean_tensors, graph_inputs, threads, n_workers,
+                   progress, watch, where, ranged, cut, first) -> tuple:
+    """Runs `head` and then `stream` under one plan of segments, by `n_workers` workers
+    -> (Observed, index of the next sample)."""
     batches = itertools.chain([] if head is None else [head], stream)
-    n_workers = WORKERS if threads >= WORKERS and len(segments) == 1 else 1
     per_worker = max(1, threads // n_workers)
     # segments run one after another: one arena for all holds one segment's peak, where an arena each
     # would pin every segment's peak at once (CRAFT at 960x1280: 6.9 GB)
