@@ -243,6 +243,28 @@ def test_fold_batchnorm_gemm(trans_b):
         assert_same_function(m0, m1, {"x": _x((n, 6), n)})
 
 
+@pytest.mark.parametrize("group", [1, 2])
+@pytest.mark.parametrize("affine", ["bn", "mul_add"])
+def test_fold_into_conv_transpose(group, affine):
+    """A decoder's upsampling ConvTranspose (W [Cin, Cout / group, kh, kw]) followed by BatchNormalization,
+    or by its Mul + Add: folded, with the output channels of each group scaled as their own."""
+    rng = np.random.default_rng(5)
+    nodes = [helper.make_node("ConvTranspose", ["x", "w", "b"], ["t"], strides=[2, 2], group=group,
+                              kernel_shape=[3, 3], pads=[1, 1, 1, 1], output_padding=[1, 1])]
+    inits = [weight(rng, "w", 4, 6 // group, 3, 3), weight(rng, "b", 6)]
+    if affine == "bn":
+        nodes.append(helper.make_node("BatchNormalization", ["t", "s", "o", "mu", "v"], ["y"], epsilon=1e-5))
+        inits += [init("s", rng.uniform(0.5, 2, 6)), weight(rng, "o", 6), weight(rng, "mu", 6),
+                  init("v", rng.uniform(0.2, 3, 6))]
+    else:
+        nodes += [helper.make_node("Mul", ["t", "s"], ["m"]), helper.make_node("Add", ["m", "o"], ["y"])]
+        inits += [init("s", rng.uniform(0.5, 2, (6, 1, 1))), weight(rng, "o", 1, 6, 1, 1)]
+    m0 = make_model(nodes, inits, [("x", ["N", 4, 7, 7])], [("y", None)])
+    m1 = fuse_model(m0).model
+    assert ops(m1) == {"ConvTranspose": 1}
+    assert_same_function(m0, m1, {"x": _x((2, 4, 7, 7))})
+
+
 def test_fold_batchnorm_leaves_conv_with_second_consumer():
     nodes, inits = conv_bn(np.random.default_rng(3), "x", "bn", 3, 4, "l", relu=False)
     nodes.append(helper.make_node("Add", ["bn", "l_c"], ["y"]))  # the conv output is read twice

@@ -1,4 +1,4 @@
-"""Fold a BatchNorm written as Mul + Add (a per-channel affine) into the Conv or Gemm before it.
+"""Fold a BatchNorm written as Mul + Add (a per-channel affine) into the Conv, ConvTranspose or Gemm before it.
 
 Before: Conv(x, W, b) -> Mul(c)      After: Conv(x, W * c, b * c)
 Before: Conv(x, W, b) -> Add(d)      After: Conv(x, W, b + d)
@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 
 from qtool import graph as G
-from qtool.fuse.fold_batchnorm import fold_scale_shift
+from qtool.fuse.fold_batchnorm import FOLDS_INTO, fold_scale_shift
 
 
 def _per_channel(c: np.ndarray, out_rank: int) -> np.ndarray | None:
@@ -41,12 +41,12 @@ def run(model: onnx.ModelProto, ctx) -> bool:
                 break
         else:
             continue
-        if src.op_type not in ("Conv", "Gemm") or len(cons.get(src.output[0], [])) != 1 or src.output[0] in outputs:
+        if src.op_type not in FOLDS_INTO or len(cons.get(src.output[0], [])) != 1 or src.output[0] in outputs:
             continue
         w = G.const_value(model, src.input[1], inits)
         if w is None or not np.issubdtype(c.dtype, np.floating):
             continue
-        v = _per_channel(c, w.ndim if src.op_type == "Conv" else 2)
+        v = _per_channel(c, w.ndim if src.op_type != "Gemm" else 2)
         if v is None:
             continue
         if node.op_type == "Mul":
