@@ -399,3 +399,46 @@ def test_shared_models_from_npy(tmp_path, name, shape, mean, std, min_db):
     ref = np.concatenate([run(fp32, {inp: x})[0] for x in xs])
     out = np.concatenate([run(int8, {inp: x})[0] for x in xs])
     assert _sqnr(ref, out) > min_db
+
+
+def test_conv_transpose_stays_fp32_because_onnx_runtime_runs_it_in_float(tmp_path):
+    """ConvTranspose keeps fp32 with the reason; the reason itself is checked against this ONNX Runtime:
+    its optimizer leaves a Q/DQ ConvTranspose as DequantizeLinear -> float ConvTranspose -> QuantizeLinear.
+    Should a later version fuse it (an int8 kernel), this fails and ConvTranspose wants an int8 rule."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+    from qtool.plan import NO_RULE_BECAUSE
+    rng = np.random.default_rng(8)
+    nodes = [helper.make_node("Conv", ["x", "w0"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("ConvTranspose", ["c", "w1"], ["y"], strides=[2, 2], kernel_shape=[2, 2])]
+    inits = [numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w0"),
+             numpy_helper.from_array(rng.standard_normal((4, 2, 2, 2)).astype(np.float32), "w1")]
+    g = helper.make_graph(nodes, "t", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 16, 16])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    m.ir_version = 8
+    model = save(m, tmp_path / "ct.onnx")
+    r, q = _cal_q(model, _samples(rng, 3, {"x": (1, 3, 8, 8)}), tmp_path / "work")
+    nodes = {d["op_type"]: d for d in q.report["nodes"]}
+    assert nodes["ConvTranspose"]["status"] == "fp32" and nodes["ConvTranspose"]["reason"] == NO_RULE_BECAUSE["ConvTranspose"]
+    assert nodes["Conv"]["status"] == "int8"
+    # the same ConvTranspose between Q/DQ pairs, as an int8 rule would write it: what ORT makes of it
+    wq = np.clip(np.round(numpy_helper.to_array(inits[1]) / 0.02), -127, 127).astype(np.int8)
+    qdq = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"]),
+           helper.make_node("DequantizeLinear", ["xq", "s", "z"], ["xd"]),
+           helper.make_node("DequantizeLinear", ["wq", "ws"], ["wd"]),
+           helper.make_node("ConvTranspose", ["xd", "wd"], ["t"], strides=[2, 2], kernel_shape=[2, 2]),
+           helper.make_node("QuantizeLinear", ["t", "s", "z"], ["tq"]),
+           helper.make_node("DequantizeLinear", ["tq", "s", "z"], ["y"])]
+    g = helper.make_graph(qdq, "q", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 8, 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 16, 16])],
+                          [numpy_helper.from_array(np.float32(0.05), "s"), numpy_helper.from_array(np.uint8(128), "z"),
+                           numpy_helper.from_array(wq, "wq"), numpy_helper.from_array(np.float32(0.02), "ws")])
+    mq = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    mq.ir_version = 8
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = str(tmp_path / "ort_optimized.onnx")
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    so.log_severity_level = 3
+    ort.InferenceSession(mq.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    assert "ConvTranspose" in {n.op_type for n in onnx.load(str(tmp_path / "ort_optimized.onnx")).graph.node}
