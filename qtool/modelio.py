@@ -185,10 +185,43 @@ def load_model(path: str, check: bool = True, notes: list | None = None) -> onnx
         note = _sort_nodes(model, path)
         if note and notes is not None:
             notes.append(note)
+        note = _give_shapes(model)
+        if note and notes is not None:
+            notes.append(note)
         note = check_structure(model, path)
         if note and notes is not None:
             notes.append(note)
     return model
+
+
+def _give_shapes(model: onnx.ModelProto) -> str | None:
+    """A tensor type without a shape (unknown rank: ONNX Runtime runs such a model, the checker refuses a
+    graph input or output so declared) takes the rank shape inference finds, every dimension unknown;
+    a value_info entry without one, which only informs, is dropped."""
+    g = model.graph
+    bare = [v for v in list(g.input) + list(g.output)
+            if v.type.HasField("tensor_type") and not v.type.tensor_type.HasField("shape")]
+    loose = [v for v in g.value_info if v.type.HasField("tensor_type") and not v.type.tensor_type.HasField("shape")]
+    for v in loose:
+        g.value_info.remove(v)
+    if not bare:
+        return None
+    try:
+        inferred = onnx.shape_inference.infer_shapes(skeleton(model, drop_tables=False)).graph
+    except Exception:  # noqa: BLE001 - the checker then names what is wrong
+        return None
+    known = {v.name: v for v in list(inferred.value_info) + list(inferred.output)
+             if v.type.tensor_type.HasField("shape")}
+    given = []
+    for v in bare:
+        if v.name in known:
+            shape = v.type.tensor_type.shape
+            shape.SetInParent()
+            for _ in known[v.name].type.tensor_type.shape.dim:
+                shape.dim.add()
+            given.append(v.name)
+    return (f"{len(given)} graph input(s)/output(s) declared without a shape ({', '.join(given[:3])}): given "
+            f"the rank shape inference finds") if given else None
 
 
 def _sort_nodes(model: onnx.ModelProto, path: str) -> str | None:

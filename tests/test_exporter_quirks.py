@@ -541,3 +541,29 @@ def test_outputs_gathered_as_they_come_join_as_the_reference_does():
         (a, na), (b, nb) = s.gather_like_reference(iter(odd)), s.join_like_reference(odd)
         assert na == nb and a.dtype == b.dtype and np.array_equal(a, b)
     assert s.gather_like_reference(iter([parts[0], parts[1].astype(np.float64), parts[2]]))[1] == 0
+
+
+def test_an_output_declared_without_a_shape_is_given_its_rank(tmp_path):
+    """A graph output typed without a shape (unknown rank: ONNX Runtime runs it, the checker refused it, so
+    calibrate stopped) takes the rank shape inference finds; the int8 model passes the checker."""
+    from onnx import numpy_helper
+    rng = np.random.default_rng(3)
+    g = helper.make_graph([helper.make_node("Conv", ["x", "w0"], ["y"], pads=[1, 1, 1, 1])], "t",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                          [numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w0")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    m.ir_version = 8
+    path = tmp_path / "m.onnx"
+    onnx.save(m, path)
+    data = tmp_path / "d"
+    data.mkdir()
+    for i in range(3):
+        np.save(data / f"{i}.npy", rng.standard_normal((1, 3, 8, 8)).astype(np.float32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        calibrate(str(path), str(data), method="minmax", workdir=str(tmp_path / "w"), show_progress=False)
+        q = quantize(str(tmp_path / "w"), strict=True, say=lambda *a, **k: None)
+    out = onnx.load(q.path)
+    onnx.checker.check_model(out)
+    assert len(out.graph.output[0].type.tensor_type.shape.dim) == 4
