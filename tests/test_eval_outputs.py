@@ -115,6 +115,17 @@ def test_ctc_texts_equal_where_only_a_blank_moved():
     assert ctc_agreement([(np.array([1, 2, 3, 4]), np.array([1, 2, 3, 4]))]) == {}  # no blank: not CTC
 
 
+def test_no_ctc_texts_for_a_per_step_classifier():
+    """A background class at most steps and events many steps long (a seizure detector's 0.5 s decisions,
+    hx8's brainmaze model) is no CTC output: collapsing the repeats would call an onset moved by 3 steps
+    the same "text"."""
+    from qtool.evaluate import ctc_agreement
+    bg, ev = [2] * 12, [1] * 6
+    ref = np.array(bg + ev + bg)
+    moved = np.array(bg + [2, 2, 2] + ev[:3] + bg)
+    assert ctc_agreement([(ref, moved), (ref, ref)]) == {}
+
+
 def test_detector_heads_in_both_layouts():
     from qtool.evaluate import detector_like
     assert detector_like((1, 3549, 6)) == "rows"       # YOLOX at 416: x, y, w, h, objectness, class
