@@ -106,3 +106,35 @@ def test_a_quantizer_no_noisier_than_the_rest_proposes_nothing():
     # too many readers, a reader that is no layer of the ranking, one already a candidate: only w's
     assert [g for g, _ in noisy_groups(loud, rank, {}, [], 5)] == [("r3",)]
     assert noisy_groups(loud, rank, {}, [("r3",)], 5) == []
+
+
+class DecisionContext(FakeContext):
+    """An output of one value per position ([N, T, 1]: a word boundary per character, a sigmoid), int8 noise
+    far from every decision: no position flips."""
+
+    def __init__(self):
+        rng = np.random.default_rng(1)
+        self.ref = np.where(rng.random((N, 40, 1)) < 0.3, 0.9, 0.1).astype(np.float32)
+        self.noise = rng.normal(0, 0.01, self.ref.shape).astype(np.float32)
+
+    def score(self, feeds, excl, threads=None):
+        return self.ref + self.noise * (0.3 if "big" in excl else 1.0), SimpleNamespace(model=None)
+
+
+def test_one_value_per_position_is_a_decision_at_each_position():
+    """hx8's deepcut tagger ([chars, 1]): agreement was an argmax over a sample's positions, predicted 0.62
+    whatever was kept, and 5 layers were kept fp32 for a model whose every decision already agreed."""
+    ctx = DecisionContext()
+    samples = SampleSet([f"{k}" for k in range(N)], {"x": np.zeros((N, 1), np.float32)}, ctx.ref)
+    r = exclude_sensitive(ctx, [SimpleNamespace(name="big", rank=1)], samples, max_excluded=2, measure_latency=False)
+    first = r.curve[0]
+    assert first.agreement == 1.0 and first.predicted_agreement > 0.999 and first.images == N
+    assert r.reached and len(r.curve) == 1 and not r.excluded
+    assert r.error == "-SQNR" and first.kl == -first.sqnr_db
+
+
+def test_an_undone_step_says_why():
+    r = _run(np.full(N, 1.2))  # keeping "small" fp32 makes every image worse
+    steps = {p.added: p for p in r.curve if p.added}
+    assert steps["small"].undone == "no better than the best so far" and not steps["small"].kept
+    assert steps["big"].undone == "" and steps["big"].kept

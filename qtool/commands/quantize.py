@@ -112,14 +112,15 @@ def command(output, model, table, method, exclude, no_bias_correction, exclude_s
         say(quiet, f"exclude-sensitive ({e.target}, checked on {e.check_images} "
                    + ("held-back images):" if e.check_held_back else "calibration images, not held back):"))
         say(quiet, f"  {'fp32 layers':>11}  {'agreement [95% interval]':>25}  {'predicted':>9}  {'SQNR dB':>7}  "
-                   f"{'KL':>8}  {'ORT int8 ms':>11}  step")
+                   f"{e.error:>8}  {'ORT int8 ms':>11}  step")
         for p in e.curve:
             ms = "-" if p.ort_int8_ms is None else f"{p.ort_int8_ms:.2f}"
             gain = "" if p.gain_se is None else f"gain {p.gain_se:.1f} SE"
             step = "all int8" if not p.added else (f"+{p.added[-40:]} ({gain})" if p.kept else
-                                                   f"+{p.added[-40:]} ({gain}: no gain beyond noise, undone)")
+                                                   f"+{p.added[-40:]} ({gain}: {p.undone or 'no gain'}, undone)")
             say(quiet, f"  {len(p.excluded):>11}  {p.agreement:>7.4f} [{p.agreement_95[0]:.4f}, {p.agreement_95[1]:.4f}]"
-                       f"  {p.predicted_agreement:>9.4f}  {p.sqnr_db:>7.1f}  {p.kl:>8.5f}  {ms:>11}  {step}")
+                       f"  {p.predicted_agreement:>9.4f}  {p.sqnr_db:>7.1f}  "
+                       f"{(f'{p.kl:>8.5f}' if e.error == 'KL' else f'{p.kl:>8.1f}')}  {ms:>11}  {step}")
         say(quiet, ("  target reached" if e.reached else "  target NOT reached; wrote the best model found")
                    + f" with {len(e.excluded) - len(ex)} layers kept fp32: {', '.join(n for n in e.excluded if n not in ex) or 'none'}")
     s = r.report["summary"]

@@ -69,6 +69,7 @@ class TradeoffPoint:
     images: int = 0
     kept: bool = True  # this step's exclusion stayed (it helped on the held-back images)
     gain_se: float | None = None  # its per-image gain on the best model so far, in standard errors
+    undone: str = ""  # why this step's exclusion did not stay
 
 
 @dataclass
@@ -77,13 +78,14 @@ class ExclusionResult:
     curve: list = field(default_factory=list)  # TradeoffPoint per step
     reached: bool = False
     target: str = ""
+    error: str = "KL"  # what TradeoffPoint.kl holds: "KL" (nats), or "-SQNR" (dB) for outputs that are no distribution
     model: onnx.ModelProto | None = None
     leave_one_out: dict = field(default_factory=dict)  # layer -> the fully quantized model with it alone fp32
     check_images: int = 0  # images the target was checked on
     check_held_back: bool = True  # ... held back from the sensitivity analysis (else the same images)
 
     def to_dict(self):
-        return {"excluded": self.excluded, "reached": self.reached, "target": self.target,
+        return {"excluded": self.excluded, "reached": self.reached, "target": self.target, "error": self.error,
                 "curve": [asdict(p) for p in self.curve], "leave_one_out": self.leave_one_out}
 
 
@@ -150,6 +152,9 @@ def exclude_sensitive(ctx: QuantizeContext, ranking: list, samples: SampleSet, t
     y_true = None if labels is None else np.asarray(labels)
 
     dist = distribution_output(ctx.fused, samples)
+    # one value per position, more than one position per sample: each value is a decision of its own (an
+    # argmax over a sample's positions, as for a classifier's classes, means nothing there)
+    decisions = not dist and reference.ndim >= 2 and reference.shape[-1] == 1 and reference[0].size > 1
     errors = {}  # id(TradeoffPoint) -> its error on each image (KL, or squared error for other outputs)
 
     def evaluate(excl: dict, threads: int | None = None):
@@ -164,6 +169,11 @@ def exclude_sensitive(ctx: QuantizeContext, ranking: list, samples: SampleSet, t
             predicted = position_agreement(reference, y)
             err = kl_each(reference, y, log=dist == "LogSoftmax")
             kl = float(err.mean())
+        elif decisions:  # a one-value decision at each position ([N, T, 1]: a word boundary per character)
+            r1, y1 = reference.reshape(-1, 1), y.reshape(-1, 1)
+            agree, predicted, count = top1_agreement(r1, y1), predicted_agreement(r1, y1), len(r1)
+            err = per_image_error(reference, y)
+            kl = -db
         else:
             agree, predicted, count = top1_agreement(reference, y), predicted_agreement(reference, y), len(y)
             err = per_image_error(reference, y)
@@ -207,7 +217,8 @@ def exclude_sensitive(ctx: QuantizeContext, ranking: list, samples: SampleSet, t
     q, pt = evaluate(excl)
     if measure_latency:
         pt.ort_int8_ms = latency_ms(_deployed(ctx, q, excl), one)
-    res = ExclusionResult(dict(excl), [pt], good(pt), target, q.model)
+    res = ExclusionResult(dict(excl), [pt], good(pt), target, model=q.model,
+                          error="KL" if dist or (reference.ndim == 2 and not decisions) else "-SQNR")
     if partial is not None:
         partial.append(res)
     best_q, best_pt = q, pt
@@ -244,7 +255,10 @@ def exclude_sensitive(ctx: QuantizeContext, ranking: list, samples: SampleSet, t
         # and by more than the images' own noise
         d = errors[id(best_pt)] - errors[id(pt)]
         pt.gain_se = float(d.mean() / max(d.std(ddof=1) / np.sqrt(len(d)), 1e-30)) if len(d) > 1 else 0.0
-        pt.kept = score(pt) > score(best_pt) and not_worse(pt) and pt.gain_se > SIGNIFICANCE
+        pt.undone = ("no better than the best so far" if not score(pt) > score(best_pt) else
+                     "agreement or SQNR below the all-int8 model's" if not not_worse(pt) else
+                     "no gain beyond noise" if not pt.gain_se > SIGNIFICANCE else "")
+        pt.kept = not pt.undone
         if measure_latency:
             pt.ort_int8_ms = latency_ms(_deployed(ctx, q, cand), one)
         res.curve.append(pt)
