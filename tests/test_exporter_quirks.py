@@ -10,7 +10,7 @@ import pytest
 import onnx
 from onnx import TensorProto, helper
 
-from helpers import make_model, save, weight
+from helpers import make_model, run, save, weight
 from qtool.calibrate.run import calibrate
 from qtool.quantize.run import SensitivityOptions, quantize
 
@@ -567,3 +567,29 @@ def test_an_output_declared_without_a_shape_is_given_its_rank(tmp_path):
     out = onnx.load(q.path)
     onnx.checker.check_model(out)
     assert len(out.graph.output[0].type.tensor_type.shape.dim) == 4
+
+
+def test_experiments_run_large_inputs_in_smaller_batches(tmp_path):
+    """quantize's experiments batch samples by their bytes (BATCH_BYTES: 16 images at 224x224): 6 samples at
+    3x448x448 run 4 at a time, not 16 (hx8: a 624x624 classifier's --exclude-sensitive held 16 images'
+    activations per experiment, two at a time: 4.1 GB for a 6.7 MB model; now 1.9 GB); the same outputs."""
+    from qtool.quantize.run import load_inputs
+    from qtool.quantize.samples import BATCH, load_samples
+    rng = np.random.default_rng(4)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1])]
+    model = save(make_model(nodes, [weight(rng, "w", 2, 3, 3, 3)], [("x", ["N", 3, "H", "W"])], [("y", None)]),
+                 tmp_path / "m.onnx")
+    for hw, want in ((448, 4), (32, BATCH)):
+        data = tmp_path / f"d{hw}"
+        data.mkdir()
+        for i in range(6):
+            np.save(data / f"{i}.npy", rng.standard_normal((1, 3, hw, hw)).astype(np.float32))
+        wd = str(tmp_path / f"w{hw}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            calibrate(str(model), str(data), method="minmax", workdir=wd, show_progress=False)
+        fused, table, _ = load_inputs(wd, None, None)
+        s = load_samples(fused, table, sorted(str(p) for p in data.iterdir()))
+        assert s.batch == want and len(s.feeds) == -(-6 // want)
+        direct = np.concatenate([run(fused, {"x": np.load(data / f"{i}.npy")})[0] for i in range(6)])
+        np.testing.assert_allclose(s.reference, direct, rtol=1e-5, atol=1e-5)

@@ -16,6 +16,15 @@ import numpy as np
 from qtool import graph as G
 
 BATCH = 16
+# a run's activations grow with its inputs: batches hold at most this many input bytes (16 images at
+# 224x224), so that a 624x624 classifier's experiments, two at a time in one shared arena, do not hold
+# 16 of its images' activations each (hx8: --exclude-sensitive at 4.1 GB on a 6.7 MB model)
+BATCH_BYTES = 16 * 3 * 224 * 224 * 4
+
+
+def _batch_for(inputs: dict) -> int:
+    per_sample = sum(v[0].nbytes for v in inputs.values() if len(v))
+    return max(1, min(BATCH, BATCH_BYTES // max(per_sample, 1)))
 
 
 @dataclass
@@ -156,8 +165,8 @@ def load_samples(fused, table, files: list, threads: int = 0, progress=None) -> 
         s = SampleSet(names, {k: _stack(v) for k, v in parts.items()}, np.zeros((0,)), 1, True, stacked=True)
     else:
         fixed = [d[0] for d in (G.input_dims(i) for i in G.real_inputs(fused)) if d and isinstance(d[0], int)]
-        s = SampleSet(names, {k: np.concatenate(v) for k, v in parts.items()}, np.zeros((0,)),
-                      fixed[0] if fixed else BATCH, bool(fixed))
+        inputs = {k: np.concatenate(v) for k, v in parts.items()}
+        s = SampleSet(names, inputs, np.zeros((0,)), fixed[0] if fixed else _batch_for(inputs), bool(fixed))
     s = s.subset(range(len(names)))  # (a fixed batch: whole batches only)
     if not len(s):
         warnings.warn(f"the model takes exactly {s.batch} samples at a time and only {len(names)} calibration "
