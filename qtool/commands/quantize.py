@@ -128,7 +128,7 @@ def command(output, model, table, method, exclude, no_bias_correction, exclude_s
                f"{s.get('passthrough', 0)} pass int8 through, {s.get('fused', 0)} activations fused, "
                f"{s.get('fp32', 0)} stay fp32")
     enc = r.report["encodings"]
-    line = f"target {target}: weights " + ", ".join(f"{k} x{v}" for k, v in sorted(enc.items()))
+    line = f"target {target}: weights " + (", ".join(f"{k} x{v}" for k, v in sorted(enc.items())) or "none in int8")
     cost = r.report.get("target_cost")
     if cost:
         line += (f"; output SQNR on {cost['samples']} calibration images {cost['output_sqnr_db']:.2f} dB "

@@ -265,8 +265,9 @@ def balance(ctx, samples, say=print) -> None:
             best = (db, trial, bt, set(bn))
     balanced, trial, table, names = best
     if trial is None:
-        say(f"channel balancing: {len(keep)} of {len(tensors)} candidate tensors gain alone, but the model does not "
-            f"({plain:.1f} dB on {len(samples)} calibration samples as it is): not balanced")
+        alone = (f"{len(keep)} of {len(tensors)} candidate tensors gain alone, but the model does not" if keep else
+                 f"none of {len(tensors)} candidate tensors gains, alone or all together")
+        say(f"channel balancing: {alone} ({plain:.1f} dB on {len(samples)} calibration samples as it is): not balanced")
         return
     m = trial.fused
     ctx.fused, ctx.table, ctx.weight_cache = m, table, trial.weight_cache  # (the weights of the balanced graph)

@@ -439,13 +439,18 @@ def balance_and_choose(ctx: QuantizeContext, tune: SampleSet, auto: SampleSet, f
     options = [(ctx, ctx.method) + tuple(first)]
     for m in dict.fromkeys([ctx.method, ctx.table.range_method]):
         v = replace(ctx, method=m)  # (the same weight cache: its keys hold the activation scale)
-        balance(v, tune, say)
+        # (what a trial prints is a trial's: the choice among them is said below; hx8 read a trial's
+        # "balanced ... 13.5 -> 20.5 dB" and "method auto: minmax" as what the model got)
+        trial = lambda line, *a, _m=m, **k: say(f"  trial, balanced under {_m}: {line}", *a, **k)
+        balance(v, tune, trial)
         if v.fused is not ctx.fused:
-            options.append((v,) + pick_method(v, auto, say, show_progress))
+            options.append((v,) + pick_method(v, auto, trial, show_progress))
     k = best_option([(scores[m], (agreement or {}).get(m)) for _, m, scores, agreement in options])
     v, m, scores, agreement = options[k]
     if k:
         say(f"method auto, balanced: {m}")
+    elif len(options) > 1:
+        say(f"method auto: {m}, channels not balanced (no balanced trial measured better)")
     ctx.fused, ctx.table, ctx.weight_cache, ctx.method = v.fused, v.table, v.weight_cache, m
     return scores, agreement
 
