@@ -199,3 +199,21 @@ def test_shifted_conv_patches_are_the_patches_minus_the_shift_padding_included()
     plain = conv_patches(x, rng=np.random.default_rng(0), **kw)
     shifted = conv_patches(x, rng=np.random.default_rng(0), shift=c, **kw)
     np.testing.assert_allclose(shifted, plain - np.repeat(c.reshape(2, 2), 9, axis=1)[:, None, :], atol=1e-5)
+
+
+def test_the_hessian_is_made_in_place_of_its_accumulator():
+    """hessian() spends the accumulator (its [G, K, K] becomes the result: one copy of every layer's
+    covariance, not two or three), with the same values as the copying formula."""
+    from qtool.quantize.rounding import InputCovariance
+    rng = np.random.default_rng(5)
+    acc = InputCovariance(3, 6)
+    acc.add(rng.standard_normal((3, 20, 6)).astype(np.float32))
+    m2, n = acc.m2.copy(), acc.n
+    cov = m2 / n
+    a = 6 / (6 + n)
+    want = (1 - a) * cov
+    want[:, np.arange(6), np.arange(6)] = np.einsum("gkk->gk", cov)
+    store = acc.m2
+    got = acc.hessian()
+    assert got is store and acc.m2 is None
+    np.testing.assert_array_equal(got, want)

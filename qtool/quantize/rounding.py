@@ -68,13 +68,16 @@ class InputCovariance:
         self.n = n
 
     def hessian(self) -> np.ndarray:
-        """[G, K, K] covariance, shrunk toward its diagonal when samples are few."""
-        cov = self.m2 / max(self.n, 1)
-        k = cov.shape[-1]
+        """[G, K, K] covariance, shrunk toward its diagonal when samples are few. Made in place of the
+        accumulator, which it spends: two copies of every layer's covariance, up to COVARIANCES_BYTES
+        each, took quantize to 3.3 GB on a 262-layer U-Net (czann)."""
+        h, self.m2 = self.m2, None
+        h /= max(self.n, 1)
+        k = h.shape[-1]
         a = k / (k + self.n)
-        diag = np.einsum("gkk->gk", cov)
-        h = (1 - a) * cov
         idx = np.arange(k)
+        diag = h[:, idx, idx]  # (a copy: fancy indexing)
+        h *= 1 - a
         h[:, idx, idx] = diag
         return h
 
