@@ -252,6 +252,9 @@ class OutputStats:
         self.mismatch = 0  # batches whose int8 output has another shape than fp32's (not compared)
         self.mismatch_shapes = None
         self.not_finite = self.finite_differs = 0  # positions NaN/inf in either; in one only
+        # cosine of fp32's and int8's vectors along the last axis (an embedding's, a token's): sum, count, min
+        self.cos_sum, self.cos_n, self.cos_min = 0.0, 0, 1.0
+        self.unit_rows = False  # fp32's vectors all of length 1: an embedding, where no argmax means anything
 
     def add(self, a: np.ndarray, b: np.ndarray, samples: int | None = None) -> None:
         """`samples`: how many samples the batch holds, where known: a [T, N, C] output (sequence
@@ -307,8 +310,23 @@ class OutputStats:
         self.sig += float((a64 ** 2).sum())
         self.noise += float(((a64 - b64) ** 2).sum())
         self.maxerr = max(self.maxerr, float(np.abs(a64 - b64).max()) if a64.size else 0.0)
+        if a64.ndim >= 2 and a64.shape[-1] >= 2 and a64.size:
+            va, vb = a64.reshape(-1, a64.shape[-1]), b64.reshape(-1, a64.shape[-1])
+            na, nb = np.sqrt((va * va).sum(1)), np.sqrt((vb * vb).sum(1))
+            ok = (na > 0) & (nb > 0)
+            if ok.any():
+                cos = (va[ok] * vb[ok]).sum(1) / (na[ok] * nb[ok])
+                self.cos_sum += float(cos.sum())
+                self.cos_n += int(ok.sum())
+                self.cos_min = min(self.cos_min, float(cos.min()))
+            if not self.n:
+                # (a confident softmax's rows are near length 1 too: probabilities are classes)
+                self.unit_rows = (a64.shape[-1] >= UNIT_ROWS_MIN and bool(np.abs(na - 1).max() <= 1e-2)
+                                  and not is_distribution(a64))
         if not self.n:
             self.kind, self.layout = output_kind(a64)
+            if self.unit_rows:  # (a face's or a sentence's normalized embedding: its cosine says it)
+                self.kind = None
         self.n += len(a64) if a64.ndim else 1
         kind, layout = self.kind, self.layout
         if kind is not None:
@@ -343,6 +361,9 @@ class OutputStats:
                                    "int8": self.mismatch_shapes[1]}
         if self.not_finite:
             r["not_finite"] = {"positions": self.not_finite, "finite_in_one_only": self.finite_differs}
+        if self.cos_n:
+            r["cosine"] = {"mean": self.cos_sum / self.cos_n, "min": self.cos_min, "vectors": self.cos_n,
+                           "unit_length": self.unit_rows}
         if self.kind is not None:
             r["top1_agreement"] = self.same / max(self.positions, 1)
             r["agreement_over"] = "samples" if self.kind == "class" else "positions"
@@ -405,6 +426,7 @@ def is_log_distribution(a: np.ndarray, tol: float = 1e-2) -> bool:
     return bool(np.abs(np.log(np.exp(a - m).sum(-1)) + m[..., 0]).max() <= tol)
 
 
+UNIT_ROWS_MIN = 16  # vectors this long or longer, all of length 1, are embeddings (not 2-4 probabilities)
 CTC_MIN_BLANK_SHARE = 0.5  # a CTC recognizer's top-1 is its blank at most positions
 # ... and each symbol is a spike of a step or two between blanks (fp32's mean run: PP-OCRv5 1.02, PP-OCRv2
 # 1.08, a captcha CRNN 1.0), where a per-step classifier's background class frames events many steps long

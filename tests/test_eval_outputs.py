@@ -350,3 +350,24 @@ def test_a_uint8_picture_out_is_judged_by_its_values_and_int64_ids_as_ids():
     ids = OutputStats("classes")
     ids.add(a.astype(np.int64), b.astype(np.int64), 2)
     assert "labels_equal" in ids.result()
+
+
+def test_vectors_get_a_cosine_and_unit_embeddings_no_top1():
+    """Each vector along the last axis gets fp32/int8 cosine (mean, min); rows all of length 1 (a normalized
+    face or sentence embedding) get no top-1 agreement, which means nothing there (MiniLM's sentence vector
+    read 0.6875 'top-1 agreement'); a confident softmax, whose rows are near length 1 too, keeps it."""
+    rng = np.random.default_rng(3)
+    e = rng.standard_normal((8, 128))
+    e /= np.linalg.norm(e, axis=1, keepdims=True)
+    noisy = e + 0.01 * rng.standard_normal(e.shape)
+    st = OutputStats("emb")
+    st.add(e.astype(np.float32), noisy.astype(np.float32))
+    r = st.result()
+    want = (e * noisy).sum(1) / np.linalg.norm(noisy, axis=1)
+    assert r["cosine"]["mean"] == pytest.approx(want.mean(), abs=1e-6) and r["cosine"]["unit_length"]
+    assert r["cosine"]["min"] == pytest.approx(want.min(), abs=1e-6) and "top1_agreement" not in r
+    p = np.full((8, 100), 1e-4)
+    p[:, 3] = 1 - 99e-4  # (rows of length 0.99)
+    st = OutputStats("probs")
+    st.add(p.astype(np.float32), p.astype(np.float32))
+    assert st.result()["top1_agreement"] == 1.0 and not st.result()["cosine"]["unit_length"]

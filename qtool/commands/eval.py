@@ -83,6 +83,10 @@ def _output_lines(r: dict) -> list[str]:
         text = f"  {name} {shape}: SQNR {o['sqnr_db']:.1f} dB, max |error| {o['max_abs_error']:.4g}"
         if "top1_agreement" in o:
             text += ", " + _agreement(o)
+        cos = o.get("cosine")
+        if cos and "top_rows_agreement" not in o:
+            text += (f", cosine to fp32 {cos['mean']:.4f} (min {cos['min']:.4f}"
+                     + (", unit-length embeddings)" if cos["unit_length"] else ")"))
         if "top_rows_agreement" in o:
             text += ", top-scoring rows shared: " + ", ".join(
                 f"{k} {v:.2f}" for k, v in o["top_rows_agreement"].items())
@@ -130,6 +134,9 @@ def render(r: dict) -> str:
         if "top_rows_agreement" in first:
             lines.append(f"{r['n_images']} images{skipped}; detections: top-scoring rows shared with fp32 "
                          + ", ".join(f"{k} {v:.2f}" for k, v in first["top_rows_agreement"].items()))
+        elif first.get("cosine", {}).get("unit_length"):
+            lines.append(f"{r['n_images']} images{skipped}; embeddings (vectors of length 1): cosine to fp32 "
+                         f"{first['cosine']['mean']:.4f}, lowest {first['cosine']['min']:.4f}")
         else:
             lines.append(f"{r['n_images']} images{skipped}; no top-1 agreement: the first output is neither classes "
                          "nor a sequence of distributions (judge it by the SQNR below, or by what it means)")
