@@ -402,6 +402,48 @@ def conv(ins, at):
     return [y.astype(np.float32)]
 
 
+@op("ConvTranspose")
+def conv_transpose(ins, at):
+    """Each input pixel scatters its kernel into the output (stride apart), per group; then the pads are
+    cut off (or, with output_shape, the pads it implies: ONNX's rule, SAME_UPPER puts the odd one last)."""
+    x, w = ins[0], ins[1]
+    b = ins[2] if len(ins) > 2 else None
+    if x.ndim != 4 or w.ndim != 4:
+        raise NotImplementedError(f"ConvTranspose on rank {x.ndim} input")
+    n, cin, h, wd = x.shape
+    g = at.get("group", 1)
+    if cin != w.shape[0] or cin % g:
+        raise ValueError(f"ConvTranspose weight {list(w.shape)} with group {g} does not fit input {list(x.shape)}")
+    og, kh, kw = w.shape[1], w.shape[2], w.shape[3]
+    sh, sw = at.get("strides", [1, 1])
+    dh, dw = at.get("dilations", [1, 1])
+    oph, opw = at.get("output_padding", [0, 0])
+    full_h, full_w = (h - 1) * sh + (kh - 1) * dh + 1 + oph, (wd - 1) * sw + (kw - 1) * dw + 1 + opw
+    auto = at.get("auto_pad", b"NOTSET")
+    auto = auto.decode() if isinstance(auto, bytes) else auto
+    if at.get("output_shape") is not None or auto in ("SAME_UPPER", "SAME_LOWER"):
+        want = at["output_shape"][-2:] if at.get("output_shape") is not None else [h * sh, wd * sw]
+        tot = [max(0, full_h - want[0]), max(0, full_w - want[1])]
+        first = [t // 2 for t in tot] if auto == "SAME_UPPER" else [t - t // 2 for t in tot]
+        pads = [first[0], first[1], tot[0] - first[0], tot[1] - first[1]]
+    else:
+        pads = list(at.get("pads", [0, 0, 0, 0]))
+    y = np.zeros((n, og * g, full_h, full_w), np.float32)
+    cg = cin // g
+    for gi in range(g):
+        xg = x[:, gi * cg:(gi + 1) * cg].reshape(n, cg, h * wd)
+        wg = w[gi * cg:(gi + 1) * cg].reshape(cg, og * kh * kw)
+        cols = np.matmul(wg.T, xg).reshape(n, og, kh, kw, h, wd)  # every tap of every input pixel
+        out = y[:, gi * og:(gi + 1) * og]
+        for ky in range(kh):
+            for kx in range(kw):
+                out[:, :, ky * dh:ky * dh + (h - 1) * sh + 1:sh, kx * dw:kx * dw + (wd - 1) * sw + 1:sw] += cols[:, :, ky, kx]
+    y = y[:, :, pads[0]:full_h - pads[2], pads[1]:full_w - pads[3]]
+    if b is not None:
+        y = y + b.reshape(1, -1, 1, 1)
+    return [np.ascontiguousarray(y, np.float32)]
+
+
 def _pool_geometry(x, at):
     if x.ndim != 4 or len(at.get("kernel_shape", ())) != 2:
         raise NotImplementedError(f"pooling on rank {x.ndim} input with kernel {list(at.get('kernel_shape', []))}")
@@ -472,8 +514,10 @@ def resize(ins, at):
     x = ins[0]
     mode = at.get("mode", b"nearest")
     mode = mode.decode() if isinstance(mode, bytes) else mode
-    if mode != "nearest":
-        raise NotImplementedError(f"Resize mode={mode} (only nearest)")
+    if mode not in ("nearest", "linear", "bilinear"):
+        raise NotImplementedError(f"Resize mode={mode} (nearest and linear only)")
+    if mode != "nearest" and at.get("antialias", 0):
+        raise NotImplementedError("Resize with antialias")
     scales = sizes = None
     if len(ins) == 2:  # Upsample / Resize-10: (X, scales)
         scales = ins[1]
@@ -511,10 +555,25 @@ def resize(ins, at):
             src = o / s
         elif ctm == "align_corners":
             src = o * (n_in - 1) / max(n_out - 1, 1)
+        elif ctm == "pytorch_half_pixel" and n_out == 1:
+            src = np.zeros(1)
         elif ctm in ("half_pixel", "pytorch_half_pixel"):
             src = (o + 0.5) / s - 0.5
+        elif ctm == "tf_crop_and_resize":
+            raise NotImplementedError("Resize with tf_crop_and_resize")
         else:
             src = (o + 0.5) / s - 0.5
+        if mode != "nearest":  # (linear, each axis in turn: n-linear; positions outside the input take its edge)
+            src = np.clip(src, 0, n_in - 1)
+            lo = np.floor(src).astype(np.int64)
+            hi = np.minimum(lo + 1, n_in - 1)
+            frac = (src - lo).astype(np.float32)
+            shape = [1] * y.ndim
+            shape[ax] = n_out
+            frac = frac.reshape(shape)
+            a, b = np.take(y, lo, axis=ax), np.take(y, hi, axis=ax)
+            y = a + (b - a) * frac
+            continue
         if nm == "floor":
             idx = np.floor(src)
         elif nm == "ceil":
