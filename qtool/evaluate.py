@@ -76,8 +76,9 @@ class ExactCheck:
     def _give_up(self, e: Exception) -> None:
         self.session, self.error = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
-    def add(self, feeds: dict, ort_out: list) -> None:
-        """A whole batch (a model may take its batch whole only), until n samples are in."""
+    def add(self, feeds: dict, ort_out: list, samples: int | None = None) -> None:
+        """A whole batch (a model may take its batch whole only) of `samples` samples (None: axis 0 of
+        the feed), until n samples are in."""
         if self.session is None or self.samples >= self.n or self.seconds > CHECK_SECONDS:
             return
         t = time.perf_counter()
@@ -94,7 +95,8 @@ class ExactCheck:
         # each batch kept in its own shape: samples of a model with free input sizes differ in length
         self.rows["exact"].append(np.asarray(exact, np.float64))
         self.rows["ort"].append(np.asarray(ort_out[0], np.float64))
-        self.samples += len(next(iter(feeds.values()))) if feeds else 1
+        # (axis 0 of the feed is not always samples: a tagger's [chars, 1] counted 49 for one sentence)
+        self.samples += samples if samples is not None else len(next(iter(feeds.values()))) if feeds else 1
 
     def result(self) -> dict:
         if self.session is None or not self.rows["ort"]:
@@ -123,7 +125,12 @@ PAIR_EXACT = ("portable", "u8-weights", "7bit")  # targets exact under the x86-w
 
 
 def check_warning(c: dict) -> str | None:
-    """The one line `qtool eval` prints when ORT's int8 output is not the exact int8 result."""
+    """The one line `qtool eval` prints when ORT's int8 output is not the exact int8 result, or when that
+    could not be checked (qtool's runtime cannot run the model: without the line, "not checked" read as
+    "checked, exact")."""
+    if c and not c.get("checked") and c.get("error") and c["error"] != "no samples":
+        return (f"note: not checked whether ONNX Runtime's int8 output here is the exact int8 result: qtool's "
+                f"runtime could not run the model ({c['error'][:200]})")
     if not c or c.get("exact", True) or not c.get("checked"):
         return None
     agree = f"top-1 agreement {c['top1_agreement_ort_vs_exact']:.4f}, " if "top1_agreement_ort_vs_exact" in c else ""
@@ -175,7 +182,7 @@ def evaluate(fp32_path: str, int8_path: str, data: str, config=None, labels: str
                 stats[name].add(u, v, len(names))
             a, b = outs_f[0], outs_q[0]
             if exact is not None:
-                exact.add(feeds, [b])
+                exact.add(feeds, [b], len(names))
             if agreement_kind(a.shape) == "class":
                 rows["fp32"].append(a)
                 rows["int8"].append(b)
@@ -550,7 +557,7 @@ def evaluate_tensors(fp32_path: str, int8_path: str, data, limit: int | None = N
         runs["ort_int8"].append(t1 - t0)
         runs["ort_fp32"].append(time.perf_counter() - t1)
         if exact is not None:
-            exact.add(feeds, outs_q)
+            exact.add(feeds, outs_q, len(batch_names))
         # (a file is one sample, whatever its axis 0 holds; an iterable's item may be a batch)
         n_batch = len(batch_names) if src.kind in ("npy", "npz") else len(next(iter(feeds.values())))
         for name, a, b in zip(names, outs_f, outs_q):

@@ -131,3 +131,24 @@ def test_the_runtime_check_allows_float_noise_where_layers_run_in_float():
     assert not checked(0, 30.0)["exact"]  # all int8: 30 dB is not float noise
     r = checked(5, 10.0)  # saturation-sized differences are flagged either way
     assert not r["exact"] and "not the exact int8 result" in check_warning(r)
+
+
+def test_eval_says_when_the_runtime_check_could_not_run_and_counts_samples_not_rows():
+    """A model qtool's runtime cannot run gets one line saying the int8 figures were not checked (it said
+    nothing: 'not checked' read as 'checked, exact'); a batch counts its samples, not its feed's axis 0
+    (a tagger's [chars, 1] counted 49 for one sentence, so the check stopped after 1 of 16)."""
+    from qtool.evaluate import ExactCheck, check_warning
+    line = check_warning({"checked": 0, "error": "QtoolError: node 'lstm' uses op LSTM, which qtool's runtime cannot run"})
+    assert line.startswith("note: not checked") and "LSTM" in line
+    assert check_warning({"checked": 0, "error": "no samples"}) is None and check_warning(None) is None
+
+    class Runs:
+        def run(self, names, feeds):
+            return [feeds["x"] * 2]
+    c = ExactCheck.__new__(ExactCheck)
+    c.n, c.error, c.target, c.session, c.float_ops = 3, "", "portable", Runs(), 0
+    c.rows, c.samples, c.seconds = {"exact": [], "ort": []}, 0, 0.0
+    for _ in range(4):
+        x = np.ones((49, 1), np.float32)
+        c.add({"x": x}, [x * 2], samples=1)
+    assert c.samples == 3 and c.result()["checked"] == 3

@@ -371,3 +371,31 @@ def test_vectors_get_a_cosine_and_unit_embeddings_no_top1():
     st = OutputStats("probs")
     st.add(p.astype(np.float32), p.astype(np.float32))
     assert st.result()["top1_agreement"] == 1.0 and not st.result()["cosine"]["unit_length"]
+
+
+def test_a_decoder_with_conv_transpose_and_bilinear_resize_is_checked_by_the_runtime(tmp_path):
+    """A U-Net-like decoder (ConvTranspose, a bilinear Resize: fp32 in the int8 model) runs on qtool's own
+    runtime, so eval's check against ONNX Runtime's int8 runs (hx8: rembg's u2net and CycleCenterNet got
+    'checked 0' and an error no one printed)."""
+    rng = np.random.default_rng(9)
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1], strides=[2, 2]),
+             helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("ConvTranspose", ["r1", "wt"], ["u1"], strides=[2, 2], kernel_shape=[2, 2]),
+             helper.make_node("Resize", ["u1", "", "sc"], ["u2"], mode="linear"),
+             helper.make_node("Conv", ["u2", "w2", "b2"], ["y"], pads=[1, 1, 1, 1])]
+    inits = [init("w1", rng.standard_normal((8, 3, 3, 3)) * 0.3), init("b1", rng.standard_normal(8) * 0.1),
+             init("wt", rng.standard_normal((8, 4, 2, 2)) * 0.3), init("sc", [1, 1, 2, 2]),
+             init("w2", rng.standard_normal((2, 4, 3, 3)) * 0.3), init("b2", np.zeros(2))]
+    model = str(tmp_path / "unet.onnx")
+    save(make_model(nodes, inits, [("x", [1, 3, 16, 16])], [("y", [1, 2, 32, 32])]), model)
+    for split, n in (("cal", 8), ("ev", 4)):
+        (tmp_path / split).mkdir()
+        for k in range(n):
+            np.save(tmp_path / split / f"{k}.npy", rng.standard_normal((1, 3, 16, 16)).astype(np.float32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        calibrate(model, str(tmp_path / "cal"), workdir=str(tmp_path / "work"), show_progress=False)
+        quantize(str(tmp_path / "work"))
+        r = evaluate_workdir(str(tmp_path / "work"), data=str(tmp_path / "ev"), show_progress=False,
+                             say=lambda *a, **k: None)
+    assert r["runtime_check"]["checked"] == 4 and "error" not in r["runtime_check"]
