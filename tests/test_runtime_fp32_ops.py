@@ -111,3 +111,36 @@ def test_fp32_op_matches_ort_opset18(op, extra, attrs):
     for y, ref in zip(ys, refs):
         assert y.shape == ref.shape
         np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("op,direction,layout,extra", [  # (layout 0 only: ORT runs no other)
+    ("LSTM", "forward", 0, {}), ("LSTM", "bidirectional", 0, {}), ("LSTM", "reverse", 0, {}),
+    ("GRU", "forward", 0, {}), ("GRU", "bidirectional", 0, dict(linear_before_reset=1)), ("GRU", "reverse", 0, dict(linear_before_reset=1))])
+def test_recurrent_ops_match_ort(op, direction, layout, extra):
+    """LSTM and GRU (a CRNN's, a VAD's, a tagger's), with biases and initial states (ONNX Runtime runs no batch-first layout)."""
+    rng = np.random.default_rng(11)
+    t, n, i, h = 7, 3, 5, 4
+    d, g = (2 if direction == "bidirectional" else 1), (4 if op == "LSTM" else 3)
+    x = rng.standard_normal((n, t, i) if layout else (t, n, i)).astype(np.float32)
+    arrays = [rng.standard_normal((d, g * h, i)).astype(np.float32) * 0.5,
+              rng.standard_normal((d, g * h, h)).astype(np.float32) * 0.5,
+              rng.standard_normal((d, 2 * g * h)).astype(np.float32) * 0.2]
+    state = (n, d, h) if layout else (d, n, h)
+    arrays.append(rng.standard_normal(state).astype(np.float32))  # initial_h
+    names = ["x", "W", "R", "B", "", "h0"]
+    if op == "LSTM":
+        arrays.append(rng.standard_normal(state).astype(np.float32))  # initial_c
+        names.append("c0")
+    inits = [numpy_helper.from_array(a, nm) for a, nm in zip(arrays, [nm for nm in names[1:] if nm])]
+    outs = ["y", "yh"] + (["yc"] if op == "LSTM" else [])
+    node = helper.make_node(op, names, outs, hidden_size=h, direction=direction, layout=layout, **extra)
+    gr = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape)],
+                           [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outs], initializer=inits)
+    m = helper.make_model(gr, opset_imports=[helper.make_opsetid("", 14)])
+    m.ir_version = 8
+    refs = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    at = dict(hidden_size=h, direction=direction, layout=layout, _n_outputs=len(outs), **extra)
+    ys = FP32_OPS[op]([x] + arrays[:3] + [None] + arrays[3:], at)
+    for y, ref in zip(ys, refs):
+        assert y.shape == ref.shape
+        np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)

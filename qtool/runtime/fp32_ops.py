@@ -611,3 +611,94 @@ def quantize_linear(ins, at):
     info = np.iinfo(z.dtype)
     y = np.rint(x / s) + z.astype(np.float32)
     return [np.clip(y, info.min, info.max).astype(z.dtype)]
+
+
+def _recurrent_setup(ins, at, gates: int):
+    """(X [T, B, I], W, R, B as [dirs, gates * H, ...], initial h [dirs, B, H], directions, H) of an
+    LSTM/GRU node, checked for what these loops compute (default activations, no clip, time first, every
+    sequence full length)."""
+    x, w, r = ins[0], ins[1], ins[2]
+    b = ins[3] if len(ins) > 3 and ins[3] is not None else None
+    lens = ins[4] if len(ins) > 4 and ins[4] is not None else None
+    h0 = ins[5] if len(ins) > 5 and ins[5] is not None else None
+    if at.get("activations") is not None or at.get("clip") is not None:
+        raise NotImplementedError("LSTM/GRU with activations or clip other than the defaults")
+    if at.get("layout", 0):
+        raise NotImplementedError("LSTM/GRU with layout 1 (batch first; ONNX Runtime runs none either)")
+    t, n = x.shape[0], x.shape[1]
+    if lens is not None and np.any(np.asarray(lens) != t):
+        raise NotImplementedError("LSTM/GRU with sequences shorter than the input (sequence_lens)")
+    d = w.shape[0]
+    hidden = w.shape[1] // gates
+    direction = at.get("direction", b"forward")
+    direction = direction.decode() if isinstance(direction, bytes) else direction
+    dirs = ["forward", "reverse"] if direction == "bidirectional" else [direction]
+    if len(dirs) != d:
+        raise ValueError(f"LSTM/GRU direction {direction} with weights for {d} directions")
+    if b is None:
+        b = np.zeros((d, 2 * gates * hidden), np.float32)
+    if h0 is None:
+        h0 = np.zeros((d, n, hidden), np.float32)
+    return x, w, r, b, h0, dirs, hidden
+
+
+def _recurrent_outputs(ys, hs, extra):
+    """Y [T, dirs, B, H] and the last states [dirs, B, H]."""
+    outs = [np.stack(ys, axis=1), np.stack(hs)] + [np.stack(e) for e in extra]
+    return [o.astype(np.float32) for o in outs]
+
+
+def _sig(v):
+    with np.errstate(over="ignore"):
+        return 1.0 / (1.0 + np.exp(-v))
+
+
+@op("LSTM")
+def lstm(ins, at):
+    """ONNX LSTM (gates i, o, f, c), default activations, no peepholes: one step at a time per direction."""
+    x, w, r, b, h0, dirs, hdim = _recurrent_setup(ins, at, 4)
+    c0 = ins[6] if len(ins) > 6 and ins[6] is not None else None
+    if len(ins) > 7 and ins[7] is not None or at.get("input_forget", 0):
+        raise NotImplementedError("LSTM with peepholes or input_forget")
+    if c0 is None:
+        c0 = np.zeros_like(h0)
+    ys, hs, cs = [], [], []
+    for k, way in enumerate(dirs):
+        xw = np.matmul(x, w[k].T) + b[k][:4 * hdim] + b[k][4 * hdim:]  # [T, B, 4H], all steps at once
+        h, c = h0[k].astype(np.float32), c0[k].astype(np.float32)
+        out = [None] * x.shape[0]
+        for t in (range(x.shape[0]) if way == "forward" else range(x.shape[0] - 1, -1, -1)):
+            g = xw[t] + h @ r[k].T
+            i, o, f, cc = _sig(g[:, :hdim]), _sig(g[:, hdim:2 * hdim]), _sig(g[:, 2 * hdim:3 * hdim]), np.tanh(g[:, 3 * hdim:])
+            c = f * c + i * cc
+            h = o * np.tanh(c)
+            out[t] = h
+        ys.append(np.stack(out))
+        hs.append(h)
+        cs.append(c)
+    return _recurrent_outputs(ys, hs, [cs])
+
+
+@op("GRU")
+def gru(ins, at):
+    """ONNX GRU (gates z, r, h), default activations, linear_before_reset either way."""
+    x, w, r, b, h0, dirs, hdim = _recurrent_setup(ins, at, 3)
+    before = at.get("linear_before_reset", 0)
+    ys, hs = [], []
+    for k, way in enumerate(dirs):
+        wb, rb = b[k][:3 * hdim], b[k][3 * hdim:]
+        xw = np.matmul(x, w[k].T) + wb  # [T, B, 3H]
+        h = h0[k].astype(np.float32)
+        out = [None] * x.shape[0]
+        for t in (range(x.shape[0]) if way == "forward" else range(x.shape[0] - 1, -1, -1)):
+            hr = h @ r[k][:2 * hdim].T + rb[:2 * hdim]
+            z, rr = _sig(xw[t][:, :hdim] + hr[:, :hdim]), _sig(xw[t][:, hdim:2 * hdim] + hr[:, hdim:])
+            if before:
+                hh = np.tanh(xw[t][:, 2 * hdim:] + rr * (h @ r[k][2 * hdim:].T + rb[2 * hdim:]))
+            else:
+                hh = np.tanh(xw[t][:, 2 * hdim:] + (rr * h) @ r[k][2 * hdim:].T + rb[2 * hdim:])
+            h = (1 - z) * hh + z * h
+            out[t] = h
+        ys.append(np.stack(out))
+        hs.append(h)
+    return _recurrent_outputs(ys, hs, [])
