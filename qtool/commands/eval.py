@@ -84,7 +84,7 @@ def _output_lines(r: dict) -> list[str]:
         if "top1_agreement" in o:
             text += ", " + _agreement(o)
         cos = o.get("cosine")
-        if cos and "top_rows_agreement" not in o:
+        if cos and "top_rows_agreement" not in o and "top1_agreement" not in o:  # (vectors, not classes: JSON has both)
             text += (f", cosine to fp32 {cos['mean']:.4f} (min {cos['min']:.4f}"
                      + (", unit-length embeddings)" if cos["unit_length"] else ")"))
         if "top_rows_agreement" in o:
