@@ -197,19 +197,29 @@ def load_model(path: str, check: bool = True, notes: list | None = None) -> onnx
 def _give_shapes(model: onnx.ModelProto) -> str | None:
     """A tensor type without a shape (unknown rank: ONNX Runtime runs such a model, the checker refuses a
     graph input or output so declared) takes the rank shape inference finds, every dimension unknown;
-    a value_info entry without one, which only informs, is dropped."""
+    a value_info entry without one, which only informs, is dropped. A dimension declared -1 (old
+    paddle2onnx exports: PP-OCR server v2's [-1, 3, -1, -1]) is made free: ONNX Runtime takes it so, where
+    shape inference computed sizes from -1 (a MaxPool's rows: 1) and experiments cut at those failed."""
     g = model.graph
+    negative = 0
+    for v in list(g.input) + list(g.output) + list(g.value_info):
+        if v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape"):
+            for d in v.type.tensor_type.shape.dim:
+                if d.HasField("dim_value") and d.dim_value < 0:
+                    d.Clear()
+                    negative += 1
+    note = f"{negative} dimension(s) declared -1 taken as free" if negative else None
     bare = [v for v in list(g.input) + list(g.output)
             if v.type.HasField("tensor_type") and not v.type.tensor_type.HasField("shape")]
     loose = [v for v in g.value_info if v.type.HasField("tensor_type") and not v.type.tensor_type.HasField("shape")]
     for v in loose:
         g.value_info.remove(v)
     if not bare:
-        return None
+        return note
     try:
         inferred = onnx.shape_inference.infer_shapes(skeleton(model, drop_tables=False)).graph
     except Exception:  # noqa: BLE001 - the checker then names what is wrong
-        return None
+        return note
     known = {v.name: v for v in list(inferred.value_info) + list(inferred.output)
              if v.type.tensor_type.HasField("shape")}
     given = []
@@ -220,8 +230,9 @@ def _give_shapes(model: onnx.ModelProto) -> str | None:
             for _ in known[v.name].type.tensor_type.shape.dim:
                 shape.dim.add()
             given.append(v.name)
-    return (f"{len(given)} graph input(s)/output(s) declared without a shape ({', '.join(given[:3])}): given "
+    said = (f"{len(given)} graph input(s)/output(s) declared without a shape ({', '.join(given[:3])}): given "
             f"the rank shape inference finds") if given else None
+    return "; ".join(x for x in (note, said) if x) or None
 
 
 def _sort_nodes(model: onnx.ModelProto, path: str) -> str | None:

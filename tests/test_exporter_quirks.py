@@ -593,3 +593,41 @@ def test_experiments_run_large_inputs_in_smaller_batches(tmp_path):
         assert s.batch == want and len(s.feeds) == -(-6 // want)
         direct = np.concatenate([run(fused, {"x": np.load(data / f"{i}.npy")})[0] for i in range(6)])
         np.testing.assert_allclose(s.reference, direct, rtol=1e-5, atol=1e-5)
+
+
+def test_dimensions_declared_minus_one_are_free(tmp_path):
+    """Old paddle2onnx exports declare [-1, 3, -1, -1] (PP-OCR server v2's detector and classifier): shape
+    inference computed sizes from -1 (a MaxPool's rows: 1), the sensitivity experiments cut the graph there
+    and ONNX Runtime refused the real data: quantize --strict exit 70. Now -1 is free, as ORT takes it."""
+    from onnx import numpy_helper
+    rng = np.random.default_rng(6)
+    w = lambda n, o, i, k=3: numpy_helper.from_array((rng.standard_normal((o, i, k, k)) / np.sqrt(k * k * i)).astype(np.float32), n)
+    nodes = [helper.make_node("Conv", ["x", "w0"], ["c0"], pads=[1, 1, 1, 1], strides=[2, 2]),
+             helper.make_node("Relu", ["c0"], ["r0"]),
+             helper.make_node("MaxPool", ["r0"], ["p0"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])]
+    inits, prev = [w("w0", 16, 3), w("ws", 16, 16, 1), w("wy", 4, 16)], "p0"
+    for i in range(1, 10, 2):  # ResNet-vd-like blocks: two 3x3 convs and a 1x1 shortcut
+        nodes += [helper.make_node("Conv", [prev, f"w{i}"], [f"c{i}"], pads=[1, 1, 1, 1]),
+                  helper.make_node("Relu", [f"c{i}"], [f"r{i}"]),
+                  helper.make_node("Conv", [f"r{i}", f"w{i + 1}"], [f"c{i + 1}"], pads=[1, 1, 1, 1]),
+                  helper.make_node("Conv", [prev, "ws"], [f"s{i}"]), helper.make_node("Add", [f"c{i + 1}", f"s{i}"], [f"a{i}"]),
+                  helper.make_node("Relu", [f"a{i}"], [f"b{i}"])]
+        inits += [w(f"w{i}", 16, 16), w(f"w{i + 1}", 16, 16)]
+        prev = f"b{i}"
+    nodes.append(helper.make_node("Conv", [prev, "wy"], ["y"], pads=[1, 1, 1, 1]))
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [-1, 3, -1, -1])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [-1, 4, -1, -1])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    m.ir_version = 8
+    path = tmp_path / "m.onnx"
+    onnx.save(m, path)
+    data = tmp_path / "d"
+    data.mkdir()
+    for i in range(12):
+        np.save(data / f"{i}.npy", rng.standard_normal((1, 3, 96, 128)).astype(np.float32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        calibrate(str(path), str(data), method="minmax", workdir=str(tmp_path / "w"), show_progress=False)
+        q = quantize(str(tmp_path / "w"), strict=True, say=lambda *a, **k: None,
+                     sensitivity=SensitivityOptions(show_progress=False))
+    assert q.report["summary"]["int8"] >= 4
