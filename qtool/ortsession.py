@@ -21,8 +21,10 @@ LOAD_ERROR_CHARS = 200
 
 
 def _one_line(e: Exception) -> str:
-    text = str(e).strip()
-    return (text.splitlines()[0] if text else type(e).__name__)[:300]
+    """ORT's message on one line: its lines joined ("Got invalid dimensions for input: x for the following
+    indices" says which only on the lines after it), at most 300 characters."""
+    text = " ".join(line.strip() for line in str(e).strip().splitlines() if line.strip())
+    return (text or type(e).__name__)[:300]
 
 
 class Session(ort.InferenceSession):
