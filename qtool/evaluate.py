@@ -156,12 +156,22 @@ def evaluate(fp32_path: str, int8_path: str, data: str, config=None, labels: str
     cfg = None if config is None else config_from_any(config)  # None: the model's metadata, else assumed
     files = list_images(data) if files is None else files
     src = ImageData(data, cfg, fp32, fp32_path, batch=batch, limit=limit, files=files)
+    if not getattr(src, "fixed_batch", None) and len(src):
+        # 16 photos of a 640x480 text detector at once: two ORT arenas and the runtime's plan held 16 images'
+        # activations each (hx8: eval at 3.3 GB on 16 photos); sized as a folder of tensors is
+        _, first = next(iter(ImageData(data, cfg, fp32, fp32_path, batch=1, limit=1, files=src.files[:1]).batches()))
+        fit = batch_for_memory(fp32, first, batch)
+        if fit < batch:
+            src = ImageData(data, cfg, fp32, fp32_path, batch=fit, limit=limit, files=files)
     y_true = None
     if labels:
         y_true = labels_from_file(labels, src.files)
     else:
         y_true = labels_from_folders(data, src.files)
-    sf, sq = session(fp32_path, threads), session(int8_path, threads)
+    # images of many sizes (a text detector's, --config ppocr-det): each ORT arena grew for every new size
+    # (PP-OCR server det, 30 photos: 3.3 GB of the 6.9 GB peak); memory goes back after each run there
+    varied = getattr(src, "cfg", None) is not None and getattr(src.cfg, "resize", "") in VARIED_SIZES
+    sf, sq = session(fp32_path, threads, arena=not varied), session(int8_path, threads, arena=not varied)
     native = None
     if runtime in ("native", "both"):
         from qtool.runtime import NativeSession
@@ -433,6 +443,7 @@ def is_log_distribution(a: np.ndarray, tol: float = 1e-2) -> bool:
     return bool(np.abs(np.log(np.exp(a - m).sum(-1)) + m[..., 0]).max() <= tol)
 
 
+VARIED_SIZES = ("limit", "height", "none")  # resize modes that keep each image's own size (or width)
 UNIT_ROWS_MIN = 16  # vectors this long or longer, all of length 1, are embeddings (not 2-4 probabilities)
 CTC_MIN_BLANK_SHARE = 0.5  # a CTC recognizer's top-1 is its blank at most positions
 # ... and each symbol is a spike of a step or two between blanks (fp32's mean run: PP-OCRv5 1.02, PP-OCRv2
@@ -517,10 +528,19 @@ def eval_batch(model, data, path: str, files: list | None, batch: int) -> int:
     fingerprint network: 31 MB tensors, each ORT session 2.0 GB at 8 samples, 0.33 GB at 1; eval peaked
     at 3.9 GB). About 8 x its largest tensor per sample and session, from shape inference on the first."""
     from qtool.data.tensors import tensor_source
-    from qtool.limits import elems
     try:
         probe = tensor_source(data, model, path, batch=1, files=files, limit=1)
         _, feeds = next(iter(probe.batches()))
+    except Exception:  # (a shape inference that cannot follow the graph: the default batch)
+        return batch
+    return batch_for_memory(model, feeds, batch)
+
+
+def batch_for_memory(model, feeds: dict, batch: int) -> int:
+    """`batch`, or fewer where one sample's (`feeds`) largest tensor is large: about 8 x it per sample and
+    session within EVAL_MEMORY."""
+    from qtool.limits import elems
+    try:
         dims = G.inferred_shapes(model, {k: np.shape(v) for k, v in feeds.items()}).values()
         largest = max((elems(d) * 4 for d in dims if d and all(isinstance(x, int) for x in d)), default=0)
     except Exception:  # (a shape inference that cannot follow the graph: the default batch)

@@ -144,3 +144,33 @@ def test_recurrent_ops_match_ort(op, direction, layout, extra):
     for y, ref in zip(ys, refs):
         assert y.shape == ref.shape
         np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_plans_for_many_input_sizes_are_bounded_by_bytes(tmp_path, monkeypatch):
+    """One plan (and its buffers) per set of input shapes is kept for the next run of those shapes, at most
+    PLANS of them and PLAN_BYTES together: photos of many sizes held 8 plans of 350 MB each."""
+    import onnx
+    from qtool.runtime import NativeSession
+    from qtool.runtime import session as rs
+    rng = np.random.default_rng(12)
+    node = helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1])
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, "h", "w"])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, "h", "w"])],
+                          [numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    m.ir_version = 8
+    onnx.save(m, tmp_path / "m.onnx")
+    s = NativeSession(str(tmp_path / "m.onnx"), threads=1)
+    sizes = [(8, 8), (16, 8), (8, 16), (16, 16)]
+    for h, w in sizes:
+        s.run(None, {"x": rng.standard_normal((1, 3, h, w)).astype(np.float32)})
+    assert len(s._plans) == 4
+    for p in s._plans.values():
+        p.bytes = 10 << 20  # (as if each held 10 MB of buffers)
+    monkeypatch.setattr(rs, "PLAN_BYTES", 25 << 20)
+    s.run(None, {"x": rng.standard_normal((1, 3, 24, 24)).astype(np.float32)})
+    assert len(s._plans) == 3 and ((1, 3, 24, 24),) in s._plans  # the oldest two went, the newest stays
+    monkeypatch.setattr(rs, "PLAN_BYTES", 1)
+    s._plans[((1, 3, 24, 24),)].bytes = 10 << 20
+    s.run(None, {"x": rng.standard_normal((1, 3, 8, 24)).astype(np.float32)})
+    assert list(s._plans) == [((1, 3, 8, 24),)]  # (the newest is kept whatever its size)

@@ -35,6 +35,10 @@ class NodeArg:
     type: str
 
 
+PLANS = 8  # plans (one per set of input shapes) kept at most
+PLAN_BYTES = 512 << 20  # ... and their buffers together (the newest is kept whatever its size)
+
+
 class _Plan:
     __slots__ = ("env", "calls", "steps_calls", "in_slots", "bytes", "bytes_no_reuse", "n_buffers")
 
@@ -137,7 +141,10 @@ class NativeSession:
         if plan is None:
             plan = self._make_plan(arrs)
             self._plans[key] = plan
-            while len(self._plans) > 8:
+            # plans of input shapes met before are kept for their next run, up to PLANS and PLAN_BYTES of
+            # buffers together: photos of as many sizes as plans (a text detector's) held 8 x 350 MB
+            while len(self._plans) > 1 and (len(self._plans) > PLANS or
+                                            sum(p.bytes for p in self._plans.values()) > PLAN_BYTES):
                 self._plans.popitem(last=False)
         env = plan.env
         for slot, x in arrs:
