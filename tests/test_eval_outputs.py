@@ -187,6 +187,16 @@ def test_a_sequence_of_distributions_is_judged_per_position_and_box_coordinates_
     assert "top_rows_agreement" in st.result() and "top1_agreement" not in st.result()
 
 
+def _three_steps(model: str, tmp_path) -> dict:
+    """calibrate on tmp_path/cal, quantize, eval on tmp_path/ev (folders of .npy): eval's result."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        calibrate(model, str(tmp_path / "cal"), workdir=str(tmp_path / "work"), show_progress=False)
+        quantize(str(tmp_path / "work"))
+        return evaluate_workdir(str(tmp_path / "work"), data=str(tmp_path / "ev"), show_progress=False,
+                                say=lambda *a, **k: None)
+
+
 def test_samples_of_different_lengths_evaluate_and_a_length_is_no_class_axis(tmp_path):
     """A resampler's waveforms differ in length from sample to sample: the check against ONNX Runtime
     joined them all into rows of the last batch's length (ValueError, exit 70, after the evaluation had
@@ -205,12 +215,7 @@ def test_samples_of_different_lengths_evaluate_and_a_length_is_no_class_axis(tmp
         (tmp_path / split).mkdir()
         for k in range(n):
             np.save(tmp_path / split / f"{k:02d}.npy", rng.standard_normal((1, 1, 1, 200 + 40 * (k % 3))).astype(np.float32))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        calibrate(model, str(tmp_path / "cal"), workdir=str(tmp_path / "work"), show_progress=False)
-        quantize(str(tmp_path / "work"))
-        r = evaluate_workdir(str(tmp_path / "work"), data=str(tmp_path / "ev"), show_progress=False,
-                             say=lambda *a, **k: None)
+    r = _three_steps(model, tmp_path)
     out = r["outputs"]["y"] if "outputs" in r else r
     assert "top1_agreement" not in out and out["shape"] == [1, "?"]
     assert r["runtime_check"]["checked"] == 6 and "error" not in r["runtime_check"]
@@ -392,12 +397,7 @@ def test_a_decoder_with_conv_transpose_and_bilinear_resize_is_checked_by_the_run
         (tmp_path / split).mkdir()
         for k in range(n):
             np.save(tmp_path / split / f"{k}.npy", rng.standard_normal((1, 3, 16, 16)).astype(np.float32))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        calibrate(model, str(tmp_path / "cal"), workdir=str(tmp_path / "work"), show_progress=False)
-        quantize(str(tmp_path / "work"))
-        r = evaluate_workdir(str(tmp_path / "work"), data=str(tmp_path / "ev"), show_progress=False,
-                             say=lambda *a, **k: None)
+    r = _three_steps(model, tmp_path)
     assert r["runtime_check"]["checked"] == 4 and "error" not in r["runtime_check"]
 
 

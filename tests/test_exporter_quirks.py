@@ -543,6 +543,24 @@ def test_outputs_gathered_as_they_come_join_as_the_reference_does():
     assert s.gather_like_reference(iter([parts[0], parts[1].astype(np.float64), parts[2]]))[1] == 0
 
 
+def _strict_quantize(tmp_path, graph, samples: list):
+    """The graph (opset 13, checked by qtool only) calibrated on `samples` (one .npy each) and quantized with
+    --strict and every default step."""
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    m.ir_version = 8
+    path = tmp_path / "m.onnx"
+    onnx.save(m, path)
+    data = tmp_path / "d"
+    data.mkdir()
+    for i, x in enumerate(samples):
+        np.save(data / f"{i}.npy", x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        calibrate(str(path), str(data), method="minmax", workdir=str(tmp_path / "w"), show_progress=False)
+        return quantize(str(tmp_path / "w"), strict=True, say=lambda *a, **k: None,
+                        sensitivity=SensitivityOptions(show_progress=False))
+
+
 def test_an_output_declared_without_a_shape_is_given_its_rank(tmp_path):
     """A graph output typed without a shape (unknown rank: ONNX Runtime runs it, the checker refused it, so
     calibrate stopped) takes the rank shape inference finds; the int8 model passes the checker."""
@@ -552,18 +570,7 @@ def test_an_output_declared_without_a_shape_is_given_its_rank(tmp_path):
                           [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
                           [numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w0")])
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
-    m.ir_version = 8
-    path = tmp_path / "m.onnx"
-    onnx.save(m, path)
-    data = tmp_path / "d"
-    data.mkdir()
-    for i in range(3):
-        np.save(data / f"{i}.npy", rng.standard_normal((1, 3, 8, 8)).astype(np.float32))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        calibrate(str(path), str(data), method="minmax", workdir=str(tmp_path / "w"), show_progress=False)
-        q = quantize(str(tmp_path / "w"), strict=True, say=lambda *a, **k: None)
+    q = _strict_quantize(tmp_path, g, [rng.standard_normal((1, 3, 8, 8)).astype(np.float32) for _ in range(3)])
     out = onnx.load(q.path)
     onnx.checker.check_model(out)
     assert len(out.graph.output[0].type.tensor_type.shape.dim) == 4
@@ -617,17 +624,5 @@ def test_dimensions_declared_minus_one_are_free(tmp_path):
     nodes.append(helper.make_node("Conv", [prev, "wy"], ["y"], pads=[1, 1, 1, 1]))
     g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [-1, 3, -1, -1])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [-1, 4, -1, -1])], inits)
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
-    m.ir_version = 8
-    path = tmp_path / "m.onnx"
-    onnx.save(m, path)
-    data = tmp_path / "d"
-    data.mkdir()
-    for i in range(12):
-        np.save(data / f"{i}.npy", rng.standard_normal((1, 3, 96, 128)).astype(np.float32))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        calibrate(str(path), str(data), method="minmax", workdir=str(tmp_path / "w"), show_progress=False)
-        q = quantize(str(tmp_path / "w"), strict=True, say=lambda *a, **k: None,
-                     sensitivity=SensitivityOptions(show_progress=False))
+    q = _strict_quantize(tmp_path, g, [rng.standard_normal((1, 3, 96, 128)).astype(np.float32) for _ in range(12)])
     assert q.report["summary"]["int8"] >= 4
