@@ -577,8 +577,8 @@ def test_an_output_declared_without_a_shape_is_given_its_rank(tmp_path):
 
 
 def test_experiments_run_large_inputs_in_smaller_batches(tmp_path):
-    """quantize's experiments batch samples by their bytes (BATCH_BYTES: 4 images at 640x640): 6 samples at
-    3x1024x1024 run 1 at a time, not 16 (hx8: a 624x624 classifier's --exclude-sensitive held 16 images'
+    """quantize's experiments batch samples by their bytes (BATCH_BYTES: 8 images at 640x640): 6 samples at
+    3x1536x1536 run 1 at a time, not 16 (hx8: a 624x624 classifier's --exclude-sensitive held 16 images'
     activations per experiment, two at a time: 4.1 GB for a 6.7 MB model; now 2.0 GB); the same outputs."""
     from qtool.quantize.run import load_inputs
     from qtool.quantize.samples import BATCH, load_samples
@@ -586,7 +586,7 @@ def test_experiments_run_large_inputs_in_smaller_batches(tmp_path):
     nodes = [helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1])]
     model = save(make_model(nodes, [weight(rng, "w", 2, 3, 3, 3)], [("x", ["N", 3, "H", "W"])], [("y", None)]),
                  tmp_path / "m.onnx")
-    for hw, want in ((1024, 1), (32, BATCH)):
+    for hw, want in ((1536, 1), (32, BATCH)):
         data = tmp_path / f"d{hw}"
         data.mkdir()
         for i in range(6):

@@ -16,11 +16,12 @@ import numpy as np
 from qtool import graph as G
 
 BATCH = 16
-# a run's activations grow with its inputs: batches hold at most this many input bytes (4 images at
+# a run's activations grow with its inputs: batches hold at most this many input bytes (8 images at
 # 640x640; BATCH at 224x224), so that a 624x624 classifier's experiments, two at a time in one shared
 # arena, do not hold 16 of its images' activations each (hx8: --exclude-sensitive at 4.1 GB on a 6.7 MB
-# model; 2.0 GB in batches of 4). One image a batch ran YOLO26n's quantize 14 % slower than 4 (33.7 / 31.3 s)
-BATCH_BYTES = 4 * 3 * 640 * 640 * 4
+# model; 2.45 GB in batches of 8, 1.98 in 4). Smaller batches cost time: PicoDet's quantize (800x608)
+# 32.5 s in 16, 34.0 in 6, 36.8 in 3; YOLO26n 33.7 s in 1, 31.3 in 4
+BATCH_BYTES = 8 * 3 * 640 * 640 * 4
 
 
 def _batch_for(inputs: dict) -> int:
