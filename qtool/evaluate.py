@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 
 import numpy as np
 from tqdm import tqdm
@@ -159,8 +160,11 @@ def evaluate(fp32_path: str, int8_path: str, data: str, config=None, labels: str
     if not getattr(src, "fixed_batch", None) and len(src):
         # 16 photos of a 640x480 text detector at once: two ORT arenas and the runtime's plan held 16 images'
         # activations each (hx8: eval at 3.3 GB on 16 photos); sized as a folder of tensors is
-        _, first = next(iter(ImageData(data, cfg, fp32, fp32_path, batch=1, limit=1, files=src.files[:1]).batches()))
-        fit = batch_for_memory(fp32, first, batch)
+        with warnings.catch_warnings():  # (an unreadable image is warned of once, by the run itself)
+            warnings.simplefilter("ignore")
+            probe = ImageData(data, cfg, fp32, fp32_path, batch=1, files=src.files[:8])
+            first = next(iter(probe.batches()), (None, None))[1]
+        fit = batch_for_memory(fp32, first, batch) if first else batch
         if fit < batch:
             src = ImageData(data, cfg, fp32, fp32_path, batch=fit, limit=limit, files=files)
     y_true = None

@@ -420,3 +420,16 @@ def test_eval_of_images_sizes_its_batches_by_memory(tmp_path, monkeypatch):
     assert cut["output_sqnr_db"] == pytest.approx(whole["output_sqnr_db"], rel=1e-4)
     assert cut["top1_agreement"] == whole["top1_agreement"]
     assert cut["runtime_check"]["checked"] == whole["runtime_check"]["checked"] == 5
+
+
+def test_eval_of_images_whose_first_is_unreadable(tmp_path):
+    """The image that sizes eval's batches is the first readable one: an unreadable first image is skipped
+    and counted once, as before, not a crash."""
+    from helpers import small_convnet
+    fp32, int8, cfg = _calibrated(tmp_path, small_convnet(seed=5))
+    (tmp_path / "ev" / "000_broken.png").write_bytes(b"\x89PNG not really")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        r = evaluate(fp32, int8, str(tmp_path / "ev"), config=cfg, latency=False, show_progress=False)
+    assert r["n_images"] == 5 and len(r["skipped"]) == 1
+    assert sum("000_broken.png" in str(w.message) for w in seen) == 1
