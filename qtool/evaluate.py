@@ -183,7 +183,8 @@ def evaluate(fp32_path: str, int8_path: str, data: str, config=None, labels: str
     exact = ExactCheck(int8_path, threads, native=native) if check else None
     out_name = sf.get_outputs()[0].name
     out_names = [o.name for o in sf.get_outputs()]
-    stats = {n: OutputStats(n) for n in out_names}
+    states = recurrent_states(fp32)
+    stats = {n: OutputStats(n, state=n in states) for n in out_names}
     native_stats = {"fp32": OutputStats(out_name), "int8": OutputStats(out_name)}  # native vs each
     label_of = dict(zip(src.files, y_true)) if y_true is not None else {}
     rows = {"fp32": [], "int8": []}  # a classifier's logits, for labels and top-5
@@ -257,8 +258,9 @@ def evaluate(fp32_path: str, int8_path: str, data: str, config=None, labels: str
 class OutputStats:
     """Streaming comparison of one output: SQNR, max abs error, and row/class agreement."""
 
-    def __init__(self, name: str, top_rows=(1, 10, 100)):
-        self.name, self.top_rows = name, top_rows
+    def __init__(self, name: str, top_rows=(1, 10, 100), state: bool = False):
+        """`state`: a recurrent layer's last hidden or cell state (recurrent_states), vectors and no classes."""
+        self.name, self.top_rows, self.state = name, top_rows, state
         self.sig = self.noise = self.maxerr = 0.0
         self.n = 0
         self.kind = None  # what agreement means here: decided on the first batch (output_kind)
@@ -346,6 +348,8 @@ class OutputStats:
                                   and not is_distribution(a64))
         if not self.n:
             self.kind, self.layout = output_kind(a64)
+            if self.state:  # (an LSTM's [directions, N, H] h and c: "top-1 per position" meant nothing)
+                self.kind = self.layout = None
             if self.unit_rows:  # (a face's or a sentence's normalized embedding: its cosine says it)
                 self.kind = None
         self.n += len(a64) if a64.ndim else 1
@@ -419,6 +423,25 @@ def is_distribution(a: np.ndarray, tol: float = 1e-2) -> bool:
     """Whether every row along the last axis is a probability distribution (a softmax's output)."""
     return a.size > 0 and a.shape[-1] > 1 and bool(a.min() >= 0 and a.max() <= 1 + tol
                                                    and np.abs(a.sum(-1) - 1).max() <= tol)
+
+
+RECURRENT = ("LSTM", "GRU", "RNN")
+STATE_CARRIERS = ("Identity", "Squeeze", "Unsqueeze", "Reshape", "Transpose", "Flatten")
+
+
+def recurrent_states(model) -> set:
+    """The graph outputs that are a recurrent layer's last states (its outputs 1 and 2: Y_h, Y_c), directly or
+    through ops that only reshape them: a streaming model's carried state, vectors with no classes."""
+    prod = G.producers(model)
+    states = set()
+    for o in model.graph.output:
+        t = o.name
+        while t in prod and prod[t].op_type in STATE_CARRIERS:
+            t = prod[t].input[0]
+        n = prod.get(t)
+        if n is not None and n.op_type in RECURRENT and list(n.output).index(t) >= 1:
+            states.add(o.name)
+    return states
 
 
 def output_kind(a: np.ndarray) -> tuple:
@@ -569,7 +592,8 @@ def evaluate_tensors(fp32_path: str, int8_path: str, data, limit: int | None = N
         raise QtoolError(f"{data}: holds images; evaluate them with a preprocessing config")
     sf, sq = session(fp32_path, threads), session(int8_path, threads)
     names = [o.name for o in sf.get_outputs()]
-    stats = {n: OutputStats(n) for n in names}
+    states = recurrent_states(fp32)
+    stats = {n: OutputStats(n, state=n in states) for n in names}
     exact = ExactCheck(int8_path, threads) if check and int8_ops else None
     sample, n_samples = None, 0
     runs = {"ort_fp32": [], "ort_int8": []}  # seconds per run; at batch 1 these are the latencies

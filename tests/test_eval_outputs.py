@@ -433,3 +433,32 @@ def test_eval_of_images_whose_first_is_unreadable(tmp_path):
         r = evaluate(fp32, int8, str(tmp_path / "ev"), config=cfg, latency=False, show_progress=False)
     assert r["n_images"] == 5 and len(r["skipped"]) == 1
     assert sum("000_broken.png" in str(w.message) for w in seen) == 1
+
+
+def test_a_recurrent_layers_last_state_gets_no_top1(tmp_path):
+    """An LSTM's last hidden state as an output ([1, 2, 16] after a Transpose: two directions, a streaming
+    model's carried state) is vectors, not a position's classes: no per-position top-1 (hx8: thai2rom's
+    encoder state read 'top-1 agreement per position'), its cosine instead."""
+    from onnx import TensorProto, numpy_helper
+    from qtool.evaluate import recurrent_states
+    rng = np.random.default_rng(10)
+    w = lambda n, *sh: numpy_helper.from_array((rng.standard_normal(sh) * 0.3).astype(np.float32), n)
+    nodes = [helper.make_node("MatMul", ["x", "wm"], ["m"]),
+             helper.make_node("LSTM", ["m", "W", "R", "B"], ["y", "yh"], hidden_size=16, direction="bidirectional"),
+             helper.make_node("Transpose", ["yh"], ["state"], perm=[1, 0, 2])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [6, 1, 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [6, 2, 1, 16]),
+                           helper.make_tensor_value_info("state", TensorProto.FLOAT, [1, 2, 16])],
+                          [w("wm", 8, 8), w("W", 2, 64, 8), w("R", 2, 64, 16), w("B", 2, 128)])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 14)])
+    m.ir_version = 8
+    assert recurrent_states(m) == {"state"}
+    model = str(tmp_path / "lstm.onnx")
+    save(m, model)
+    for split, n in (("cal", 8), ("ev", 4)):
+        (tmp_path / split).mkdir()
+        for k in range(n):
+            np.save(tmp_path / split / f"{k}.npy", rng.standard_normal((6, 1, 8)).astype(np.float32))
+    r = _three_steps(model, tmp_path)
+    state = r["outputs"]["state"]
+    assert "top1_agreement" not in state and state["cosine"]["mean"] > 0.9
