@@ -572,7 +572,10 @@ def resize(ins, at):
             shape[ax] = n_out
             frac = frac.reshape(shape)
             a, b = np.take(y, lo, axis=ax), np.take(y, hi, axis=ax)
-            y = a + (b - a) * frac
+            b -= a  # (a + (b - a) * frac in place: two upsampled copies held, not five)
+            b *= frac
+            b += a
+            y = b
             continue
         if nm == "floor":
             idx = np.floor(src)
