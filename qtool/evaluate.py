@@ -604,10 +604,10 @@ def evaluate_tensors(fp32_path: str, int8_path: str, data, limit: int | None = N
         outs_f = sf.run(names, feeds)
         runs["ort_int8"].append(t1 - t0)
         runs["ort_fp32"].append(time.perf_counter() - t1)
-        if exact is not None:
-            exact.add(feeds, outs_q, len(batch_names))
         # (a file is one sample, whatever its axis 0 holds; an iterable's item may be a batch)
         n_batch = len(batch_names) if src.kind in ("npy", "npz") else len(next(iter(feeds.values())))
+        if exact is not None:
+            exact.add(feeds, outs_q, n_batch)
         for name, a, b in zip(names, outs_f, outs_q):
             stats[name].add(a, b, n_batch)
         n_samples += n_batch

@@ -169,13 +169,10 @@ def exclude_sensitive(ctx: QuantizeContext, ranking: list, samples: SampleSet, t
             predicted = position_agreement(reference, y)
             err = kl_each(reference, y, log=dist == "LogSoftmax")
             kl = float(err.mean())
-        elif decisions:  # a one-value decision at each position ([N, T, 1]: a word boundary per character)
-            r1, y1 = reference.reshape(-1, 1), y.reshape(-1, 1)
-            agree, predicted, count = top1_agreement(r1, y1), predicted_agreement(r1, y1), len(r1)
-            err = per_image_error(reference, y)
-            kl = -db
         else:
-            agree, predicted, count = top1_agreement(reference, y), predicted_agreement(reference, y), len(y)
+            # (decisions: a one-value decision at each position, [N, T, 1]: a word boundary per character)
+            r1, y1 = (reference.reshape(-1, 1), y.reshape(-1, 1)) if decisions else (reference, y)
+            agree, predicted, count = top1_agreement(r1, y1), predicted_agreement(r1, y1), len(r1)
             err = per_image_error(reference, y)
             kl = float(err.mean()) if y.ndim == 2 else -db  # (err: each image's KL there)
         pt = TradeoffPoint(sorted(n for n in excl if n not in base_exclude), agree, predicted, db, drop, None,
@@ -218,7 +215,7 @@ def exclude_sensitive(ctx: QuantizeContext, ranking: list, samples: SampleSet, t
     if measure_latency:
         pt.ort_int8_ms = latency_ms(_deployed(ctx, q, excl), one)
     res = ExclusionResult(dict(excl), [pt], good(pt), target, model=q.model,
-                          error="KL" if dist or (reference.ndim == 2 and not decisions) else "-SQNR")
+                          error="KL" if dist or reference.ndim == 2 else "-SQNR")
     if partial is not None:
         partial.append(res)
     best_q, best_pt = q, pt

@@ -95,8 +95,12 @@ def clip(ins, at):
 @op("Sigmoid")
 def sigmoid(ins, at):
     x = ins[0]
+    return [_sig(x).astype(x.dtype)]
+
+
+def _sig(v):
     with np.errstate(over="ignore"):  # exp(-x) overflows to inf for x below about -88: 1 / inf = 0, as it should
-        return [(1.0 / (1.0 + np.exp(-x))).astype(x.dtype)]
+        return 1.0 / (1.0 + np.exp(-v))
 
 
 @op("HardSigmoid")
@@ -649,11 +653,6 @@ def _recurrent_outputs(ys, hs, extra):
     """Y [T, dirs, B, H] and the last states [dirs, B, H]."""
     outs = [np.stack(ys, axis=1), np.stack(hs)] + [np.stack(e) for e in extra]
     return [o.astype(np.float32) for o in outs]
-
-
-def _sig(v):
-    with np.errstate(over="ignore"):
-        return 1.0 / (1.0 + np.exp(-v))
 
 
 @op("LSTM")
