@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from onnx import helper
 
-from helpers import init, make_model, weight
+from helpers import init, make_model, run, weight
 from rules_util import output_sqnr, quantize_tiny
 
 
@@ -92,3 +93,43 @@ def test_pad_zero_passes_nonzero_stays_fp32(tmp_path):
         if status == "fp32":
             assert "not 0" in d["pad"].reason
         assert output_sqnr(m, out.model, feeds) > 25
+
+
+# data movement ONNX Runtime runs on uint8 (it drops their Q/DQ) or in float on the same grid: the output keeps
+# the input's scale and zero point, and qtool's runtime moves the uint8 values as ORT does
+_MOVES = {
+    "DepthToSpace": ([], dict(blocksize=2, mode="CRD"), ["N", 1, 16, 16]),
+    "SpaceToDepth": ([], dict(blocksize=2), ["N", 16, 4, 4]),
+    "Gather": ([init("idx", [3, 0, 1], np.int64)], dict(axis=1), ["N", 3, 8, 8]),
+    "GatherElements": ([init("idx", np.random.default_rng(9).integers(-4, 4, (1, 4, 8, 8)), np.int64)],
+                       dict(axis=1), ["N", 4, 8, 8]),
+    "Expand": ([init("shape", [1, 4, 8, 8], np.int64)], {}, ["N", 4, 8, 8]),
+    "Tile": ([init("reps", [1, 1, 2, 1], np.int64)], {}, ["N", 4, 16, 8]),
+    "ReduceMax": ([], dict(axes=[2]), ["N", 4, 1, 8]),
+    "ReduceMin": ([], dict(axes=[3]), ["N", 4, 8, 1]),
+}
+
+
+@pytest.mark.parametrize("op", sorted(_MOVES))
+def test_data_movement_passes_uint8_through(tmp_path, op):
+    from qtool.runtime import NativeSession
+
+    extra, attrs, out_shape = _MOVES[op]
+    rng = np.random.default_rng(4)
+    mv = helper.make_node(op, ["a"] + [i.name for i in extra], ["m"], name="move", **attrs)
+    nodes, inits = [], list(extra)
+    n, i = _conv(rng, "x", "a", "c0")
+    nodes += [n, mv]
+    inits += i
+    cin = out_shape[1]
+    nodes.append(helper.make_node("Conv", ["m", "c1_w", "c1_b"], ["y"], name="c1", kernel_shape=[1, 1]))
+    inits += [weight(rng, "c1_w", 4, cin, 1, 1), weight(rng, "c1_b", 4, scale=0.1)]
+    m = make_model(nodes, inits, [("x", ["N", 4, 8, 8])], [("y", ["N", 4] + out_shape[2:])], opset=17)
+    out, d, feeds = quantize_tiny(m, tmp_path, {"x": (2, 4, 8, 8)})
+    assert d["move"].status == "passthrough", d["move"].reason
+    _check_shared(out, mv)
+    assert output_sqnr(m, out.model, feeds) > 25
+    s = NativeSession(out.model, threads=1)
+    assert [e.mode for e in s.report_entries() if e.op == op] == ["int8"], s.report()
+    # no rounding but the convolutions' own: qtool's runtime gives ONNX Runtime's int8 result
+    np.testing.assert_allclose(s.run(None, feeds)[0], run(out.model, feeds)[0], rtol=1e-5, atol=1e-5)

@@ -174,3 +174,30 @@ def test_plans_for_many_input_sizes_are_bounded_by_bytes(tmp_path, monkeypatch):
     s._plans[((1, 3, 24, 24),)].bytes = 10 << 20
     s.run(None, {"x": rng.standard_normal((1, 3, 8, 24)).astype(np.float32)})
     assert list(s._plans) == [((1, 3, 8, 24),)]  # (the newest is kept whatever its size)
+
+
+_R = np.random.default_rng(3)
+MOVES = [  # each with an input its op accepts (C a multiple of 4, H and W even)
+    ("DepthToSpace", _R.standard_normal((2, 12, 3, 5)), [], dict(blocksize=2, mode="DCR")),
+    ("DepthToSpace", _R.standard_normal((2, 12, 3, 5)), [], dict(blocksize=2, mode="CRD")),
+    ("SpaceToDepth", _R.standard_normal((2, 3, 4, 6)), [], dict(blocksize=2)),
+    ("GatherElements", _R.standard_normal((2, 5, 4, 3)), [_R.integers(-5, 5, (2, 5, 4, 3))], dict(axis=1)),
+    # indices shorter than the data off the axis: the output takes the indices' shape
+    ("GatherElements", _R.standard_normal((2, 5, 4, 3)), [_R.integers(-4, 4, (1, 2, 4, 2))], dict(axis=2)),
+]
+
+
+@pytest.mark.parametrize("op,x,extra,attrs", MOVES, ids=[f"{c[0]}-{i}" for i, c in enumerate(MOVES)])
+def test_data_movement_ops_match_ort(op, x, extra, attrs):
+    x = x.astype(np.float32)
+    names = ["x"] + [f"in{i}" for i in range(len(extra))]
+    inits = [numpy_helper.from_array(a, n) for a, n in zip(extra, names[1:])]
+    g = helper.make_graph([helper.make_node(op, names, ["y"], **attrs)], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape)],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    ref = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    y = FP32_OPS[op]([x] + extra, dict(attrs, _n_outputs=1))[0]
+    assert y.shape == ref.shape
+    np.testing.assert_array_equal(y, ref)

@@ -3,8 +3,9 @@
 A rule says which inputs of a node are activations to quantize (uint8, per tensor),
 which input is a weight (int8, per channel along `axis`) and which is a bias (int32),
 and whether the output gets its own quantization parameters ("compute") or carries the
-input's unchanged ("passthrough": shape ops, Slice/Split/Resize/Pad and max pooling; every
-output of a passthrough node shares its data input's parameters).
+input's unchanged ("passthrough": shape ops, Slice/Split/Resize/Pad, max pooling, data movement
+(Gather, Expand, Tile, DepthToSpace ...) and ReduceMax/ReduceMin; every output of a passthrough node
+shares its data input's parameters).
 An op without a rule stays fp32 and the quantize summary says so.
 """
 from __future__ import annotations

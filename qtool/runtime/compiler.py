@@ -949,4 +949,6 @@ INT_RULES = {
     "Slice": _rule_shape_op,
     "Resize": _rule_shape_op,
     "Upsample": _rule_shape_op,
+    **{op: _rule_shape_op for op in ("Gather", "GatherElements", "Expand", "Tile", "DepthToSpace", "SpaceToDepth",
+                                     "ReduceMax", "ReduceMin")},
 }

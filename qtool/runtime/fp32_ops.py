@@ -219,6 +219,35 @@ def gather(ins, at):
     return [np.take(ins[0], ins[1].astype(np.int64), axis=at.get("axis", 0))]
 
 
+@op("GatherElements")
+def gather_elements(ins, at):
+    x, i = ins[0], ins[1].astype(np.int64)
+    ax = at.get("axis", 0) % x.ndim
+    # the output has the indices' shape: off the axis they may be shorter than the data (no broadcasting)
+    x = x[tuple(slice(None) if d == ax else slice(0, n) for d, n in enumerate(i.shape))]
+    return [np.take_along_axis(x, np.where(i < 0, i + x.shape[ax], i), axis=ax)]
+
+
+@op("DepthToSpace")
+def depth_to_space(ins, at):
+    x, b = ins[0], int(at["blocksize"])
+    n, c, h, w = x.shape
+    mode = at.get("mode", b"DCR")
+    if (mode.decode() if isinstance(mode, bytes) else mode) == "DCR":
+        y = x.reshape(n, b, b, c // (b * b), h, w).transpose(0, 3, 4, 1, 5, 2)
+    else:  # CRD
+        y = x.reshape(n, c // (b * b), b, b, h, w).transpose(0, 1, 4, 2, 5, 3)
+    return [y.reshape(n, c // (b * b), h * b, w * b)]
+
+
+@op("SpaceToDepth")
+def space_to_depth(ins, at):
+    x, b = ins[0], int(at["blocksize"])
+    n, c, h, w = x.shape
+    y = x.reshape(n, c, h // b, b, w // b, b).transpose(0, 3, 5, 1, 2, 4)
+    return [y.reshape(n, c * b * b, h // b, w // b)]
+
+
 @op("Slice")
 def slice_(ins, at):
     x = ins[0]
