@@ -17,7 +17,7 @@ import onnx
 from onnx import external_data_helper, helper
 
 from qtool.errors import QtoolError
-from qtool.graph import copy_fields, skeleton, topological_order
+from qtool.graph import _subgraphs, copy_fields, skeleton, topological_order
 from qtool.limits import elems, human_bytes, regular_file
 from qtool.ortsession import session
 
@@ -181,6 +181,14 @@ def load_model(path: str, check: bool = True, notes: list | None = None) -> onnx
         _read_external(model, base, path)
     except OSError as e:
         raise QtoolError(f"{path}: cannot read external data ({e.strerror or e})") from None
+    if model.functions:
+        try:
+            n = inlined_size(model)
+        except QtoolError as e:
+            raise QtoolError(f"{path}: {e}") from None
+        if n > MAX_INLINED_NODES:
+            raise QtoolError(f"{path}: its {len(model.functions)} local function(s) would inline to more than "
+                             f"{MAX_INLINED_NODES} nodes")
     if check:
         note = _sort_nodes(model, path)
         if note and notes is not None:
@@ -192,6 +200,36 @@ def load_model(path: str, check: bool = True, notes: list | None = None) -> onnx
         if note and notes is not None:
             notes.append(note)
     return model
+
+
+MAX_INLINED_NODES = 1_000_000  # (the largest real graphs met hold about 10^4 nodes)
+
+
+def inlined_size(model: onnx.ModelProto, limit: int = MAX_INLINED_NODES) -> int:
+    """Nodes of the graph (subgraphs included) once every call of a local function is replaced by its
+    body, recursively; counting stops once past `limit`. Nested calls multiply: a function calling
+    another twice, 30 levels deep, is 2^30 copies of the innermost body in a file of a few kB."""
+    funcs = {(f.domain, f.name): f for f in model.functions}
+    memo: dict = {}
+
+    def size(nodes, stack) -> int:
+        total = 0
+        todo = list(nodes)
+        while todo and total <= limit:
+            n = todo.pop()
+            todo.extend(x for g in _subgraphs(n) for x in g.node)
+            key = (n.domain, n.op_type)
+            if key not in funcs:
+                total += 1
+                continue
+            if key in stack:
+                raise QtoolError(f"local function {key[0]}:{key[1]} calls itself")
+            if key not in memo:
+                memo[key] = size(funcs[key].node, stack | {key})
+            total += memo[key]
+        return total
+
+    return size(model.graph.node, frozenset())
 
 
 def _give_shapes(model: onnx.ModelProto) -> str | None:

@@ -1,7 +1,8 @@
 """Graph cleanup and fusion: model -> fused fp32 graph computing the same function.
 
-A model below opset 13 is first upgraded to 13 (upgrade_opset), so that every later step sees the opset
-the int8 graph will have, and a float16 model is widened to compute in float32 (upcast_float16).
+A model's local functions are first inlined (inline_functions); a model below opset 13 is upgraded to
+13 (upgrade_opset), so that every later step sees the opset the int8 graph will have, and a float16
+model is widened to compute in float32 (upcast_float16).
 
 Each pass is one small module with a `run(model, ctx) -> changed` function, listed in
 PASSES in the order they are tried; the list is applied until no pass changes anything.
@@ -15,8 +16,8 @@ from dataclasses import dataclass, field
 import onnx
 
 from qtool import graph as G
-from qtool.fuse import (fold_batchnorm, fold_constants, fold_mul_add, fold_pad, fold_reshape_shape, pair_channels,
-                        remove_dead, remove_identity, upcast_float16, upgrade_opset)
+from qtool.fuse import (fold_batchnorm, fold_constants, fold_mul_add, fold_pad, fold_reshape_shape, inline_functions,
+                        pair_channels, remove_dead, remove_identity, upcast_float16, upgrade_opset)
 from qtool.errors import QtoolError
 
 PASSES = [
@@ -86,6 +87,13 @@ def fuse_model(model: onnx.ModelProto, input_pins: dict | None = None, passes=No
     ctx = FuseContext(input_pins=dict(input_pins or {}))
     before = _op_counts(m)
     if passes is None:
+        notes = []
+        try:
+            m = inline_functions.inline(m, notes)
+        except QtoolError as e:  # (the calls stay ops without a rule: fp32, and the note says why)
+            notes.append(str(e))
+        for line in notes:
+            ctx.log("inline_functions", line)
         notes = []
         try:
             m = upgrade_opset.upgrade(m, notes)
