@@ -57,6 +57,14 @@ def _shared_arena():
         _SHARED_ARENA.append(mem)
 
 
+def onnx_type(ort_type: str) -> int | None:
+    """ONNX Runtime's type string ('tensor(int32)') as an onnx.TensorProto element type; None for a
+    sequence, map or unknown type."""
+    if not (ort_type.startswith("tensor(") and ort_type.endswith(")")):
+        return None
+    return getattr(onnx.TensorProto, ort_type[7:-1].upper(), None)
+
+
 def session(model: onnx.ModelProto | str | bytes, threads: int = 0, arena: bool | str = True, spin: bool = True,
             basic: bool = False, where: str | None = None, external: dict | None = None,
             profile_prefix: str | None = None, float_weights: bool = False) -> ort.InferenceSession:

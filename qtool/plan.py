@@ -56,7 +56,33 @@ def elem_types(model: onnx.ModelProto) -> dict:
     vis = list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output)
     types = {v.name: v.type.tensor_type.elem_type for v in vis if v.type.tensor_type.elem_type}
     types.update({t.name: t.data_type for t in model.graph.initializer})
+    if any(n.domain not in ("", "ai.onnx", "ai.onnx.ml") for n in model.graph.node):
+        types.update(_ort_types(model, types))
     return types
+
+
+def _ort_types(model: onnx.ModelProto, known: dict) -> dict:
+    """The types ONNX's inference leaves unknown, as ONNX Runtime infers them: ONNX knows nothing of the
+    com.microsoft ops an ORT-optimized transformer holds (Attention, EmbedLayerNormalization), so every
+    tensor they write looked float, and an experiment cut at Attention's int32 mask index declared it
+    float and could not load. One session of the skeleton (no weights, nothing run) with those tensors
+    as outputs; {} if ONNX Runtime cannot build it either."""
+    from qtool.ortsession import onnx_type, session
+
+    missing = [o for n in model.graph.node for o in n.output if o and o not in known]
+    if not missing:
+        return {}
+    sk = G.skeleton(model)
+    have = {o.name for o in sk.graph.output}
+    for o in missing:
+        if o not in have:
+            sk.graph.output.add().name = o
+    try:
+        s = session(sk, threads=1, basic=True)
+    except Exception:  # noqa: BLE001 - a custom op of no registered domain: the types stay unknown
+        return {}
+    wanted = set(missing)
+    return {o.name: onnx_type(o.type) for o in s.get_outputs() if o.name in wanted and onnx_type(o.type)}
 
 
 def _clip_bounds(node, model):

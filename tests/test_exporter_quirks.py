@@ -626,3 +626,24 @@ def test_dimensions_declared_minus_one_are_free(tmp_path):
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [-1, 4, -1, -1])], inits)
     q = _strict_quantize(tmp_path, g, [rng.standard_normal((1, 3, 96, 128)).astype(np.float32) for _ in range(12)])
     assert q.report["summary"]["int8"] >= 4
+
+
+def test_types_of_com_microsoft_outputs_come_from_onnx_runtime():
+    """An ORT-optimized transformer holds com.microsoft ops (Attention, EmbedLayerNormalization) whose outputs
+    ONNX's inference cannot type: they were taken for float, and a quantize experiment cut at Attention's int32
+    mask index declared it float and failed to load (sensitivity and --strict: exit 70). ONNX Runtime types them."""
+    from onnx import TensorProto, helper
+
+    from qtool.plan import elem_types
+
+    nodes = [helper.make_node("MurmurHash3", ["ids"], ["h"], domain="com.microsoft", name="hash"),
+             helper.make_node("Cast", ["h"], ["hf"], to=TensorProto.FLOAT, name="cast"),
+             helper.make_node("Add", ["hf", "x"], ["y"], name="add")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [2, 3]),
+                                       helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    m.ir_version = 8
+    types = elem_types(m)
+    assert types["h"] == TensorProto.UINT32  # (its default: positive hashes)
+    assert types["y"] == TensorProto.FLOAT

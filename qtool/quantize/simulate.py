@@ -33,7 +33,7 @@ from onnx import TensorProto, helper
 
 from qtool import graph as G
 from qtool import qparams as Q
-from qtool.ortsession import session
+from qtool.ortsession import onnx_type, session
 from qtool.plan import ModelFacts, make_plan
 from qtool.fuse.upgrade_opset import upgrade as upgrade_opset
 from qtool.quantize.qdq import activation_qparams, layer_weights
@@ -453,18 +453,12 @@ def _copy(node):
 def _external(name: str, val) -> onnx.TensorProto:
     """An initializer that names its data as external: the session fills it from an OrtValue."""
     t = onnx.TensorProto()
-    t.name, t.data_type = name, _onnx_type(val.data_type())
+    t.name, t.data_type = name, onnx_type(val.data_type()) or TensorProto.FLOAT
     t.dims.extend(val.shape())
     t.data_location = onnx.TensorProto.EXTERNAL
     e = t.external_data.add()
     e.key, e.value = "location", "qtool-shared-initializer"  # never read: add_external_initializers replaces it
     return t
-
-
-def _onnx_type(ort_type: str) -> int:
-    return {"tensor(float)": TensorProto.FLOAT, "tensor(int64)": TensorProto.INT64, "tensor(int32)": TensorProto.INT32,
-            "tensor(uint8)": TensorProto.UINT8, "tensor(int8)": TensorProto.INT8,
-            "tensor(double)": TensorProto.DOUBLE, "tensor(float16)": TensorProto.FLOAT16}.get(ort_type, TensorProto.FLOAT)
 
 
 # ---------------------------------------------------------------------- helpers
