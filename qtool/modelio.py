@@ -190,6 +190,9 @@ def load_model(path: str, check: bool = True, notes: list | None = None) -> onnx
             raise QtoolError(f"{path}: its {len(model.functions)} local function(s) would inline to more than "
                              f"{MAX_INLINED_NODES} nodes")
     if check:
+        note = _old_ir_initializers(model)
+        if note and notes is not None:
+            notes.append(note)
         note = _sort_nodes(model, path)
         if note and notes is not None:
             notes.append(note)
@@ -230,6 +233,21 @@ def inlined_size(model: onnx.ModelProto, limit: int = MAX_INLINED_NODES) -> int:
         return total
 
     return size(model.graph.node, frozenset())
+
+
+def _old_ir_initializers(model: onnx.ModelProto) -> str | None:
+    """IR 3 asks every initializer to be listed as a graph input too (a default value the caller may
+    override); some old exporters did not list them (waifu2x's upconv7, IR 3, opset 8). ONNX Runtime
+    runs such a model, the checker refuses it: it is read as IR 4, where an initializer is a constant."""
+    if model.ir_version >= 4:
+        return None
+    listed = {i.name for i in model.graph.input}
+    unlisted = sum(t.name not in listed for t in model.graph.initializer)
+    if not unlisted:
+        return None
+    model.ir_version = 4
+    return (f"IR version 3, with {unlisted} initializer(s) not listed as graph inputs (as ONNX Runtime runs it): "
+            f"read as IR 4")
 
 
 def _give_shapes(model: onnx.ModelProto) -> str | None:

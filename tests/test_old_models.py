@@ -43,6 +43,24 @@ def test_ir3_model_with_weights_as_inputs_quantizes_and_runs(tmp_path):
     assert _sqnr(_ort(p, x), _ort(q.path, x)) > 25
 
 
+def test_ir3_model_with_unlisted_initializers_is_read_as_ir4(tmp_path):
+    """IR 3 wants every initializer listed as a graph input; waifu2x's upconv7 (IR 3, opset 8) lists none. ONNX
+    Runtime runs it; the checker refused it and calibrate stopped (exit 1). Now it is read as IR 4, said in a note."""
+    from qtool.modelio import load_model
+
+    m = old_ir_conv_bn(hw=8)
+    del m.graph.input[1:]  # only x listed
+    p = str(tmp_path / "old.onnx")
+    onnx.save(m, p)
+    notes = []
+    assert load_model(p, notes=notes).ir_version == 4
+    assert any("not listed as graph inputs" in n for n in notes), notes
+    calibrate(p, _samples((1, 3, 8, 8)), workdir=str(tmp_path / "w"))
+    q = quantize(workdir=str(tmp_path / "w"))
+    x = _samples((1, 3, 8, 8), 1, seed=5)[0]
+    assert _sqnr(_ort(p, x), _ort(q.path, x)) > 25
+
+
 def _opset9_classifier():
     """Conv -> Relu -> Dropout (mask written, unread) -> GlobalAveragePool -> Softmax, opset 9, IR 3,
     weights listed as inputs: SqueezeNet as the old Caffe2 export wrote it."""
