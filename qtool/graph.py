@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+import os
 from collections import defaultdict
 
 import numpy as np
@@ -493,6 +494,40 @@ def quantized_ops(model: onnx.ModelProto) -> dict:
     return c
 
 
+def infer_shapes_guarded(model: onnx.ModelProto, **kwargs) -> onnx.ModelProto:
+    """onnx.shape_inference.infer_shapes(model, **kwargs) in a forked child process. onnx's C++ inference
+    can abort the whole process instead of raising: with data propagation, waifu2x's CUNet at an input of
+    1 x 1 (one of the sizes fold_constants tries) crops past its border and a Slice's bounds fail a
+    libstdc++ assertion (SIGABRT, calibrate exit 134). A child that dies or fails raises ValueError here,
+    as a failed inference would; the model is only read (the child gets it through fork, copy on write)."""
+    if not hasattr(os, "fork"):
+        return onnx.shape_inference.infer_shapes(model, **kwargs)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: infer, write the result, leave without running any of the parent's cleanup
+        code = 1
+        try:
+            os.close(r)
+            import faulthandler
+            faulthandler.disable()  # (an abort is expected here: no traceback dump of the parent's threads)
+            data = onnx.shape_inference.infer_shapes(model, **kwargs).SerializeToString()
+            with os.fdopen(w, "wb") as f:
+                f.write(data)
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        data = f.read()
+    _, status = os.waitpid(pid, 0)
+    if not (os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0):
+        why = f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"exit {os.WEXITSTATUS(status)}"
+        raise ValueError(f"shape inference failed ({why})")
+    out = onnx.ModelProto()
+    out.ParseFromString(data)
+    return out
+
+
 def inferred_shapes(model: onnx.ModelProto, inputs: dict | None = None) -> dict:
     """tensor -> its dims from ONNX shape inference (on the weightless skeleton): ints where known,
     None where symbolic or unknown ({} when inference fails). `inputs` (input name -> shape): infer
@@ -505,7 +540,7 @@ def inferred_shapes(model: onnx.ModelProto, inputs: dict | None = None) -> dict:
                 del dims[:]
                 for d in inputs[i.name]:
                     dims.add().dim_value = int(d)
-        inf = onnx.shape_inference.infer_shapes(sk, strict_mode=False, data_prop=True)
+        inf = infer_shapes_guarded(sk, strict_mode=False, data_prop=True)
     except Exception:
         return {}
     out = {}

@@ -485,3 +485,31 @@ def test_keep_dropout_whose_mask_is_read_or_that_trains():
     off = [helper.make_node("Dropout", ["x", "", "t"], ["b"]), helper.make_node("Neg", ["b"], ["y"])]
     m0 = make_model(off, [init("t", np.array(False), np.bool_)], [("x", ["N", 4])], [("y", ["N", 4])], opset=13)
     assert _apply(remove_identity.run, m0)[1]
+
+
+def _crop_after_valid_conv(h="H"):
+    """Conv 3x3 without padding, then a crop of 4 rows each side (waifu2x's CUNet crops so): at a height of 1
+    the Conv's rows are -1 and onnx's shape inference with data propagation aborts the process (SIGABRT)."""
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv"),
+             # (Constant nodes, as the opset upgrade writes a Slice-9's attributes: fold_constants has work to do)
+             helper.make_node("Constant", [], ["st"], value=helper.make_tensor("st", 7, [1], [4]), name="k0"),
+             helper.make_node("Constant", [], ["en"], value=helper.make_tensor("en", 7, [1], [-4]), name="k1"),
+             helper.make_node("Slice", ["c", "st", "en", "ax"], ["y"], name="crop")]
+    inits = [weight(rng, "w", 2, 1, 3, 3), init("ax", [2], np.int64)]
+    return make_model(nodes, inits, [("x", [1, 1, h, 16])], [("y", [1, 2, None, 14])])
+
+
+def test_shape_inference_that_aborts_is_a_failure_not_a_crash():
+    m = _crop_after_valid_conv(h=1)
+    with pytest.raises(ValueError, match="signal 6"):
+        G.infer_shapes_guarded(m, strict_mode=False, data_prop=True)
+    assert G.inferred_shapes(m) == {}
+    assert G.infer_shapes_guarded(_crop_after_valid_conv(h=32), data_prop=True).graph.output[0].type.tensor_type.shape.dim[2].dim_value == 22
+
+
+def test_fold_constants_survives_sizes_the_model_cannot_take():
+    """fold_constants instantiates free dims at 1 (among others); calibrate died there (exit 134)."""
+    fused = fuse_model(_crop_after_valid_conv())
+    x = np.random.default_rng(1).standard_normal((1, 1, 40, 16)).astype(np.float32)
+    assert_same_function(_crop_after_valid_conv(), fused.model, {"x": x})

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import numpy_helper, shape_inference
+from onnx import numpy_helper
 from onnx.reference import ReferenceEvaluator
 
 from qtool import graph as G
@@ -56,7 +56,7 @@ def _pinned(model: onnx.ModelProto, variant: int, pins: dict) -> onnx.ModelProto
 
 def _shapes(model: onnx.ModelProto) -> dict:
     try:
-        inferred = shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+        inferred = G.infer_shapes_guarded(model, strict_mode=False, data_prop=True)  # (our sizes: may abort)
     except Exception:
         return {}
     out = {}
