@@ -174,3 +174,51 @@ def test_an_stft_front_end_with_a_length_mask():
     onnx.checker.check_model(m)
     assert set(log_domain(m)) == {"stft", "power", "mel", "floor"}
     assert "fc" in make_plan(m).int8_nodes
+
+
+def magnitude_model(seed=0):
+    """Silero VAD's front end without a Log: DFT -> re^2 + im^2 (Pow 2) -> Sqrt -> a network (MatMul, Relu, MatMul)."""
+    rng = np.random.default_rng(seed)
+    nodes = [helper.make_node("MatMul", ["x", "dft_re"], ["re"], name="dft_re"),
+             helper.make_node("MatMul", ["x", "dft_im"], ["im"], name="dft_im"),
+             helper.make_node("Pow", ["re", "two"], ["re2"], name="re2"),
+             helper.make_node("Pow", ["im", "two"], ["im2"], name="im2"),
+             helper.make_node("Add", ["re2", "im2"], ["power"], name="power"),
+             helper.make_node("Sqrt", ["power"], ["mag"], name="mag"),
+             helper.make_node("MatMul", ["mag", "w1"], ["h"], name="fc1"),
+             helper.make_node("Relu", ["h"], ["hr"], name="relu1"),
+             helper.make_node("MatMul", ["hr", "w2"], ["y"], name="fc2")]
+    inits = _front_end_inits(rng)[:2] + [init("two", np.array(2.0)), init("w1", rng.standard_normal((BINS, 16)) / 4),
+                                         init("w2", rng.standard_normal((16, 4)) / 4)]
+    return make_model(nodes, inits, [("x", ["N", 20, FRAME])], [("y", ["N", 20, 4])])
+
+
+def test_a_magnitude_spectrum_keeps_its_power_fp32():
+    """The power under a front end's Sqrt stays fp32 (and the DFT writing it); the magnitude, half its spread
+    in dB, is quantized for the network, which stays int8."""
+    m = magnitude_model()
+    assert set(log_domain(m)) == {"dft_re", "dft_im", "re2", "im2", "power"}
+    plan = make_plan(m)
+    assert {"fc1", "fc2"} <= plan.int8_nodes
+    assert "mag" in plan.tensors and not {"re", "im", "power"} & set(plan.tensors)
+
+
+def test_a_layernorm_sqrt_is_no_magnitude():
+    """Sqrt(mean((x - mean(x))^2) + eps) over a linear layer's output: centred squares, not a power spectrum."""
+    rng = np.random.default_rng(6)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["z"], name="fc"),
+             helper.make_node("ReduceMean", ["z"], ["mu"], name="mean", axes=[-1]),
+             helper.make_node("Sub", ["z", "mu"], ["d"], name="centre"),
+             helper.make_node("Pow", ["d", "two"], ["d2"], name="sq"),
+             helper.make_node("ReduceMean", ["d2"], ["var"], name="var", axes=[-1]),
+             helper.make_node("Add", ["var", "eps"], ["ve"], name="plus_eps"),
+             helper.make_node("Sqrt", ["ve"], ["sd"], name="sd"),
+             helper.make_node("Div", ["d", "sd"], ["y"], name="norm")]
+    m = make_model(nodes, [init("w", rng.standard_normal((8, 8))), init("two", np.array(2.0)), init("eps", np.array(1e-5))],
+                   [("x", ["N", 8])], [("y", ["N", 8])], opset=17)
+    assert log_domain(m) == {}
+    # nor a Sqrt of the squares of a network's output (a Relu between)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["z"], name="fc"), helper.make_node("Relu", ["z"], ["r"], name="relu"),
+             helper.make_node("Mul", ["r", "r"], ["p"], name="sq"), helper.make_node("Sqrt", ["p"], ["y"], name="root")]
+    m = make_model(nodes, [init("w", rng.standard_normal((8, 8)))], [("x", ["N", 8])], [("y", ["N", 8])])
+    assert log_domain(m) == {}

@@ -1,4 +1,4 @@
-"""Spectra on their way to a Log stay fp32.
+"""Spectra on their way to a Log, or to the square root of a power spectrum, stay fp32.
 
 An audio front end computes a spectrum (a DFT as MatMul or Conv with a constant basis, squares
 and sums of its real and imaginary parts, a square root, a mel or constant-Q filterbank) and
@@ -19,8 +19,18 @@ int8. For a front end's Log, the nodes on that walk down to the second linear op
 DFT under a mel or constant-Q filterbank) stay fp32; the DFT's input (the framed waveform) may stay
 int8, and so may what a longer chain of filters computes before it (basic-pitch's octave
 downsampling).
+
+A magnitude spectrum taken as Sqrt(re^2 + im^2) from a DFT (Silero VAD's STFT: a Conv with a constant
+basis, its real and imaginary halves sliced, squared and added) is a root too, though no Log follows:
+the power under the Sqrt spans twice the magnitude's range in dB, and its quiet bins rounded to zero
+stay zero (silero-vad 6.2.3, every tensor int8: 4-6 % of its 32 ms speech decisions flipped; the power
+Add alone in fp32: 1 %). The magnitude itself, half that spread, may stay int8 for the network reading
+it. Only a sum of squares of a linear transform's outputs counts, so a LayerNorm's Sqrt (of a mean of
+centred squares) is none.
 """
 from __future__ import annotations
+
+from onnx import numpy_helper
 
 from qtool import graph as G
 
@@ -80,16 +90,58 @@ def _front_end(t: str, producer: dict, inits: dict) -> bool:
     return True
 
 
+def _transformed(t: str, producer: dict, inits: dict) -> bool:
+    """Whether t is, through data movement only, what a DFT (a linear op with a constant weight, STFT/DFT) writes."""
+    node = producer.get(t)
+    while node is not None and node.op_type in MOVEMENT and node.input:
+        node = producer.get(node.input[0])
+    return node is not None and (node.op_type in TRANSFORMS or (node.op_type in LINEAR and _weight_is_constant(node, inits)))
+
+
+def _squared(node, inits: dict) -> str | None:
+    """a, for Pow(a, 2), Mul(a, a) or ReduceSumSquare(a); else None."""
+    if node.op_type == "Mul" and len(node.input) == 2 and node.input[0] == node.input[1]:
+        return node.input[0]
+    if node.op_type == "ReduceSumSquare":
+        return node.input[0]
+    if node.op_type == "Pow" and len(node.input) == 2 and node.input[1] in inits:
+        e = numpy_helper.to_array(inits[node.input[1]])
+        return node.input[0] if e.size == 1 and float(e.ravel()[0]) == 2.0 else None
+    return None
+
+
+def _power_spectrum(t: str, producer: dict, inits: dict) -> bool:
+    """Whether t is a sum of squares of a DFT's outputs (through Add/Sum/ReduceSum and data movement)."""
+    todo, squares = [t], 0
+    while todo:
+        node = producer.get(todo.pop())
+        if node is None:
+            return False
+        a = _squared(node, inits)
+        if a is not None:
+            if not _transformed(a, producer, inits):
+                return False
+            squares += 1
+        elif node.op_type in ("Add", "Sum", "ReduceSum") or node.op_type in MOVEMENT:
+            todo += _data_inputs(node, inits)
+        else:
+            return False
+    return squares > 0
+
+
 def log_domain(model) -> dict:
-    """{node name: reason} of the nodes that feed a front end's Log as described above."""
+    """{node name: reason} of the nodes that feed a front end's Log or magnitude Sqrt as described above."""
     inits = G.initializers(model)
     producer = G.producers(model)
     keep: dict = {}
     for log in model.graph.node:
-        if log.op_type != "Log" or not log.input or not log.input[0] \
+        if log.op_type not in ("Log", "Sqrt") or not log.input or not log.input[0] \
                 or not _front_end(log.input[0], producer, inits):
             continue
-        why = "feeds a Log: uint8 steps would round a spectrum's quiet values to zero"
+        if log.op_type == "Sqrt" and not _power_spectrum(log.input[0], producer, inits):
+            continue
+        why = ("feeds a Log: uint8 steps would round a spectrum's quiet values to zero" if log.op_type == "Log" else
+               "feeds a magnitude spectrum's Sqrt: uint8 steps would round its power's quiet bins to zero")
         todo = [(log.input[0], 0)]
         seen = set()
         while todo:
