@@ -504,7 +504,6 @@ def test_shape_inference_that_aborts_is_a_failure_not_a_crash():
     m = _crop_after_valid_conv(h=1)
     with pytest.raises(ValueError, match="signal 6"):
         G.infer_shapes_guarded(m, strict_mode=False, data_prop=True)
-    assert G.inferred_shapes(m) == {}
     assert G.infer_shapes_guarded(_crop_after_valid_conv(h=32), data_prop=True).graph.output[0].type.tensor_type.shape.dim[2].dim_value == 22
 
 
