@@ -124,15 +124,20 @@ def command(output, model, table, method, exclude, no_bias_correction, exclude_s
         say(quiet, ("  target reached" if e.reached else "  target NOT reached; wrote the best model found")
                    + f" with {len(e.excluded) - len(ex)} layers kept fp32: {', '.join(n for n in e.excluded if n not in ex) or 'none'}")
     s = r.report["summary"]
+    subs = r.report.get("subgraphs") or []
+    inside = (f" (and in {len(subs)} If branch{'es' if len(subs) > 1 else ''}, quantized as models of their own: "
+              f"{sum(b['summary'].get('int8', 0) for b in subs)} ops int8, "
+              f"{sum(b['summary'].get('fp32', 0) for b in subs)} fp32)") if subs else ""
     say(quiet, f"quantized in {r.seconds:.1f}s with {r.report['method']} ranges: {s.get('int8', 0)} ops int8, "
                f"{s.get('passthrough', 0)} pass int8 through, {s.get('fused', 0)} activations fused, "
-               f"{s.get('fp32', 0)} stay fp32")
+               f"{s.get('fp32', 0)} stay fp32{inside}")
     enc = r.report["encodings"]
     line = f"target {target}: weights " + (", ".join(f"{k} x{v}" for k, v in sorted(enc.items())) or "none in int8")
     cost = r.report.get("target_cost")
     if cost:
-        line += (f"; output SQNR on {cost['samples']} calibration images {cost['output_sqnr_db']:.2f} dB "
-                 f"(plain int8 weights: {cost['output_sqnr_plain_int8_db']:.2f} dB)")
+        line += f"; output SQNR on {cost['samples']} calibration images {cost['output_sqnr_db']:.2f} dB " + (
+            f"(plain int8 weights: {cost['output_sqnr_plain_int8_db']:.2f} dB)"
+            if cost.get("output_sqnr_plain_int8_db") is not None else f"({cost.get('measured', '')})")
     say(quiet, line)
     warning = far_from_fp32(r.report, exclude_sensitive)
     if warning:

@@ -14,6 +14,7 @@ from qtool import graph as G
 from qtool.blas import blas_threads
 from qtool.labels import labels_from_file, labels_from_folders
 from qtool.metrics import sqnr_db
+from qtool.ortsession import run_output
 from qtool.quantize.budget import (METHOD_CHOICE_PASSES, ROUNDING_PASSES, SENSITIVITY_PASSES, TARGET_COST_PASSES,
                                   Budget)
 from qtool.quantize.context import QuantizeContext
@@ -493,6 +494,18 @@ def target_cost(ctx: QuantizeContext, samples: SampleSet, excluded: dict, say=pr
             "output_sqnr_plain_int8_db": sqnr_db(samples.reference, y_p)}
 
 
+def written_cost(model, samples: SampleSet, threads: int = 0) -> dict | None:
+    """The output SQNR of the int8 model as written, If branches quantized as models of their own included,
+    on calibration samples (where the experiments, which see only the main graph, measured an all-fp32
+    model: "inf dB" for Silero VAD, whose whole network sits in a branch)."""
+    if not len(samples):
+        return None
+    outs = run_output(model, samples.output or G.reference_output(model), samples.feeds, threads)
+    y, _ = samples.gather_like_reference(outs)
+    return {"samples": len(samples), "output_sqnr_db": sqnr_db(samples.reference, y),
+            "output_sqnr_plain_int8_db": None, "measured": "on the model written, its If branches int8"}
+
+
 def quantize(workdir: str | None = None, model: str | None = None, table_path: str | None = None,
              output: str | None = None, method: str | None = None, exclude: dict | None = None,
              bias_correction: bool = True, sensitivity: SensitivityOptions | None = None, say=print,
@@ -549,12 +562,20 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
     ctx = QuantizeContext(fused, table, table.range_method if auto else (method or table.method), target,
                           bias_correction, exclude)
     files = _calibration_files(wd)
-    if not make_plan(fused, exclude).int8_nodes and not any(G._subgraphs(n) for n in fused.graph.node):
+    main_int8 = bool(make_plan(fused, exclude).int8_nodes)
+    # (--exclude-sensitive goes on into the If branches where the main graph has no int8 layer to keep fp32:
+    # Silero VAD's whole network sits in one; else the main graph's search is the one)
+    branch_exclusion = exclusion_on and not main_int8
+    if not main_int8 and not any(G._subgraphs(n) for n in fused.graph.node):
         # nothing to measure: every step below compares int8 against fp32 (luscinia's 194 MB tree ensemble
         # ran fp32 on 32 samples, rounding, sensitivity and the target's cost for 114 s at 7.4 GB, to write
         # the model it was given)
         say("note: no op of this model runs in int8; method choice, rounding, sensitivity and exclusion skipped")
         files, auto, rounding, tune_ranges, sens_on, exclusion_on = [], False, False, False, False, False
+    elif not main_int8:  # (the samples still decide which If branches to quantize; each runs these steps itself)
+        say("note: no op of the main graph runs in int8; its method choice and sensitivity skipped "
+            "(If branches every sample takes are quantized as models of their own)")
+        auto, sens_on = False, False  # (rounding and range tuning: the branches' options, nothing to do here)
     split = SampleSplit.of(files, opts.samples or sensitivity_samples(fused))
     need = split.needed(auto, rounding or tune_ranges, sens_on, exclusion_on)
     afforded = None
@@ -565,6 +586,8 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
         split, auto, rounding, sens_on = afforded.split, afforded.auto, afforded.rounding, afforded.sensitivity
         exclusion_on = exclusion_on and sens_on
         need = split.needed(auto, rounding or tune_ranges, sens_on, exclusion_on)
+    if not main_int8 and files:  # (the samples the branches are calibrated and quantized on)
+        need = split.needed(True, True, True, branch_exclusion)  # (as the steps would have: the same order)
     if need:
         say(f"decoding {len(need)} calibration images and running fp32 on them once")
     elif auto or rounding or tune_ranges or sens_on:
@@ -606,7 +629,7 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
         if ranking is not None:  # (ctx.exclude is `exclude`: the guard's layers join the user's)
             exclude.update(steps.run("guard", guard_layers, ctx, ranking, tune_samples if len(tune_samples)
                                      else sens_samples, say, fallback={}))
-        if exclusion_on and ranking is not None:
+        if exclusion_on and ranking:  # (none ranked: the model's int8 layers, if any, sit in If branches)
             check, held = samples.pick(split.held_back), True
             if len(check) < MIN_HELD_BACK:
                 every = samples.pick(files)
@@ -628,7 +651,7 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
     if any(n.op_type == "If" for n in ctx.fused.graph.node) and len(samples):
         branches = steps.run("subgraphs", quantize_branches, out.model, ctx.fused, samples, wd.path,
                              dict(method=method, bias_correction=bias_correction,
-                                  sensitivity=replace(opts, exclude_sensitive=False, labels=None, show_progress=False),
+                                  sensitivity=replace(opts, exclude_sensitive=branch_exclusion, labels=None, show_progress=False),
                                   rounding=rounding, tune_ranges=tune_ranges, target=target, strict=steps.strict),
                              say, fallback=[])
     path = output or wd.file(INT8)
@@ -637,7 +660,10 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
     # with any other fp32 model
     set_provenance(out.model, fp32_sha256=table.model_sha256, table_sha256=table_sha256)
     save_model(out.model, path)
-    cost = steps.run("target cost", target_cost, ctx, tune_samples, final_exclude, say, opts.show_progress)
+    if branches:  # (ctx's experiments leave the branches fp32: the model written is measured instead)
+        cost = steps.run("target cost", written_cost, out.model, tune_samples, ctx.threads)
+    else:
+        cost = steps.run("target cost", target_cost, ctx, tune_samples, final_exclude, say, opts.show_progress)
     if ctx.resized:
         say(f"note: int8 changed the output's size on up to {100 * ctx.resized:.0f} % of the samples an experiment "
             f"ran (a size that follows the values, as a duration predictor's); those counted as wholly wrong")

@@ -150,10 +150,16 @@ def quantize_branches(model: onnx.ModelProto, fused: onnx.ModelProto, samples, w
             calibrate(path, data, workdir=os.path.join(folder, "work"), show_progress=False, say=lambda text: None)
             q = quantize(os.path.join(folder, "work"), say=lambda text: None, **options)
         s = q.report["summary"]
+        kept = "" if q.exclusion is None else (
+            f"; --exclude-sensitive there kept {len(q.exclusion.excluded)} layer(s) fp32"
+            + (f": {', '.join(sorted(q.exclusion.excluded))}" if q.exclusion.excluded else "")
+            + ("" if q.exclusion.reached else " (its target not reached)"))
         if not s.get("int8", 0) and not q.report.get("subgraphs"):
+            if kept:  # (the search kept every layer fp32: the branch stays as it is, and the user is told)
+                say(f"{node.name} ({which}) stays fp32{kept}")
             continue  # (nothing in it has an int8 rule: the branch stays as it is)
         put_back(model, node.name, which, onnx.load(q.path))
         say(f"{node.name} ({which}, taken by every calibration sample) quantized as a model of its own: "
-            f"{s.get('int8', 0)} ops int8, {s.get('fp32', 0)} fp32")
+            f"{s.get('int8', 0)} ops int8, {s.get('fp32', 0)} fp32{kept}")
         done.append((node.name, which, q))
     return done
