@@ -455,6 +455,11 @@ def output_kind(a: np.ndarray) -> tuple:
     kind = agreement_kind(a.shape)
     if kind == "position" and a.shape[2] < 5:
         kind = None
+    if kind == "position" and a.size and a.min() >= 0.0 and a.max() <= 1.0 and not is_distribution(a):
+        # values in [0, 1] that are no distribution: independent gains or scores at each position (NSNet2's
+        # suppression gain per frequency bin, [N, frames, 161]; a multi-label tagger), not one class each.
+        # eval printed "sequences equal at every position 0.0000" for an enhancer as good as fp32
+        kind = None
     if kind == "position" and a.shape[1] == 1 and not is_log_distribution(a):
         # one position of numbers that are no scores: a recurrent net's state [1, 1, 128] (its h and c)
         # or a decoder's hidden vector, where "top-1 per position" means nothing

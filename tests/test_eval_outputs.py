@@ -301,6 +301,19 @@ def test_one_position_states_get_no_top1_figure():
     assert output_kind(rng.standard_normal((2, 7, 40)))[0] == "position"  # (several positions: as before)
 
 
+def test_independent_gains_per_position_get_no_top1_figure():
+    """NSNet2's output is a sigmoid gain for each of 161 frequency bins at each frame: eval read it as a class per
+    frame ('sequences equal at every position 0.0000' for an int8 enhancer as good as fp32). Values in [0, 1] that
+    do not sum to 1 are no distribution; a softmax's are, and logits too keep their figure."""
+    from qtool.evaluate import output_kind
+    rng = np.random.default_rng(1)
+    gains = 1 / (1 + np.exp(-rng.standard_normal((2, 50, 161))))
+    assert output_kind(gains)[0] is None
+    z = rng.standard_normal((2, 50, 161))
+    assert output_kind(np.exp(z) / np.exp(z).sum(-1, keepdims=True))[0] == "position"
+    assert output_kind(z)[0] == "position"
+
+
 def test_integer_ids_are_compared_as_ids():
     """unidic's tagger writes only its ArgMax tags (int64): eval printed an SQNR over tag numbers and a
     'top-1' over the id vector; ids are equal or not, per value and per sample."""
