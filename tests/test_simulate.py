@@ -167,3 +167,41 @@ def test_a_shape_vector_crossing_a_cut_keeps_its_length():
     assert _dims([2], batched=False) == [2]
     assert _dims([None, 4], batched=False) == [None, 4]
     assert _dims(None, batched=False) is None
+
+
+def _upscaler():
+    """[N, 3, 64, 64] -> 1x1 Conv to 64 channels -> Resize x8 -> 1x1 Conv to 3: small inputs, 67 MB tensors per sample."""
+    from onnx import helper
+
+    from helpers import init, make_model, weight
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["a"], name="c1"),
+             helper.make_node("Resize", ["a", "", "sc"], ["b"], name="up", mode="nearest"),
+             helper.make_node("Relu", ["b"], ["r"], name="relu"),
+             helper.make_node("Conv", ["r", "w2"], ["y"], name="c2")]
+    return make_model(nodes, [weight(rng, "w1", 64, 3, 1, 1), init("sc", [1, 1, 8, 8]), weight(rng, "w2", 3, 64, 1, 1)],
+                      [("x", ["N", 3, "H", "W"])], [("y", ["N", 3, "H8", "W8"])])
+
+
+def test_batches_are_sized_by_what_a_run_holds():
+    """Batches were sized by input bytes alone: waifu2x's CUNet (292 x 292 in, 64 channels at twice that) ran
+    10 samples at once, its quantize at 5.7 GB where its fixed-batch copy took 2.0. The largest tensors at the
+    samples' size bound it now, and the simulation's chunks and its profiling run take no more."""
+    from qtool.quantize.samples import ACT_BYTES, BATCH, _batch_for
+    m = _upscaler()
+    x = np.zeros((16, 3, 64, 64), np.float32)
+    assert _batch_for({"x": x}) == BATCH  # (16 inputs of 48 KB: the input bytes allow them all)
+    per_sample = 4 * 3 * 64 * 512 * 512  # three 64 x 512 x 512 float tensors
+    assert _batch_for({"x": x}, m) == max(1, ACT_BYTES // per_sample) < BATCH
+
+
+def test_the_profiling_run_takes_the_samples_batch(setup, monkeypatch):
+    ctx, samples = setup
+    sim = Simulator(ctx)
+    seen = []
+    monkeypatch.setattr(sim, "_costs", lambda feed: seen.append(len(next(iter(feed.values())))) or np.ones(len(sim.nodes)))
+    small = samples.subset(range(len(samples)))
+    small.batch = 2
+    sim.shares(small)
+    assert seen == [2]
+    assert all(n <= 2 for _, n in sim._chunks(small, []))

@@ -22,11 +22,24 @@ BATCH = 16
 # model; 2.45 GB in batches of 8, 1.98 in 4). Smaller batches cost time: PicoDet's quantize (800x608)
 # 32.5 s in 16, 34.0 in 6, 36.8 in 3; YOLO26n 33.7 s in 1, 31.3 in 4
 BATCH_BYTES = 8 * 3 * 640 * 640 * 4
+# ... and the largest tensors a run holds for one sample, from the shapes at the samples' size, at most
+# this many bytes a batch: an upscaler's activations outgrow its input (waifu2x's CUNet, 292 x 292 in and
+# 64 channels at twice that: 10 samples in one run, quantize at 5.7 GB; its copy with a fixed batch of 1: 2.0)
+ACT_BYTES = 256 << 20
+LARGEST = 3  # tensors of the largest size alive at once (a U-Net's skip and the two around a convolution)
 
 
-def _batch_for(inputs: dict) -> int:
+def _batch_for(inputs: dict, fused=None) -> int:
     per_sample = sum(v[0].nbytes for v in inputs.values() if len(v))
-    return max(1, min(BATCH, BATCH_BYTES // max(per_sample, 1)))
+    size = max(1, min(BATCH, BATCH_BYTES // max(per_sample, 1)))
+    if fused is not None and inputs:
+        shapes = G.inferred_shapes(fused, {k: (1,) + v.shape[1:] for k, v in inputs.items()})
+        sizes = sorted((int(np.prod(d)) for d in shapes.values() if d and all(isinstance(x, int) for x in d)),
+                       reverse=True)
+        act = 4 * sum(sizes[:LARGEST])
+        if act:
+            size = max(1, min(size, ACT_BYTES // act))
+    return size
 
 
 @dataclass
@@ -168,7 +181,7 @@ def load_samples(fused, table, files: list, threads: int = 0, progress=None) -> 
     else:
         fixed = [d[0] for d in (G.input_dims(i) for i in G.real_inputs(fused)) if d and isinstance(d[0], int)]
         inputs = {k: np.concatenate(v) for k, v in parts.items()}
-        s = SampleSet(names, inputs, np.zeros((0,)), fixed[0] if fixed else _batch_for(inputs), bool(fixed))
+        s = SampleSet(names, inputs, np.zeros((0,)), fixed[0] if fixed else _batch_for(inputs, fused), bool(fixed))
     s = s.subset(range(len(names)))  # (a fixed batch: whole batches only)
     if not len(s):
         warnings.warn(f"the model takes exactly {s.batch} samples at a time and only {len(names)} calibration "

@@ -87,6 +87,7 @@ class Simulator:
         self.big_names = {t.name for t in self.base.graph.initializer if int(np.prod(t.dims)) > SMALL}
         self._weights, self._sqnr = {}, {}
         self._share = None  # each node's share of an fp32 pass, profiled on the first run
+        self._sized = {}  # the samples' input shapes -> every tensor's shape at those sizes
 
     # ------------------------------------------------------------------ what a variant switches on
     def plan_for(self, exclude: dict, prune_excluded: bool = True):
@@ -181,7 +182,9 @@ class Simulator:
     def shares(self, samples) -> np.ndarray:
         """Each node's share of an fp32 pass (_costs), profiled once, on the first of `samples`."""
         if self._share is None:
-            n = samples.batch if samples.fixed_batch else min(4, len(samples))  # (stacked: one, batch 1)
+            # (stacked: one, batch 1; at most the samples' batch, sized by what a run holds: 4 of waifu2x's CUNet
+            # at 292 x 292 took 2 GB more than its experiments)
+            n = samples.batch if samples.fixed_batch else min(4, len(samples), samples.batch)
             self._share = self._costs(samples.feed(0, n))
         return self._share
 
@@ -428,10 +431,24 @@ class Simulator:
         m.ir_version = max(self.base.ir_version, 8)  # (initializers need not be graph inputs)
         return m, big
 
+    def shapes_of(self, samples) -> dict:
+        """Every tensor's shape for one of `samples` (inferred at its inputs' sizes, once per size): a dynamic
+        model's tensors are unknown without them, and taken for 64 per free dim waifu2x's CUNet at 292 x 292
+        batched all its samples at once (5.7 GB where its static copy took 2.0)."""
+        if not len(samples):
+            return self.shapes
+        feed = samples.feed(0, 1)
+        key = tuple(sorted((k, tuple(np.shape(v))) for k, v in feed.items()))
+        if key not in self._sized:
+            self._sized[key] = G.inferred_shapes(self.base, {k: np.shape(v) for k, v in feed.items()}) or self.shapes
+        return self._sized[key]
+
     def _chunks(self, samples, cross: list):
         """Batches of samples small enough that the fp32 tensors crossing the cuts fit CACHE_BYTES."""
-        per_sample = 4 * sum(_numel(self.shapes.get(t)) for t in cross) or 1
-        size = max(1, min(len(samples), CACHE_BYTES // per_sample))
+        shapes = self.shapes_of(samples)
+        per_sample = 4 * sum(_numel(shapes.get(t)) for t in cross) or 1
+        # (and no larger than the samples' own batch, sized by what a run holds: samples.ACT_BYTES)
+        size = max(1, min(len(samples), CACHE_BYTES // per_sample, samples.batch))
         if samples.fixed_batch:
             size = samples.batch  # (a model with a fixed batch takes exactly that many; the set holds whole batches)
         if samples.stacked:
