@@ -433,8 +433,8 @@ class Simulator:
 
     def shapes_of(self, samples) -> dict:
         """Every tensor's shape for one of `samples` (inferred at its inputs' sizes, once per size): a dynamic
-        model's tensors are unknown without them, and taken for 64 per free dim waifu2x's CUNet at 292 x 292
-        batched all its samples at once (5.7 GB where its static copy took 2.0)."""
+        model's tensors are unknown without them, and with 64 taken for each free dim the chunks of waifu2x's
+        CUNet at 292 x 292 held 20x the bytes CACHE_BYTES allows."""
         if not len(samples):
             return self.shapes
         feed = samples.feed(0, 1)
