@@ -434,7 +434,7 @@ class Simulator:
     def shapes_of(self, samples) -> dict:
         """Every tensor's shape for one of `samples` (inferred at its inputs' sizes, once per size): a dynamic
         model's tensors are unknown without them, and with 64 taken for each free dim the chunks of waifu2x's
-        CUNet at 292 x 292 held 20x the bytes CACHE_BYTES allows."""
+        CUNet at 292 x 292 held 20-80x the bytes CACHE_BYTES allows (292 x 292 and 584 x 584 planes, not 64 x 64)."""
         if not len(samples):
             return self.shapes
         feed = samples.feed(0, 1)
