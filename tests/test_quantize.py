@@ -690,3 +690,20 @@ def test_balancing_trials_are_said_as_trials(monkeypatch):
               or "method auto: minmax" in s]
     assert trials and all(s.startswith("  trial, balanced under ") for s in trials)
     assert said[-1] == "method auto: mse, channels not balanced (no balanced trial measured better)"
+
+
+def test_a_model_the_guard_keeps_all_fp32_says_so(calibrated, tmp_path, monkeypatch):
+    """The guard (or --exclude-sensitive) may keep every candidate fp32 (onnx-asr's wespeaker front end: its one int8
+    layer alone left the output at 1.9 dB): the model written is fp32, and quantize said nothing of it."""
+    import qtool.quantize.run as run_mod
+    from qtool.quantize.sensitivity import quantizable_layers
+
+    root = calibrated[0]
+    work = tmp_path / "work"
+    shutil.copytree(root / "work", work)
+    monkeypatch.setattr(run_mod, "guard_layers", lambda ctx, ranking, samples, say: {
+        d.name: "kept fp32 (test)" for d in quantizable_layers(ctx.fused)})
+    said = []
+    r = quantize(str(work), say=said.append, sensitivity=run_mod.SensitivityOptions(True, None, show_progress=False))
+    assert not r.output.plan.int8_nodes
+    assert any(s.startswith("note: every op that could run in int8 is kept fp32") for s in said), said
