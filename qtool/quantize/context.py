@@ -18,8 +18,6 @@ from dataclasses import dataclass, field
 import onnx
 
 from qtool.arithmetic import EXACT
-from qtool import graph as G
-from qtool.ortsession import run_output
 from qtool.quantize.encoding import DEFAULT_TARGET, S8, TARGETS
 from qtool.quantize.qdq import QuantizeOutput, quantize_graph
 
@@ -89,8 +87,6 @@ class QuantizeContext:
         """(the int8 model's reference output over `samples` (a SampleSet: joined as its reference is),
         the QuantizeOutput it came from); `threads`: ONNX Runtime's for this run (None: the context's)."""
         q = self.build(exclude, scoring=True, **over)
-        name = samples.output or G.reference_output(q.model)
-        outs = run_output(q.model, name, samples.feeds, self.threads if threads is None else threads)
-        y, resized = samples.gather_like_reference(outs)
+        y, resized = samples.outputs_of(q.model, self.threads if threads is None else threads)
         self.resized = max(self.resized, resized / max(len(samples), 1))
         return y, q

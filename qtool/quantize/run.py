@@ -14,7 +14,6 @@ from qtool import graph as G
 from qtool.blas import blas_threads
 from qtool.labels import labels_from_file, labels_from_folders
 from qtool.metrics import sqnr_db
-from qtool.ortsession import run_output
 from qtool.quantize.budget import (METHOD_CHOICE_PASSES, ROUNDING_PASSES, SENSITIVITY_PASSES, TARGET_COST_PASSES,
                                   Budget)
 from qtool.quantize.context import QuantizeContext
@@ -500,8 +499,7 @@ def written_cost(model, samples: SampleSet, threads: int = 0) -> dict | None:
     model: "inf dB" for Silero VAD, whose whole network sits in a branch)."""
     if not len(samples):
         return None
-    outs = run_output(model, samples.output or G.reference_output(model), samples.feeds, threads)
-    y, _ = samples.gather_like_reference(outs)
+    y, _ = samples.outputs_of(model, threads)
     return {"samples": len(samples), "output_sqnr_db": sqnr_db(samples.reference, y),
             "output_sqnr_plain_int8_db": None, "measured": "on the model written, its If branches int8"}
 

@@ -105,6 +105,13 @@ class SampleSet:
             return np.zeros_like(self.reference), len(self)
         return y, 0
 
+    def outputs_of(self, model, threads: int = 0) -> tuple:
+        """(`model`'s reference output over these samples, joined as `reference` is; how many samples
+        changed its size), run in ONNX Runtime."""
+        from qtool.ortsession import run_output
+        return self.gather_like_reference(run_output(model, self.output or G.reference_output(model), self.feeds,
+                                                     threads))
+
     def gather_like_reference(self, outputs) -> tuple:
         """join_like_reference of the outputs of self.feeds as they come (an iterable), each written into
         its rows of one array as it arrives where it lines up with the reference: one copy of the output

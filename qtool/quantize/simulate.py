@@ -447,7 +447,7 @@ class Simulator:
         """Batches of samples small enough that the fp32 tensors crossing the cuts fit CACHE_BYTES."""
         shapes = self.shapes_of(samples)
         per_sample = 4 * sum(_numel(shapes.get(t)) for t in cross) or 1
-        # (and no larger than the samples' own batch, sized by what a run holds: samples.ACT_BYTES)
+        # (and no larger than the samples' own batch, sized by what a run holds: samples.py's ACT_BYTES)
         size = max(1, min(len(samples), CACHE_BYTES // per_sample, samples.batch))
         if samples.fixed_batch:
             size = samples.batch  # (a model with a fixed batch takes exactly that many; the set holds whole batches)
