@@ -133,3 +133,51 @@ def test_a_residual_stream_is_reordered_as_one():
     assert pair_channels.run(after, ctx)
     assert_same_function(m, after, {"x": rng.standard_normal((2, 3, 8, 8)).astype(np.float32)})
     assert all(_reordered(m, after, t) for t in ("s", "p", "e", "y"))
+
+
+def _reader_sets(rng):
+    """Reader weights as pairing meets them: Conv [Cout, C, k, k] read on axis 1, Gemm [C, N] on 0;
+    ties (weights on a coarse grid), channels of zeros, outlier channels whose runs of charged
+    weights pass numpy's 8- and 128-value pairwise-sum thresholds."""
+    for t in range(24):
+        c = int(rng.integers(2, 90))
+        readers = []
+        for _ in range(int(rng.integers(1, 4))):
+            if t % 4 == 3:
+                w = rng.standard_normal((c, int(rng.integers(1, 30))))
+                axis = 0
+            else:
+                k = int(rng.choice([1, 3]))
+                w = rng.standard_normal((int(rng.integers(1, 300 if t % 3 == 0 else 40)), c, k, k))
+                axis = 1
+            if t % 2:
+                w = np.round(w * 3) / 3
+            if t % 5 == 0:
+                np.moveaxis(w, axis, 0)[0] = 0.0
+            if t % 3 == 0:
+                np.moveaxis(w, axis, 0)[: min(3, c)] *= 5.0
+            readers.append((w, axis))
+        yield readers, int(rng.choice([1, 7, 64, 129, 4096]))
+    for rows in (700, 3000):  # one column's run past 128 (halves of halves) and past a block of 4096
+        w = rng.standard_normal((rows, 24))
+        w[:, :4] *= 8.0
+        yield [(w, 1)], 4096
+
+
+def test_native_cost_matrix_is_the_reference_bit_for_bit():
+    """The C loop against the numpy reference (np.add.reduceat's float32 sums: a run's first row plus
+    numpy's pairwise sum of the others), on every thread count: pairing decisions depend on ties."""
+    if pair_channels._native is None:
+        import pytest
+        pytest.skip("the native cost matrix is not built")
+    rng = np.random.default_rng(7)
+    for readers, block in _reader_sets(rng):
+        ref = pair_cost_matrix(readers, block, native=False)
+        for threads in (1, 3):
+            pair_channels.THREADS = threads
+            try:
+                got = pair_cost_matrix(readers, block, native=True)
+            finally:
+                pair_channels.THREADS = None
+            assert got.dtype == ref.dtype and np.array_equal(got, ref), \
+                (block, threads, [w.shape for w, _ in readers], np.argwhere(got != ref)[:4])
