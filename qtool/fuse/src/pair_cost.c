@@ -24,7 +24,7 @@
 #include <string.h>
 
 #define NBUCKETS 130 /* integer parts 0..128 (a row's max is 127 steps; rounding may pass it) and a spare */
-#define ZERO NBUCKETS    /* where a weight of the other sign (or zero) goes: after every bucket, never scanned */
+#define WIDTH (2 * NBUCKETS + 2) /* a row's buckets: positive weights, negative ones, zeros (never scanned) */
 
 static inline float signed_pos(float x, float sign) {
     float a = sign * x;
@@ -42,52 +42,55 @@ typedef struct {
     float val;
 } term;
 
-/* a row's weight of one sign, in the row's counting sort by integer part (so that a partner scan reads
- * one array in order) */
+/* a weight as a partner: its channel and magnitude, in its row's counting sort by sign and integer
+ * part (so that a partner scan reads one array in order) */
 typedef struct {
     int32_t j;
     float a;
 } partner;
 
+/* Row r's weights of sign s (0: positive, 1: negative) with integer part b are
+ * pv[r * C + start[r * WIDTH + s * NBUCKETS + b] .. r * C + start[r * WIDTH + s * NBUCKETS + b + 1]). */
 typedef struct {
-    /* row r's weights of one sign with integer part b: pv[r * C + start[r * (NBUCKETS + 2) + b] ..
-     * r * C + start[r * (NBUCKETS + 2) + b + 1]) */
+    const float *v;
+    Py_ssize_t C, r0, r1; /* rows [r0, r1): one thread's share */
     int32_t *start;
     partner *pv;
 } buckets;
 
-static int bucket_rows(const float *v, Py_ssize_t R, Py_ssize_t C, float sign, buckets *B) {
-    const Py_ssize_t W = NBUCKETS + 2;
-    B->start = malloc((size_t)R * W * sizeof(int32_t));
-    B->pv = malloc((size_t)(R * C ? R * C : 1) * sizeof(partner));
-    if (!B->start || !B->pv) return -1;
-    for (Py_ssize_t r = 0; r < R; r++) { /* a counting sort per row, branch-free: signs are a coin toss */
-        const float *row = v + r * C;
-        int32_t *start = B->start + r * W, at[NBUCKETS + 1];
-        memset(start, 0, W * sizeof(int32_t));
+static void *bucket_rows(void *arg) {
+    const buckets *B = arg;
+    const Py_ssize_t C = B->C;
+    for (Py_ssize_t r = B->r0; r < B->r1; r++) { /* a counting sort per row, branch-free: signs are a coin toss */
+        const float *row = B->v + r * C;
+        int32_t *start = B->start + r * WIDTH, at[WIDTH - 1];
+        memset(start, 0, WIDTH * sizeof(int32_t));
         for (Py_ssize_t j = 0; j < C; j++) {
-            const float a = signed_pos(row[j], sign);
-            start[(a > 0.0f ? bucket_of(a) : ZERO) + 1]++;
+            const float x = row[j];
+            const int b = bucket_of(x > 0.0f ? x : -x);
+            start[(x > 0.0f ? b : x < 0.0f ? NBUCKETS + b : 2 * NBUCKETS) + 1]++;
         }
-        for (Py_ssize_t b = 1; b < W; b++) start[b] += start[b - 1];
+        for (Py_ssize_t b = 1; b < WIDTH; b++) start[b] += start[b - 1];
         memcpy(at, start, sizeof at);
         partner *pv = B->pv + r * C;
         for (Py_ssize_t j = 0; j < C; j++) {
-            const float a = signed_pos(row[j], sign);
-            pv[at[a > 0.0f ? bucket_of(a) : ZERO]++] = (partner){(int32_t)j, a};
+            const float x = row[j], a = x > 0.0f ? x : -x;
+            const int b = bucket_of(a);
+            pv[at[x > 0.0f ? b : x < 0.0f ? NBUCKETS + b : 2 * NBUCKETS]++] = (partner){(int32_t)j, a};
         }
     }
-    return 0;
+    return NULL;
 }
 
 /* The penalties of the charged weight (row r, column col) against each partner j, into out. */
-static Py_ssize_t penalties(const buckets *B, Py_ssize_t C, Py_ssize_t r, Py_ssize_t col, float own, float limit,
+static Py_ssize_t penalties(const buckets *B, int off, Py_ssize_t r, Py_ssize_t col, float own, float limit,
                             term *out) {
+    const Py_ssize_t C = B->C;
     const float over = own - limit; /* exact (Sterbenz): own is within [limit / 2, 2 limit] */
     /* partners j with a_j in (limit - own, own]: the buckets of integer parts from that of limit - own
      * to that of own (the exact test is below, the reference's float32 operations) */
     const int lo = limit - own > 0.0f ? bucket_of(limit - own) : 0, hi = bucket_of(own);
-    const int32_t *st = B->start + r * (NBUCKETS + 2);
+    const int32_t *st = B->start + r * WIDTH + off;
     const partner *pv = B->pv + r * C;
     Py_ssize_t m = 0;
     for (int32_t k = st[lo]; k < st[hi + 1]; k++) {
@@ -154,7 +157,8 @@ typedef struct {
     const float *v;
     Py_ssize_t R, C;
     float sign, limit;
-    buckets B;
+    const buckets *B;
+    int off; /* this sign's first bucket */
     int64_t *per_col;
     int32_t *rows;
     int status;
@@ -166,14 +170,14 @@ static void *prepare(void *arg) {
     S->status = -1;
     S->per_col = calloc((size_t)C + 1, sizeof(int64_t));
     int64_t *fill = malloc((size_t)C * sizeof(int64_t));
-    if (!S->per_col || !fill || bucket_rows(S->v, R, C, S->sign, &S->B) < 0) goto done;
+    if (!S->per_col || !fill) goto done;
     const float charged = S->limit / 2.0f;
     const int from = bucket_of(charged); /* the charged are in the buckets from its integer part on */
     for (int pass = 0; pass < 2; pass++) {
         for (Py_ssize_t r = 0; r < R; r++) {
-            const int32_t *sr = S->B.start + r * (NBUCKETS + 2);
+            const int32_t *sr = S->B->start + r * WIDTH + S->off;
             for (int32_t k = sr[from]; k < sr[NBUCKETS]; k++) {
-                const partner *p = &S->B.pv[r * C + k];
+                const partner *p = &S->B->pv[r * C + k];
                 if (!(p->a > charged)) continue;
                 if (pass == 0)
                     S->per_col[p->j + 1]++;
@@ -195,8 +199,6 @@ done:
 }
 
 static void release(side *S) {
-    free(S->B.start);
-    free(S->B.pv);
     free(S->per_col);
     free(S->rows);
 }
@@ -227,7 +229,7 @@ static int run_columns(const side *S, double *half, Py_ssize_t block, Py_ssize_t
             const int64_t pos = e - first - 1;
             for (; k < nl && pos >= L[k].end; k++) finish_leaf(st, touched, nt, &L[k]);
             const Py_ssize_t r = S->rows[e];
-            const Py_ssize_t m = penalties(&S->B, C, r, col, signed_pos(S->v[r * C + col], S->sign), S->limit, cand);
+            const Py_ssize_t m = penalties(S->B, S->off, r, col, signed_pos(S->v[r * C + col], S->sign), S->limit, cand);
             for (Py_ssize_t q = 0; q < m; q++) { /* a partner first met in leaf k has zeros for the earlier */
                 partial *s = &st[cand[q].j];
                 if (!s->seen) {
@@ -305,15 +307,26 @@ static void run_all(void *(*f)(void *), char *args, size_t size, int n) {
  * (each column's sums are one thread's, in the reference's order). Returns -1 when memory runs out. */
 static int accumulate_reader(const float *v, Py_ssize_t R, Py_ssize_t C, double *half, Py_ssize_t block, float limit,
                              int threads) {
-    side sides[2] = {{v, R, C, 1.0f, limit, {NULL, NULL}, NULL, NULL, 0}, {v, R, C, -1.0f, limit, {NULL, NULL}, NULL, NULL, 0}};
-    if (threads > 1)
+    const int nt = threads < 1 ? 1 : (threads > MAX_THREADS ? MAX_THREADS : threads);
+    int32_t *start = malloc((size_t)(R ? R : 1) * WIDTH * sizeof(int32_t));
+    partner *pv = malloc((size_t)(R * C ? R * C : 1) * sizeof(partner));
+    if (!start || !pv) {
+        free(start);
+        free(pv);
+        return -1;
+    }
+    buckets rowjobs[MAX_THREADS];
+    for (int t = 0; t < nt; t++) rowjobs[t] = (buckets){v, C, R * t / nt, R * (t + 1) / nt, start, pv};
+    run_all(bucket_rows, (char *)rowjobs, sizeof(buckets), nt);
+    side sides[2] = {{v, R, C, 1.0f, limit, &rowjobs[0], 0, NULL, NULL, 0},
+                     {v, R, C, -1.0f, limit, &rowjobs[0], NBUCKETS, NULL, NULL, 0}};
+    if (nt > 1)
         run_all(prepare, (char *)sides, sizeof(side), 2);
     else
         prepare(&sides[0]), prepare(&sides[1]);
     int status = sides[0].status < 0 || sides[1].status < 0 ? -1 : 0;
     if (status == 0) {
         const int64_t total = sides[0].per_col[C] + sides[1].per_col[C];
-        int nt = threads < 1 ? 1 : (threads > MAX_THREADS ? MAX_THREADS : threads);
         job jobs[MAX_THREADS];
         Py_ssize_t col = 0;
         for (int t = 0; t < nt; t++) { /* equal shares of the charged weights */
@@ -328,6 +341,8 @@ static int accumulate_reader(const float *v, Py_ssize_t R, Py_ssize_t C, double 
     }
     release(&sides[0]);
     release(&sides[1]);
+    free(start);
+    free(pv);
     return status;
 }
 
