@@ -36,12 +36,6 @@ static inline int bucket_of(float a) {
     return b < NBUCKETS - 1 ? b : NBUCKETS - 1;
 }
 
-/* a partner's penalty */
-typedef struct {
-    int32_t j;
-    float val;
-} term;
-
 /* a weight as a partner: its channel and magnitude, in its row's counting sort by sign and integer
  * part (so that a partner scan reads one array in order) */
 typedef struct {
@@ -82,22 +76,16 @@ static void *bucket_rows(void *arg) {
     return NULL;
 }
 
-/* The penalties of the charged weight (row r, column col) against each partner j, into out. */
-static Py_ssize_t penalties(const buckets *B, int off, Py_ssize_t r, Py_ssize_t col, float own, float limit,
-                            term *out) {
-    const Py_ssize_t C = B->C;
-    const float over = own - limit; /* exact (Sterbenz): own is within [limit / 2, 2 limit] */
-    /* partners j with a_j in (limit - own, own]: the buckets of integer parts from that of limit - own
-     * to that of own (the exact test is below, the reference's float32 operations) */
+/* The partners of the charged weight `own` (row r, column col): j with a_j in (limit - own, own], in the
+ * buckets of integer parts from that of limit - own to that of own -> [*k0, *k1) of the row's partners
+ * (the exact test, the reference's float32 operations, is the caller's). */
+static inline const partner *partners(const buckets *B, int off, Py_ssize_t r, float own, float limit, int32_t *k0,
+                                      int32_t *k1) {
     const int lo = limit - own > 0.0f ? bucket_of(limit - own) : 0, hi = bucket_of(own);
     const int32_t *st = B->start + r * WIDTH + off;
-    const partner *pv = B->pv + r * C;
-    Py_ssize_t m = 0;
-    for (int32_t k = st[lo]; k < st[hi + 1]; k++) {
-        const float part = pv[k].a, p = part + over;
-        if (p > 0.0f && part <= own && pv[k].j != col) out[m++] = (term){pv[k].j, p * p};
-    }
-    return m;
+    *k0 = st[lo];
+    *k1 = st[hi + 1];
+    return B->pv + r * B->C;
 }
 
 /* numpy's pairwise_sum (numpy/_core/src/umath/loops_utils.h.src) over n values, as a plan: under 8,
@@ -127,24 +115,31 @@ static int plan_leaves(int64_t o, int64_t n, leaf *L, int *nl, int *depth) {
     return 0;
 }
 
-/* per partner, within one run: the first row's penalty, the current leaf's sums, the finished
- * leaves' sums waiting for their siblings */
+/* per partner, within one run: the first row's penalty, the current leaf's sums (one cache line); the
+ * finished leaves' sums waiting for their siblings are its row of the stacks [C, STACK] */
 typedef struct {
     float first, res, r[8];
     int32_t combined; /* r was folded into res: the leaf's tail terms follow */
     int32_t seen;     /* in this run's list of touched partners */
     int32_t depth;
-    float stack[STACK];
+    int32_t pad[3];
 } partial;
+
+#define SLOT_FIRST 0 /* a term's place in its partial, as a float index */
+#define SLOT_RES 1
+#define SLOT_R 2
+_Static_assert(offsetof(partial, res) == SLOT_RES * sizeof(float) && offsetof(partial, r) == SLOT_R * sizeof(float),
+               "a partial's sums are indexed as floats");
 
 static inline float combine(const float *r) { return ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7])); }
 
 /* leaf k is done: each touched partner's sum of it joins its stack, and the additions that follow */
-static void finish_leaf(partial *st, const int32_t *touched, Py_ssize_t nt, const leaf *L) {
+static void finish_leaf(partial *st, float *stacks, const int32_t *touched, Py_ssize_t nt, const leaf *L) {
     for (Py_ssize_t t = 0; t < nt; t++) {
         partial *s = &st[touched[t]];
-        s->stack[s->depth++] = s->combined ? s->res : combine(s->r);
-        for (int a = 0; a < L->adds; a++, s->depth--) s->stack[s->depth - 2] += s->stack[s->depth - 1];
+        float *stack = stacks + (Py_ssize_t)touched[t] * STACK;
+        stack[s->depth++] = s->combined ? s->res : combine(s->r);
+        for (int a = 0; a < L->adds; a++, s->depth--) stack[s->depth - 2] += stack[s->depth - 1];
         s->res = 0.0f;
         s->combined = 0;
         memset(s->r, 0, sizeof s->r);
@@ -212,10 +207,10 @@ static int run_columns(const side *S, double *half, Py_ssize_t block, Py_ssize_t
     const int64_t *per_col = S->per_col;
     int32_t *touched = malloc((size_t)C * sizeof(int32_t));
     partial *st = calloc((size_t)C, sizeof(partial));
-    term *cand = malloc((size_t)C * sizeof(term));
+    float *stacks = malloc((size_t)C * STACK * sizeof(float));
     leaf *L = malloc(MAX_LEAVES * sizeof(leaf));
     int status = -1;
-    if (!touched || !st || !cand || !L) goto done;
+    if (!touched || !st || !stacks || !L) goto done;
     Py_ssize_t col = c0;
     for (int64_t e = per_col[c0]; e < per_col[c1];) {
         while (per_col[col + 1] <= e) col++; /* the column of entry e */
@@ -227,48 +222,51 @@ static int run_columns(const side *S, double *half, Py_ssize_t block, Py_ssize_t
         Py_ssize_t nt = 0;
         for (; e < end; e++) {
             const int64_t pos = e - first - 1;
-            for (; k < nl && pos >= L[k].end; k++) finish_leaf(st, touched, nt, &L[k]);
+            for (; k < nl && pos >= L[k].end; k++) finish_leaf(st, stacks, touched, nt, &L[k]);
             const Py_ssize_t r = S->rows[e];
-            const Py_ssize_t m = penalties(S->B, S->off, r, col, signed_pos(S->v[r * C + col], S->sign), S->limit, cand);
-            for (Py_ssize_t q = 0; q < m; q++) { /* a partner first met in leaf k has zeros for the earlier */
-                partial *s = &st[cand[q].j];
+            const float own = signed_pos(S->v[r * C + col], S->sign), over = own - S->limit;
+            /* over: exact (Sterbenz), own is within [limit / 2, 2 limit] */
+            int32_t k0, k1;
+            const partner *pv = partners(S->B, S->off, r, own, S->limit, &k0, &k1);
+            /* positions ascend: every term arrives in its sum's order. Where it goes: the first row's
+             * slot, the running sum (under 8 rows), or the leaf's accumulator of this position */
+            const int tail = rest >= 8 && pos >= L[k].cut;
+            const int slot = pos < 0 ? SLOT_FIRST : rest < 8 ? SLOT_RES
+                                                              : SLOT_R + (int)((pos - (k ? L[k - 1].end : 0)) % 8);
+            const int32_t fresh_depth = k ? L[k - 1].depth : 0; /* a partner first met in leaf k: zeros before */
+            for (int32_t q = k0; q < k1; q++) {
+                const float part = pv[q].a, p = part + over;
+                const int32_t j = pv[q].j;
+                if (!(p > 0.0f && part <= own && j != col)) continue;
+                partial *s = &st[j];
                 if (!s->seen) {
                     s->seen = 1;
-                    s->depth = k ? L[k - 1].depth : 0;
-                    memset(s->stack, 0, (size_t)s->depth * sizeof(float));
-                    touched[nt++] = cand[q].j;
+                    s->depth = fresh_depth;
+                    memset(stacks + (Py_ssize_t)j * STACK, 0, (size_t)fresh_depth * sizeof(float));
+                    touched[nt++] = j;
                 }
-            }
-            /* positions ascend: every term arrives in its sum's order */
-            if (pos < 0)
-                for (Py_ssize_t q = 0; q < m; q++) st[cand[q].j].first = cand[q].val;
-            else if (rest < 8)
-                for (Py_ssize_t q = 0; q < m; q++) st[cand[q].j].res += cand[q].val;
-            else if (pos < L[k].cut) {
-                const int lane = (int)((pos - (k ? L[k - 1].end : 0)) % 8);
-                for (Py_ssize_t q = 0; q < m; q++) st[cand[q].j].r[lane] += cand[q].val;
-            } else
-                for (Py_ssize_t q = 0; q < m; q++) {
-                    partial *s = &st[cand[q].j];
+                if (tail) { /* the leaf's last n % 8 values, added after its accumulators are combined */
                     if (!s->combined) s->res = combine(s->r), s->combined = 1;
-                    s->res += cand[q].val;
-                }
+                    s->res += p * p;
+                } else
+                    ((float *)s)[slot] += p * p;
+            }
         }
-        for (; k < nl; k++) finish_leaf(st, touched, nt, &L[k]);
+        for (; k < nl; k++) finish_leaf(st, stacks, touched, nt, &L[k]);
         double *dst = half + col * C;
         for (Py_ssize_t t = 0; t < nt; t++) {
             partial *s = &st[touched[t]];
             float out = s->first;
-            out += rest >= 8 ? s->stack[0] : s->res;
+            out += rest >= 8 ? stacks[(Py_ssize_t)touched[t] * STACK] : s->res;
             dst[touched[t]] += (double)out;
-            memset(s, 0, offsetof(partial, stack)); /* the stack is written before it is read */
+            memset(s, 0, sizeof(partial));
         }
     }
     status = 0;
 done:
     free(touched);
     free(st);
-    free(cand);
+    free(stacks);
     free(L);
     return status;
 }
