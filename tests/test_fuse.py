@@ -512,3 +512,39 @@ def test_fold_constants_survives_sizes_the_model_cannot_take():
     fused = fuse_model(_crop_after_valid_conv())
     x = np.random.default_rng(1).standard_normal((1, 1, 40, 16)).astype(np.float32)
     assert_same_function(_crop_after_valid_conv(), fused.model, {"x": x})
+
+
+def test_fold_constants_evaluates_what_no_size_changes_once(monkeypatch):
+    """A value that cannot depend on the free dims (a Constant node, arithmetic on weights) is evaluated
+    once for the six instantiations; what follows a Shape is evaluated in each. The folded graph is the
+    same either way."""
+    from onnx import TensorProto, helper as H, numpy_helper
+    from qtool.fuse import FuseContext, fold_constants as F
+
+    nodes = [H.make_node("Constant", [], ["c"], value=numpy_helper.from_array(np.full(4, 2.0, np.float32))),
+             H.make_node("Mul", ["c", "w"], ["cw"]),
+             H.make_node("Shape", ["x"], ["s"]),
+             H.make_node("Gather", ["s", "one"], ["n"], axis=0),
+             H.make_node("Reshape", ["x", "shape"], ["x2"]),
+             H.make_node("Add", ["x2", "cw"], ["y"])]
+    g = H.make_graph(nodes, "g", [H.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+                     [H.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4]),
+                      H.make_tensor_value_info("n", TensorProto.INT64, [])],
+                     [numpy_helper.from_array(np.ones(4, np.float32), "w"),
+                      numpy_helper.from_array(np.array(1, np.int64), "one"),
+                      numpy_helper.from_array(np.array([-1, 4], np.int64), "shape")])
+    model = H.make_model(g, opset_imports=[H.make_opsetid("", 13)])
+    seen = []
+    real = F.ReferenceEvaluator
+
+    class Counting(real):
+        def __init__(self, node, *a, **k):
+            seen.append(node.op_type)
+            super().__init__(node, *a, **k)
+
+    monkeypatch.setattr(F, "ReferenceEvaluator", Counting)
+    assert F.run(model, FuseContext())
+    assert seen.count("Constant") == 1 and seen.count("Mul") == 1
+    assert seen.count("Gather") == len(F.VARIANTS) + len(F.VETOS)  # (after a Shape: once per size)
+    assert "cw" in {t.name for t in model.graph.initializer}
+    assert "n" not in {t.name for t in model.graph.initializer}  # the batch stays dynamic
