@@ -607,3 +607,19 @@ def test_a_warning_during_a_progress_bar_gets_a_line_of_its_own():
     lines = buf.getvalue().split("\n")
     assert "qtool: warning: the samples come in 5 input sizes" in lines
     assert not any("%|" in ln and "warning" in ln for ln in lines)
+
+
+def test_calibrate_verbose_says_where_the_time_went(project, capsys):
+    """-v prints calibrate's seconds per phase (the fixed cost before the first sample, the pass) and
+    --json carries them with the graph passes' own: a user sees what a slow calibration spends on."""
+    assert qtool("calibrate", "-m", "net.onnx", "-d", "data", "-c", "cfg.toml", "-w", "w", "-v",
+                 "--json", "cal.json") == 0
+    out = capsys.readouterr().out
+    line = next(l for l in out.splitlines() if l.startswith("time: "))
+    for phase in ("read model", "fuse", "calibration pass", "ranges", "write"):
+        assert re.search(rf"{phase} \d+\.\d\d s", line), (phase, line)
+    summary = json.load(open("cal.json"))
+    assert list(summary["phases"])[:2] == ["read model", "list data"] and summary["phases"]["fuse"] >= 0
+    assert "pair_channels" in summary["fuse_seconds"] and "fold_batchnorm" in summary["fuse_seconds"]
+    assert qtool("calibrate", "-m", "net.onnx", "-d", "data", "-c", "cfg.toml", "-w", "w") == 0
+    assert "time: " not in capsys.readouterr().out  # (only with -v)

@@ -165,11 +165,15 @@ def stem_fit(model: onnx.ModelProto, input_name: str, files: list, cfg, current:
         x = np.flip(x0, axis=cax) if color == "BGR" else x0
         x = ((x - np.reshape(m, shape)) / np.reshape(s, shape)).astype(dtype)
         y = np.concatenate([sess.run(None, {input_name: x[a:a + chunk]})[0]
-                            for a in range(0, len(x) - chunk + 1, chunk)]).astype(np.float64)
+                            for a in range(0, len(x) - chunk + 1, chunk)])
         if y.ndim < 2 or y.shape[1] != len(mean):
             return None
-        yc = np.moveaxis(y, 1, 0).reshape(len(mean), -1)
-        logq = np.log(np.maximum(((yc - mean[:, None]) ** 2).mean(1) / var, 1e-30))
+        # the squared deviations in place, summed with float64 accumulators: a float64 copy of the
+        # stem's output per preset (6 x 64 x 112 x 112 on ResNet-50) took 1 of the check's 2 s
+        y = y.astype(np.float32, copy=False) - mean.astype(np.float32).reshape((1, -1) + (1,) * (y.ndim - 2))
+        np.square(y, out=y)
+        spread = y.sum(axis=tuple(a for a in range(y.ndim) if a != 1), dtype=np.float64) / (y.size // len(mean))
+        logq = np.log(np.maximum(spread / var, 1e-30))
         scores[label] = float(np.median(np.abs(logq)))
         ratios[label] = float(np.exp(np.median(logq)))
     return StemFit(bn.name or bn.output[0], scores, ratios, current, len(pixels), assumed, alike)

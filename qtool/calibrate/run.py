@@ -28,6 +28,7 @@ from qtool.modelio import file_hash, load_model, model_hash, save_model
 from qtool.plan import balanced_tensors, calibration_targets
 from qtool.qparams import clip_to_flat
 from qtool.rules.activations import AWARE, activation_inputs, activation_mse_range, flat_bounds
+from qtool.timing import Phases
 from qtool.workdir import Workdir
 
 FUSED = "fused.onnx"
@@ -45,6 +46,8 @@ class CalibrateResult:
     notes: list = field(default_factory=list)  # what was assumed or adapted about the preprocessing
     warnings: list = field(default_factory=list)  # the preprocessing may be wrong (checks.py)
     budget: dict = field(default_factory=dict)  # budget.Spend: samples available, GMAC each, how many used
+    phases: dict = field(default_factory=dict)  # phase -> seconds (timing.Phases): where the time went
+    fuse_seconds: dict = field(default_factory=dict)  # graph pass -> seconds, within the phase 'fuse'
 
 
 def calibrate(model_path: str, data, config=None, method: str = DEFAULT_METHOD,
@@ -82,6 +85,8 @@ def check_counts(**options) -> None:
 def _calibrate(model_path, data, config, method, workdir, batch, limit, show_progress, threads, every, say,
                budget_gmac):
     t0 = time.time()
+    phases = Phases()
+    phases.lap("read model")
     model_sha256 = model_hash(model_path)  # streamed, before the model is in memory
     load_notes = []
     model = load_model(model_path, notes=load_notes)
@@ -90,6 +95,7 @@ def _calibrate(model_path, data, config, method, workdir, batch, limit, show_pro
         raise QtoolError(f"{model_path}: already int8 ({', '.join(f'{k} x{v}' for k, v in sorted(q.items()))}); "
                          f"calibrate the fp32 original")
     cfg = None if config is None else config_from_any(config)
+    phases.lap("list data")
     source = tensor_source(data, model, model_path, batch=batch, limit=limit, every=every)
     if source is None:
         files = list_images(data)[::every]
@@ -100,11 +106,13 @@ def _calibrate(model_path, data, config, method, workdir, batch, limit, show_pro
     for line in notes:
         say(line)
     if source.kind == "images":
+        phases.lap("stem check")
         fit = stem_fit(model, source.inp.name, source.files, source.cfg, config_name(source.cfg), threads,
                        source.assumed)
         if fit is not None and fit.warning():
             alerts.append(fit.warning())
             warnings.warn(alerts[-1], stacklevel=2)
+    phases.lap("fuse")
     fused = fuse_model(model, source.pins, inplace=True)
     del model  # fused in place: the fused graph is all that is needed from here on
     for line in fused.messages:  # (what changed the model as a whole, not one node)
@@ -140,6 +148,7 @@ def _calibrate(model_path, data, config, method, workdir, batch, limit, show_pro
                     distinct.setdefault(k, DistinctValues()).add(v)
             yield f
 
+    phases.lap("calibration pass")
     with tqdm(total=len(source) or None, unit="sample", desc="calibrate", disable=not show_progress, leave=False) as bar:
         obs = collect(fused.model, ranges, means, feeds(), bar.update, threads, watch=watch,
                       where=f"{model_path} (fused)", ranged=balanced_tensors(fused.model),
@@ -152,6 +161,7 @@ def _calibrate(model_path, data, config, method, workdir, batch, limit, show_pro
     if obs.watch is not None and obs.watch.warning(by_design):
         alerts.append(obs.watch.warning(by_design))
         warnings.warn(alerts[-1], stacklevel=2)
+    phases.lap("ranges")
     ranges_all = ranges_for_all_methods(obs.histograms)
     aware = {}  # tensors read only by an activation: `mse` minimises the activation's output error
     for t, (label, f) in activation_inputs(fused.model).items():
@@ -166,6 +176,7 @@ def _calibrate(model_path, data, config, method, workdir, batch, limit, show_pro
                 r[t] = list(clip_to_flat(r[t][0], r[t][1], a, b))
         if r != ranges_all[m]:
             ranges_all[m + FLAT] = r
+    phases.lap("write")
     wd = Workdir(workdir)
     fused_path, table_path = wd.file(FUSED), wd.file(TABLE)
     table = CalibrationTable(
@@ -191,7 +202,7 @@ def _calibrate(model_path, data, config, method, workdir, batch, limit, show_pro
                          "files": names if spend.capped else
                          [os.path.abspath(f) if source.kind != "iterable" else f for f in source.files]})
     return CalibrateResult(table, fused.model, fused_path, table_path, time.time() - t0, fused.counts, notes, alerts,
-                           spend.to_dict())
+                           spend.to_dict(), phases.stop(), fused.seconds)
 
 
 def check_nonfinite(obs, names: list, where: str) -> dict:

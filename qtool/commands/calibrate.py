@@ -56,10 +56,16 @@ def command(model, data, config, method, batch, limit, every, budget_gmac, threa
                f"({len(t.skipped)} unreadable skipped); {len(t.histograms)} tensors observed")
     if r.fuse_counts:
         say(quiet, "graph cleanup: " + ", ".join(f"{k} x{v}" for k, v in sorted(r.fuse_counts.items())))
+    if verbose:  # where the time went: the fixed cost before the first sample, and the pass
+        say(quiet, "time: " + ", ".join(f"{k} {v:.2f} s" for k, v in r.phases.items()))
+        slow = sorted(((v, k) for k, v in r.fuse_seconds.items() if v >= 0.05), reverse=True)
+        if slow:
+            say(quiet, "  fuse: " + ", ".join(f"{k} {v:.2f} s" for v, k in slow))
     say(quiet, f"wrote {r.table_path} and {r.fused_path}")
     say(quiet, "next: qtool quantize" + (f" --workdir {workdir}" if workdir != "qtool_work" else ""))
     write_json(json_path, {"n_samples": t.n_samples, "skipped": t.skipped, "seconds": r.seconds,
                            "preprocessing": t.config, "preprocessing_notes": r.notes,
                            "preprocessing_warnings": r.warnings,
                            "tensors": len(t.histograms), "budget": r.budget, "method": t.method, "table": r.table_path,
-                           "fused_model": r.fused_path, "graph_cleanup": r.fuse_counts})
+                           "fused_model": r.fused_path, "graph_cleanup": r.fuse_counts,
+                           "phases": r.phases, "fuse_seconds": r.fuse_seconds})

@@ -19,6 +19,7 @@ from qtool import graph as G
 from qtool.fuse import (fold_batchnorm, fold_constants, fold_mul_add, fold_pad, fold_reshape_shape, inline_functions,
                         pair_channels, remove_dead, remove_identity, upcast_float16, upgrade_opset)
 from qtool.errors import QtoolError
+from qtool.timing import Phases
 
 PASSES = [
     ("remove_identity", remove_identity.run),
@@ -55,6 +56,7 @@ class FuseResult:
     messages: list
     ops_before: dict
     ops_after: dict
+    seconds: dict = field(default_factory=dict)  # pass -> seconds (timing.Phases), for -v
 
 
 def _op_counts(model):
@@ -105,14 +107,17 @@ def fuse_model(model: onnx.ModelProto, input_pins: dict | None = None, passes=No
         if upcast_float16.upcast(m, notes):
             ctx.log("upcast_float16", notes[0])
     pin_inputs(m, ctx.input_pins)
+    phases = Phases()
     for _ in range(max_rounds):
         changed = False
-        for _name, fn in (passes or PASSES):
-            changed |= bool(fn(m, ctx))
+        for name, fn in (passes or PASSES):
+            with phases(name):
+                changed |= bool(fn(m, ctx))
         if not changed:
             break
-    for _name, fn in ([] if passes else FINAL_PASSES):
-        fn(m, ctx)
+    for name, fn in ([] if passes else FINAL_PASSES):
+        with phases(name):
+            fn(m, ctx)
     del m.graph.value_info[:]
     G.name_nodes(m)
-    return FuseResult(m, ctx.counts, ctx.messages, before, _op_counts(m))
+    return FuseResult(m, ctx.counts, ctx.messages, before, _op_counts(m), phases.seconds)

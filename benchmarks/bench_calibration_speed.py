@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""`qtool calibrate` against the fp32 pass alone, on the same images, in one run.
+
+The fp32 pass is the floor of calibration: each image decoded (qtool's own load_image, the
+preprocessing calibrate uses) and run once through the fp32 model in ONNX Runtime, on every core.
+Both sides are whole processes timed from the outside (interpreter start and imports included: a
+user waits for them too), at each number of images; the sides alternate in mirrored order (fp32,
+qtool, qtool, fp32) so the machine's speed drift cancels. Printed per model and size: both times,
+their ratio, calibrate's peak RSS, and calibrate's fixed cost (its time at the smallest size minus
+the fp32 pass's there), with calibrate's own time per phase (`qtool calibrate -v --json`).
+
+ResNet-50 is built from seeded weights by resnet50_builder.py (never a downloaded file); other
+models are paths given with their preprocessing preset.
+
+  python benchmarks/bench_calibration_speed.py --images DIR [--sizes 20,100,1000]
+      [--model PATH:PRESET ...] [--no-resnet50] [--repeat 2] [--out bench_out]
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def child_fp32(model: str, images: str, n: int, preset: str, batch: int) -> dict:
+    """The fp32 pass alone: decode n images as calibrate does, run each batch once."""
+    from qtool.data.config import config_from_any
+    from qtool.data.images import ImageStream, list_images
+    from qtool.ortsession import session
+    import onnx
+    s = session(model)
+    cfg = config_from_any(preset)
+    name = onnx.load(model, load_external_data=False).graph.input[0].name
+    count = 0
+    for _, x in ImageStream(list_images(images)[:n], cfg, batch=batch):
+        s.run(None, {name: x})
+        count += len(x)
+    return {"images": count}
+
+
+def run_side(side: str, model: str, preset: str, images: str, n: int, batch: int, qtool: str) -> dict:
+    """One process, timed from outside -> seconds, peak RSS (MB), and calibrate's own JSON."""
+    work = tempfile.mkdtemp(prefix="qtool-calspeed-")
+    js = os.path.join(work, "summary.json")
+    if side == "fp32":
+        cmd = [sys.executable, __file__, "--child", model, "--images", images, "--n", str(n), "--preset", preset,
+               "--batch", str(batch)]
+    else:
+        cmd = [qtool, "calibrate", "--model", model, "--data", images, "--config", preset, "--limit", str(n),
+               "--batch", str(batch), "-w", os.path.join(work, "w"), "-q", "-v", "--json", js]
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        t = time.perf_counter()
+        p = subprocess.Popen(cmd, stdout=out, stderr=err)
+        _, status, usage = os.wait4(p.pid, 0)  # reaped here: its rusage is this one child's (peak RSS)
+        secs = time.perf_counter() - t
+        p.returncode = os.waitstatus_to_exitcode(status)
+        if p.returncode:
+            err.seek(0)
+            sys.exit(f"{' '.join(cmd)} failed (exit {p.returncode}):\n{err.read()}")
+    res = {"seconds": secs, "peak_rss_mb": usage.ru_maxrss / 1024}
+    if side == "qtool":
+        with open(js) as f:
+            summary = json.load(f)
+        res.update(images=summary["n_samples"], phases=summary.get("phases", {}))
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--images", required=True)
+    ap.add_argument("--sizes", default="20,100,1000")
+    ap.add_argument("--model", action="append", default=[], help="PATH:PRESET of another model (repeatable)")
+    ap.add_argument("--no-resnet50", action="store_true", help="skip the seeded ResNet-50")
+    ap.add_argument("--repeat", type=int, default=2, help="runs of each side per size, in mirrored order")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--out", default="bench_out")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--n", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--preset", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        print(json.dumps(child_fp32(a.child, a.images, a.n, a.preset, a.batch)))
+        return 0
+    qtool = os.path.join(os.path.dirname(sys.executable), "qtool")
+    sizes = [int(s) for s in a.sizes.split(",")]
+    models = []
+    if not a.no_resnet50:
+        sys.path.insert(0, HERE)
+        from resnet50_builder import build_resnet50
+        path = os.path.join(tempfile.mkdtemp(prefix="qtool-r50-"), "resnet50.onnx")
+        build_resnet50(path, seed=0)
+        models.append(("ResNet-50 (seeded)", path, "imagenet-torchvision"))
+    for spec in a.model:
+        path, _, preset = spec.rpartition(":")
+        models.append((os.path.basename(path), path, preset))
+    os.makedirs(a.out, exist_ok=True)
+    info = subprocess.run([qtool, "info"], capture_output=True, text=True).stdout.strip().splitlines()
+    results = {"cpu": info[:3], "models": {}}
+    for label, path, preset in models:
+        rows = []
+        for n in sizes:
+            order = []
+            for r in range(max(1, a.repeat)):
+                order += ["fp32", "qtool"] if r % 2 == 0 else ["qtool", "fp32"]
+            runs = {"fp32": [], "qtool": []}
+            for side in order:
+                runs[side].append(run_side(side, path, preset, a.images, n, a.batch, qtool))
+            f = sum(r["seconds"] for r in runs["fp32"]) / len(runs["fp32"])
+            q = sum(r["seconds"] for r in runs["qtool"]) / len(runs["qtool"])
+            phases = {k: min(r["phases"].get(k, 0.0) for r in runs["qtool"]) for k in runs["qtool"][0]["phases"]}
+            row = {"images": runs["qtool"][0]["images"], "fp32_seconds": f, "calibrate_seconds": q, "ratio": q / f,
+                   "calibrate_peak_rss_mb": max(r.get("peak_rss_mb", 0) for r in runs["qtool"]),
+                   "fp32_peak_rss_mb": max(r.get("peak_rss_mb", 0) for r in runs["fp32"]),
+                   "order": order, "runs": runs, "calibrate_phases_min": phases}
+            rows.append(row)
+            print(f"{label}, {row['images']} images: fp32 pass {f:.1f} s, calibrate {q:.1f} s, "
+                  f"ratio {row['ratio']:.2f}x, calibrate peak RSS {row['calibrate_peak_rss_mb']:.0f} MB "
+                  f"(fp32 pass {row['fp32_peak_rss_mb']:.0f} MB)", flush=True)
+            print("    calibrate's phases (fastest run): "
+                  + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()), flush=True)
+        first = rows[0]
+        fixed = first["calibrate_seconds"] - first["fp32_seconds"]
+        ratios = ", ".join(f"{r['images']}: {r['ratio']:.2f}x" for r in rows)
+        print(f"{label}: fixed cost (calibrate minus fp32 pass at {first['images']} images) {fixed:.1f} s; "
+              f"ratios {ratios}; load average at the end {os.getloadavg()[0]:.1f}", flush=True)
+        results["models"][label] = {"rows": rows, "fixed_cost_seconds": fixed}
+    with open(os.path.join(a.out, "calibration_speed.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
