@@ -41,6 +41,8 @@ bench: install
 	$(PY) benchmarks/bench_accuracy.py --model $(SHARED)/models/efficientnet-lite0.onnx \
 	    --images $(SHARED)/imagenet-samples --anchor $(SHARED)/anchors/ort_anchor.py --out bench_out
 	$(PY) benchmarks/bench_calibration_memory.py --images $(SHARED)/imagenet-samples --out bench_out
+	$(PY) benchmarks/bench_calibration_speed.py --images $(SHARED)/imagenet-samples --sizes 20,100,1000 \
+	    --model $(SHARED)/models/efficientnet-lite0.onnx:efficientnet-lite --out bench_out
 	$(PY) benchmarks/bench_sensitivity.py --model $(SHARED)/models/efficientnet-lite0.onnx \
 	    --images $(SHARED)/imagenet-samples --out bench_out
 	$(PY) benchmarks/bench_agreement_floor.py --model $(SHARED)/models/efficientnet-lite0.onnx \
