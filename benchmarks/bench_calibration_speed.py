@@ -6,7 +6,8 @@ preprocessing calibrate uses) and run once through the fp32 model in ONNX Runtim
 Both sides are whole processes timed from the outside (interpreter start and imports included: a
 user waits for them too), at each number of images; the sides alternate in mirrored order (fp32,
 qtool, qtool, fp32) so the machine's speed drift cancels. Printed per model and size: both times,
-their ratio, calibrate's peak RSS, and calibrate's fixed cost (its time at the smallest size minus
+their ratio (and the ratio of their CPU seconds, which other load on the machine disturbs less),
+calibrate's peak RSS, and calibrate's fixed cost (its time at the smallest size minus
 the fp32 pass's there), with calibrate's own time per phase (`qtool calibrate -v --json`).
 
 ResNet-50 is built from seeded weights by resnet50_builder.py (never a downloaded file); other
@@ -61,7 +62,7 @@ def run_side(side: str, model: str, preset: str, images: str, n: int, batch: int
         if p.returncode:
             err.seek(0)
             sys.exit(f"{' '.join(cmd)} failed (exit {p.returncode}):\n{err.read()}")
-    res = {"seconds": secs, "peak_rss_mb": usage.ru_maxrss / 1024}
+    res = {"seconds": secs, "cpu_seconds": usage.ru_utime + usage.ru_stime, "peak_rss_mb": usage.ru_maxrss / 1024}
     if side == "qtool":
         with open(js) as f:
             summary = json.load(f)
@@ -111,15 +112,19 @@ def main():
                 runs[side].append(run_side(side, path, preset, a.images, n, a.batch, qtool))
             f = sum(r["seconds"] for r in runs["fp32"]) / len(runs["fp32"])
             q = sum(r["seconds"] for r in runs["qtool"]) / len(runs["qtool"])
+            fc = sum(r["cpu_seconds"] for r in runs["fp32"]) / len(runs["fp32"])
+            qc = sum(r["cpu_seconds"] for r in runs["qtool"]) / len(runs["qtool"])
             phases = {k: min(r["phases"].get(k, 0.0) for r in runs["qtool"]) for k in runs["qtool"][0]["phases"]}
             row = {"images": runs["qtool"][0]["images"], "fp32_seconds": f, "calibrate_seconds": q, "ratio": q / f,
+                   "fp32_cpu_seconds": fc, "calibrate_cpu_seconds": qc, "cpu_ratio": qc / fc,
                    "calibrate_peak_rss_mb": max(r.get("peak_rss_mb", 0) for r in runs["qtool"]),
                    "fp32_peak_rss_mb": max(r.get("peak_rss_mb", 0) for r in runs["fp32"]),
                    "order": order, "runs": runs, "calibrate_phases_min": phases}
             rows.append(row)
             print(f"{label}, {row['images']} images: fp32 pass {f:.1f} s, calibrate {q:.1f} s, "
-                  f"ratio {row['ratio']:.2f}x, calibrate peak RSS {row['calibrate_peak_rss_mb']:.0f} MB "
-                  f"(fp32 pass {row['fp32_peak_rss_mb']:.0f} MB)", flush=True)
+                  f"ratio {row['ratio']:.2f}x (CPU time {qc:.1f} / {fc:.1f} s: {row['cpu_ratio']:.2f}x), "
+                  f"calibrate peak RSS {row['calibrate_peak_rss_mb']:.0f} MB (fp32 pass {row['fp32_peak_rss_mb']:.0f} MB)",
+                  flush=True)
             print("    calibrate's phases (fastest run): "
                   + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()), flush=True)
         first = rows[0]
