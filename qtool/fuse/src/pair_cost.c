@@ -76,16 +76,14 @@ static void *bucket_rows(void *arg) {
     return NULL;
 }
 
-/* The partners of the charged weight `own` (row r, column col): j with a_j in (limit - own, own], in the
- * buckets of integer parts from that of limit - own to that of own -> [*k0, *k1) of the row's partners
- * (the exact test, the reference's float32 operations, is the caller's). */
-static inline const partner *partners(const buckets *B, int off, Py_ssize_t r, float own, float limit, int32_t *k0,
-                                      int32_t *k1) {
+/* The partners of the charged weight `own` in row r: j with a_j in (limit - own, own], in the buckets of
+ * integer parts from that of limit - own to that of own -> pv[*k0 .. *k1) (the exact test, the
+ * reference's float32 operations, is the scan's). */
+static inline void partners(const buckets *B, int off, Py_ssize_t r, float own, float limit, int64_t *k0, int64_t *k1) {
     const int lo = limit - own > 0.0f ? bucket_of(limit - own) : 0, hi = bucket_of(own);
     const int32_t *st = B->start + r * WIDTH + off;
-    *k0 = st[lo];
-    *k1 = st[hi + 1];
-    return B->pv + r * B->C;
+    *k0 = r * B->C + st[lo];
+    *k1 = r * B->C + st[hi + 1];
 }
 
 /* numpy's pairwise_sum (numpy/_core/src/umath/loops_utils.h.src) over n values, as a plan: under 8,
@@ -146,8 +144,16 @@ static void finish_leaf(partial *st, float *stacks, const int32_t *touched, Py_s
     }
 }
 
-/* One sign of one reader: its rows bucketed, its charged weights (a > limit / 2) listed by column
- * then row (the reference's stable argsort): column i's are rows[per_col[i] .. per_col[i + 1]). */
+/* a charged weight (a > limit / 2): its row, its magnitude, and its partners' span of the row's buckets
+ * (found as its row is read, so that the column-major walk reads neither the weights nor the buckets) */
+typedef struct {
+    int32_t row;
+    float own;
+    int64_t k0, k1;
+} charge;
+
+/* One sign of one reader: its rows bucketed, its charged weights listed by column then row (the
+ * reference's stable argsort): column i's are charges[per_col[i] .. per_col[i + 1]). */
 typedef struct {
     const float *v;
     Py_ssize_t R, C;
@@ -155,7 +161,7 @@ typedef struct {
     const buckets *B;
     int off; /* this sign's first bucket */
     int64_t *per_col;
-    int32_t *rows;
+    charge *charges;
     int status;
 } side;
 
@@ -174,16 +180,20 @@ static void *prepare(void *arg) {
             for (int32_t k = sr[from]; k < sr[NBUCKETS]; k++) {
                 const partner *p = &S->B->pv[r * C + k];
                 if (!(p->a > charged)) continue;
-                if (pass == 0)
+                if (pass == 0) {
                     S->per_col[p->j + 1]++;
-                else
-                    S->rows[fill[p->j]++] = (int32_t)r;
+                    continue;
+                }
+                charge *c = &S->charges[fill[p->j]++];
+                c->row = (int32_t)r;
+                c->own = p->a;
+                partners(S->B, S->off, r, p->a, S->limit, &c->k0, &c->k1);
             }
         }
         if (pass == 0) {
             for (Py_ssize_t i = 0; i < C; i++) S->per_col[i + 1] += S->per_col[i];
-            S->rows = malloc((size_t)(S->per_col[C] ? S->per_col[C] : 1) * sizeof(int32_t));
-            if (!S->rows) goto done;
+            S->charges = malloc((size_t)(S->per_col[C] ? S->per_col[C] : 1) * sizeof(charge));
+            if (!S->charges) goto done;
             memcpy(fill, S->per_col, (size_t)C * sizeof(int64_t));
         }
     }
@@ -195,7 +205,7 @@ done:
 
 static void release(side *S) {
     free(S->per_col);
-    free(S->rows);
+    free(S->charges);
 }
 
 /* Columns [c0, c1) of one side into half's rows c0..c1, run by run: a run is the entries of one
@@ -223,18 +233,17 @@ static int run_columns(const side *S, double *half, Py_ssize_t block, Py_ssize_t
         for (; e < end; e++) {
             const int64_t pos = e - first - 1;
             for (; k < nl && pos >= L[k].end; k++) finish_leaf(st, stacks, touched, nt, &L[k]);
-            const Py_ssize_t r = S->rows[e];
-            const float own = signed_pos(S->v[r * C + col], S->sign), over = own - S->limit;
-            /* over: exact (Sterbenz), own is within [limit / 2, 2 limit] */
-            int32_t k0, k1;
-            const partner *pv = partners(S->B, S->off, r, own, S->limit, &k0, &k1);
+            const charge *c = &S->charges[e];
+            const float own = c->own, over = own - S->limit; /* exact (Sterbenz): own is in [limit / 2, 2 limit] */
+            const partner *pv = S->B->pv;
+            const int64_t k0 = c->k0, k1 = c->k1;
             /* positions ascend: every term arrives in its sum's order. Where it goes: the first row's
              * slot, the running sum (under 8 rows), or the leaf's accumulator of this position */
             const int tail = rest >= 8 && pos >= L[k].cut;
             const int slot = pos < 0 ? SLOT_FIRST : rest < 8 ? SLOT_RES
                                                               : SLOT_R + (int)((pos - (k ? L[k - 1].end : 0)) % 8);
             const int32_t fresh_depth = k ? L[k - 1].depth : 0; /* a partner first met in leaf k: zeros before */
-            for (int32_t q = k0; q < k1; q++) {
+            for (int64_t q = k0; q < k1; q++) {
                 const float part = pv[q].a, p = part + over;
                 const int32_t j = pv[q].j;
                 if (!(p > 0.0f && part <= own && j != col)) continue;
@@ -242,7 +251,7 @@ static int run_columns(const side *S, double *half, Py_ssize_t block, Py_ssize_t
                 if (!s->seen) {
                     s->seen = 1;
                     s->depth = fresh_depth;
-                    memset(stacks + (Py_ssize_t)j * STACK, 0, (size_t)fresh_depth * sizeof(float));
+                    for (int32_t d = 0; d < fresh_depth; d++) stacks[(Py_ssize_t)j * STACK + d] = 0.0f;
                     touched[nt++] = j;
                 }
                 if (tail) { /* the leaf's last n % 8 values, added after its accumulators are combined */
@@ -259,7 +268,8 @@ static int run_columns(const side *S, double *half, Py_ssize_t block, Py_ssize_t
             float out = s->first;
             out += rest >= 8 ? stacks[(Py_ssize_t)touched[t] * STACK] : s->res;
             dst[touched[t]] += (double)out;
-            memset(s, 0, sizeof(partial));
+            s->first = s->res = 0.0f; /* (finish_leaf left r and combined at zero) */
+            s->seen = 0;
         }
     }
     status = 0;
