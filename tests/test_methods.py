@@ -334,3 +334,16 @@ def test_entropy_memory_bounded_on_narrow_positive_band(monkeypatch):
     h = _hist(x)
     lo, hi = entropy.compute(h)
     assert h.min <= lo <= hi <= h.max
+
+
+def test_mse_cost_in_chunks_is_the_whole_matrix_bit_for_bit():
+    """mse scores its 100 candidate ranges a few at a time (cache); each candidate's cost is the same
+    row sum as in one [100, bins] matrix, so the range chosen is the same to the last bit."""
+    from qtool.calibrate.methods import mse
+    rng = np.random.default_rng(3)
+    centers = np.sort(rng.standard_normal(1800)) * 3
+    counts = rng.integers(0, 1000, 1800).astype(np.float64)
+    lo, hi = -3 * np.linspace(0.05, 1, 100), 4 * np.linspace(0.05, 1, 100)
+    whole = mse._cost(centers, counts, lo, hi, chunk=1000)
+    for chunk in (1, 7, 8, 64):
+        assert np.array_equal(mse._cost(centers, counts, lo, hi, chunk=chunk), whole)
