@@ -12,7 +12,7 @@ QTOOL = os.path.join(os.path.dirname(__file__), "..", "qtool")
 
 LAYERS = [
     # shared: plain services and data types every step may use, themselves layered
-    {"errors", "qparams", "arithmetic", "metrics", "blas", "lattice", "windows"},
+    {"errors", "qparams", "arithmetic", "metrics", "blas", "lattice", "windows", "timing"},
     {"graph", "labels", "ortsession", "ort_arithmetic", "report", "limits"},
     {"modelio", "data", "rules"},
     {"workdir", "plan"},
