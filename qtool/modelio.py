@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
-
 import onnx
 from onnx import external_data_helper, helper
 
+from qtool import tempfiles
 from qtool.errors import QtoolError
 from qtool.graph import _subgraphs, copy_fields, skeleton, topological_order
 from qtool.limits import elems, human_bytes, regular_file
@@ -444,48 +443,6 @@ def check_pair(fp32_path: str, int8_path: str) -> None:
 
 # ---------------------------------------------------------------- writing
 
-def _tmp_prefix() -> str:
-    return f".tmp-{os.getpid()}-"
-
-
-def clean_stale_temp_files(folder: str) -> list:
-    """Remove `.tmp-<pid>-*` files that a qtool process killed mid-write left in `folder` (its pid
-    is gone); files of a live process are its writes in progress and stay. Returns what was removed."""
-    removed = []
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return removed
-    for n in names:
-        if not n.startswith(".tmp-"):
-            continue
-        pid = n[5:].split("-", 1)[0]
-        if not pid.isdigit() or _alive(int(pid)):
-            continue
-        p = os.path.join(folder, n)
-        try:
-            if os.path.isfile(p) and not os.path.islink(p):
-                os.unlink(p)
-                removed.append(p)
-        except OSError:
-            pass
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    except OSError:
-        return False
-    return True
-
-
 def _usual_mode(path: str) -> None:
     umask = os.umask(0)
     os.umask(umask)
@@ -493,11 +450,8 @@ def _usual_mode(path: str) -> None:
 
 
 def _mkstemp(path: str) -> tuple:
-    d = os.path.dirname(os.path.abspath(path)) or "."
     try:
-        os.makedirs(d, exist_ok=True)
-        clean_stale_temp_files(d)
-        return tempfile.mkstemp(prefix=_tmp_prefix(), suffix=os.path.basename(path), dir=d)
+        return tempfiles.make(path)
     except OSError as e:
         raise QtoolError(f"{path}: cannot write ({e.strerror or e})") from None
 
@@ -532,10 +486,8 @@ def check_writable(path: str, what: str = "output") -> None:
     cannot be made or written, or it is a folder itself."""
     if os.path.isdir(path):
         raise QtoolError(f"{path}: is a folder; the {what} needs a file name")
-    d = os.path.dirname(os.path.abspath(path)) or "."
     try:
-        os.makedirs(d, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(), dir=d)
+        fd, tmp = tempfiles.make(path)
         os.close(fd)
         os.unlink(tmp)
     except OSError as e:

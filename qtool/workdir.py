@@ -9,7 +9,8 @@ it against the hash recorded for it: a table or int8 model rewritten by a later 
 between writing a file and the manifest, or a hand-edited manifest is one error, never a silent
 mix of two models. A step that writes holds an exclusive lock on the folder for its whole run,
 so two runs cannot interleave their files; the lock dies with the process (kill -9 included),
-and the `.tmp-*` files such a process leaves are removed by the next run.
+and the temporary files such a process leaves are removed by the next run, from the registry it
+kept of them (tempfiles.py), never by their names' pattern.
 """
 from __future__ import annotations
 
@@ -18,9 +19,10 @@ import fcntl
 import json
 import os
 
+from qtool import tempfiles
 from qtool.errors import QtoolError
 from qtool.limits import regular_file
-from qtool.modelio import atomic_write_text, check_writable, clean_stale_temp_files, file_hash
+from qtool.modelio import atomic_write_text, check_writable, file_hash
 
 DEFAULT = "qtool_work"
 MANIFEST = "manifest.json"
@@ -143,8 +145,9 @@ class Workdir:
             pass  # a filesystem without locks: the hashes still catch a mix of two runs
         _held[key] = [fd, 1]
         try:
-            clean_stale_temp_files(self.path)
+            tempfiles.claim(self.path)
             yield self
         finally:
+            tempfiles.release(self.path)
             del _held[key]
             os.close(fd)

@@ -1,0 +1,72 @@
+"""Never destroy a user's file (issue 51, cases 1, 3, 5, 6), in test_hostile.py's style: each case of the
+probe with the files made here. Expected: an output that is an input (or another output) is one line
+naming both paths, exit 2, and nothing is written; a file qtool did not make is never deleted; a working
+directory that cannot be written is refused before the work, and a write that fails after it still shows
+the figures; what the manifest and the model record is what was read."""
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import onnx
+import pytest
+
+from helpers import save, small_convnet
+from test_hostile import int8, one_line_error, project, qtool  # noqa: F401 (fixtures)
+
+W = "qtool_work"
+
+
+def _tree(root) -> dict:
+    """relative path -> bytes of every file under `root` (what "nothing written" compares)."""
+    out = {}
+    for d, _, names in os.walk(root):
+        for n in names:
+            p = os.path.join(d, n)
+            if not os.path.islink(p):
+                out[os.path.relpath(p, root)] = open(p, "rb").read()
+    return out
+
+
+# --- case 3: temporary files: only those qtool proves it made are removed ----------------------------------
+
+def test_files_named_like_temporary_ones_are_never_deleted(int8):  # noqa: F811
+    """`echo data > out/.tmp-99999-notes.txt; qtool eval --json out/eval.json` deleted the user's file
+    (a sweep of `.tmp-<dead pid>-*`): neither there nor in the working directory is such a file touched."""
+    os.makedirs("out")
+    mine = ["out/.tmp-99999-notes.txt", f"{W}/.tmp-99999-notes.txt", f"{W}/.qtool-tmp-notes.txt", "out/.qtool-tmp-x"]
+    for p in mine:
+        open(p, "w").write("data")
+    assert qtool("eval", "-q", "--json", "out/eval.json") == 0
+    assert qtool("quantize", "-q", "--no-sensitivity", "-o", "out/m.int8.onnx") == 0
+    for p in mine:
+        assert open(p).read() == "data", p
+
+
+def test_temporary_files_of_a_killed_run_are_removed_by_the_next(project):  # noqa: F811
+    """A run killed (SIGKILL) while writing in its working directory leaves its temporary file; the next run
+    removes it, as its registry lists it. One left elsewhere stays (qtool cannot prove it made it)."""
+    code = f"""
+import os, signal
+from qtool import tempfiles
+from qtool.workdir import Workdir
+with Workdir({W!r}).lock(create=True):
+    fd, tmp = tempfiles.make(os.path.join({W!r}, "calibration.json"))
+    os.write(fd, b"half a file")
+    fd, out = tempfiles.make(os.path.join("out", "eval.json"))
+    print(tmp, out, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    tmp, out = r.stdout.split()
+    assert os.path.exists(tmp) and os.path.exists(out)
+    assert qtool("calibrate", "-m", "net.onnx", "-d", "data", "-c", "cfg.toml", "-q") == 0
+    assert not os.path.exists(tmp)
+    assert os.path.exists(out)  # (outside the working directory: left alone)
+    assert not [f for f in os.listdir(W) if f.startswith(".qtool")]  # registry gone with nothing left
