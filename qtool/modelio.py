@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+from typing import NamedTuple
+
 import onnx
 from onnx import external_data_helper, helper
 
@@ -161,19 +163,36 @@ def load_model(path: str, check: bool = True, notes: list | None = None) -> onnx
     """Read an ONNX file (with external data from its own folder only). `check`: also run the
     ONNX checker on the structure; the tensor sizes are checked either way. `notes`: what the check
     let pass is appended there."""
+    return read_model(path, check, notes)[0]
+
+
+def read_model(path: str, check: bool = True, notes: list | None = None) -> tuple:
+    """(model, its model_hash) as load_model reads it: the hash is of the bytes parsed, read once (a
+    file replaced between hashing it and reading it again was recorded as the model it was not; issue
+    51). The external-data files' hashes are still read apart from their tensors."""
     if not os.path.exists(path):
         raise QtoolError(f"{path}: no such model file")
     regular_file(path, "model file")
     try:
-        model = onnx.load(path, load_external_data=False)
+        with open(path, "rb") as f:
+            data = f.read()  # (onnx.load reads it whole too, then parses)
+        digest = hashlib.sha256(data).hexdigest()
+        fmt = onnx.serialization.registry.get_format_from_file_extension(os.path.splitext(path)[1]) or "protobuf"
+        model = onnx.serialization.registry.get(fmt).deserialize_proto(data, onnx.ModelProto())
+        del data
     except MemoryError:
         raise QtoolError(f"{path}: not enough memory to read the model") from None
+    except OSError as e:
+        raise QtoolError(f"{path}: cannot read ({e.strerror or e})") from None
     except Exception as e:  # protobuf raises several types on garbage
         raise QtoolError(f"{path}: not a valid ONNX model ({_parse_failure(e)})") from None
     if not model.graph.node and not model.graph.output:
         raise QtoolError(f"{path}: not a valid ONNX model (empty graph)")
     base = os.path.dirname(os.path.abspath(path))
-    _check_external_paths(model, base, path)
+    root = os.path.realpath(base)
+    locs = sorted({_external_info(t, path, root)[1] for t in external_data_helper._get_all_tensors(model)
+                   if t.data_location == onnx.TensorProto.EXTERNAL})
+    digest = _with_external(digest, locs, root)
     for t in _graph_tensors(model.graph):
         check_tensor(t, path)
     try:
@@ -201,7 +220,7 @@ def load_model(path: str, check: bool = True, notes: list | None = None) -> onnx
         note = check_structure(model, path)
         if note and notes is not None:
             notes.append(note)
-    return model
+    return model, digest
 
 
 MAX_INLINED_NODES = 1_000_000  # (the largest real graphs met hold about 10^4 nodes)
@@ -363,7 +382,7 @@ def _mentions_location(path: str, h=None) -> bool:
     return found
 
 
-def _external_files(path: str) -> list:
+def external_files(path: str) -> list:
     """The external-data files a model reads (full paths, sorted), [] for a self-contained one."""
     return _referenced_files(path) if _mentions_location(path) else []
 
@@ -381,7 +400,7 @@ def _referenced_files(path: str) -> list:
 
 def model_bytes(path: str) -> int:
     """A model's size on disk: its file and the external-data files it reads."""
-    return os.path.getsize(path) + sum(os.path.getsize(f) for f in _external_files(path))
+    return os.path.getsize(path) + sum(os.path.getsize(f) for f in external_files(path))
 
 
 def model_hash(path: str) -> str:
@@ -396,10 +415,13 @@ def model_hash(path: str) -> str:
     digest = h.hexdigest()
     if not found:  # no external data can be referenced: the file alone
         return digest
-    locs = _referenced_files(path)
+    return _with_external(digest, _referenced_files(path), os.path.realpath(os.path.dirname(os.path.abspath(path))))
+
+
+def _with_external(digest: str, locs: list, root: str) -> str:
+    """A model's hash from its file's `digest` and the external-data files `locs` (sorted full paths) it reads."""
     if not locs:
         return digest
-    root = os.path.realpath(os.path.dirname(os.path.abspath(path)))
     h = hashlib.sha256(digest.encode())
     for full in locs:
         h.update(os.path.relpath(full, root).encode() + b"\0" + file_hash(full).encode())
@@ -456,17 +478,32 @@ def _mkstemp(path: str) -> tuple:
         raise QtoolError(f"{path}: cannot write ({e.strerror or e})") from None
 
 
-def atomic_write_bytes(path: str, data: bytes) -> None:
-    """Write to a temporary file in the same folder, then rename: never a half-written file."""
-    _atomic_write(path, lambda f: f.write(data))
+def atomic_write_bytes(path: str, data: bytes) -> str:
+    """Write to a temporary file in the same folder, then rename: never a half-written file.
+    -> the sha256 of the bytes written."""
+    return _atomic_write(path, lambda f: f.write(data))
 
 
-def _atomic_write(path: str, write) -> None:
-    """write(binary file) into a temporary file in the same folder, then rename over `path`."""
+class _Hashing:
+    """A binary file that also hashes what is written to it: what a step records is the sha256 of the
+    bytes it wrote, never of the file read back (which another process may have replaced)."""
+
+    def __init__(self, f):
+        self.f, self.h = f, hashlib.sha256()
+
+    def write(self, b) -> int:
+        self.h.update(b)
+        return self.f.write(b)
+
+
+def _atomic_write(path: str, write) -> str:
+    """write(binary file) into a temporary file in the same folder, then rename over `path`.
+    -> the sha256 of what was written."""
     fd, tmp = _mkstemp(path)
     try:
         with os.fdopen(fd, "wb") as f:
-            write(f)
+            out = _Hashing(f)
+            write(out)
         _usual_mode(tmp)
         os.replace(tmp, path)
     except BaseException as e:
@@ -475,10 +512,11 @@ def _atomic_write(path: str, write) -> None:
         if isinstance(e, OSError):
             raise QtoolError(f"{path}: cannot write ({e.strerror or e})") from None
         raise
+    return out.h.hexdigest()
 
 
-def atomic_write_text(path: str, text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))
+def atomic_write_text(path: str, text: str) -> str:
+    return atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def check_writable(path: str, what: str = "output") -> None:
@@ -506,24 +544,27 @@ def json_safe(o):
     return o
 
 
-def save_model(model: onnx.ModelProto, path: str, external_threshold: int = EXTERNAL_THRESHOLD) -> None:
+def save_model(model: onnx.ModelProto, path: str, external_threshold: int = EXTERNAL_THRESHOLD) -> Saved:
     """Atomic save, streamed: the model is written field by field and tensor by tensor (protobuf merges
     repeated occurrences of the graph field), so memory stays the model plus one tensor's bytes, where
     SerializeToString() would hold two more copies of the whole model. A model over
     `external_threshold` bytes (ONNX's 2 GB protobuf limit) keeps its graph in `path` and its weights
     in one new external-data file beside it, `<name>.data`, which replaces (never appends to) the one
-    there. The model passed in is only read."""
+    there. The model passed in is only read. -> Saved: the sha256 of the file written (file_hash) and
+    the model's (model_hash, which adds its external-data file), both of the bytes written."""
     size = _estimated_size(model)
     if size >= external_threshold:
-        _save_external(model, path)
-        return
+        return _save_external(model, path)
     if size < STREAM_THRESHOLD:  # small: three copies of it cost nothing
-        atomic_write_bytes(path, model.SerializeToString())
-        return
-    if size < external_threshold:
-        _atomic_write(path, lambda f: _write_model(model, f))
-        return
-    _save_external(model, path)
+        digest = atomic_write_bytes(path, model.SerializeToString())
+    else:
+        digest = _atomic_write(path, lambda f: _write_model(model, f))
+    return Saved(digest, digest)
+
+
+class Saved(NamedTuple):
+    file_sha256: str  # of the model's file (as file_hash reads it)
+    model_sha256: str  # of the model: its file and its external-data file (as model_hash reads them)
 
 
 def _estimated_size(model: onnx.ModelProto) -> int:
@@ -629,7 +670,7 @@ def _write_model(model: onnx.ModelProto, f, external=None) -> None:
     flush()
 
 
-def _save_external(model: onnx.ModelProto, path: str) -> None:
+def _save_external(model: onnx.ModelProto, path: str) -> Saved:
     """Weights to `<name>.data` (a temporary file first), the graph to `path`, both renamed into place:
     the data file first, so the graph never points into a data file that is not its own for longer
     than the rename between them."""
@@ -640,6 +681,7 @@ def _save_external(model: onnx.ModelProto, path: str) -> None:
     try:
         fd_model, tmp_model = _mkstemp(path)
         with os.fdopen(fd, "wb") as data_f, os.fdopen(fd_model, "wb") as f:
+            data_f, f = _Hashing(data_f), _Hashing(f)
             _write_model(model, f, external=(data_f, data_name, [0]))
         _usual_mode(tmp_data)
         _usual_mode(tmp_model)
@@ -652,3 +694,7 @@ def _save_external(model: onnx.ModelProto, path: str) -> None:
         if isinstance(e, OSError):
             raise QtoolError(f"{path}: cannot write ({e.strerror or e})") from None
         raise
+    digest = f.h.hexdigest()
+    h = hashlib.sha256(digest.encode())  # (as model_hash combines them)
+    h.update(data_name.encode() + b"\0" + data_f.h.hexdigest().encode())
+    return Saved(digest, h.hexdigest())

@@ -91,9 +91,10 @@ class Workdir:
                 raise QtoolError(f"{v}: recorded by `qtool {command}` but missing; run `qtool {command}` again")
         return entry
 
-    def verify(self, path: str, sha256: str, command: str, what: str) -> None:
-        """`path` still holds what `qtool command` recorded (its sha256), or one error."""
-        if file_hash(path) != sha256:
+    def verify(self, path: str, sha256: str, command: str, what: str, digest: str | None = None) -> None:
+        """`path` still holds what `qtool command` recorded (its sha256), or one error. `digest`: the
+        sha256 of the bytes already read from `path` (the caller parses those, not the file again)."""
+        if (file_hash(path) if digest is None else digest) != sha256:
             raise QtoolError(f"{path}: the {what} changed since `qtool {command}` recorded it in {self.file(MANIFEST)} "
                              f"(another run, an interrupted one, or an edit); run `qtool {command}` again")
 

@@ -70,3 +70,42 @@ with Workdir({W!r}).lock(create=True):
     assert not os.path.exists(tmp)
     assert os.path.exists(out)  # (outside the working directory: left alone)
     assert not [f for f in os.listdir(W) if f.startswith(".qtool")]  # registry gone with nothing left
+
+
+# --- case 6: the bytes read are the bytes recorded ---------------------------------------------------------
+
+def test_a_table_replaced_while_quantize_runs_is_not_recorded(project, monkeypatch):  # noqa: F811
+    """calibration.json replaced during quantize (another table, of another calibration): the model is
+    built from the table read, and the manifest and the model's metadata record that table's hash."""
+    assert qtool("calibrate", "-m", "net.onnx", "-d", "data", "-c", "cfg.toml", "-q", "-w", "other", "--limit", "3") == 0
+    assert qtool("calibrate", "-m", "net.onnx", "-d", "data", "-c", "cfg.toml", "-q") == 0
+    table = f"{W}/calibration.json"
+    read = hashlib.sha256(open(table, "rb").read()).hexdigest()
+    other = open("other/calibration.json", "rb").read()
+    assert hashlib.sha256(other).hexdigest() != read
+    import qtool.quantize.run as run
+    real = run.make_plan
+
+    def replaced(*a, **k):  # (runs once the inputs are read: the plan of the fused graph)
+        open(table, "wb").write(other)
+        return real(*a, **k)
+    monkeypatch.setattr(run, "make_plan", replaced)
+    assert qtool("quantize", "-q", "--no-sensitivity") == 0
+    m = json.load(open(f"{W}/manifest.json"))
+    assert m["quantize"]["table_sha256"] == read
+    meta = {p.key: p.value for p in onnx.load(f"{W}/model.int8.onnx").metadata_props}
+    assert meta["qtool.table_sha256"] == read
+
+
+def test_recorded_hashes_are_of_the_bytes_written(project):  # noqa: F811
+    """What calibrate and quantize record for the files they wrote is those files' sha256."""
+    assert qtool("calibrate", "-m", "net.onnx", "-d", "data", "-c", "cfg.toml", "-q") == 0
+    assert qtool("quantize", "-q", "--no-sensitivity") == 0
+    m = json.load(open(f"{W}/manifest.json"))
+
+    def sha(p):
+        return hashlib.sha256(open(p, "rb").read()).hexdigest()
+    assert m["calibrate"]["table_sha256"] == sha(f"{W}/calibration.json")
+    assert m["calibrate"]["fused_sha256"] == sha(f"{W}/fused.onnx")
+    assert m["calibrate"]["model_sha256"] == sha("net.onnx")
+    assert m["quantize"]["int8_sha256"] == sha(f"{W}/model.int8.onnx")

@@ -24,7 +24,7 @@ from qtool.errors import QtoolError, UsageError
 from qtool.fuse import fuse_model
 from qtool.lattice import DistinctValues
 from qtool.limits import MAX_BATCH
-from qtool.modelio import file_hash, load_model, model_hash, save_model
+from qtool.modelio import read_model, save_model
 from qtool.plan import balanced_tensors, calibration_targets
 from qtool.qparams import clip_to_flat
 from qtool.rules.activations import AWARE, activation_inputs, activation_mse_range, flat_bounds
@@ -87,9 +87,8 @@ def _calibrate(model_path, data, config, method, workdir, batch, limit, show_pro
     t0 = time.time()
     phases = Phases()
     phases.lap("read model")
-    model_sha256 = model_hash(model_path)  # streamed, before the model is in memory
     load_notes = []
-    model = load_model(model_path, notes=load_notes)
+    model, model_sha256 = read_model(model_path, notes=load_notes)  # (hashed from the bytes parsed)
     q = G.quantized_ops(model)
     if q:
         raise QtoolError(f"{model_path}: already int8 ({', '.join(f'{k} x{v}' for k, v in sorted(q.items()))}); "
@@ -186,14 +185,13 @@ def _calibrate(model_path, data, config, method, workdir, batch, limit, show_pro
         channel_means=obs.channel_means(), channel_ranges=obs.channel_ranges(), histograms={t: h.to_dict() for t, h in obs.histograms.items()},
         input_name=source.inp.name if source.kind == "images" else "", nonfinite=nonfinite,
         lattices={k: lat.to_dict() for k, d in distinct.items() if (lat := d.lattice()) is not None})
-    save_model(fused.model, fused_path)
-    table.fused_sha256 = model_hash(fused_path)
+    table.fused_sha256 = save_model(fused.model, fused_path).model_sha256  # (hashed as written)
     table.save(table_path)
     # a new calibration: the previous int8 model and its evaluation no longer belong here
     wd.update(drop=("quantize", "eval"),
               calibrate={"model_path": table.model_path, "model_sha256": table.model_sha256,
                          "fused_path": fused_path, "fused_sha256": table.fused_sha256, "table_path": table_path,
-                         "table_sha256": file_hash(table_path), "method": method,
+                         "table_sha256": table.sha256, "method": method,
                          "config": table.config, "preprocessing_notes": notes, "preprocessing_warnings": alerts,
                          "fp32_output": obs.watch.summary() if obs.watch is not None else None,
                          "data": _describe(data, absolute=True),

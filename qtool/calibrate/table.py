@@ -7,6 +7,7 @@ without another pass over the images.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -53,10 +54,15 @@ class CalibrationTable:
     def histogram(self, tensor: str) -> Histogram:
         return Histogram.from_dict(self.histograms[tensor])
 
-    def save(self, path: str) -> None:
+    # the sha256 of the bytes this table was parsed from (load_table) or written as (save); not a field: never saved
+    sha256 = ""
+
+    def save(self, path: str) -> str:
+        """-> the sha256 of the bytes written (also self.sha256)."""
         # shallow: asdict() would deep-copy every histogram's counts first
         d = {"format": FORMAT, **{f.name: getattr(self, f.name) for f in fields(self)}}
-        atomic_write_text(path, json.dumps(d, allow_nan=False))  # strict JSON: no NaN/Infinity tokens
+        self.sha256 = atomic_write_text(path, json.dumps(d, allow_nan=False))  # strict JSON: no NaN/Infinity tokens
+        return self.sha256
 
 
 # a method's ranges with each tensor whose readers are flat beyond a point stopped there (qparams.clip_to_flat):
@@ -76,17 +82,26 @@ def ranges_for_all_methods(histograms: dict) -> dict:
     return {m: {t: list(fn(h)) for t, h in histograms.items()} for m, fn in METHODS.items()}
 
 
-def load_table(path: str) -> CalibrationTable:
+def load_table(path: str, expect=None) -> CalibrationTable:
+    """The table at `path`, read once: its sha256 (table.sha256) is of the very bytes parsed, so a file
+    replaced while quantize runs is never recorded as the table the model was built from (issue 51).
+    `expect(sha256)`: called before parsing (the working directory's check against its record)."""
     if not os.path.lexists(path):
         raise QtoolError(f"{path}: no calibration table (run `qtool calibrate` first)")
     regular_file(path, "calibration table")
     try:
-        with open(path, encoding="utf-8") as f:
-            d = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise QtoolError(f"{path}: not a qtool calibration table ({e.__class__.__name__})") from None
+        with open(path, "rb") as f:
+            data = f.read()
     except OSError as e:
         raise QtoolError(f"{path}: cannot read ({e.strerror or e})") from None
+    digest = hashlib.sha256(data).hexdigest()
+    if expect is not None:
+        expect(digest)
+    try:
+        d = json.loads(data.decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise QtoolError(f"{path}: not a qtool calibration table ({e.__class__.__name__})") from None
+    del data
     if not isinstance(d, dict) or d.pop("format", None) != FORMAT:
         raise QtoolError(f"{path}: not a qtool calibration table (format {FORMAT} expected)")
     try:
@@ -96,6 +111,7 @@ def load_table(path: str) -> CalibrationTable:
     problem = _problem(t)
     if problem:
         raise QtoolError(f"{path}: calibration table is damaged or hand-edited: {problem}; run `qtool calibrate` again")
+    t.sha256 = digest
     return t
 
 

@@ -39,8 +39,8 @@ from qtool.calibrate.table import FLAT, load_table, range_candidates
 from qtool.errors import QtoolError
 from qtool.fuse import fuse_model
 from qtool.plan import make_plan
-from qtool.modelio import (atomic_write_text, check_writable, file_hash, json_safe, load_model, model_bytes, model_hash,
-                           save_model, set_provenance)
+from qtool.modelio import (atomic_write_text, check_writable, json_safe, model_bytes, read_model, save_model,
+                           set_provenance)
 from qtool.quantize.qdq import QuantizeOutput
 from qtool.workdir import Workdir
 
@@ -71,6 +71,7 @@ def load_inputs(workdir: str | None, model: str | None, table_path: str | None):
     """(fused graph, table, original model path) from explicit paths or the working directory; a table
     taken from the working directory must be the one `qtool calibrate` recorded there (its sha256)."""
     wd = Workdir(workdir)
+    expect = None
     if table_path is None:
         if "calibrate" not in wd.manifest():
             if model is not None:
@@ -79,23 +80,35 @@ def load_inputs(workdir: str | None, model: str | None, table_path: str | None):
             wd.require("calibrate", "calibrate")
         entry = wd.require("calibrate", "calibrate")
         table_path = entry["table_path"]
-        wd.verify(table_path, entry["table_sha256"], "calibrate", "calibration table")
-    table = load_table(table_path)
+        expect = lambda digest: wd.verify(table_path, entry["table_sha256"], "calibrate", "calibration table", digest)  # noqa: E731
+    # every file below is hashed from the bytes parsed (table.sha256, read_model): the model is built
+    # from, and recorded as, the same bytes
+    table = load_table(table_path, expect)
     if model is not None:
-        if model_hash(model) != table.model_sha256:
+        loaded, digest = read_model(model)
+        if digest != table.model_sha256:
             raise QtoolError(f"{table_path}: calibration table was made for another model "
                              f"({table.model_path}), not {model}; run `qtool calibrate` on this model")
-        fused = fuse_model(load_model(model), _pins(table), inplace=True).model
+        fused = fuse_model(loaded, _pins(table), inplace=True).model
         return fused, table, model
     fused_path = os.path.join(os.path.dirname(os.path.abspath(table_path)), FUSED)
-    if not os.path.exists(fused_path) or file_hash(fused_path) != table.fused_sha256:
+    fused = None
+    if os.path.exists(fused_path):
+        try:
+            fused, digest = read_model(fused_path, check=False)
+        except QtoolError:  # (not what calibrate wrote, which parsed: changed, as a wrong hash says)
+            fused, digest = None, None
+        if digest != table.fused_sha256:
+            fused = None
+    if fused is None:
         if not os.path.exists(table.model_path):
             raise QtoolError(f"{fused_path}: fused graph missing or changed, and the original model "
                              f"{table.model_path} is gone; run `qtool calibrate` again")
-        if model_hash(table.model_path) != table.model_sha256:
+        loaded, digest = read_model(table.model_path)
+        if digest != table.model_sha256:
             raise QtoolError(f"{table.model_path}: the model changed since calibration; run `qtool calibrate` again")
-        return fuse_model(load_model(table.model_path), _pins(table), inplace=True).model, table, table.model_path
-    return load_model(fused_path, check=False), table, table.model_path
+        return fuse_model(loaded, _pins(table), inplace=True).model, table, table.model_path
+    return fused, table, table.model_path
 
 
 def _pins(table) -> dict:
@@ -658,11 +671,11 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
                                   rounding=rounding, tune_ranges=tune_ranges, target=target, strict=steps.strict),
                              say, fallback=[])
     path = output or wd.file(INT8)
-    table_sha256 = file_hash(table_path)
+    table_sha256 = table.sha256  # (of the bytes the model was built from: the file may have been replaced since)
     # what the int8 model was made from travels inside it: eval and bench refuse to compare it
     # with any other fp32 model
     set_provenance(out.model, fp32_sha256=table.model_sha256, table_sha256=table_sha256)
-    save_model(out.model, path)
+    saved = save_model(out.model, path)
     if branches:  # (ctx's experiments leave the branches fp32: the model written is measured instead)
         cost = steps.run("target cost", written_cost, out.model, tune_samples, ctx.threads)
     else:
@@ -709,7 +722,7 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
             report["exclusion"] = srep["exclusion"]
     atomic_write_text(wd.file(REPORT), json.dumps(json_safe(report), indent=1))
     wd.update(drop=("eval",),
-              quantize={"int8_path": os.path.abspath(path), "int8_sha256": file_hash(path),
+              quantize={"int8_path": os.path.abspath(path), "int8_sha256": saved.file_sha256,
                         "table_sha256": table_sha256, "model_sha256": table.model_sha256,
                         "report_path": wd.file(REPORT),
                         "method": report["method"], "target": target, "excluded": final_exclude,
