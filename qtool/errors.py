@@ -35,3 +35,13 @@ class UsageError(QtoolError):
     """The command was called wrongly: exit code 2."""
 
     exit_code = 2
+
+
+class LateWriteError(QtoolError):
+    """The work is done but a file written last (the manifest, a report) could not be: `result` is what
+    was computed, for the caller to show before this error (an hour of evaluation is never lost to a
+    read-only working directory). Exit code 1."""
+
+    def __init__(self, message, result):
+        super().__init__(message)
+        self.result = result

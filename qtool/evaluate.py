@@ -661,23 +661,38 @@ def _size(path: str) -> int:
 
 def evaluate_workdir(workdir: str | None = None, data=None, labels: str | None = None, model: str | None = None,
                      int8_path: str | None = None, config=None, limit: int | None = None, threads: int = 2,
-                     runtime: str = "ort", show_progress: bool = True, say=print) -> dict:
+                     runtime: str = "ort", show_progress: bool = True, say=print, also_writes=()) -> dict:
     """`qtool eval`: the int8 model against its fp32 original, every path not given taken from the
     working directory (the calibrated model and its data and preprocessing, the quantized model).
     `data`: a folder of images or of .npy/.npz files, or an iterable of input dicts (or of arrays, for
     a one-input model). Images and tensors the ranges were fitted to are left out when `data` is the
     calibration folder. Records the headline figures in the manifest. Paths taken from the working
     directory are checked against the sha256 recorded for them, and the int8 model against the fp32
-    model it records it came from."""
+    model it records it came from. What it writes (the manifest, and `also_writes`: outputs.Path, as the
+    command's --json) is checked against what it reads, and writable, before the evaluation; should the
+    manifest fail to be written anyway, the LateWriteError raised carries the figures."""
     from qtool.workdir import Workdir
 
     wd = Workdir(workdir)
     with wd.lock():  # no other run rewrites the working directory while this one reads it
         return _evaluate_workdir(wd, data, labels, model, int8_path, config, limit, threads, runtime, show_progress,
-                                 say)
+                                 say, also_writes)
 
 
-def _evaluate_workdir(wd, data, labels, model, int8_path, config, limit, threads, runtime, show_progress, say):
+def _record(wd, r: dict, entry: dict) -> dict:
+    """The headline figures into the manifest; a failure there is a LateWriteError carrying `r`."""
+    from qtool.errors import LateWriteError, QtoolError
+    try:
+        wd.update(eval=entry)
+    except QtoolError as e:
+        raise LateWriteError(str(e), r) from None
+    return r
+
+
+def _evaluate_workdir(wd, data, labels, model, int8_path, config, limit, threads, runtime, show_progress, say,
+                      also_writes=()):
+    from qtool import outputs
+    from qtool.workdir import MANIFEST
     from qtool.data.tensors import classify_folder, list_tensor_files
     from qtool.errors import QtoolError
     from qtool.modelio import model_hash
@@ -698,6 +713,10 @@ def _evaluate_workdir(wd, data, labels, model, int8_path, config, limit, threads
     model = model or cal["model_path"]
     data = cal["data"] if data is None else data
     cfg = config if config is not None else cal.get("config")
+    outputs.check(writes=list(also_writes) + [outputs.Path("manifest", wd.file(MANIFEST))],
+                  reads=outputs.model("fp32 model", model) + outputs.model("int8 model", int8_path)
+                  + outputs.data("data folder", data) + [outputs.Path("labels file", labels)]
+                  + outputs.config("--config file", config) + outputs.recorded(wd.manifest()))
     if runtime != "ort":
         try:
             import qtool.runtime  # noqa: F401
@@ -705,8 +724,7 @@ def _evaluate_workdir(wd, data, labels, model, int8_path, config, limit, threads
             raise QtoolError(f"--runtime {runtime}: the native runtime is not available ({e})") from None
     if not isinstance(data, (str, os.PathLike)):
         r = evaluate_tensors(model, int8_path, data, limit, threads=threads)
-        wd.update(eval={"n_samples": r["n_samples"], "output_sqnr_db": r["output_sqnr_db"]})
-        return r
+        return _record(wd, r, {"n_samples": r["n_samples"], "output_sqnr_db": r["output_sqnr_db"]})
     data = os.fspath(data)
     if data == "(python iterable)":
         raise QtoolError("calibration data was a Python iterable; pass data (a folder or an iterable) to evaluate on")
@@ -727,14 +745,12 @@ def _evaluate_workdir(wd, data, labels, model, int8_path, config, limit, threads
                 f"held-out {what} for an unbiased figure)")
     if not images:
         r = evaluate_tensors(model, int8_path, data, limit, files=files, threads=threads)
-        wd.update(eval={"n_samples": r["n_samples"], "output_sqnr_db": r["output_sqnr_db"],
-                        "outputs": {k: v.get("sqnr_db") for k, v in r["outputs"].items()}})  # (a ZipMap has none)
-        return r
+        return _record(wd, r, {"n_samples": r["n_samples"], "output_sqnr_db": r["output_sqnr_db"],
+                               "outputs": {k: v.get("sqnr_db") for k, v in r["outputs"].items()}})  # (a ZipMap has none)
     r = evaluate(model, int8_path, data, cfg, labels, limit, files=files, threads=threads, show_progress=show_progress,
                  runtime=runtime)
-    wd.update(eval={k: r[k] for k in ("n_images", "top1_agreement", "output_sqnr_db") if k in r}
-              | ({"top1_delta_pt": r["top1_delta_pt"]} if "top1_delta_pt" in r else {}))
-    return r
+    return _record(wd, r, {k: r[k] for k in ("n_images", "top1_agreement", "output_sqnr_db") if k in r}
+                   | ({"top1_delta_pt": r["top1_delta_pt"]} if "top1_delta_pt" in r else {}))
 
 
 def _count(n: int, limit: int | None, what: str) -> str:

@@ -33,6 +33,49 @@ def _tree(root) -> dict:
     return out
 
 
+# --- case 1: an output path that is an input, or another output --------------------------------------------
+
+COLLISIONS = [  # (command line, the two paths the error names)
+    (["quantize", "-o", "net.onnx"], ["net.onnx", "fp32 model"]),
+    (["quantize", "-o", "link.onnx"], ["link.onnx", "fp32 model"]),  # a symlink to the fp32 model
+    (["quantize", "-o", "hard.onnx"], ["hard.onnx", "fp32 model"]),  # a hard link to it
+    (["quantize", "-o", "data/../net.onnx"], ["data/../net.onnx", "fp32 model"]),
+    (["calibrate", "-m", "net.onnx", "-d", "data", "-c", "cfg.toml", "--json", "net.onnx"], ["net.onnx", "--json"]),
+    (["calibrate", "-m", "net.onnx", "-d", "data", "-c", "cfg.toml", "--json", "cfg.toml"], ["cfg.toml", "--config"]),
+    (["calibrate", "-m", "net.onnx", "-d", "data", "-c", "cfg.toml", "--json", "data/img0000.png"],
+     ["data/img0000.png", "data folder"]),
+    (["quantize", "--json", "net.onnx"], ["net.onnx", "--json"]),
+    (["eval", "--json", "net.onnx"], ["net.onnx", "--json"]),
+    (["eval", "--json", f"{W}/calibration.json"], ["calibration.json", "calibration table"]),
+    (["eval", "--json", f"{W}/manifest.json"], ["manifest.json", "manifest"]),
+    (["inspect", "net.onnx", "--json", "net.onnx"], ["net.onnx", "--json"]),
+    (["bench", "--json", f"{W}/model.int8.onnx", "--rounds", "1"], ["model.int8.onnx", "int8 model"]),
+    (["quantize", "-o", f"{W}/sensitivity.json"], ["sensitivity.json", "sensitivity report"]),
+    (["quantize", "-o", f"{W}/calibration.json"], ["calibration.json", "calibration table"]),
+    (["quantize", "-o", f"{W}/quantize.json"], ["quantize.json", "quantize report"]),
+    (["quantize", "-o", "x.onnx", "--json", "x.onnx"], ["x.onnx", "--json", "int8 model (-o)"]),
+]
+
+
+@pytest.mark.parametrize("args,needles", COLLISIONS, ids=[" ".join(a) for a, _ in COLLISIONS])
+def test_an_output_that_is_an_input_is_refused_and_nothing_written(int8, capsys, args, needles):  # noqa: F811
+    os.symlink("net.onnx", "link.onnx")
+    os.link("net.onnx", "hard.onnx")
+    before = _tree(".")
+    capsys.readouterr()
+    assert qtool(*args) == 2
+    one_line_error(capsys.readouterr().err, *needles)
+    assert _tree(".") == before  # nothing written, nothing replaced
+    assert not os.path.exists("x.onnx")
+
+
+def test_a_new_output_beside_the_inputs_is_written(int8, capsys):  # noqa: F811
+    """The rule refuses collisions only: outputs of their own, in the data folder's parent, go through."""
+    assert qtool("quantize", "-q", "--no-sensitivity", "-o", "net.int8.onnx", "--json", "q.json") == 0
+    assert onnx.load("net.int8.onnx").graph.node and json.load(open("q.json"))["int8_model"].endswith("net.int8.onnx")
+    assert qtool("eval", "-q", "--json", "data/eval.json") == 0  # (not a file the data folder's reader takes)
+
+
 # --- case 3: temporary files: only those qtool proves it made are removed ----------------------------------
 
 def test_files_named_like_temporary_ones_are_never_deleted(int8):  # noqa: F811
@@ -70,6 +113,52 @@ with Workdir({W!r}).lock(create=True):
     assert not os.path.exists(tmp)
     assert os.path.exists(out)  # (outside the working directory: left alone)
     assert not [f for f in os.listdir(W) if f.startswith(".qtool")]  # registry gone with nothing left
+
+
+# --- case 5: a working directory that cannot be written; a write that fails after the work ----------------
+
+@pytest.fixture
+def read_only_workdir(monkeypatch):
+    """Creating a file in the working directory fails as on a read-only filesystem (root ignores mode bits):
+    every temporary file qtool makes is created with os.open(O_CREAT | O_EXCL)."""
+    real = os.open
+    wd = os.path.realpath(W)
+
+    def ro_open(path, flags, *a, **k):
+        if flags & os.O_CREAT and os.path.realpath(os.fspath(path)).startswith(wd + os.sep):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+        return real(path, flags, *a, **k)
+    monkeypatch.setattr(os, "open", ro_open)
+
+
+def test_eval_on_a_read_only_workdir_fails_before_evaluating(int8, capsys, monkeypatch, read_only_workdir):  # noqa: F811
+    import qtool.evaluate as ev
+
+    def never(*a, **k):
+        raise AssertionError("the evaluation ran before the manifest was checked writable")
+    monkeypatch.setattr(ev, "evaluate", never)
+    capsys.readouterr()
+    assert qtool("eval", "--json", "eval.json") == 1
+    one_line_error(capsys.readouterr().err, "manifest.json", "Read-only file system")
+
+
+@pytest.mark.parametrize("command", [["eval"], ["quantize", "--no-sensitivity"],
+                                     ["calibrate", "-m", "net.onnx", "-d", "data", "-c", "cfg.toml"]])
+def test_a_late_write_failure_prints_the_figures_first(int8, capsys, monkeypatch, command):  # noqa: F811
+    """The manifest cannot be written after the work (the disk filled up meanwhile): the figures are printed
+    and --json written first, then one error line, exit 1."""
+    from qtool.errors import QtoolError
+    from qtool.workdir import Workdir
+
+    def full(self, drop=(), **entries):
+        raise QtoolError(f"{self.file('manifest.json')}: cannot write (No space left on device)")
+    monkeypatch.setattr(Workdir, "update", full)
+    capsys.readouterr()
+    assert qtool(*command, "--json", "figures.json") == 1
+    out, err = capsys.readouterr()
+    one_line_error(err, "manifest.json", "No space left")
+    assert {"eval": "output SQNR", "quantize": "quantized in", "calibrate": "calibrated"}[command[0]] in out
+    assert json.load(open("figures.json"))
 
 
 # --- case 6: the bytes read are the bytes recorded ---------------------------------------------------------

@@ -11,6 +11,7 @@ import onnx
 from tqdm import tqdm
 
 from qtool import graph as G
+from qtool import outputs
 from qtool.calibrate.budget import DEFAULT_GMAC, Spend, within_budget
 from qtool.calibrate.collect import collect
 from qtool.calibrate.checks import stem_fit
@@ -20,7 +21,7 @@ from qtool.data.images import list_images
 from qtool.calibrate.methods import AUTO, DEFAULT_METHOD, METHODS
 from qtool.data.tensors import tensor_source
 from qtool.calibrate.table import FLAT, CalibrationTable, ranges_for_all_methods
-from qtool.errors import QtoolError, UsageError
+from qtool.errors import LateWriteError, QtoolError, UsageError
 from qtool.fuse import fuse_model
 from qtool.lattice import DistinctValues
 from qtool.limits import MAX_BATCH
@@ -29,7 +30,7 @@ from qtool.plan import balanced_tensors, calibration_targets
 from qtool.qparams import clip_to_flat
 from qtool.rules.activations import AWARE, activation_inputs, activation_mse_range, flat_bounds
 from qtool.timing import Phases
-from qtool.workdir import Workdir
+from qtool.workdir import MANIFEST, Workdir
 
 FUSED = "fused.onnx"
 TABLE = "calibration.json"
@@ -52,7 +53,8 @@ class CalibrateResult:
 
 def calibrate(model_path: str, data, config=None, method: str = DEFAULT_METHOD,
               workdir: str | None = None, batch: int = 4, limit: int | None = None, show_progress: bool = True,
-              threads: int = 0, every: int = 1, say=print, budget_gmac: float = DEFAULT_GMAC) -> CalibrateResult:
+              threads: int = 0, every: int = 1, say=print, budget_gmac: float = DEFAULT_GMAC,
+              also_writes=()) -> CalibrateResult:
     """`data`: a folder of images, of .npy files or of .npz files (see data/tensors.py), or any
     iterable of {input name: array} dicts (or of arrays, for a one-input model). `every`: use every
     N-th sample of the sorted folder (index % N == 0), e.g. a fixed calibration split.
@@ -60,15 +62,29 @@ def calibrate(model_path: str, data, config=None, method: str = DEFAULT_METHOD,
     model's metadata, else assumes the torchvision ImageNet preset for a 3-channel input, sized
     to the model (data/config.py); `say` is told what was assumed before the pass starts.
     `budget_gmac`: a heavy model calibrates on fewer samples, spread over the data (budget.py; 0: all).
-    The working directory is made and checked writable first, and held for the whole run."""
+    The working directory is made and checked writable first, and held for the whole run; what the run
+    will write (there, and `also_writes`: outputs.Path, as the command's --json) is checked against
+    what it reads before any work (outputs.py)."""
     if method not in METHODS and method != AUTO:
         raise UsageError(f"unknown calibration method '{method}' (choose from {', '.join(METHODS)}, {AUTO})")
     check_counts(batch=batch, limit=limit, every=every, threads=threads)
     if isinstance(budget_gmac, bool) or not isinstance(budget_gmac, (int, float)) or not budget_gmac >= 0:
         raise UsageError(f"--budget-gmac must be 0 (no budget) or more, not {budget_gmac!r}")
-    with Workdir(workdir).lock(create=True):
+    wd = Workdir(workdir)
+    with wd.lock(create=True):
+        outputs.check(writes=list(also_writes) + writes(wd),
+                      reads=outputs.model("fp32 model", model_path) + outputs.data("data folder", data)
+                      + outputs.config("--config file", config) + outputs.recorded(wd.manifest()))
         return _calibrate(model_path, data, config, method, workdir, batch, limit, show_progress, threads, every,
                           say, budget_gmac)
+
+
+def writes(wd: Workdir) -> list:
+    """What calibrate writes in the working directory."""
+    fused = wd.file(FUSED)
+    return [outputs.Path("fused graph", fused, "calibrate.fused_path"), outputs.Path("fused graph's data", fused + ".data"),
+            outputs.Path("calibration table", wd.file(TABLE), "calibrate.table_path"),
+            outputs.Path("manifest", wd.file(MANIFEST))]
 
 
 def check_counts(**options) -> None:
@@ -187,10 +203,23 @@ def _calibrate(model_path, data, config, method, workdir, batch, limit, show_pro
         lattices={k: lat.to_dict() for k, d in distinct.items() if (lat := d.lattice()) is not None})
     table.fused_sha256 = save_model(fused.model, fused_path).model_sha256  # (hashed as written)
     table.save(table_path)
-    # a new calibration: the previous int8 model and its evaluation no longer belong here
+    result = CalibrateResult(table, fused.model, fused_path, table_path, time.time() - t0, fused.counts, notes, alerts,
+                             spend.to_dict(), {}, fused.seconds)
+    try:  # (the table is written: should the manifest fail now, the figures are still shown)
+        _record(wd, table, method, notes, alerts, obs, data, source, aware, spend, names)
+    except QtoolError as e:
+        result.phases = phases.stop()
+        raise LateWriteError(str(e), result) from None
+    result.seconds, result.phases = time.time() - t0, phases.stop()
+    return result
+
+
+def _record(wd, table, method, notes, alerts, obs, data, source, aware, spend, names) -> None:
+    """The calibration into the manifest: a new calibration, so the previous int8 model and its evaluation
+    no longer belong here."""
     wd.update(drop=("quantize", "eval"),
               calibrate={"model_path": table.model_path, "model_sha256": table.model_sha256,
-                         "fused_path": fused_path, "fused_sha256": table.fused_sha256, "table_path": table_path,
+                         "fused_path": wd.file(FUSED), "fused_sha256": table.fused_sha256, "table_path": wd.file(TABLE),
                          "table_sha256": table.sha256, "method": method,
                          "config": table.config, "preprocessing_notes": notes, "preprocessing_warnings": alerts,
                          "fp32_output": obs.watch.summary() if obs.watch is not None else None,
@@ -199,8 +228,6 @@ def _calibrate(model_path, data, config, method, workdir, batch, limit, show_pro
                          "skipped": len(source.skipped), "budget": spend.to_dict(),
                          "files": names if spend.capped else
                          [os.path.abspath(f) if source.kind != "iterable" else f for f in source.files]})
-    return CalibrateResult(table, fused.model, fused_path, table_path, time.time() - t0, fused.counts, notes, alerts,
-                           spend.to_dict(), phases.stop(), fused.seconds)
 
 
 def check_nonfinite(obs, names: list, where: str) -> dict:

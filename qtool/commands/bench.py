@@ -5,10 +5,10 @@ import os
 
 import click
 
+from qtool import outputs
 from qtool.commands.common import common_options, say, setup_output, write_json
 from qtool.errors import QtoolError
 from qtool.limits import MAX_BATCH
-from qtool.modelio import check_writable
 
 
 @click.command("bench", short_help="Time qtool's int8 runtime against ONNX Runtime int8 and fp32.")
@@ -53,8 +53,6 @@ def command(model, fp32, batches, threads, rounds, max_rounds, round_ms, repeats
       qtool bench -m resnet50.int8.onnx --threads 2 --profile
     """
     setup_output(quiet, verbose)
-    if json_path:
-        check_writable(json_path, "--json file")
     from qtool.runtime.bench import bench, find_fp32
     from qtool.workdir import Workdir
     given = model is not None
@@ -74,6 +72,10 @@ def command(model, fp32, batches, threads, rounds, max_rounds, round_ms, repeats
         else:
             say(quiet, f"fp32 model: not found (not recorded for {os.path.basename(model)} in {workdir}, no sibling "
                        f"without '.int8'); timing the int8 engines only: pass --fp32 M.onnx to add ONNX Runtime fp32")
+    if json_path:  # (before the timing: the one output, never an input)
+        outputs.check(writes=[outputs.Path("--json file", json_path)],
+                      reads=outputs.model("int8 model", model) + outputs.model("fp32 model", fp32)
+                      + outputs.recorded(Workdir(workdir).manifest()))
     dims = None
     if shape:
         try:

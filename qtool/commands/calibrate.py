@@ -6,9 +6,9 @@ import click
 from qtool.calibrate.budget import DEFAULT_GMAC
 from qtool.calibrate.methods import AUTO, DEFAULT_METHOD, METHODS
 from qtool.calibrate.run import calibrate
-from qtool.commands.common import common_options, say, setup_output, write_json
+from qtool.commands.common import common_options, say, setup_output, shown, write_json
 from qtool.limits import MAX_BATCH
-from qtool.modelio import check_writable
+from qtool.outputs import Path
 
 
 @click.command("calibrate", short_help="Record activation ranges of an fp32 model over sample data.")
@@ -47,25 +47,28 @@ def command(model, data, config, method, batch, limit, every, budget_gmac, threa
       qtool calibrate --model yolox-det.onnx --data calib_npy/      (tensors, fed as they are)
     """
     setup_output(quiet, verbose)
-    if json_path:
-        check_writable(json_path, "--json file")  # now, not after the calibration pass
-    r = calibrate(model, data, config, method, workdir, batch, limit, show_progress=not quiet, threads=threads,
-                  every=every, say=lambda t: say(quiet, t), budget_gmac=budget_gmac)
-    t = r.table
-    say(quiet, f"calibrated {t.n_samples} images in {r.seconds:.1f}s "
-               f"({len(t.skipped)} unreadable skipped); {len(t.histograms)} tensors observed")
-    if r.fuse_counts:
-        say(quiet, "graph cleanup: " + ", ".join(f"{k} x{v}" for k, v in sorted(r.fuse_counts.items())))
-    if verbose:  # where the time went: the fixed cost before the first sample, and the pass
-        say(quiet, "time: " + ", ".join(f"{k} {v:.2f} s" for k, v in r.phases.items()))
-        slow = sorted(((v, k) for k, v in r.fuse_seconds.items() if v >= 0.05), reverse=True)
-        if slow:
-            say(quiet, "  fuse: " + ", ".join(f"{k} {v:.2f} s" for v, k in slow))
-    say(quiet, f"wrote {r.table_path} and {r.fused_path}")
-    say(quiet, "next: qtool quantize" + (f" --workdir {workdir}" if workdir != "qtool_work" else ""))
-    write_json(json_path, {"n_samples": t.n_samples, "skipped": t.skipped, "seconds": r.seconds,
-                           "preprocessing": t.config, "preprocessing_notes": r.notes,
-                           "preprocessing_warnings": r.warnings,
-                           "tensors": len(t.histograms), "budget": r.budget, "method": t.method, "table": r.table_path,
-                           "fused_model": r.fused_path, "graph_cleanup": r.fuse_counts,
-                           "phases": r.phases, "fuse_seconds": r.fuse_seconds})
+
+    def show(r):
+        t = r.table
+        say(quiet, f"calibrated {t.n_samples} images in {r.seconds:.1f}s "
+                   f"({len(t.skipped)} unreadable skipped); {len(t.histograms)} tensors observed")
+        if r.fuse_counts:
+            say(quiet, "graph cleanup: " + ", ".join(f"{k} x{v}" for k, v in sorted(r.fuse_counts.items())))
+        if verbose:  # where the time went: the fixed cost before the first sample, and the pass
+            say(quiet, "time: " + ", ".join(f"{k} {v:.2f} s" for k, v in r.phases.items()))
+            slow = sorted(((v, k) for k, v in r.fuse_seconds.items() if v >= 0.05), reverse=True)
+            if slow:
+                say(quiet, "  fuse: " + ", ".join(f"{k} {v:.2f} s" for v, k in slow))
+        say(quiet, f"wrote {r.table_path} and {r.fused_path}")
+        say(quiet, "next: qtool quantize" + (f" --workdir {workdir}" if workdir != "qtool_work" else ""))
+        write_json(json_path, {"n_samples": t.n_samples, "skipped": t.skipped, "seconds": r.seconds,
+                               "preprocessing": t.config, "preprocessing_notes": r.notes,
+                               "preprocessing_warnings": r.warnings,
+                               "tensors": len(t.histograms), "budget": r.budget, "method": t.method, "table": r.table_path,
+                               "fused_model": r.fused_path, "graph_cleanup": r.fuse_counts,
+                               "phases": r.phases, "fuse_seconds": r.fuse_seconds})
+
+    shown(lambda: calibrate(model, data, config, method, workdir, batch, limit, show_progress=not quiet,
+                            threads=threads, every=every, say=lambda t: say(quiet, t), budget_gmac=budget_gmac,
+                            also_writes=[Path("--json file", json_path)] if json_path else []),  # (checked first)
+          show)

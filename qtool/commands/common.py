@@ -8,7 +8,7 @@ import warnings
 
 import click
 
-from qtool.errors import printable
+from qtool.errors import LateWriteError, QtoolError, printable
 from qtool.modelio import atomic_write_text, json_safe
 
 
@@ -61,3 +61,18 @@ def say(quiet: bool, text: str = "") -> None:
 def write_json(path: str | None, data: dict) -> None:
     if path:
         atomic_write_text(path, json.dumps(json_safe(data), indent=2))
+
+
+def shown(run, show):
+    """run() -> its result, after show(result) (the figures printed, --json written). When a write after the
+    work failed (LateWriteError), the figures it carries are shown first, then the error goes on."""
+    try:
+        r = run()
+    except LateWriteError as e:
+        try:
+            show(e.result)
+        except QtoolError as also:
+            raise QtoolError(f"{e}; and {also}") from None
+        raise
+    show(r)
+    return r

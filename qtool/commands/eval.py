@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import click
 
-from qtool.commands.common import common_options, say, setup_output, write_json
+from qtool.commands.common import common_options, say, setup_output, shown, write_json
 from qtool.evaluate import check_warning, evaluate_workdir
-from qtool.modelio import check_writable
+from qtool.outputs import Path
 
 
 @click.command("eval", short_help="Compare the int8 model with its fp32 original.")
@@ -33,13 +33,16 @@ def command(compare, data, labels, model, int8_path, config, limit, runtime, thr
       qtool eval --data ../shared/imagenet-samples --labels ../shared/imagenet-samples/synsets.txt --json eval.json
     """
     setup_output(quiet, verbose)
-    if json_path:
-        check_writable(json_path, "--json file")  # now, not after the evaluation
-    r = evaluate_workdir(workdir, data, labels, model, int8_path, config, limit, threads, runtime,
-                         show_progress=not quiet, say=lambda t: say(quiet, t))
-    say(quiet, render(r) if "n_images" in r else render_outputs(r))
-    _warn_runtime(r)
-    write_json(json_path, r)
+
+    def show(r):
+        say(quiet, render(r) if "n_images" in r else render_outputs(r))
+        _warn_runtime(r)
+        write_json(json_path, r)
+
+    shown(lambda: evaluate_workdir(workdir, data, labels, model, int8_path, config, limit, threads, runtime,
+                                   show_progress=not quiet, say=lambda t: say(quiet, t),
+                                   also_writes=[Path("--json file", json_path)] if json_path else []),  # (checked first)
+          show)
 
 
 def _warn_runtime(r: dict) -> None:

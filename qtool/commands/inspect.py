@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import click
 
+from qtool import outputs
 from qtool.commands.common import output_options, say, setup_output, write_json
 from qtool.inspect import inspect_model, render
 
@@ -24,6 +25,8 @@ def command(model, shapes, exclude, all_nodes, json_path, quiet, verbose, debug)
       qtool inspect ../shared/models/ppocr-cls-mobilenetv3.onnx --shape x=1,3,48,192
     """
     setup_output(quiet, verbose)
+    if json_path:  # (before the model is read: a 1,000,000-node model takes a while)
+        outputs.check(writes=[outputs.Path("--json file", json_path)], reads=outputs.model("model", model))
     r = inspect_model(model, list(shapes), {n: "excluded by the user (--exclude)" for n in exclude})
     say(quiet, render(r, all_nodes or verbose > 0))
     write_json(json_path, r.to_dict())

@@ -11,6 +11,7 @@ import numpy as np
 from tqdm import tqdm
 
 from qtool import graph as G
+from qtool import outputs
 from qtool.blas import blas_threads
 from qtool.labels import labels_from_file, labels_from_folders
 from qtool.metrics import sqnr_db
@@ -36,13 +37,12 @@ from qtool.report.sensitivity_html import render as render_sensitivity
 from qtool.calibrate.methods import AUTO
 from qtool.calibrate.run import FUSED
 from qtool.calibrate.table import FLAT, load_table, range_candidates
-from qtool.errors import QtoolError
+from qtool.errors import LateWriteError, QtoolError
 from qtool.fuse import fuse_model
 from qtool.plan import make_plan
-from qtool.modelio import (atomic_write_text, check_writable, json_safe, model_bytes, read_model, save_model,
-                           set_provenance)
+from qtool.modelio import atomic_write_text, json_safe, model_bytes, read_model, save_model, set_provenance
 from qtool.quantize.qdq import QuantizeOutput
-from qtool.workdir import Workdir
+from qtool.workdir import MANIFEST, Workdir
 
 INT8 = "model.int8.onnx"
 REPORT = "quantize.json"
@@ -521,7 +521,7 @@ def quantize(workdir: str | None = None, model: str | None = None, table_path: s
              output: str | None = None, method: str | None = None, exclude: dict | None = None,
              bias_correction: bool = True, sensitivity: SensitivityOptions | None = None, say=print,
              rounding: bool | None = None, tune_ranges: bool | None = None,
-             target: str = DEFAULT_TARGET, strict: bool = False) -> QuantizeResult:
+             target: str = DEFAULT_TARGET, strict: bool = False, also_writes=()) -> QuantizeResult:
     """`rounding`: output-aware weight rounding from calibration images (rounding.py; None: on, the
     default, as it gains 1-2 dB of output SQNR for seconds), nearest otherwise.
     `tune_ranges`: activation ranges chosen at the model output (range_search.py); None: off. (Off
@@ -530,21 +530,45 @@ def quantize(workdir: str | None = None, model: str | None = None, table_path: s
     `target` (encoding.TARGETS): the CPUs the model must be exact on; every experiment is scored
     with the exact int8 arithmetic the target promises, whatever CPU this is.
     `strict`: an optional step that fails (optional.py) is an error, not a fallback with a warning.
-    The working directory is held for the whole run; where the outputs go is checked writable first."""
+    The working directory is held for the whole run; what the run will write (there, `output`, and
+    `also_writes`: outputs.Path, as the command's --json) is checked against what it reads, and
+    writable, once the inputs are known and before any long work (outputs.py)."""
     wd = Workdir(workdir)
     with wd.lock(create=True), blas_threads(1):  # blas.py: why one thread
-        if output is not None:
-            check_writable(output, "int8 model")
         return _quantize(workdir, model, table_path, output, method, exclude, bias_correction, sensitivity, say,
-                         rounding, tune_ranges, target, OptionalSteps(strict or os.environ.get(STRICT_ENV) == "1"))
+                         rounding, tune_ranges, target, OptionalSteps(strict or os.environ.get(STRICT_ENV) == "1"),
+                         also_writes)
+
+
+def writes(wd: Workdir, output: str | None, sensitivity: bool) -> list:
+    """What quantize writes: the int8 model (and its external-data file, should it need one), the
+    report, the sensitivity report, the manifest."""
+    path = output or wd.file(INT8)
+    what = "int8 model" + (" (-o)" if output else "")
+    return ([outputs.Path(what, path, "quantize.int8_path"), outputs.Path(f"{what}'s data", path + ".data"),
+             outputs.Path("quantize report", wd.file(REPORT), "quantize.report_path")]
+            + ([outputs.Path("sensitivity report", wd.file(SENS_JSON)), outputs.Path("sensitivity page", wd.file(SENS_HTML))]
+               if sensitivity else [])
+            + [outputs.Path("manifest", wd.file(MANIFEST))])
 
 
 def _quantize(workdir, model, table_path, output, method, exclude, bias_correction, sensitivity, say, rounding,
-              tune_ranges, target, steps: OptionalSteps) -> QuantizeResult:
+              tune_ranges, target, steps: OptionalSteps, also_writes=()) -> QuantizeResult:
     t0 = time.time()
     fused, table, model_path = load_inputs(workdir, model, table_path)
+    wd = Workdir(workdir)
+    manifest = wd.manifest()
     # the table read (load_inputs checked a working directory's one against its recorded sha256)
-    table_path = table_path or Workdir(workdir).manifest()["calibrate"]["table_path"]
+    table_path = table_path or manifest["calibrate"]["table_path"]
+    opts = sensitivity or SensitivityOptions(enabled=False, show_progress=False)
+    # every output against every input, and writable, before the long work
+    outputs.check(writes=list(also_writes) + writes(wd, output, opts.enabled),
+                  reads=outputs.model("fp32 model", model_path)
+                  + [outputs.Path("calibration table", table_path),
+                     outputs.Path("fused graph", os.path.join(os.path.dirname(os.path.abspath(table_path)), FUSED)),
+                     outputs.Path("labels file", opts.labels)]
+                  + outputs.data("calibration data folder", manifest.get("calibrate", {}).get("data"))
+                  + outputs.recorded(manifest))
     exclude = dict(exclude or {})
     names = {n.name for n in fused.graph.node}
     unknown = [n for n in exclude if n not in names]
@@ -559,8 +583,6 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
         say(f"note: {len(unbounded)} op(s) stay fp32 around {len(held)} tensor(s) no range can hold: {names}"
             f"{', ...' if len(held) > 3 else ''}")
         exclude = {**unbounded, **exclude}  # (a user's own reason for a node wins)
-    wd = Workdir(workdir)
-    opts = sensitivity or SensitivityOptions(enabled=False, show_progress=False)
     sens_on = opts.enabled
     exclusion_on = bool(sens_on and opts.exclude_sensitive)
     tune_ranges = bool(tune_ranges)
@@ -707,8 +729,25 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
         "layers": {k: v.__dict__ for k, v in out.layers.items()},
         "size_bytes": {"fp32": model_bytes(model_path), "int8": model_bytes(path)},
     }
+    result = QuantizeResult(out, path, report, time.time() - t0, sens, exclusion, tuning)
+    try:  # (the model is written: should a report or the manifest fail now, the figures are still shown)
+        _write_reports(wd, report, sens, exclusion, out, final_exclude, model_path, ctx.method, target)
+        wd.update(drop=("eval",),
+                  quantize={"int8_path": os.path.abspath(path), "int8_sha256": saved.file_sha256,
+                            "table_sha256": table_sha256, "model_sha256": table.model_sha256,
+                            "report_path": wd.file(REPORT),
+                            "method": report["method"], "target": target, "excluded": final_exclude,
+                            "bias_correction": bias_correction})
+    except QtoolError as e:
+        raise LateWriteError(str(e), result) from None
+    result.seconds = time.time() - t0
+    return result
+
+
+def _write_reports(wd, report, sens, exclusion, out, final_exclude, model_path, method, target) -> None:
+    """sensitivity.json and .html (when measured), then quantize.json."""
     if sens is not None:
-        srep = {"meta": {"model": os.path.basename(model_path), "method": ctx.method, "target": target,
+        srep = {"meta": {"model": os.path.basename(model_path), "method": method, "target": target,
                          "samples": sens["samples"], "seconds": sens["seconds"]},
                 "layers": sens["layers"], "excluded": final_exclude,
                 "exclusion": None if exclusion is None else dict(exclusion.to_dict(),
@@ -721,13 +760,6 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
         if exclusion is not None:
             report["exclusion"] = srep["exclusion"]
     atomic_write_text(wd.file(REPORT), json.dumps(json_safe(report), indent=1))
-    wd.update(drop=("eval",),
-              quantize={"int8_path": os.path.abspath(path), "int8_sha256": saved.file_sha256,
-                        "table_sha256": table_sha256, "model_sha256": table.model_sha256,
-                        "report_path": wd.file(REPORT),
-                        "method": report["method"], "target": target, "excluded": final_exclude,
-                        "bias_correction": bias_correction})
-    return QuantizeResult(out, path, report, time.time() - t0, sens, exclusion, tuning)
 
 
 def _encoding_counts(out: QuantizeOutput) -> dict:
