@@ -16,8 +16,13 @@ left by a killed run stays: qtool cannot prove it made it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import secrets
+import stat
 import tempfile
+
+from qtool.errors import QtoolError
 
 PREFIX = ".qtool-tmp-"
 REGISTRY = ".qtool-temp-files"
@@ -41,9 +46,8 @@ def make(path: str) -> tuple:
     # the name is chosen and recorded before the file exists: a kill between the two leaves a listed
     # name with no file, never a file that is not listed
     for _ in range(100):
-        name = PREFIX + next(tempfile._get_candidate_names()) + "." + os.path.basename(path)[-_NAME_KEEP:]
-        with open(registry, "a", encoding="utf-8") as f:
-            f.write(name + "\n")
+        name = PREFIX + secrets.token_hex(8) + "." + os.path.basename(path)[-_NAME_KEEP:]
+        _append(registry, name)
         try:
             fd = os.open(os.path.join(d, name), os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
         except FileExistsError:
@@ -52,11 +56,30 @@ def make(path: str) -> tuple:
     raise FileExistsError(f"{d}: no free temporary file name")
 
 
+def _append(registry: str, name: str) -> None:
+    """One name onto the registry, which must be a file of its own: never through a symlink or into a file
+    with another name too (a hard link), either of which would write into some other file."""
+    fd = os.open(registry, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            raise OSError(errno.EPERM, "the temporary-file registry is not a file of its own", registry)
+        os.write(fd, (name + "\n").encode("utf-8"))
+    finally:
+        os.close(fd)
+
+
 def claim(folder: str) -> list:
     """This process now holds `folder` (a working directory, under its lock): remove what the registry
-    left by an earlier run lists, and keep a registry for this run. -> the files removed."""
+    left by an earlier run lists, and keep a registry for this run. -> the files removed. A registry
+    that is a symlink, a hard link or no file is an error: qtool neither follows nor removes it."""
     key = os.path.realpath(folder)
     registry = os.path.join(key, REGISTRY)
+    if os.path.lexists(registry):
+        st = os.lstat(registry)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            raise QtoolError(f"{registry}: qtool keeps the list of its temporary files here, but this is not a "
+                             f"file of its own (a symlink, a hard link or a folder); remove it")
     removed = _sweep(key, registry)
     _held[key] = registry
     return removed

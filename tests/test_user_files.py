@@ -115,6 +115,18 @@ with Workdir({W!r}).lock(create=True):
     assert not [f for f in os.listdir(W) if f.startswith(".qtool")]  # registry gone with nothing left
 
 
+@pytest.mark.parametrize("link", [os.symlink, os.link])
+def test_a_registry_that_is_a_link_is_never_written_through(project, capsys, link):  # noqa: F811
+    """The registry planted as a symlink or hard link to a user's file: qtool neither appends to that file
+    nor removes the link; one line says so."""
+    os.makedirs(W)
+    open("victim.txt", "w").write("data")
+    link(os.path.abspath("victim.txt"), f"{W}/.qtool-temp-files")
+    assert qtool("calibrate", "-m", "net.onnx", "-d", "data", "-c", "cfg.toml", "-q") == 1
+    one_line_error(capsys.readouterr().err, ".qtool-temp-files", "not a file of its own")
+    assert open("victim.txt").read() == "data" and os.path.lexists(f"{W}/.qtool-temp-files")
+
+
 # --- case 5: a working directory that cannot be written; a write that fails after the work ----------------
 
 @pytest.fixture

@@ -73,9 +73,12 @@ def command(model, fp32, batches, threads, rounds, max_rounds, round_ms, repeats
             say(quiet, f"fp32 model: not found (not recorded for {os.path.basename(model)} in {workdir}, no sibling "
                        f"without '.int8'); timing the int8 engines only: pass --fp32 M.onnx to add ONNX Runtime fp32")
     if json_path:  # (before the timing: the one output, never an input)
+        try:
+            recorded = outputs.recorded(Workdir(workdir).manifest())
+        except QtoolError:  # (a damaged manifest: bench writes nothing there, and find_fp32 passes it by)
+            recorded = []
         outputs.check(writes=[outputs.Path("--json file", json_path)],
-                      reads=outputs.model("int8 model", model) + outputs.model("fp32 model", fp32)
-                      + outputs.recorded(Workdir(workdir).manifest()))
+                      reads=outputs.model("int8 model", model) + outputs.model("fp32 model", fp32) + recorded)
     dims = None
     if shape:
         try:
