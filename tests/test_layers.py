@@ -13,9 +13,9 @@ QTOOL = os.path.join(os.path.dirname(__file__), "..", "qtool")
 LAYERS = [
     # shared: plain services and data types every step may use, themselves layered
     {"errors", "qparams", "arithmetic", "metrics", "blas", "lattice", "windows", "timing"},
-    {"graph", "labels", "ortsession", "ort_arithmetic", "report", "limits"},
+    {"graph", "labels", "ortsession", "ort_arithmetic", "report", "limits", "tempfiles"},
     {"modelio", "data", "rules"},
-    {"workdir", "plan"},
+    {"workdir", "plan", "outputs"},
     # the steps, in pipeline order
     {"kernels", "fuse"},  # the native kernels; graph cleanup (model -> fused graph)
     {"runtime", "calibrate"},  # the int8 executor; fused graph -> calibration table
