@@ -668,7 +668,7 @@ def evaluate_workdir(workdir: str | None = None, data=None, labels: str | None =
     a one-input model). Images and tensors the ranges were fitted to are left out when `data` is the
     calibration folder. Records the headline figures in the manifest. Paths taken from the working
     directory are checked against the sha256 recorded for them, and the int8 model against the fp32
-    model it records it came from. What it writes (the manifest, and `also_writes`: outputs.Path, as the
+    model it records it came from. What it writes (the manifest, and `also_writes`: outputs.File, as the
     command's --json) is checked against what it reads, and writable, before the evaluation; should the
     manifest fail to be written anyway, the LateWriteError raised carries the figures."""
     from qtool.workdir import Workdir
@@ -713,9 +713,9 @@ def _evaluate_workdir(wd, data, labels, model, int8_path, config, limit, threads
     model = model or cal["model_path"]
     data = cal["data"] if data is None else data
     cfg = config if config is not None else cal.get("config")
-    outputs.check(writes=list(also_writes) + [outputs.Path("manifest", wd.file(MANIFEST))],
+    outputs.check(writes=list(also_writes) + [outputs.File("manifest", wd.file(MANIFEST))],
                   reads=outputs.model("fp32 model", model) + outputs.model("int8 model", int8_path)
-                  + outputs.data("data folder", data) + [outputs.Path("labels file", labels)]
+                  + outputs.data("data folder", data) + [outputs.File("labels file", labels)]
                   + outputs.config("--config file", config) + outputs.recorded(wd.manifest()))
     if runtime != "ort":
         try:

@@ -27,7 +27,7 @@ from qtool.modelio import check_writable, external_files
 
 
 @dataclass(frozen=True)
-class Path:
+class File:
     """A path a command reads or writes. `what` names it in an error ("int8 model (-o)"); `role`: the
     manifest field it is recorded under (calibrate.table_path), so that a write of the same role may
     replace what the manifest recorded there."""
@@ -47,8 +47,8 @@ class Folder:
 def model(what: str, path: str | None, role: str | None = None) -> list:
     """A model read, and the external-data files it reads."""
     if not path or not os.path.isfile(path):
-        return [Path(what, path, role)] if path else []
-    return [Path(what, path, role)] + [Path(f"external data of the {what}", f) for f in external_files(path)]
+        return [File(what, path, role)] if path else []
+    return [File(what, path, role)] + [File(f"external data of the {what}", f) for f in external_files(path)]
 
 
 def data(what: str, path) -> list:
@@ -60,7 +60,7 @@ def data(what: str, path) -> list:
 
 def config(what: str, value) -> list:
     """A preprocessing option read from a file (a TOML path), not a preset's name."""
-    return [Path(what, os.fspath(value))] if isinstance(value, (str, os.PathLike)) and os.path.isfile(value) else []
+    return [File(what, os.fspath(value))] if isinstance(value, (str, os.PathLike)) and os.path.isfile(value) else []
 
 
 _RECORDED = {"model_path": "fp32 model", "fused_path": "fused graph", "table_path": "calibration table",
@@ -73,13 +73,13 @@ def recorded(manifest: dict) -> list:
     for entry, fields in manifest.items():
         for k, v in fields.items() if isinstance(fields, dict) else ():
             if k.endswith("_path") and isinstance(v, str) and v:
-                out.append(Path(f"{_RECORDED.get(k, k[:-5].replace('_', ' '))} recorded by `qtool {entry}`", v,
+                out.append(File(f"{_RECORDED.get(k, k[:-5].replace('_', ' '))} recorded by `qtool {entry}`", v,
                                 f"{entry}.{k}"))
     return out
 
 
 def check(writes, reads=()) -> None:
-    """Every write (Path) against every read (Path or Folder) and every other write; then each write
+    """Every write (File) against every read (File or Folder) and every other write; then each write
     checked writable. A collision is a UsageError naming both paths (nothing written); an output that
     cannot be written, a QtoolError."""
     writes = [w for w in writes if w.path]
@@ -91,7 +91,7 @@ def check(writes, reads=()) -> None:
             if isinstance(r, Folder) and _inside(w.path, r):
                 raise UsageError(f"{w.path}: the {w.what} would land in the {r.what} {r.path}, as one of its "
                                  f"files; write it elsewhere")
-            if isinstance(r, Path) and ids[i] & _ids(r.path):
+            if isinstance(r, File) and ids[i] & _ids(r.path):
                 raise UsageError(f"{w.path}: the {w.what} is the {r.what} ({r.path}); writing it would destroy "
                                  f"that file: write it elsewhere")
         for j in range(i):

@@ -63,7 +63,7 @@ def calibrate(model_path: str, data, config=None, method: str = DEFAULT_METHOD,
     to the model (data/config.py); `say` is told what was assumed before the pass starts.
     `budget_gmac`: a heavy model calibrates on fewer samples, spread over the data (budget.py; 0: all).
     The working directory is made and checked writable first, and held for the whole run; what the run
-    will write (there, and `also_writes`: outputs.Path, as the command's --json) is checked against
+    will write (there, and `also_writes`: outputs.File, as the command's --json) is checked against
     what it reads before any work (outputs.py)."""
     if method not in METHODS and method != AUTO:
         raise UsageError(f"unknown calibration method '{method}' (choose from {', '.join(METHODS)}, {AUTO})")
@@ -82,9 +82,9 @@ def calibrate(model_path: str, data, config=None, method: str = DEFAULT_METHOD,
 def writes(wd: Workdir) -> list:
     """What calibrate writes in the working directory."""
     fused = wd.file(FUSED)
-    return [outputs.Path("fused graph", fused, "calibrate.fused_path"), outputs.Path("fused graph's data", fused + ".data"),
-            outputs.Path("calibration table", wd.file(TABLE), "calibrate.table_path"),
-            outputs.Path("manifest", wd.file(MANIFEST))]
+    return [outputs.File("fused graph", fused, "calibrate.fused_path"), outputs.File("fused graph's data", fused + ".data"),
+            outputs.File("calibration table", wd.file(TABLE), "calibrate.table_path"),
+            outputs.File("manifest", wd.file(MANIFEST))]
 
 
 def check_counts(**options) -> None:

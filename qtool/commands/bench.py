@@ -77,7 +77,7 @@ def command(model, fp32, batches, threads, rounds, max_rounds, round_ms, repeats
             recorded = outputs.recorded(Workdir(workdir).manifest())
         except QtoolError:  # (a damaged manifest: bench writes nothing there, and find_fp32 passes it by)
             recorded = []
-        outputs.check(writes=[outputs.Path("--json file", json_path)],
+        outputs.check(writes=[outputs.File("--json file", json_path)],
                       reads=outputs.model("int8 model", model) + outputs.model("fp32 model", fp32) + recorded)
     dims = None
     if shape:

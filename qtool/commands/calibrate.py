@@ -8,7 +8,7 @@ from qtool.calibrate.methods import AUTO, DEFAULT_METHOD, METHODS
 from qtool.calibrate.run import calibrate
 from qtool.commands.common import common_options, say, setup_output, shown, write_json
 from qtool.limits import MAX_BATCH
-from qtool.outputs import Path
+from qtool.outputs import File
 
 
 @click.command("calibrate", short_help="Record activation ranges of an fp32 model over sample data.")
@@ -70,5 +70,5 @@ def command(model, data, config, method, batch, limit, every, budget_gmac, threa
 
     shown(lambda: calibrate(model, data, config, method, workdir, batch, limit, show_progress=not quiet,
                             threads=threads, every=every, say=lambda t: say(quiet, t), budget_gmac=budget_gmac,
-                            also_writes=[Path("--json file", json_path)] if json_path else []),  # (checked first)
+                            also_writes=[File("--json file", json_path)] if json_path else []),  # (checked first)
           show)

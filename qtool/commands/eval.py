@@ -5,7 +5,7 @@ import click
 
 from qtool.commands.common import common_options, say, setup_output, shown, write_json
 from qtool.evaluate import check_warning, evaluate_workdir
-from qtool.outputs import Path
+from qtool.outputs import File
 
 
 @click.command("eval", short_help="Compare the int8 model with its fp32 original.")
@@ -41,7 +41,7 @@ def command(compare, data, labels, model, int8_path, config, limit, runtime, thr
 
     shown(lambda: evaluate_workdir(workdir, data, labels, model, int8_path, config, limit, threads, runtime,
                                    show_progress=not quiet, say=lambda t: say(quiet, t),
-                                   also_writes=[Path("--json file", json_path)] if json_path else []),  # (checked first)
+                                   also_writes=[File("--json file", json_path)] if json_path else []),  # (checked first)
           show)
 
 

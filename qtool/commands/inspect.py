@@ -26,7 +26,7 @@ def command(model, shapes, exclude, all_nodes, json_path, quiet, verbose, debug)
     """
     setup_output(quiet, verbose)
     if json_path:  # (before the model is read: a 1,000,000-node model takes a while)
-        outputs.check(writes=[outputs.Path("--json file", json_path)], reads=outputs.model("model", model))
+        outputs.check(writes=[outputs.File("--json file", json_path)], reads=outputs.model("model", model))
     r = inspect_model(model, list(shapes), {n: "excluded by the user (--exclude)" for n in exclude})
     say(quiet, render(r, all_nodes or verbose > 0))
     write_json(json_path, r.to_dict())

@@ -6,7 +6,7 @@ import click
 from qtool.calibrate.table import FLAT
 from qtool.calibrate.methods import AUTO, METHODS
 from qtool.commands.common import common_options, say, setup_output, shown, write_json
-from qtool.outputs import Path
+from qtool.outputs import File
 from qtool.quantize.encoding import DEFAULT_TARGET, TARGETS
 from qtool.quantize.run import SensitivityOptions, fp32_ops_of, quantize, reasons_text
 
@@ -155,5 +155,5 @@ def command(output, model, table, method, exclude, no_bias_correction, exclude_s
     shown(lambda: quantize(workdir, model, table, output, method, ex, not no_bias_correction, opts,
                            say=lambda t: say(quiet, t), rounding=None if rounding is None else rounding == "output",
                            tune_ranges=tune_ranges, target=target, strict=strict,
-                           also_writes=[Path("--json file", json_path)] if json_path else []),  # (checked first)
+                           also_writes=[File("--json file", json_path)] if json_path else []),  # (checked first)
           show)

@@ -531,7 +531,7 @@ def quantize(workdir: str | None = None, model: str | None = None, table_path: s
     with the exact int8 arithmetic the target promises, whatever CPU this is.
     `strict`: an optional step that fails (optional.py) is an error, not a fallback with a warning.
     The working directory is held for the whole run; what the run will write (there, `output`, and
-    `also_writes`: outputs.Path, as the command's --json) is checked against what it reads, and
+    `also_writes`: outputs.File, as the command's --json) is checked against what it reads, and
     writable, once the inputs are known and before any long work (outputs.py)."""
     wd = Workdir(workdir)
     with wd.lock(create=True), blas_threads(1):  # blas.py: why one thread
@@ -545,11 +545,11 @@ def writes(wd: Workdir, output: str | None, sensitivity: bool) -> list:
     report, the sensitivity report, the manifest."""
     path = output or wd.file(INT8)
     what = "int8 model" + (" (-o)" if output else "")
-    return ([outputs.Path(what, path, "quantize.int8_path"), outputs.Path(f"{what}'s data", path + ".data"),
-             outputs.Path("quantize report", wd.file(REPORT), "quantize.report_path")]
-            + ([outputs.Path("sensitivity report", wd.file(SENS_JSON)), outputs.Path("sensitivity page", wd.file(SENS_HTML))]
+    return ([outputs.File(what, path, "quantize.int8_path"), outputs.File(f"{what}'s data", path + ".data"),
+             outputs.File("quantize report", wd.file(REPORT), "quantize.report_path")]
+            + ([outputs.File("sensitivity report", wd.file(SENS_JSON)), outputs.File("sensitivity page", wd.file(SENS_HTML))]
                if sensitivity else [])
-            + [outputs.Path("manifest", wd.file(MANIFEST))])
+            + [outputs.File("manifest", wd.file(MANIFEST))])
 
 
 def _quantize(workdir, model, table_path, output, method, exclude, bias_correction, sensitivity, say, rounding,
@@ -564,9 +564,9 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
     # every output against every input, and writable, before the long work
     outputs.check(writes=list(also_writes) + writes(wd, output, opts.enabled),
                   reads=outputs.model("fp32 model", model_path)
-                  + [outputs.Path("calibration table", table_path),
-                     outputs.Path("fused graph", os.path.join(os.path.dirname(os.path.abspath(table_path)), FUSED)),
-                     outputs.Path("labels file", opts.labels)]
+                  + [outputs.File("calibration table", table_path),
+                     outputs.File("fused graph", os.path.join(os.path.dirname(os.path.abspath(table_path)), FUSED)),
+                     outputs.File("labels file", opts.labels)]
                   + outputs.data("calibration data folder", manifest.get("calibrate", {}).get("data"))
                   + outputs.recorded(manifest))
     exclude = dict(exclude or {})
