@@ -9,7 +9,7 @@ SHARED ?= ../shared
 WORK ?= qtool_work
 DEMO_MODEL := models/efficientnet-lite0.onnx
 
-.PHONY: install demo test bench zoo bench-backend bench-ocr clean
+.PHONY: install demo test bench zoo bench-backend bench-ocr results clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -91,6 +91,11 @@ bench-ocr: install $(OCR_STAMP)
 	$(PY) benchmarks/bench_ocr.py --ocr-python $(OCR_VENV)/bin/python \
 	    --det $(QTOOL_ZOO)/ppocrv5-mobile-det.onnx --rec $(QTOOL_ZOO)/ppocrv5-mobile-rec.onnx \
 	    --text-samples $(SHARED)/text-samples --shared $(SHARED) --zoo-dir $(QTOOL_ZOO) --ort-exact --out bench_out/ocr
+
+# The tables of docs/results.md and the README's summary tables, from benchmarks/results/*.json alone
+# (which make zoo, make bench-ocr and make bench write).
+results:
+	$(PYTHON) benchmarks/results.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info $(WORK) qtool/kernels/*.so qtool/calibrate/*.so qtool/quantize/*.so

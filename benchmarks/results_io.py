@@ -1,0 +1,69 @@
+"""Results files: what a benchmark measured, written where `make results` reads it.
+
+Each benchmark that feeds a table writes benchmarks/results/NAME.json:
+
+    {"benchmark": "bench_zoo.py", "command": "make zoo",
+     "commit": "<git HEAD>", "dirty": false, "date": "<ISO 8601>",
+     "cpu": "<the cpu: line of qtool info>", "isa": "<its kernel ISA line>", "ort_int8": "<its onnxruntime int8 line>",
+     "columns": [[key, header], ...],          # the table docs/results.md shows for this file
+     "rows": [{...}, ...]}                      # one per model (or variant)
+
+A row that belongs in the README's summary carries `family` (classifiers, detectors, ocr, text, audio) and the
+summary keys: model, metric, fp32, int8, ort (the task's own figure for fp32, qtool's int8 and ONNX Runtime's
+quantize_static), sqnr_db, ort_sqnr_db, size_pct (the int8 file as % of fp32's), speed (ORT int8 ms against fp32 ms).
+A cell the benchmark did not measure is absent or null and prints empty. `benchmarks/results.py` (`make results`)
+turns these files, and nothing else, into the tables.
+"""
+import datetime
+import json
+import os
+import subprocess
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS_DIR = os.environ.get("QTOOL_RESULTS") or os.path.join(ROOT, "benchmarks", "results")
+
+
+def _out(cmd):
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        return (r.stdout + r.stderr).strip()
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def info_lines(info_text):
+    """The lines of `qtool info` a table names: the CPU, the kernel ISA, what this CPU's ORT int8 computes."""
+    pick = {"cpu": "cpu:", "isa": "kernel ISA:", "ort_int8": "onnxruntime int8 on this CPU:"}
+    got = {k: "" for k in pick}
+    for line in info_text.splitlines():
+        for k, prefix in pick.items():
+            if line.startswith(prefix) and not got[k]:
+                got[k] = line[len(prefix):].strip()
+    return got
+
+
+def provenance(qtool="qtool", info_text=None):
+    """commit, date and the CPU lines of `qtool info` for a results file."""
+    if info_text is None:
+        info_text = _out([qtool, "info"])
+    prov = {"commit": _out(["git", "-C", ROOT, "rev-parse", "HEAD"]),
+            "dirty": bool(_out(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"])),
+            "date": datetime.datetime.now().astimezone().isoformat("T", "seconds")}
+    prov.update(info_lines(info_text))
+    return prov
+
+
+def write(name, benchmark, command, columns, rows, prov, directory=None):
+    """Write benchmarks/results/NAME.json (atomically) and return its path."""
+    directory = directory or RESULTS_DIR
+    os.makedirs(directory, exist_ok=True)
+    doc = {"benchmark": benchmark, "command": command, **prov,
+           "columns": [list(c) for c in columns], "rows": rows}
+    path = os.path.join(directory, f"{name}.json")
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}-", suffix=".json")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=1, ensure_ascii=False, allow_nan=False)
+        f.write("\n")
+    os.replace(tmp, path)
+    return path
