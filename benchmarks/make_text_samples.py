@@ -6,7 +6,7 @@ in DejaVu fonts onto photos, 16-56 px, some on plates, some rotated up to 6 degr
 with each word's box and quadrilateral; one crop per level word, its box plus 3 px, in crops.tsv),
 so a change can be decided on scenes bench_ocr never sees:
 
-    python benchmarks/make_text_samples.py --photos ../shared/imagenet-samples --out /tmp/dev-text \\
+    python benchmarks/make_text_samples.py --photos ../shared/imagenet-samples --out DIR \\
         --first 100 --n 300 --seed 7 --link-calib ../shared/text-samples
 
 --first names the scenes from that number on (bench_ocr takes 0000-0099 as calibration, the rest
