@@ -48,9 +48,9 @@ bench: install
 	$(PY) benchmarks/bench_agreement_floor.py --model $(SHARED)/models/efficientnet-lite0.onnx \
 	    --images $(SHARED)/imagenet-samples --out bench_out
 	$(PY) benchmarks/bench_sqnr.py --model $(SHARED)/models/ppocr-cls-mobilenetv3.onnx --images $(SHARED)/imagenet-samples \
-	    --shape 1,3,48,192 --mean 127.5 --std 127.5 --anchor $(SHARED)/anchors/ort_anchor.py --targets portable,vnni
+	    --shape 1,3,48,192 --mean 127.5 --std 127.5 --anchor $(SHARED)/anchors/ort_anchor.py --targets portable,vnni --family ocr
 	$(PY) benchmarks/bench_sqnr.py --model $(SHARED)/models/yolox-det.onnx --images $(SHARED)/imagenet-samples \
-	    --shape 1,3,416,416 --anchor $(SHARED)/anchors/ort_anchor.py --ort-opset 13 --targets portable,vnni
+	    --shape 1,3,416,416 --anchor $(SHARED)/anchors/ort_anchor.py --ort-opset 13 --targets portable,vnni --family detectors
 	$(PY) benchmarks/bench_targets.py --model $(SHARED)/models/efficientnet-lite0.onnx \
 	    --images $(SHARED)/imagenet-samples --config efficientnet-lite --out bench_out
 	$(PY) benchmarks/bench_pipeline.py --model $(SHARED)/models/efficientnet-lite0.onnx \

@@ -52,6 +52,8 @@ def main():
     p.add_argument("--config", default="efficientnet-lite")
     p.add_argument("--out", default="bench_out")
     p.add_argument("--limit", type=int, default=0, help="evaluate on at most this many images")
+    p.add_argument("--results", help="folder of the results files `make results` reads (default: benchmarks/results)")
+    p.add_argument("--family", default="classifiers", help="the README results table this model's row goes in")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     calib, evals = split.split(a.images)
@@ -101,7 +103,40 @@ def main():
     results["best_method"] = best
     with open(os.path.join(a.out, "accuracy.json"), "w") as f:
         json.dump(results, f, indent=2)
+    print(f"wrote {write_results(a, results, best, len(evals))}")
     return 0
+
+
+RESULT_COLS = [("model", "model"), ("metric", "figure"), ("fp32", "fp32"), ("int8", "qtool int8"), ("ort", "ORT int8"),
+               ("method", "qtool method"), ("agreement", "top-1 agreement qtool"),
+               ("ort_agreement", "top-1 agreement ORT"), ("size_pct", "size %"), ("seconds", "qtool s"),
+               ("ort_seconds", "ORT s")]
+
+
+def write_results(a, results, best, n_eval):
+    """benchmarks/results/accuracy-MODEL.json, which `make results` turns into tables."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import results_io
+    q, o = results[f"qtool_{best}"], results.get("ort_minmax")
+    stem = os.path.splitext(os.path.basename(a.model))[0]
+    row = {"model": stem, "family": a.family, "metric": f"top-1, {n_eval} images", "fp32": round(q["top1_fp32"], 4),
+           "int8": f"{q['top1_int8']:.4f} ({q['top1_delta_pt']:+.2f} pt)", "method": best,
+           "agreement": round(q["top1_agreement"], 4), "size_pct": round(100 * q["size_ratio"], 1),
+           "seconds": round(q["seconds"], 1)}
+    if o:
+        row.update(ort=f"{o['top1_int8']:.4f} ({o['top1_delta_pt']:+.2f} pt)", ort_agreement=round(o["top1_agreement"], 4),
+                   ort_seconds=round(o["seconds"], 1))
+    path = results_io.write(f"accuracy-{stem}", "bench_accuracy.py", "make bench", RESULT_COLS, [row],
+                            results_io.provenance(), a.results or None)
+    with open(path, encoding="utf-8") as f:
+        doc = json.load(f)
+    doc["title"] = f"{stem}: top-1 on the held-out split (make bench: bench_accuracy.py)"
+    doc["about"] = (f"Calibrated on every 10th image of `--images`, judged on the others; qtool's best range method by "
+                    f"agreement beside ONNX Runtime's `quantize_static` (QDQ, u8/s8 per channel, MinMax).")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=1, ensure_ascii=False)
+        f.write("\n")
+    return path
 
 
 if __name__ == "__main__":

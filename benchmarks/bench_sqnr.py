@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import glob
 import importlib.util
+import json
 import logging
 import os
 import sys
@@ -125,6 +126,8 @@ def main(argv=None):
                    help="quantize --rounding (output, the default: by each layer's output error)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--keep", help="keep qtool's working folder here")
+    p.add_argument("--results", help="folder of the results files `make results` reads (default: benchmarks/results)")
+    p.add_argument("--family", help="the README results table the default's row goes in (ocr, detectors, ...)")
     a = p.parse_args(argv)
     warnings.simplefilter("ignore")
     logging.getLogger().setLevel(logging.ERROR)  # ORT's quantizer logs a warning per bias it cannot find
@@ -214,7 +217,43 @@ def main(argv=None):
               f"   <- method picked on calibration tensors, scored on the evaluation images")
     for label, v in ort_rows.items():
         print(f"  ORT ({label}): {'failed' if v is None else f'{v:.1f} dB'}")
+    print(f"wrote {write_results(a, model, len(ev), targets, rows, arith_rows, ort_rows)}")
     return 0
+
+
+def write_results(a, model, n_eval, targets, rows, arith_rows, ort_rows):
+    """benchmarks/results/sqnr-MODEL.json, which `make results` turns into tables."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import results_io
+    from qtool.arithmetic import ARITHMETICS
+    ort = "; ".join(f"{v:.1f}" + ("" if label == "as is" else f" ({label})") for label, v in ort_rows.items()
+                    if v is not None) or None
+    out = []
+    for key in rows:
+        method, _, target = key.partition(" (")
+        target = target.rstrip(")") or targets[0]
+        r = {"model": os.path.splitext(model)[0], "method": method, "target": target,
+             "here_db": round(rows[key], 1), "arith": " / ".join(f"{arith_rows[key][ar]:.1f}" for ar in ARITHMETICS)}
+        if method.startswith("auto") and target == targets[0]:
+            r.update(ort_sqnr_db=ort, sqnr_db=round(arith_rows[key][ARITHMETICS[0]], 1),
+                     metric=f"output SQNR, {n_eval} images")
+            if a.family:
+                r["family"] = a.family
+        out.append(r)
+    cols = [("model", "model"), ("method", "range method"), ("target", "target"),
+            ("arith", "dB exact / ORT without VNNI"), ("here_db", "dB on this ORT"), ("ort_sqnr_db", "ORT quantize_static dB")]
+    stem = os.path.splitext(model)[0]
+    path = results_io.write(f"sqnr-{stem}", "bench_sqnr.py", "make bench", cols, out, results_io.provenance(),
+                            a.results or None)
+    with open(path, encoding="utf-8") as f:
+        doc = json.load(f)
+    doc["title"] = f"Output SQNR: {stem} (make bench: bench_sqnr.py)"
+    doc["about"] = (f"32 calibration and {n_eval} evaluation images, default options, under the exact arithmetic and "
+                    "ONNX Runtime's without VNNI, beside ONNX Runtime's `quantize_static` (MinMax).")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=1, ensure_ascii=False)
+        f.write("\n")
+    return path
 
 
 if __name__ == "__main__":

@@ -98,6 +98,7 @@ def main(argv=None):
     p.add_argument("--tuned", action="store_true",
                    help="also each target with tuned ranges (quantize --tune-ranges), as '<target>+tuned'")
     p.add_argument("--out", default="bench_out")
+    p.add_argument("--results", help="folder of the results files `make results` reads (default: benchmarks/results)")
     a = p.parse_args(argv)
     warnings.simplefilter("ignore")
     os.makedirs(a.out, exist_ok=True)
@@ -157,7 +158,42 @@ def main(argv=None):
     with open(os.path.join(a.out, "bench_targets.json"), "w") as f:
         json.dump(out, f, indent=1)
     print(f"wrote {os.path.join(a.out, 'bench_targets.json')}")
+    print(f"wrote {write_results(a, out)}")
     return 0
+
+
+def write_results(a, out):
+    """benchmarks/results/targets.json, which `make results` turns into a table."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import results_io
+
+    def fig(j, first):
+        lo, hi = j["agreement_95"]
+        return (f"{'agreement ' if first else ''}{j['top1_agreement']:.4f} [{lo:.3f}, {hi:.3f}], "
+                f"{'top-1 ' if first else ''}{j['delta_pt']:+.2f} pt, {j['sqnr_db']:.2f} dB")
+    rows = []
+    for k, (target, row) in enumerate(out["targets"].items()):
+        exact, novnni = row["exact"], row["ort-x86-novnni"]
+        same = (novnni["top1_agreement"], novnni["sqnr_db"]) == (exact["top1_agreement"], exact["sqnr_db"])
+        sp = out["ort_latency_ms"]
+        rows.append({"model": target + (" (default)" if target == "portable" else ""), "exact": fig(exact, k == 0),
+                     "novnni": "the same" if same else fig(novnni, False) + f" on {novnni['images']} images",
+                     "this_ort": fig(row["this_ort"], False),
+                     "speed": " / ".join(f"{sp[b][target]:.2f}" for b in sorted(sp) if target in sp[b]) or None})
+    cols = [("model", "target"), ("exact", "exact int8 (VNNI CPU or qtool's runtime)"),
+            ("novnni", "ONNX Runtime on x86 without VNNI (emulated)"), ("this_ort", "this CPU's ONNX Runtime"),
+            ("speed", "ORT int8 ms/image, batch 1 / 8")]
+    path = results_io.write("targets", "bench_targets.py", "make bench", cols, rows, results_io.provenance(),
+                            a.results or None)
+    with open(path, encoding="utf-8") as f:
+        doc = json.load(f)
+    doc["title"] = f"Targets: {os.path.basename(a.model)} under both arithmetics (make bench: bench_targets.py)"
+    doc["about"] = (f"fp32 top-1 {out['fp32_top1']:.4f}; 95 % interval of the agreement in brackets; this CPU's ONNX "
+                    f"Runtime int8: {out['ort_int8_arithmetic']}. See [cpus.md](cpus.md).")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=1, ensure_ascii=False)
+        f.write("\n")
+    return path
 
 
 if __name__ == "__main__":

@@ -536,6 +536,63 @@ def markdown(rows, machine):
     return "\n".join(lines) + "\n"
 
 
+FAMILY = {"ocr-det": "ocr", "ocr-rec": "ocr", "classifier": "classifiers", "bytes": "classifiers",
+          "detector": "detectors", "face": "detectors", "segmentation": "text", "text": "text", "signal": "audio",
+          "audio": "audio"}
+RESULT_COLS = [("model", "model"), ("family", "family"), ("status", "status"), ("calibrate_s", "calibrate s"),
+               ("calibrate_mb", "calibrate MB"), ("quantize_s", "quantize s"), ("quantize_mb", "quantize MB"),
+               ("eval_s", "eval s"), ("eval_mb", "eval MB"), ("size_pct", "size %"), ("sqnr_db", "qtool dB"),
+               ("ort_sqnr_db", "ORT dB here"), ("ort_exact_sqnr_db", "ORT dB exact"), ("fp32", "check fp32"),
+               ("int8", "check qtool"), ("ort", "check ORT"), ("int8_ops", "ops int8"), ("fp32_ops", "ops fp32"),
+               ("notes", "notes")]
+
+
+def result_row(row, entry):
+    """The figures a results table shows for one zoo model (benchmarks/results_io.py's format)."""
+    def db(v):
+        if v is None:
+            return None
+        v = float(v)
+        if not math.isfinite(v):
+            return "exact (no op int8)" if v > 0 else str(v)
+        return round(v, 1)
+    q, ck, st = row.get("quantize", {}), row.get("check", {}), row["steps"]
+    out = {"model": row["name"], "family": FAMILY.get(entry.get("family"), entry.get("family")),
+           "what": entry.get("what", "").split(":")[0], "metric": "zoo task check", "status": row["status"],
+           "fp32": ck.get("fp32", {}).get("verdict"), "int8": ck.get("qtool", {}).get("verdict"),
+           "ort": ck.get("ort", {}).get("verdict"), "sqnr_db": db(headline(row, "qtool")),
+           "ort_sqnr_db": db(headline(row, "ort")) if "ort" in row.get("sqnr", {}) else None,
+           "ort_exact_sqnr_db": db(headline(row, "ort_exact")) if "ort_exact" in row.get("sqnr", {}) else None,
+           "size_pct": round(100 * q["size_ratio"], 1) if q.get("size_ratio") else None, "speed": None,
+           "int8_ops": q.get("int8_ops"), "fp32_ops": q.get("fp32_ops"),
+           "notes": "; ".join(row["misses"] + row["notes"]) or None}
+    for step in ("calibrate", "quantize", "eval"):
+        if st.get(step):
+            out[f"{step}_s"], out[f"{step}_mb"] = st[step]["seconds"], st[step]["peak_mb"]
+    return out
+
+
+def write_results(a, rows, info):
+    """benchmarks/results/zoo.json, which `make results` turns into tables (only for a run of the whole zoo)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import results_io
+    with open(a.zoo_py("ZOO.json"), encoding="utf-8") as f:
+        entries = {e["name"]: e for e in json.load(f)}
+    prov = results_io.provenance(info_text=info["qtool_info"])
+    prov.update(commit=info["commit"], dirty=info["dirty"], date=info["date"])
+    path = results_io.write("zoo", "bench_zoo.py", "make zoo", RESULT_COLS,
+                            [result_row(r, entries.get(r["name"], {})) for r in rows], prov, a.results or None)
+    with open(path, encoding="utf-8") as f:
+        doc = json.load(f)
+    doc["title"] = "Every real model: the zoo (make zoo)"
+    doc["about"] = ("The default `qtool calibrate`, `quantize --strict` and `eval` on the third-party models of "
+                    "`$SHARED/zoo`, ONNX Runtime's `quantize_static` (QDQ, per channel, MinMax) on the same inputs; "
+                    "SQNR of each int8 model against fp32 on the evaluation inputs; 'ORT dB here' is what this CPU's "
+                    "ONNX Runtime computes, 'exact' its model with u8 weights; the checks are the zoo's task checks.")
+    write_atomic(path, json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
+    return path
+
+
 def plain(x):
     """JSON has no infinity: an exact output's SQNR is written as the string "inf"."""
     if isinstance(x, float) and not math.isfinite(x):
@@ -577,6 +634,8 @@ def parse(argv):
     p.add_argument("--no-strict", action="store_true", help="run qtool quantize without --strict")
     p.add_argument("--no-ort", action="store_true", help="skip ORT's quantizer")
     p.add_argument("--json", help="results (default: OUT/zoo.json)")
+    p.add_argument("--results", help="folder of the results files `make results` reads (default: benchmarks/results; "
+                                     "written only when every model of ZOO.json ran)")
     p.add_argument("--_ort-anchor", nargs=3, help=argparse.SUPPRESS)  # MODEL CALIB_DIR OUT_DIR
     p.add_argument("--_sqnr", nargs="+", help=argparse.SUPPRESS)  # FP32 EVAL_DIR OUT_JSON LABEL=PATH...
     a = p.parse_args(argv)
@@ -634,6 +693,8 @@ def main(argv=None):
         write_atomic(a.json, json.dumps(plain({"machine": info, "args": settings, "rows": rows}), indent=1))
     write_atomic(os.path.join(a.out, "zoo.md"), markdown(rows, info))
     print("\n" + "\n".join(text_row(c) for c in [HEAD] + [cells(r) for r in rows]))
+    if not a.models:
+        print(f"wrote {write_results(a, rows, info)}")
     missed = [r["name"] for r in rows if r["misses"]]
     print(f"{len(rows) - len(missed)} of {len(rows)} models pass" + (f"; missed: {', '.join(missed)}" if missed else ""))
     return 1 if missed else 0

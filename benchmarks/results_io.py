@@ -18,6 +18,7 @@ import datetime
 import json
 import os
 import subprocess
+import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,10 +44,12 @@ def info_lines(info_text):
     return got
 
 
-def provenance(qtool="qtool", info_text=None):
-    """commit, date and the CPU lines of `qtool info` for a results file."""
+def provenance(qtool=None, info_text=None):
+    """commit, date and the CPU lines of `qtool info` for a results file (`qtool`: the command, default this
+    Python's `-m qtool`)."""
     if info_text is None:
-        info_text = _out([qtool, "info"])
+        info_text = _out((qtool if isinstance(qtool, list) else [qtool] if qtool else [sys.executable, "-m", "qtool"])
+                         + ["info"])
     prov = {"commit": _out(["git", "-C", ROOT, "rev-parse", "HEAD"]),
             "dirty": bool(_out(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"])),
             "date": datetime.datetime.now().astimezone().isoformat("T", "seconds")}
