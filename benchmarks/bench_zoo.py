@@ -11,8 +11,14 @@ Both int8 models are scored by output SQNR against fp32 over every evaluation fi
 which ONNX Runtime computes exactly on every CPU. Then the zoo's task check (check.py) runs on fp32,
 qtool's int8 and ORT's int8.
 
+quantize runs a second time, in a copy of the calibrated working folder, and the two int8 files are
+compared byte for byte (issue 45: the same inputs must give the same model, whatever the machine's load).
+For each OCR recognizer (family ocr-rec) the share of its evaluation crops whose text, greedy-CTC decoded
+(qtool.evaluate's decoder), int8 changes against fp32 is printed too.
+
 A model passes when the three steps succeed, each within 180 s, quantize peaks under 4 GB, qtool's
-SQNR is at least the better of ORT's two, and qtool's int8 passes the task check wherever fp32 does.
+SQNR is at least the better of ORT's two, qtool's int8 passes the task check wherever fp32 does, and
+the two quantize runs wrote the same bytes.
 Exit 0 when every model passes. Results: OUT/zoo.json (every figure), OUT/zoo.md (the table).
 
   python benchmarks/bench_zoo.py --shared ../shared [--models a,b] [--zoo-dir DIR] [--data-dir DIR] [--out DIR]
@@ -40,8 +46,8 @@ POLL_S = 0.2
 PAGE = os.sysconf("SC_PAGE_SIZE")
 STEPS = ("calibrate", "quantize", "eval")
 HEAD = ["model", "status", "calibrate s/MB", "quantize s/MB", "eval s/MB", "size", "qtool dB", "ORT dB here/exact",
-        "check fp32/qtool/ORT", "ops int8/fp32", "reason"]
-WIDTH = [24, 16, 14, 14, 12, 5, 8, 17, 20, 13, 0]
+        "check fp32/qtool/ORT", "ops int8/fp32", "2 runs", "reason"]
+WIDTH = [24, 16, 14, 14, 12, 5, 8, 17, 20, 13, 9, 0]
 
 
 def one_line(text, limit=200):
@@ -265,6 +271,37 @@ def ort_anchor_main(model, calib_dir, out_dir):
     onnx.save(u8_weights(onnx.load(out)), os.path.join(out_dir, "model.int8.u8.onnx"))
 
 
+def first_float_path(y):
+    """The top-1 path of a recognizer's output for one sample: its size-1 axes (the batch) dropped,
+    [T, classes] -> [T]; None where that leaves no such matrix."""
+    import numpy as np
+    y = np.squeeze(np.asarray(y))
+    return y.argmax(-1) if y.ndim == 2 and y.dtype.kind == "f" else None
+
+
+def texts_main(fp32, data_dir, out_json, threads, int8):
+    """The share of samples whose greedy-CTC text (qtool.evaluate.ctc_agreement, the one decoder qtool has)
+    of the first float output differs between fp32 and int8."""
+    from qtool.evaluate import ctc_agreement
+    ref, q = ort_session(fp32, threads), ort_session(int8, threads)
+    names = [i.name for i in ref.get_inputs()]
+    out = next(o.name for o in ref.get_outputs() if "float" in o.type)
+    paths = []
+    for x in samples(data_dir):
+        p, r = (first_float_path(s.run([out], feed(x, names))[0]) for s in (ref, q))
+        if p is not None and r is not None:
+            paths.append((p, r))
+    agree = ctc_agreement(paths)
+    res = {"samples": len(paths), "output": out}
+    if agree:
+        res.update(changed=1 - agree["ctc_text_agreement"], blank=agree["ctc_blank"],
+                   changed_n=round((1 - agree["ctc_text_agreement"]) * len(paths)))
+    else:
+        res["error"] = "the output does not look like CTC (no blank at most positions)"
+    with open(out_json, "w") as f:
+        json.dump(res, f)
+
+
 def db(signal_, noise):
     """10 log10(signal / noise): inf when equal; -inf for a non-finite output or noise on a zero signal."""
     if not math.isfinite(noise):
@@ -356,6 +393,36 @@ def run_qtool(a, paths, work, strict, row):
     return {"qtool": os.path.join(work, "model.int8.onnx")} if row["status"] == "ok" else {}
 
 
+def quantize_again(a, work, strict, row):
+    """quantize a second time, in a copy of the calibrated working folder, and compare the int8 files'
+    bytes with the first run's (row["identical"]); the copy goes afterwards."""
+    again = work + "-again"
+    shutil.rmtree(again, ignore_errors=True)
+    shutil.copytree(work, again, ignore=shutil.ignore_patterns("ort", "eval.json", "sqnr-*.json", "model.int8.onnx",
+                                                               "texts.json"))
+    s = run_step([a.qtool, "quantize", "-w", again, "-q"] + (["--strict"] if strict else []), a)
+    row["steps"]["quantize again"] = s.record()
+    first, second = os.path.join(work, "model.int8.onnx"), os.path.join(again, "model.int8.onnx")
+    if s.ok and os.path.isfile(first) and os.path.isfile(second):
+        with open(first, "rb") as f1, open(second, "rb") as f2:
+            row["identical"] = f1.read() == f2.read()
+    else:
+        row["identical"] = None
+        row["notes"].append(f"second quantize: {s.why()}")
+    shutil.rmtree(again, ignore_errors=True)
+
+
+def texts_changed(a, paths, work, model):
+    """For a recognizer: the share of evaluation crops whose decoded text int8 changes (texts_main)."""
+    out = os.path.join(work, "texts.json")
+    s = run_step([sys.executable, os.path.abspath(__file__), "--threads", a.threads, "--_texts", paths["model"],
+                  paths["eval"], out, model], a)
+    if not s.ok:
+        return {"error": s.why()}
+    with open(out) as f:
+        return json.load(f)
+
+
 def run_ort(a, paths, work, row):
     """ORT's int8 model and its u8-weight copy, in a process of its own (its memory is measured apart)."""
     out = os.path.join(work, "ort")
@@ -419,6 +486,10 @@ def bench_model(a, name, strict):
     if prepare(a, name, paths, row):
         work = os.path.join(a.out, name)
         models = run_qtool(a, paths, work, strict, row)
+        if "qtool" in models:
+            quantize_again(a, work, strict, row)
+            if a.families.get(name) == "ocr-rec":
+                row["texts_changed"] = texts_changed(a, paths, work, models["qtool"])
         if not a.no_ort:
             models.update(run_ort(a, paths, work, row))
         row["sqnr"] = measure_sqnr(a, paths, work, models)
@@ -495,6 +566,8 @@ def misses(row):
         ck = row["check"]
         if ck["fp32"]["verdict"] == "PASS" and ck.get("qtool", {}).get("verdict") != "PASS":
             m.append(f"check {ck.get('qtool', {}).get('verdict', 'not run')} where fp32 PASSes")
+        if row.get("identical") is False:
+            m.append("two quantize runs wrote different int8 models")
     return m
 
 
@@ -521,6 +594,7 @@ def cells(row):
             fmt_db(qd) + ("!" if qd is not None and od is not None and qd < od - SQNR_TIE_DB else ""), ort,
             "/".join(ck.get(k, {}).get("verdict", "-") for k in ("fp32", "qtool", "ort")),
             f"{q['int8_ops']}/{q['fp32_ops']}" if q else "-",
+            {True: "identical", False: "DIFFER!", None: "-"}[row.get("identical")],
             "; ".join(row["misses"] + [f"(note: {n})" for n in row["notes"]])]
 
 
@@ -533,6 +607,12 @@ def markdown(rows, machine):
              f"`!` marks a miss (step > {BUDGET_S} s, quantize > {QUANT_MB // 1024} GB, SQNR below ORT's).", "",
              "| " + " | ".join(HEAD) + " |", "|" + "---|" * len(HEAD)]
     lines += ["| " + " | ".join(c.replace("|", "\\|") for c in cells(r)) + " |" for r in rows]
+    lines += ["", f"{sum(bool(r.get('identical')) for r in rows)} of {len(rows)} byte-identical across two quantize runs."]
+    for r in rows:
+        t = r.get("texts_changed", {})
+        if "changed" in t:
+            lines.append(f"- {r['name']}: {t['changed_n']}/{t['samples']} evaluation crops ({100 * t['changed']:.1f} %) "
+                         f"read differently by int8 than by fp32 (greedy CTC)")
     return "\n".join(lines) + "\n"
 
 
@@ -638,15 +718,18 @@ def parse(argv):
                                      "written only when every model of ZOO.json ran)")
     p.add_argument("--_ort-anchor", nargs=3, help=argparse.SUPPRESS)  # MODEL CALIB_DIR OUT_DIR
     p.add_argument("--_sqnr", nargs="+", help=argparse.SUPPRESS)  # FP32 EVAL_DIR OUT_JSON LABEL=PATH...
+    p.add_argument("--_texts", nargs=4, help=argparse.SUPPRESS)  # FP32 EVAL_DIR OUT_JSON INT8
     a = p.parse_args(argv)
     for k in ("shared", "zoo_dir", "data_dir", "out"):
         setattr(a, k, os.path.abspath(os.path.expanduser(getattr(a, k))))
     a.json = os.path.abspath(a.json or os.path.join(a.out, "zoo.json"))
     a.zoo_py = lambda script: os.path.join(a.shared, "zoo", script)
     a.qtool = shutil.which("qtool", path=os.path.dirname(sys.executable)) or shutil.which("qtool")
-    if not (a._ort_anchor or a._sqnr):
+    if not (a._ort_anchor or a._sqnr or a._texts):
         with open(a.zoo_py("ZOO.json"), encoding="utf-8") as f:
-            zoo = [e["name"] for e in json.load(f)]
+            entries = json.load(f)
+        zoo = [e["name"] for e in entries]
+        a.families = {e["name"]: e.get("family") for e in entries}
         a.names = [m.strip() for m in a.models.split(",") if m.strip()] if a.models else zoo
         unknown = [m for m in a.names if m not in zoo]
         if unknown:
@@ -661,6 +744,8 @@ def child(a):
     try:
         if a._ort_anchor:
             ort_anchor_main(*a._ort_anchor)
+        elif a._texts:
+            texts_main(*a._texts[:3], a.threads, a._texts[3])
         else:
             sqnr_main(*a._sqnr[:3], a.threads, a._sqnr[3:])
         return 0
@@ -671,7 +756,7 @@ def child(a):
 
 def main(argv=None):
     a = parse(argv)
-    if a._ort_anchor or a._sqnr:
+    if a._ort_anchor or a._sqnr or a._texts:
         return child(a)
     os.makedirs(a.out, exist_ok=True)
     os.makedirs(os.path.dirname(a.json), exist_ok=True)
@@ -693,6 +778,17 @@ def main(argv=None):
         write_atomic(a.json, json.dumps(plain({"machine": info, "args": settings, "rows": rows}), indent=1))
     write_atomic(os.path.join(a.out, "zoo.md"), markdown(rows, info))
     print("\n" + "\n".join(text_row(c) for c in [HEAD] + [cells(r) for r in rows]))
+    recognizers = [r for r in rows if "texts_changed" in r]
+    if recognizers:
+        print("\nOCR recognizers, evaluation crops whose greedy-CTC text int8 changes against fp32:")
+        for r in recognizers:
+            t = r["texts_changed"]
+            print(f"  {r['name']:24s} " + (f"{t['changed_n']}/{t['samples']} ({100 * t['changed']:.1f} %)"
+                                             if "changed" in t else t.get("error", "?")))
+    same = [r for r in rows if r.get("identical")]
+    print(f"{len(same)} of {len(rows)} byte-identical across two quantize runs"
+          + (f"; differ or not compared: {', '.join(r['name'] for r in rows if not r.get('identical'))}"
+             if len(same) < len(rows) else ""))
     if not a.models:
         print(f"wrote {write_results(a, rows, info)}")
     missed = [r["name"] for r in rows if r["misses"]]

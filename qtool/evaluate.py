@@ -25,6 +25,7 @@ from qtool.data.sources import ImageData
 from qtool.data.images import list_images
 from qtool.labels import labels_from_file, labels_from_folders
 from qtool.arithmetic import ORT_X86_NOVNNI
+from qtool.metrics import ctc_blank, ctc_collapse
 from qtool.modelio import check_pair, load_model, model_bytes, provenance
 
 
@@ -477,48 +478,12 @@ def is_log_distribution(a: np.ndarray, tol: float = 1e-2) -> bool:
 
 VARIED_SIZES = ("limit", "height", "none")  # resize modes that keep each image's own size (or width)
 UNIT_ROWS_MIN = 16  # vectors this long or longer, all of length 1, are embeddings (not 2-4 probabilities)
-CTC_MIN_BLANK_SHARE = 0.5  # a CTC recognizer's top-1 is its blank at most positions
-# ... and each symbol is a spike of a step or two between blanks (fp32's mean run: PP-OCRv5 1.02, PP-OCRv2
-# 1.08, a captcha CRNN 1.0), where a per-step classifier's background class frames events many steps long
-# (a seizure detector's 0.5 s decisions, a VAD): collapsing those repeats would hide a moved onset
-CTC_MAX_RUN = 2.0
-
-
-def _mean_run(paths: list, blank: int) -> float:
-    """Mean length of the runs of one non-blank class along fp32's top-1 paths (0 with none)."""
-    lengths = []
-    for p, _ in paths:
-        p = np.asarray(p)
-        if not p.size:
-            continue
-        starts = np.flatnonzero(np.r_[True, p[1:] != p[:-1]])
-        sizes = np.diff(np.r_[starts, len(p)])
-        lengths.append(sizes[p[starts] != blank])
-    lengths = np.concatenate(lengths) if lengths else np.zeros(0)
-    return float(lengths.mean()) if lengths.size else 0.0
-
-
-def ctc_collapse(path: np.ndarray, blank: int) -> tuple:
-    """Greedy CTC decoding of one top-1 path: repeats merged, then blanks dropped."""
-    keep = np.ones(len(path), bool)
-    keep[1:] = path[1:] != path[:-1]
-    return tuple(int(c) for c in path[keep] if c != blank)
-
-
 def ctc_agreement(paths: list) -> dict:
-    """Where the outputs look like CTC (one class is fp32's top-1 at over half of all positions: the
-    blank), the share of sequences whose greedy-decoded texts are equal: what a reader of the text sees,
-    where "equal at every position" also counts a blank moved by one step. {} where they do not."""
-    if not paths:
-        return {}
-    ref = np.concatenate([p for p, _ in paths])
-    if not ref.size:  # (empty sequences)
-        return {}
-    counts = np.bincount(ref)
-    blank = int(counts.argmax())
-    if counts[blank] < CTC_MIN_BLANK_SHARE * len(ref):
-        return {}
-    if _mean_run(paths, blank) > CTC_MAX_RUN:  # a frame classifier's events, not CTC's spikes
+    """Where the outputs look like CTC (metrics.ctc_blank), the share of sequences whose greedy-decoded
+    texts are equal: what a reader of the text sees, where "equal at every position" also counts a blank
+    moved by one step. {} where they do not."""
+    blank = ctc_blank([p for p, _ in paths])
+    if blank is None:
         return {}
     same = sum(ctc_collapse(p, blank) == ctc_collapse(q, blank) for p, q in paths)
     return {"ctc_text_agreement": same / len(paths), "ctc_blank": blank}

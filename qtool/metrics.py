@@ -135,3 +135,49 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple:
     c = (p + z * z / (2 * n)) / d
     h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
     return (max(0.0, c - h), min(1.0, c + h))
+
+
+# greedy CTC decoding, the one place it is done (eval's text agreement, quantize's verification)
+CTC_MIN_BLANK_SHARE = 0.5  # a CTC recognizer's top-1 is its blank at most positions
+# ... and each symbol is a spike of a step or two between blanks (fp32's mean run: PP-OCRv5 1.02, PP-OCRv2
+# 1.08, a captcha CRNN 1.0), where a per-step classifier's background class frames events many steps long
+# (a seizure detector's 0.5 s decisions, a VAD): collapsing those repeats would hide a moved onset
+CTC_MAX_RUN = 2.0
+
+
+def _mean_run(paths: list, blank: int) -> float:
+    """Mean length of the runs of one non-blank class along fp32's top-1 paths (0 with none)."""
+    lengths = []
+    for p in paths:
+        p = np.asarray(p)
+        if not p.size:
+            continue
+        starts = np.flatnonzero(np.r_[True, p[1:] != p[:-1]])
+        sizes = np.diff(np.r_[starts, len(p)])
+        lengths.append(sizes[p[starts] != blank])
+    lengths = np.concatenate(lengths) if lengths else np.zeros(0)
+    return float(lengths.mean()) if lengths.size else 0.0
+
+
+def ctc_blank(paths: list) -> int | None:
+    """The blank of fp32's top-1 paths (one int array per sequence) where they look like CTC: one class
+    is the top-1 at over half of all positions, and the others come as spikes (CTC_MAX_RUN); else None."""
+    if not paths:
+        return None
+    ref = np.concatenate([np.asarray(p).ravel() for p in paths])
+    if not ref.size:  # (empty sequences)
+        return None
+    counts = np.bincount(ref)
+    blank = int(counts.argmax())
+    if counts[blank] < CTC_MIN_BLANK_SHARE * len(ref):
+        return None
+    if _mean_run(paths, blank) > CTC_MAX_RUN:  # a frame classifier's events, not CTC's spikes
+        return None
+    return blank
+
+
+def ctc_collapse(path: np.ndarray, blank: int) -> tuple:
+    """Greedy CTC decoding of one top-1 path: repeats merged, then blanks dropped."""
+    keep = np.ones(len(path), bool)
+    keep[1:] = path[1:] != path[:-1]
+    return tuple(int(c) for c in path[keep] if c != blank)

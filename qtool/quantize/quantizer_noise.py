@@ -31,7 +31,7 @@ FLAT_BELOW = {"Relu", "Clip", "HardSwish", "HardSigmoid"}
 SAMPLES = 8  # the noise of a quantizer is a property of the tensor: a few samples measure it
 # memory: each fp32 run hands back FIRST_PASS tensors, then as many as fit in BYTES_PER_PASS at the
 # largest size seen so far (one sample per run); time: fewer samples, down to one, where the runs
-# this takes would exceed SECONDS at the fp32 model's measured speed (CRAFT: 437 GMAC per image)
+# this takes would exceed SECONDS at the work counted for the fp32 model (budget.py; CRAFT: 437 GMAC per image)
 FIRST_PASS = 4
 BYTES_PER_PASS = 256 << 20
 SECONDS = 30.0
@@ -65,10 +65,9 @@ def quantizer_noise(ctx, samples, threads: int = 0) -> list:
     flat = {t: f for t, _, f in tensors}
     fetched = [t for t, _, _ in tensors if t not in inputs]
     runs = -(-len(fetched) // FIRST_PASS)  # (at most: later runs fetch more at once)
-    n = SAMPLES
-    if samples.seconds_per_sample > 0:
-        n = max(1, min(SAMPLES, int(SECONDS / (samples.seconds_per_sample * max(runs, 1)))))
+    n = noise_samples(fused, samples, runs)
     take = samples.subset(np.linspace(0, len(samples) - 1, min(n, len(samples))).astype(int))
+    ctx.samples_used["quantizer noise"] = len(take)
     # one sample per run, where the model takes any batch (whole batches where its batch is fixed)
     feeds = take.feeds if take.fixed_batch else [take.feed(k, k + 1) for k in range(len(take))]
     signal, noise = {}, {}
@@ -93,6 +92,14 @@ def quantizer_noise(ctx, samples, threads: int = 0) -> list:
             ratio = float(np.mean(err[live] / sig[live])) if live.any() else 0.0
             out.append(QuantizerNoise(t, 10 * float(np.log10(1 / ratio)) if ratio > 0 else float("inf"), readers))
     return sorted(out, key=lambda q: q.sqnr_db)
+
+
+def noise_samples(fused, samples, runs: int) -> int:
+    """SAMPLES, or fewer (down to one) where `runs` fp32 runs of them would exceed SECONDS at the work
+    counted for one pass (budget.py: counted, never timed; SAMPLES where it cannot be counted)."""
+    from qtool.quantize.budget import Budget
+    per = Budget.of(fused, samples).seconds_per_sample
+    return SAMPLES if per <= 0 else max(1, min(SAMPLES, int(SECONDS / (per * max(runs, 1)))))
 
 
 def _measure(t, y, p, flat, signal, noise, axis: int = 1) -> None:

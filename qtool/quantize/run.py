@@ -266,6 +266,7 @@ def tune_rounding(ctx: QuantizeContext, samples: SampleSet, res: "Tuning", steps
             ctx.hessians.pop(layer, None)
         res.unrounded[layer] = "its output-aware rounding failed"
 
+    ctx.samples_used["output-aware rounding"] = len(samples)
     with _bar(len(samples), "image", "covariances", show_progress) as bar:
         ctx.hessians = res.hessians = layer_hessians(ctx.fused, samples, progress=_whole(bar), on_error=nearest,
                                                      skipped=res.unrounded)
@@ -282,6 +283,7 @@ def tune_activation_ranges(ctx: QuantizeContext, samples: SampleSet, res: "Tunin
             bar.total = n
             bar.refresh()
         res.search = search_ranges(ctx, samples, _whole(bar), exact)
+    ctx.samples_used["range tuning"] = len(samples)
     ctx.ranges = res.ranges = res.search.ranges or None
     s = res.search
     say(f"tuned ranges: {len(s.ranges)} tensors changed ({s.probes} probes), output SQNR on {len(samples)} "
@@ -353,28 +355,31 @@ AUTO_SAMPLES = 8
 
 @dataclass
 class Afforded:
-    """What the optional steps can afford on this machine (budget.py): their samples, and which run."""
+    """What the optional steps can afford (budget.py): their samples, which run, and why (the work counted
+    per sample, or a fixed number where it could not be counted)."""
     split: SampleSplit
     auto: bool
     rounding: bool
     sensitivity: bool
-    seconds_per_sample: float
+    budget: Budget
     notes: list = field(default_factory=list)
+    fp32_seconds_per_sample: float = 0.0  # the probe's fp32 pass, timed: reported, never used
 
     def to_dict(self) -> dict:
-        return {"fp32_seconds_per_sample": self.seconds_per_sample, "notes": self.notes,
-                "samples": {"method choice": len(self.split.auto) if self.auto else 0,
-                            "tuning": len(self.split.tune) if self.rounding else 0,
-                            "sensitivity": len(self.split.sensitivity) if self.sensitivity else 0}}
+        return dict(self.budget.to_dict(), fp32_seconds_per_sample_timed=self.fp32_seconds_per_sample,
+                    notes=self.notes,
+                    samples={"method choice": len(self.split.auto) if self.auto else 0,
+                             "tuning": len(self.split.tune) if self.rounding else 0,
+                             "sensitivity": len(self.split.sensitivity) if self.sensitivity else 0})
 
 
 def afford(fused, table, files: list, sens_wanted: int, split: SampleSplit, need: list, auto: bool, rounding: bool,
            sensitivity: bool, free_sensitivity: bool, say=print) -> Afforded | None:
-    """Time one fp32 pass on the first needed sample and give each optional step the samples it can
-    afford (budget.py); None where nothing could be measured. `free_sensitivity`: the user did not
-    set the sensitivity samples (a number they chose is kept)."""
+    """Count the work of one fp32 pass at the first needed sample's shapes and give each optional step the
+    samples it can afford (budget.py); None where no sample could be read. `free_sensitivity`: the user
+    did not set the sensitivity samples (a number they chose is kept)."""
     probe = load_samples(fused, table, need[:1])
-    if not len(probe) or probe.seconds_per_sample <= 0:
+    if not len(probe):
         return None
     b = Budget.of(fused, probe)
     n_auto = b.samples(METHOD_CHOICE_PASSES * len(range_candidates(table)), len(split.auto), 1) if auto else len(split.auto)
@@ -387,7 +392,7 @@ def afford(fused, table, files: list, sens_wanted: int, split: SampleSplit, need
         per_tune += ROUNDING_PASSES * (len(fetch_groups(fused, names, probe.feed(0, 1))) if names else 0)
         n_tune = b.samples(per_tune, n_tune, MIN_BUDGET_TUNE_SAMPLES)
     if (n_auto, n_sens, n_tune) == (len(split.auto), len(split.sensitivity), len(split.tune)):
-        return Afforded(split, auto, rounding, sensitivity, b.seconds_per_sample)
+        return Afforded(split, auto, rounding, sensitivity, b, fp32_seconds_per_sample=probe.seconds_per_sample)
     new = SampleSplit.of(files, n_sens if n_sens < len(split.sensitivity) else sens_wanted,
                          n_tune if rounding else None, n_auto if auto else None)
     notes = []
@@ -399,9 +404,10 @@ def afford(fused, table, files: list, sens_wanted: int, split: SampleSplit, need
             notes.append(f"{step} on {len(now)} of {len(old)} samples" if now else
                          f"{step} skipped (about {b.seconds(passes, least):.0f} s for {least} sample"
                          f"{'s' if least > 1 else ''})")
-    say(f"note: one fp32 pass is taken to cost {b.seconds_per_sample:.2f} s per sample: " + "; ".join(notes))
-    return Afforded(new, auto and n_auto > 0, rounding and n_tune > 0, sensitivity and n_sens > 0,
-                    b.seconds_per_sample, notes)
+    say(f"note: one fp32 pass counted at {b.macs_per_sample / 1e9:.1f} GMAC per sample (taken as "
+        f"{b.seconds_per_sample:.2f} s): " + "; ".join(notes))
+    return Afforded(new, auto and n_auto > 0, rounding and n_tune > 0, sensitivity and n_sens > 0, b, notes,
+                    probe.seconds_per_sample)
 
 
 MIN_BUDGET_TUNE_SAMPLES = 4  # covariances on fewer are mostly their diagonal: nearest rounding instead
@@ -634,7 +640,9 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
         samples = steps.run("calibration samples", load_samples, fused, table, need, progress=bar.update,
                             fallback=SampleSet.empty)
     method_scores_db = method_agreement = None
+    used = ctx.samples_used
     if auto:
+        used["method choice"] = len(samples.pick(split.auto))
         ctx.method, method_scores_db, method_agreement = steps.run(
             "method choice", pick_method, ctx, samples.pick(split.auto), say, opts.show_progress,
             fallback=(ctx.method, None, None))
@@ -648,6 +656,8 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
     grid_samples = samples.pick(split.auto) if auto and split.auto else samples.pick(split.tune)
     input_grid = steps.run("input grid", choose_input_grid, ctx, grid_samples, say, fallback=None) \
         if len(grid_samples) else None
+    if input_grid is not None:
+        used["input grid"] = len(grid_samples)
     encoding_reasons = steps.run("encoding choice", choose_encodings, ctx, samples, say, fallback={})
     ctx.encodings = {name: U8 for name in encoding_reasons}
     sens_samples = samples.pick(split.sensitivity)
@@ -658,8 +668,10 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
     tuning = tune(ctx, tune_samples, rounding, tune_ranges, say, opts.show_progress, steps)
     sens, exclusion, ranking = None, None, None
     if sens_on and len(sens_samples):
+        used["sensitivity"] = len(sens_samples)
         sens, ranking = steps.run("sensitivity", run_sensitivity, ctx, sens_samples, opts, say, fallback=(None, None))
         if ranking is not None:  # (ctx.exclude is `exclude`: the guard's layers join the user's)
+            used["guard"] = len(tune_samples if len(tune_samples) else sens_samples)
             exclude.update(steps.run("guard", guard_layers, ctx, ranking, tune_samples if len(tune_samples)
                                      else sens_samples, say, fallback={}))
         if exclusion_on and ranking:  # (none ranked: the model's int8 layers, if any, sit in If branches)
@@ -675,6 +687,7 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
                         f"{len(sens_samples) + MIN_HELD_BACK} or more for an independent check)")
                 check, held = every, False
             partial = []  # (the search so far, should it fail)
+            used["exclusion check"] = len(check)
             noisy = steps.run("quantizer noise", quantizer_noise, ctx, check, ctx.threads, fallback=None)
             exclusion = steps.run("exclusion", run_exclusion, ctx, ranking, check, opts, labels, say, held, partial,
                                   noisy, fallback=lambda: partial[-1] if partial else None)
@@ -698,6 +711,8 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
     # with any other fp32 model
     set_provenance(out.model, fp32_sha256=table.model_sha256, table_sha256=table_sha256)
     saved = save_model(out.model, path)
+    if len(tune_samples):
+        used["target cost"] = len(tune_samples)
     if branches:  # (ctx's experiments leave the branches fp32: the model written is measured instead)
         cost = steps.run("target cost", written_cost, out.model, tune_samples, ctx.threads)
     else:
@@ -718,6 +733,12 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
         "tuning_seconds": tuning.seconds,
         "unrounded_layers": tuning.unrounded if tuning.hessians else {},
         "budget": None if afforded is None else afforded.to_dict(),
+        # every number of calibration samples a step measured on, and why that many: the work of a pass
+        # counted (budget.py) or, where it cannot be counted, each step's fixed default; never a timing
+        "samples_used": {"basis": afforded.budget.basis if afforded is not None else "fixed",
+                         "gmac_per_sample": None if afforded is None or afforded.budget.macs_per_sample is None
+                         else round(afforded.budget.macs_per_sample / 1e9, 6),
+                         "steps": dict(sorted(used.items()))},
         "optional_steps": steps.to_dict(),
         "resized_share": ctx.resized,
         "summary": out.plan.summary(),

@@ -22,9 +22,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import json
-import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -86,7 +83,7 @@ class Simulator:
         self.small = [t for t in self.base.graph.initializer if int(np.prod(t.dims)) <= SMALL]
         self.big_names = {t.name for t in self.base.graph.initializer if int(np.prod(t.dims)) > SMALL}
         self._weights, self._sqnr = {}, {}
-        self._share = None  # each node's share of an fp32 pass, profiled on the first run
+        self._share = None  # each node's share of an fp32 pass, counted at the first run's shapes
         self._sized = {}  # the samples' input shapes -> every tensor's shape at those sizes
 
     # ------------------------------------------------------------------ what a variant switches on
@@ -152,35 +149,22 @@ class Simulator:
         return need
 
     def _costs(self, feed: dict) -> np.ndarray:
-        """Each node's share of an fp32 pass, from ONNX Runtime's profile of one run on `feed` (its
-        fused and NCHWc nodes are named after the tensor they write); where the profile does not
-        name a node, its output size times its reduction length stands in."""
-        with tempfile.TemporaryDirectory() as tmp:
-            sess = session(self.ctx.fused, self.ctx.threads or 2, profile_prefix=f"{tmp}/qtool-sim")
-            sess.run(None, feed)
-            t0 = time.perf_counter()
-            sess.run(None, feed)
-            self._sample_seconds = (time.perf_counter() - t0) / max(len(next(iter(feed.values()))), 1)
-            with open(sess.end_profiling(), encoding="utf-8") as f:
-                events = json.load(f)
-        writer = {o: k for k, n in enumerate(self.nodes) for o in n.output}
-        by_name = {n.name: k for k, n in enumerate(self.nodes)}
-        measured = np.zeros(len(self.nodes))
-        for e in events:
-            name = e.get("name", "")
-            if e.get("cat") != "Node" or not name.endswith("_kernel_time"):
-                continue
-            name = name[:-len("_kernel_time")]
-            k = by_name.get(name, writer.get(name[:-6] if name.endswith("_nchwc") else name))
-            if k is not None:
-                measured[k] += e.get("dur", 0)
-        modelled = np.array([_node_cost(n, self.shapes) for n in self.nodes], np.float64)
-        if measured.sum() <= 0.5 * sum(e.get("dur", 0) for e in events if e.get("cat") == "Node"):
-            return modelled / max(modelled.sum(), 1.0)  # the profile's names did not match: model it
-        return measured / measured.sum()
+        """Each node's share of an fp32 pass, counted (budget.node_work at the feed's shapes; its output
+        size times its reduction length where a shape is unknown), and the pass's seconds per sample at
+        budget.NOMINAL_MACS_PER_SECOND. Counted, not profiled: where the cuts fall follows the model
+        and the samples, never the machine's load (a profile's timings moved them run to run)."""
+        from qtool.quantize.budget import NOMINAL_MACS_PER_SECOND, node_work
+        n = max(len(next(iter(feed.values()))), 1) if feed else 1
+        known = {t.name: list(t.dims) for t in self.base.graph.initializer}
+        known.update(G.inferred_shapes(self.base, {k: np.shape(v) for k, v in feed.items()}))
+        work = [node_work(node, known) for node in self.nodes]
+        modelled = np.array([float(w) if w is not None else _node_cost(node, self.shapes)
+                             for w, node in zip(work, self.nodes)], np.float64)
+        self._sample_seconds = float(modelled.sum()) / n / NOMINAL_MACS_PER_SECOND
+        return modelled / max(modelled.sum(), 1.0)
 
     def shares(self, samples) -> np.ndarray:
-        """Each node's share of an fp32 pass (_costs), profiled once, on the first of `samples`."""
+        """Each node's share of an fp32 pass (_costs), counted once, at the first of `samples`."""
         if self._share is None:
             # (stacked: one, batch 1; at most the samples' batch, sized by what a run holds: 4 of waifu2x's CUNet
             # at 292 x 292 took 2 GB more than its experiments)
