@@ -181,3 +181,17 @@ def test_native_cost_matrix_is_the_reference_bit_for_bit():
                 pair_channels.THREADS = None
             assert got.dtype == ref.dtype and np.array_equal(got, ref), \
                 (block, threads, [w.shape for w, _ in readers], np.argwhere(got != ref)[:4])
+
+
+def test_steps_are_each_output_channels_weights_over_its_max_over_127():
+    """The weights in steps, in float64 then float32 (pairing's costs, and so its decisions, depend on
+    every bit): the formula written out, on weights of each dtype, a channel of zeros included."""
+    rng = np.random.default_rng(5)
+    for shape, axis in (((12, 6, 3, 3), 1), ((20, 9), 0), ((9, 20), 1)):
+        for dtype in (np.float32, np.float16, np.float64):
+            w = (rng.standard_normal(shape) * 0.1).astype(dtype)
+            np.moveaxis(w, axis, -1)[0] = 0
+            rows = np.moveaxis(w.astype(np.float64), axis, -1)
+            s = np.abs(rows).reshape(len(rows), -1).max(axis=1) / 127
+            want = (rows / np.where(s > 0, s, 1.0).reshape((-1,) + (1,) * (rows.ndim - 1))).reshape(-1, shape[axis])
+            assert np.array_equal(pair_channels._steps(w, axis), want.astype(np.float32))

@@ -183,10 +183,14 @@ def _components(model, shapes, inits):
 def _steps(w, axis) -> np.ndarray:
     """A reader weight as rows [output channel x taps, C] of float32 steps of its output channel's
     max|w| / 127, C its input channels (the order pairing permutes)."""
-    rows = np.moveaxis(np.asarray(w, np.float64), axis, -1)
-    s = np.abs(rows).reshape(rows.shape[0], -1).max(axis=1) / Q.W_MAX
-    c = rows.shape[-1]
-    return (rows / np.where(s > 0, s, 1.0).reshape((-1,) + (1,) * (rows.ndim - 1))).reshape(-1, c).astype(np.float32)
+    moved = np.moveaxis(np.asarray(w), axis, -1)
+    # each output channel's max|w| taken on the weights as they are (a max is exact in any precision), the
+    # division in float64 in place: two passes over the weight where six temporaries took 1.5 s on ResNet-50
+    s = np.abs(moved).reshape(moved.shape[0], -1).max(axis=1).astype(np.float64)
+    rows = np.ascontiguousarray(moved, dtype=np.float64)
+    s /= Q.W_MAX
+    rows /= np.where(s > 0, s, 1.0).reshape((-1,) + (1,) * (rows.ndim - 1))
+    return rows.reshape(-1, rows.shape[-1]).astype(np.float32)
 
 
 def pair_cost_matrix(readers: list, block: int = 4096, native: bool | None = None) -> np.ndarray:
