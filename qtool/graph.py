@@ -63,8 +63,18 @@ def const_value(model: onnx.ModelProto, name: str, inits: dict | None = None):
     return None if t is None else numpy_helper.to_array(t)
 
 
-def set_initializer(model: onnx.ModelProto, name: str, value: np.ndarray) -> None:
+def set_initializer(model: onnx.ModelProto, name: str, value: np.ndarray, inits: dict | None = None) -> None:
+    """Set (or add) initializer `name`. `inits`: the pass's own index of the initializers (name -> tensor,
+    as initializers() gives), kept up to date here: a pass setting one per node then costs one lookup
+    each, not a scan of every initializer (quadratic on a long chain)."""
     t = numpy_helper.from_array(np.asarray(value), name)
+    if inits is not None:
+        if name in inits:
+            inits[name].CopyFrom(t)
+        else:
+            model.graph.initializer.append(t)
+            inits[name] = model.graph.initializer[len(model.graph.initializer) - 1]
+        return
     for i, old in enumerate(model.graph.initializer):
         if old.name == name:
             model.graph.initializer[i].CopyFrom(t)
@@ -170,13 +180,42 @@ def opset(model: onnx.ModelProto) -> int:
     return 1
 
 
+def drop_nodes(model: onnx.ModelProto, nodes: list, gone: set) -> None:
+    """The graph's nodes become `nodes` (its nodes, as list(model.graph.node) gave them) without those at
+    the positions in `gone`: one rewrite for a pass's removals (a graph.node.remove per node scans the
+    graph each time)."""
+    keep = [n for k, n in enumerate(nodes) if k not in gone]
+    del model.graph.node[:]
+    model.graph.node.extend(keep)
+
+
+class Names(set):
+    """Tensor names in use, and per base name the first suffix unique_name may still find free (names are
+    only added: the ones below it stay taken), so that naming the k-th `w_folded` costs one step, not k."""
+
+    def __init__(self, names=()):
+        super().__init__(names)
+        self.next_suffix = {}
+
+
+def taken_names(model: onnx.ModelProto) -> Names:
+    """Every tensor name of the main graph (node outputs, initializers, inputs): unique_name's `taken`,
+    made once by a pass that names many new tensors."""
+    return Names({o for n in model.graph.node for o in n.output} | {t.name for t in model.graph.initializer}
+                 | {i.name for i in model.graph.input})
+
+
 def unique_name(model: onnx.ModelProto, base: str, taken: set | None = None) -> str:
-    taken = taken if taken is not None else (
-        {o for n in model.graph.node for o in n.output} | {t.name for t in model.graph.initializer}
-        | {i.name for i in model.graph.input})
-    name, k = base, 1
-    while name in taken:
-        name, k = f"{base}_{k}", k + 1
+    """`base`, else the first of `base`_1, `base`_2, ... not in `taken` (default: the model's names)."""
+    taken = taken if taken is not None else taken_names(model)
+    start = taken.next_suffix.get(base, 1) if isinstance(taken, Names) else 1
+    name, k = base, start
+    if name in taken:
+        name = f"{base}_{k}"
+        while name in taken:
+            name, k = f"{base}_{k + 1}", k + 1
+        if isinstance(taken, Names):
+            taken.next_suffix[base] = k + 1
     taken.add(name)
     return name
 
@@ -380,7 +419,31 @@ def input_dims(value_info) -> list:
 
 def rewire(model: onnx.ModelProto, old: str, new: str) -> None:
     """Every consumer of tensor `old` reads `new` instead, subgraphs reading it by name included."""
-    _rename_reads([(model.graph, False)], old, new)
+    rewire_many(model, {old: new})
+
+
+def rewire_many(model: onnx.ModelProto, renames: dict) -> None:
+    """Every consumer of each tensor `old` in `renames` reads renames[old] instead, subgraphs reading it
+    by name included: one walk over the graph however many names change. A pass removing k nodes gives
+    them all here at once; a walk per removed node was quadratic (remove_identity on a 10,000-node chain
+    of Identity/Dropout took 86 s in `qtool inspect`). Chains resolve as renaming one name after the
+    other would: {b: a, c: b} makes c's readers read a."""
+    renames = _resolved(renames)
+    if renames:
+        _rename_reads([(model.graph, False, renames)])
+
+
+def _resolved(renames: dict) -> dict:
+    out = {}
+    for old in renames:
+        seen, t = [], old
+        while t in renames and t not in out and t not in seen:
+            seen.append(t)
+            t = renames[t]
+        t = out.get(t, t)
+        for s in seen:
+            out[s] = t
+    return {k: v for k, v in out.items() if k != v}
 
 
 def rename_reads(node: onnx.NodeProto, old: str, new: str) -> None:
@@ -388,24 +451,29 @@ def rename_reads(node: onnx.NodeProto, old: str, new: str) -> None:
     for k, i in enumerate(node.input):
         if i == old:
             node.input[k] = new
-    _rename_reads([(g, True) for g in _subgraphs(node)], old, new)
+    _rename_reads([(g, True, {old: new}) for g in _subgraphs(node)])
 
 
-def _rename_reads(stack: list, old: str, new: str) -> None:
+def _rename_reads(stack: list) -> None:
+    """Rename reads in each (graph, is a subgraph, {old: new}) of `stack`, and in their subgraphs."""
     while stack:
-        g, sub = stack.pop()
-        if sub and (old in {i.name for i in g.input} | {t.name for t in g.initializer}
-                    | {o for n in g.node for o in n.output}):
-            continue  # (a subgraph's own tensor of that name hides the outer one)
+        g, sub, names = stack.pop()
+        if sub:
+            own = names.keys() & ({i.name for i in g.input} | {t.name for t in g.initializer}
+                                  | {o for n in g.node for o in n.output})
+            if own:  # (a subgraph's own tensor of that name hides the outer one)
+                names = {k: v for k, v in names.items() if k not in own}
+                if not names:
+                    continue
         for n in g.node:
             for k, i in enumerate(n.input):
-                if i == old:
-                    n.input[k] = new
-            stack.extend((x, True) for x in _subgraphs(n))
+                if i in names:
+                    n.input[k] = names[i]
+            stack.extend((x, True, names) for x in _subgraphs(n))
         if sub:
             for o in g.output:  # a branch may return the outer tensor itself
-                if o.name == old:
-                    o.name = new
+                if o.name in names:
+                    o.name = names[o.name]
 
 
 SKELETON_MAX_ELEMS = 1024

@@ -19,8 +19,9 @@ from qtool import graph as G
 FOLDS_INTO = ("Conv", "ConvTranspose", "Gemm")  # ops whose weights take a per-output-channel scale and shift
 
 
-def fold_scale_shift(model, node, inits, k: np.ndarray, shift: np.ndarray) -> bool:
-    """W' = W * k along the output-channel axis, b' = b * k + shift. Shared with fold_mul_add."""
+def fold_scale_shift(model, node, inits, k: np.ndarray, shift: np.ndarray, taken: set | None = None) -> bool:
+    """W' = W * k along the output-channel axis, b' = b * k + shift. Shared with fold_mul_add. `inits`
+    (graph.initializers) gets the new weights; `taken` (graph.taken_names), if given, their names."""
     w = G.const_value(model, node.input[1], inits)
     if w is None:
         return False
@@ -51,10 +52,11 @@ def fold_scale_shift(model, node, inits, k: np.ndarray, shift: np.ndarray) -> bo
         shape[cout_axis] = cout
         w_new = (w.astype(np.float64) * k.reshape(shape)).astype(w.dtype)
     b_new = (b.astype(np.float64).ravel() * k + shift).astype(w.dtype)
-    wname = G.unique_name(model, node.input[1] + "_folded")
-    bname = G.unique_name(model, (node.input[2] if len(node.input) > 2 and node.input[2] else node.input[1]) + "_bias_folded")
-    G.set_initializer(model, wname, w_new)
-    G.set_initializer(model, bname, b_new)
+    wname = G.unique_name(model, node.input[1] + "_folded", taken)
+    bname = G.unique_name(model, (node.input[2] if len(node.input) > 2 and node.input[2] else node.input[1])
+                          + "_bias_folded", taken)
+    G.set_initializer(model, wname, w_new, inits)
+    G.set_initializer(model, bname, b_new, inits)
     node.input[1] = wname
     if len(node.input) > 2:
         node.input[2] = bname
@@ -64,11 +66,18 @@ def fold_scale_shift(model, node, inits, k: np.ndarray, shift: np.ndarray) -> bo
 
 
 def run(model: onnx.ModelProto, ctx) -> bool:
+    """One walk: the indexes are made once (what each fold adds goes into them) and the folded nodes are
+    dropped together at the end; made again per fold, a chain of 1,000 Conv + BatchNormalization took
+    seconds, 10,000 over a minute. (`prod` is the walk's start: a BatchNormalization after one folded here
+    folds on the next round, as before.)"""
     inits = G.initializers(model)
     prod, cons = G.producers(model), G.consumers(model)
     outputs = G.graph_output_names(model)
+    taken = G.taken_names(model)
+    gone = set()
     changed = False
-    for bn in list(model.graph.node):
+    nodes = list(model.graph.node)
+    for at, bn in enumerate(nodes):
         if bn.op_type != "BatchNormalization" or G.attr(bn, "training_mode", 0):
             continue
         if len([o for o in bn.output if o]) != 1:
@@ -83,13 +92,13 @@ def run(model: onnx.ModelProto, ctx) -> bool:
             continue
         gamma, beta, mean, var = (s.astype(np.float64) for s in stats)
         k = gamma / np.sqrt(var + G.attr(bn, "epsilon", 1e-5))
-        if not fold_scale_shift(model, src, inits, k, beta - mean * k):
+        if not fold_scale_shift(model, src, inits, k, beta - mean * k, taken):
             continue
         src.output[0] = bn.output[0]
-        model.graph.node.remove(bn)
-        inits = G.initializers(model)
+        gone.add(at)
         changed = True
         ctx.log("fold_batchnorm", f"BatchNormalization {bn.name or bn.output[0]} folded into {src.op_type} {src.name}")
     if changed:
+        G.drop_nodes(model, nodes, gone)
         G.remove_unused_initializers(model)
     return changed

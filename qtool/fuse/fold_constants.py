@@ -166,25 +166,25 @@ def run(model: onnx.ModelProto, ctx) -> bool:
     a, *rest = [_values(model, v, ctx.input_pins, memo=memo) for v in VARIANTS]
     vetos = [_values(model, v, ctx.input_pins, memo=memo) for v in VETOS]
     outputs = G.graph_output_names(model)
-    fold = []
-    for n in model.graph.node:
+    fold, nodes = [], list(model.graph.node)
+    for at, n in enumerate(nodes):
         outs = [o for o in n.output if o]
         if not outs or any(o not in v for o in outs for v in [a] + rest):
             continue
         same = all(a[o].shape == b[o].shape and a[o].dtype == b[o].dtype and np.array_equal(a[o], b[o])
                    for o in outs for b in rest + vetos if o in b)
         if same and all(a[o].size <= _MAX_FOLD_ELEMS for o in outs) and not (set(outs) & outputs and n.op_type != "Constant"):
-            fold.append(n)
+            fold.append(at)
     if not fold:
         return False
-    folded_outputs = {o for n in fold for o in n.output if o}
-    keep = [n for n in model.graph.node if n not in fold]
-    needed = {i for n in keep for i in G.node_reads(n)} | outputs
-    del model.graph.node[:]
-    model.graph.node.extend(keep)
+    folded_outputs = {o for at in fold for o in nodes[at].output if o}
+    gone = set(fold)  # (positions: `n not in fold` compared node messages field by field, quadratic)
+    needed = {i for k, n in enumerate(nodes) if k not in gone for i in G.node_reads(n)} | outputs
+    G.drop_nodes(model, nodes, gone)
+    index = G.initializers(model)
     for name in sorted(folded_outputs & needed):
         if name not in inits:
-            G.set_initializer(model, name, a[name])
+            G.set_initializer(model, name, a[name], index)
     G.remove_unused_initializers(model)
     ctx.log("fold_constants", f"folded {len(fold)} nodes into constants")
     return True

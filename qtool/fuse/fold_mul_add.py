@@ -27,11 +27,17 @@ def _per_channel(c: np.ndarray, out_rank: int) -> np.ndarray | None:
 
 
 def run(model: onnx.ModelProto, ctx) -> bool:
+    """One walk: the indexes are made once and kept as each fold leaves the graph (they were made again
+    per fold: a chain of 1,000 Conv + Mul took seconds, 10,000 minutes); the folded nodes are dropped
+    together at the end."""
     inits = G.initializers(model)
     prod, cons = G.producers(model), G.consumers(model)
     outputs = G.graph_output_names(model)
+    taken = G.taken_names(model)
+    gone = set()
     changed = False
-    for node in list(model.graph.node):
+    nodes = list(model.graph.node)
+    for at, node in enumerate(nodes):
         if node.op_type not in ("Mul", "Add") or len(node.input) != 2:
             continue
         for k in (0, 1):
@@ -50,17 +56,20 @@ def run(model: onnx.ModelProto, ctx) -> bool:
         if v is None:
             continue
         if node.op_type == "Mul":
-            ok = fold_scale_shift(model, src, inits, v, np.zeros_like(v))
+            ok = fold_scale_shift(model, src, inits, v, np.zeros_like(v), taken)
         else:
-            ok = fold_scale_shift(model, src, inits, np.ones_like(v), v)
+            ok = fold_scale_shift(model, src, inits, np.ones_like(v), v, taken)
         if not ok:
             continue
+        # the indexes as the graph is now: src writes the node's output; its own went with the node, its
+        # only reader (the constant the node read keeps a stale reader: no fold asks about a constant's)
+        del prod[src.output[0]], cons[src.output[0]]
         src.output[0] = node.output[0]
-        model.graph.node.remove(node)
-        inits = G.initializers(model)
-        prod, cons = G.producers(model), G.consumers(model)
+        prod[node.output[0]] = src
+        gone.add(at)
         changed = True
         ctx.log("fold_mul_add", f"{node.op_type} {node.name or node.output[0]} folded into {src.op_type} {src.name}")
     if changed:
+        G.drop_nodes(model, nodes, gone)
         G.remove_unused_initializers(model)
     return changed

@@ -31,12 +31,15 @@ def _pads(model, node, inits):
 def run(model: onnx.ModelProto, ctx) -> bool:
     inits = G.initializers(model)
     cons = G.consumers(model)
+    outputs = G.graph_output_names(model)
+    gone = set()  # (dropped together at the end: a remove per Pad scanned the graph each time)
     changed = False
-    for pad in list(model.graph.node):
+    nodes = list(model.graph.node)
+    for at, pad in enumerate(nodes):
         if pad.op_type != "Pad" or G.attr(pad, "mode", b"constant") not in (b"constant", "constant"):
             continue
         users = cons.get(pad.output[0], [])
-        if len(users) != 1 or users[0].op_type != "Conv" or pad.output[0] in G.graph_output_names(model):
+        if len(users) != 1 or users[0].op_type != "Conv" or pad.output[0] in outputs:
             continue
         conv = users[0]
         if G.attr(conv, "auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
@@ -53,9 +56,10 @@ def run(model: onnx.ModelProto, ctx) -> bool:
         new = [int(old[k] + begin[2 + k]) for k in range(sp)] + [int(old[sp + k] + end[2 + k]) for k in range(sp)]
         G.set_attr(conv, "pads", new)
         conv.input[0] = pad.input[0]
-        model.graph.node.remove(pad)
+        gone.add(at)
         changed = True
         ctx.log("fold_pad", f"Pad {pad.name or pad.output[0]} folded into Conv {conv.name or conv.output[0]}")
     if changed:
+        G.drop_nodes(model, nodes, gone)
         G.remove_unused_initializers(model)
     return changed

@@ -26,6 +26,7 @@ def run(model: onnx.ModelProto, ctx) -> bool:
     main = [instantiate(model, v, ctx.input_pins) for v in VARIANTS]  # (shapes, values) of each
     vetos = [instantiate(model, v, ctx.input_pins) for v in VETOS]
     changed = False
+    taken = G.taken_names(model)
     for n in todo:
         x, s = n.input[0], n.input[1]
         if any(s not in vals or x not in shapes for shapes, vals in main):
@@ -47,8 +48,8 @@ def run(model: onnx.ModelProto, ctx) -> bool:
                 minus += 1
         if minus > 1:
             continue
-        name = G.unique_name(model, s + "_const")
-        G.set_initializer(model, name, np.array(new, np.int64))
+        name = G.unique_name(model, s + "_const", taken)
+        G.set_initializer(model, name, np.array(new, np.int64), inits)
         n.input[1] = name
         changed = True
         ctx.log("fold_reshape_shape", f"Reshape {n.name or n.output[0]} target {new}")

@@ -268,6 +268,7 @@ def run(model: onnx.ModelProto, ctx) -> bool:
     groups, poisoned = _components(model, shapes, inits)
     changed = False
     arrays = {}
+    taken = None  # (graph.taken_names, made at the first new name)
     uses = {}  # tensor -> how many node inputs read it, kept up to date as readers are renamed
     for node in model.graph.node:
         for i in node.input:
@@ -293,9 +294,11 @@ def run(model: onnx.ModelProto, ctx) -> bool:
             if key not in done:  # (a weight shared by two nodes of the component is reordered once)
                 mine = sum(1 for n, j, a, _ in items if n.input[j] == key[0] and a == axis)
                 # reordered in place, unless something outside this component reads it too
-                done[key] = key[0] if mine == uses[key[0]] else G.unique_name(model, key[0] + "_paired")
+                if mine != uses[key[0]] and taken is None:
+                    taken = G.taken_names(model)
+                done[key] = key[0] if mine == uses[key[0]] else G.unique_name(model, key[0] + "_paired", taken)
                 arrays[done[key]] = np.take(value(key[0]), order, axis=axis)
-                G.set_initializer(model, done[key], arrays[done[key]])
+                G.set_initializer(model, done[key], arrays[done[key]], inits)
             uses[node.input[k]] -= 1
             uses[done[key]] = uses.get(done[key], 0) + 1
             node.input[k] = done[key]
