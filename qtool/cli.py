@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from qtool.errors import QtoolError
+from qtool.errors import QtoolError, exhausted
 from qtool.workdir import Workdir
 
 EXIT_INTERNAL = 70  # sysexits' EX_SOFTWARE: a bug in qtool, whatever the input
@@ -65,6 +65,11 @@ def guard(step: str, callback):
             return callback(**params)
         except _EXPECTED:
             raise
+        except (MemoryError, RecursionError) as e:  # (the machine's or the input's limits: one line, exit 1)
+            if params.get("debug"):
+                raise
+            model = model_of(params)
+            raise exhausted(e, f"`qtool {step}`" + (f" on {model}" if model else "")) from None
         except Exception as e:
             if params.get("debug"):
                 raise
@@ -131,6 +136,11 @@ def main(argv=None):
     except KeyboardInterrupt:
         click.echo("qtool: interrupted", err=True)
         sys.exit(130)
+    except (MemoryError, RecursionError) as e:  # outside any command (start-up): still the user's
+        if debug:
+            raise
+        click.echo(f"qtool: error: {exhausted(e, f'`qtool {_step(args)}`' if _step(args) else '')}", err=True)
+        sys.exit(1)
     except Exception as e:  # outside any command (start-up): still one line
         if debug:
             raise

@@ -45,3 +45,19 @@ class LateWriteError(QtoolError):
     def __init__(self, message, result):
         super().__init__(message)
         self.result = result
+
+
+class ExhaustedError(QtoolError):
+    """The machine or the input ran out of something (memory, Python's recursion depth, room on standard
+    output): the user's to act on, exit code 1, not a bug in qtool."""
+
+
+def exhausted(error: BaseException, where: str = "") -> ExhaustedError:
+    """The one line an exhausted resource is told as: what ran out, and where (`qtool calibrate on m.onnx`)."""
+    at = f" in {where}" if where else ""
+    if isinstance(error, MemoryError):
+        return ExhaustedError(f"out of memory{at}: the process could not allocate more (free memory, raise the "
+                              f"limit, e.g. `ulimit -v`, or use fewer or smaller samples)")
+    if isinstance(error, RecursionError):
+        return ExhaustedError(f"input nested too deeply{at}: Python's recursion limit was reached reading it")
+    return ExhaustedError(f"{type(error).__name__}{at}: {error}")

@@ -29,6 +29,10 @@ MAX_SAMPLE_BYTES = 1 << 30
 MAX_FOLD_ELEMS = 1 << 22  # one folded tensor
 MAX_FOLD_TOTAL_BYTES = 1 << 28  # every value computed while folding one graph
 
+# user data nested in depth: a data folder's subfolders, a TOML document's arrays and tables
+MAX_FOLDER_DEPTH = 256
+MAX_TOML_DEPTH = 32
+
 # numeric options
 MAX_BATCH = 1024
 MAX_FEED_BYTES = 1 << 30  # one batch of generated inputs (bench)
@@ -48,6 +52,65 @@ def regular_file(path: str, what: str = "file") -> str:
     if not stat.S_ISREG(st.st_mode):
         raise QtoolError(f"{path}: not a regular file ({_kind(st.st_mode)}); refusing to read it as a {what}")
     return path
+
+
+def walk(folder: str):
+    """os.walk(folder) (top down, symlinked folders not followed, unreadable ones skipped), each folder's
+    entries sorted, without recursion: Python 3.11's os.walk recurses once per level, and a data folder
+    nested 1,200 deep raised RecursionError. Past MAX_FOLDER_DEPTH levels: one error."""
+    stack = [(folder, 0)]
+    while stack:
+        root, depth = stack.pop()
+        try:
+            with os.scandir(root) as it:
+                entries = sorted(it, key=lambda e: e.name)
+        except OSError:
+            continue
+        dirs, names, down = [], [], []
+        for e in entries:
+            try:
+                is_dir = e.is_dir()
+            except OSError:
+                is_dir = False
+            (dirs if is_dir else names).append(e.name)
+            if is_dir and not e.is_symlink():
+                down.append(e.name)
+        yield root, dirs, names
+        if down and depth >= MAX_FOLDER_DEPTH:
+            raise QtoolError(f"{folder}: folders nested deeper than {MAX_FOLDER_DEPTH} levels (below {root[:200]}...)")
+        stack.extend((os.path.join(root, d), depth + 1) for d in reversed(down))
+
+
+def toml_depth_ok(text: str, source: str) -> None:
+    """One error when a TOML document nests arrays or inline tables deeper than MAX_TOML_DEPTH (tomllib
+    parses them recursively: a `qtool.config` of 50,000 brackets in a model's metadata raised
+    RecursionError). Brackets in strings and comments are not counted; a table header's are closed at once."""
+    depth, deepest, quote, k, n = 0, 0, None, 0, len(text)
+    while k < n:
+        ch = text[k]
+        if quote:
+            if text.startswith(quote, k):
+                k += len(quote)
+                quote = None
+                continue
+            k += 2 if ch == "\\" and quote in ('"', '"""') else 1
+            continue
+        if ch in "\"'":
+            quote = text[k:k + 3] if text[k:k + 3] in ('"""', "'''") else ch
+            k += len(quote)
+            continue
+        if ch == "#":
+            end = text.find("\n", k)
+            k = n if end < 0 else end
+            continue
+        if ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+            if deepest > MAX_TOML_DEPTH:
+                raise QtoolError(f"{source}: arrays or tables nested deeper than {MAX_TOML_DEPTH} levels")
+        elif ch in "]}":
+            depth = max(depth - 1, 0)
+        k += 1
 
 
 def is_regular_file(path: str) -> bool:

@@ -6,7 +6,7 @@ import os
 import click
 
 from qtool import outputs
-from qtool.commands.common import common_options, say, setup_output, write_json
+from qtool.commands.common import common_options, echo, say, setup_output, write_json
 from qtool.errors import QtoolError
 from qtool.limits import MAX_BATCH
 
@@ -87,14 +87,14 @@ def command(model, fp32, batches, threads, rounds, max_rounds, round_ms, repeats
             raise QtoolError(f"--shape {shape}: expected comma-separated integers, e.g. 1,3,224,224") from None
         if any(d < 1 for d in dims):
             raise QtoolError(f"--shape {shape}: every dimension must be 1 or more")
-    log = None if quiet else click.echo
+    log = None if quiet else echo
     r = bench(model, fp32, tuple(batches) or (1, 8), threads, repeats, dims, profile, rounds=rounds,
               round_s=round_ms / 1000.0, max_rounds=max_rounds, log=log)
     if profile and not quiet:
         from qtool.runtime.profile import format_table, format_top
         for bs, p in r["profile"].items():
-            click.echo(f"\nprofile, batch {bs} ({threads} threads; % of {p['peak_gmacs']:.0f} GMAC/s = {p['peak']}):")
-            click.echo(format_table(p["by_op"]))
-            click.echo(format_top(p["top"]))
+            echo(f"\nprofile, batch {bs} ({threads} threads; % of {p['peak_gmacs']:.0f} GMAC/s = {p['peak']}):")
+            echo(format_table(p["by_op"]))
+            echo(format_top(p["top"]))
     write_json(json_path, {**r, "batches": {str(k): v for k, v in r["batches"].items()},
                            **({"profile": {str(k): v for k, v in r["profile"].items()}} if profile else {})})

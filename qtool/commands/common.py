@@ -55,7 +55,16 @@ def show_warning(message, category, filename, lineno, file=None, line=None) -> N
 
 def say(quiet: bool, text: str = "") -> None:
     if not quiet:  # names from a model or the file system are printed escaped (no terminal codes)
-        click.echo("\n".join(printable(line) for line in str(text).split("\n")))
+        echo("\n".join(printable(line) for line in str(text).split("\n")))
+
+
+def echo(text: str = "") -> None:
+    """click.echo to standard output; a write that fails (`> /dev/full`, a closed pipe) is one error
+    saying it was standard output, not a bare "No space left on device" after the work."""
+    try:
+        click.echo(text)
+    except OSError as e:
+        raise QtoolError(f"cannot write to standard output ({e.strerror or e})") from None
 
 
 def write_json(path: str | None, data: dict) -> None:

@@ -5,7 +5,7 @@ import platform
 
 import click
 
-from qtool.commands.common import output_options, setup_output
+from qtool.commands.common import echo, output_options, setup_output
 
 
 def gather() -> dict:
@@ -50,31 +50,31 @@ def command(as_json, quiet, verbose, debug):
         return
     if as_json:
         import json
-        click.echo(json.dumps(d, indent=2, default=str))
+        echo(json.dumps(d, indent=2, default=str))
         return
     k = d["kernels"]
-    click.echo(f"qtool {d['qtool']} (python {d['python']}, numpy {d['numpy']}, onnx {d['onnx']}, {d['machine']})")
-    click.echo(f"cpu: {d['cpu']}")
-    click.echo(f"onnxruntime {d['onnxruntime'] or 'not installed'}")
+    echo(f"qtool {d['qtool']} (python {d['python']}, numpy {d['numpy']}, onnx {d['onnx']}, {d['machine']})")
+    echo(f"cpu: {d['cpu']}")
+    echo(f"onnxruntime {d['onnxruntime'] or 'not installed'}")
     if d.get("ort_int8_arithmetic"):
         from qtool.ort_arithmetic import describe
-        click.echo(f"onnxruntime int8 on this CPU: {describe(d['ort_int8_arithmetic'])}")
+        echo(f"onnxruntime int8 on this CPU: {describe(d['ort_int8_arithmetic'])}")
     if "error" in k:
-        click.echo(f"kernels: not available ({k['error']}); the runtime falls back to numpy")
+        echo(f"kernels: not available ({k['error']}); the runtime falls back to numpy")
         return
-    click.echo(f"kernel ISA: {k.get('isa')} (best this CPU supports: {k.get('best_isa')}), threads: {k.get('num_threads')}")
+    echo(f"kernel ISA: {k.get('isa')} (best this CPU supports: {k.get('best_isa')}), threads: {k.get('num_threads')}")
     sup = k.get("supported", {})
     if sup:
-        click.echo("CPU features: " + ", ".join(f"{f} {'yes' if v else 'no'}" for f, v in sup.items()))
+        echo("CPU features: " + ", ".join(f"{f} {'yes' if v else 'no'}" for f, v in sup.items()))
     kern = k.get("kernels", {})
     if kern:
-        click.echo("kernels: " + ", ".join(f"{op}={name}" for op, name in kern.items()))
+        echo("kernels: " + ", ".join(f"{op}={name}" for op, name in kern.items()))
     p = d.get("pool")
     if p:
-        click.echo(f"thread pool: idle workers spin {p['spin_us']:.0f} us, then sleep (a pause takes {p['pause_ns']:.0f} ns here)")
+        echo(f"thread pool: idle workers spin {p['spin_us']:.0f} us, then sleep (a pause takes {p['pause_ns']:.0f} ns here)")
         if p["wake_from_sleep_us"] is None:
-            click.echo("worker wake-up: no workers (1 thread)")
+            echo("worker wake-up: no workers (1 thread)")
         else:
-            click.echo(f"worker wake-up (post to start, median / max of {p['samples']}): asleep "
+            echo(f"worker wake-up (post to start, median / max of {p['samples']}): asleep "
                        f"{p['wake_from_sleep_us']:.1f} / {p['wake_from_sleep_max_us']:.1f} us, spinning "
                        f"{p['wake_while_spinning_us']:.2f} / {p['wake_while_spinning_max_us']:.2f} us")

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from qtool.errors import QtoolError
-from qtool.limits import MAX_INPUT_SIDE, regular_file
+from qtool.limits import MAX_INPUT_SIDE, regular_file, toml_depth_ok
 
 PRESET_DIRS = [Path(__file__).resolve().parent / "presets",  # inside an installed package
                Path(__file__).resolve().parents[2] / "configs"]  # a source checkout (editable install)
@@ -72,12 +72,24 @@ def load_config(name_or_path: str | None) -> Preprocess:
     path = find_config(name_or_path)
     try:
         with open(path, "rb") as f:
-            raw = tomllib.load(f)
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            text = f.read().decode("utf-8")
+    except UnicodeDecodeError as e:
         raise QtoolError(f"{path}: not valid TOML ({e})") from None
     except OSError as e:
         raise QtoolError(f"{path}: cannot read ({e.strerror or e})") from None
-    return from_dict(raw, str(path))
+    return from_dict(parse_toml(text, str(path)), str(path))
+
+
+def parse_toml(text: str, source: str) -> dict:
+    """The TOML document `text` (a config file's, a model's metadata's), its nesting bounded before
+    tomllib, which recurses, reads it; what fails is one error naming `source`."""
+    toml_depth_ok(text, source)
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise QtoolError(f"{source}: not valid TOML ({e})") from None
+    except RecursionError:  # (what the bound let pass, nested some other way)
+        raise QtoolError(f"{source}: nested too deeply to read") from None
 
 
 def from_dict(raw: dict, source: str = "(dict)") -> Preprocess:
@@ -154,11 +166,7 @@ def config_from_metadata(model, path: str = "the model") -> Preprocess | None:
                 c.source = text
                 return c
         raise QtoolError(f"{source}: {text!r} is no preset (presets: {', '.join(preset_names()) or 'none'})")
-    try:
-        raw = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise QtoolError(f"{source}: not valid TOML ({e})") from None
-    c = from_dict(raw, source)
+    c = from_dict(parse_toml(text, source), source)
     c.source = "inline TOML"
     return c
 

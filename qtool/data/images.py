@@ -18,7 +18,7 @@ from PIL import Image, ImageOps
 
 from qtool.data.config import Preprocess
 from qtool.errors import QtoolError
-from qtool.limits import MAX_IMAGE_PIXELS, MAX_RESIZED_PIXELS, is_regular_file
+from qtool.limits import MAX_IMAGE_PIXELS, MAX_RESIZED_PIXELS, is_regular_file, walk
 
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".gif", ".ppm", ".pgm")
 _RESAMPLE = {"nearest": Image.NEAREST, "bilinear": Image.BILINEAR, "bicubic": Image.BICUBIC,
@@ -36,7 +36,7 @@ def list_images(folder: str) -> list:
     if not os.path.isdir(folder):
         raise QtoolError(f"{folder}: not a folder")
     files = []
-    for root, dirs, names in os.walk(folder):
+    for root, dirs, names in walk(folder):
         dirs.sort()
         files.extend(os.path.join(root, n) for n in names if n.lower().endswith(IMAGE_EXTS))
     files.sort(key=lambda p: os.path.relpath(p, folder))

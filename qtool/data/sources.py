@@ -11,6 +11,7 @@ from qtool.data.config import (METADATA_KEY, Preprocess, assumed_config, config_
                                fit_to_input, input_shape, input_size, pinned_size)
 from qtool.data.images import IMAGE_EXTS, ImageStream, list_images
 from qtool.errors import QtoolError
+from qtool.limits import walk
 
 
 @dataclass
@@ -81,7 +82,7 @@ class ImageData:
         self._check_shape(model_path)
         files = list_images(folder) if files is None else files
         if not files:
-            n = sum(len(f) for _, _, f in os.walk(folder))
+            n = sum(len(f) for _, _, f in walk(folder))
             raise QtoolError(f"{folder}: no images found ({n} other files; looked for "
                              f"{', '.join(IMAGE_EXTS)})" if n else f"{folder}: data folder is empty")
         self.files = files[:limit] if limit else files

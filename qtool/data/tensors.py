@@ -24,7 +24,7 @@ from onnx import helper
 from qtool import graph as G
 from qtool.data.images import IMAGE_EXTS
 from qtool.errors import QtoolError
-from qtool.limits import MAX_SAMPLE_BYTES, elems, human_bytes, regular_file
+from qtool.limits import MAX_SAMPLE_BYTES, elems, human_bytes, regular_file, walk
 
 TENSOR_EXTS = (".npy", ".npz")
 
@@ -59,7 +59,7 @@ def classify_folder(folder: str) -> str:
     if not os.path.isdir(folder):
         raise QtoolError(f"{folder}: not a folder")
     kinds = {}
-    for root, dirs, names in os.walk(folder):
+    for root, dirs, names in walk(folder):
         dirs.sort()
         for n in sorted(names):
             low = n.lower()
@@ -74,7 +74,7 @@ def classify_folder(folder: str) -> str:
 
 def list_tensor_files(folder: str, ext: str) -> list:
     files = []
-    for root, dirs, names in os.walk(folder):
+    for root, dirs, names in walk(folder):
         dirs.sort()
         files.extend(os.path.join(root, n) for n in names if n.lower().endswith(ext))
     files.sort(key=lambda p: os.path.relpath(p, folder))
