@@ -503,15 +503,17 @@ class _Hashing:
         return self.f.write(b)
 
 
-def _atomic_write(path: str, write) -> str:
-    """write(binary file) into a temporary file in the same folder, then rename over `path`.
-    -> the sha256 of what was written."""
+def _atomic_write(path: str, write, check=None) -> str:
+    """write(binary file) into a temporary file in the same folder, then rename over `path`; `check(the
+    temporary file)`, if given, first. -> the sha256 of what was written."""
     fd, tmp = _mkstemp(path)
     try:
         with os.fdopen(fd, "wb") as f:
             out = _Hashing(f)
             write(out)
         _usual_mode(tmp)
+        if check is not None:
+            check(tmp)
         os.replace(tmp, path)
     except BaseException as e:
         if os.path.exists(tmp):
@@ -551,21 +553,26 @@ def json_safe(o):
     return o
 
 
-def save_model(model: onnx.ModelProto, path: str, external_threshold: int = EXTERNAL_THRESHOLD) -> Saved:
+def save_model(model: onnx.ModelProto, path: str, external_threshold: int = EXTERNAL_THRESHOLD,
+               check=None) -> Saved:
     """Atomic save, streamed: the model is written field by field and tensor by tensor (protobuf merges
     repeated occurrences of the graph field), so memory stays the model plus one tensor's bytes, where
     SerializeToString() would hold two more copies of the whole model. A model over
     `external_threshold` bytes (ONNX's 2 GB protobuf limit) keeps its graph in `path` and its weights
     in one new external-data file beside it, `<name>.data`, which replaces (never appends to) the one
     there. The model passed in is only read. -> Saved: the sha256 of the file written (file_hash) and
-    the model's (model_hash, which adds its external-data file), both of the bytes written."""
+    the model's (model_hash, which adds its external-data file), both of the bytes written.
+    `check(written path)`, if given, is called on the file written before it is renamed into place
+    (ortcheck.check_runs): what it raises leaves `path` as it was (with external data, the data file is
+    in place by then: the graph is what points into it)."""
     size = _estimated_size(model)
     if size >= external_threshold:
-        return _save_external(model, path)
+        return _save_external(model, path, check)
     if size < STREAM_THRESHOLD:  # small: three copies of it cost nothing
-        digest = atomic_write_bytes(path, model.SerializeToString())
+        data = model.SerializeToString()
+        digest = _atomic_write(path, lambda f: f.write(data), check)
     else:
-        digest = _atomic_write(path, lambda f: _write_model(model, f))
+        digest = _atomic_write(path, lambda f: _write_model(model, f), check)
     return Saved(digest, digest)
 
 
@@ -677,7 +684,7 @@ def _write_model(model: onnx.ModelProto, f, external=None) -> None:
     flush()
 
 
-def _save_external(model: onnx.ModelProto, path: str) -> Saved:
+def _save_external(model: onnx.ModelProto, path: str, check=None) -> Saved:
     """Weights to `<name>.data` (a temporary file first), the graph to `path`, both renamed into place:
     the data file first, so the graph never points into a data file that is not its own for longer
     than the rename between them."""
@@ -693,6 +700,8 @@ def _save_external(model: onnx.ModelProto, path: str) -> Saved:
         _usual_mode(tmp_data)
         _usual_mode(tmp_model)
         os.replace(tmp_data, data_path)
+        if check is not None:
+            check(tmp_model)
         os.replace(tmp_model, path)
     except BaseException as e:
         for p in (tmp_data, tmp_model):

@@ -22,6 +22,7 @@ from qtool.modelio import atomic_write_text
 
 FORMAT = "qtool-calibration/1"
 MAX_BINS = 1 << 20
+FLOAT32_MAX = 3.4028234663852886e38  # no float32 activation lies beyond
 
 
 @dataclass
@@ -134,6 +135,8 @@ def _problem(t: CalibrationTable) -> str | None:
         for tensor, r in ranges.items():
             if not (isinstance(r, list) and len(r) == 2 and all(map(_finite, r)) and r[0] <= r[1]):
                 return f"range of '{tensor}' ({m}) is {r!r}, not [lo, hi] with finite lo <= hi"
+    if t.range_method not in t.ranges:
+        return f"no ranges for its method '{t.range_method}'"
     for tensor, means in t.channel_means.items():
         if not (isinstance(means, list) and all(map(_finite, means))):
             return f"channel means of '{tensor}' are not a list of finite numbers"
@@ -154,4 +157,57 @@ def _problem(t: CalibrationTable) -> str | None:
                 and isinstance(h.get("n"), int) and (e is None or isinstance(e, int) and -1100 <= e <= 1000)
                 and all(h.get(k) is None or _finite(h.get(k)) for k in ("min", "max"))):
             return f"histogram of '{tensor}' is malformed"
+    return _implausible(t)
+
+
+def _implausible(t: CalibrationTable) -> str | None:
+    """A range no float32 activation observed as the table says could give: beyond float32, beyond the
+    tensor's histogram (its exact min and max, give or take a bin: every method answers from it), or of
+    no width where the histogram saw values spread. A table of [-1e30, 1e30] ranges made ONNX Runtime die
+    (SIGFPE) or gave a model it cannot run; one of zero widths, a model at -0.2 dB, without a word."""
+    for m, ranges in t.ranges.items():
+        for tensor, (lo, hi) in ranges.items():
+            if max(abs(lo), abs(hi)) > FLOAT32_MAX:
+                return f"range of '{tensor}' ({m}) is [{lo:g}, {hi:g}], beyond float32"
+            h = t.histograms.get(tensor)
+            if h is None or h.get("e") is None or h.get("min") is None or h.get("max") is None:
+                continue
+            bin_width = math.ldexp(1.0, h["e"])
+            if lo < h["min"] - bin_width or hi > h["max"] + bin_width:
+                return (f"range of '{tensor}' ({m}) is [{lo:g}, {hi:g}], outside the [{h['min']:g}, {h['max']:g}] "
+                        f"its histogram observed")
+            if m == "minmax" and hi <= lo and h["min"] < h["max"]:
+                return (f"range of '{tensor}' ({m}) is [{lo:g}, {hi:g}], of no width where its histogram observed "
+                        f"[{h['min']:g}, {h['max']:g}]")
     return None
+
+
+def check_against_model(t: CalibrationTable, model, path: str) -> None:
+    """One error naming `path` and the tensor where the table's per-channel lists do not have the channels
+    the model's layers read them with (a Conv's input: W's input channels times its groups; a Gemm's or
+    MatMul's: W's inner size; a Conv's output: W's output channels): a list cut short was an IndexError
+    deep in quantize."""
+    from qtool import graph as G
+    inits = G.initializers(model)
+    want = {}  # tensor -> {channels: the layer saying so}
+    for n in model.graph.node:
+        w = inits.get(n.input[1]) if len(n.input) > 1 else None
+        if w is None or len(w.dims) < 2:
+            continue
+        dims = list(w.dims)
+        if n.op_type == "Conv":
+            want.setdefault(n.input[0], {})[dims[1] * int(G.attr(n, "group", 1))] = n.name
+            for o in n.output[:1]:
+                want.setdefault(o, {})[dims[0]] = n.name
+        elif n.op_type == "Gemm" and not G.attr(n, "transA", 0):
+            want.setdefault(n.input[0], {})[dims[1] if G.attr(n, "transB", 0) else dims[0]] = n.name
+        elif n.op_type == "MatMul":
+            want.setdefault(n.input[0], {})[dims[-2]] = n.name
+    lists = [("channel means", x, len(v)) for x, v in t.channel_means.items()]
+    lists += [("channel ranges", x, len(v[0])) for x, v in t.channel_ranges.items()]
+    for what, x, n in lists:
+        bad = [(c, layer) for c, layer in want.get(x, {}).items() if c != n]
+        if bad:
+            c, layer = bad[0]
+            raise QtoolError(f"{path}: calibration table is damaged or hand-edited: {what} of '{x}' hold {n} "
+                             f"values, where '{layer}' reads {c} channels; run `qtool calibrate` again")

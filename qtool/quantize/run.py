@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import time
+import warnings
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -36,11 +38,12 @@ from qtool.report.sensitivity_html import render as render_sensitivity
 
 from qtool.calibrate.methods import AUTO
 from qtool.calibrate.run import FUSED
-from qtool.calibrate.table import FLAT, load_table, range_candidates
+from qtool.calibrate.table import FLAT, check_against_model, load_table, range_candidates
 from qtool.errors import LateWriteError, QtoolError
 from qtool.fuse import fuse_model
 from qtool.plan import make_plan
 from qtool.modelio import atomic_write_text, json_safe, model_bytes, read_model, save_model, set_provenance
+from qtool.ortcheck import check_runs, zero_feed
 from qtool.quantize.qdq import QuantizeOutput
 from qtool.workdir import MANIFEST, Workdir
 
@@ -69,7 +72,14 @@ class QuantizeResult:
 
 def load_inputs(workdir: str | None, model: str | None, table_path: str | None):
     """(fused graph, table, original model path) from explicit paths or the working directory; a table
-    taken from the working directory must be the one `qtool calibrate` recorded there (its sha256)."""
+    taken from the working directory must be the one `qtool calibrate` recorded there (its sha256), and
+    its per-channel lists must fit the graph's layers (table.check_against_model)."""
+    fused, table, model_path = _load_inputs(workdir, model, table_path)
+    check_against_model(table, fused, table_path or Workdir(workdir).manifest()["calibrate"]["table_path"])
+    return fused, table, model_path
+
+
+def _load_inputs(workdir, model, table_path):
     wd = Workdir(workdir)
     expect = None
     if table_path is None:
@@ -598,6 +608,9 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
         say(f"note: no tensor of this model is read only by an activation flat beyond a point; {method} is "
             f"{method[:-len(FLAT)]}")
         method = method[:-len(FLAT)]
+    if method and method != AUTO and method not in table.ranges:
+        raise QtoolError(f"{table_path}: the calibration table holds no '{method}' ranges (it holds "
+                         f"{', '.join(table.ranges) or 'none'}); choose one of those, or run `qtool calibrate` again")
     ctx = QuantizeContext(fused, table, table.range_method if auto else (method or table.method), target,
                           bias_correction, exclude)
     files = _calibration_files(wd)
@@ -710,7 +723,7 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
     # what the int8 model was made from travels inside it: eval and bench refuse to compare it
     # with any other fp32 model
     set_provenance(out.model, fp32_sha256=table.model_sha256, table_sha256=table_sha256)
-    saved = save_model(out.model, path)
+    saved = save_model(out.model, path, check=_runs_once(out.model, samples, table, model_path))
     if len(tune_samples):
         used["target cost"] = len(tune_samples)
     if branches:  # (ctx's experiments leave the branches fp32: the model written is measured instead)
@@ -781,6 +794,24 @@ def _write_reports(wd, report, sens, exclusion, out, final_exclude, model_path, 
         if exclusion is not None:
             report["exclusion"] = srep["exclusion"]
     atomic_write_text(wd.file(REPORT), json.dumps(json_safe(report), indent=1))
+
+
+def _runs_once(model, samples: SampleSet, table, fp32_path: str):
+    """save_model's check: ONNX Runtime runs the model written once before it is renamed into place
+    (ortcheck.py), on the first batch of calibration samples, or without one on zeros at sizes the graph
+    takes (the preprocessing's pinned ones first); then it warns once that nothing was measured."""
+    if len(samples):
+        feed, guess = samples.feeds[0], None  # (its first batch as quantize runs them: a fixed batch fits)
+    else:
+        warnings.warn("no calibration sample ran, so nothing was measured: the int8 model's output was never "
+                      "compared with the fp32 model's (it only ran once, on zeros); check it with `qtool eval`")
+        feed, guess = zero_feed(model, _pins(table)), fp32_path
+
+    def check(written: str) -> None:
+        t0 = time.time()
+        check_runs(written, feed, guess)
+        logging.getLogger(__name__).debug(f"the int8 model ran once in ONNX Runtime ({time.time() - t0:.2f} s)")
+    return check
 
 
 def _encoding_counts(out: QuantizeOutput) -> dict:
