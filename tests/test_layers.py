@@ -14,7 +14,7 @@ LAYERS = [
     # shared: plain services and data types every step may use, themselves layered
     {"errors", "qparams", "arithmetic", "metrics", "blas", "lattice", "windows", "timing"},
     {"graph", "labels", "ortsession", "ort_arithmetic", "report", "limits", "tempfiles"},
-    {"modelio", "data", "rules"},
+    {"modelio", "data", "rules", "ortcheck"},
     {"workdir", "plan", "outputs"},
     # the steps, in pipeline order
     {"kernels", "fuse"},  # the native kernels; graph cleanup (model -> fused graph)

@@ -161,8 +161,8 @@ def _problem(t: CalibrationTable) -> str | None:
 
 
 def _implausible(t: CalibrationTable) -> str | None:
-    """A range no float32 activation observed as the table says could give: beyond float32, beyond the
-    tensor's histogram (its exact min and max, give or take a bin: every method answers from it), or of
+    """A range no float32 activation observed as the table says could give: beyond float32, far beyond the
+    tensor's histogram (its exact min and max, give or take their magnitude), or of
     no width where the histogram saw values spread. A table of [-1e30, 1e30] ranges made ONNX Runtime die
     (SIGFPE) or gave a model it cannot run; one of zero widths, a model at -0.2 dB, without a word."""
     for m, ranges in t.ranges.items():
@@ -172,8 +172,10 @@ def _implausible(t: CalibrationTable) -> str | None:
             h = t.histograms.get(tensor)
             if h is None or h.get("e") is None or h.get("min") is None or h.get("max") is None:
                 continue
-            bin_width = math.ldexp(1.0, h["e"])
-            if lo < h["min"] - bin_width or hi > h["max"] + bin_width:
+            # (every method answers from the histogram, within its span; a flat-ended range may reach a little
+            # past it: the bound takes the observed magnitude again on either side)
+            slack = max(abs(h["min"]), abs(h["max"]), math.ldexp(1.0, h["e"]))
+            if lo < h["min"] - slack or hi > h["max"] + slack:
                 return (f"range of '{tensor}' ({m}) is [{lo:g}, {hi:g}], outside the [{h['min']:g}, {h['max']:g}] "
                         f"its histogram observed")
             if m == "minmax" and hi <= lo and h["min"] < h["max"]:
