@@ -183,3 +183,34 @@ def test_the_model_does_not_follow_the_clock(tmp_path, monkeypatch, kind):
     slow, _ = _quantize_bytes(work, str(tmp_path / "slow"))
     assert fast == slow
     assert rep["samples_used"]["basis"] == ("fixed" if kind == "uncountable" else "counted")
+
+
+def test_calibration_table_is_the_same_under_any_hash_seed(tmp_path):
+    """calibrate wrote channel_ranges in the order of a set (the hash seed's), so two runs on the same
+    model and images wrote different tables, and the int8 models that record the table's sha256 differed."""
+    import subprocess
+    import sys
+    import numpy as np
+    from onnx import helper as H
+    from helpers import conv_bn, make_model, save, weight, write_config, write_images
+    rng, c, nodes, inits, x = np.random.default_rng(2), 8, [], [], "x"
+    for k in range(5):  # stem, then depthwise + pointwise pairs: several tensors whose channel ranges are kept
+        kw = {} if k == 0 else dict(group=c, k=3) if k % 2 else dict(k=1)
+        n, i = conv_bn(rng, x, f"t{k}", 3 if k == 0 else c, c, f"b{k}", **kw)
+        nodes, inits, x = nodes + n, inits + i, f"t{k}"
+    nodes += [H.make_node("GlobalAveragePool", [x], ["gap"]), H.make_node("Flatten", ["gap"], ["flat"], axis=1),
+              H.make_node("Gemm", ["flat", "fc_w"], ["y"], transB=1)]
+    save(make_model(nodes, inits + [weight(rng, "fc_w", 4, c)], [("x", ["N", 3, 16, 16])], [("y", ["N", 4])]),
+         tmp_path / "net.onnx")
+    write_config(tmp_path / "cfg.toml")
+    write_images(tmp_path / "data", 6, seed=4)
+    tables = []
+    for seed in ("1", "2", "3"):
+        w = tmp_path / f"w{seed}"
+        subprocess.run([sys.executable, "-m", "qtool", "calibrate", "-m", "net.onnx", "-d", "data", "-c", "cfg.toml",
+                        "-w", str(w), "-q"], cwd=tmp_path, check=True,
+                       env={**__import__("os").environ, "PYTHONHASHSEED": seed})
+        tables.append((w / "calibration.json").read_bytes())
+    import json
+    assert len(json.loads(tables[0])["channel_ranges"]) >= 2
+    assert tables[0] == tables[1] == tables[2]

@@ -361,7 +361,8 @@ class _Worker:
                         if self.obs.watch is not None and self.obs.watch.name in seen:
                             self.obs.watch.observe(seen[self.obs.watch.name], first)
                         _observe(self.obs, seen, ranges, means, n, first, pool)
-                        for t in self.ranged & set(seen):
+                        for t in [t for t in seen if t in self.ranged]:  # (the segment's order: a set's
+                            # order follows the hash seed, and the table would list channel_ranges in it)
                             self.obs.add_channel_range(t, *_channel_range(seen[t]))
                         del seen
                         for t in seg.drop:  # (a segment's values go before the next segment's come)
