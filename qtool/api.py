@@ -51,18 +51,20 @@ def quantize(workdir: str = DEFAULT_WORKDIR, *, output: str | None = None, metho
              sensitivity: bool = True, sensitivity_samples: int | None = None, bias_correction: bool = True,
              rounding: str | None = None, tune_ranges: bool | None = None, target: str = DEFAULT_TARGET,
              model: str | None = None, table: str | None = None, verbose: bool = True,
-             strict: bool = False) -> QuantizeResult:
+             strict: bool = False, verify: bool = False) -> QuantizeResult:
     """Write the INT8 QDQ model (`output`, default WORKDIR/model.int8.onnx) from the calibration in
     `workdir`. `method`: None keeps calibrate's, or minmax/percentile/entropy/mse/auto. `exclude`:
     node names to keep fp32. `rounding`: "output" (None: the default) or "nearest". `strict`: an
-    optional step that fails raises instead of falling back with a warning.
+    optional step that fails raises instead of falling back with a warning. `verify`: hold about a
+    third of the calibration samples out of the fitting steps and keep each step that changes the model
+    only where it measures better on them (off by default; report["verified"] holds the verdicts).
     The result has .path, .report (what quantize.json holds), .sensitivity and .exclusion."""
     ex = {n: "excluded by the user (--exclude)" for n in exclude}
     opts = SensitivityOptions(sensitivity or exclude_sensitive, sensitivity_samples, exclude_sensitive,
                               target_agreement, max_drop, max_excluded, labels, show_progress=verbose)
     return _quantize(workdir, model, table, output, method, ex, bias_correction, opts, say=_say(verbose),
                      rounding=None if rounding is None else rounding == "output", tune_ranges=tune_ranges,
-                     target=target, strict=strict)
+                     target=target, strict=strict, verify=verify)
 
 
 def evaluate(workdir: str = DEFAULT_WORKDIR, data=None, *, labels: str | None = None, model: str | None = None,

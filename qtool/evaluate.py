@@ -25,7 +25,8 @@ from qtool.data.sources import ImageData
 from qtool.data.images import list_images
 from qtool.labels import labels_from_file, labels_from_folders
 from qtool.arithmetic import ORT_X86_NOVNNI
-from qtool.metrics import ctc_blank, ctc_collapse
+from qtool.metrics import (UNIT_ROWS_MIN, _anchor_count, agreement_kind, ctc_blank, ctc_collapse,  # noqa: F401
+                           detector_like, is_distribution, is_log_distribution, output_kind)
 from qtool.modelio import check_pair, load_model, model_bytes, provenance
 
 
@@ -408,24 +409,6 @@ def _pixels(a: np.ndarray) -> bool:
     return a.dtype.kind == "u" and a.dtype.itemsize <= 2
 
 
-def agreement_kind(shape) -> str | None:
-    """What top-1 agreement means for an output of this shape: "class" ([N, C], C > 1: a classifier),
-    "position" ([N, T, C], C > 1, not a detector's rows: a distribution at each position, as a CTC
-    recognizer or a tagger writes), or None (maps, features, boxes)."""
-    shape = tuple(shape)
-    if len(shape) == 2 and shape[1] > 1:
-        return "class"
-    if len(shape) == 3 and shape[2] > 1 and not detector_like(shape):
-        return "position"
-    return None
-
-
-def is_distribution(a: np.ndarray, tol: float = 1e-2) -> bool:
-    """Whether every row along the last axis is a probability distribution (a softmax's output)."""
-    return a.size > 0 and a.shape[-1] > 1 and bool(a.min() >= 0 and a.max() <= 1 + tol
-                                                   and np.abs(a.sum(-1) - 1).max() <= tol)
-
-
 RECURRENT = ("LSTM", "GRU", "RNN")
 STATE_CARRIERS = ("Identity", "Squeeze", "Unsqueeze", "Reshape", "Transpose", "Flatten")
 
@@ -445,39 +428,9 @@ def recurrent_states(model) -> set:
     return states
 
 
-def output_kind(a: np.ndarray) -> tuple:
-    """(agreement kind, detector layout) of an output from its shape and fp32 values: a [N, T, C] whose
-    every row is a distribution (or log-probabilities) is a sequence of them (SLANet's 501 structure tokens x 30 classes would
-    otherwise pass for a detector's rows); a few values per position that are not one (SLANet's 4 box
-    coordinates) are no classes."""
-    if a.ndim == 3 and (is_distribution(a) or is_log_distribution(a)):
-        # (pyannote's segmentation: a LogSoftmax over 7 classes at each of 293 frames, no detector rows)
-        return "position", None
-    kind = agreement_kind(a.shape)
-    if kind == "position" and a.shape[2] < 5:
-        kind = None
-    if kind == "position" and a.size and a.min() >= 0.0 and a.max() <= 1.0 and not is_distribution(a):
-        # values in [0, 1] that are no distribution: independent gains or scores at each position (NSNet2's
-        # suppression gain per frequency bin, [N, frames, 161]; a multi-label tagger), not one class each.
-        # eval printed "sequences equal at every position 0.0000" for an enhancer as good as fp32
-        kind = None
-    if kind == "position" and a.shape[1] == 1 and not is_log_distribution(a):
-        # one position of numbers that are no scores: a recurrent net's state [1, 1, 128] (its h and c)
-        # or a decoder's hidden vector, where "top-1 per position" means nothing
-        kind = None
-    return kind, detector_like(a.shape)
-
-
-def is_log_distribution(a: np.ndarray, tol: float = 1e-2) -> bool:
-    """Whether every row along the last axis holds log-probabilities (a LogSoftmax's output)."""
-    if a.size == 0 or a.shape[-1] < 2 or a.max() > tol:
-        return False
-    m = a.max(-1, keepdims=True)
-    return bool(np.abs(np.log(np.exp(a - m).sum(-1)) + m[..., 0]).max() <= tol)
-
-
 VARIED_SIZES = ("limit", "height", "none")  # resize modes that keep each image's own size (or width)
-UNIT_ROWS_MIN = 16  # vectors this long or longer, all of length 1, are embeddings (not 2-4 probabilities)
+
+
 def ctc_agreement(paths: list) -> dict:
     """Where the outputs look like CTC (metrics.ctc_blank), the share of sequences whose greedy-decoded
     texts are equal: what a reader of the text sees, where "equal at every position" also counts a blank
@@ -487,26 +440,6 @@ def ctc_agreement(paths: list) -> dict:
         return {}
     same = sum(ctc_collapse(p, blank) == ctc_collapse(q, blank) for p, q in paths)
     return {"ctc_text_agreement": same / len(paths), "ctc_blank": blank}
-
-
-def detector_like(shape) -> str | None:
-    """"rows" for [N, R, K]: many rows (R >= 50) of a few columns (5 <= K <= 128), as YOLOv5/X heads
-    write (x, y, w, h, objectness, class scores); "columns" for [N, K, R], the same transposed, as
-    YOLOv8 and later write (x, y, w, h, class scores: no objectness); None otherwise."""
-    if len(shape) != 3:
-        return None
-    if shape[1] >= 50 and 5 <= shape[2] <= 128:
-        return "rows"
-    if 5 <= shape[1] <= 128 and _anchor_count(shape[2]):
-        return "columns"
-    return None
-
-
-def _anchor_count(r: int) -> bool:
-    """Whether r cells fill the grids of strides 8, 16, 32 (and 64) of an image whose sides are multiples
-    of the largest stride: a multi-scale detection head's anchors (2100 at 320x320, 8400 at 640x640),
-    which a recognizer's class count (6625, 97) is not."""
-    return r >= 21 and ((r * 1024) % 21 == 0 or (r * 4096) % 85 == 0)
 
 
 def row_scores(rows: np.ndarray, objectness: bool = True) -> np.ndarray:

@@ -39,7 +39,8 @@ INJECT = {
 
 
 def test_every_optional_step_has_a_fault_injected_here():
-    assert set(INJECT) | {"subgraphs"} == set(STEPS)  # (subgraphs: in test_real_models, on a model with an If)
+    # (subgraphs: in test_real_models, on a model with an If; verification: in test_verify, with --verify on 24 samples or more)
+    assert set(INJECT) | {"subgraphs", "verification"} == set(STEPS)
 
 
 @pytest.fixture

@@ -63,10 +63,16 @@ def far_from_fp32(report: dict, excluded_sensitive: bool) -> str | None:
 @click.option("--strict", is_flag=True, help="An optional step that fails (method choice, output-aware rounding, range "
               "tuning, sensitivity, exclusion, target cost) is an error; without it, the step falls back with one "
               "warning and the model is still written.")
+@click.option("--verify", is_flag=True, help="Hold about a third of the calibration samples out of the steps fitted on "
+              "them and keep each step that changes the model (method choice with channel balancing, input grid, "
+              "encoding choice, output-aware rounding, range tuning, the guard) only where it measures better "
+              "on them, by what the output means (off by default: a few held-out samples rarely show a step's "
+              "gain beyond their noise; see docs/cli.md).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the quantize summary as JSON here.")
 @common_options
 def command(output, model, table, method, exclude, no_bias_correction, exclude_sensitive, target_agreement, max_drop,
-            max_excluded, labels, sensitivity_samples, no_sensitivity, rounding, tune_ranges, target, strict, json_path, workdir,
+            max_excluded, labels, sensitivity_samples, no_sensitivity, rounding, tune_ranges, target, strict, verify, json_path,
+            workdir,
             quiet, verbose, debug):
     """Write an INT8 ONNX model (QDQ: uint8 activations, int8 per-channel weights).
 
@@ -84,6 +90,7 @@ def command(output, model, table, method, exclude, no_bias_correction, exclude_s
       qtool quantize --method percentile --exclude /_fc/Gemm -o model.int8.onnx
       qtool quantize --rounding nearest --tune-ranges --no-sensitivity
       qtool quantize --target vnni
+      qtool quantize --verify
     """
     setup_output(quiet, verbose)
     if no_sensitivity and exclude_sensitive:
@@ -154,6 +161,6 @@ def command(output, model, table, method, exclude, no_bias_correction, exclude_s
 
     shown(lambda: quantize(workdir, model, table, output, method, ex, not no_bias_correction, opts,
                            say=lambda t: say(quiet, t), rounding=None if rounding is None else rounding == "output",
-                           tune_ranges=tune_ranges, target=target, strict=strict,
+                           tune_ranges=tune_ranges, target=target, strict=strict, verify=verify,
                            also_writes=[File("--json file", json_path)] if json_path else []),  # (checked first)
           show)

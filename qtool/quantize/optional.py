@@ -31,6 +31,7 @@ STEPS = {
     "exclusion": "the layers kept fp32 before the failure",
     "target cost": "the target's cost not measured",
     "subgraphs": "the If branches stay fp32",
+    "verification": "the step kept unverified",
 }
 # per layer, the fallback of a step that goes on with the other layers
 LAYER_FALLBACK = {

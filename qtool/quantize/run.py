@@ -34,6 +34,7 @@ from qtool.quantize.rounding import fetch_groups, layer_hessians, rounding_layer
 from qtool.quantize.samples import SampleSet, load_samples
 from qtool.quantize.sensitivity import layer_sensitivity, quantizable_layers
 from qtool.quantize.subgraphs import quantize_branches
+from qtool.quantize.verify import verify_step
 from qtool.report.sensitivity_html import render as render_sensitivity
 
 from qtool.calibrate.methods import AUTO
@@ -192,30 +193,57 @@ def _evenly(files: list, n: int) -> list:
 class SampleSplit:
     """Which calibration samples each step uses: sensitivity, tuning (the first TUNE_SAMPLES of the
     sensitivity images, or MIN_TUNE_SAMPLES where those are fewer), the held-back rest for checking
-    exclusions, a few for --method auto. Decoded once together."""
+    exclusions, a few for --method auto, and, with `verify` (--verify; off by default), those that verify
+    the steps fitted on the others (verify.py): never among the tuning or method-choice samples. Without
+    it no sample is held out and the tuning samples are all of them. Decoded once together."""
     sensitivity: list
     held_back: list
     auto: list
     tune: list
+    verify: list = field(default_factory=list)
 
     @classmethod
     def of(cls, files: list, sensitivity_samples: int, tune: int | None = None,
-           auto: int = None) -> "SampleSplit":
-        """`tune`, `auto`: fewer tuning / method-choice samples than the defaults (budget.py)."""
+           auto: int = None, verify: bool = False) -> "SampleSplit":
+        """`tune`, `auto`: fewer tuning / method-choice samples than the defaults (budget.py). `verify`:
+        hold samples out of the fitting steps to verify them on (verify.py); off, no sample is held out."""
         sens = _evenly(files, sensitivity_samples)
         taken = set(sens)
         held = _evenly([f for f in files if f not in taken], MAX_HELD_BACK)
         n_tune = min(TUNE_SAMPLES, max(sensitivity_samples, MIN_TUNE_SAMPLES), TUNE_SAMPLES if tune is None else tune)
-        return cls(sens, held, _evenly(files, AUTO_SAMPLES if auto is None else auto),
-                   _evenly(files, max(sensitivity_samples, n_tune))[:n_tune])
+        n_auto = AUTO_SAMPLES if auto is None else auto
+        tuning, choosing = _evenly(files, max(sensitivity_samples, n_tune))[:n_tune], _evenly(files, n_auto)
+        fitted = set(tuning) | set(choosing)
+        rest = [f for f in files if f not in fitted]
+        if not verify:  # (the default: every step fitted on the samples it always was)
+            verify = []
+        elif len(rest) >= MIN_VERIFY_SAMPLES:  # enough the fitting steps never see
+            verify = _evenly(rest, VERIFY_SAMPLES)
+        elif len(files) >= MIN_VERIFY_SAMPLES * VERIFY_EVERY:
+            # else one in VERIFY_EVERY is held out from tuning, every other one method choice does not take (its
+            # samples stay as they were: on other samples the same methods measure apart by up to 1.7 dB)
+            verify = [f for f in files if f not in set(choosing)][1::2][:min(VERIFY_SAMPLES, len(files) // VERIFY_EVERY)]
+            kept = set(verify)
+            tuning = [f for f in tuning if f not in kept]
+        else:  # too few to judge a step on: the steps stay unverified (and say so)
+            verify = []
+        return cls(sens, held, choosing, tuning, verify)
 
     def needed(self, auto: bool, tune: bool, sensitivity: bool, exclusion: bool) -> list:
         want = (self.auto if auto else []) + (self.tune if tune else []) \
-            + (self.sensitivity if sensitivity or exclusion else []) + (self.held_back if exclusion else [])
+            + (self.sensitivity if sensitivity or exclusion else []) + (self.held_back if exclusion else []) \
+            + (self.verify if auto or tune else [])
         return list(dict.fromkeys(want))
 
 
 MAX_HELD_BACK = 512  # held-back samples decoded for the exclusion check, at most
+# calibration samples a step that changes the model is verified on (verify.py), never fitted on: at most
+# VERIFY_SAMPLES; where fewer than MIN_VERIFY_SAMPLES are left over by the fitting steps (32 samples, all
+# of them tuning samples), one in VERIFY_EVERY is held out from those steps (32 -> 22 tuning, 10 verify);
+# fewer than MIN_VERIFY_SAMPLES * VERIFY_EVERY samples in all: no verification
+VERIFY_SAMPLES = 32
+MIN_VERIFY_SAMPLES = 8
+VERIFY_EVERY = 3
 
 
 @dataclass
@@ -304,10 +332,14 @@ def tune_activation_ranges(ctx: QuantizeContext, samples: SampleSet, res: "Tunin
 
 
 def tune(ctx: QuantizeContext, samples: SampleSet, rounding: bool, ranges: bool, say=print,
-         show_progress: bool = True, steps: OptionalSteps | None = None) -> Tuning:
+         show_progress: bool = True, steps: OptionalSteps | None = None, held_out: SampleSet | None = None,
+         verdicts: dict | None = None) -> Tuning:
     """Output-aware rounding and tuned ranges from calibration `samples`; sets ctx.hessians and ctx.ranges.
-    Each is an optional step of `steps`: one that fails leaves nearest rounding / the method's ranges."""
+    Each is an optional step of `steps`: one that fails leaves nearest rounding / the method's ranges.
+    `held_out`: calibration samples neither was fitted on; each is kept only where the model with it
+    measures better there than without it (verify.py; its Verdict into `verdicts`)."""
     steps = steps or OptionalSteps()
+    verdicts = {} if verdicts is None else verdicts
     res = Tuning(samples=len(samples))
     if not (rounding or ranges) or not len(samples):
         return res
@@ -318,10 +350,24 @@ def tune(ctx: QuantizeContext, samples: SampleSet, rounding: bool, ranges: bool,
             ctx.on_error = None
         steps.run("output-aware rounding", tune_rounding, ctx, samples, res, steps, say, show_progress,
                   fallback=no_rounding)
+        if ctx.hessians and held_out is not None and len(held_out):
+            v = steps.run("verification", verify_step, ctx, held_out, "output-aware rounding", "nearest rounding",
+                          say, hessians=None, fallback=None)
+            if v is not None:
+                verdicts[v.step] = v
+                if not v.kept:
+                    no_rounding()
     if ranges:
         def no_ranges():
             ctx.ranges = res.ranges = res.search = None
         steps.run("range tuning", tune_activation_ranges, ctx, samples, res, say, show_progress, fallback=no_ranges)
+        if ctx.ranges and held_out is not None and len(held_out):
+            v = steps.run("verification", verify_step, ctx, held_out, "range tuning", "the method's ranges", say,
+                          ranges=None, fallback=None)
+            if v is not None:
+                verdicts[v.step] = v
+                if not v.kept:
+                    no_ranges()
     res.seconds = time.time() - t0
     return res
 
@@ -384,10 +430,11 @@ class Afforded:
 
 
 def afford(fused, table, files: list, sens_wanted: int, split: SampleSplit, need: list, auto: bool, rounding: bool,
-           sensitivity: bool, free_sensitivity: bool, say=print) -> Afforded | None:
+           sensitivity: bool, free_sensitivity: bool, say=print, verify: bool = False) -> Afforded | None:
     """Count the work of one fp32 pass at the first needed sample's shapes and give each optional step the
     samples it can afford (budget.py); None where no sample could be read. `free_sensitivity`: the user
-    did not set the sensitivity samples (a number they chose is kept)."""
+    did not set the sensitivity samples (a number they chose is kept). `verify`: --verify's held-out samples
+    are budgeted too."""
     probe = load_samples(fused, table, need[:1])
     if not len(probe):
         return None
@@ -401,15 +448,20 @@ def afford(fused, table, files: list, sens_wanted: int, split: SampleSplit, need
         names = sorted({x for x, _, _ in rounding_layers(fused)[0].values()})
         per_tune += ROUNDING_PASSES * (len(fetch_groups(fused, names, probe.feed(0, 1))) if names else 0)
         n_tune = b.samples(per_tune, n_tune, MIN_BUDGET_TUNE_SAMPLES)
-    if (n_auto, n_sens, n_tune) == (len(split.auto), len(split.sensitivity), len(split.tune)):
+    n_verify = b.samples(VERIFY_PASSES, len(split.verify), MIN_VERIFY_SAMPLES) \
+        if verify and split.verify and (auto or rounding) else len(split.verify)
+    if (n_auto, n_sens, n_tune, n_verify) == (len(split.auto), len(split.sensitivity), len(split.tune),
+                                              len(split.verify)):
         return Afforded(split, auto, rounding, sensitivity, b, fp32_seconds_per_sample=probe.seconds_per_sample)
     new = SampleSplit.of(files, n_sens if n_sens < len(split.sensitivity) else sens_wanted,
-                         n_tune if rounding else None, n_auto if auto else None)
+                         n_tune if rounding else None, n_auto if auto else None, verify=verify)
+    new.verify = _evenly(new.verify, n_verify)
     notes = []
     for step, on, old, now, passes, least in (
             ("method choice", auto, split.auto, new.auto, METHOD_CHOICE_PASSES * len(range_candidates(table)), 1),
             ("sensitivity", sensitivity, split.sensitivity, new.sensitivity, per_sens, 1),
-            ("output-aware rounding", rounding, split.tune, new.tune, per_tune, MIN_BUDGET_TUNE_SAMPLES)):
+            ("output-aware rounding", rounding, split.tune, new.tune, per_tune, MIN_BUDGET_TUNE_SAMPLES),
+            ("verification", verify and (auto or rounding), split.verify, new.verify, VERIFY_PASSES, MIN_VERIFY_SAMPLES)):
         if on and len(now) < len(old):
             notes.append(f"{step} on {len(now)} of {len(old)} samples" if now else
                          f"{step} skipped (about {b.seconds(passes, least):.0f} s for {least} sample"
@@ -421,6 +473,8 @@ def afford(fused, table, files: list, sens_wanted: int, split: SampleSplit, need
 
 
 MIN_BUDGET_TUNE_SAMPLES = 4  # covariances on fewer are mostly their diagonal: nearest rounding instead
+# fp32 passes per held-out sample verification takes: the model with and without a step, for about three steps
+VERIFY_PASSES = 6.0
 
 
 def pick_method(ctx: QuantizeContext, samples: SampleSet, say=print, show_progress: bool = True):
@@ -484,6 +538,21 @@ def balance_and_choose(ctx: QuantizeContext, tune: SampleSet, auto: SampleSet, f
     return scores, agreement
 
 
+def verify_choice(ctx: QuantizeContext, plain: QuantizeContext, held_out: SampleSet, verdicts: dict, say=print) -> None:
+    """Method choice and channel balancing kept only where ctx's model measures better than `plain`'s (the
+    calibrated table's unclipped method, channels as they were) on held-out samples (verify.py); else
+    ctx goes back to plain's."""
+    if not len(held_out):
+        return
+    chose, balanced = ctx.method != plain.method, ctx.fused is not plain.fused
+    step = " and ".join(([f"method choice ({ctx.method})"] if chose else []) + (["channel balancing"] if balanced else []))
+    fallback = f"{plain.method}" + (", channels not balanced" if balanced else "")
+    v = verify_step(ctx, held_out, step, fallback, say, without=plain)
+    verdicts[step] = v
+    if not v.kept:
+        ctx.fused, ctx.table, ctx.weight_cache, ctx.method = plain.fused, plain.table, plain.weight_cache, plain.method
+
+
 def choose_encodings(ctx: QuantizeContext, samples: SampleSet, say=print) -> dict:
     """node -> why, for the layers whose weights are stored uint8 + 128 where the target's rule is
     pair-safe (encoding.portable_u8_layers), measured on one sample's shapes."""
@@ -537,7 +606,7 @@ def quantize(workdir: str | None = None, model: str | None = None, table_path: s
              output: str | None = None, method: str | None = None, exclude: dict | None = None,
              bias_correction: bool = True, sensitivity: SensitivityOptions | None = None, say=print,
              rounding: bool | None = None, tune_ranges: bool | None = None,
-             target: str = DEFAULT_TARGET, strict: bool = False, also_writes=()) -> QuantizeResult:
+             target: str = DEFAULT_TARGET, strict: bool = False, also_writes=(), verify: bool = False) -> QuantizeResult:
     """`rounding`: output-aware weight rounding from calibration images (rounding.py; None: on, the
     default, as it gains 1-2 dB of output SQNR for seconds), nearest otherwise.
     `tune_ranges`: activation ranges chosen at the model output (range_search.py); None: off. (Off
@@ -546,6 +615,9 @@ def quantize(workdir: str | None = None, model: str | None = None, table_path: s
     `target` (encoding.TARGETS): the CPUs the model must be exact on; every experiment is scored
     with the exact int8 arithmetic the target promises, whatever CPU this is.
     `strict`: an optional step that fails (optional.py) is an error, not a fallback with a warning.
+    `verify` (--verify; off by default): hold about a third of the calibration samples out of the fitting
+    steps and keep each step that changes the model only where it measures better on them (verify.py).
+    Off, no sample is held out and the model is the one quantize wrote before verification existed.
     The working directory is held for the whole run; what the run will write (there, `output`, and
     `also_writes`: outputs.File, as the command's --json) is checked against what it reads, and
     writable, once the inputs are known and before any long work (outputs.py)."""
@@ -553,7 +625,7 @@ def quantize(workdir: str | None = None, model: str | None = None, table_path: s
     with wd.lock(create=True), blas_threads(1):  # blas.py: why one thread
         return _quantize(workdir, model, table_path, output, method, exclude, bias_correction, sensitivity, say,
                          rounding, tune_ranges, target, OptionalSteps(strict or os.environ.get(STRICT_ENV) == "1"),
-                         also_writes)
+                         also_writes, verify)
 
 
 def writes(wd: Workdir, output: str | None, sensitivity: bool) -> list:
@@ -569,7 +641,7 @@ def writes(wd: Workdir, output: str | None, sensitivity: bool) -> list:
 
 
 def _quantize(workdir, model, table_path, output, method, exclude, bias_correction, sensitivity, say, rounding,
-              tune_ranges, target, steps: OptionalSteps, also_writes=()) -> QuantizeResult:
+              tune_ranges, target, steps: OptionalSteps, also_writes=(), verify: bool = False) -> QuantizeResult:
     t0 = time.time()
     fused, table, model_path = load_inputs(workdir, model, table_path)
     wd = Workdir(workdir)
@@ -628,12 +700,13 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
         say("note: no op of the main graph runs in int8; its method choice and sensitivity skipped "
             "(If branches every sample takes are quantized as models of their own)")
         auto, sens_on = False, False  # (rounding and range tuning: the branches' options, nothing to do here)
-    split = SampleSplit.of(files, opts.samples or sensitivity_samples(fused))
+    split = SampleSplit.of(files, opts.samples or sensitivity_samples(fused), verify=verify)
     need = split.needed(auto, rounding or tune_ranges, sens_on, exclusion_on)
     afforded = None
     if need:  # a heavy model: fewer samples, or a step skipped (budget.py)
         afforded = steps.run("calibration samples", afford, fused, table, files, opts.samples or
-                             sensitivity_samples(fused), split, need, auto, rounding, sens_on, opts.samples is None, say)
+                             sensitivity_samples(fused), split, need, auto, rounding, sens_on, opts.samples is None, say,
+                             verify)
     if afforded is not None:
         split, auto, rounding, sens_on = afforded.split, afforded.auto, afforded.rounding, afforded.sensitivity
         exclusion_on = exclusion_on and sens_on
@@ -654,6 +727,10 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
                             fallback=SampleSet.empty)
     method_scores_db = method_agreement = None
     used = ctx.samples_used
+    # (--verify: the model before method choice and balancing, the fallback they are verified against)
+    plain = replace(ctx) if verify else None
+    held_out = samples.pick(split.verify)
+    verdicts = {}
     if auto:
         used["method choice"] = len(samples.pick(split.auto))
         ctx.method, method_scores_db, method_agreement = steps.run(
@@ -666,27 +743,63 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
             fallback=(method_scores_db, method_agreement))
     elif len(samples):
         steps.run("equalization", balance, ctx, samples.pick(split.tune) if split.tune else samples, say)
+    if len(held_out) and (ctx.method != plain.method or ctx.fused is not plain.fused):
+        steps.run("verification", verify_choice, ctx, plain, held_out, verdicts, say, fallback=None)
+    if len(held_out) and verdicts:
+        used["verification"] = len(held_out)
     grid_samples = samples.pick(split.auto) if auto and split.auto else samples.pick(split.tune)
     input_grid = steps.run("input grid", choose_input_grid, ctx, grid_samples, say, fallback=None) \
         if len(grid_samples) else None
     if input_grid is not None:
         used["input grid"] = len(grid_samples)
+    if ctx.input_grid and len(held_out):
+        v = steps.run("verification", verify_step, ctx, held_out, "input grid", "the inputs on their calibrated grid",
+                      say, input_grid=False, fallback=None)
+        if v is not None:
+            verdicts[v.step] = v
+            if not v.kept:
+                ctx.input_grid = False
+                input_grid = dict(input_grid or {}, chosen="as calibrated", verified=False)
     encoding_reasons = steps.run("encoding choice", choose_encodings, ctx, samples, say, fallback={})
     ctx.encodings = {name: U8 for name in encoding_reasons}
+    if ctx.encodings and len(held_out):
+        v = steps.run("verification", verify_step, ctx, held_out, "encoding choice",
+                      "the target's encoding for every layer", say, encodings={}, fallback=None)
+        if v is not None:
+            verdicts[v.step] = v
+            if not v.kept:
+                ctx.encodings, encoding_reasons = {}, {}
     sens_samples = samples.pick(split.sensitivity)
     if opts.samples is None and len(sens_samples):  # a dynamic output's size is known now
         n = samples_for_values(int(np.prod(sens_samples.reference.shape[1:], dtype=np.int64)))
         sens_samples = sens_samples.pick(_evenly(sens_samples.names, n))
     tune_samples = samples.pick(split.tune)
-    tuning = tune(ctx, tune_samples, rounding, tune_ranges, say, opts.show_progress, steps)
+    tuning = tune(ctx, tune_samples, rounding, tune_ranges, say, opts.show_progress, steps, held_out, verdicts)
+    if len(held_out) and verdicts:
+        used["verification"] = len(held_out)
+    elif verify and not len(held_out) and (rounding or ctx.method != plain.method or ctx.fused is not plain.fused) \
+            and len(samples):
+        if len(files) < MIN_VERIFY_SAMPLES * VERIFY_EVERY:
+            say(f"note: {len(files)} calibration samples are too few to hold {MIN_VERIFY_SAMPLES} out for verifying "
+                f"the steps fitted on them (at least {MIN_VERIFY_SAMPLES * VERIFY_EVERY}); kept unverified")
+        else:
+            say("note: the steps fitted on calibration samples are kept unverified (verifying them on held-out "
+                "samples would take too long for this model: see the budget note above)")
     sens, exclusion, ranking = None, None, None
     if sens_on and len(sens_samples):
         used["sensitivity"] = len(sens_samples)
         sens, ranking = steps.run("sensitivity", run_sensitivity, ctx, sens_samples, opts, say, fallback=(None, None))
         if ranking is not None:  # (ctx.exclude is `exclude`: the guard's layers join the user's)
             used["guard"] = len(tune_samples if len(tune_samples) else sens_samples)
-            exclude.update(steps.run("guard", guard_layers, ctx, ranking, tune_samples if len(tune_samples)
-                                     else sens_samples, say, fallback={}))
+            kept = steps.run("guard", guard_layers, ctx, ranking, tune_samples if len(tune_samples)
+                             else sens_samples, say, fallback={})
+            if kept and len(held_out):
+                v = steps.run("verification", verify_step, ctx, held_out, "guard", "no layer kept fp32 by the guard",
+                              say, exclude=kept, fallback=None)
+                if v is not None:
+                    verdicts[v.step] = v
+                    kept = kept if v.kept else {}
+            exclude.update(kept)
         if exclusion_on and ranking:  # (none ranked: the model's int8 layers, if any, sit in If branches)
             check, held = samples.pick(split.held_back), True
             if len(check) < MIN_HELD_BACK:
@@ -716,7 +829,8 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
         branches = steps.run("subgraphs", quantize_branches, out.model, ctx.fused, samples, wd.path,
                              dict(method=method, bias_correction=bias_correction,
                                   sensitivity=replace(opts, exclude_sensitive=branch_exclusion, labels=None, show_progress=False),
-                                  rounding=rounding, tune_ranges=tune_ranges, target=target, strict=steps.strict),
+                                  rounding=rounding, tune_ranges=tune_ranges, target=target, strict=steps.strict,
+                                  verify=verify),
                              say, fallback=[])
     path = output or wd.file(INT8)
     table_sha256 = table.sha256  # (of the bytes the model was built from: the file may have been replaced since)
@@ -763,6 +877,8 @@ def _quantize(workdir, model, table_path, output, method, exclude, bias_correcti
         "layers": {k: v.__dict__ for k, v in out.layers.items()},
         "size_bytes": {"fp32": model_bytes(model_path), "int8": model_bytes(path)},
     }
+    if verify:  # (--verify: each step that changes the model, measured with and without it on held-out samples)
+        report["verified"] = {k: v.to_dict() for k, v in verdicts.items()}
     result = QuantizeResult(out, path, report, time.time() - t0, sens, exclusion, tuning)
     try:  # (the model is written: should a report or the manifest fail now, the figures are still shown)
         _write_reports(wd, report, sens, exclusion, out, final_exclude, model_path, ctx.method, target)

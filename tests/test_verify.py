@@ -1,0 +1,201 @@
+"""With --verify (verify=True; off by default), every step that changes the model is kept only where the model with it measures better than without
+it on calibration samples the step was not fitted on, by what the output means (issue 45: output-aware
+rounding, fitted on PP-OCRv4's recognizer's crops, read 1-13 points fewer held-out crops than nearest
+rounding)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+
+import numpy as np
+import pytest
+
+from helpers import save, small_convnet
+from qtool.api import calibrate, quantize
+from qtool.quantize import verify as V
+from qtool.quantize.run import MIN_VERIFY_SAMPLES, VERIFY_EVERY, SampleSplit
+
+
+def _ctc(rng, n=12, t=20, c=6):
+    """fp32's probabilities [n, t, c] of a CTC recognizer: blank (0) at most steps, a symbol every 4th."""
+    logits = rng.standard_normal((n, t, c)) * 0.1
+    logits[:, :, 0] += 3.0
+    for k in range(0, t, 4):
+        logits[np.arange(n), k, rng.integers(1, c, n)] += 6.0
+    e = np.exp(logits - logits.max(-1, keepdims=True))
+    return (e / e.sum(-1, keepdims=True)).astype(np.float32)
+
+
+def _misread(p, samples):
+    """p with the symbol at step 0 of each of `samples` turned into blank: their texts change."""
+    q = p.copy()
+    for i in samples:
+        q[i, 0] = 0.0
+        q[i, 0, 0] = 1.0
+    return q
+
+
+def test_the_judge_reads_what_the_output_means():
+    rng = np.random.default_rng(0)
+    ctc = V.judge_for(_ctc(rng))
+    assert ctc.kind == "texts (greedy CTC)" and ctc.blank == 0
+    logits = rng.standard_normal((20, 10)).astype(np.float32)
+    assert V.judge_for(logits).kind == "top-1"
+    emb = rng.standard_normal((20, 64))
+    assert V.judge_for((emb / np.linalg.norm(emb, axis=1, keepdims=True)).astype(np.float32)).kind == "cosine"
+    assert V.judge_for(rng.standard_normal((20, 1, 16, 16)).astype(np.float32)).kind == "SQNR"
+
+
+def test_texts_read_decide_before_any_continuous_figure():
+    rng = np.random.default_rng(1)
+    ref = _ctc(rng)
+    judge = V.judge_for(ref)
+    close = ref + 1e-4  # (nearer fp32 in KL at every position than `far` ...)
+    far = ref * 0.9 + 0.1 / ref.shape[-1]
+    worse = _misread(close, [0, 1, 2])  # (... but three texts misread)
+    v = V.verdict("rounding", judge, ref, worse, far, "nearest")
+    assert not v.kept and v.decided_by == "count" and (v.read_with, v.read_without) == (9, 12)
+    v = V.verdict("rounding", judge, ref, far, worse, "nearest")
+    assert v.kept and v.decided_by == "count"
+
+
+def test_a_tie_in_texts_needs_a_gain_beyond_the_noise():
+    rng = np.random.default_rng(2)
+    ref = _ctc(rng)
+    judge = V.judge_for(ref)
+    mild, rough = ref * 0.98 + 0.02 / ref.shape[-1], ref * 0.8 + 0.2 / ref.shape[-1]
+    assert V.verdict("s", judge, ref, mild, rough, "f").kept  # every sample nearer fp32
+    assert not V.verdict("s", judge, ref, rough, mild, "f").kept
+    assert not V.verdict("s", judge, ref, mild, mild, "f").kept  # no gain: the step falls back
+    one = _misread(ref, [0])
+    assert not V.verdict("s", judge, ref, ref, one, "f").decided_by == "count"  # (one crop is within the noise)
+
+
+def test_the_split_holds_samples_out_of_every_fitting_step():
+    files = [f"f{k:02d}" for k in range(32)]
+    s = SampleSplit.of(files, 64, verify=True)
+    assert len(s.verify) >= MIN_VERIFY_SAMPLES
+    assert not set(s.verify) & (set(s.tune) | set(s.auto))
+    few = SampleSplit.of(files[:MIN_VERIFY_SAMPLES * VERIFY_EVERY - 1], 64, verify=True)
+    assert few.verify == []
+    many = SampleSplit.of([f"f{k:03d}" for k in range(200)], 64, verify=True)
+    assert len(many.tune) == 32 and len(many.verify) == 32 and not set(many.verify) & set(many.tune)
+
+
+def _calibrated(tmp_path, n=30):
+    rng = np.random.default_rng(4)
+    path = save(small_convnet(seed=4), tmp_path / "model.onnx")
+    data = tmp_path / "data"
+    os.makedirs(data)
+    for k in range(n):
+        np.save(data / f"s{k:02d}.npy", rng.standard_normal((1, 3, 16, 16)).astype(np.float32))
+    work = str(tmp_path / "work")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        calibrate(path, str(data), method="minmax", workdir=work, verbose=False, threads=1)
+    return work
+
+
+def test_rounding_that_measures_worse_where_it_was_not_fitted_falls_back_to_nearest(tmp_path, monkeypatch):
+    """A rounding that fits nothing (each weight pushed 3 steps off nearest): kept before, now measured
+    on the held-out samples and replaced by nearest rounding, said in quantize.json."""
+    from qtool.quantize import rounding
+
+    def harmful(w, scale, axis, hessian, *a, **k):
+        q = rounding.Q.quantize_weight(w, np.asarray(scale).reshape(-1), axis)
+        off = np.random.default_rng(0).choice([-3, 3], q.shape)
+        return np.clip(q.astype(np.int64) + off, -127, 127).astype(q.dtype)
+    from qtool.quantize import weights
+    monkeypatch.setattr(weights, "round_weights", harmful)
+    work = _calibrated(tmp_path)
+    lines = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        q = quantize(work, strict=True, verbose=False, sensitivity=False, verify=True)
+    rep = q.report
+    assert rep["rounding"] == "nearest" and not rep["rounded_layers"]
+    v = rep["verified"]["output-aware rounding"]
+    assert not v["kept"] and v["samples"] >= MIN_VERIFY_SAMPLES and v["judge"] == "top-1"
+    assert rep["samples_used"]["steps"]["verification"] == v["samples"]
+    del lines
+
+
+def test_too_few_samples_to_hold_out_say_so(tmp_path, capsys):
+    work = _calibrated(tmp_path, n=8)
+    from qtool.quantize.run import quantize as run_quantize
+    said = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        q = run_quantize(work, say=said.append, strict=True, verify=True)
+    assert q.report["verified"] == {}
+    assert any("too few to hold" in s and "kept unverified" in s for s in said)
+
+
+def test_every_step_falls_back_where_it_does_not_measure_better(tmp_path, monkeypatch):
+    """Where no step measures better on the held-out samples, the model is the plain one: the calibrated
+    table's unclipped method, channels as they were, nearest rounding, the target's encoding, inputs on
+    their calibrated grid; each step says so in quantize.json."""
+    real = V.verdict
+    monkeypatch.setattr(V, "verdict", lambda *a, **k: dataclasses.replace(real(*a, **k), kept=False))
+    from qtool.quantize import run as quantize_run
+    monkeypatch.setattr(quantize_run, "choose", lambda *a, **k: "mse")  # (a clipping method chosen)
+    rng = np.random.default_rng(4)
+    path = save(small_convnet(seed=4), tmp_path / "model.onnx")
+    data = tmp_path / "data"
+    os.makedirs(data)
+    for k in range(30):
+        np.save(data / f"s{k:02d}.npy", rng.standard_normal((1, 3, 16, 16)).astype(np.float32))
+    work = str(tmp_path / "work")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        calibrate(path, str(data), method="auto", workdir=work, verbose=False, threads=1)
+        q = quantize(work, strict=True, verbose=False, verify=True)
+    rep = q.report
+    assert rep["verified"] and all(not v["kept"] for v in rep["verified"].values())
+    assert "output-aware rounding" in rep["verified"] and rep["rounding"] == "nearest"
+    from qtool.calibrate.table import load_table
+    from qtool.workdir import Workdir
+    table = load_table(Workdir(work).manifest()["calibrate"]["table_path"])
+    assert any(k.startswith("method choice (mse)") for k in rep["verified"]) and rep["method"] == table.range_method
+    assert rep["encoding_choice"] == {} and (rep["input_grid"] or {}).get("chosen", "as calibrated") == "as calibrated"
+
+
+def test_the_default_holds_no_sample_out():
+    """Off (the default), the split is the one quantize used before verification existed: no sample held
+    out, tuning and method choice on the samples they always took."""
+    for n in (8, 30, 32, 200):
+        files = [f"f{k:03d}" for k in range(n)]
+        off, on = SampleSplit.of(files, 64), SampleSplit.of(files, 64, verify=True)
+        assert off.verify == [] and off.auto == on.auto and set(on.tune) <= set(off.tune)
+        assert set(off.needed(auto=True, tune=True, sensitivity=True, exclusion=True)) == \
+            set(off.auto) | set(off.tune) | set(off.sensitivity) | set(off.held_back)
+    files = [f"f{k:02d}" for k in range(32)]
+    assert len(SampleSplit.of(files, 64).tune) == 32 and len(SampleSplit.of(files, 64, verify=True).tune) == 22
+
+
+def test_the_default_writes_the_model_verification_never_touches(tmp_path, monkeypatch):
+    """quantize without --verify writes the same bytes as with every verification code path taken away
+    (verify_step and verify_choice raise, the split holds nothing out), records no `verified` and measures
+    no step on held-out samples; with --verify the report says what was verified."""
+    from qtool.quantize import run as quantize_run
+    work = _calibrated(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        default = quantize(work, strict=True, verbose=False, output=str(tmp_path / "default.onnx"))
+        with monkeypatch.context() as m:
+            def never(*a, **k):
+                raise AssertionError("verification ran without --verify")
+            m.setattr(quantize_run, "verify_step", never)
+            m.setattr(quantize_run, "verify_choice", never)
+            real_of = quantize_run.SampleSplit.of.__func__
+            m.setattr(quantize_run.SampleSplit, "of", classmethod(
+                lambda cls, *a, **k: dataclasses.replace(real_of(cls, *a, **k), verify=[])))
+            bare = quantize(work, strict=True, verbose=False, output=str(tmp_path / "bare.onnx"))
+        verified = quantize(work, strict=True, verbose=False, output=str(tmp_path / "verified.onnx"), verify=True)
+    assert open(default.path, "rb").read() == open(bare.path, "rb").read()
+    rep = default.report
+    assert "verified" not in rep and "verification" not in rep["samples_used"]["steps"]
+    assert "verification" not in rep["optional_steps"]["seconds"]
+    assert rep["rounding"] == "output-aware" and rep["samples_used"]["steps"].get("target cost") == 30
+    assert verified.report["verified"] and "verification" in verified.report["samples_used"]["steps"]
