@@ -126,17 +126,12 @@ def write_results(a, results, best, n_eval):
     if o:
         row.update(ort=f"{o['top1_int8']:.4f} ({o['top1_delta_pt']:+.2f} pt)", ort_agreement=round(o["top1_agreement"], 4),
                    ort_seconds=round(o["seconds"], 1))
-    path = results_io.write(f"accuracy-{stem}", "bench_accuracy.py", "make bench", RESULT_COLS, [row],
-                            results_io.provenance(), a.results or None)
-    with open(path, encoding="utf-8") as f:
-        doc = json.load(f)
-    doc["title"] = f"{stem}: top-1 on the held-out split (make bench: bench_accuracy.py)"
-    doc["about"] = (f"Calibrated on every 10th image of `--images`, judged on the others; qtool's best range method by "
-                    f"agreement beside ONNX Runtime's `quantize_static` (QDQ, u8/s8 per channel, MinMax).")
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(doc, f, indent=1, ensure_ascii=False)
-        f.write("\n")
-    return path
+    return results_io.write(f"accuracy-{stem}", "bench_accuracy.py", "make bench", RESULT_COLS, [row],
+                            results_io.provenance(), a.results or None,
+                            title=f"{stem}: top-1 on the held-out split (make bench: bench_accuracy.py)",
+                            about="Calibrated on every 10th image of `--images`, judged on the others; qtool's best "
+                                  "range method by agreement beside ONNX Runtime's `quantize_static` (QDQ, u8/s8 per "
+                                  "channel, MinMax).")
 
 
 if __name__ == "__main__":

@@ -602,12 +602,8 @@ def md_table(head, rows):
 # ---- main
 
 def machine(a):
-    def out(cmd):
-        try:
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-            return (r.stdout + r.stderr).strip()
-        except (OSError, subprocess.TimeoutExpired) as e:
-            return f"{type(e).__name__}: {e}"
+    import results_io
+    out = results_io.run_out
     return {"qtool_info": out([a.qtool, "info"]), "date": datetime.datetime.now().astimezone().isoformat("T", "seconds"),
             "commit": out(["git", "-C", ROOT, "rev-parse", "HEAD"]),
             "dirty": bool(out(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"])),

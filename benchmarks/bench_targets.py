@@ -183,17 +183,12 @@ def write_results(a, out):
     cols = [("model", "target"), ("exact", "exact int8 (VNNI CPU or qtool's runtime)"),
             ("novnni", "ONNX Runtime on x86 without VNNI (emulated)"), ("this_ort", "this CPU's ONNX Runtime"),
             ("speed", "ORT int8 ms/image, batch 1 / 8")]
-    path = results_io.write("targets", "bench_targets.py", "make bench", cols, rows, results_io.provenance(),
-                            a.results or None)
-    with open(path, encoding="utf-8") as f:
-        doc = json.load(f)
-    doc["title"] = f"Targets: {os.path.basename(a.model)} under both arithmetics (make bench: bench_targets.py)"
-    doc["about"] = (f"fp32 top-1 {out['fp32_top1']:.4f}; 95 % interval of the agreement in brackets; this CPU's ONNX "
-                    f"Runtime int8: {out['ort_int8_arithmetic']}. See [cpus.md](cpus.md).")
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(doc, f, indent=1, ensure_ascii=False)
-        f.write("\n")
-    return path
+    return results_io.write("targets", "bench_targets.py", "make bench", cols, rows, results_io.provenance(),
+                            a.results or None,
+                            title=f"Targets: {os.path.basename(a.model)} under both arithmetics (make bench: "
+                                  f"bench_targets.py)",
+                            about=f"fp32 top-1 {out['fp32_top1']:.4f}; 95 % interval of the agreement in brackets; "
+                                  f"this CPU's ONNX Runtime int8: {out['ort_int8_arithmetic']}. See [cpus.md](cpus.md).")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.environ.get("QTOOL_RESULTS") or os.path.join(ROOT, "benchmarks", "results")
 
 
-def _out(cmd):
+def run_out(cmd):
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         return (r.stdout + r.stderr).strip()
@@ -48,21 +48,23 @@ def provenance(qtool=None, info_text=None):
     """commit, date and the CPU lines of `qtool info` for a results file (`qtool`: the command, default this
     Python's `-m qtool`)."""
     if info_text is None:
-        info_text = _out((qtool if isinstance(qtool, list) else [qtool] if qtool else [sys.executable, "-m", "qtool"])
+        info_text = run_out((qtool if isinstance(qtool, list) else [qtool] if qtool else [sys.executable, "-m", "qtool"])
                          + ["info"])
-    prov = {"commit": _out(["git", "-C", ROOT, "rev-parse", "HEAD"]),
-            "dirty": bool(_out(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"])),
+    prov = {"commit": run_out(["git", "-C", ROOT, "rev-parse", "HEAD"]),
+            "dirty": bool(run_out(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"])),
             "date": datetime.datetime.now().astimezone().isoformat("T", "seconds")}
     prov.update(info_lines(info_text))
     return prov
 
 
-def write(name, benchmark, command, columns, rows, prov, directory=None):
-    """Write benchmarks/results/NAME.json (atomically) and return its path."""
+def write(name, benchmark, command, columns, rows, prov, directory=None, title=None, about=None):
+    """Write benchmarks/results/NAME.json (atomically) and return its path; `title` and `about` head its
+    table in docs/results.md."""
     directory = directory or RESULTS_DIR
     os.makedirs(directory, exist_ok=True)
     doc = {"benchmark": benchmark, "command": command, **prov,
            "columns": [list(c) for c in columns], "rows": rows}
+    doc.update({k: v for k, v in (("title", title), ("about", about)) if v is not None})
     path = os.path.join(directory, f"{name}.json")
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}-", suffix=".json")
     with os.fdopen(fd, "w", encoding="utf-8") as f:

@@ -183,3 +183,38 @@ def qdq_conv_model(w_q, rng, hw=6, x_zp=7, pad=1):
              init("zy", 128, np.uint8)]
     model = make_model(nodes, inits, [("x", list(x.shape))], [("out", None)])
     return model, x
+
+
+def if_conv_model(rng):
+    """x [1, 1, 64], sr -> If(sr == 16000): a small 1-D conv net in each branch (weights inside it; Silero
+    VAD's layout: the branch a sample takes follows its data)."""
+    def branch(name, scale):
+        w = init(f"w_{name}", rng.standard_normal((6, 1, 5)) * scale)
+        w2 = init(f"w2_{name}", rng.standard_normal((1, 6, 3)) * 0.4)
+        nodes = [helper.make_node("Conv", ["x", w.name], [f"c_{name}"], kernel_shape=[5], pads=[2, 2]),
+                 helper.make_node("Relu", [f"c_{name}"], [f"r_{name}"]),
+                 helper.make_node("Conv", [f"r_{name}", w2.name], [f"y_{name}"], kernel_shape=[3], pads=[1, 1])]
+        return helper.make_graph(nodes, name, [], [helper.make_tensor_value_info(f"y_{name}", TensorProto.FLOAT, None)],
+                                 initializer=[w, w2])
+
+    nodes = [helper.make_node("Equal", ["sr", "k16"], ["is16"], name="eq"),
+             helper.make_node("If", ["is16"], ["y"], name="rate", then_branch=branch("khz16", 0.5),
+                              else_branch=branch("khz8", 0.3))]
+    g = helper.make_graph(nodes, "t", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 64]),
+                                       helper.make_tensor_value_info("sr", TensorProto.INT64, [])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, 64])],
+                          initializer=[init("k16", 16000, np.int64)])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 16)])
+    m.ir_version = 8
+    return m
+
+
+def write_samples(folder, samples: list) -> str:
+    """One .npy (a one-input model) or .npz per sample."""
+    os.makedirs(folder, exist_ok=True)
+    for k, s in enumerate(samples):
+        if len(s) == 1:
+            np.save(os.path.join(folder, f"s{k:02d}.npy"), next(iter(s.values())))
+        else:
+            np.savez(os.path.join(folder, f"s{k:02d}.npz"), **s)
+    return str(folder)

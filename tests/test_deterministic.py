@@ -12,20 +12,10 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper
 
-from helpers import init, make_model, save, small_convnet, weight
+from helpers import if_conv_model, init, make_model, save, small_convnet, weight, write_samples
 from qtool.api import calibrate, quantize
 from qtool.quantize import budget as B
 from qtool.quantize import samples as S
-
-
-def _write(folder, samples: list) -> str:
-    os.makedirs(folder, exist_ok=True)
-    for k, s in enumerate(samples):
-        if len(s) == 1:
-            np.save(os.path.join(folder, f"s{k:02d}.npy"), next(iter(s.values())))
-        else:
-            np.savez(os.path.join(folder, f"s{k:02d}.npz"), **s)
-    return str(folder)
 
 
 def _fixed(rng):
@@ -66,28 +56,10 @@ def _multi_input(rng):
 
 
 def _uncountable(rng):
-    """x [1, 1, 64], sr -> If(sr == 16000): a 1-D conv net in each branch (Silero VAD's layout): the
-    branch a sample takes follows its data, so no work can be counted before running it."""
-    def branch(name, scale):
-        w = init(f"w_{name}", rng.standard_normal((6, 1, 5)) * scale)
-        w2 = init(f"w2_{name}", rng.standard_normal((1, 6, 3)) * 0.4)
-        nodes = [helper.make_node("Conv", ["x", w.name], [f"c_{name}"], kernel_shape=[5], pads=[2, 2]),
-                 helper.make_node("Relu", [f"c_{name}"], [f"r_{name}"]),
-                 helper.make_node("Conv", [f"r_{name}", w2.name], [f"y_{name}"], kernel_shape=[3], pads=[1, 1])]
-        return helper.make_graph(nodes, name, [], [helper.make_tensor_value_info(f"y_{name}", TensorProto.FLOAT, None)],
-                                 initializer=[w, w2])
-
-    nodes = [helper.make_node("Equal", ["sr", "k16"], ["is16"], name="eq"),
-             helper.make_node("If", ["is16"], ["y"], name="rate", then_branch=branch("khz16", 0.5),
-                              else_branch=branch("khz8", 0.3))]
-    g = helper.make_graph(nodes, "t", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 64]),
-                                       helper.make_tensor_value_info("sr", TensorProto.INT64, [])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, 64])],
-                          initializer=[init("k16", 16000, np.int64)])
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 16)])
-    m.ir_version = 8
-    return m, [{"x": rng.standard_normal((1, 1, 64)).astype(np.float32), "sr": np.array(16000, np.int64)}
-               for _ in range(12)]
+    """An If whose branches hold convolutions: the branch a sample takes follows its data, so no work can
+    be counted before running it."""
+    return if_conv_model(rng), [{"x": rng.standard_normal((1, 1, 64)).astype(np.float32),
+                                 "sr": np.array(16000, np.int64)} for _ in range(12)]
 
 
 def _lost_batch(rng):
@@ -117,7 +89,7 @@ KINDS = {"fixed": _fixed, "sequence": _sequence, "multi_input": _multi_input, "u
 def _calibrated(tmp_path, kind):
     m, samples = KINDS[kind](np.random.default_rng(5))
     path = save(m, tmp_path / "model.onnx")
-    data = _write(tmp_path / "data", samples)
+    data = write_samples(tmp_path / "data", samples)
     work = str(tmp_path / "work")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

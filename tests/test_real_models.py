@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from helpers import init, make_model, run, save, weight
+from helpers import if_conv_model, init, make_model, run, save, weight, write_samples
 from qtool import graph as G
 from qtool.api import calibrate, quantize
 from qtool.quantize.run import SensitivityOptions
@@ -21,23 +21,12 @@ def _sqnr(ref, out):
     return 10 * np.log10((ref ** 2).sum() / max(((ref - out) ** 2).sum(), 1e-30))
 
 
-def _write(folder, samples: list) -> str:
-    """One .npy (a one-input model) or .npz per sample."""
-    os.makedirs(folder, exist_ok=True)
-    for k, s in enumerate(samples):
-        if len(s) == 1:
-            np.save(os.path.join(folder, f"s{k:02d}.npy"), next(iter(s.values())))
-        else:
-            np.savez(os.path.join(folder, f"s{k:02d}.npz"), **s)
-    return str(folder)
-
-
 def default_run(model, samples: list, tmp_path, min_db: float = 20.0, **quantize_kw):
     """calibrate (method auto) + quantize with every default step, strict; the int8 model runs in ORT
     on every sample and its outputs stay within `min_db` of fp32. -> QuantizeResult."""
     os.makedirs(tmp_path, exist_ok=True)
     path = save(model, tmp_path / "model.onnx")
-    data = _write(tmp_path / "data", samples)
+    data = write_samples(tmp_path / "data", samples)
     work = str(tmp_path / "work")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -328,35 +317,12 @@ def test_unbalanced_channels_are_balanced_exactly_and_gain(tmp_path, monkeypatch
     assert db(q) > db(plain) + 1.5  # (12.6 -> 14.6 dB here)
 
 
-def _if_model(rng):
-    """x [1, 1, 64], sr -> If(sr == 16000): a small 1-D conv net in each branch (weights inside it)."""
-    def branch(name, scale):
-        w = init(f"w_{name}", rng.standard_normal((6, 1, 5)) * scale)
-        w2 = init(f"w2_{name}", rng.standard_normal((1, 6, 3)) * 0.4)
-        nodes = [helper.make_node("Conv", ["x", w.name], [f"c_{name}"], kernel_shape=[5], pads=[2, 2]),
-                 helper.make_node("Relu", [f"c_{name}"], [f"r_{name}"]),
-                 helper.make_node("Conv", [f"r_{name}", w2.name], [f"y_{name}"], kernel_shape=[3], pads=[1, 1])]
-        return helper.make_graph(nodes, name, [], [helper.make_tensor_value_info(f"y_{name}", TensorProto.FLOAT, None)],
-                                 initializer=[w, w2])
-
-    nodes = [helper.make_node("Equal", ["sr", "k16"], ["is16"], name="eq"),
-             helper.make_node("If", ["is16"], ["y"], name="rate", then_branch=branch("khz16", 0.5),
-                              else_branch=branch("khz8", 0.3))]
-    g = helper.make_graph(nodes, "t", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 64]),
-                                       helper.make_tensor_value_info("sr", TensorProto.INT64, [])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, 64])],
-                          initializer=[init("k16", 16000, np.int64)])
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 16)])
-    m.ir_version = 8
-    return m
-
-
 def test_a_network_inside_an_if_is_quantized_where_every_sample_takes_it(tmp_path):
     """Silero VAD keeps its 16 kHz network in one branch of If(sr == 16000) and its 8 kHz one in the
     other: the branch every calibration sample takes is quantized as a model of its own and put back;
     the other stays fp32."""
     rng = np.random.default_rng(12)
-    m = _if_model(rng)
+    m = if_conv_model(rng)
     samples = [{"x": rng.standard_normal((1, 1, 64)).astype(np.float32), "sr": np.array(16000, np.int64)}
                for _ in range(12)]
     q = default_run(m, samples, tmp_path)
@@ -376,7 +342,7 @@ def test_figures_count_the_branches_quantized(tmp_path):
     of the main graph to keep, searches inside the branch."""
     from qtool.quantize.run import quantize as quantize_run
     rng = np.random.default_rng(15)
-    m = _if_model(rng)
+    m = if_conv_model(rng)
     samples = [{"x": rng.standard_normal((1, 1, 64)).astype(np.float32), "sr": np.array(16000, np.int64)}
                for _ in range(40)]
     q = default_run(m, samples, tmp_path)
@@ -395,14 +361,14 @@ def test_a_failing_branch_stays_fp32_and_says_so(tmp_path, monkeypatch):
     """The optional step 'subgraphs' fails: the branch stays fp32, one warning, the model is written."""
     from qtool.quantize import run as quantize_run
     monkeypatch.delenv("QTOOL_STRICT", raising=False)
-    m = _if_model(np.random.default_rng(13))
+    m = if_conv_model(np.random.default_rng(13))
 
     def boom(*a, **k):
         raise RuntimeError("injected fault")
     monkeypatch.setattr(quantize_run, "quantize_branches", boom)
     path = save(m, tmp_path / "model.onnx")
     rng = np.random.default_rng(14)
-    data = _write(tmp_path / "data", [{"x": rng.standard_normal((1, 1, 64)).astype(np.float32),
+    data = write_samples(tmp_path / "data", [{"x": rng.standard_normal((1, 1, 64)).astype(np.float32),
                                        "sr": np.array(16000, np.int64)} for _ in range(6)])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
