@@ -57,6 +57,15 @@ def provenance(qtool=None, info_text=None):
     return prov
 
 
+def scrub(text: str) -> str:
+    """A results file names no path of the machine that wrote it (an error message in a note quotes one):
+    the repository, $QTOOL_ZOO and the home folder are written as <repo>, $QTOOL_ZOO and ~."""
+    for path, name in ((ROOT, "<repo>"), (os.environ.get("QTOOL_ZOO"), "$QTOOL_ZOO"), (os.path.expanduser("~"), "~")):
+        if path and len(path) > 1:
+            text = text.replace(path.rstrip("/"), name)
+    return text
+
+
 def write(name, benchmark, command, columns, rows, prov, directory=None, title=None, about=None):
     """Write benchmarks/results/NAME.json (atomically) and return its path; `title` and `about` head its
     table in docs/results.md."""
@@ -68,7 +77,6 @@ def write(name, benchmark, command, columns, rows, prov, directory=None, title=N
     path = os.path.join(directory, f"{name}.json")
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}-", suffix=".json")
     with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(doc, f, indent=1, ensure_ascii=False, allow_nan=False)
-        f.write("\n")
+        f.write(scrub(json.dumps(doc, indent=1, ensure_ascii=False, allow_nan=False)) + "\n")
     os.replace(tmp, path)
     return path

@@ -105,3 +105,13 @@ def test_zoo_and_ocr_rows():
     out = bench_ocr.result_rows(rows, [{"name": "rec2", "check": {"fp32": {"word_acc": 0.8}, "qtool": {"word_acc": 0.7}}}])
     assert out[0]["fp32"] == 90.0 and out[0]["int8"] == "88.0 (-2.0)" and out[0]["ort"] == "0.0 (-90.0)"
     assert out[1]["int8"] == "81.0 (+1.0)" and out[-1]["int8"] == 70.0 and out[-1]["ort"] is None
+
+
+def test_a_results_file_names_no_path_of_the_machine_that_wrote_it(tmp_path):
+    """An error quoted in a note names a file of the repository: the results file says <repo>, not the
+    folder the benchmark ran in (the build-path test refused the zoo's first real run)."""
+    note = f"ImportError: cannot import name 'X' ({os.path.join(results_io.ROOT, 'qtool', 'metrics.py')})"
+    path = results_io.write("t", "b.py", "make t", [("model", "model"), ("notes", "notes")],
+                            [{"model": "m", "notes": note}], {"commit": "c"}, str(tmp_path))
+    text = open(path).read()
+    assert results_io.ROOT not in text and "<repo>" in text and json.loads(text)["rows"][0]["model"] == "m"
