@@ -26,11 +26,6 @@
 #define NBUCKETS 130 /* integer parts 0..128 (a row's max is 127 steps; rounding may pass it) and a spare */
 #define WIDTH (2 * NBUCKETS + 2) /* a row's buckets: positive weights, negative ones, zeros (never scanned) */
 
-static inline float signed_pos(float x, float sign) {
-    float a = sign * x;
-    return a > 0.0f ? a : 0.0f;
-}
-
 static inline int bucket_of(float a) {
     int b = (int)a;
     return b < NBUCKETS - 1 ? b : NBUCKETS - 1;
@@ -155,11 +150,10 @@ typedef struct {
 /* One sign of one reader: its rows bucketed, its charged weights listed by column then row (the
  * reference's stable argsort): column i's are charges[per_col[i] .. per_col[i + 1]). */
 typedef struct {
-    const float *v;
     Py_ssize_t R, C;
-    float sign, limit;
+    float limit;
     const buckets *B;
-    int off; /* this sign's first bucket */
+    int off; /* this sign's first bucket: 0 for the positive weights, NBUCKETS for the negative */
     int64_t *per_col;
     charge *charges;
     int status;
@@ -326,8 +320,7 @@ static int accumulate_reader(const float *v, Py_ssize_t R, Py_ssize_t C, double 
     buckets rowjobs[MAX_THREADS];
     for (int t = 0; t < nt; t++) rowjobs[t] = (buckets){v, C, R * t / nt, R * (t + 1) / nt, start, pv};
     run_all(bucket_rows, (char *)rowjobs, sizeof(buckets), nt);
-    side sides[2] = {{v, R, C, 1.0f, limit, &rowjobs[0], 0, NULL, NULL, 0},
-                     {v, R, C, -1.0f, limit, &rowjobs[0], NBUCKETS, NULL, NULL, 0}};
+    side sides[2] = {{R, C, limit, &rowjobs[0], 0, NULL, NULL, 0}, {R, C, limit, &rowjobs[0], NBUCKETS, NULL, NULL, 0}};
     if (nt > 1)
         run_all(prepare, (char *)sides, sizeof(side), 2);
     else
