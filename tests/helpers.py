@@ -218,3 +218,18 @@ def write_samples(folder, samples: list) -> str:
         else:
             np.savez(os.path.join(folder, f"s{k:02d}.npz"), **s)
     return str(folder)
+
+
+def calibrate_samples(model, samples: list, folder) -> str:
+    """model.onnx and its samples (write_samples) in `folder`, calibrated with method auto into
+    folder/work, quietly -> the working directory."""
+    import warnings
+    from qtool.api import calibrate
+    os.makedirs(folder, exist_ok=True)
+    path = save(model, os.path.join(folder, "model.onnx"))
+    data = write_samples(os.path.join(folder, "data"), samples)
+    work = str(os.path.join(folder, "work"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        calibrate(path, data, method="auto", workdir=work, verbose=False, threads=1)
+    return work

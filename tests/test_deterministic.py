@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper
 
-from helpers import if_conv_model, init, make_model, save, small_convnet, weight, write_samples
-from qtool.api import calibrate, quantize
+from helpers import calibrate_samples, if_conv_model, init, make_model, save, small_convnet, weight
+from qtool.api import quantize
 from qtool.quantize import budget as B
 from qtool.quantize import samples as S
 
@@ -87,14 +87,7 @@ KINDS = {"fixed": _fixed, "sequence": _sequence, "multi_input": _multi_input, "u
 
 
 def _calibrated(tmp_path, kind):
-    m, samples = KINDS[kind](np.random.default_rng(5))
-    path = save(m, tmp_path / "model.onnx")
-    data = write_samples(tmp_path / "data", samples)
-    work = str(tmp_path / "work")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        calibrate(path, data, method="auto", workdir=work, verbose=False, threads=1)
-    return work
+    return calibrate_samples(*KINDS[kind](np.random.default_rng(5)), tmp_path)
 
 
 def _quantize_bytes(work: str, copy: str) -> tuple:

@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from helpers import if_conv_model, init, make_model, run, save, weight, write_samples
+from helpers import calibrate_samples, if_conv_model, init, make_model, run, save, weight, write_samples
 from qtool import graph as G
 from qtool.api import calibrate, quantize
 from qtool.quantize.run import SensitivityOptions
@@ -24,13 +24,9 @@ def _sqnr(ref, out):
 def default_run(model, samples: list, tmp_path, min_db: float = 20.0, **quantize_kw):
     """calibrate (method auto) + quantize with every default step, strict; the int8 model runs in ORT
     on every sample and its outputs stay within `min_db` of fp32. -> QuantizeResult."""
-    os.makedirs(tmp_path, exist_ok=True)
-    path = save(model, tmp_path / "model.onnx")
-    data = write_samples(tmp_path / "data", samples)
-    work = str(tmp_path / "work")
+    work = calibrate_samples(model, samples, tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        calibrate(path, data, method="auto", workdir=work, verbose=False, threads=1)
         q = quantize(work, strict=True, verbose=False, **quantize_kw)
     m = onnx.load(q.path)
     onnx.checker.check_model(m)
