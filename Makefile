@@ -9,7 +9,7 @@ SHARED ?= ../shared
 WORK ?= qtool_work
 DEMO_MODEL := models/efficientnet-lite0.onnx
 
-.PHONY: install demo test bench zoo bench-backend bench-ocr results clean
+.PHONY: install demo test bench zoo bench-backend bench-ocr bench-text results clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -91,6 +91,12 @@ bench-ocr: install $(OCR_STAMP)
 	$(PY) benchmarks/bench_ocr.py --ocr-python $(OCR_VENV)/bin/python \
 	    --det $(QTOOL_ZOO)/ppocrv5-mobile-det.onnx --rec $(QTOOL_ZOO)/ppocrv5-mobile-rec.onnx \
 	    --text-samples $(SHARED)/text-samples --shared $(SHARED) --zoo-dir $(QTOOL_ZOO) --ort-exact --out bench_out/ocr
+
+# Sentence encoders judged as encoders (cosine, nearest neighbour, rank correlation, size, ORT latency): qtool's
+# default beside ORT's dynamic and static quantizers, on the zoo's MiniLM (issue 47).
+bench-text: install
+	$(PY) -m pip install -q --no-build-isolation -e '.[test,bench]'
+	$(PY) benchmarks/bench_text.py --zoo minilm-l3-paraphrase --shared $(SHARED) --zoo-dir $(QTOOL_ZOO) --out bench_out/text
 
 # The tables of docs/results.md and the README's summary tables, from benchmarks/results/*.json alone
 # (which make zoo, make bench-ocr and make bench write).
