@@ -8,12 +8,21 @@ of rank 4 are NHWC uint8; everything else keeps ONNX's layout.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import numpy as np
 
 from qtool.runtime.fp32_ops import FP32_OPS, conv_pads
 
 
+@dataclass(frozen=True)
+class OutQuant:
+    """Where an int8 step's uint8 output lands: the scale and zero point of the QuantizeLinear it
+    absorbs, and the clamp [lo, hi] a fused Relu/Clip sets."""
+    scale: np.float32
+    zp: int
+    lo: int = 0
+    hi: int = 255
 
 
 class Step:
@@ -201,10 +210,11 @@ class GemmStep(Step):
 
 
 class AddStep(Step):
-    def __init__(self, name, K, a, b, y, qa, qb, qy, lo, hi):
+    def __init__(self, name, K, a, b, y, qa, qb, qy: OutQuant):
         super().__init__(name, "Add", [a, b], [y])
         self.K = K
-        self.kw = dict(a_scale=qa[0], a_zp=qa[1], b_scale=qb[0], b_zp=qb[1], y_scale=qy[0], y_zp=qy[1], lo=lo, hi=hi)
+        self.kw = dict(a_scale=qa[0], a_zp=qa[1], b_scale=qb[0], b_zp=qb[1], y_scale=qy.scale, y_zp=qy.zp,
+                       lo=qy.lo, hi=qy.hi)
         self.kernel = "add"
 
     def run(self, env, out):
@@ -239,14 +249,15 @@ class MulStep(Step):
     QLinearMul (MLAS, x86) computes it: p = (a - za) * (b - zb) in int32,
     y = sat(rint(float32(p) * float32(sa * sb / sy) + float32(zy)))."""
 
-    def __init__(self, name, K, a, b, y, qa, qb, qy, lo, hi):
+    def __init__(self, name, K, a, b, y, qa, qb, qy: OutQuant):
         super().__init__(name, "Mul", [a, b], [y])
         self.K = K
         self.za, self.zb = int(qa[1]), int(qb[1])
-        self.ratio = np.float32(np.float32(np.float32(qa[0]) * np.float32(qb[0])) / np.float32(qy[0]))
-        self.zy, self.lo, self.hi = np.float32(qy[1]), lo, hi
+        self.ratio = np.float32(np.float32(np.float32(qa[0]) * np.float32(qb[0])) / np.float32(qy.scale))
+        self.zy, self.lo, self.hi = np.float32(qy.zp), qy.lo, qy.hi
         self.native = getattr(K, "mul", None)
-        self.kw = dict(a_scale=qa[0], a_zp=qa[1], b_scale=qb[0], b_zp=qb[1], y_scale=qy[0], y_zp=qy[1], lo=lo, hi=hi)
+        self.kw = dict(a_scale=qa[0], a_zp=qa[1], b_scale=qb[0], b_zp=qb[1], y_scale=qy.scale, y_zp=qy.zp,
+                       lo=qy.lo, hi=qy.hi)
         self.kernel = "native" if self.native else "numpy"
         self.tmp = {}
 
@@ -326,13 +337,13 @@ class AvgPoolStep(Step):
     count, y = sat(rint(avg / s_y + z_y)). AveragePool is rare and small; exactness wins here
     over the integer kernel, which differs by one step now and then."""
 
-    def __init__(self, name, K, x, y, attrs, qx, qy, lo, hi):
+    def __init__(self, name, K, x, y, attrs, qx, qy: OutQuant):
         super().__init__(name, "AveragePool", [x], [y])
         self.K, self.at = K, attrs
         self.k = tuple(attrs["kernel_shape"])
         self.s = tuple(attrs.get("strides", [1, 1]))
         self.cip = bool(attrs.get("count_include_pad", 0))
-        self.qx, self.qy, self.lo, self.hi = qx, qy, lo, hi
+        self.qx, self.qy, self.lo, self.hi = qx, (qy.scale, qy.zp), qy.lo, qy.hi
         self.geo = {}
         self.kernel = "numpy"
 
@@ -378,10 +389,11 @@ class AvgPoolStep(Step):
 
 
 class GlobalAvgPoolStep(Step):
-    def __init__(self, name, K, x, y, qx, qy, lo, hi):
+    def __init__(self, name, K, x, y, qx, qy: OutQuant):
         super().__init__(name, "GlobalAveragePool", [x], [y])
         self.K = K
-        self.kw = dict(x_zp=qx[1], multiplier=np.float32(np.float32(qx[0]) / np.float32(qy[0])), y_zp=qy[1], lo=lo, hi=hi)
+        self.kw = dict(x_zp=qx[1], multiplier=np.float32(np.float32(qx[0]) / np.float32(qy.scale)), y_zp=qy.zp,
+                       lo=qy.lo, hi=qy.hi)
         self.kernel = "global_avgpool"
 
     def run(self, env, out):
@@ -442,9 +454,9 @@ class ShapeOpStep(Step):
     """Reshape/Flatten/Squeeze/Unsqueeze/Transpose on uint8 data, with an optional requantize.
     The result is in ONNX layout ('plain'); it is a view of the input when the layout allows."""
 
-    def __init__(self, name, op, K, x, y, extra, attrs, x_nhwc, requant):
+    def __init__(self, name, op, x, y, extra, attrs, x_nhwc, requant):
         super().__init__(name, op, [x], [y])
-        self.K, self.extra, self.at, self.x_nhwc, self.requant = K, extra, attrs, x_nhwc, requant
+        self.extra, self.at, self.x_nhwc, self.requant = extra, attrs, x_nhwc, requant
         self.fn = FP32_OPS[op]
         self.kernel = "view"
 
