@@ -125,7 +125,7 @@ CONV_CASES = [
     (1, 3, 4, 48, 80, 1, 1, 1, (0, 0, 0, 0), 1, 1),      # AMX: K <= 64, A tiles kept over 3 panels, 12 rows
     (1, 4, 80, 112, 24, 1, 1, 2, (0, 0, 0, 0), 1, 1),    # AMX: stride-2 rows read in place
     (1, 8, 12, 256, 48, 1, 1, 1, (0, 0, 0, 0), 1, 2),    # AMX: grouped 1x1 read in place
-    # M in row chunks (operators.c row_chunk): the panels run over one chunk, then the next
+    # M in row chunks (operators-conv.c row_chunk): the panels run over one chunk, then the next
     (2, 69, 70, 64, 256, 1, 1, 1, (0, 0, 0, 0), 1, 1),   # 1x1 (8 panels), a short last chunk
     (2, 60, 61, 32, 80, 3, 3, 1, (1, 1, 1, 1), 1, 1),    # 3x3, half-width last panel, short last chunk
     (1, 30, 31, 1024, 64, 1, 1, 1, (0, 0, 0, 0), 1, 1),  # K split and K-blocked inside each chunk
@@ -152,7 +152,7 @@ def test_conv2d(isa, case):
     if g == cin == cout and g > 1:
         assert p.kind == "dwconv"
     # the AMX tier runs depthwise, short-K and narrow convolutions (K < 24 or Cout/group <= 16,
-    # operators.c QT_AMX_MIN_K/N) on its AVX-512 kernels, everything else on tiles
+    # operators-conv.c QT_AMX_MIN_K/N) on its AVX-512 kernels, everything else on tiles
     on_tiles = p.kind != "dwconv" and cin // g * kh * kw >= 24 and cout // g > 16
     assert (isa if on_tiles or isa != "amx" else "avx512").split("vnni")[0] in p.kernel
     if isa == "avx2":
