@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from qtool.kernel_params import BinaryQuant, PoolWindow
 from qtool.runtime.fp32_ops import FP32_OPS, conv_pads
 
 
@@ -213,8 +214,7 @@ class AddStep(Step):
     def __init__(self, name, K, a, b, y, qa, qb, qy: OutQuant):
         super().__init__(name, "Add", [a, b], [y])
         self.K = K
-        self.kw = dict(a_scale=qa[0], a_zp=qa[1], b_scale=qb[0], b_zp=qb[1], y_scale=qy.scale, y_zp=qy.zp,
-                       lo=qy.lo, hi=qy.hi)
+        self.q = BinaryQuant(qa[0], qa[1], qb[0], qb[1], qy.scale, qy.zp, qy.lo, qy.hi)
         self.kernel = "add"
 
     def run(self, env, out):
@@ -222,14 +222,14 @@ class AddStep(Step):
         if a.shape != b.shape:  # broadcasting: the kernel wants equal shapes
             shape = np.broadcast_shapes(a.shape, b.shape)
             a, b = np.ascontiguousarray(np.broadcast_to(a, shape)), np.ascontiguousarray(np.broadcast_to(b, shape))
-        env[self.outs[0]] = self.K.add(a, b, out=out[0] if out else None, **self.kw)
+        env[self.outs[0]] = self.K.add(a, b, self.q, out=out[0] if out else None)
 
     def bind(self, env, out):
         f = getattr(self.K, "bind_add", None)
         a, b = env[self.ins[0]], env[self.ins[1]]
         if f is None or out is None or a.shape != b.shape:
             return super().bind(env, out)
-        return f(a, b, out[0], **self.kw)
+        return f(a, b, out[0], self.q)
     def macs(self, env):
         return int(env[self.outs[0]].size)
 
@@ -256,26 +256,23 @@ class MulStep(Step):
         self.ratio = np.float32(np.float32(np.float32(qa[0]) * np.float32(qb[0])) / np.float32(qy.scale))
         self.zy, self.lo, self.hi = np.float32(qy.zp), qy.lo, qy.hi
         self.native = getattr(K, "mul", None)
-        self.kw = dict(a_scale=qa[0], a_zp=qa[1], b_scale=qb[0], b_zp=qb[1], y_scale=qy.scale, y_zp=qy.zp,
-                       lo=qy.lo, hi=qy.hi)
+        self.q = BinaryQuant(qa[0], qa[1], qb[0], qb[1], qy.scale, qy.zp, qy.lo, qy.hi)
         self.kernel = "native" if self.native else "numpy"
         self.tmp = {}
 
     def _args(self, env):
-        """(a, b, kw) with the full-size operand first (the product is symmetric)."""
+        """(a, b, q) with the full-size operand first (the product is symmetric)."""
         a, b = env[self.ins[0]], env[self.ins[1]]
-        kw = self.kw
         if a.size < b.size:
-            a, b = b, a
-            kw = dict(kw, a_scale=kw["b_scale"], a_zp=kw["b_zp"], b_scale=kw["a_scale"], b_zp=kw["a_zp"])
-        return a, b, kw
+            return b, a, self.q.swapped()
+        return a, b, self.q
 
     def bind(self, env, out):
         f = getattr(self.K, "bind_mul", None)
         if f is not None and out is not None:
-            a, b, kw = self._args(env)
+            a, b, q = self._args(env)
             try:
-                return f(a, b, out[0], **kw)
+                return f(a, b, out[0], q)
             except ValueError:  # a broadcast the kernel does not take: numpy
                 pass
         return super().bind(env, out)
@@ -284,8 +281,8 @@ class MulStep(Step):
         a, b = env[self.ins[0]], env[self.ins[1]]
         if self.native is not None:
             try:
-                a2, b2, kw = self._args(env)
-                env[self.outs[0]] = self.native(a2, b2, out=out[0] if out else None, **kw)
+                a2, b2, q = self._args(env)
+                env[self.outs[0]] = self.native(a2, b2, q, out=out[0] if out else None)
                 return
             except ValueError:  # a broadcast the kernel does not take
                 pass
@@ -319,17 +316,18 @@ class MaxPoolStep(Step):
 
     def run(self, env, out):
         x = env[self.ins[0]]
-        p = self.geo.get(x.shape)
-        if p is None:
-            p = self.geo[x.shape] = _pool_pads(self.at, x.shape[1:3], self.k, self.s, self.d)
-        env[self.outs[0]] = self.K.maxpool2d(x, self.k, self.s, p, self.d, out=out[0] if out else None)
+        win = self.geo.get(x.shape)
+        if win is None:
+            win = self.geo[x.shape] = PoolWindow(self.k, self.s, _pool_pads(self.at, x.shape[1:3], self.k, self.s, self.d),
+                                                 self.d)
+        env[self.outs[0]] = self.K.maxpool2d(x, win, out=out[0] if out else None)
 
     def bind(self, env, out):
         f = getattr(self.K, "bind_maxpool2d", None)
         if f is None or out is None:
             return super().bind(env, out)
         x = env[self.ins[0]]
-        return f(x, out[0], self.k, self.s, self.geo[x.shape], self.d)
+        return f(x, out[0], self.geo[x.shape])
 
 class AvgPoolStep(Step):
     """AveragePool on uint8 NHWC as ONNX Runtime's QLinearAveragePool computes it (numpy): the

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from qtool.arithmetic import conv_rows, is_depthwise
+from qtool.kernel_params import ConvGeometry
 from qtool.runtime import saturating
 from qtool.runtime import steps as S
 from qtool.runtime.backend import conv_multiplier
@@ -53,8 +54,8 @@ def rule_conv(c, node):
         else c.K
 
     def pack(p4):
-        return K.pack_conv2d(wq, bias, x_zp=x.zp, multiplier=mult, y_zp=qy[1], strides=tuple(at.get("strides", [1, 1])),
-                             pads=p4, dilations=tuple(at.get("dilations", [1, 1])), group=group, lo=lo, hi=hi)
+        geometry = ConvGeometry(tuple(at.get("strides", [1, 1])), p4, tuple(at.get("dilations", [1, 1])), group)
+        return K.pack_conv2d(wq, bias, x_zp=x.zp, multiplier=mult, y_zp=qy[1], lo=lo, hi=hi, geometry=geometry)
     if ap.startswith("SAME"):  # pads depend on the input size: pack per input size, at plan time
         packed = S.SamePadPacker(pack, lambda hw: tuple(conv_pads(at, hw, wq.shape[2:])))
     else:
