@@ -14,6 +14,8 @@ Rules, in the order tried for each node:
   * an op in INT_RULES (qtool/runtime/lower/, one module per op family) whose data inputs are
     dq views and whose output goes only to one QuantizeLinear (optionally through Relu/Clip)
     -> one int8 step producing that Q's output;
+  * an elementwise op left over -> lower.lut.rule_region: the chain of elementwise ops it starts,
+    a function of one uint8 tensor, as one 256-entry table;
   * anything else -> the fp32 numpy op, with its dq-view inputs dequantized first; a later Q
     quantizes the result. The reason is recorded for `report()`.
 A rule whose precondition fails returns the reason and leaves the node to the next rule.
