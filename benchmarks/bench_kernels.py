@@ -119,8 +119,8 @@ def layer_fn(lname, x, w, bias, cin, cout, k, s, p, g):
         xx = x.reshape(n, cin)
         out = np.empty((n, cout), np.uint8)
         return pk, (lambda: K.gemm(pk, xx, out=out)), n * cin * cout
-    pk = K.pack_conv2d(w, bias, x_zp=3, multiplier=np.float32(1e-3), y_zp=5, strides=(s, s),
-                       pads=(p,) * 4, group=g)
+    pk = K.pack_conv2d(w, bias, x_zp=3, multiplier=np.float32(1e-3), y_zp=5,
+                       geometry=K.ConvGeometry(strides=(s, s), pads=(p,) * 4, group=g))
     out = np.empty(pk.out_shape(n, x.shape[1], x.shape[2]), np.uint8)
     return pk, (lambda: K.conv2d(pk, x, out=out)), out.size * (cin // g) * k * k
 

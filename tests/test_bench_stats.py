@@ -201,9 +201,10 @@ def _noisy_timer(sd, seed=0):
 
 
 def test_rounds_are_added_while_a_range_is_too_wide():
-    from qtool.runtime.bench import rounds_until_narrow
+    from qtool.runtime.bench import RoundRules, rounds_until_narrow
     timer, orders = _noisy_timer(0.10)
-    r = rounds_until_narrow({"native": 0, "ort_int8": 1}, None, 1, 6, 1, 0.0, width=0.10, max_rounds=60, timer=timer)
+    r = rounds_until_narrow({"native": 0, "ort_int8": 1}, None, 1, RoundRules(6, 1, 0.0, width=0.10, max_rounds=60),
+                            timer=timer)
     assert len(r["rounds"]) > 6 and len(r["rounds"]) % 2 == 0
     assert r["narrow"] and r["widest"] <= 0.10 == r["width_goal"]
     assert r["ratios"]["ort_int8"]["lo"] <= 1.2 <= r["ratios"]["ort_int8"]["hi"]
@@ -212,14 +213,14 @@ def test_rounds_are_added_while_a_range_is_too_wide():
 
 
 def test_quiet_rounds_need_no_more_and_the_limit_holds():
-    from qtool.runtime.bench import format_batch, rounds_until_narrow
+    from qtool.runtime.bench import RoundRules, format_batch, rounds_until_narrow
     timer, _ = _noisy_timer(0.001)
-    assert len(rounds_until_narrow({"native": 0, "ort_int8": 1}, None, 1, 6, 1, 0.0, timer=timer)["rounds"]) == 6
+    assert len(rounds_until_narrow({"native": 0, "ort_int8": 1}, None, 1, RoundRules(6, 1, 0.0), timer=timer)["rounds"]) == 6
     timer, _ = _noisy_timer(0.5)
-    r = rounds_until_narrow({"native": 0, "ort_int8": 1}, None, 1, 6, 1, 0.0, max_rounds=10, timer=timer)
+    r = rounds_until_narrow({"native": 0, "ort_int8": 1}, None, 1, RoundRules(6, 1, 0.0, max_rounds=10), timer=timer)
     assert len(r["rounds"]) == 10 and not r["narrow"]
     assert "at the limit" in format_batch(1, r)
     ticks = iter(range(100))
-    r = rounds_until_narrow({"native": 0, "ort_int8": 1}, None, 1, 6, 1, 0.0, max_rounds=40, max_s=2.0,
+    r = rounds_until_narrow({"native": 0, "ort_int8": 1}, None, 1, RoundRules(6, 1, 0.0, max_rounds=40, max_s=2.0),
                             timer=_noisy_timer(0.5)[0], clock=lambda: float(next(ticks)))
     assert len(r["rounds"]) == 8  # (two rounds added, then the clock says 2 s)

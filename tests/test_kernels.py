@@ -11,6 +11,7 @@ import pytest
 
 K = pytest.importorskip("qtool.kernels")
 from qtool.kernels import reference as R  # noqa: E402
+from qtool.kernel_params import BinaryQuant, ConvGeometry, PoolWindow  # noqa: E402
 
 ISAS = K.available_isas()
 # every registered kernel set: each tier, and the AVX2 tier's exact kernels
@@ -125,7 +126,7 @@ CONV_CASES = [
     (1, 3, 4, 48, 80, 1, 1, 1, (0, 0, 0, 0), 1, 1),      # AMX: K <= 64, A tiles kept over 3 panels, 12 rows
     (1, 4, 80, 112, 24, 1, 1, 2, (0, 0, 0, 0), 1, 1),    # AMX: stride-2 rows read in place
     (1, 8, 12, 256, 48, 1, 1, 1, (0, 0, 0, 0), 1, 2),    # AMX: grouped 1x1 read in place
-    # M in row chunks (operators.c row_chunk): the panels run over one chunk, then the next
+    # M in row chunks (operators-conv.c row_chunk): the panels run over one chunk, then the next
     (2, 69, 70, 64, 256, 1, 1, 1, (0, 0, 0, 0), 1, 1),   # 1x1 (8 panels), a short last chunk
     (2, 60, 61, 32, 80, 3, 3, 1, (1, 1, 1, 1), 1, 1),    # 3x3, half-width last panel, short last chunk
     (1, 30, 31, 1024, 64, 1, 1, 1, (0, 0, 0, 0), 1, 1),  # K split and K-blocked inside each chunk
@@ -144,15 +145,15 @@ def test_conv2d(isa, case):
     acc = R.conv2d_acc(wt, bias, x, x_zp, (s, s), pads, (d, d), g)
     mult = pick_multiplier(rng, acc.std(), cout)
     lo, hi = (0, 255) if rng.random() < 0.5 else (y_zp // 2, 255 - (255 - y_zp) // 3)
-    kw_args = dict(x_zp=x_zp, multiplier=mult, y_zp=y_zp, strides=(s, s), pads=pads,
-                   dilations=(d, d), group=g, lo=lo, hi=hi)
+    kw_args = dict(x_zp=x_zp, multiplier=mult, y_zp=y_zp, lo=lo, hi=hi,
+                   geometry=ConvGeometry((s, s), pads, (d, d), g))
     want = R.conv2d(wt, bias, x, **kw_args)
     p = K.pack_conv2d(wt, bias, **kw_args)
     assert p.isa == isa
     if g == cin == cout and g > 1:
         assert p.kind == "dwconv"
     # the AMX tier runs depthwise, short-K and narrow convolutions (K < 24 or Cout/group <= 16,
-    # operators.c QT_AMX_MIN_K/N) on its AVX-512 kernels, everything else on tiles
+    # operators-conv.c QT_AMX_MIN_K/N) on its AVX-512 kernels, everything else on tiles
     on_tiles = p.kind != "dwconv" and cin // g * kh * kw >= 24 and cout // g > 16
     assert (isa if on_tiles or isa != "amx" else "avx512").split("vnni")[0] in p.kernel
     if isa == "avx2":
@@ -221,10 +222,10 @@ def test_add(isa, shape):
              b_scale=float(rng.uniform(0.01, 0.1)), b_zp=int(rng.integers(0, 256)),
              y_scale=float(rng.uniform(0.02, 0.2)), y_zp=int(rng.integers(0, 256)))
     for lo, hi in ((0, 255), (q["y_zp"], 255)):
-        want = R.add(a, b, lo=lo, hi=hi, **q)
+        want = R.add(a, b, BinaryQuant(**q, lo=lo, hi=hi))
         for canary in CANARIES:
             big, out = canary_out(shape, np.uint8, canary)
-            got = K.add(a, b, lo=lo, hi=hi, out=out, **q)
+            got = K.add(a, b, BinaryQuant(**q, lo=lo, hi=hi), out=out)
             check(K.info()["kernels"]["add"], got, want, big, canary, 1, f"shape {shape} {q} [{lo},{hi}]")
 
 
@@ -244,10 +245,11 @@ def test_maxpool(isa, case):
     n, h, w, c, k, s, pads, d, ceil = case
     rng = np.random.default_rng(h * 31 + c)
     x = rand_u8(rng, (n, h, w, c))
-    want = R.maxpool2d(x, (k, k), (s, s), pads, (d, d), ceil)
+    win = PoolWindow((k, k), (s, s), pads, (d, d), ceil)
+    want = R.maxpool2d(x, win)
     for canary in CANARIES:
         big, out = canary_out(want.shape, np.uint8, canary)
-        got = K.maxpool2d(x, (k, k), (s, s), pads, (d, d), ceil, out=out)
+        got = K.maxpool2d(x, win, out=out)
         check("maxpool2d", got, want, big, canary, 1, f"case {case}")
 
 
@@ -259,10 +261,11 @@ def test_avgpool(isa, case, cip):
     x = rand_u8(rng, (n, h, w, c))
     q = dict(x_zp=int(rng.integers(0, 256)), multiplier=float(rng.uniform(0.5, 2.0)),
              y_zp=int(rng.integers(0, 256)))
-    want = R.avgpool2d(x, (k, k), (s, s), pads, cip, ceil_mode=ceil, **q)
+    win = PoolWindow((k, k), (s, s), pads, ceil_mode=ceil, count_include_pad=cip)
+    want = R.avgpool2d(x, win, **q)
     for canary in CANARIES:
         big, out = canary_out(want.shape, np.uint8, canary)
-        got = K.avgpool2d(x, (k, k), (s, s), pads, cip, ceil_mode=ceil, out=out, **q)
+        got = K.avgpool2d(x, win, out=out, **q)
         check("avgpool2d", got, want, big, canary, 1, f"case {case} cip={cip} {q}")
 
 
@@ -325,7 +328,7 @@ def test_threads_agree():
     rng = np.random.default_rng(5)
     x = rand_u8(rng, (1, 14, 14, 40))
     wt = rand_w(rng, (48, 40, 3, 3))
-    p = K.pack_conv2d(wt, None, x_zp=7, multiplier=0.002, y_zp=9, pads=(1, 1, 1, 1))
+    p = K.pack_conv2d(wt, None, x_zp=7, multiplier=0.002, y_zp=9, geometry=ConvGeometry(pads=(1, 1, 1, 1)))
     prev = K.get_num_threads()
     try:
         outs = []
@@ -355,7 +358,7 @@ def test_pool_prewake_wakes_sleeping_workers():
         K.set_num_threads(2)
         K.set_spin_us(1000)
         x = np.zeros((64, 56, 56, 32), np.uint8)
-        K.add(x, x, a_scale=1.0, a_zp=0, b_scale=1.0, b_zp=0, y_scale=1.0, y_zp=0)  # starts a worker
+        K.add(x, x, BinaryQuant(a_scale=1.0, a_zp=0, b_scale=1.0, b_zp=0, y_scale=1.0, y_zp=0))  # starts a worker
         import time
         time.sleep(0.3)  # every worker (earlier tests may have started more) past its spin, asleep
         asleep = K._native.pool_sleeping()
@@ -379,10 +382,10 @@ def test_pool_jobs_of_every_size_after_prewakes():
         for i in range(300):
             n = int(rng.integers(1, 200_000))
             a, b = rand_u8(rng, (n,)), rand_u8(rng, (n,))
-            kw = dict(a_scale=0.02, a_zp=100, b_scale=0.03, b_zp=7, y_scale=0.05, y_zp=50)
+            kw = BinaryQuant(a_scale=0.02, a_zp=100, b_scale=0.03, b_zp=7, y_scale=0.05, y_zp=50)
             if i % 3 == 0:
                 K.pool_prewake()
-            assert (K.add(a, b, **kw) == R.add(a, b, **kw)).all(), n
+            assert (K.add(a, b, kw) == R.add(a, b, kw)).all(), n
     finally:
         K.set_num_threads(prev)
 
@@ -404,7 +407,8 @@ def test_quantize_dequantize(isa, shape):
 def test_bind_reruns_on_same_buffers():
     rng = np.random.default_rng(11)
     x = rand_u8(rng, (1, 6, 6, 8))
-    p = K.pack_conv2d(rand_w(rng, (8, 8, 3, 3)), None, x_zp=4, multiplier=0.003, y_zp=6, pads=(1,) * 4)
+    p = K.pack_conv2d(rand_w(rng, (8, 8, 3, 3)), None, x_zp=4, multiplier=0.003, y_zp=6,
+                      geometry=ConvGeometry(pads=(1,) * 4))
     out = np.empty(p.out_shape(1, 6, 6), np.uint8)
     run = K.bind_conv2d(p, x, out)
     run()
@@ -414,9 +418,9 @@ def test_bind_reruns_on_same_buffers():
     assert (out == K.conv2d(p, x)).all()
     b = rand_u8(rng, x.shape)
     y = np.empty_like(x)
-    q = dict(a_scale=0.1, a_zp=3, b_scale=0.2, b_zp=4, y_scale=0.3, y_zp=5)
-    K.bind_add(x, b, y, **q)()
-    assert (y == R.add(x, b, **q)).all()
+    q = BinaryQuant(a_scale=0.1, a_zp=3, b_scale=0.2, b_zp=4, y_scale=0.3, y_zp=5)
+    K.bind_add(x, b, y, q)()
+    assert (y == R.add(x, b, q)).all()
 
 
 @pytest.mark.parametrize("env", ["scalar", "avx2", "avx512vnni"])
@@ -441,10 +445,10 @@ def test_mul(isa, shape, bshape):
     q = dict(a_scale=float(rng.uniform(0.01, 0.1)), a_zp=int(rng.integers(0, 256)),
              b_scale=float(rng.uniform(0.001, 0.01)), b_zp=int(rng.integers(0, 256)),
              y_scale=float(rng.uniform(0.005, 0.05)), y_zp=int(rng.integers(0, 256)))
-    want = R.mul(a, np.broadcast_to(b, shape), lo=3, hi=250, **q)
+    want = R.mul(a, np.broadcast_to(b, shape), BinaryQuant(**q, lo=3, hi=250))
     for canary in CANARIES:
         big, out = canary_out(shape, np.uint8, canary)
-        check("mul", K.mul(a, b, lo=3, hi=250, out=out, **q), want, big, canary, 1, f"{shape} {bshape} {q}")
+        check("mul", K.mul(a, b, BinaryQuant(**q, lo=3, hi=250), out=out), want, big, canary, 1, f"{shape} {bshape} {q}")
 
 
 @pytest.mark.parametrize("per_channel", [False, True])
@@ -469,7 +473,8 @@ def test_pool_survives_fork():
         pytest.skip("under valgrind the child's exit code is valgrind's")
     rng = np.random.default_rng(9)
     x = rand_u8(rng, (1, 28, 28, 64))
-    p = K.pack_conv2d(rand_w(rng, (64, 64, 3, 3)), None, x_zp=1, multiplier=1e-3, y_zp=2, pads=(1,) * 4)
+    p = K.pack_conv2d(rand_w(rng, (64, 64, 3, 3)), None, x_zp=1, multiplier=1e-3, y_zp=2,
+                      geometry=ConvGeometry(pads=(1,) * 4))
     want = K.conv2d(p, x)
     pid = os.fork()
     if pid == 0:  # pragma: no cover - child
@@ -514,8 +519,8 @@ def run_conv(isa, w, x, g=1, s=1, pad=0, x_zp=0):
     cout = w.shape[0]
     bias = rng.integers(-5000, 5000, size=cout, dtype=np.int32)
     acc = R.conv2d_acc(w, bias, x, x_zp, (s, s), (pad,) * 4, (1, 1), g)
-    q = dict(x_zp=x_zp, multiplier=pick_multiplier(rng, acc.std(), cout), y_zp=77, strides=(s, s),
-             pads=(pad,) * 4, group=g)
+    q = dict(x_zp=x_zp, multiplier=pick_multiplier(rng, acc.std(), cout), y_zp=77,
+             geometry=ConvGeometry(strides=(s, s), pads=(pad,) * 4, group=g))
     p = K.pack_conv2d(w, bias, **q)
     want = R.conv2d(w, bias, x, **q)
     big, out = canary_out(want.shape, np.uint8, 0xA5)

@@ -17,6 +17,7 @@ from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 from qtool.arithmetic import EXACT  # noqa: E402
 from qtool.kernels import reference as R  # noqa: E402
+from qtool.kernel_params import BinaryQuant, ConvGeometry  # noqa: E402
 from qtool.ort_arithmetic import ort_int8_arithmetic  # noqa: E402
 from qtool.runtime import saturating  # noqa: E402
 
@@ -58,7 +59,7 @@ def test_qlinearconv_matches_ort(case):
                             kernel_shape=[k, k], strides=[s, s], pads=[p] * 4, group=g)
     want = _run([node], inits, np.ascontiguousarray(x_nhwc.transpose(0, 3, 1, 2))).transpose(0, 2, 3, 1)
     mult = K.conv_multiplier(x_scale, w_scale, y_scale)
-    q = dict(x_zp=int(x_zp), multiplier=mult, y_zp=int(y_zp), strides=(s, s), pads=(p,) * 4, group=g)
+    q = dict(x_zp=int(x_zp), multiplier=mult, y_zp=int(y_zp), geometry=ConvGeometry((s, s), (p,) * 4, group=g))
     ref = R.conv2d(wq, bias, x_nhwc, **q)
     ort_ref = ref
     if ort_int8_arithmetic() != EXACT and g != cin:  # (depthwise sums in int32 on every ORT path)
@@ -120,13 +121,13 @@ def test_qlinearadd_matches_ort(seed):
     model.ir_version = 8
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     want = sess.run(None, {"x": a})[0]
-    q = dict(a_scale=sa, a_zp=int(za), b_scale=sb, b_zp=int(zb), y_scale=sy, y_zp=int(zy))
-    ref = R.add(a, b, **q)
+    q = BinaryQuant(a_scale=sa, a_zp=int(za), b_scale=sb, b_zp=int(zb), y_scale=sy, y_zp=int(zy))
+    ref = R.add(a, b, q)
     assert (ref == want).all(), f"reference vs ORT: {(ref != want).sum()} differ"
     for isa in K.available_isas():
         K.set_isa(isa)
         try:
-            got = K.add(a, b, **q)
+            got = K.add(a, b, q)
         finally:
             K.set_isa(None)
         assert (got == want).all(), f"{isa}: {(got != want).sum()} of {got.size} differ from ORT"
@@ -158,13 +159,13 @@ def test_qlinearmul_matches_ort(seed):
     node = helper.make_node("QLinearMul", ["x", "as", "az", "b", "bs", "bz", "ys", "yz"], ["y"],
                             domain="com.microsoft")
     want = _run_ms(node, inits, shape, a)
-    q = dict(a_scale=sa, a_zp=int(za), b_scale=sb, b_zp=int(zb), y_scale=sy, y_zp=int(zy))
-    ref = R.mul(a, b, **q)
+    q = BinaryQuant(a_scale=sa, a_zp=int(za), b_scale=sb, b_zp=int(zb), y_scale=sy, y_zp=int(zy))
+    ref = R.mul(a, b, q)
     assert (ref == want).all(), f"reference vs ORT: {(ref != want).sum()} of {ref.size} differ"
     for isa in K.available_isas():
         K.set_isa(isa)
         try:
-            got = K.mul(a, b, **q)
+            got = K.mul(a, b, q)
         finally:
             K.set_isa(None)
         assert (got == want).all(), f"{isa}: {(got != want).sum()} of {got.size} differ from ORT"

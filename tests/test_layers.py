@@ -12,7 +12,7 @@ QTOOL = os.path.join(os.path.dirname(__file__), "..", "qtool")
 
 LAYERS = [
     # shared: plain services and data types every step may use, themselves layered
-    {"errors", "qparams", "arithmetic", "metrics", "blas", "lattice", "windows", "timing"},
+    {"errors", "qparams", "arithmetic", "metrics", "blas", "lattice", "windows", "timing", "kernel_params"},
     {"graph", "labels", "ortsession", "ort_arithmetic", "report", "limits", "tempfiles"},
     {"modelio", "data", "rules", "ortcheck"},
     {"workdir", "plan", "outputs"},

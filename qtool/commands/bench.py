@@ -53,7 +53,7 @@ def command(model, fp32, batches, threads, rounds, max_rounds, round_ms, repeats
       qtool bench -m resnet50.int8.onnx --threads 2 --profile
     """
     setup_output(quiet, verbose)
-    from qtool.runtime.bench import bench, find_fp32
+    from qtool.runtime.bench import BenchOptions, bench, find_fp32
     from qtool.workdir import Workdir
     given = model is not None
     if model is None:
@@ -88,8 +88,9 @@ def command(model, fp32, batches, threads, rounds, max_rounds, round_ms, repeats
         if any(d < 1 for d in dims):
             raise QtoolError(f"--shape {shape}: every dimension must be 1 or more")
     log = None if quiet else echo
-    r = bench(model, fp32, tuple(batches) or (1, 8), threads, repeats, dims, profile, rounds=rounds,
-              round_s=round_ms / 1000.0, max_rounds=max_rounds, log=log)
+    opts = BenchOptions(tuple(batches) or (1, 8), threads, repeats, dims, profile, rounds=rounds,
+                        round_s=round_ms / 1000.0, max_rounds=max_rounds)
+    r = bench(model, fp32, opts, log=log)
     if profile and not quiet:
         from qtool.runtime.profile import format_table, format_top
         for bs, p in r["profile"].items():

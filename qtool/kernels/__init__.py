@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from qtool.kernel_params import BinaryQuant, ConvGeometry, PoolWindow
 from qtool.qparams import U8_MAX, U8_MIN
 from qtool.windows import out_size
 
@@ -18,7 +19,7 @@ from . import _native
 
 ISAS = ("scalar", "avx2", "avx512vnni", "amx")
 
-__all__ = ["info", "set_isa", "get_isa", "available_isas", "set_num_threads", "get_num_threads",
+__all__ = ["ConvGeometry", "PoolWindow", "BinaryQuant", "info", "set_isa", "get_isa", "available_isas", "set_num_threads", "get_num_threads",
            "conv_multiplier", "PackedConv", "pack_conv2d", "conv2d", "pack_gemm", "gemm", "add",
            "maxpool2d", "avgpool2d", "global_avgpool", "concat", "conv_out_hw",
            "quantize_nchw_to_nhwc", "dequantize_nhwc_to_nchw", "bind_conv2d", "bind_gemm",
@@ -214,8 +215,8 @@ def _bias_mult(bias, multiplier, cout, w_rows, x_zp):
     return np.ascontiguousarray(b.astype(np.int32)), np.ascontiguousarray(m)
 
 
-def pack_conv2d(w, bias, *, x_zp, multiplier, y_zp, strides=(1, 1), pads=(0, 0, 0, 0),
-                dilations=(1, 1), group=1, lo=0, hi=255) -> PackedConv:
+def pack_conv2d(w, bias, *, x_zp, multiplier, y_zp, lo=0, hi=255,
+                geometry: ConvGeometry = ConvGeometry()) -> PackedConv:
     """Pack an ONNX OIHW int8 weight for NHWC convolution (see API.md)."""
     w = np.asarray(w)
     if w.dtype != np.int8 or w.ndim != 4:
@@ -223,12 +224,13 @@ def pack_conv2d(w, bias, *, x_zp, multiplier, y_zp, strides=(1, 1), pads=(0, 0, 
     if w.size and (w.min() < -127):
         raise ValueError("weights must be in [-127, 127] (symmetric int8)")
     cout, cin_g, kh, kw = (int(s) for s in w.shape)
-    group = int(group)
+    group = int(geometry.group)
     if group < 1 or cout % group:
         raise ValueError(f"group={group} does not divide Cout={cout}")
     if not (0 <= int(x_zp) <= 255 and 0 <= int(y_zp) <= 255):
         raise ValueError(f"zero points must be in [0, 255], got x_zp={x_zp} y_zp={y_zp}")
-    strides, dilations, pads = _pair(strides, "strides"), _pair(dilations, "dilations"), _pads(pads)
+    strides, dilations = _pair(geometry.strides, "strides"), _pair(geometry.dilations, "dilations")
+    pads = _pads(geometry.pads)
     if min(strides) < 1 or min(dilations) < 1:
         raise ValueError(f"strides {strides} and dilations {dilations} must be >= 1")
     lo, hi = _clamp(lo, hi)
@@ -327,70 +329,86 @@ def _ratio(a, b) -> float:
     return float(np.float32(a) / np.float32(b))
 
 
-def _plan_add(a, b, a_scale, a_zp, b_scale, b_zp, y_scale, y_zp, lo, hi, out):
+def _plan_add(a, b, q: BinaryQuant, out):
     _u8(a, "a")
     _u8(b, "b")
     if a.shape != b.shape:
         raise ValueError(f"add: shapes differ: {a.shape} vs {b.shape} (broadcast in the caller)")
-    lo, hi = _clamp(lo, hi)
+    lo, hi = _clamp(q.lo, q.hi)
     y = _out(out, a.shape)
-    return y, _native.add, (a, b, y, _ratio(a_scale, y_scale), int(a_zp), _ratio(b_scale, y_scale),
-                            int(b_zp), int(y_zp), lo, hi)
+    return y, _native.add, (a, b, y, _ratio(q.a_scale, q.y_scale), int(q.a_zp), _ratio(q.b_scale, q.y_scale),
+                            int(q.b_zp), int(q.y_zp), lo, hi)
 
 
-def add(a, b, *, a_scale, a_zp, b_scale, b_zp, y_scale, y_zp, lo=0, hi=255, out=None):
-    return _call(_plan_add(a, b, a_scale, a_zp, b_scale, b_zp, y_scale, y_zp, lo, hi, out))
+def add(a, b, q: BinaryQuant, out=None):
+    return _call(_plan_add(a, b, q, out))
 
 
-def bind_add(a, b, out, *, a_scale, a_zp, b_scale, b_zp, y_scale, y_zp, lo=0, hi=255):
-    return _bind(_plan_add(a, b, a_scale, a_zp, b_scale, b_zp, y_scale, y_zp, lo, hi, out))
+def bind_add(a, b, out, q: BinaryQuant):
+    return _bind(_plan_add(a, b, q, out))
 
 
-def _pool(x, kernel, strides, pads, dilations, ceil_mode, avg, cip, x_zp, mult, y_zp, lo, hi, out):
+@dataclass(frozen=True)
+class _AvgRequant:
+    """An average pool's requantization: (sum - count * x_zp) * multiplier / count + y_zp, clamped."""
+    x_zp: int
+    multiplier: float
+    y_zp: int
+    lo: int
+    hi: int
+
+
+_MAX = _AvgRequant(0, 1.0, 0, 0, 255)  # what the C kernel is given for a max pool (unused there)
+
+
+def _pool(x, win: PoolWindow, avg: _AvgRequant | None, out):
+    """avg None: max pool."""
     _u8(x, "x")
     if x.ndim != 4:
         raise ValueError(f"x: expected NHWC, got shape {x.shape}")
-    kernel, strides, dilations = _pair(kernel, "kernel"), _pair(strides, "strides"), _pair(dilations, "dilations")
+    kernel, strides = _pair(win.kernel, "kernel"), _pair(win.strides, "strides")
+    dilations = _pair(win.dilations, "dilations")
     if min(kernel) < 1 or min(strides) < 1 or min(dilations) < 1:
         raise ValueError(f"pool: kernel {kernel}, strides {strides}, dilations {dilations} must be >= 1")
-    pads = _pads(pads)
-    lo, hi = _clamp(lo, hi)
+    pads = _pads(win.pads)
+    rq = _MAX if avg is None else avg
+    lo, hi = _clamp(rq.lo, rq.hi)
     n, h, w, c = x.shape
-    oh, ow = conv_out_hw(h, w, kernel, strides, pads, dilations, ceil_mode)
+    oh, ow = conv_out_hw(h, w, kernel, strides, pads, dilations, win.ceil_mode)
     y = _out(out, (n, oh, ow, c))
     return y, _native.pool, (x, y, n, h, w, c, oh, ow, kernel[0], kernel[1], strides[0], strides[1],
                              pads[0], pads[1], pads[2], pads[3], dilations[0], dilations[1],
-                             int(avg), int(cip), int(x_zp), float(np.float32(mult)), int(y_zp), lo, hi)
+                             int(avg is not None), int(avg is not None and win.count_include_pad), int(rq.x_zp),
+                             float(np.float32(rq.multiplier)), int(rq.y_zp), lo, hi)
 
 
-def maxpool2d(x, kernel, strides=(1, 1), pads=(0, 0, 0, 0), dilations=(1, 1), ceil_mode=False,
-              out=None):
-    return _call(_pool(x, kernel, strides, pads, dilations, ceil_mode, 0, 0, 0, 1.0, 0, 0, 255, out))
+def maxpool2d(x, window: PoolWindow, out=None):
+    return _call(_pool(x, window, None, out))
 
 
-def bind_maxpool2d(x, out, kernel, strides=(1, 1), pads=(0, 0, 0, 0), dilations=(1, 1),
-                   ceil_mode=False):
-    return _bind(_pool(x, kernel, strides, pads, dilations, ceil_mode, 0, 0, 0, 1.0, 0, 0, 255, out))
+def bind_maxpool2d(x, out, window: PoolWindow):
+    return _bind(_pool(x, window, None, out))
 
 
-def avgpool2d(x, kernel, strides=(1, 1), pads=(0, 0, 0, 0), count_include_pad=False, *, x_zp,
-              multiplier, y_zp, lo=0, hi=255, ceil_mode=False, out=None):
-    return _call(_pool(x, kernel, strides, pads, (1, 1), ceil_mode, 1, count_include_pad, x_zp,
-                       multiplier, y_zp, lo, hi, out))
+def _avg_window(window: PoolWindow) -> PoolWindow:
+    if tuple(window.dilations) != (1, 1):
+        raise ValueError(f"avgpool2d: dilations {window.dilations}: only (1, 1)")
+    return window
 
 
-def bind_avgpool2d(x, out, kernel, strides=(1, 1), pads=(0, 0, 0, 0), count_include_pad=False, *,
-                   x_zp, multiplier, y_zp, lo=0, hi=255, ceil_mode=False):
-    return _bind(_pool(x, kernel, strides, pads, (1, 1), ceil_mode, 1, count_include_pad, x_zp,
-                       multiplier, y_zp, lo, hi, out))
+def avgpool2d(x, window: PoolWindow, *, x_zp, multiplier, y_zp, lo=0, hi=255, out=None):
+    return _call(_pool(x, _avg_window(window), _AvgRequant(x_zp, multiplier, y_zp, lo, hi), out))
+
+
+def bind_avgpool2d(x, out, window: PoolWindow, *, x_zp, multiplier, y_zp, lo=0, hi=255):
+    return _bind(_pool(x, _avg_window(window), _AvgRequant(x_zp, multiplier, y_zp, lo, hi), out))
 
 
 def _plan_gap(x, x_zp, multiplier, y_zp, lo, hi, out):
     _u8(x, "x")
     if x.ndim != 4:
         raise ValueError(f"x: expected NHWC, got shape {x.shape}")
-    return _pool(x, (x.shape[1], x.shape[2]), (1, 1), (0, 0, 0, 0), (1, 1), False, 1, 0, x_zp,
-                 multiplier, y_zp, lo, hi, out)
+    return _pool(x, PoolWindow((x.shape[1], x.shape[2])), _AvgRequant(x_zp, multiplier, y_zp, lo, hi), out)
 
 
 def global_avgpool(x, *, x_zp, multiplier, y_zp, lo=0, hi=255, out=None):
@@ -435,10 +453,10 @@ def bind_concat(xs, axis, out, *, scales, zps, y_scale, y_zp):
     return _bind(_plan_concat(xs, axis, scales, zps, y_scale, y_zp, out))
 
 
-def _plan_mul(a, b, a_scale, a_zp, b_scale, b_zp, y_scale, y_zp, lo, hi, out):
+def _plan_mul(a, b, q: BinaryQuant, out):
     _u8(a, "a")
     _u8(b, "b")
-    lo, hi = _clamp(lo, hi)
+    lo, hi = _clamp(q.lo, q.hi)
     if a.ndim == 0:
         raise ValueError("mul: scalar inputs are not supported")
     inner = int(a.shape[-1])
@@ -450,18 +468,18 @@ def _plan_mul(a, b, a_scale, a_zp, b_scale, b_zp, y_scale, y_zp, lo, hi, out):
     else:
         raise ValueError(f"mul: b of shape {b.shape} must equal a's {a.shape} or be [N, 1, 1, C]")
     y = _out(out, a.shape)
-    ratio = float((np.float32(a_scale) * np.float32(b_scale)) / np.float32(y_scale))
-    return y, _native.mul, (a, b, y, rows, inner, brp, ratio, int(a_zp), int(b_zp), int(y_zp), lo, hi)
+    ratio = float((np.float32(q.a_scale) * np.float32(q.b_scale)) / np.float32(q.y_scale))
+    return y, _native.mul, (a, b, y, rows, inner, brp, ratio, int(q.a_zp), int(q.b_zp), int(q.y_zp), lo, hi)
 
 
-def mul(a, b, *, a_scale, a_zp, b_scale, b_zp, y_scale, y_zp, lo=0, hi=255, out=None):
+def mul(a, b, q: BinaryQuant, out=None):
     """ONNX Runtime's QLinearMul rounding: p = (a - a_zp) * (b - b_zp) (int32),
     y = clip(rint(float32(p) * ratio + y_zp), lo, hi), ratio = float32(a_scale * b_scale) / y_scale."""
-    return _call(_plan_mul(a, b, a_scale, a_zp, b_scale, b_zp, y_scale, y_zp, lo, hi, out))
+    return _call(_plan_mul(a, b, q, out))
 
 
-def bind_mul(a, b, out, *, a_scale, a_zp, b_scale, b_zp, y_scale, y_zp, lo=0, hi=255):
-    return _bind(_plan_mul(a, b, a_scale, a_zp, b_scale, b_zp, y_scale, y_zp, lo, hi, out))
+def bind_mul(a, b, out, q: BinaryQuant):
+    return _bind(_plan_mul(a, b, q, out))
 
 
 def _plan_lut(x, table, out):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from qtool.kernel_params import BinaryQuant, ConvGeometry, PoolWindow
 from qtool.qparams import ActQParams, dequantize, quantize, requantize
 
 from . import conv_out_hw
@@ -22,8 +23,9 @@ def _pair(v):
     return tuple(int(i) for i in (v if hasattr(v, "__len__") else (v, v)))
 
 
-def _patches(xp, oh, ow, kh, kw, sh, sw, dh, dw):
+def _patches(xp, out_hw, kernel, strides, dilations):
     """[N, OH, OW, KH, KW, C] windows of a padded NHWC array."""
+    (oh, ow), (kh, kw), (sh, sw), (dh, dw) = out_hw, kernel, strides, dilations
     n, _, _, c = xp.shape
     out = np.empty((n, oh, ow, kh, kw, c), xp.dtype)
     for ky in range(kh):
@@ -43,7 +45,7 @@ def conv2d_acc(w, bias, x, x_zp, strides=(1, 1), pads=(0, 0, 0, 0), dilations=(1
     xc = x.astype(np.int64) - int(x_zp)
     xp = np.zeros((n, h + pt + pb + kh * dh, wd + pl + pr + kw * dw, cin), np.int64)
     xp[:, pt:pt + h, pl:pl + wd, :] = xc
-    pat = _patches(xp, oh, ow, kh, kw, sh, sw, dh, dw)  # [N, OH, OW, KH, KW, Cin]
+    pat = _patches(xp, (oh, ow), (kh, kw), (sh, sw), (dh, dw))  # [N, OH, OW, KH, KW, Cin]
     cout_g = cout // group
     acc = np.empty((n, oh, ow, cout), np.int64)
     for g in range(group):
@@ -62,14 +64,14 @@ class RefPacked:
     def __init__(self, w, bias, kind, **q):
         self.w, self.bias, self.kind, self.q = np.asarray(w), bias, kind, q
         self.cout = int(self.w.shape[0])
-        self.cin = int(self.w.shape[1]) * int(q.get("group", 1))
+        self.cin = int(self.w.shape[1]) * int(q.get("geometry", ConvGeometry()).group)
         self.kernel, self.isa = "numpy-reference", "numpy"
         self.out_dtype = np.dtype(q.get("out_dtype", "uint8")).type
 
     def out_shape(self, n, h, w):
         kh, kw = self.w.shape[2:]
-        oh, ow = conv_out_hw(h, w, (kh, kw), _pair(self.q.get("strides", (1, 1))),
-                             _pads(self.q.get("pads", (0, 0, 0, 0))), _pair(self.q.get("dilations", (1, 1))))
+        g = self.q.get("geometry", ConvGeometry())
+        oh, ow = conv_out_hw(h, w, (kh, kw), _pair(g.strides), _pads(g.pads), _pair(g.dilations))
         return (n, oh, ow, self.cout)
 
 
@@ -92,8 +94,8 @@ def conv2d(w, bias=None, x=None, *, out=None, **q):
     if isinstance(w, RefPacked):  # conv2d(p, x, out=None)
         p, x = w, bias
         return _ret(conv2d(p.w, p.bias, x, **p.q), out)
-    acc = conv2d_acc(w, bias, x, q["x_zp"], q.get("strides", (1, 1)), q.get("pads", (0, 0, 0, 0)),
-                     q.get("dilations", (1, 1)), q.get("group", 1))
+    g = q.get("geometry", ConvGeometry())
+    acc = conv2d_acc(w, bias, x, q["x_zp"], g.strides, g.pads, g.dilations, g.group)
     return _ret(requantize(acc, np.asarray(q["multiplier"], np.float32), q["y_zp"], q.get("lo", 0),
                            q.get("hi", 255)), out)
 
@@ -101,18 +103,20 @@ def conv2d(w, bias=None, x=None, *, out=None, **q):
 def gemm(w, bias=None, x=None, *, out=None, **q):
     if isinstance(w, RefPacked):  # gemm(p, x, out=None)
         p, x = w, bias
-        return _ret(_gemm(p.w, p.bias, x, **p.q), out)
-    return _ret(_gemm(w, bias, x, **q), out)
+        return gemm(p.w, p.bias, x, out=out, **p.q)
+    acc = _gemm_acc(w, bias, x, q["x_zp"])
+    m = np.asarray(q["multiplier"], np.float32)
+    if np.dtype(q.get("out_dtype", "uint8")) == np.float32:
+        return _ret(acc.astype(np.float32) * m, out)
+    return _ret(requantize(acc, m, q.get("y_zp", 0), q.get("lo", 0), q.get("hi", 255)), out)
 
 
-def _gemm(w, bias, x, *, x_zp, multiplier, y_zp=0, lo=0, hi=255, out_dtype="uint8"):
+def _gemm_acc(w, bias, x, x_zp):
+    """int32 accumulators [M, N] = sum((x - x_zp) * w) + bias."""
     acc = (x.astype(np.int64) - int(x_zp)) @ np.asarray(w, np.int64).T
     if bias is not None:
         acc = acc + np.asarray(bias, np.int64)
-    acc = acc.astype(np.int32)
-    if np.dtype(out_dtype) == np.float32:
-        return acc.astype(np.float32) * np.asarray(multiplier, np.float32)
-    return requantize(acc, np.asarray(multiplier, np.float32), y_zp, lo, hi)
+    return acc.astype(np.int32)
 
 
 def _fma32(x, y, z):
@@ -122,22 +126,22 @@ def _fma32(x, y, z):
             + np.asarray(z).astype(np.longdouble)).astype(np.float32)
 
 
-def _add(a, b, *, a_scale, a_zp, b_scale, b_zp, y_scale, y_zp, lo=0, hi=255):
+def _add(a, b, q: BinaryQuant):
     """ONNX Runtime's QLinearAdd (MLAS) rounding: zero points folded into one float32 constant,
     two fused multiply-adds on the raw u8 values, round half to even, clamp."""
     f32 = np.float32
-    ma = f32(a_scale) / f32(y_scale)
-    mb = f32(b_scale) / f32(y_scale)
-    fixed = f32(f32(y_zp) - _fma32(np.asarray(ma), f32(a_zp), f32(mb * f32(b_zp))))  # ORT contracts it
+    ma = f32(q.a_scale) / f32(q.y_scale)
+    mb = f32(q.b_scale) / f32(q.y_scale)
+    fixed = f32(f32(q.y_zp) - _fma32(np.asarray(ma), f32(q.a_zp), f32(mb * f32(q.b_zp))))  # ORT contracts it
     t = _fma32(a, ma, _fma32(b, mb, np.full(b.shape, fixed, np.float32)))
-    return np.clip(np.rint(t), lo, hi).astype(np.uint8)
+    return np.clip(np.rint(t), q.lo, q.hi).astype(np.uint8)
 
 
-def _pool_windows(x, kernel, strides, pads, dilations, ceil_mode, fill):
-    kh, kw = _pair(kernel)
-    (sh, sw), (dh, dw), (pt, pl, pb, pr) = _pair(strides), _pair(dilations), _pads(pads)
+def _pool_windows(x, win: PoolWindow, dilations, fill):
+    kh, kw = _pair(win.kernel)
+    (sh, sw), (dh, dw), (pt, pl, pb, pr) = _pair(win.strides), _pair(dilations), _pads(win.pads)
     n, h, w, c = x.shape
-    oh, ow = conv_out_hw(h, w, (kh, kw), (sh, sw), (pt, pl, pb, pr), (dh, dw), ceil_mode)
+    oh, ow = conv_out_hw(h, w, (kh, kw), (sh, sw), (pt, pl, pb, pr), (dh, dw), win.ceil_mode)
     big = kh * dh + kw * dw + (oh + ow) * (sh + sw)
     xp = np.full((n, h + pt + big, w + pl + big, c), fill, np.int64)
     xp[:, pt:pt + h, pl:pl + w] = x
@@ -145,21 +149,19 @@ def _pool_windows(x, kernel, strides, pads, dilations, ceil_mode, fill):
     valid[:, pt:pt + h, pl:pl + w] = 1
     padded = np.zeros_like(valid)
     padded[:, :pt + h + pb, :pl + w + pr] = 1
-    f = lambda a: _patches(a, oh, ow, kh, kw, sh, sw, dh, dw)
+    f = lambda a: _patches(a, (oh, ow), (kh, kw), (sh, sw), (dh, dw))
     return f(xp), f(valid), f(padded)
 
 
-def _maxpool2d(x, kernel, strides=(1, 1), pads=(0, 0, 0, 0), dilations=(1, 1), ceil_mode=False):
-    win, _, _ = _pool_windows(x, kernel, strides, pads, dilations, ceil_mode, -1)
+def _maxpool2d(x, window: PoolWindow):
+    win, _, _ = _pool_windows(x, window, window.dilations, -1)
     return np.maximum(win.max(axis=(3, 4)), 0).astype(np.uint8)
 
 
-def _avgpool2d(x, kernel, strides=(1, 1), pads=(0, 0, 0, 0), count_include_pad=False, *, x_zp,
-              multiplier, y_zp, lo=0, hi=255, ceil_mode=False):
-    win, valid, padded = _pool_windows(x.astype(np.int64) - int(x_zp), kernel, strides, pads,
-                                       (1, 1), ceil_mode, 0)
+def _avgpool2d(x, window: PoolWindow, *, x_zp, multiplier, y_zp, lo=0, hi=255):
+    win, valid, padded = _pool_windows(x.astype(np.int64) - int(x_zp), window, (1, 1), 0)
     acc = (win * valid).sum(axis=(3, 4)).astype(np.int32)            # [N, OH, OW, C]
-    count = (padded if count_include_pad else valid).sum(axis=(3, 4))  # [1, OH, OW, 1]
+    count = (padded if window.count_include_pad else valid).sum(axis=(3, 4))  # [1, OH, OW, 1]
     m = (np.float32(multiplier) / count.astype(np.float32)).astype(np.float32)
     return requantize(acc, m, y_zp, lo, hi)
 
@@ -192,14 +194,14 @@ def _dequantize_nhwc_to_nchw(x, scale, zp):
     return np.ascontiguousarray(y.transpose(0, 3, 1, 2)) if y.ndim == 4 else y
 
 
-def _mul(a, b, *, a_scale, a_zp, b_scale, b_zp, y_scale, y_zp, lo=0, hi=255):
+def _mul(a, b, q: BinaryQuant):
     """ONNX Runtime's QLinearMul (MLAS x86): int32 product of the centred values, times a float32
     ratio, plus the output zero point (two roundings), round half to even, clamp."""
     f32 = np.float32
-    ratio = (f32(a_scale) * f32(b_scale)) / f32(y_scale)
-    p = (a.astype(np.int32) - int(a_zp)) * (b.astype(np.int32) - int(b_zp))
-    t = (p.astype(np.float32) * ratio).astype(np.float32) + f32(y_zp)
-    return np.clip(np.rint(t), lo, hi).astype(np.uint8)
+    ratio = (f32(q.a_scale) * f32(q.b_scale)) / f32(q.y_scale)
+    p = (a.astype(np.int32) - int(q.a_zp)) * (b.astype(np.int32) - int(q.b_zp))
+    t = (p.astype(np.float32) * ratio).astype(np.float32) + f32(q.y_zp)
+    return np.clip(np.rint(t), q.lo, q.hi).astype(np.uint8)
 
 
 def _lut(x, table):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import os
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -199,24 +200,38 @@ def model_macs(path: str, feeds: dict) -> int | None:
     return macs or None
 
 
-def rounds_until_narrow(engines: dict, feeds, batch: int, rounds: int, min_runs: int, min_s: float,
-                        settle_s: float = 0.0, width: float = WIDTH, max_rounds: int = MAX_ROUNDS,
-                        max_s: float = MAX_SECONDS, timer=time_round, clock=time.perf_counter) -> dict:
-    """summarize() of `rounds` rounds, then of two more at a time while some ratio's range is wider
-    than +-`width`, up to `max_rounds` rounds and `max_s` seconds: a host noisier than usual gets
+@dataclass(frozen=True)
+class RoundRules:
+    """How the engines take turns: at least `rounds` rounds, in each at least `min_runs` runs and
+    `min_s` seconds per engine after a `settle_s` pause; then two more rounds at a time while some
+    ratio's range is wider than +-`width`, up to `max_rounds` rounds and `max_s` seconds."""
+    rounds: int
+    min_runs: int
+    min_s: float
+    settle_s: float = 0.0
+    width: float = WIDTH
+    max_rounds: int = MAX_ROUNDS
+    max_s: float = MAX_SECONDS
+
+
+def rounds_until_narrow(engines: dict, feeds, batch: int, rules: RoundRules, timer=time_round,
+                        clock=time.perf_counter) -> dict:
+    """summarize() of `rules.rounds` rounds, then of two more at a time while some ratio's range is
+    wider than +-`rules.width` (up to rules.max_rounds and rules.max_s): a host noisier than usual gets
     more rounds, not a range too wide to decide anything (on this project's 2-vCPU VM, ResNet-50 at
     batch 8 runs one 0.3 s run per engine a round, and 10 such rounds gave ranges of +-8 to +-23 %).
-    'widest' is the widest range's half-width at the end, 'narrow' whether it met `width`."""
+    'widest' is the widest range's half-width at the end, 'narrow' whether it met the width."""
     t0 = clock()
-    rr = time_rounds(engines, feeds, rounds, min_runs, min_s, settle_s, timer=timer)
+    u = rules
+    rr = time_rounds(engines, feeds, u.rounds, u.min_runs, u.min_s, u.settle_s, timer=timer)
     while True:
         r = summarize(rr, batch, BETWEEN_RUNS)
         r["widest"] = max((v["half_width"] for v in r["ratios"].values()), default=0.0)
-        r["narrow"] = r["widest"] <= width
-        if r["narrow"] or len(rr) >= max_rounds or clock() - t0 >= max_s:
-            r["width_goal"], r["seconds"] = width, clock() - t0
+        r["narrow"] = r["widest"] <= u.width
+        if r["narrow"] or len(rr) >= u.max_rounds or clock() - t0 >= u.max_s:
+            r["width_goal"], r["seconds"] = u.width, clock() - t0
             return r
-        rr += time_rounds(engines, feeds, 2, min_runs, min_s, settle_s, timer=timer, first=len(rr))
+        rr += time_rounds(engines, feeds, 2, u.min_runs, u.min_s, u.settle_s, timer=timer, first=len(rr))
 
 
 def peak_share(macs: int | None, native_ms: float, peak_gmacs: float) -> dict | None:
@@ -249,22 +264,38 @@ def rounds_note(r: dict) -> str:
     return f"{n} rounds, {r['runs']} native runs{wide}"
 
 
-def bench(model: str, fp32: str | None = None, batches=(1, 8), threads: int = 2, repeats: int = 5,
-          shape=None, profile: bool = False, rounds: int = 10, round_s: float = 0.1, settle_s: float = 0.02,
-          max_rounds: int = MAX_ROUNDS, log=print) -> dict:
+@dataclass(frozen=True)
+class BenchOptions:
+    """What `qtool bench` measures: the batch sizes, threads, input shape (for a model dynamic beyond
+    the batch), whether to profile, and how long: at least `rounds` rounds (more, up to
+    `max_rounds`, while a range is wider than +-WIDTH), each at least `repeats` runs of each engine at
+    batch 1 (a quarter, at least one, at larger batches) and at least `round_s` seconds per engine,
+    after a `settle_s` pause."""
+    batches: tuple = (1, 8)
+    threads: int = 2
+    repeats: int = 5
+    shape: tuple | None = None
+    profile: bool = False
+    rounds: int = 10
+    round_s: float = 0.1
+    settle_s: float = 0.02
+    max_rounds: int = MAX_ROUNDS
+
+
+def bench(model: str, fp32: str | None = None, opts: BenchOptions = BenchOptions(), log=print) -> dict:
     """-> {'batches': {bs: {'native_ms', 'ort_int8_ms', 'ort_fp32_ms', 'ratios', 'rounds', ...}}, 'profile': ...}
     Times are medians, in ms per image; ratios are other engine's time / native time (above 1:
-    native is faster), each the median of at least `rounds` paired rounds (more, up to `max_rounds`,
-    while a range is wider than +-WIDTH: rounds_until_narrow) with its 95 % bootstrap interval.
-    A round is at least `repeats` runs of each engine at batch 1 (a quarter, at least one, at larger
-    batches) and at least `round_s` seconds per engine."""
+    native is faster), each the median of the paired rounds (rounds_until_narrow) with its 95 %
+    bootstrap interval."""
+    batches, threads, repeats, shape, profile = opts.batches, opts.threads, opts.repeats, opts.shape, opts.profile
+    rounds, round_s, settle_s = opts.rounds, opts.round_s, opts.settle_s
     if not os.path.exists(model):
         raise QtoolError(f"{model}: no such file")
     if fp32 is not None and not os.path.exists(fp32):
         raise QtoolError(f"{fp32}: no such file")
     if fp32 is not None:
         check_pair(fp32, model)
-    max_rounds = max(rounds, max_rounds)
+    max_rounds = max(rounds, opts.max_rounds)
     native = NativeSession(model, threads=threads)
     engines = {"native": native, "ort_int8": ort_session(model, threads)}
     if fp32:
@@ -304,7 +335,7 @@ def bench(model: str, fp32: str | None = None, batches=(1, 8), threads: int = 2,
         for e in engines.values():  # warm up (and plan, for the native session)
             e.run(None, feeds)
         min_runs = repeats if bs == 1 else max(1, repeats // 4)
-        r = rounds_until_narrow(engines, feeds, bs, rounds, min_runs, round_s, settle_s, max_rounds=max_rounds)
+        r = rounds_until_narrow(engines, feeds, bs, RoundRules(rounds, min_runs, round_s, settle_s, max_rounds=max_rounds))
         r["peak"] = peak_share(macs, r["native_ms"], peak)
         res["batches"][bs] = r
         if log:

@@ -9,6 +9,8 @@ which the loader turns into a QtoolError.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from qtool.windows import out_size
@@ -396,12 +398,27 @@ def conv_pads(at, in_hw, k_hw):
     return begins + ends
 
 
-def _im2col(x, kh, kw, sh, sw, dh, dw, oh, ow):
+@dataclass(frozen=True)
+class Window2d:
+    """A 2-D sliding window over a padded NCHW tensor: kernel, strides, dilations, and the output
+    grid it covers."""
+    kh: int
+    kw: int
+    sh: int
+    sw: int
+    dh: int
+    dw: int
+    oh: int
+    ow: int
+
+
+def _im2col(x, win: Window2d):
     """x: padded NCHW -> [N, C, kh, kw, oh, ow] strided view."""
     n, c, h, w = x.shape
     s = x.strides
     return np.lib.stride_tricks.as_strided(
-        x, (n, c, kh, kw, oh, ow), (s[0], s[1], s[2] * dh, s[3] * dw, s[2] * sh, s[3] * sw), writeable=False)
+        x, (n, c, win.kh, win.kw, win.oh, win.ow),
+        (s[0], s[1], s[2] * win.dh, s[3] * win.dw, s[2] * win.sh, s[3] * win.sw), writeable=False)
 
 
 @op("Conv")
@@ -421,7 +438,7 @@ def conv(ins, at):
     xp = np.pad(x, ((0, 0), (0, 0), (p[0], p[2]), (p[1], p[3])))
     oh = (xp.shape[2] - (kh - 1) * dh - 1) // sh + 1
     ow = (xp.shape[3] - (kw - 1) * dw - 1) // sw + 1
-    cols = _im2col(xp, kh, kw, sh, sw, dh, dw, oh, ow)
+    cols = _im2col(xp, Window2d(kh, kw, sh, sw, dh, dw, oh, ow))
     n = x.shape[0]
     og = o // g
     outs = []
@@ -488,11 +505,12 @@ def _pool_geometry(x, at):
     ceil = at.get("ceil_mode", 0)
     oh = [out_size(x.shape[2 + i], k, s, d, p[i], p[i + 2], bool(ceil))
           for i, (k, s, d) in enumerate(((kh, sh, dh), (kw, sw, dw)))]
-    return kh, kw, sh, sw, dh, dw, p, oh[0], oh[1]
+    return Window2d(kh, kw, sh, sw, dh, dw, oh[0], oh[1]), p
 
 
-def _taps(xp, kh, kw, sh, sw, dh, dw, oh, ow):
+def _taps(xp, win: Window2d):
     """The kh*kw strided views of a padded NCHW tensor, one per kernel tap."""
+    kh, kw, sh, sw, dh, dw, oh, ow = win.kh, win.kw, win.sh, win.sw, win.dh, win.dw, win.oh, win.ow
     for i in range(kh):
         for j in range(kw):
             yield xp[:, :, i * dh:i * dh + sh * (oh - 1) + 1:sh, j * dw:j * dw + sw * (ow - 1) + 1:sw]
@@ -501,12 +519,13 @@ def _taps(xp, kh, kw, sh, sw, dh, dw, oh, ow):
 @op("MaxPool")
 def max_pool(ins, at):
     x = ins[0]
-    kh, kw, sh, sw, dh, dw, p, oh, ow = _pool_geometry(x, at)
+    win, p = _pool_geometry(x, at)
+    kh, kw, sh, sw, dh, dw, oh, ow = win.kh, win.kw, win.sh, win.sw, win.dh, win.dw, win.oh, win.ow
     eh = max(0, (oh - 1) * sh + (kh - 1) * dh + 1 - x.shape[2] - p[0])
     ew = max(0, (ow - 1) * sw + (kw - 1) * dw + 1 - x.shape[3] - p[1])
     xp = np.pad(x, ((0, 0), (0, 0), (p[0], eh), (p[1], ew)), constant_values=-np.inf)
     y = None
-    for v in _taps(xp, kh, kw, sh, sw, dh, dw, oh, ow):
+    for v in _taps(xp, win):
         y = v.copy() if y is None else np.maximum(y, v, out=y)
     return [y.astype(x.dtype)]
 
@@ -514,19 +533,20 @@ def max_pool(ins, at):
 @op("AveragePool")
 def avg_pool(ins, at):
     x = ins[0]
-    kh, kw, sh, sw, dh, dw, p, oh, ow = _pool_geometry(x, at)
+    win, p = _pool_geometry(x, at)
+    kh, kw, sh, sw, dh, dw, oh, ow = win.kh, win.kw, win.sh, win.sw, win.dh, win.dw, win.oh, win.ow
     eh = max(0, (oh - 1) * sh + (kh - 1) * dh + 1 - x.shape[2] - p[0])
     ew = max(0, (ow - 1) * sw + (kw - 1) * dw + 1 - x.shape[3] - p[1])
     xp = np.pad(x, ((0, 0), (0, 0), (p[0], eh), (p[1], ew)))
     s = None
-    for v in _taps(xp, kh, kw, sh, sw, dh, dw, oh, ow):
+    for v in _taps(xp, win):
         s = v.copy() if s is None else np.add(s, v, out=s)
     if at.get("count_include_pad", 0):
         ones = np.pad(np.ones((1, 1) + x.shape[2:], np.float32), ((0, 0), (0, 0), (p[0], p[2]), (p[1], p[3])), constant_values=1)
         ones = np.pad(ones, ((0, 0), (0, 0), (0, max(0, eh - p[2])), (0, max(0, ew - p[3]))))
     else:
         ones = np.pad(np.ones((1, 1) + x.shape[2:], np.float32), ((0, 0), (0, 0), (p[0], eh), (p[1], ew)))
-    cnt = _im2col(ones, kh, kw, sh, sw, dh, dw, oh, ow).sum(axis=(2, 3))
+    cnt = _im2col(ones, win).sum(axis=(2, 3))
     return [(s / cnt).astype(x.dtype)]
 
 

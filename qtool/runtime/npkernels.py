@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from qtool.kernel_params import BinaryQuant, ConvGeometry, PoolWindow
 from qtool.qparams import requantize
 
 
@@ -59,15 +60,16 @@ class PackedConv:
         return (n, oh, ow, self.cout)
 
 
-def pack_conv2d(w, bias, *, x_zp, multiplier, y_zp, strides=(1, 1), pads=(0, 0, 0, 0),
-                dilations=(1, 1), group=1, lo=0, hi=255):
+def pack_conv2d(w, bias, *, x_zp, multiplier, y_zp, lo=0, hi=255, geometry: ConvGeometry = ConvGeometry()):
+    group = geometry.group
     cout, cig, kh, kw = w.shape
     og = cout // group
     # [g, og, cig, kh, kw] -> [g, kh, kw, cig, og] to match NHWC patches
     wp = w.reshape(group, og, cig, kh, kw).transpose(0, 3, 4, 2, 1).reshape(group, kh * kw * cig, og)
     b = np.zeros(cout, np.int64) if bias is None else np.asarray(bias, np.int64)
     return PackedConv(wp.astype(np.float64), b, int(x_zp), np.broadcast_to(np.asarray(multiplier, np.float32), (cout,)).copy(),
-                      int(y_zp), tuple(strides), tuple(pads), tuple(dilations), group, lo, hi, cig * group, cout, kh, kw)
+                      int(y_zp), tuple(geometry.strides), tuple(geometry.pads), tuple(geometry.dilations), group, lo, hi,
+                      cig * group, cout, kh, kw)
 
 
 def conv2d(p, x, out=None):
@@ -135,25 +137,26 @@ def _ret(y, out):
     return y
 
 
-def add(a, b, *, a_scale, a_zp, b_scale, b_zp, y_scale, y_zp, lo=0, hi=255, out=None):
+def add(a, b, q: BinaryQuant, out=None):
     """ONNX Runtime's uint8 QLinearAdd (MLAS AVX2 kernel) bit for bit: float32 ratios, the zero
     points folded into one constant, two fused multiply-adds (emulated in float64, then rounded
     to float32), round half to even."""
     f32 = np.float32
-    ra = f32(a_scale) / f32(y_scale)
-    rb = f32(b_scale) / f32(y_scale)
+    ra = f32(q.a_scale) / f32(q.y_scale)
+    rb = f32(q.b_scale) / f32(q.y_scale)
     # ORT's build contracts ra*za + rb*zb into fma(ra, za, rb*zb): one rounding, not two
-    fixed = f32(f32(y_zp) - f32(np.float64(ra) * np.float64(a_zp) + np.float64(f32(rb * f32(b_zp)))))
+    fixed = f32(f32(q.y_zp) - f32(np.float64(ra) * np.float64(q.a_zp) + np.float64(f32(rb * f32(q.b_zp)))))
     t = (b.astype(np.float64) * np.float64(rb) + np.float64(fixed)).astype(np.float32)
     t = (a.astype(np.float64) * np.float64(ra) + t.astype(np.float64)).astype(np.float32)
-    y = np.clip(np.clip(np.rint(t), 0, 255), lo, hi)
+    y = np.clip(np.clip(np.rint(t), 0, 255), q.lo, q.hi)
     return _ret(y.astype(np.uint8), out)
 
 
-def _windows(x, kernel, strides, pads, dilations, fill):
+def _windows(x, win: PoolWindow, dilations, fill):
     n, h, w, c = x.shape
-    kh, kw = kernel
-    t, l, b, r = pads
+    kh, kw = win.kernel
+    strides = win.strides
+    t, l, b, r = win.pads
     xp = np.full((n, h + t + b, w + l + r, c), fill, x.dtype)
     xp[:, t:t + h, l:l + w] = x
     oh = (h + t + b - (kh - 1) * dilations[0] - 1) // strides[0] + 1
@@ -164,19 +167,18 @@ def _windows(x, kernel, strides, pads, dilations, fill):
         writeable=False)
 
 
-def maxpool2d(x, kernel, strides=(1, 1), pads=(0, 0, 0, 0), dilations=(1, 1), out=None):
-    return _ret(_windows(x, kernel, strides, pads, dilations, 0).max(axis=(3, 4)).astype(np.uint8), out)
+def maxpool2d(x, window: PoolWindow, out=None):
+    return _ret(_windows(x, window, window.dilations, 0).max(axis=(3, 4)).astype(np.uint8), out)
 
 
-def avgpool2d(x, kernel, strides=(1, 1), pads=(0, 0, 0, 0), count_include_pad=False, *,
-              x_zp, multiplier, y_zp, lo=0, hi=255, out=None):
+def avgpool2d(x, window: PoolWindow, *, x_zp, multiplier, y_zp, lo=0, hi=255, out=None):
     xs = x.astype(np.int32) - int(x_zp)
-    acc = _windows(xs, kernel, strides, pads, (1, 1), 0).sum(axis=(3, 4))
-    if count_include_pad:
-        cnt = np.full(acc.shape[:3] + (1,), kernel[0] * kernel[1], np.float32)
+    acc = _windows(xs, window, (1, 1), 0).sum(axis=(3, 4))
+    if window.count_include_pad:
+        cnt = np.full(acc.shape[:3] + (1,), window.kernel[0] * window.kernel[1], np.float32)
     else:
         ones = np.ones(x.shape[:3] + (1,), np.int32)
-        cnt = _windows(ones, kernel, strides, pads, (1, 1), 0).sum(axis=(3, 4)).astype(np.float32)
+        cnt = _windows(ones, window, (1, 1), 0).sum(axis=(3, 4)).astype(np.float32)
     m = np.float32(multiplier) / cnt
     y = np.rint(acc.astype(np.float32) * m) + np.float32(y_zp)
     return _ret(np.clip(y, lo, hi).astype(np.uint8), out)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from qtool.arithmetic import conv_rows, saturating_pairs, saturation_correction
+from qtool.kernel_params import ConvGeometry
 from qtool.qparams import requantize
 
 ROWS_PER_BLOCK = 4096  # output pixels per block: bounds the im2col copy
@@ -63,11 +64,11 @@ def has_saturating_pairs(rows: np.ndarray, group: int = 1) -> bool:
     return any(len(saturating_pairs(rows[g * og:(g + 1) * og])[0]) for g in range(group))
 
 
-def pack_conv2d(w, bias, *, x_zp, multiplier, y_zp, strides=(1, 1), pads=(0, 0, 0, 0), dilations=(1, 1),
-                group=1, lo=0, hi=255):
+def pack_conv2d(w, bias, *, x_zp, multiplier, y_zp, lo=0, hi=255, geometry: ConvGeometry = ConvGeometry()):
     w = np.asarray(w)
-    return _pack(conv_rows(w), bias, group, x_zp, multiplier, y_zp=int(y_zp), lo=lo, hi=hi,
-                 kh=w.shape[2], kw=w.shape[3], strides=tuple(strides), pads=tuple(pads), dilations=tuple(dilations))
+    g = geometry
+    return _pack(conv_rows(w), bias, g.group, x_zp, multiplier, y_zp=int(y_zp), lo=lo, hi=hi,
+                 kh=w.shape[2], kw=w.shape[3], strides=tuple(g.strides), pads=tuple(g.pads), dilations=tuple(g.dilations))
 
 
 def pack_gemm(w, bias, *, x_zp, multiplier, y_zp=0, lo=0, hi=255, out_dtype="uint8"):

@@ -55,6 +55,81 @@ def _load(model):
     return load_model(path, check=False), path
 
 
+def _liveness(steps, aliases):
+    """Liveness over buffer roots (a view keeps its source alive): -> (slot -> root slot,
+    root slot -> index of the last step reading it)."""
+    root = {}
+    last = {}
+    for k, st in enumerate(steps):
+        for i in st.ins:
+            if i is not None:
+                r = root.get(i, i)
+                last[r] = k
+        for o, i in aliases.get(k, ()):
+            root[o] = root.get(i, i)
+    return root, last
+
+
+def _new_buffer(nb):
+    raw = np.empty(nb + 64, np.uint8)
+    off = (-raw.ctypes.data) % 64
+    return raw[off:off + nb]
+
+
+def _assign_buffers(env, steps, views, live):
+    """Every traced output of a step (but views) gets a 64-byte aligned buffer, the smallest free
+    one that fits, else a new one; a buffer returns to the pool after its root's last reader.
+    live = (root, last, forever: roots never freed). -> (slot -> buffer, (bytes allocated, bytes
+    without reuse, buffers))."""
+    root, last, forever = live
+    pool = []  # free raw buffers
+    owner = {}  # root slot -> raw buffer
+    bufs = {}
+    total = no_reuse = n_buffers = 0
+    for k, st in enumerate(steps):
+        if st.uses_out and k not in views:
+            for o in st.outs:
+                a = env[o]
+                nb = max(a.nbytes, 1)
+                no_reuse += nb
+                best = None
+                for j, raw in enumerate(pool):
+                    if raw.nbytes >= nb and (best is None or raw.nbytes < pool[best].nbytes):
+                        best = j
+                if best is None:
+                    raw = _new_buffer(nb)
+                    total += nb
+                    n_buffers += 1
+                else:
+                    raw = pool.pop(best)
+                owner[o] = raw
+                bufs[o] = raw[:a.nbytes].view(a.dtype).reshape(a.shape)
+                if last.get(o, -1) < k and o not in forever:  # never read: free at once
+                    pool.append(owner.pop(o))
+        for i in set(st.ins):
+            if i is None:
+                continue
+            r = root.get(i, i)
+            if last.get(r) == k and r in owner and r not in forever:
+                pool.append(owner.pop(r))
+    return bufs, (total, no_reuse, n_buffers)
+
+
+def _bind_steps(env, steps, views, bufs):
+    """Binds in order (every input is a fixed buffer by then): -> [(step, bound call)]."""
+    steps_calls = []
+    for k, st in enumerate(steps):
+        if k in views:  # a view of a fixed buffer stays valid: make it once
+            st.run(env, None)
+            continue
+        out = [bufs[o] for o in st.outs] if st.uses_out else None
+        if out:
+            for o, b in zip(st.outs, out):
+                env[o] = b
+        steps_calls.append((st, st.bind(env, out)))
+    return steps_calls
+
+
 class NativeSession:
     def __init__(self, model, threads: int = 2, backend: str | None = None, reuse_buffers: bool = True,
                  arithmetic: str = "exact"):
@@ -170,8 +245,29 @@ class NativeSession:
         for slot, x in arrs:
             env[slot] = x
         steps = prog.steps
-        aliases = {}  # step -> [(output, input)]: an output that is a view of an input
-        for k, st in enumerate(steps):  # the trace run: every step allocates
+        aliases = self._trace(env, steps)
+        # steps whose output 0 is a view of input 0's fixed buffer: made once, at binding
+        views = {k for k in aliases if steps[k].uses_out}
+        root, last = _liveness(steps, aliases)
+        forever = {root.get(o[1], o[1]) for o in prog.outputs}
+        if not self.reuse_buffers:
+            forever = set(range(prog.n_slots))
+        plan = _Plan()
+        plan.env = env
+        bufs, (plan.bytes, plan.bytes_no_reuse, plan.n_buffers) = _assign_buffers(env, steps, views, (root, last, forever))
+        plan.steps_calls = _bind_steps(env, steps, views, bufs)
+        plan.calls = [f for _, f in plan.steps_calls]
+        for slot, x in arrs:
+            env[slot] = x
+        for f in plan.calls:  # once on the bound buffers, so that binding errors show up here
+            f()
+        return plan
+
+    def _trace(self, env, steps) -> dict:
+        """The trace run: every step allocates. -> step index -> [(output, input)]: the outputs
+        that are views of an input."""
+        aliases = {}
+        for k, st in enumerate(steps):
             self._run_step(st, env, None)
             if st.uses_out and st.outs and st.ins and st.ins[0] is not None and env[st.ins[0]] is not None \
                     and isinstance(env[st.outs[0]], np.ndarray) and np.shares_memory(env[st.outs[0]], env[st.ins[0]]):
@@ -185,73 +281,7 @@ class NativeSession:
                          and np.may_share_memory(env[o], env[i])]
                 if pairs:
                     aliases[k] = pairs
-        # steps whose output 0 is a view of input 0's fixed buffer: made once, at binding
-        views = {k for k in aliases if steps[k].uses_out}
-        # liveness over buffer roots (a view keeps its source alive)
-        root = {}
-        last = {}
-        for k, st in enumerate(steps):
-            for i in st.ins:
-                if i is not None:
-                    r = root.get(i, i)
-                    last[r] = k
-            for o, i in aliases.get(k, ()):
-                root[o] = root.get(i, i)
-        forever = {root.get(o[1], o[1]) for o in prog.outputs}
-        if not self.reuse_buffers:
-            forever = set(range(prog.n_slots))
-        pool = []  # free raw buffers
-        owner = {}  # root slot -> raw buffer
-        bufs = {}
-        total = no_reuse = n_buffers = 0
-        for k, st in enumerate(steps):
-            if st.uses_out and k not in views:
-                for o in st.outs:
-                    a = env[o]
-                    nb = max(a.nbytes, 1)
-                    no_reuse += nb
-                    best = None
-                    for j, raw in enumerate(pool):
-                        if raw.nbytes >= nb and (best is None or raw.nbytes < pool[best].nbytes):
-                            best = j
-                    if best is None:
-                        raw = np.empty(nb + 64, np.uint8)
-                        off = (-raw.ctypes.data) % 64
-                        raw = raw[off:off + nb]
-                        total += nb
-                        n_buffers += 1
-                    else:
-                        raw = pool.pop(best)
-                    owner[o] = raw
-                    bufs[o] = raw[:a.nbytes].view(a.dtype).reshape(a.shape)
-                    if last.get(o, -1) < k and o not in forever:  # never read: free at once
-                        pool.append(owner.pop(o))
-            for i in set(st.ins):
-                if i is None:
-                    continue
-                r = root.get(i, i)
-                if last.get(r) == k and r in owner and r not in forever:
-                    pool.append(owner.pop(r))
-        plan = _Plan()
-        plan.env = env
-        plan.bytes, plan.bytes_no_reuse, plan.n_buffers = total, no_reuse, n_buffers
-        steps_calls = []
-        for k, st in enumerate(steps):  # bind in order: every input is a fixed buffer by now
-            if k in views:  # a view of a fixed buffer stays valid: make it once
-                st.run(env, None)
-                continue
-            out = [bufs[o] for o in st.outs] if st.uses_out else None
-            if out:
-                for o, b in zip(st.outs, out):
-                    env[o] = b
-            steps_calls.append((st, st.bind(env, out)))
-        plan.steps_calls = steps_calls
-        plan.calls = [f for _, f in steps_calls]
-        for slot, x in arrs:
-            env[slot] = x
-        for f in plan.calls:  # once on the bound buffers, so that binding errors show up here
-            f()
-        return plan
+        return aliases
 
     def _collect(self, plan, output_names):
         env = plan.env

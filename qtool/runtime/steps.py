@@ -8,12 +8,22 @@ of rank 4 are NHWC uint8; everything else keeps ONNX's layout.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import numpy as np
 
+from qtool.kernel_params import BinaryQuant, PoolWindow
 from qtool.runtime.fp32_ops import FP32_OPS, conv_pads
 
 
+@dataclass(frozen=True)
+class OutQuant:
+    """Where an int8 step's uint8 output lands: the scale and zero point of the QuantizeLinear it
+    absorbs, and the clamp [lo, hi] a fused Relu/Clip sets."""
+    scale: np.float32
+    zp: int
+    lo: int = 0
+    hi: int = 255
 
 
 class Step:
@@ -201,10 +211,10 @@ class GemmStep(Step):
 
 
 class AddStep(Step):
-    def __init__(self, name, K, a, b, y, qa, qb, qy, lo, hi):
+    def __init__(self, name, K, a, b, y, qa, qb, qy: OutQuant):
         super().__init__(name, "Add", [a, b], [y])
         self.K = K
-        self.kw = dict(a_scale=qa[0], a_zp=qa[1], b_scale=qb[0], b_zp=qb[1], y_scale=qy[0], y_zp=qy[1], lo=lo, hi=hi)
+        self.q = BinaryQuant(qa[0], qa[1], qb[0], qb[1], qy.scale, qy.zp, qy.lo, qy.hi)
         self.kernel = "add"
 
     def run(self, env, out):
@@ -212,14 +222,14 @@ class AddStep(Step):
         if a.shape != b.shape:  # broadcasting: the kernel wants equal shapes
             shape = np.broadcast_shapes(a.shape, b.shape)
             a, b = np.ascontiguousarray(np.broadcast_to(a, shape)), np.ascontiguousarray(np.broadcast_to(b, shape))
-        env[self.outs[0]] = self.K.add(a, b, out=out[0] if out else None, **self.kw)
+        env[self.outs[0]] = self.K.add(a, b, self.q, out=out[0] if out else None)
 
     def bind(self, env, out):
         f = getattr(self.K, "bind_add", None)
         a, b = env[self.ins[0]], env[self.ins[1]]
         if f is None or out is None or a.shape != b.shape:
             return super().bind(env, out)
-        return f(a, b, out[0], **self.kw)
+        return f(a, b, out[0], self.q)
     def macs(self, env):
         return int(env[self.outs[0]].size)
 
@@ -239,32 +249,30 @@ class MulStep(Step):
     QLinearMul (MLAS, x86) computes it: p = (a - za) * (b - zb) in int32,
     y = sat(rint(float32(p) * float32(sa * sb / sy) + float32(zy)))."""
 
-    def __init__(self, name, K, a, b, y, qa, qb, qy, lo, hi):
+    def __init__(self, name, K, a, b, y, qa, qb, qy: OutQuant):
         super().__init__(name, "Mul", [a, b], [y])
         self.K = K
         self.za, self.zb = int(qa[1]), int(qb[1])
-        self.ratio = np.float32(np.float32(np.float32(qa[0]) * np.float32(qb[0])) / np.float32(qy[0]))
-        self.zy, self.lo, self.hi = np.float32(qy[1]), lo, hi
+        self.ratio = np.float32(np.float32(np.float32(qa[0]) * np.float32(qb[0])) / np.float32(qy.scale))
+        self.zy, self.lo, self.hi = np.float32(qy.zp), qy.lo, qy.hi
         self.native = getattr(K, "mul", None)
-        self.kw = dict(a_scale=qa[0], a_zp=qa[1], b_scale=qb[0], b_zp=qb[1], y_scale=qy[0], y_zp=qy[1], lo=lo, hi=hi)
+        self.q = BinaryQuant(qa[0], qa[1], qb[0], qb[1], qy.scale, qy.zp, qy.lo, qy.hi)
         self.kernel = "native" if self.native else "numpy"
         self.tmp = {}
 
     def _args(self, env):
-        """(a, b, kw) with the full-size operand first (the product is symmetric)."""
+        """(a, b, q) with the full-size operand first (the product is symmetric)."""
         a, b = env[self.ins[0]], env[self.ins[1]]
-        kw = self.kw
         if a.size < b.size:
-            a, b = b, a
-            kw = dict(kw, a_scale=kw["b_scale"], a_zp=kw["b_zp"], b_scale=kw["a_scale"], b_zp=kw["a_zp"])
-        return a, b, kw
+            return b, a, self.q.swapped()
+        return a, b, self.q
 
     def bind(self, env, out):
         f = getattr(self.K, "bind_mul", None)
         if f is not None and out is not None:
-            a, b, kw = self._args(env)
+            a, b, q = self._args(env)
             try:
-                return f(a, b, out[0], **kw)
+                return f(a, b, out[0], q)
             except ValueError:  # a broadcast the kernel does not take: numpy
                 pass
         return super().bind(env, out)
@@ -273,8 +281,8 @@ class MulStep(Step):
         a, b = env[self.ins[0]], env[self.ins[1]]
         if self.native is not None:
             try:
-                a2, b2, kw = self._args(env)
-                env[self.outs[0]] = self.native(a2, b2, out=out[0] if out else None, **kw)
+                a2, b2, q = self._args(env)
+                env[self.outs[0]] = self.native(a2, b2, q, out=out[0] if out else None)
                 return
             except ValueError:  # a broadcast the kernel does not take
                 pass
@@ -308,17 +316,18 @@ class MaxPoolStep(Step):
 
     def run(self, env, out):
         x = env[self.ins[0]]
-        p = self.geo.get(x.shape)
-        if p is None:
-            p = self.geo[x.shape] = _pool_pads(self.at, x.shape[1:3], self.k, self.s, self.d)
-        env[self.outs[0]] = self.K.maxpool2d(x, self.k, self.s, p, self.d, out=out[0] if out else None)
+        win = self.geo.get(x.shape)
+        if win is None:
+            win = self.geo[x.shape] = PoolWindow(self.k, self.s, _pool_pads(self.at, x.shape[1:3], self.k, self.s, self.d),
+                                                 self.d)
+        env[self.outs[0]] = self.K.maxpool2d(x, win, out=out[0] if out else None)
 
     def bind(self, env, out):
         f = getattr(self.K, "bind_maxpool2d", None)
         if f is None or out is None:
             return super().bind(env, out)
         x = env[self.ins[0]]
-        return f(x, out[0], self.k, self.s, self.geo[x.shape], self.d)
+        return f(x, out[0], self.geo[x.shape])
 
 class AvgPoolStep(Step):
     """AveragePool on uint8 NHWC as ONNX Runtime's QLinearAveragePool computes it (numpy): the
@@ -326,13 +335,13 @@ class AvgPoolStep(Step):
     count, y = sat(rint(avg / s_y + z_y)). AveragePool is rare and small; exactness wins here
     over the integer kernel, which differs by one step now and then."""
 
-    def __init__(self, name, K, x, y, attrs, qx, qy, lo, hi):
+    def __init__(self, name, K, x, y, attrs, qx, qy: OutQuant):
         super().__init__(name, "AveragePool", [x], [y])
         self.K, self.at = K, attrs
         self.k = tuple(attrs["kernel_shape"])
         self.s = tuple(attrs.get("strides", [1, 1]))
         self.cip = bool(attrs.get("count_include_pad", 0))
-        self.qx, self.qy, self.lo, self.hi = qx, qy, lo, hi
+        self.qx, self.qy, self.lo, self.hi = qx, (qy.scale, qy.zp), qy.lo, qy.hi
         self.geo = {}
         self.kernel = "numpy"
 
@@ -378,10 +387,11 @@ class AvgPoolStep(Step):
 
 
 class GlobalAvgPoolStep(Step):
-    def __init__(self, name, K, x, y, qx, qy, lo, hi):
+    def __init__(self, name, K, x, y, qx, qy: OutQuant):
         super().__init__(name, "GlobalAveragePool", [x], [y])
         self.K = K
-        self.kw = dict(x_zp=qx[1], multiplier=np.float32(np.float32(qx[0]) / np.float32(qy[0])), y_zp=qy[1], lo=lo, hi=hi)
+        self.kw = dict(x_zp=qx[1], multiplier=np.float32(np.float32(qx[0]) / np.float32(qy.scale)), y_zp=qy.zp,
+                       lo=qy.lo, hi=qy.hi)
         self.kernel = "global_avgpool"
 
     def run(self, env, out):
@@ -442,9 +452,9 @@ class ShapeOpStep(Step):
     """Reshape/Flatten/Squeeze/Unsqueeze/Transpose on uint8 data, with an optional requantize.
     The result is in ONNX layout ('plain'); it is a view of the input when the layout allows."""
 
-    def __init__(self, name, op, K, x, y, extra, attrs, x_nhwc, requant):
+    def __init__(self, name, op, x, y, extra, attrs, x_nhwc, requant):
         super().__init__(name, op, [x], [y])
-        self.K, self.extra, self.at, self.x_nhwc, self.requant = K, extra, attrs, x_nhwc, requant
+        self.extra, self.at, self.x_nhwc, self.requant = extra, attrs, x_nhwc, requant
         self.fn = FP32_OPS[op]
         self.kernel = "view"
 

@@ -43,6 +43,18 @@ typedef struct qt_conv_s {
   struct qt_conv_s* small_m;     /* AMX fully connected: VNNI-packed twin for a few rows */
 } qt_conv;
 
+/* The requantization epilogue's parameters for output zero point `zp` and clamp [lo, hi]
+ * (float bounds relative to the zero point, as the kernels add it last). */
+static inline void qt_fill_requant(qt_requant* rq, int32_t zp, int32_t lo, int32_t hi, int out_f32) {
+  rq->zp = zp;
+  rq->lo = lo;
+  rq->hi = hi;
+  rq->lo_f = (float)(lo - zp);
+  rq->hi_f = (float)(hi - zp);
+  rq->out_f32 = out_f32;
+}
+
+/* operators-conv.c */
 qt_conv* qt_conv_create(const int8_t* w, const int32_t* bias, const float* mult, size_t groups,
                         size_t cin_g, size_t cout_g, size_t kh, size_t kw, size_t sh, size_t sw,
                         size_t pt, size_t pl, size_t dh, size_t dw, int32_t x_zp, int32_t y_zp,
@@ -51,12 +63,19 @@ void qt_conv_free(qt_conv* cv);
 void qt_set_kblock(int on);
 int qt_conv_run(qt_conv* cv, const uint8_t* x, size_t n, size_t h, size_t w, void* y, size_t oh,
                 size_t ow);
+/* operators-pool.c */
 void qt_pool(const uint8_t* x, uint8_t* y, size_t n, size_t h, size_t w, size_t c, size_t oh,
              size_t ow, size_t kh, size_t kw, size_t sh, size_t sw, size_t pt, size_t pl, size_t pb,
              size_t pr, size_t dh, size_t dw, int avg, int count_include_pad, int32_t x_zp, float mult,
              int32_t y_zp, int32_t lo, int32_t hi);
+/* operators-elementwise.c */
 void qt_add(const uint8_t* a, const uint8_t* b, uint8_t* y, size_t n, float ma, int32_t za, float mb,
             int32_t zb, int32_t y_zp, int32_t lo, int32_t hi);
+void qt_mul(const uint8_t* a, const uint8_t* b, uint8_t* y, size_t rows, size_t inner,
+            size_t b_rows_per, float ratio, int32_t za, int32_t zb, int32_t y_zp, int32_t lo,
+            int32_t hi);
+void qt_lut(const uint8_t* x, const uint8_t* table, uint8_t* y, size_t n, size_t c);
+/* operators-concat.c */
 typedef struct {
   const uint8_t* x;
   size_t inner;
@@ -66,12 +85,9 @@ typedef struct {
 } qt_concat_input;
 void qt_concat(const qt_concat_input* in, size_t nin, size_t outer, uint8_t* y, int32_t y_zp);
 
+/* operators-convert.c */
 void qt_quantize_nchw_to_nhwc(const float* x, uint8_t* y, size_t n, size_t c, size_t h, size_t w,
                               float scale, int32_t zp);
 void qt_dequantize_nhwc_to_nchw(const uint8_t* x, float* y, size_t n, size_t c, size_t h, size_t w,
                                 float scale, int32_t zp);
-void qt_mul(const uint8_t* a, const uint8_t* b, uint8_t* y, size_t rows, size_t inner,
-            size_t b_rows_per, float ratio, int32_t za, int32_t zb, int32_t y_zp, int32_t lo,
-            int32_t hi);
-void qt_lut(const uint8_t* x, const uint8_t* table, uint8_t* y, size_t n, size_t c);
 #endif

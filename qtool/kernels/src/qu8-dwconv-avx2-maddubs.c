@@ -105,7 +105,7 @@ static int choose_taps(pair_search* s, const uint8_t* rm, uint8_t* order) {
 
 static void pack_paired(size_t channels, size_t kh, size_t kw, const int8_t* w, const int32_t* bias,
                         const float* mult, void* out, qt_pair_stats* st) {
-  const size_t ks = kh * kw;  /* <= QT_DW_MADDUBS_MAX_KS (operators.c) */
+  const size_t ks = kh * kw;  /* <= QT_DW_MADDUBS_MAX_KS (operators-conv.c) */
   uint8_t rm[256], order[256];
   for (size_t ky = 0; ky < kh; ky++)
     for (size_t kx = 0; kx < kw; kx++) rm[ky * kw + kx] = (uint8_t)(kx * kh + ky);

@@ -1,0 +1,51 @@
+"""The checks int8 rules open with, written once. Each returns what the rule goes on with, or a
+string: the reason the rule does not apply (the node then runs in fp32, and report() shows it)."""
+from __future__ import annotations
+
+from qtool.runtime.program import node_attrs
+
+NOT_UINT8 = "its input is not a dequantized uint8 tensor"
+AUTO_PADS = ("NOTSET", "VALID", "", "SAME_UPPER", "SAME_LOWER")
+
+
+def uint8_input(c, node):
+    """The dq view (DequantizeLinear of a uint8 tensor) the node's first input is."""
+    x = c.views.get(node.input[0])
+    return NOT_UINT8 if x is None else x
+
+
+def image_input(c, node, what: str):
+    """uint8_input, of rank 4 (or unknown rank): what a convolution or a pooling window reads.
+    `what` names the op in the reason ('rank 3 convolution')."""
+    x = uint8_input(c, node)
+    if isinstance(x, str):
+        return x
+    rank = c.vals[x.src].rank
+    if rank not in (4, None):
+        return f"rank {rank} {what}"
+    return x
+
+
+def auto_pad(at: dict) -> str:
+    ap = at.get("auto_pad", b"NOTSET")
+    return ap.decode() if isinstance(ap, bytes) else ap
+
+
+def window_attrs(node):
+    """(attributes, auto_pad) of a sliding-window op whose auto_pad the kernels take."""
+    at = node_attrs(node)
+    ap = auto_pad(at)
+    if ap not in AUTO_PADS:
+        return f"auto_pad={ap}"
+    return at, ap
+
+
+def plain_output(c, node):
+    """c.out_quant for an op that only moves values: no Relu/Clip may follow it."""
+    oq = c.out_quant(node.output[0])
+    if isinstance(oq, str):
+        return oq
+    _, _, lo, hi, _ = oq
+    if lo != 0 or hi != 255:
+        return f"{node.op_type} followed by Relu/Clip"
+    return oq

@@ -1,0 +1,71 @@
+"""Conv (incl. grouped and depthwise) -> one ConvStep; a zero Pad before it folds into its pads."""
+from __future__ import annotations
+
+from qtool.arithmetic import conv_rows, is_depthwise
+from qtool.kernel_params import ConvGeometry
+from qtool.runtime import saturating
+from qtool.runtime import steps as S
+from qtool.runtime.backend import conv_multiplier
+from qtool.runtime.fp32_ops import conv_pads
+from qtool.runtime.lower.common import image_input, window_attrs
+from qtool.runtime.program import Entry, QView
+
+
+def _fold_pad(c, node, x, pads):
+    """Pad(0) -> Conv, the Pad read by this Conv alone: the convolution pads instead (its padding
+    reads x_zp, a real 0). -> (input view, pads), the Pad's step removed when it folds."""
+    pd = c.pads.get(x.src)
+    if pd is None or pd[2] != x.zp or len(c.consumers.get(node.input[0], [])) != 1 \
+            or sum(len(c.consumers.get(d.output[0], [])) for d in c.consumers.get(x.src, [])) != 1:
+        return x, pads
+    src, (pt, pl, pb, pr), _, pad_step = pd
+    pads = (pads[0] + pt, pads[1] + pl, pads[2] + pb, pads[3] + pr)
+    c.steps.remove(pad_step)
+    for e in c.entries:
+        if e.detail == "pad" and e.node == pad_step.name:
+            e.mode, e.detail = "fused", f"into {node.name or 'Conv'}"
+    return QView(src, x.scale, x.zp), pads
+
+
+def rule_conv(c, node):
+    x = image_input(c, node, "convolution")
+    if isinstance(x, str):
+        return x
+    w = c.weight(node.input[1], 0)
+    if isinstance(w, str):
+        return w
+    wq, sw = w
+    if wq.ndim != 4:
+        return f"{wq.ndim - 2}-D convolution (only 2-D has an int8 kernel)"
+    wa = window_attrs(node)
+    if isinstance(wa, str):
+        return wa
+    at, ap = wa
+    oq = c.out_quant(node.output[0])
+    if isinstance(oq, str):
+        return oq
+    qnode, qy, lo, hi, fused = oq
+    group = at.get("group", 1)
+    bias = c.bias(node.input[2] if len(node.input) > 2 else "", x.scale, sw, wq, x.zp)
+    mult = conv_multiplier(c.K, x.scale, sw, qy[0])
+    pads = tuple(at.get("pads", [0, 0, 0, 0])) if ap != "VALID" else (0, 0, 0, 0)
+    x, pads = _fold_pad(c, node, x, pads)
+    K = saturating if not is_depthwise(wq.shape, group) and c.saturates(node.input[1], lambda: conv_rows(wq), group) \
+        else c.K
+
+    def pack(p4):
+        geometry = ConvGeometry(tuple(at.get("strides", [1, 1])), p4, tuple(at.get("dilations", [1, 1])), group)
+        return K.pack_conv2d(wq, bias, x_zp=x.zp, multiplier=mult, y_zp=qy[1], lo=lo, hi=hi, geometry=geometry)
+    if ap.startswith("SAME"):  # pads depend on the input size: pack per input size, at plan time
+        packed = S.SamePadPacker(pack, lambda hw: tuple(conv_pads(at, hw, wq.shape[2:])))
+    else:
+        packed = pack(pads)
+    xs = c.nhwc_input(x.src)
+    v = c.emit_q(qnode, nhwc=True, q=qy, rank=4, fused=fused, op_node=node)
+    st = S.ConvStep(node.name or "Conv", K, packed, xs, v.slot, wq.shape[1], wq.shape[2], wq.shape[3])
+    c.steps.append(st)
+    c.entries.append(Entry(node.name or "Conv", "Conv", "int8", st.kernel))
+    return None
+
+
+RULES = {"Conv": rule_conv}
