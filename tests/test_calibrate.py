@@ -619,6 +619,28 @@ def test_load_model_refuses_bad_external_paths(tmp_path, location, msg):
         load_model(edited)
 
 
+def test_read_model_file_names_the_external_data_it_read(tmp_path):
+    """What the read found is what outputs checks: the same list external_files makes from the file."""
+    from qtool.modelio import external_files, read_model_file
+    good, _ = _external(tmp_path, "w.bin")
+    read = read_model_file(good)
+    assert read.external == external_files(good) == [os.path.realpath(tmp_path / "m" / "w.bin")]
+
+
+def test_calibrate_refuses_to_write_over_the_models_external_data(tmp_path):
+    """The model's external-data file, as the one read of the model found it, is among what calibrate reads:
+    a --json there is refused and nothing is written."""
+    from qtool.outputs import File
+    good, _ = _external(tmp_path, "w.bin")
+    before = (tmp_path / "m" / "w.bin").read_bytes()
+    write_images(tmp_path / "d", 2)
+    with pytest.raises(QtoolError, match="external data of the fp32 model"):
+        calibrate(good, str(tmp_path / "d"), calibrate_options(config=write_config(tmp_path / "c.toml"),
+                                                                show_progress=False),
+                  str(tmp_path / "w"), also_writes=[File("--json file", str(tmp_path / "m" / "w.bin"))])
+    assert (tmp_path / "m" / "w.bin").read_bytes() == before and not (tmp_path / "w" / "fused.onnx").exists()
+
+
 def test_load_model_folder_and_checker(tmp_path):
     from qtool.modelio import load_model
     with pytest.raises(QtoolError, match="is a folder"):

@@ -23,7 +23,7 @@ from qtool.data.tensors import tensor_source
 from qtool.errors import LateWriteError, QtoolError, UsageError
 from qtool.fuse import fuse_model
 from qtool.lattice import DistinctValues
-from qtool.modelio import read_model, save_model
+from qtool.modelio import ModelFile, read_model_file, save_model
 from qtool.plan import balanced_tensors, calibration_targets
 from qtool.qparams import clip_to_flat
 from qtool.rules.activations import AWARE, activation_inputs, activation_mse_range, flat_bounds
@@ -56,14 +56,11 @@ def calibrate(model_path: str, data, options: CalibrateOptions = CalibrateOption
     preprocessing, method, threads and which samples (options.py); `say` is told what was assumed
     before the pass starts. The working directory is made and checked writable first, and held for the
     whole run; what the run will write (there, and `also_writes`: outputs.File, as the command's --json)
-    is checked against what it reads before any work (outputs.py)."""
+    is checked against what it reads once the model is read, before any other work (outputs.py)."""
     options.check()
     wd = Workdir(workdir)
     with wd.lock(create=True):
-        outputs.check(writes=list(also_writes) + writes(wd),
-                      reads=outputs.model("fp32 model", model_path) + outputs.data("data folder", data)
-                      + outputs.config("--config file", options.config) + outputs.recorded(wd.manifest()))
-        return _calibrate(_Job(model_path, data, options, wd, say))
+        return _calibrate(_Job(model_path, data, options, wd, say), also_writes)
 
 
 def writes(wd: Workdir) -> list:
@@ -103,10 +100,18 @@ class _Seen:
     spend: Spend
 
 
-def _calibrate(job: _Job) -> CalibrateResult:
+def _calibrate(job: _Job, also_writes) -> CalibrateResult:
     t0 = time.time()
     phases = Phases()
-    inp = _read(job, phases)
+    phases.lap("read model")
+    notes = []
+    read = read_model_file(job.model_path, notes=notes)  # (hashed from the bytes parsed)
+    outputs.check(writes=list(also_writes) + writes(job.wd),  # (the model's external data as read: no second read)
+                  reads=outputs.model("fp32 model", job.model_path, external=read.external)
+                  + outputs.data("data folder", job.data) + outputs.config("--config file", job.options.config)
+                  + outputs.recorded(job.wd.manifest()))
+    inp = _fit_data(job, read, notes, phases)
+    del read  # (inp holds the model: fused in place, it is let go there)
     phases.lap("fuse")
     fused = _fuse(job, inp)
     phases.lap("calibration pass")
@@ -129,12 +134,9 @@ def _calibrate(job: _Job) -> CalibrateResult:
     return result
 
 
-def _read(job: _Job, phases: Phases) -> _Input:
-    """The model (read and hashed once), the data source fitted to it, and what was assumed, said."""
-    model_path, data, o = job.model_path, job.data, job.options
-    phases.lap("read model")
-    load_notes = []
-    model, model_sha256 = read_model(model_path, notes=load_notes)  # (hashed from the bytes parsed)
+def _fit_data(job: _Job, read: ModelFile, load_notes: list, phases: Phases) -> _Input:
+    """The data source fitted to the model as read, and what was assumed, said."""
+    model_path, data, o, model = job.model_path, job.data, job.options, read.model
     q = G.quantized_ops(model)
     if q:
         raise QtoolError(f"{model_path}: already int8 ({', '.join(f'{k} x{v}' for k, v in sorted(q.items()))}); "
@@ -158,7 +160,7 @@ def _read(job: _Job, phases: Phases) -> _Input:
         if fit is not None and fit.warning():
             alerts.append(fit.warning())
             warnings.warn(alerts[-1], stacklevel=3)
-    return _Input(model, model_sha256, source, notes, alerts)
+    return _Input(model, read.sha256, source, notes, alerts)
 
 
 def _fuse(job: _Job, inp: _Input):
