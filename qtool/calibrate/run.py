@@ -24,7 +24,7 @@ from qtool.errors import LateWriteError, QtoolError, UsageError
 from qtool.fuse import fuse_model
 from qtool.lattice import DistinctValues
 from qtool.modelio import ModelFile, read_model_file, save_model
-from qtool.plan import balanced_tensors, calibration_targets
+from qtool.plan import ModelFacts, balanced_tensors, calibration_targets
 from qtool.qparams import clip_to_flat
 from qtool.rules.activations import AWARE, activation_inputs, activation_mse_range, flat_bounds
 from qtool.timing import Phases
@@ -175,7 +175,8 @@ def _fuse(job: _Job, inp: _Input):
 
 def _calibration_pass(job: _Job, source, model: onnx.ModelProto) -> _Seen:
     """The calibration pass: the source's batches, thinned to the budget, streamed through the fused graph."""
-    ranges, means = calibration_targets(model)
+    facts = ModelFacts.of(model)  # (what both plans below read of the graph, worked out once)
+    ranges, means = calibration_targets(model, facts)
     if not ranges:  # (the int8 model will be the fp32 one; quantize says which ops stay fp32 and why)
         warnings.warn(f"{job.model_path}: nothing in this model's graph has an int8 rule"
                       + (f" (what it computes sits in {', '.join(sorted(sub))} subgraphs, which stay fp32)"
@@ -195,7 +196,7 @@ def _calibration_pass(job: _Job, source, model: onnx.ModelProto) -> _Seen:
 
         batches = _feeds(source, seen, lambda f: G.total_macs(model, shapes.inputs(f), shapes(f)), planned,
                          {i.name for i in G.real_inputs(model)})
-        seen.obs = collect(model, Targets(ranges, means, watch, balanced_tensors(model)), batches,
+        seen.obs = collect(model, Targets(ranges, means, watch, balanced_tensors(model, facts)), batches,
                            Pass(bar.update, job.options.threads, f"{job.model_path} (fused)",
                                 cut=source.kind == "images" or source.batch > 1, shapes=shapes))
     return seen
