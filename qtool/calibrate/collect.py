@@ -107,7 +107,8 @@ class Targets:
 class ShapesAt:
     """Shape inference of a graph at a batch's input shapes, kept for the last shapes asked: the
     calibration budget (the first batch's MACs) and the plan of the pass (the first batch's observed
-    bytes) read the same inference, which takes seconds on a large graph."""
+    bytes) read the same inference, of the whole graph with data propagation (0.1 s on MiniLM-L3 or
+    PP-OCRv5 det; more on larger graphs). What it returns is shared: read it, never change it."""
 
     def __init__(self, model: onnx.ModelProto):
         self.model, self.key, self.shapes = model, None, None
