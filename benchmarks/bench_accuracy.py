@@ -23,6 +23,7 @@ import imagenet_split as split
 from qtool.data.config import load_config
 from qtool.calibrate.methods import METHODS
 from qtool.calibrate.run import calibrate
+from qtool.calibrate.options import CalibrateOptions, Sampling
 from qtool.quantize.run import quantize
 
 
@@ -69,7 +70,10 @@ def main():
     work = tempfile.mkdtemp(prefix="qtool-bench-")
     t = time.time()
     # every=10 is the calibration split itself (sorted index % 10 == 0), as `qtool calibrate --every 10`
-    cal = calibrate(a.model, a.images, a.config, "minmax", workdir=work, show_progress=False, every=split.EVERY)
+    cal = calibrate(a.model, a.images,
+                    CalibrateOptions(config=a.config, method="minmax",
+                                     sampling=Sampling(every=split.EVERY), show_progress=False),
+                    workdir=work)
     t_cal = time.time() - t
     for method in METHODS:
         t = time.time()

@@ -24,6 +24,7 @@ import onnx
 import imagenet_split as split
 from qtool.data.config import load_config
 from qtool.calibrate.run import calibrate
+from qtool.calibrate.options import CalibrateOptions, Sampling
 from qtool.calibrate.table import load_table
 from qtool.metrics import sqnr_db, top1_agreement
 from qtool.quantize.qdq import quantize_graph
@@ -42,7 +43,10 @@ def main():
     os.makedirs(a.out, exist_ok=True)
     cal, evals = split.split(a.images)
     work = tempfile.mkdtemp(prefix="qtool-floor-")
-    calibrate(a.model, a.images, a.config, "minmax", workdir=work, show_progress=False, every=split.EVERY)
+    calibrate(a.model, a.images,
+              CalibrateOptions(config=a.config, method="minmax",
+                               sampling=Sampling(every=split.EVERY), show_progress=False),
+              workdir=work)
     fused = onnx.load(os.path.join(work, "fused.onnx"))
     table = load_table(os.path.join(work, "calibration.json"))
     cfg = load_config(a.config)

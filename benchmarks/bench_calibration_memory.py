@@ -64,10 +64,13 @@ def child_ort(model, images, n, batch):
 
 def child_qtool(model, images, n, batch):
     from qtool.calibrate.run import calibrate
+    from qtool.calibrate.options import CalibrateOptions, Sampling
     work = tempfile.mkdtemp(prefix="qtool-calmem-")
     t = time.time()
-    r = calibrate(model, images, "imagenet-torchvision", "percentile", workdir=work, batch=batch, limit=n,
-                  show_progress=False)
+    r = calibrate(model, images,
+                  CalibrateOptions(config="imagenet-torchvision", method="percentile",
+                                   sampling=Sampling(batch=batch, limit=n), show_progress=False),
+                  workdir=work)
     secs = time.time() - t
     return {"seconds": secs, "cpu_seconds": _cpu(), "images": r.table.n_samples, "tensors": len(r.table.histograms),
             "peak_rss_mb": _peak_rss_mb()}

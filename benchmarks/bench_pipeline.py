@@ -28,6 +28,7 @@ import warnings
 import numpy as np
 
 from qtool.calibrate.run import calibrate
+from qtool.calibrate.options import CalibrateOptions, Sampling
 from qtool.ortsession import session
 from qtool.quantize.context import QuantizeContext
 from qtool.quantize.run import SensitivityOptions, quantize, SampleSplit, sensitivity_samples
@@ -128,11 +129,14 @@ def main(argv=None):
         data = write_tensors(files, os.path.join(work, "calib"), tuple(int(v) for v in a.shape.split(",")), a.mean,
                              a.std)
         t = time.time()
-        cal = calibrate(a.model, data, workdir=os.path.join(work, "w"), show_progress=False)  # (method: auto)
+        cal = calibrate(a.model, data,
+                        CalibrateOptions(show_progress=False), workdir=os.path.join(work, "w"))  # (method: auto)
     else:
         t = time.time()
-        cal = calibrate(a.model, data, a.config, workdir=os.path.join(work, "w"), show_progress=False,
-                        every=10, limit=a.calibration)
+        cal = calibrate(a.model, data,
+                        CalibrateOptions(config=a.config,
+                                         sampling=Sampling(limit=a.calibration, every=10), show_progress=False),
+                        workdir=os.path.join(work, "w"))
     wd = os.path.join(work, "w")
     print(f"{os.path.basename(a.model)}: calibrated on {cal.table.n_samples} samples in {time.time() - t:.1f}s")
 

@@ -21,6 +21,7 @@ import onnx
 import imagenet_split as split
 from qtool.data.config import load_config
 from qtool.calibrate.run import calibrate
+from qtool.calibrate.options import CalibrateOptions, Sampling
 from qtool.calibrate.table import load_table
 from qtool.metrics import sqnr_db, top1_agreement
 from qtool.quantize.qdq import quantize_graph
@@ -39,7 +40,10 @@ def main():
     os.makedirs(a.out, exist_ok=True)
     _, evals = split.split(a.images)
     work = tempfile.mkdtemp(prefix="qtool-sens-")
-    calibrate(a.model, a.images, a.config, a.method, workdir=work, show_progress=False, every=split.EVERY)
+    calibrate(a.model, a.images,
+              CalibrateOptions(config=a.config, method=a.method,
+                               sampling=Sampling(every=split.EVERY), show_progress=False),
+              workdir=work)
     t = time.time()
     r = quantize(work, sensitivity=SensitivityOptions(samples=64, exclude_sensitive=True, show_progress=False),
                  say=lambda s: None)

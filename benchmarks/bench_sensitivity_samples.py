@@ -20,6 +20,7 @@ import warnings
 import numpy as np
 
 from qtool.calibrate.run import calibrate
+from qtool.calibrate.options import CalibrateOptions
 from qtool.quantize.context import QuantizeContext
 from qtool.quantize.samples import load_samples
 from qtool.quantize.sensitivity import layer_sensitivity
@@ -48,7 +49,7 @@ def main(argv=None):
     files = sorted(glob.glob(os.path.join(a.images, "*.JPEG")))[::10][:100]
     work = tempfile.mkdtemp(prefix="qtool-sens-samples-")
     data = write_tensors(files, os.path.join(work, "calib"), tuple(int(v) for v in a.shape.split(",")), a.mean, a.std)
-    cal = calibrate(a.model, data, workdir=os.path.join(work, "w"), show_progress=False)
+    cal = calibrate(a.model, data, CalibrateOptions(show_progress=False), workdir=os.path.join(work, "w"))
     npys = sorted(glob.glob(os.path.join(data, "*.npy")))
     step = len(npys) // (2 * a.samples)
     ctx = QuantizeContext(cal.fused, cal.table, a.method)

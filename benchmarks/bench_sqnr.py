@@ -132,6 +132,7 @@ def main(argv=None):
     warnings.simplefilter("ignore")
     logging.getLogger().setLevel(logging.ERROR)  # ORT's quantizer logs a warning per bias it cannot find
     from qtool.calibrate.run import calibrate
+    from qtool.calibrate.options import CalibrateOptions
     from qtool.quantize.run import quantize
 
     shape = tuple(int(v) for v in a.shape.split(","))
@@ -147,7 +148,7 @@ def main(argv=None):
     print(f"{model}: {len(cal_files)} calibration tensors (.npy) in {npy}, {len(ev)} evaluation images, shape {shape}")
 
     t = time.time()
-    cal = calibrate(a.model, npy, workdir=work, show_progress=False, threads=a.threads)
+    cal = calibrate(a.model, npy, CalibrateOptions(threads=a.threads, show_progress=False), workdir=work)
     print(f"qtool calibrate: {time.time() - t:.1f}s, {cal.table.n_samples} samples, {len(cal.table.histograms)} tensors")
     fused_db = sqnr_db(a.model, cal.fused_path, name, ev, a.threads)
     print(f"qtool fused fp32 graph vs original: {fused_db:.1f} dB (graph cleanup must not change the function)")

@@ -36,6 +36,7 @@ import imagenet_split as split
 from qtool.arithmetic import ARITHMETICS
 from qtool.data.config import load_config
 from qtool.calibrate.run import calibrate
+from qtool.calibrate.options import CalibrateOptions, Sampling
 from qtool.metrics import sqnr_db, top1_agreement, wilson
 from qtool.ort_arithmetic import ort_int8_arithmetic
 from qtool.quantize.encoding import TARGETS
@@ -107,7 +108,10 @@ def main(argv=None):
     cal, evals = split.split(a.images)
     work = tempfile.mkdtemp(prefix="qtool-targets-")
     t = time.time()
-    calibrate(a.model, a.images, a.config, a.method, workdir=work, show_progress=False, every=split.EVERY)
+    calibrate(a.model, a.images,
+              CalibrateOptions(config=a.config, method=a.method,
+                               sampling=Sampling(every=split.EVERY), show_progress=False),
+              workdir=work)
     print(f"calibrated on {len(cal)} images in {time.time() - t:.1f}s")
     cfg = load_config(a.config)
     xs = split.images(evals, cfg)

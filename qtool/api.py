@@ -19,7 +19,7 @@ Samples from an iterable are not kept: quantize's steps that re-read calibration
 """
 from __future__ import annotations
 
-from qtool.calibrate.methods import DEFAULT_METHOD
+from qtool.calibrate.options import CalibrateOptions, Sampling
 from qtool.calibrate.run import CalibrateResult
 from qtool.calibrate.run import calibrate as _calibrate
 from qtool.evaluate import evaluate_workdir
@@ -28,21 +28,23 @@ from qtool.quantize.run import QuantizeResult, SensitivityOptions
 from qtool.quantize.run import quantize as _quantize
 from qtool.workdir import DEFAULT as DEFAULT_WORKDIR
 
-__all__ = ["calibrate", "quantize", "evaluate", "CalibrateResult", "QuantizeResult"]
+__all__ = ["calibrate", "quantize", "evaluate", "CalibrateResult", "QuantizeResult", "Sampling"]
 
 
 def _say(verbose: bool):
     return print if verbose else (lambda text: None)
 
 
-def calibrate(model: str, data, config=None, *, method: str = DEFAULT_METHOD, workdir: str = DEFAULT_WORKDIR,
-              limit: int | None = None, every: int = 1, batch: int = 4, threads: int = 0,
-              verbose: bool = True) -> CalibrateResult:
+def calibrate(model: str, data, config=None, *, method: str = CalibrateOptions.method,
+              workdir: str = DEFAULT_WORKDIR, threads: int = CalibrateOptions.threads,
+              sampling: Sampling = Sampling(), verbose: bool = True) -> CalibrateResult:
     """Fuse the fp32 `model` (a path) and record activation ranges over `data`; writes fused.onnx and
     calibration.json to `workdir`. `method`: the default range method (every method's ranges are
-    kept; `auto`, the default, lets quantize choose by measurement). `verbose`: progress bar and the lines the command prints (what preprocessing was assumed)."""
-    return _calibrate(model, data, config, method, workdir, batch, limit, show_progress=verbose, threads=threads,
-                      every=every, say=_say(verbose))
+    kept; `auto`, the default, lets quantize choose by measurement). `sampling`: batch, limit, every,
+    budget_gmac as the command's options (qtool.calibrate.options.Sampling). `verbose`: progress bar and
+    the lines the command prints (what preprocessing was assumed)."""
+    options = CalibrateOptions(config, method, threads, sampling, show_progress=verbose)
+    return _calibrate(model, data, options, workdir, say=_say(verbose))
 
 
 def quantize(workdir: str = DEFAULT_WORKDIR, *, output: str | None = None, method: str | None = None,

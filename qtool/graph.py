@@ -255,16 +255,17 @@ def layer_macs(model: onnx.ModelProto, inputs: dict) -> dict | None:
     return None if each is None else {n.name: m for n, m in each}
 
 
-def total_macs(model: onnx.ModelProto, inputs: dict) -> int | None:
+def total_macs(model: onnx.ModelProto, inputs: dict, shapes: dict | None = None) -> int | None:
     """Multiply-accumulates of all Conv, Gemm and MatMul nodes for inputs of these shapes (nodes
-    without names counted too); None where one of those nodes' shapes cannot be inferred."""
-    each = _macs_each(model, inputs)
+    without names counted too); None where one of those nodes' shapes cannot be inferred. `shapes`:
+    inferred_shapes(model, inputs), when the caller has it already."""
+    each = _macs_each(model, inputs, shapes)
     return None if each is None else int(sum(m for _, m in each))
 
 
-def _macs_each(model: onnx.ModelProto, inputs: dict) -> list | None:
+def _macs_each(model: onnx.ModelProto, inputs: dict, shapes: dict | None = None) -> list | None:
     known = {t.name: list(t.dims) for t in model.graph.initializer}
-    known.update(inferred_shapes(model, inputs))
+    known.update(inferred_shapes(model, inputs) if shapes is None else shapes)
     each = []
     for n in model.graph.node:
         if n.op_type not in ("Conv", "Gemm", "MatMul"):

@@ -170,6 +170,20 @@ def read_model(path: str, check: bool = True, notes: list | None = None) -> tupl
     """(model, its model_hash) as load_model reads it: the hash is of the bytes parsed, read once (a
     file replaced between hashing it and reading it again was recorded as the model it was not; issue
     51). The external-data files' hashes are still read apart from their tensors."""
+    m = read_model_file(path, check, notes)
+    return m.model, m.sha256
+
+
+class ModelFile(NamedTuple):
+    """A model as read from its file, once: what the steps after the read need of the file."""
+    model: onnx.ModelProto
+    sha256: str  # model_hash, of the bytes parsed
+    external: list  # the external-data files it read (full paths, sorted), as external_files lists them
+
+
+def read_model_file(path: str, check: bool = True, notes: list | None = None) -> ModelFile:
+    """read_model, with the external-data files the model read (a step that checks its outputs against
+    its inputs takes them from here instead of reading the model's file again)."""
     if not os.path.exists(path):
         raise QtoolError(f"{path}: no such model file")
     regular_file(path, "model file")
@@ -213,7 +227,7 @@ def read_model(path: str, check: bool = True, notes: list | None = None) -> tupl
         note = check_structure(model, path)
         if note and notes is not None:
             notes.append(note)
-    return model, digest
+    return ModelFile(model, digest, locs)
 
 
 MAX_INLINED_NODES = 1_000_000  # (the largest real graphs met hold about 10^4 nodes)

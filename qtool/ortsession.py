@@ -67,7 +67,7 @@ def onnx_type(ort_type: str) -> int | None:
 
 def session(model: onnx.ModelProto | str | bytes, threads: int = 0, arena: bool | str = True, spin: bool = True,
             basic: bool = False, where: str | None = None, external: dict | None = None,
-            profile_prefix: str | None = None, float_weights: bool = False) -> ort.InferenceSession:
+            float_weights: bool = False) -> ort.InferenceSession:
     """`spin=False`: idle ORT workers sleep instead of spinning (they would take the core another
     thread of ours needs). `arena=False`: large outputs go back to the system after each run instead
     of pinning the peak. `arena="shared"`: one arena for every such session of the process, for many
@@ -75,7 +75,7 @@ def session(model: onnx.ModelProto | str | bytes, threads: int = 0, arena: bool 
     30-50 % that allocating from the system at every run costs (Lite0, batch 16). `basic=True`: only the basic graph optimizations, so a QDQ graph runs as
     written (float ops between Q/DQ) instead of on ORT's fused int8 kernels. `external` (name ->
     OrtValue): fills the initializers the graph marks as external (one array made once serves many
-    sessions, none serialized). `profile_prefix`: ORT's per-node profile is written there.
+    sessions, none serialized).
     `float_weights=True`: a Conv/Gemm whose float weight sits between a DequantizeLinear and a
     QuantizeLinear computes with that weight as given. Without it ORT (WeightBiasQuantization, at
     every optimization level) quantizes such a weight to int8 per tensor: the simulated int8 layers
@@ -84,8 +84,6 @@ def session(model: onnx.ModelProto | str | bytes, threads: int = 0, arena: bool 
     so = ort.SessionOptions()
     if external:
         so.add_external_initializers(list(external), list(external.values()))
-    if profile_prefix:
-        so.enable_profiling, so.profile_file_prefix = True, profile_prefix
     if not spin:
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if arena == "shared":

@@ -44,11 +44,13 @@ class Folder:
     exts: tuple
 
 
-def model(what: str, path: str | None, role: str | None = None) -> list:
-    """A model read, and the external-data files it reads."""
+def model(what: str, path: str | None, role: str | None = None, external: list | None = None) -> list:
+    """A model read, and the external-data files it reads (`external`, when the model has been read
+    already: modelio.ModelFile.external)."""
     if not path or not os.path.isfile(path):
         return [File(what, path, role)] if path else []
-    return [File(what, path, role)] + [File(f"external data of the {what}", f) for f in external_files(path)]
+    files = external_files(path) if external is None else external
+    return [File(what, path, role)] + [File(f"external data of the {what}", f) for f in files]
 
 
 def data(what: str, path) -> list:

@@ -358,15 +358,17 @@ def _explain_chains(model: onnx.ModelProto, plan: Plan, chain: dict) -> None:
             d.reason = f"inside {chain[d.name]}: runs fp32 between its int8 input and int8 output"
 
 
-def calibration_targets(model: onnx.ModelProto) -> tuple[list, dict]:
+def calibration_targets(model: onnx.ModelProto, facts: ModelFacts | None = None) -> tuple[list, dict]:
     """(tensors whose range calibration must record, {tensor: its channel axis} of the tensors whose
     per-channel mean it must record: axis 1 for a convolution's input, the last axis for a Gemm or
-    MatMul's (a transformer's [N, T, K] tokens: K channels, T differing from sample to sample))."""
-    plan = make_plan(model)
+    MatMul's (a transformer's [N, T, K] tokens: K channels, T differing from sample to sample)).
+    `facts`: ModelFacts.of(model), when the caller has it (it is most of a plan's cost)."""
+    facts = facts or ModelFacts.of(model)
+    plan = make_plan(model, facts=facts)
     # pass-through outputs too: when the layer before is kept fp32, their consumer needs their own range;
     # and what a layer measured alone quantizes (sensitivity plans without pruning: an idle pass-through
     # chain's root is quantized there)
-    ranges = list(dict.fromkeys(plan.tensors + make_plan(model, prune_excluded=False).tensors))
+    ranges = list(dict.fromkeys(plan.tensors + make_plan(model, prune_excluded=False, facts=facts).tensors))
     ops = {n.name: n.op_type for n in model.graph.node}
     means = {}
     for node, x in sorted(plan.weight_inputs.items(), key=lambda kv: kv[1]):
@@ -374,11 +376,11 @@ def calibration_targets(model: onnx.ModelProto) -> tuple[list, dict]:
     return ranges, means
 
 
-def balanced_tensors(model: onnx.ModelProto) -> list:
+def balanced_tensors(model: onnx.ModelProto, facts: ModelFacts | None = None) -> list:
     """Tensors whose channels quantize/equalize.py may balance, so calibration keeps their per-channel
     min and max: what int8 depthwise convolutions read, and what an int8 Conv/Gemm writes for fp32 ops
-    only (hard-swish's input, run in fp32 between int8 tensors)."""
-    plan = make_plan(model)
+    only (hard-swish's input, run in fp32 between int8 tensors). `facts`: as calibration_targets."""
+    plan = make_plan(model, facts=facts)
     inits = G.initializers(model)
     cons = G.consumers(model)
     outputs = G.graph_output_names(model)

@@ -19,6 +19,7 @@ import helpers  # noqa: E402
 def calibrated(tmp_path_factory):
     """(root, model path, data folder, config path, CalibrateResult) for helpers.small_convnet()."""
     from qtool.calibrate.run import calibrate
+    from qtool.calibrate.options import CalibrateOptions, Sampling
 
     root = tmp_path_factory.mktemp("calibrated")
     model = helpers.save(helpers.small_convnet(), root / "net.onnx")
@@ -27,5 +28,8 @@ def calibrated(tmp_path_factory):
     cfg = helpers.write_config(root / "cfg.toml")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        r = calibrate(model, str(data), cfg, "minmax", str(root / "work"), batch=4, show_progress=False, threads=1)
+        r = calibrate(model, str(data),
+                      CalibrateOptions(config=cfg, method="minmax", threads=1,
+                                       sampling=Sampling(batch=4), show_progress=False),
+                      workdir=str(root / "work"))
     return root, model, str(data), cfg, r

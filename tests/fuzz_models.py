@@ -303,12 +303,15 @@ def int8_base(base, root: str) -> onnx.ModelProto:
     """The base model quantized by qtool itself (the untouched int8 model the int8 cases mutate)."""
     if base.__name__ not in _INT8:
         from qtool.calibrate.run import calibrate
+        from qtool.calibrate.options import CalibrateOptions, Sampling
         from qtool.quantize.run import SensitivityOptions, quantize
         d = tempfile.mkdtemp(prefix=f"int8{base.__name__}-", dir=root)
         path = os.path.join(d, "fp32.onnx")
         onnx.save(base(np.random.default_rng(7)), path)
-        calibrate(path, feeds_for(base.__name__, np.random.default_rng(8), 4), None, "minmax", d, batch=2,
-                  show_progress=False, threads=1)
+        calibrate(path, feeds_for(base.__name__, np.random.default_rng(8), 4),
+                  CalibrateOptions(config=None, method="minmax", threads=1,
+                                   sampling=Sampling(batch=2), show_progress=False),
+                  workdir=d)
         q = quantize(d, sensitivity=SensitivityOptions(enabled=False, show_progress=False), say=lambda *a: None)
         _INT8[base.__name__] = onnx.load(q.path)
     m = onnx.ModelProto()
@@ -348,6 +351,7 @@ def run_case(seed: int, case: int, root: str) -> dict:
     """-> {"case", "mutations", "steps": {step: "ok" | "error: ..." }, "failure": traceback or None}."""
     import warnings
     from qtool.calibrate.run import calibrate
+    from qtool.calibrate.options import CalibrateOptions, Sampling
     from qtool.errors import QtoolError
     from qtool.inspect import inspect_model
     from qtool.quantize.run import SensitivityOptions, quantize
@@ -392,8 +396,10 @@ def run_case(seed: int, case: int, root: str) -> dict:
                 step("ort run", lambda: o.run(None, feeds[0]))
         return res
     wd = os.path.join(d, "work")
-    cal = step("calibrate", lambda: calibrate(path, feeds, None, "minmax", wd, batch=2, show_progress=False,
-                                              threads=1))
+    cal = step("calibrate", lambda: calibrate(path, feeds,
+                                              CalibrateOptions(config=None, method="minmax", threads=1,
+                                                               sampling=Sampling(batch=2), show_progress=False),
+                                              workdir=wd))
     q = None
     if cal is not None and not res["failure"]:
         q = step("quantize", lambda: quantize(wd, sensitivity=SensitivityOptions(enabled=False, show_progress=False),

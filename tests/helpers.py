@@ -233,3 +233,12 @@ def calibrate_samples(model, samples: list, folder) -> str:
         warnings.simplefilter("ignore")
         calibrate(path, data, method="auto", workdir=work, verbose=False, threads=1)
     return work
+
+
+def calibrate_options(**options):
+    """CalibrateOptions from the command's flat option names (batch, limit, every and budget_gmac go
+    to its Sampling)."""
+    import dataclasses
+    from qtool.calibrate.options import CalibrateOptions, Sampling
+    sampling = {f.name: options.pop(f.name) for f in dataclasses.fields(Sampling) if f.name in options}
+    return CalibrateOptions(**options, sampling=Sampling(**sampling))

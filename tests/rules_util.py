@@ -8,6 +8,7 @@ import onnx
 
 from helpers import run, save
 from qtool.calibrate.run import calibrate
+from qtool.calibrate.options import CalibrateOptions
 from qtool.quantize.qdq import quantize_graph
 
 
@@ -23,8 +24,8 @@ def quantize_tiny(model, tmp_path, shapes, n=4, seed=0, method="minmax"):
     data = [{k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()} for _ in range(n + 1)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        r = calibrate(save(model, tmp_path / "m.onnx"), data[:n], method=method, workdir=str(tmp_path / "w"),
-                      show_progress=False, threads=1)
+        r = calibrate(save(model, tmp_path / "m.onnx"), data[:n],
+                      CalibrateOptions(method=method, threads=1, show_progress=False), workdir=str(tmp_path / "w"))
     out = quantize_graph(r.fused, r.table, method)
     onnx.checker.check_model(out.model)
     return out, {d.name: d for d in out.plan.decisions}, data[n]

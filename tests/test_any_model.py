@@ -10,8 +10,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from helpers import init, make_model, run, save, small_convnet, weight, write_images
+from helpers import calibrate_options, init, make_model, run, save, small_convnet, weight, write_images
 from qtool.calibrate.run import calibrate
+from qtool.calibrate.options import CalibrateOptions
 from qtool.errors import QtoolError
 from qtool.quantize.run import quantize
 
@@ -24,7 +25,7 @@ def _sqnr(ref, out):
 def _cal_q(model_path, data, work, **kw):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        r = calibrate(model_path, data, method="minmax", workdir=str(work), show_progress=False, threads=1, **kw)
+        r = calibrate(model_path, data, calibrate_options(method="minmax", show_progress=False, threads=1, **kw), str(work))
         q = quantize(str(work))
     onnx.checker.check_model(q.path)
     return r, q
@@ -176,7 +177,7 @@ def test_quantizable_and_unknown_ops_mixed(tmp_path):
 def _expect_error(tmp_path, model, data, *needles):
     work = tmp_path / "work_bad"
     with pytest.raises(QtoolError) as e:
-        calibrate(model, data, workdir=str(work), show_progress=False, threads=1)
+        calibrate(model, data, CalibrateOptions(threads=1, show_progress=False), workdir=str(work))
     msg = str(e.value)
     for n in needles:
         assert n in msg, msg
@@ -255,8 +256,8 @@ def test_config_with_tensors_is_refused(tmp_path):
     from qtool.errors import UsageError
     model = save(small_convnet(size=16), tmp_path / "net.onnx")
     with pytest.raises(UsageError, match="tensors"):
-        calibrate(model, [{"x": np.zeros((1, 3, 16, 16), np.float32)}], config="ppocr-cls",
-                  workdir=str(tmp_path / "w"), show_progress=False)
+        calibrate(model, [{"x": np.zeros((1, 3, 16, 16), np.float32)}],
+                  CalibrateOptions(config="ppocr-cls", show_progress=False), workdir=str(tmp_path / "w"))
 
 
 def test_image_folder_still_works(calibrated):
@@ -387,7 +388,8 @@ def test_shared_models_from_npy(tmp_path, name, shape, mean, std, min_db):
         np.save(data / f"{k}.npy", x)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        r = calibrate(path, str(data), method="mse", workdir=str(tmp_path / "w"), show_progress=False, threads=2)
+        r = calibrate(path, str(data),
+                      CalibrateOptions(method="mse", threads=2, show_progress=False), workdir=str(tmp_path / "w"))
         q = quantize(str(tmp_path / "w"))
     onnx.checker.check_model(q.path)
     assert any("opset upgraded from 11 to 13" in n for n in q.report["notes"])

@@ -12,19 +12,19 @@ import onnx
 import pytest
 from PIL import Image
 
-from helpers import save, small_convnet, write_config, write_images
+from helpers import calibrate_options, save, small_convnet, write_config, write_images
 from qtool.data.config import Preprocess, from_dict, load_config, preset_names
 from qtool.data.images import ImageStream, list_images, load_image
 from qtool.calibrate.methods import METHODS
 from qtool.calibrate.run import calibrate
+from qtool.calibrate.options import CalibrateOptions, Sampling
 from qtool.calibrate.table import load_table
 from qtool.errors import QtoolError
 
 
-def _calibrate(model, data, tmp_path, **kw):
-    kw = dict(config=write_config(tmp_path / "cfg.toml"), method="minmax", workdir=str(tmp_path / "work"),
-              batch=4, show_progress=False, threads=1) | kw
-    return calibrate(str(model), str(data), **kw)
+def _calibrate(model, data, tmp_path, say=print, **kw):
+    kw = dict(config=write_config(tmp_path / "cfg.toml"), method="minmax", batch=4, show_progress=False, threads=1) | kw
+    return calibrate(str(model), str(data), calibrate_options(**kw), str(tmp_path / "work"), say=say)
 
 
 # --- configs --------------------------------------------------------------------------------------------
@@ -432,7 +432,8 @@ def test_two_workers_only_while_two_samples_tensors_fit(tmp_path, net, monkeypat
     write_images(d, 5, seed=4)
     used, sizes = [], []
     real, plan = collect._collect_phase, collect._segments
-    monkeypatch.setattr(collect, "_collect_phase", lambda *a: used.append((len(a[1]), a[8])) or real(*a))
+    monkeypatch.setattr(collect, "_collect_phase",
+                        lambda phase, *a: used.append((len(phase.segments), phase.n_workers)) or real(phase, *a))
     monkeypatch.setattr(collect, "_segments", lambda *a, **k: sizes.append(plan(*a, **k)[1]) or plan(*a, **k))
     (tmp_path / "0").mkdir()
     assert _calibrate(net, d, tmp_path / "0", threads=2).table.n_samples == 5
@@ -485,10 +486,12 @@ def test_a_source_that_refills_one_array_is_read_correctly(tmp_path, net):
             buf[...] = x
             yield {"x": buf}
 
-    fresh = calibrate(str(net), [{"x": x} for x in data], method="minmax", workdir=str(tmp_path / "a"),
-                      batch=1, show_progress=False, threads=2).table
-    reused = calibrate(str(net), refilled(), method="minmax", workdir=str(tmp_path / "b"),
-                       batch=1, show_progress=False, threads=2).table
+    fresh = calibrate(str(net), [{"x": x} for x in data],
+                      CalibrateOptions(method="minmax", threads=2, sampling=Sampling(batch=1), show_progress=False),
+                      workdir=str(tmp_path / "a")).table
+    reused = calibrate(str(net), refilled(),
+                       CalibrateOptions(method="minmax", threads=2, sampling=Sampling(batch=1), show_progress=False),
+                       workdir=str(tmp_path / "b")).table
     assert fresh.ranges == reused.ranges
     assert fresh.histograms == reused.histograms
 
@@ -496,7 +499,7 @@ def test_a_source_that_refills_one_array_is_read_correctly(tmp_path, net):
 def test_a_failing_run_in_one_worker_stops_collection(net):
     """A batch ONNX Runtime rejects raises its error from collect, whichever worker ran it,
     without waiting for the rest of the batches."""
-    from qtool.calibrate.collect import collect
+    from qtool.calibrate.collect import Pass, Targets, collect
     from qtool.plan import calibration_targets
     model = onnx.load(str(net))
     ranges, means = calibration_targets(model)
@@ -512,7 +515,7 @@ def test_a_failing_run_in_one_worker_stops_collection(net):
 
     def go():
         try:
-            collect(model, ranges, means, batches(), threads=2)
+            collect(model, Targets(ranges, means), batches(), Pass(threads=2))
         except Exception as e:  # noqa: BLE001
             raised.append(e)
 
@@ -616,6 +619,28 @@ def test_load_model_refuses_bad_external_paths(tmp_path, location, msg):
         load_model(edited)
 
 
+def test_read_model_file_names_the_external_data_it_read(tmp_path):
+    """What the read found is what outputs checks: the same list external_files makes from the file."""
+    from qtool.modelio import external_files, read_model_file
+    good, _ = _external(tmp_path, "w.bin")
+    read = read_model_file(good)
+    assert read.external == external_files(good) == [os.path.realpath(tmp_path / "m" / "w.bin")]
+
+
+def test_calibrate_refuses_to_write_over_the_models_external_data(tmp_path):
+    """The model's external-data file, as the one read of the model found it, is among what calibrate reads:
+    a --json there is refused and nothing is written."""
+    from qtool.outputs import File
+    good, _ = _external(tmp_path, "w.bin")
+    before = (tmp_path / "m" / "w.bin").read_bytes()
+    write_images(tmp_path / "d", 2)
+    with pytest.raises(QtoolError, match="external data of the fp32 model"):
+        calibrate(good, str(tmp_path / "d"), calibrate_options(config=write_config(tmp_path / "c.toml"),
+                                                                show_progress=False),
+                  str(tmp_path / "w"), also_writes=[File("--json file", str(tmp_path / "m" / "w.bin"))])
+    assert (tmp_path / "m" / "w.bin").read_bytes() == before and not (tmp_path / "w" / "fused.onnx").exists()
+
+
 def test_load_model_folder_and_checker(tmp_path):
     from qtool.modelio import load_model
     with pytest.raises(QtoolError, match="is a folder"):
@@ -645,7 +670,8 @@ def test_stale_declared_shape_that_onnx_runtime_ignores_is_a_note_not_an_error(t
     cfg = write_config(tmp_path / "cfg.toml", size=16)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        r = calibrate(p, str(tmp_path / "cal"), config=cfg, workdir=str(tmp_path / "w"), show_progress=False)
+        r = calibrate(p, str(tmp_path / "cal"),
+                      CalibrateOptions(config=cfg, show_progress=False), workdir=str(tmp_path / "w"))
         q = quantize(str(tmp_path / "w"), strict=True)
     assert any("shape inference objects" in n for n in r.notes)
     assert sum(n.op_type == "QLinearConv" or n.op_type == "DequantizeLinear" for n in load_model(q.path, check=False).graph.node) > 3
@@ -697,7 +723,9 @@ def test_outputs_whose_length_the_data_decides_are_calibrated(tmp_path):
     cfg = write_config(tmp_path / "cfg.toml", size=8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        r = calibrate(p, str(d), config=cfg, workdir=str(tmp_path / "w"), batch=2, show_progress=False, threads=1)
+        r = calibrate(p, str(d),
+                      CalibrateOptions(config=cfg, threads=1, sampling=Sampling(batch=2), show_progress=False),
+                      workdir=str(tmp_path / "w"))
     assert r.table.n_samples == 10 and "sl" in r.table.ranges["minmax"]
 
 

@@ -11,6 +11,7 @@ from helpers import save, small_convnet, write_config, write_images
 from qtool import graph as G
 from qtool.calibrate.budget import Spend, planned_samples, within_budget
 from qtool.calibrate.run import calibrate
+from qtool.calibrate.options import CalibrateOptions, Sampling
 
 
 def _batches(n, k=4):
@@ -63,16 +64,18 @@ def test_calibrate_records_the_samples_the_budget_kept(tmp_path):
     said = []
     fused = G.total_macs(onnx_load(model), {"x": [1, 3, 16, 16]})
     budget = fused * 20.5 / 1e9  # room for 20 of the 40 images
-    r = calibrate(model, str(tmp_path / "d"), config=write_config(tmp_path / "cfg.toml"), method="minmax",
-                  workdir=str(tmp_path / "w"), batch=4, show_progress=False, threads=1, say=said.append,
-                  budget_gmac=budget)
+    r = calibrate(model, str(tmp_path / "d"),
+                  CalibrateOptions(config=write_config(tmp_path / "cfg.toml"), method="minmax", threads=1,
+                                   sampling=Sampling(batch=4, budget_gmac=budget), show_progress=False),
+                  workdir=str(tmp_path / "w"), say=said.append)
     assert r.budget["planned"] == 20 and abs(r.table.n_samples - 20) <= 2 and r.budget["used"] == r.table.n_samples
     assert any("over the" in s and "budget" in s for s in said)
     files = json.load(open(tmp_path / "w" / "manifest.json"))["calibrate"]["files"]
     assert len(files) == r.table.n_samples and os.path.basename(files[-1]) > "img30"  # spread, not the head
-    everything = calibrate(model, str(tmp_path / "d"), config=write_config(tmp_path / "cfg.toml"), method="minmax",
-                           workdir=str(tmp_path / "w2"), batch=4, show_progress=False, threads=1, say=said.append,
-                           budget_gmac=0)
+    everything = calibrate(model, str(tmp_path / "d"),
+                           CalibrateOptions(config=write_config(tmp_path / "cfg.toml"), method="minmax", threads=1,
+                                            sampling=Sampling(batch=4, budget_gmac=0), show_progress=False),
+                           workdir=str(tmp_path / "w2"), say=said.append)
     assert everything.table.n_samples == 40 and not everything.budget["planned"]
 
 

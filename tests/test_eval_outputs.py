@@ -10,6 +10,7 @@ from onnx import helper
 
 from helpers import init, make_model, save, write_config, write_images
 from qtool.calibrate.run import calibrate
+from qtool.calibrate.options import CalibrateOptions
 from qtool.commands.eval import render
 from qtool.evaluate import OutputStats, agreement_kind, evaluate, evaluate_workdir
 from qtool.quantize.run import quantize
@@ -69,7 +70,8 @@ def _calibrated(tmp_path, model):
     cfg = write_config(tmp_path / "cfg.toml", size=16)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        calibrate(path, str(tmp_path / "cal"), config=cfg, workdir=str(tmp_path / "w"), show_progress=False)
+        calibrate(path, str(tmp_path / "cal"),
+                  CalibrateOptions(config=cfg, show_progress=False), workdir=str(tmp_path / "w"))
         q = quantize(str(tmp_path / "w"))
     return path, q.path, cfg
 
@@ -191,7 +193,7 @@ def _three_steps(model: str, tmp_path) -> dict:
     """calibrate on tmp_path/cal, quantize, eval on tmp_path/ev (folders of .npy): eval's result."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        calibrate(model, str(tmp_path / "cal"), workdir=str(tmp_path / "work"), show_progress=False)
+        calibrate(model, str(tmp_path / "cal"), CalibrateOptions(show_progress=False), workdir=str(tmp_path / "work"))
         quantize(str(tmp_path / "work"))
         return evaluate_workdir(str(tmp_path / "work"), data=str(tmp_path / "ev"), show_progress=False,
                                 say=lambda *a, **k: None)

@@ -12,6 +12,7 @@ from onnx import TensorProto, helper
 
 from helpers import make_model, run, save, weight
 from qtool.calibrate.run import calibrate
+from qtool.calibrate.options import CalibrateOptions
 from qtool.quantize.run import SensitivityOptions, quantize
 
 
@@ -28,7 +29,8 @@ def _calibrate(model, tmp_path, samples):
     data = _npy_folder(tmp_path / "data", samples)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        calibrate(str(path), data, method="minmax", workdir=str(tmp_path / "w"), show_progress=False, threads=1)
+        calibrate(str(path), data,
+                  CalibrateOptions(method="minmax", threads=1, show_progress=False), workdir=str(tmp_path / "w"))
     return str(tmp_path / "w")
 
 
@@ -103,8 +105,8 @@ def test_eval_of_a_fixed_batch_model(tmp_path):
     write_images(tmp_path / "eval", 6, seed=2, h=32, w=32)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        calibrate(str(path), str(tmp_path / "calib"), method="minmax", workdir=str(tmp_path / "w"),
-                  show_progress=False, threads=1)
+        calibrate(str(path), str(tmp_path / "calib"),
+                  CalibrateOptions(method="minmax", threads=1, show_progress=False), workdir=str(tmp_path / "w"))
         q = quantize(str(tmp_path / "w"), say=lambda *a, **k: None, sensitivity=SensitivityOptions(enabled=False))
         r = evaluate(str(path), q.path, str(tmp_path / "eval"), show_progress=False)
         assert r["n_images"] == 4 and r["left_out"] == 2
@@ -299,8 +301,8 @@ def test_fixed_batch_with_a_sequence_first_output(tmp_path):
     cfg = write_config(tmp_path / "c.toml", size=16, color="GRAY")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        calibrate(str(tmp_path / "m.onnx"), str(tmp_path / "imgs"), cfg, workdir=str(tmp_path / "w"),
-                  show_progress=False, threads=1)
+        calibrate(str(tmp_path / "m.onnx"), str(tmp_path / "imgs"),
+                  CalibrateOptions(config=cfg, threads=1, show_progress=False), workdir=str(tmp_path / "w"))
     r = quantize(str(tmp_path / "w"), strict=True, say=lambda *a, **k: None,
                  sensitivity=SensitivityOptions(show_progress=False))
     assert r.report["method_scores_db"] and "sensitivity" in r.report, r.report
@@ -368,7 +370,8 @@ def test_an_output_whose_length_follows_the_values(tmp_path):
                  shift=np.array(s - 40.001, np.float32))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        calibrate(str(path), str(data), method="minmax", workdir=str(tmp_path / "w"), show_progress=False)
+        calibrate(str(path), str(data),
+                  CalibrateOptions(method="minmax", show_progress=False), workdir=str(tmp_path / "w"))
     r = quantize(str(tmp_path / "w"), strict=True, say=lambda *a, **k: None,
                  sensitivity=SensitivityOptions(show_progress=False))
     assert r.report["resized_share"] > 0
@@ -454,8 +457,8 @@ def test_an_output_masked_with_nan_by_design(tmp_path, nan_from):
         np.savez(data / f"{i:02d}.npz", x=rng.standard_normal((12, 8)).astype(np.float32), mask=mask)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        r = calibrate(str(tmp_path / "m.onnx"), str(data), method="minmax", workdir=str(tmp_path / "w"),
-                      show_progress=False)
+        r = calibrate(str(tmp_path / "m.onnx"), str(data),
+                      CalibrateOptions(method="minmax", show_progress=False), workdir=str(tmp_path / "w"))
     assert not any("degenerate" in str(c.message) for c in caught) and not any("degenerate" in a for a in r.warnings)
     q = quantize(str(tmp_path / "w"), strict=True, say=lambda *a, **k: None, sensitivity=SensitivityOptions(show_progress=False))
     assert q.report["rounding"] == "output-aware" and "sensitivity" in q.report
@@ -556,7 +559,8 @@ def _strict_quantize(tmp_path, graph, samples: list):
         np.save(data / f"{i}.npy", x)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        calibrate(str(path), str(data), method="minmax", workdir=str(tmp_path / "w"), show_progress=False)
+        calibrate(str(path), str(data),
+                  CalibrateOptions(method="minmax", show_progress=False), workdir=str(tmp_path / "w"))
         return quantize(str(tmp_path / "w"), strict=True, say=lambda *a, **k: None,
                         sensitivity=SensitivityOptions(show_progress=False))
 
@@ -594,7 +598,7 @@ def test_experiments_run_large_inputs_in_smaller_batches(tmp_path):
         wd = str(tmp_path / f"w{hw}")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            calibrate(str(model), str(data), method="minmax", workdir=wd, show_progress=False)
+            calibrate(str(model), str(data), CalibrateOptions(method="minmax", show_progress=False), workdir=wd)
         fused, table, _ = load_inputs(wd, None, None)
         s = load_samples(fused, table, sorted(str(p) for p in data.iterdir()))
         assert s.batch == want and len(s.feeds) == -(-6 // want)

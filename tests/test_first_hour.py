@@ -144,11 +144,11 @@ def test_python_api_calibrate_quantize_evaluate_from_plain_arrays(tmp_path, caps
 
 def test_api_defaults_are_the_cli_defaults():
     from qtool import api
-    from qtool.calibrate.run import calibrate
+    from qtool.calibrate.options import CalibrateOptions
     from qtool.commands import calibrate as cal_cmd, quantize as q_cmd
     cli_default = {p.name: p.default for p in cal_cmd.command.params}
     assert pyinspect.signature(api.calibrate).parameters["method"].default == cli_default["method"] == "auto"
-    assert pyinspect.signature(calibrate).parameters["method"].default == "auto"
+    assert CalibrateOptions().method == "auto"
     q_default = {p.name: p.default for p in q_cmd.command.params}
     sig = pyinspect.signature(api.quantize).parameters
     assert sig["target"].default == q_default["target"]

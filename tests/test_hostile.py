@@ -24,7 +24,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from PIL import Image
 
-from helpers import make_model, save, small_convnet, write_config, write_images
+from helpers import calibrate_options, make_model, save, small_convnet, write_config, write_images
 from qtool import cli
 from qtool.errors import QtoolError
 
@@ -467,7 +467,7 @@ def test_library_counts_are_validated(project):
     from qtool.errors import UsageError
     for kw in ({"batch": 0}, {"limit": -2}, {"limit": 0}, {"every": 0}, {"batch": 10 ** 6}):
         with pytest.raises(UsageError):
-            calibrate("net.onnx", "data", "cfg.toml", "minmax", "wd", show_progress=False, **kw)
+            calibrate("net.onnx", "data", calibrate_options(config="cfg.toml", method="minmax", show_progress=False, **kw), "wd")
     assert not os.path.exists("wd")
 
 

@@ -83,6 +83,7 @@ def test_quantize_puts_a_lattice_input_on_the_grid_and_keeps_the_output(tmp_path
 
     from helpers import save, write_config, write_images
     from qtool.calibrate.run import calibrate
+    from qtool.calibrate.options import CalibrateOptions, Sampling
     from qtool.data.config import load_config
     from qtool.data.images import list_images, load_image
     from qtool.quantize.qdq import quantize_graph
@@ -91,8 +92,10 @@ def test_quantize_puts_a_lattice_input_on_the_grid_and_keeps_the_output(tmp_path
     cfg = write_config(tmp_path / "cfg.toml")  # (p - 127.5) / 127.5: the points half a step off any grid
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        r = calibrate(save(_first_conv_model(), tmp_path / "m.onnx"), str(tmp_path / "d"), cfg, "minmax",
-                      str(tmp_path / "w"), batch=4, show_progress=False, threads=1)
+        r = calibrate(save(_first_conv_model(), tmp_path / "m.onnx"), str(tmp_path / "d"),
+                      CalibrateOptions(config=cfg, method="minmax", threads=1,
+                                       sampling=Sampling(batch=4), show_progress=False),
+                      workdir=str(tmp_path / "w"))
     assert "x" in r.table.lattices and Lattice.from_dict(r.table.lattices["x"]).shift != 0
     c = load_config(cfg)
     x = np.concatenate([load_image(f, c) for f in list_images(str(tmp_path / "d"))])
@@ -146,6 +149,7 @@ def test_the_shift_is_chosen_by_measurement(tmp_path):
 
     from helpers import save, write_config, write_images
     from qtool.calibrate.run import calibrate
+    from qtool.calibrate.options import CalibrateOptions, Sampling
     from qtool.quantize.context import QuantizeContext
     from qtool.quantize.input_grid import choose_input_grid
     from qtool.quantize.samples import load_samples
@@ -155,8 +159,9 @@ def test_the_shift_is_chosen_by_measurement(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         r = calibrate(save(_first_conv_model(), tmp_path / "m.onnx"), str(tmp_path / "d"),
-                      write_config(tmp_path / "cfg.toml"), "minmax", str(tmp_path / "w"), batch=4,
-                      show_progress=False, threads=1)
+                      CalibrateOptions(config=write_config(tmp_path / "cfg.toml"), method="minmax", threads=1,
+                                       sampling=Sampling(batch=4), show_progress=False),
+                      workdir=str(tmp_path / "w"))
     samples = load_samples(r.fused, r.table, list_images(str(tmp_path / "d")))
     ctx = QuantizeContext(r.fused, r.table, "minmax", threads=1)
     said = []

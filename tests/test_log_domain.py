@@ -123,6 +123,7 @@ def test_a_dft_basis_may_be_the_first_operand():
 
 def _quantized_sqnr(tmp_path, monkeypatch, rule: bool) -> float:
     from qtool.calibrate.run import calibrate
+    from qtool.calibrate.options import CalibrateOptions
     from qtool.quantize.run import quantize
     if not rule:
         monkeypatch.setattr("qtool.plan.log_domain", lambda model: {})
@@ -134,7 +135,7 @@ def _quantized_sqnr(tmp_path, monkeypatch, rule: bool) -> float:
     for i, s in enumerate(sounds(rng, 24)):
         np.save(data / f"{i:03d}.npy", s)
     wd = str(tmp_path / f"work-{rule}")
-    calibrate(model, str(data), None, "minmax", workdir=wd, show_progress=False)
+    calibrate(model, str(data), CalibrateOptions(config=None, method="minmax", show_progress=False), workdir=wd)
     r = quantize(wd, say=lambda s: None)
     q = onnx.load(r.report["int8_model"])
     ys, yq = [], []

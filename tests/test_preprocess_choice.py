@@ -12,7 +12,7 @@ import pytest
 from onnx import helper
 from PIL import Image
 
-from helpers import init, make_model, save, small_convnet, write_config, write_images
+from helpers import calibrate_options, init, make_model, save, small_convnet, write_config, write_images
 from qtool.calibrate.checks import OutputWatch
 from qtool.calibrate.run import calibrate
 from qtool.data.config import describe, fit_to_input, load_config
@@ -23,8 +23,9 @@ def _calibrate(model, data, tmp_path, config=None, **kw):
     said = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        r = calibrate(str(model), str(data), config, "minmax", str(tmp_path / "work"), batch=4, show_progress=False,
-                      threads=1, say=said.append, **kw)
+        r = calibrate(str(model), str(data),
+                      calibrate_options(config=config, method="minmax", batch=4, show_progress=False, threads=1, **kw),
+                      str(tmp_path / "work"), say=said.append)
     return r, said, [str(w.message) for w in caught]
 
 

@@ -11,11 +11,12 @@ import onnx
 import pytest
 from onnx import helper, numpy_helper
 
-from helpers import init, make_model, ops, run, save, small_convnet, weight, write_config, write_images
+from helpers import calibrate_options, init, make_model, ops, run, save, small_convnet, weight, write_config, write_images
 from qtool import qparams as Q
 from qtool.data.config import load_config
 from qtool.data.images import list_images, load_image
 from qtool.calibrate.run import calibrate
+from qtool.calibrate.options import CalibrateOptions
 from qtool.calibrate.table import load_table
 from qtool.errors import QtoolError
 from qtool.plan import make_plan
@@ -30,8 +31,9 @@ def _cal(model, tmp_path, n=6, cfg=None, seed=1, **kw):
     cfg = cfg or write_config(tmp_path / "cfg.toml")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return calibrate(save(model, tmp_path / "net.onnx"), str(data), cfg, "minmax", str(tmp_path / "work"),
-                         batch=4, show_progress=False, threads=1, **kw)
+        return calibrate(save(model, tmp_path / "net.onnx"), str(data),
+                         calibrate_options(config=cfg, method="minmax", batch=4, show_progress=False, threads=1, **kw),
+                         str(tmp_path / "work"))
 
 
 def _inputs(cfg_path, folder):
@@ -292,7 +294,8 @@ def test_excluded_layer_on_a_one_channel_input_stays_fp32(tmp_path):
     m = make_model(nodes, inits, [("x", ["N", 3, 8, 8])], [("y", ["N", 4, 8, 8])])
     path = save(m, tmp_path / "one.onnx")
     feeds = [{"x": rng.standard_normal((2, 3, 8, 8)).astype(np.float32)} for _ in range(3)]
-    r = calibrate(path, feeds, method="minmax", workdir=str(tmp_path / "w"), show_progress=False, threads=1)
+    r = calibrate(path, feeds,
+                  CalibrateOptions(method="minmax", threads=1, show_progress=False), workdir=str(tmp_path / "w"))
     out = quantize_graph(r.fused, r.table, exclude={"conv_b": "excluded by the user"})
     conv_b = next(n for n in out.model.graph.node if n.name == "conv_b")
     assert conv_b.input[0] == "t"  # the fp32 value, not a DequantizeLinear of it
@@ -454,6 +457,7 @@ def test_dead_channel_bias_fits_int32_and_onnxruntime_agrees(tmp_path):
 
     from helpers import init, make_model, run, save, write_config, write_images
     from qtool.calibrate.run import calibrate
+    from qtool.calibrate.options import CalibrateOptions
     from qtool.quantize.run import quantize
 
     rng = np.random.default_rng(5)
@@ -465,8 +469,9 @@ def test_dead_channel_bias_fits_int32_and_onnxruntime_agrees(tmp_path):
     model = save(m, tmp_path / "dead.onnx")
     write_images(str(tmp_path / "img"), 8, seed=1)
     wd = str(tmp_path / "work")
-    calibrate(model, str(tmp_path / "img"), write_config(str(tmp_path / "c.toml"), size=16), "minmax", workdir=wd,
-              show_progress=False)
+    calibrate(model, str(tmp_path / "img"),
+              CalibrateOptions(config=write_config(str(tmp_path / "c.toml"), size=16), method="minmax", show_progress=False),
+              workdir=wd)
     r = quantize(wd, say=lambda s: None)
     q = onnx.load(r.path)
     bias = next(numpy_helper.to_array(t) for t in q.graph.initializer if t.data_type == onnx.TensorProto.INT32)
@@ -621,17 +626,21 @@ def test_the_default_method_is_chosen_by_measurement_and_an_explicit_one_is_kept
     named at calibrate (or at quantize) is used as it is, with no measurement."""
     from qtool.calibrate.methods import METHODS
     from qtool.calibrate.run import calibrate
+    from qtool.calibrate.options import CalibrateOptions
     from qtool.quantize.run import quantize
 
     root, model, data, cfg, _ = calibrated
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        r = calibrate(model, data, cfg, workdir=str(tmp_path / "auto"), show_progress=False, threads=1)
+        r = calibrate(model, data,
+                      CalibrateOptions(config=cfg, threads=1, show_progress=False), workdir=str(tmp_path / "auto"))
         assert r.table.method == "auto" and r.table.range_method == "minmax"
         q = quantize(str(tmp_path / "auto"), say=lambda s: None)
         scores = q.report["method_scores_db"]
         assert set(scores) == set(METHODS) and q.report["method"] == max(scores, key=scores.get)
-        calibrate(model, data, cfg, "percentile", workdir=str(tmp_path / "named"), show_progress=False, threads=1)
+        calibrate(model, data,
+                  CalibrateOptions(config=cfg, method="percentile", threads=1, show_progress=False),
+                  workdir=str(tmp_path / "named"))
         q = quantize(str(tmp_path / "named"), say=lambda s: None)
     assert q.report["method"] == "percentile" and q.report["method_scores_db"] is None
 

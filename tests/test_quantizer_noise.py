@@ -8,6 +8,7 @@ import pytest
 from helpers import save, write_config, write_images
 from test_sensitivity import damaged_chain
 from qtool.calibrate.run import calibrate
+from qtool.calibrate.options import CalibrateOptions
 from qtool.qparams import ActQParams
 from qtool.quantize.context import QuantizeContext
 from qtool.quantize.quantizer_noise import _measure, quantizer_noise
@@ -22,8 +23,9 @@ def swamped(tmp_path):
     data = str(tmp_path / "images")
     write_images(data, 12, seed=3)
     wd = str(tmp_path / "work")
-    calibrate(model, data, write_config(str(tmp_path / "cfg.toml"), size=16), "minmax", workdir=wd,
-              show_progress=False)
+    calibrate(model, data,
+              CalibrateOptions(config=write_config(str(tmp_path / "cfg.toml"), size=16), method="minmax", show_progress=False),
+              workdir=wd)
     fused, table, _ = load_inputs(wd, None, None)
     ctx = QuantizeContext(fused, table, "minmax")
     samples = load_samples(fused, table, sorted(glob.glob(os.path.join(data, "*"))))

@@ -6,6 +6,7 @@ from onnx import helper
 
 from helpers import init, make_model, save, write_config, write_images
 from qtool.calibrate.run import calibrate
+from qtool.calibrate.options import CalibrateOptions
 from qtool.quantize.run import SensitivityOptions, quantize
 
 
@@ -45,7 +46,7 @@ def damaged_workdir(tmp_path):
     write_images(str(data), 24, seed=3)
     cfg = write_config(str(tmp_path / "cfg.toml"), size=16)
     wd = str(tmp_path / "work")
-    calibrate(model, str(data), cfg, "minmax", workdir=wd, show_progress=False)
+    calibrate(model, str(data), CalibrateOptions(config=cfg, method="minmax", show_progress=False), workdir=wd)
     return wd
 
 
@@ -146,7 +147,8 @@ def test_a_layer_alone_in_int8_does_not_carry_the_input_quantizer(tmp_path):
     model = save(focus_stem(), str(tmp_path / "focus.onnx"))
     write_images(str(tmp_path / "images"), 8, seed=2)
     cfg = write_config(str(tmp_path / "cfg.toml"), size=16)
-    r = calibrate(model, str(tmp_path / "images"), cfg, "minmax", workdir=str(tmp_path / "w"), show_progress=False)
+    r = calibrate(model, str(tmp_path / "images"),
+                  CalibrateOptions(config=cfg, method="minmax", show_progress=False), workdir=str(tmp_path / "w"))
     ctx = QuantizeContext(r.fused, r.table, "minmax", threads=1)
     sim = Simulator(ctx)
     assert {"slice_a", "slice_b"} <= sim.plan.int8_nodes  # the plan of the whole model keeps them int8
@@ -230,7 +232,8 @@ def test_an_op_without_weights_is_measured_as_the_model_runs_it(tmp_path):
     model = save(gated_head(), str(tmp_path / "head.onnx"))
     write_images(str(tmp_path / "images"), 8, seed=3)
     cfg = write_config(str(tmp_path / "cfg.toml"), size=16)
-    r = calibrate(model, str(tmp_path / "images"), cfg, "minmax", workdir=str(tmp_path / "w"), show_progress=False)
+    r = calibrate(model, str(tmp_path / "images"),
+                  CalibrateOptions(config=cfg, method="minmax", show_progress=False), workdir=str(tmp_path / "w"))
     ctx = QuantizeContext(r.fused, r.table, "minmax", threads=1)
     samples = load_samples(r.fused, r.table, sorted(str(p) for p in (tmp_path / "images").iterdir()))
     layers = {l.name: l for l in layer_sensitivity(ctx, samples)}

@@ -19,6 +19,7 @@ from qtool.quantize.simulate import Simulator, Variant
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     from qtool.calibrate.run import calibrate
+    from qtool.calibrate.options import CalibrateOptions
     root = tmp_path_factory.mktemp("sim")
     from helpers import save
     model = save(small_convnet(seed=3), root / "net.onnx")
@@ -26,7 +27,9 @@ def setup(tmp_path_factory):
     cfg = write_config(root / "cfg.toml")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        r = calibrate(model, str(root / "data"), cfg, "minmax", str(root / "work"), show_progress=False, threads=1)
+        r = calibrate(model, str(root / "data"),
+                      CalibrateOptions(config=cfg, method="minmax", threads=1, show_progress=False),
+                      workdir=str(root / "work"))
     ctx = QuantizeContext(r.fused, r.table, "minmax", threads=1)
     return ctx, load_samples(r.fused, r.table, sorted(str(p) for p in (root / "data").iterdir()))
 
@@ -109,6 +112,7 @@ def test_a_layer_alone_keeps_its_per_channel_weights_in_the_simulation(tmp_path)
     from onnx import numpy_helper
     from helpers import save
     from qtool.calibrate.run import calibrate
+    from qtool.calibrate.options import CalibrateOptions
     from qtool.quantize.sensitivity import layer_exclusions, layer_variants
     m = small_convnet(seed=5)
     f = np.array([1, 1e-3, 1, 3e-3, 1, 1e-2, 1, 3e-2])  # channel sizes of the depthwise output
@@ -121,8 +125,9 @@ def test_a_layer_alone_keeps_its_per_channel_weights_in_the_simulation(tmp_path)
     write_images(tmp_path / "data", 8, seed=6)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        r = calibrate(model, str(tmp_path / "data"), write_config(tmp_path / "cfg.toml"), "minmax",
-                      str(tmp_path / "work"), show_progress=False, threads=1)
+        r = calibrate(model, str(tmp_path / "data"),
+                      CalibrateOptions(config=write_config(tmp_path / "cfg.toml"), method="minmax", threads=1, show_progress=False),
+                      workdir=str(tmp_path / "work"))
     ctx = QuantizeContext(r.fused, r.table, "minmax", threads=1)
     samples = load_samples(r.fused, r.table, sorted(str(p) for p in (tmp_path / "data").iterdir()))
     sim = Simulator(ctx)
@@ -139,6 +144,7 @@ def test_the_prefix_of_an_old_ir_model_loads(tmp_path):
     from onnx import helper
     from helpers import save
     from qtool.calibrate.run import calibrate
+    from qtool.calibrate.options import CalibrateOptions
     m = small_convnet(seed=1)
     m.ir_version = 3
     for t in m.graph.initializer:
@@ -146,8 +152,9 @@ def test_the_prefix_of_an_old_ir_model_loads(tmp_path):
     write_images(tmp_path / "data", 4, seed=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        r = calibrate(save(m, tmp_path / "m.onnx"), str(tmp_path / "data"), write_config(tmp_path / "c.toml"),
-                      "minmax", str(tmp_path / "w"), show_progress=False, threads=1)
+        r = calibrate(save(m, tmp_path / "m.onnx"), str(tmp_path / "data"),
+                      CalibrateOptions(config=write_config(tmp_path / "c.toml"), method="minmax", threads=1, show_progress=False),
+                      workdir=str(tmp_path / "w"))
     ctx = QuantizeContext(r.fused, r.table, "minmax", threads=1)
     samples = load_samples(r.fused, r.table, sorted(str(p) for p in (tmp_path / "data").iterdir()))
     sim = Simulator(ctx)

@@ -8,6 +8,7 @@ from onnx import helper
 
 from helpers import init, make_model, run, save
 from qtool.calibrate.run import calibrate
+from qtool.calibrate.options import CalibrateOptions
 from qtool.quantize.qdq import quantize_graph
 from qtool.quantize.context import QuantizeContext
 from qtool.quantize.range_search import search_ranges
@@ -20,8 +21,9 @@ from qtool import qparams as Q
 def _calibrated(model, tmp_path, samples):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return calibrate(save(model, tmp_path / "m.onnx"), samples, None, "minmax", str(tmp_path / "work"),
-                         show_progress=False, threads=1)
+        return calibrate(save(model, tmp_path / "m.onnx"), samples,
+                         CalibrateOptions(config=None, method="minmax", threads=1, show_progress=False),
+                         workdir=str(tmp_path / "work"))
 
 
 def _correlated(rng, n, c, hw):

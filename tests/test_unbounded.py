@@ -43,6 +43,7 @@ def feeds(rng, n):
 
 def _quantized(tmp_path, kind, monkeypatch=None):
     from qtool.calibrate.run import calibrate
+    from qtool.calibrate.options import CalibrateOptions
     from qtool.quantize.run import quantize
     if monkeypatch is not None:
         monkeypatch.setattr("qtool.quantize.run.unbounded_exclusions", lambda model, table: ({}, {}))
@@ -54,7 +55,7 @@ def _quantized(tmp_path, kind, monkeypatch=None):
         np.savez(data / f"{i:03d}.npz", **f)
     wd = str(tmp_path / f"work-{kind}-{monkeypatch is None}")
     with pytest.warns(UserWarning) if kind == "inf" else _no_warning():
-        calibrate(model, str(data), None, "minmax", workdir=wd, show_progress=False)
+        calibrate(model, str(data), CalibrateOptions(config=None, method="minmax", show_progress=False), workdir=wd)
     r = quantize(wd, say=lambda s: None)
     q = onnx.load(r.report["int8_model"])
     ys, yq = [], []

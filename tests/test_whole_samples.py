@@ -10,7 +10,7 @@ import onnx
 from onnx import helper
 
 from helpers import init, make_model, save
-from qtool.api import calibrate, evaluate, quantize
+from qtool.api import Sampling, calibrate, evaluate, quantize
 
 
 def _frames_model(rng, bins=8, k=5):
@@ -86,7 +86,7 @@ def test_a_free_batch_the_graph_does_not_honour(tmp_path):
     for i, s in enumerate(samples):
         np.save(d / f"{i:02d}.npy", s)
     w = str(tmp_path / "w")
-    calibrate(path, str(d), workdir=w, batch=1)
+    calibrate(path, str(d), workdir=w, sampling=Sampling(batch=1))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         q = quantize(workdir=w)

@@ -13,7 +13,7 @@ import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import onnx
@@ -88,14 +88,58 @@ WORKERS = 2  # runs in flight at once (see collect)
 MEAN_SAMPLES = 128  # per-channel means (for bias correction): 128 images x every pixel settle them
 
 
-def collect(model: onnx.ModelProto, range_tensors: list, mean_tensors: list, batches, progress=None,
-            threads: int = 0, watch: str | None = None, where: str | None = None, ranged=(),
-            cut: bool = True) -> Observed:
-    """`batches` yields dicts input name -> array; `progress(k)` is told of k more samples.
-    `cut`: axis 0 of the feeds holds samples, which may be run in slices; False: each feed is one
-    sample, run whole (a model whose axis 0 is the sample's own, time or nodes).
-    `watch`: a float model output summarised per sample (Observed.watch, checks.OutputWatch).
-    `ranged`: tensors (of mean_tensors, channels on axis 1) whose per-channel min and max are kept too.
+@dataclass(frozen=True)
+class Targets:
+    """What the pass observes: `ranges` (a histogram each), `means` (channel sums of the first
+    MEAN_SAMPLES samples: a list, channels on axis 1, or a dict tensor -> channel axis), `watch` (a float
+    model output summarised per sample: Observed.watch, checks.OutputWatch) and `ranged` (tensors of
+    `means`, channels on axis 1, whose per-channel min and max are kept too)."""
+    ranges: list
+    means: object
+    watch: str | None = None
+    ranged: tuple = ()
+
+    def wanted(self) -> list:
+        """Every tensor read out, once, in order."""
+        return list(dict.fromkeys(list(self.ranges) + list(self.means) + ([self.watch] if self.watch else [])))
+
+
+class ShapesAt:
+    """Shape inference of a graph at a batch's input shapes, kept for the last shapes asked: the
+    calibration budget (the first batch's MACs) and the plan of the pass (the first batch's observed
+    bytes) read the same inference, of the whole graph with data propagation (0.1 s on MiniLM-L3 or
+    PP-OCRv5 det; more on larger graphs). What it returns is shared: read it, never change it."""
+
+    def __init__(self, model: onnx.ModelProto):
+        self.model, self.key, self.shapes = model, None, None
+
+    @staticmethod
+    def inputs(feeds: dict) -> dict:
+        return {k: np.shape(v) for k, v in feeds.items()}
+
+    def __call__(self, feeds: dict) -> dict:
+        key = self.inputs(feeds)
+        if key != self.key:
+            self.key, self.shapes = key, G.inferred_shapes(self.model, key)
+        return self.shapes
+
+
+@dataclass(frozen=True)
+class Pass:
+    """How the pass runs. `progress(k)` is told of k more samples; `threads`: 0 for all cores (up to 8);
+    `where` names the model in errors; `cut`: axis 0 of the feeds holds samples, which may be run in
+    slices; False: each feed is one sample, run whole (a model whose axis 0 is the sample's own, time or
+    nodes). `shapes`: the ShapesAt of the model, when the caller shares it."""
+    progress: object = None
+    threads: int = 0
+    where: str | None = None
+    cut: bool = True
+    shapes: ShapesAt | None = None
+
+
+def collect(model: onnx.ModelProto, targets: Targets, batches, run: Pass = Pass()) -> Observed:
+    """`batches` yields dicts input name -> array; what is observed of them is `targets`, how the pass
+    runs `run` (Pass).
 
     Two workers each run a slice through one shared session on their share of the threads,
     then fold its outputs into their own histograms, while the other worker does the same
@@ -109,22 +153,21 @@ def collect(model: onnx.ModelProto, range_tensors: list, mean_tensors: list, bat
     A model whose observed tensors for one sample exceed GROUPED_ABOVE (a 1280x1280 detector: 1.3 GB,
     a 960x1280 U-Net: 1.9 GB) runs in segments of its graph, one worker, each segment's tensors observed
     before the next runs: memory bounded, each node still run once."""
-    wanted = list(dict.fromkeys(list(range_tensors) + list(mean_tensors) + ([watch] if watch else [])))
-    threads = threads or min(os.cpu_count() or 1, 8)
+    run = replace(run, threads=run.threads or min(os.cpu_count() or 1, 8), shapes=run.shapes or ShapesAt(model))
     # name -> the size of axis 0 when fixed (a fixed batch is never cut into slices), else None
     graph_inputs = {i.name: (d[0] if d and isinstance(d[0], int) and d[0] > 0 else None)
                     for i in G.real_inputs(model) for d in [G.input_dims(i)]}
-    stream = _Stream(iter(batches), graph_inputs, cut)
+    stream = _Stream(iter(batches), graph_inputs, run.cut)
     obs, first = None, 0
     head = stream.next_head()
     while True:
         # the graph is planned (whole or in segments) at the largest sample met so far: a later
         # sample beyond it ends the phase and the rest runs under a plan made at its size
-        segments, per_sample = _segments(model, wanted, head, per_row=cut)
+        segments, per_sample = _segments(model, targets.wanted(), head, run)
         stream.plan(head, per_sample)
-        workers = WORKERS if threads >= WORKERS and _level(per_sample) == 0 else 1
-        got, first = _collect_phase(model, segments, stream, head, range_tensors, mean_tensors, graph_inputs,
-                                    threads, workers, progress, watch, where, ranged, cut, first)
+        workers = WORKERS if run.threads >= WORKERS and _level(per_sample) == 0 else 1
+        phase = _Phase(targets, run, graph_inputs, segments, workers)
+        got, first = _collect_phase(phase, itertools.chain([] if head is None else [head], stream), first)
         if obs is None:
             obs = got
         else:
@@ -175,36 +218,22 @@ def _level(per_sample_bytes: int) -> int:
     return 0 if per_sample_bytes <= GROUPED_ABOVE // WORKERS else 1 if per_sample_bytes <= GROUPED_ABOVE else 2
 
 
-def _collect_phase(model, segments, stream, head, range_tensors, mean_tensors, graph_inputs, threads, n_workers,
-                   progress, watch, where, ranged, cut, first) -> tuple:
-    """Runs `head` and then `stream` under one plan of segments, by `n_workers` workers
-    -> (Observed, index of the next sample)."""
-    batches = itertools.chain([] if head is None else [head], stream)
-    per_worker = max(1, threads // n_workers)
-    # segments run one after another: one arena for all holds one segment's peak, where an arena each
-    # would pin every segment's peak at once (CRAFT at 960x1280: 6.9 GB)
-    arena = True if len(segments) == 1 else "shared"
-    sessions = [session(seg.model, per_worker, arena=arena, spin=False, where=where) for seg in segments]
-    workers = [_Worker(list(zip(sessions, segments)), range_tensors, mean_tensors, per_worker, progress, watch,
-                       set(ranged))
-               for _ in range(n_workers)]
-    per_sample = lambda: next((w.per_sample_bytes for w in workers if w.per_sample_bytes), None)
-    slices = _slices(batches, graph_inputs, per_sample, MAX_OUTPUT_BYTES // n_workers) if cut else \
-        ({k: v for k, v in f.items() if k in graph_inputs} for f in batches)
+@dataclass(frozen=True)
+class _Phase:
+    """One plan of the pass: the graph `segments` run by `n_workers` workers, until the stream ends or
+    asks for another plan."""
+    targets: Targets
+    run: Pass
+    graph_inputs: dict  # name -> the size of axis 0 when fixed, else None
+    segments: list
+    n_workers: int
+
+
+def _collect_phase(phase: _Phase, batches, first: int) -> tuple:
+    """Runs `batches` under one plan -> (Observed, index of the next sample)."""
+    workers = _start_workers(phase)
     try:
-        for w in workers:
-            w.start()
-        for k in itertools.count():
-            if k == 1:
-                # the first slice goes alone: its run measures the output size per sample,
-                # which sizes every later slice
-                workers[0].wait_idle()
-            feeds = next(slices, None)
-            if feeds is None:
-                break
-            n = (len(next(iter(feeds.values()))) if feeds else 0) if cut else 1
-            workers[k % n_workers].put((first, n, feeds), workers)
-            first += n
+        first = _deal(phase, workers, batches, first)
     except _WorkerFailed:
         pass  # the worker's own exception is raised below
     finally:
@@ -216,6 +245,39 @@ def _collect_phase(model, segments, stream, head, range_tensors, mean_tensors, g
     for w in workers[1:]:
         obs.merge(w.obs)
     return obs, first
+
+
+def _start_workers(phase: _Phase) -> list:
+    """A session per segment, shared by the workers, each given its share of the threads."""
+    per_worker = max(1, phase.run.threads // phase.n_workers)
+    # segments run one after another: one arena for all holds one segment's peak, where an arena each
+    # would pin every segment's peak at once (CRAFT at 960x1280: 6.9 GB)
+    arena = True if len(phase.segments) == 1 else "shared"
+    sessions = [session(seg.model, per_worker, arena=arena, spin=False, where=phase.run.where) for seg in phase.segments]
+    workers = [_Worker(list(zip(sessions, phase.segments)), phase.targets, per_worker, phase.run.progress)
+               for _ in range(phase.n_workers)]
+    for w in workers:
+        w.start()
+    return workers
+
+
+def _deal(phase: _Phase, workers: list, batches, first: int) -> int:
+    """The batches, in slices, to the workers in turn -> the index of the next sample."""
+    n_workers, cut = phase.n_workers, phase.run.cut
+    per_sample = lambda: next((w.per_sample_bytes for w in workers if w.per_sample_bytes), None)
+    slices = _slices(batches, phase.graph_inputs, per_sample, MAX_OUTPUT_BYTES // n_workers) if cut else \
+        ({k: v for k, v in f.items() if k in phase.graph_inputs} for f in batches)
+    for k in itertools.count():
+        if k == 1:
+            # the first slice goes alone: its run measures the output size per sample,
+            # which sizes every later slice
+            workers[0].wait_idle()
+        feeds = next(slices, None)
+        if feeds is None:
+            return first
+        n = (len(next(iter(feeds.values()))) if feeds else 0) if cut else 1
+        workers[k % n_workers].put((first, n, feeds), workers)
+        first += n
 
 
 GROUPED_ABOVE = 1 << 30  # observed bytes per sample beyond which the graph is run in segments
@@ -234,30 +296,35 @@ class _Segment:
     drop: list = field(default_factory=list)
 
 
-def _segments(model: onnx.ModelProto, wanted: list, feeds: dict | None, per_row: bool = True) -> tuple:
+def _segments(model: onnx.ModelProto, wanted: list, feeds: dict | None, run: Pass) -> tuple:
     """The whole graph as one segment reading out `wanted`, or, when one sample's values of them exceed
     GROUPED_ABOVE, its nodes (in graph order) cut into segments that each write about GROUP_BYTES of
     them: each node runs once, and only one segment's values and the tensors crossing the cuts are
-    held. Sizes from shape inference at the batch's input shapes; a tensor of unknown size counts
-    as the largest known one. -> (segments, the observed bytes per sample at these shapes)"""
-    whole = [_Segment(with_outputs(model, wanted), [], wanted, wanted)]
+    held. Sizes from shape inference at the batch's input shapes (run.shapes); a tensor of unknown size
+    counts as the largest known one. -> (segments, the observed bytes per sample at these shapes)"""
     if not feeds:
-        return whole, 0
-    from qtool.plan import elem_types
+        return [_Segment(with_outputs(model, wanted), [], wanted, wanted)], 0
     # inferred at the batch's own shapes, one sample's share taken after: at one row, onnx's data propagation
     # aborted the process (a std::clamp assertion) on madmom's onsets CNN, whose axis 0 is time
-    shapes = G.inferred_shapes(model, {k: np.shape(v) for k, v in feeds.items()})
-    rows = max(1, len(next(iter(feeds.values())))) if per_row and np.ndim(next(iter(feeds.values()))) else 1
+    shapes = run.shapes(feeds)
+    rows = max(1, len(next(iter(feeds.values())))) if run.cut and np.ndim(next(iter(feeds.values()))) else 1
     size = {t: 4 * int(np.prod(shapes[t])) // rows for t in wanted if shapes.get(t) is not None and all(shapes[t])}
     big = max(size.values(), default=0)
     total = sum(size.get(t, big) for t in wanted)
-    if total <= GROUPED_ABOVE:
-        return whole, total
+    if total <= GROUPED_ABOVE:  # (the whole graph serialized only now: a cut graph never needs it)
+        return [_Segment(with_outputs(model, wanted), [], wanted, wanted)], total
+    return _cut(model, wanted, lambda t: size.get(t, big)), total
+
+
+def _cut(model: onnx.ModelProto, wanted: list, size) -> list:
+    """The graph's nodes, in order, as segments each writing about GROUP_BYTES of `wanted` (`size(t)`:
+    a tensor's bytes per sample)."""
+    from qtool.plan import elem_types
     nodes = G.topological_order(model)
     want = set(wanted)
     cuts, used = [0], 0
     for k, n in enumerate(nodes):
-        out = sum(size.get(o, big) for o in n.output if o in want)
+        out = sum(size(o) for o in n.output if o in want)
         if used and used + out > GROUP_BYTES:
             cuts.append(k)
             used = 0
@@ -284,20 +351,21 @@ def _segments(model: onnx.ModelProto, wanted: list, feeds: dict | None, per_row:
     for k, seg in enumerate(segs):  # what no later segment reads goes once this one is done
         ahead = set().union(*(s.inputs for s in segs[k + 1:])) if k + 1 < len(segs) else set()
         seg.drop = [t for t in seg.outputs + seg.inputs if t not in ahead]
-    return segs, total
+    return segs
 
 
 class _Worker:
     """One thread: runs its slices through the session (or the session of each group of tensors)
     into its own buffers, folds them into its own Observed."""
 
-    def __init__(self, parts, range_tensors, mean_tensors, threads, progress, watch=None, ranged=frozenset()):
-        # (runner, segment, the tensors of range_tensors it observes, those of mean_tensors), per segment
-        self.parts = [(_BoundRunner(sess, seg.outputs), seg, [t for t in range_tensors if t in set(seg.observe)],
-                       {t: a for t, a in _as_axes(mean_tensors).items() if t in set(seg.observe)})
+    def __init__(self, parts, targets: Targets, threads: int, progress):
+        # (runner, segment, the tensors of targets.ranges it observes, those of targets.means), per segment
+        self.parts = [(_BoundRunner(sess, seg.outputs), seg, [t for t in targets.ranges if t in set(seg.observe)],
+                       {t: a for t, a in _as_axes(targets.means).items() if t in set(seg.observe)})
                       for sess, seg in parts]
-        self.range_tensors, self.mean_tensors, self.ranged = range_tensors, mean_tensors, ranged
-        self.obs = Observed({t: Histogram() for t in range_tensors}, watch=OutputWatch(watch) if watch else None)
+        self.ranged = set(targets.ranged)
+        self.obs = Observed({t: Histogram() for t in targets.ranges},
+                            watch=OutputWatch(targets.watch) if targets.watch else None)
         self.threads, self.progress = threads, progress
         self.queue = queue.Queue(maxsize=1)
         self.error = None

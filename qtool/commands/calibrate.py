@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import click
 
-from qtool.calibrate.budget import DEFAULT_GMAC
-from qtool.calibrate.methods import AUTO, DEFAULT_METHOD, METHODS
+from qtool.calibrate.methods import AUTO, METHODS
+from qtool.calibrate.options import CalibrateOptions, Sampling
 from qtool.calibrate.run import calibrate
 from qtool.commands.common import common_options, say, setup_output, shown, write_json
 from qtool.limits import MAX_BATCH
@@ -21,17 +21,17 @@ from qtool.outputs import File
               "input. Default: the model's metadata (qtool.config) if it has one, else imagenet-torchvision for a "
               "3-channel input (grey pixels 0-255 for 1 channel); the choice is printed, and a warning says when the "
               "model's first BatchNormalization or its outputs suggest another.")
-@click.option("--method", type=click.Choice(sorted(METHODS) + [AUTO]), default=DEFAULT_METHOD, show_default=True,
+@click.option("--method", type=click.Choice(sorted(METHODS) + [AUTO]), default=CalibrateOptions.method, show_default=True,
               help="Range method for quantize: auto lets quantize pick the one whose int8 output is closest to fp32 "
                    "on calibration samples; every method's ranges are stored, `quantize --method` can switch.")
-@click.option("--batch", default=4, show_default=True, type=click.IntRange(1, MAX_BATCH), help="Images per inference batch.")
+@click.option("--batch", default=Sampling.batch, show_default=True, type=click.IntRange(1, MAX_BATCH), help="Images per inference batch.")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Use at most this many images.")
-@click.option("--every", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--every", type=click.IntRange(min=1), default=Sampling.every, show_default=True,
               help="Use every N-th image of the sorted folder (e.g. 10 for a 1-in-10 calibration split).")
-@click.option("--budget-gmac", type=click.FloatRange(min=0), default=DEFAULT_GMAC, show_default=True,
+@click.option("--budget-gmac", type=click.FloatRange(min=0), default=Sampling.budget_gmac, show_default=True,
               help="Compute budget of the calibration pass, in GMAC: a model too heavy for all the samples within "
                    "it (at least 16 are kept) uses fewer, spread evenly over the data, and says so. 0: no budget.")
-@click.option("--threads", type=click.IntRange(0, 1024), default=0, help="ONNX Runtime threads (0 = all cores).")
+@click.option("--threads", type=click.IntRange(0, 1024), default=CalibrateOptions.threads, help="ONNX Runtime threads (0 = all cores).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write a summary as JSON here.")
 @common_options
 def command(model, data, config, method, batch, limit, every, budget_gmac, threads, json_path, workdir, quiet, verbose, debug):
@@ -68,7 +68,8 @@ def command(model, data, config, method, batch, limit, every, budget_gmac, threa
                                "fused_model": r.fused_path, "graph_cleanup": r.fuse_counts,
                                "phases": r.phases, "fuse_seconds": r.fuse_seconds})
 
-    shown(lambda: calibrate(model, data, config, method, workdir, batch, limit, show_progress=not quiet,
-                            threads=threads, every=every, say=lambda t: say(quiet, t), budget_gmac=budget_gmac,
+    options = CalibrateOptions(config, method, threads, Sampling(batch, limit, every, budget_gmac),
+                               show_progress=not quiet)
+    shown(lambda: calibrate(model, data, options, workdir, say=lambda t: say(quiet, t),
                             also_writes=[File("--json file", json_path)] if json_path else []),  # (checked first)
           show)

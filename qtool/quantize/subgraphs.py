@@ -130,6 +130,7 @@ def quantize_branches(model: onnx.ModelProto, fused: onnx.ModelProto, samples, w
     `samples` take, each in its own working directory under `workdir`, with the quantize `options`
     (a branch's own Ifs are handled there, the same way). -> [(If node, branch, its QuantizeResult)]."""
     from qtool.calibrate.run import calibrate
+    from qtool.calibrate.options import CalibrateOptions
     from qtool.quantize.run import quantize
 
     done = []
@@ -147,7 +148,9 @@ def quantize_branches(model: onnx.ModelProto, fused: onnx.ModelProto, samples, w
         save_model(sub, path)
         with warnings.catch_warnings():  # (what the branch's own steps would say: its summary is said here)
             warnings.simplefilter("ignore")
-            calibrate(path, data, workdir=os.path.join(folder, "work"), show_progress=False, say=lambda text: None)
+            calibrate(path, data,
+                      CalibrateOptions(show_progress=False),
+                      workdir=os.path.join(folder, "work"), say=lambda text: None)
             q = quantize(os.path.join(folder, "work"), say=lambda text: None, **options)
         s = q.report["summary"]
         kept = "" if q.exclusion is None else (
