@@ -24,8 +24,9 @@ from qtool.calibrate.run import calibrate
 from qtool.calibrate.table import load_table
 from qtool.metrics import sqnr_db, top1_agreement
 from qtool.quantize.qdq import quantize_graph
-from qtool.quantize.run import SensitivityOptions, quantize
+from qtool.quantize.run import quantize
 from qtool.ortsession import run_first_output
+from qtool.quantize.options import ExclusionOptions, QuantizeOptions, SensitivityOptions
 
 
 def main():
@@ -41,8 +42,7 @@ def main():
     work = tempfile.mkdtemp(prefix="qtool-sens-")
     calibrate(a.model, a.images, a.config, a.method, workdir=work, show_progress=False, every=split.EVERY)
     t = time.time()
-    r = quantize(work, sensitivity=SensitivityOptions(samples=64, exclude_sensitive=True, show_progress=False),
-                 say=lambda s: None)
+    r = quantize(work, QuantizeOptions(progress=False, sensitivity=SensitivityOptions(samples=64), exclusion=ExclusionOptions(enabled=True)), say=lambda s: None)
     total = time.time() - t
     sens = r.sensitivity
     layers = sorted(sens["layers"], key=lambda l: l["rank"])

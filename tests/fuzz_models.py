@@ -303,13 +303,13 @@ def int8_base(base, root: str) -> onnx.ModelProto:
     """The base model quantized by qtool itself (the untouched int8 model the int8 cases mutate)."""
     if base.__name__ not in _INT8:
         from qtool.calibrate.run import calibrate
-        from qtool.quantize.run import SensitivityOptions, quantize
+        from qtool.quantize.run import quantize
         d = tempfile.mkdtemp(prefix=f"int8{base.__name__}-", dir=root)
         path = os.path.join(d, "fp32.onnx")
         onnx.save(base(np.random.default_rng(7)), path)
         calibrate(path, feeds_for(base.__name__, np.random.default_rng(8), 4), None, "minmax", d, batch=2,
                   show_progress=False, threads=1)
-        q = quantize(d, sensitivity=SensitivityOptions(enabled=False, show_progress=False), say=lambda *a: None)
+        q = quantize(d, say=lambda *a: None)
         _INT8[base.__name__] = onnx.load(q.path)
     m = onnx.ModelProto()
     m.CopyFrom(_INT8[base.__name__])
@@ -350,7 +350,7 @@ def run_case(seed: int, case: int, root: str) -> dict:
     from qtool.calibrate.run import calibrate
     from qtool.errors import QtoolError
     from qtool.inspect import inspect_model
-    from qtool.quantize.run import SensitivityOptions, quantize
+    from qtool.quantize.run import quantize
     from qtool.runtime import NativeSession
 
     m, base, done = mutated(seed, case, root)
@@ -396,8 +396,7 @@ def run_case(seed: int, case: int, root: str) -> dict:
                                               threads=1))
     q = None
     if cal is not None and not res["failure"]:
-        q = step("quantize", lambda: quantize(wd, sensitivity=SensitivityOptions(enabled=False, show_progress=False),
-                                              say=lambda *a: None))
+        q = step("quantize", lambda: quantize(wd, say=lambda *a: None))
     if not res["failure"]:
         target = q.path if q is not None else path
         s = step("runtime load", lambda: NativeSession(target, threads=1))

@@ -71,9 +71,11 @@ def calibrated(chain):
     root, path, convs = chain
     work = root / "work"
     assert timed("calibrate", qtool, "calibrate", "--model", path, "--data", root / "data", "-w", work, "-q") == 0
-    from qtool.quantize.run import load_inputs
+    from qtool.quantize.inputs import load_inputs
+    from qtool.workdir import Workdir
     from qtool.quantize.sensitivity import quantizable_layers
-    fused, table, _ = load_inputs(str(work), None, None)
+    inp = load_inputs(Workdir(str(work)))
+    fused, table = inp.fused, inp.table
     layers = [d.name for d in quantizable_layers(fused)]  # a plan of the whole chain, made once
     return work, fused, table, layers
 
@@ -94,7 +96,7 @@ def test_default_quantize_with_sensitivity_then_native_matches_reference(chain, 
     builds and loads a 3000-node model (about 1 s here), so the sensitivity pass measures a sample of
     layers: the first (3000 fp32 nodes after it, where the old recursion broke), one in the middle and
     the last; all the other layers stay fp32 in each measurement, as in the full pass."""
-    import qtool.quantize.run as run
+    import qtool.quantize.steps.sensitivity as run
     from qtool.quantize import sensitivity
     from qtool.runtime import NativeSession
 

@@ -21,6 +21,7 @@ from qtool.errors import QtoolError
 from qtool.plan import make_plan
 from qtool.quantize.qdq import quantize_graph
 from qtool.quantize.run import quantize
+from qtool.quantize.options import QuantizeOptions, SensitivityOptions
 
 
 def _cal(model, tmp_path, n=6, cfg=None, seed=1, **kw):
@@ -304,11 +305,11 @@ def test_quantize_writes_model_report_and_manifest(calibrated, tmp_path):
     wd = tmp_path / "work"
     shutil.copytree(root / "work", wd)
     # the table records absolute paths of the session's workdir; point quantize at the copy explicitly
-    res = quantize(str(wd), table_path=str(wd / "calibration.json"), exclude={"fc": "excluded by the user"})
+    res = quantize(str(wd), QuantizeOptions(table=str(wd / "calibration.json"), exclude=["fc"]))
     assert res.path == str(wd / "model.int8.onnx")
     onnx.checker.check_model(onnx.load(res.path))
     rep = json.load(open(wd / "quantize.json"))
-    assert rep["excluded"] == {"fc": "excluded by the user"} and rep["method"] == "minmax"
+    assert rep["excluded"] == {"fc": "excluded by the user (--exclude)"} and rep["method"] == "minmax"
     assert {d["name"]: d["status"] for d in rep["nodes"]}["fc"] == "fp32"
     assert rep["size_bytes"]["int8"] < rep["size_bytes"]["fp32"] * 1.5
     assert json.load(open(wd / "manifest.json"))["quantize"]["int8_path"] == res.path
@@ -317,7 +318,7 @@ def test_quantize_writes_model_report_and_manifest(calibrated, tmp_path):
 def test_unknown_exclude_name_is_an_error(calibrated, tmp_path):
     root, model, data, cfg, r = calibrated
     with pytest.raises(QtoolError, match=r"--exclude: no node named 'no_such_node'"):
-        quantize(str(tmp_path / "w"), table_path=r.table_path, exclude={"no_such_node": "x"})
+        quantize(str(tmp_path / "w"), QuantizeOptions(table=r.table_path, exclude=["no_such_node"]))
     assert not (tmp_path / "w" / "model.int8.onnx").exists()
 
 
@@ -325,7 +326,7 @@ def test_table_from_another_model_is_refused(calibrated, tmp_path):
     root, model, data, cfg, r = calibrated
     other = save(small_convnet(seed=5), tmp_path / "other.onnx")
     with pytest.raises(QtoolError, match=r"calibration\.json.*another model.*net\.onnx.*other\.onnx"):
-        quantize(str(tmp_path / "w"), model=other, table_path=r.table_path)
+        quantize(str(tmp_path / "w"), QuantizeOptions(model=other, table=r.table_path, progress=False, sensitivity=SensitivityOptions(enabled=False)))
 
 
 def test_table_missing_tensor_is_refused(calibrated):
@@ -346,7 +347,7 @@ def test_changed_fused_graph_is_refused_when_original_is_gone(calibrated, tmp_pa
     t.save(str(wd / "calibration.json"))
     (wd / "fused.onnx").write_bytes(b"changed")
     with pytest.raises(QtoolError, match=r"fused\.onnx.*gone\.onnx"):
-        quantize(str(wd), table_path=str(wd / "calibration.json"))
+        quantize(str(wd), QuantizeOptions(table=str(wd / "calibration.json"), progress=False, sensitivity=SensitivityOptions(enabled=False)))
 
 
 def test_old_opset_is_upgraded_with_a_note(tmp_path):
@@ -485,7 +486,7 @@ def test_method_auto_picks_the_best_measured_method(calibrated, tmp_path):
     root = calibrated[0]
     work = tmp_path / "work"
     shutil.copytree(root / "work", work)  # the shared fixture's folder stays as it is
-    r = quantize(str(work), method="auto", say=lambda s: None)
+    r = quantize(str(work), QuantizeOptions(method="auto", progress=False, sensitivity=SensitivityOptions(enabled=False)), say=lambda s: None)
     scores = r.report["method_scores_db"]
     assert set(scores) == set(METHODS)
     best = max(scores, key=scores.get)  # (a clipping method must beat minmax by CLIP_GAIN_DB)
@@ -663,7 +664,7 @@ def test_balancing_trials_are_said_as_trials(monkeypatch):
     "method auto: minmax" as what the model got, while the unbalanced mse model was kept)."""
     from dataclasses import dataclass
     from types import SimpleNamespace
-    from qtool.quantize import run as qrun
+    from qtool.quantize.steps import equalization as qrun
 
     @dataclass
     class Ctx:
@@ -695,7 +696,7 @@ def test_balancing_trials_are_said_as_trials(monkeypatch):
 def test_a_model_the_guard_keeps_all_fp32_says_so(calibrated, tmp_path, monkeypatch):
     """The guard (or --exclude-sensitive) may keep every candidate fp32 (onnx-asr's wespeaker front end: its one int8
     layer alone left the output at 1.9 dB): the model written is fp32, and quantize said nothing of it."""
-    import qtool.quantize.run as run_mod
+    import qtool.quantize.steps.guard as run_mod
     from qtool.quantize.sensitivity import quantizable_layers
 
     root = calibrated[0]
@@ -704,6 +705,6 @@ def test_a_model_the_guard_keeps_all_fp32_says_so(calibrated, tmp_path, monkeypa
     monkeypatch.setattr(run_mod, "guard_layers", lambda ctx, ranking, samples, say: {
         d.name: "kept fp32 (test)" for d in quantizable_layers(ctx.fused)})
     said = []
-    r = quantize(str(work), say=said.append, sensitivity=run_mod.SensitivityOptions(True, None, show_progress=False))
+    r = quantize(str(work), QuantizeOptions(progress=False, sensitivity=SensitivityOptions()), say=said.append)
     assert not r.output.plan.int8_nodes
     assert any(s.startswith("note: every op that could run in int8 is kept fp32") for s in said), said
