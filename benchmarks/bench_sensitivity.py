@@ -27,6 +27,7 @@ from qtool.quantize.qdq import quantize_graph
 from qtool.quantize.run import quantize
 from qtool.ortsession import run_first_output
 from qtool.quantize.options import ExclusionOptions, QuantizeOptions, SensitivityOptions
+from qtool.quantize.qdq import BuildOptions
 
 
 def main():
@@ -57,8 +58,7 @@ def main():
     cache = {}
 
     def judge(exclude, tuned=True, hessians=True):
-        q = quantize_graph(fused, table, a.method, exclude, ranges=tn.ranges if tuned else None,
-                           hessians=tn.hessians if hessians else None, weight_cache=cache)
+        q = quantize_graph(fused, table, BuildOptions(method=a.method, exclude=exclude, ranges=tn.ranges if tuned else None, hessians=tn.hessians if hessians else None, weight_cache=cache))
         y = run_first_output(q.model, feeds)
         return {"agreement": top1_agreement(ref, y), "sqnr_db": sqnr_db(ref, y), "excluded": sorted(exclude)}
 

@@ -9,6 +9,7 @@ import onnx
 from helpers import run, save
 from qtool.calibrate.run import calibrate
 from qtool.quantize.qdq import quantize_graph
+from qtool.quantize.qdq import BuildOptions
 
 
 def sqnr(ref, out):
@@ -25,7 +26,7 @@ def quantize_tiny(model, tmp_path, shapes, n=4, seed=0, method="minmax"):
         warnings.simplefilter("ignore")
         r = calibrate(save(model, tmp_path / "m.onnx"), data[:n], method=method, workdir=str(tmp_path / "w"),
                       show_progress=False, threads=1)
-    out = quantize_graph(r.fused, r.table, method)
+    out = quantize_graph(r.fused, r.table, BuildOptions(method=method))
     onnx.checker.check_model(out.model)
     return out, {d.name: d for d in out.plan.decisions}, data[n]
 

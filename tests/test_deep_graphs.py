@@ -23,6 +23,7 @@ import deep_chain
 from qtool import cli
 from qtool import graph as G
 from qtool.errors import QtoolError
+from qtool.quantize.qdq import BuildOptions
 
 DEPTH = 3000
 STEP_SECONDS = {}  # step -> seconds, printed at the end of the module (pytest -s shows it)
@@ -179,7 +180,7 @@ def test_one_int8_layer_qdq_placement_matches_brute_force(calibrated, where):
     _, fused, table, names = calibrated
     pick = {"first": names[0], "hard-swish": "block1/Conv", "middle": names[len(names) // 2],
             "last conv": [n for n in names if n.endswith("/Conv")][-1], "tail residual": "tail/residual"}[where]
-    q = quantize_graph(fused, table, None, _alone(names, {pick}), prune_excluded=False)
+    q = quantize_graph(fused, table, BuildOptions(method=None, exclude=_alone(names, {pick}), prune_excluded=False))
     want = _brute_force_qdq(fused, {pick})
     assert _qdq_tensors(q.model) == want
     assert want  # the layer's own input at least
@@ -195,7 +196,7 @@ def test_int8_layers_3000_nodes_apart_keep_the_quantizer_between(calibrated):
     from qtool.quantize.qdq import quantize_graph
     _, fused, table, names = calibrated
     both = {"block1/Conv", "tail/residual"}
-    q = quantize_graph(fused, table, None, _alone(names, both), prune_excluded=False)
+    q = quantize_graph(fused, table, BuildOptions(method=None, exclude=_alone(names, both), prune_excluded=False))
     want = _brute_force_qdq(fused, both)
     assert _qdq_tensors(q.model) == want
     assert "block1_conv" in want

@@ -22,6 +22,7 @@ from qtool.plan import make_plan
 from qtool.quantize.qdq import quantize_graph
 from qtool.quantize.run import quantize
 from qtool.quantize.options import QuantizeOptions, SensitivityOptions
+from qtool.quantize.qdq import BuildOptions
 
 
 def _cal(model, tmp_path, n=6, cfg=None, seed=1, **kw):
@@ -58,7 +59,7 @@ def q(calibrated):
     """The session's calibrated small net quantized without bias correction (so biases are checkable),
     with plain int8 weights (the vnni target: max |q| is 127 in every channel)."""
     root, model, data, cfg, r = calibrated
-    return quantize_graph(r.fused, r.table, bias_correction=False, target="vnni"), r
+    return quantize_graph(r.fused, r.table, BuildOptions(bias_correction=False, target="vnni")), r
 
 
 def test_quantized_graph_is_valid_and_clean(q):
@@ -155,21 +156,21 @@ def test_int8_output_close_to_fp32(q, calibrated):
 def test_method_choice_sets_activation_qparams(calibrated):
     root, model, data, cfg, r = calibrated
     for method in ("minmax", "percentile", "entropy", "mse"):
-        out = quantize_graph(r.fused, r.table, method=method)
+        out = quantize_graph(r.fused, r.table, BuildOptions(method=method))
         for t in ("a1", "a2"):  # (the input "x" is on an 8-bit lattice: quantized on its grid, test_lattice.py)
             lo, hi = r.table.ranges[method][t]
             assert out.qparams[t] == Q.activation_qparams(lo, max(hi, 0.0)) or out.plan.clamp.get(t), method
         lo, hi = r.table.ranges[method]["x"]
         r.table.lattices, kept = {}, r.table.lattices
         try:
-            assert quantize_graph(r.fused, r.table, method=method).qparams["x"] == Q.activation_qparams(lo, hi), method
+            assert quantize_graph(r.fused, r.table, BuildOptions(method=method)).qparams["x"] == Q.activation_qparams(lo, hi), method
         finally:
             r.table.lattices = kept
 
 
 def test_ranges_override(calibrated):
     root, model, data, cfg, r = calibrated
-    out = quantize_graph(r.fused, r.table, ranges={"x": (-2.0, 2.0)})
+    out = quantize_graph(r.fused, r.table, BuildOptions(ranges={"x": (-2.0, 2.0)}))
     assert out.qparams["x"] == Q.activation_qparams(-2.0, 2.0)
 
 
@@ -196,7 +197,7 @@ def test_bias_correction_reduces_mean_output_error(tmp_path):
     ref = run(r.fused, {"x": x})[0]
     errs = {}
     for bc in (False, True):
-        out = quantize_graph(r.fused, r.table, bias_correction=bc, target="vnni")  # (its weights round with a bias)
+        out = quantize_graph(r.fused, r.table, BuildOptions(bias_correction=bc, target="vnni"))  # (its weights round with a bias)
         d = run(out.model, {"x": x})[0].astype(np.float64) - ref
         errs[bc] = np.abs(d.mean(axis=(0, 2, 3)))  # per-channel mean (systematic) error
     assert errs[False].mean() > 0.02, errs  # the model really has a rounding bias
@@ -222,7 +223,7 @@ def test_op_without_rule_stays_fp32(tmp_path, op):
 
 def test_exclude_keeps_node_fp32(calibrated):
     root, model, data, cfg, r = calibrated
-    out = quantize_graph(r.fused, r.table, exclude={"dw_conv": "excluded by the user (--exclude)"})
+    out = quantize_graph(r.fused, r.table, BuildOptions(exclude={"dw_conv": "excluded by the user (--exclude)"}))
     d = out.plan.decision("dw_conv")
     assert d.status == "fp32" and "--exclude" in d.reason
     conv = next(n for n in out.model.graph.node if n.name == "dw_conv")
@@ -242,7 +243,7 @@ def test_excluded_layer_stays_fp32_in_onnx_runtime(calibrated, layer):
     fc writes the graph output, not a QuantizeLinear: that pass leaves it alone, and so does qtool."""
     import onnxruntime as ort
     root, model, data, cfg, r = calibrated
-    out = quantize_graph(r.fused, r.table, exclude={layer: "excluded by the user (--exclude)"})
+    out = quantize_graph(r.fused, r.table, BuildOptions(exclude={layer: "excluded by the user (--exclude)"}))
     x = np.random.default_rng(0).standard_normal((4, 3, 16, 16)).astype(np.float32)
     so = ort.SessionOptions()
     so.log_severity_level = 3
@@ -273,7 +274,7 @@ def _same_with_and_without_weight_bias_quantization(model, feeds):
 def test_weights_false_leaves_every_weight_fp32_in_onnx_runtime(calibrated):
     """The activations-only diagnostic: ORT must not quantize the fp32 weights it finds between DQ and Q."""
     root, model, data, cfg, r = calibrated
-    out = quantize_graph(r.fused, r.table, weights=False)
+    out = quantize_graph(r.fused, r.table, BuildOptions(weights=False))
     _same_with_and_without_weight_bias_quantization(
         out.model, {"x": np.random.default_rng(1).standard_normal((2, 3, 16, 16)).astype(np.float32)})
 
@@ -294,7 +295,7 @@ def test_excluded_layer_on_a_one_channel_input_stays_fp32(tmp_path):
     path = save(m, tmp_path / "one.onnx")
     feeds = [{"x": rng.standard_normal((2, 3, 8, 8)).astype(np.float32)} for _ in range(3)]
     r = calibrate(path, feeds, method="minmax", workdir=str(tmp_path / "w"), show_progress=False, threads=1)
-    out = quantize_graph(r.fused, r.table, exclude={"conv_b": "excluded by the user"})
+    out = quantize_graph(r.fused, r.table, BuildOptions(exclude={"conv_b": "excluded by the user"}))
     conv_b = next(n for n in out.model.graph.node if n.name == "conv_b")
     assert conv_b.input[0] == "t"  # the fp32 value, not a DequantizeLinear of it
     _same_with_and_without_weight_bias_quantization(out.model, feeds[0])
@@ -499,8 +500,8 @@ def test_exclusion_drops_the_quantizer_only_the_excluded_layer_read(calibrated):
     root, model, data, cfg, r = calibrated
     x = _inputs(cfg, data)
     ex = {"pw_conv": "excluded by the user (--exclude)"}
-    pruned = quantize_graph(r.fused, r.table, exclude=ex)
-    kept = quantize_graph(r.fused, r.table, exclude=ex, prune_excluded=False)
+    pruned = quantize_graph(r.fused, r.table, BuildOptions(exclude=ex))
+    kept = quantize_graph(r.fused, r.table, BuildOptions(exclude=ex, prune_excluded=False))
     dw_out = next(n.output[0] for n in r.fused.graph.node if n.name == "dw_relu")
     assert dw_out in kept.plan.tensors and dw_out not in pruned.plan.tensors
     assert kept.plan.decision("dw_relu").status == "fused"
@@ -515,7 +516,7 @@ def test_exclusion_drops_the_quantizer_only_the_excluded_layer_read(calibrated):
     ref = run(r.fused, {"x": x})[0]
     assert _sqnr(ref, run(pruned.model, {"x": x})[0]) > 20
     # the first conv excluded: nothing int8 reads the graph input, so it is not quantized
-    first = quantize_graph(r.fused, r.table, exclude={"stem_conv": "x"})
+    first = quantize_graph(r.fused, r.table, BuildOptions(exclude={"stem_conv": "x"}))
     assert "x" not in first.plan.tensors
 
 
@@ -539,7 +540,7 @@ def test_targets_encode_the_same_layers_three_ways(calibrated):
     from qtool.arithmetic import ARITHMETICS, conv_rows, saturating_pairs
     from qtool.runtime import NativeSession
     root, model, data, cfg, r = calibrated
-    outs = {t: quantize_graph(r.fused, r.table, target=t) for t in ("portable", "vnni", "u8-weights")}
+    outs = {t: quantize_graph(r.fused, r.table, BuildOptions(target=t)) for t in ("portable", "vnni", "u8-weights")}
     for t, out in outs.items():
         assert {p.key: p.value for p in out.model.metadata_props}["qtool.target"] == t
     n_paired = 0

@@ -7,6 +7,7 @@ from functools import cached_property
 
 import numpy as np
 
+from qtool.quantize import verify
 from qtool.quantize.context import QuantizeContext
 from qtool.quantize.optional import OptionalSteps
 from qtool.quantize.options import QuantizeOptions
@@ -113,7 +114,6 @@ class QuantizeRun:
     def verify(self, step: str, fallback: str, **over):
         """The held-out verdict on `step` (verify.verify_step), contained as the verification step; kept in
         self.verdicts. None where it failed."""
-        from qtool.quantize import verify
         v = self.steps.run("verification", verify.verify_step, self.ctx, self.held_out, step, fallback, self.say,
                            fallback=None, **over)
         if v is not None:

@@ -2,7 +2,7 @@
 (exclude.py)."""
 from __future__ import annotations
 
-from qtool.quantize.exclude import CANDIDATES_PER_STEP, NOISY_GROUPS, POOL, exclude_sensitive
+from qtool.quantize.exclude import CANDIDATES_PER_STEP, NOISY_GROUPS, POOL, Target, exclude_sensitive
 from qtool.quantize.progress import bar
 from qtool.quantize.step import Step
 
@@ -19,8 +19,9 @@ def run_exclusion(run):
         + ("held-back calibration images" if run.check_held_back else "calibration images"))
     with bar(1 + POOL + NOISY_GROUPS + opts.max_excluded * CANDIDATES_PER_STEP, "model",
              "exclude-sensitive (at most)", run.progress) as pb:
-        exclusion = exclude_sensitive(run.ctx, run.ranking, check, opts.target_agreement, opts.max_drop, labels,
-                                      opts.max_excluded, pb.update, partial=run.partial, noisy=run.noisy)
+        exclusion = exclude_sensitive(run.ctx, run.ranking, check,
+                                      Target(opts.target_agreement, opts.max_drop, opts.max_excluded, labels),
+                                      pb.update, partial=run.partial, noisy=run.noisy)
         pb.total = pb.n  # the target held early: done
         pb.refresh()
     exclusion.check_images = len(check)
