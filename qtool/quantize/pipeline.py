@@ -52,9 +52,10 @@ def run_pipeline(run) -> None:
 
 def markdown() -> str:
     """The pipeline as a markdown table: step, when it runs, the samples it reads, its fallback."""
-    rows = ["| # | step | runs when | reads (calibration samples) | if it fails |", "|---|---|---|---|---|"]
+    rows = ["| # | step | file | runs when | reads (calibration samples) | if it fails |", "|---|---|---|---|---|---|"]
     for k, s in enumerate(PIPELINE, 1):
-        rows.append(f"| {k} | {s.name} | {first_line(s.when)} | {first_line(s.samples)} | "
+        rows.append(f"| {k} | {s.name} | `steps/{s.run.__module__.rsplit('.', 1)[1]}.py` | {first_line(s.when)} | "
+                    f"{first_line(s.samples)} | "
                     f"{s.fallback or 'required: the command fails'} |")
     return "\n".join(rows) + "\n"
 
