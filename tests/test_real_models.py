@@ -293,8 +293,8 @@ def test_unbalanced_channels_are_balanced_exactly_and_gain(tmp_path, monkeypatch
     """quantize/equalize.py: the balanced fp32 graph computes the same outputs, and the int8 model gains:
     the wide channel no longer sets the range of the seven narrow ones, before and after hard-swish."""
     from qtool.calibrate.table import load_table
-    from qtool.quantize import run as quantize_run
     from qtool.quantize.equalize import equalize
+    from qtool.quantize.steps import equalization
     rng = np.random.default_rng(11)
     m = _unbalanced_mobilenet_block(rng)
     samples = [{"x": rng.standard_normal((1, 4, 10, 10)).astype(np.float32)} for _ in range(12)]
@@ -305,7 +305,7 @@ def test_unbalanced_channels_are_balanced_exactly_and_gain(tmp_path, monkeypatch
     assert sum(n.op_type == "Mul" for n in balanced.graph.node) == 3  # hard-swish's own, one before it, one after
     for s in samples[:2]:
         np.testing.assert_allclose(run(balanced, s)[0], run(m, s)[0], rtol=1e-4, atol=1e-4)
-    monkeypatch.setattr(quantize_run, "balance", lambda ctx, samples, say: None)
+    monkeypatch.setattr(equalization, "balance", lambda ctx, samples, say: None)
     plain = default_run(m, samples, tmp_path / "plain", min_db=0, rounding=False)
 
     def db(q):
@@ -354,13 +354,13 @@ def test_figures_count_the_branches_quantized(tmp_path):
 
 def test_a_failing_branch_stays_fp32_and_says_so(tmp_path, monkeypatch):
     """The optional step 'subgraphs' fails: the branch stays fp32, one warning, the model is written."""
-    from qtool.quantize import run as quantize_run
+    from qtool.quantize.steps import subgraphs
     monkeypatch.delenv("QTOOL_STRICT", raising=False)
     m = if_conv_model(np.random.default_rng(13))
 
     def boom(*a, **k):
         raise RuntimeError("injected fault")
-    monkeypatch.setattr(quantize_run, "quantize_branches", boom)
+    monkeypatch.setattr(subgraphs, "quantize_branches", boom)
     path = save(m, tmp_path / "model.onnx")
     rng = np.random.default_rng(14)
     data = write_samples(tmp_path / "data", [{"x": rng.standard_normal((1, 1, 64)).astype(np.float32),
