@@ -25,6 +25,7 @@ from qtool.calibrate.methods import METHODS
 from qtool.calibrate.run import calibrate
 from qtool.calibrate.options import CalibrateOptions, Sampling
 from qtool.quantize.run import quantize
+from qtool.quantize.options import QuantizeOptions, SensitivityOptions
 
 
 def sess(path, threads=2):
@@ -77,7 +78,7 @@ def main():
     t_cal = time.time() - t
     for method in METHODS:
         t = time.time()
-        r = quantize(workdir=work, method=method, output=os.path.join(work, f"{method}.onnx"))
+        r = quantize(work, QuantizeOptions(method=method, output=os.path.join(work, f"{method}.onnx"), progress=False, sensitivity=SensitivityOptions(enabled=False)))
         t_q = time.time() - t
         s = score(lf, logits(r.path, xs, name), y)
         s.update(method=method, seconds=t_cal + t_q, size_ratio=os.path.getsize(r.path) / os.path.getsize(a.model))

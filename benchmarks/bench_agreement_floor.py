@@ -30,6 +30,7 @@ from qtool.metrics import sqnr_db, top1_agreement
 from qtool.quantize.qdq import quantize_graph
 from qtool.ortsession import run_first_output
 from qtool.quantize.sensitivity import quantizable_layers
+from qtool.quantize.qdq import BuildOptions
 
 
 def main():
@@ -68,8 +69,7 @@ def main():
     cache = {}
     ranked = []
     for layer in layers:
-        q = quantize_graph(fused, table, exclude={o: "floor" for o in layers if o != layer}, activations=False,
-                           weight_cache=cache)
+        q = quantize_graph(fused, table, BuildOptions(exclude={o: "floor" for o in layers if o != layer}, activations=False, weight_cache=cache))
         ranked.append((sqnr_db(cal_ref, run_first_output(q.model, cal_feeds)), layer))
     ranked.sort()
     res = {"eval_images": len(ref), "weight_ranking": [{"layer": l, "output_sqnr_db": s} for s, l in ranked[:10]],
@@ -78,12 +78,12 @@ def main():
           f"{res['margin_quantiles']['0.005']:.3f}, 1% below {res['margin_quantiles']['0.01']:.3f}")
     for k in a.excluded:
         excl = {l: "floor" for _, l in ranked[:k]}
-        _, r = judge(quantize_graph(fused, table, exclude=excl, activations=False, weight_cache=cache).model)
+        _, r = judge(quantize_graph(fused, table, BuildOptions(exclude=excl, activations=False, weight_cache=cache)).model)
         r["excluded"] = sorted(excl)
         res["weights_only"][str(k)] = r
         print(f"  int8 weights only (all activations fp32), {k} layers fp32: agreement {r['agreement']:.4f}  "
               f"{r['sqnr_db']:.2f} dB  {r['flips']} flips, fp32 margins {r['flip_margins']}")
-    y, r = judge(quantize_graph(fused, table, weight_cache=cache).model)
+    y, r = judge(quantize_graph(fused, table, BuildOptions(weight_cache=cache)).model)
     res["all_int8"] = r
     print(f"  all int8: agreement {r['agreement']:.4f}  {r['sqnr_db']:.2f} dB  {r['flips']} flips, "
           f"fp32 margins {r['flip_margins']}")

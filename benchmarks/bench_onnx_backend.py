@@ -117,7 +117,7 @@ def run_one(path, work):
         t0 = time.time()
         try:
             calibrate(mpath, samples, workdir=work)
-            q = quantize(workdir=work)
+            q = quantize(work)
             r = evaluate(workdir=work, data=samples)
         except QtoolError as e:
             res["outcome"] = "refused" if "internal error" not in str(e) else "FAIL"

@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 import warnings
+from dataclasses import replace
 
 import numpy as np
 
@@ -31,7 +32,9 @@ from qtool.calibrate.run import calibrate
 from qtool.calibrate.options import CalibrateOptions, Sampling
 from qtool.ortsession import session
 from qtool.quantize.context import QuantizeContext
-from qtool.quantize.run import SensitivityOptions, quantize, SampleSplit, sensitivity_samples
+from qtool.quantize.options import ExclusionOptions, QuantizeOptions, SensitivityOptions
+from qtool.quantize.run import quantize
+from qtool.quantize.split import SampleSplit, sensitivity_samples
 from qtool.quantize.samples import load_samples
 from qtool.quantize.sensitivity import layer_exclusions, layer_sensitivity, layer_variants
 from qtool.quantize.simulate import Simulator, tails
@@ -144,17 +147,17 @@ def main(argv=None):
     if not a.no_passes:
         res.update(passes_per_layer(a, cal, wd))
     # 2. the pipeline as a user runs it
-    runs = [] if a.no_quantize else [("default", SensitivityOptions(samples=a.samples, show_progress=False))]
+    default = QuantizeOptions(progress=False, sensitivity=SensitivityOptions(samples=a.samples))
+    runs = [] if a.no_quantize else [("default", default)]
     if not a.no_exclude and not a.no_quantize:
-        runs.append(("exclude_sensitive", SensitivityOptions(samples=a.samples, exclude_sensitive=True,
-                                                              show_progress=False)))
+        runs.append(("exclude_sensitive", replace(default, exclusion=ExclusionOptions(enabled=True))))
     for label, opts in runs:
         said = []  # (when, line): a phase announces itself when it starts
 
         def say(line, said=said):
             said.append((time.time(), line[:100]))
         t, c = time.time(), time.process_time()
-        r = quantize(wd, output=os.path.join(work, f"{label}.onnx"), sensitivity=opts, say=say)
+        r = quantize(wd, replace(opts, output=os.path.join(work, f"{label}.onnx")), say=say)
         end = time.time()
         phases = [(round((said[k + 1][0] if k + 1 < len(said) else end) - w, 1), line) for k, (w, line) in enumerate(said)]
         res[label] = {"wall_seconds": end - t, "cpu_seconds": time.process_time() - c,

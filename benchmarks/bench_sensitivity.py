@@ -25,8 +25,10 @@ from qtool.calibrate.options import CalibrateOptions, Sampling
 from qtool.calibrate.table import load_table
 from qtool.metrics import sqnr_db, top1_agreement
 from qtool.quantize.qdq import quantize_graph
-from qtool.quantize.run import SensitivityOptions, quantize
+from qtool.quantize.run import quantize
 from qtool.ortsession import run_first_output
+from qtool.quantize.options import ExclusionOptions, QuantizeOptions, SensitivityOptions
+from qtool.quantize.qdq import BuildOptions
 
 
 def main():
@@ -45,8 +47,7 @@ def main():
                                sampling=Sampling(every=split.EVERY), show_progress=False),
               workdir=work)
     t = time.time()
-    r = quantize(work, sensitivity=SensitivityOptions(samples=64, exclude_sensitive=True, show_progress=False),
-                 say=lambda s: None)
+    r = quantize(work, QuantizeOptions(progress=False, sensitivity=SensitivityOptions(samples=64), exclusion=ExclusionOptions(enabled=True)), say=lambda s: None)
     total = time.time() - t
     sens = r.sensitivity
     layers = sorted(sens["layers"], key=lambda l: l["rank"])
@@ -61,8 +62,7 @@ def main():
     cache = {}
 
     def judge(exclude, tuned=True, hessians=True):
-        q = quantize_graph(fused, table, a.method, exclude, ranges=tn.ranges if tuned else None,
-                           hessians=tn.hessians if hessians else None, weight_cache=cache)
+        q = quantize_graph(fused, table, BuildOptions(method=a.method, exclude=exclude, ranges=tn.ranges if tuned else None, hessians=tn.hessians if hessians else None, weight_cache=cache))
         y = run_first_output(q.model, feeds)
         return {"agreement": top1_agreement(ref, y), "sqnr_db": sqnr_db(ref, y), "excluded": sorted(exclude)}
 

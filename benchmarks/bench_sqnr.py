@@ -35,6 +35,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 from PIL import Image
+from qtool.quantize.options import QuantizeOptions, SensitivityOptions
 
 
 def load_anchor(path):
@@ -160,8 +161,7 @@ def main(argv=None):
     for target in targets:
         for m in a.methods.split(","):
             t = time.time()
-            r = quantize(work, output=os.path.join(work, f"int8-{m}-{target}.onnx"), method=m, target=target,
-                         rounding=a.rounding == "output")
+            r = quantize(work, QuantizeOptions(output=os.path.join(work, f"int8-{m}-{target}.onnx"), method=m, target=target, rounding=a.rounding == "output", progress=False, sensitivity=SensitivityOptions(enabled=False)))
             onnx.checker.check_model(r.path)
             ex = {}
             key = (m if m != "auto" else f"auto: {r.report['method']}") + ("" if target == targets[0] else f" ({target})")

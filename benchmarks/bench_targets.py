@@ -42,6 +42,7 @@ from qtool.ort_arithmetic import ort_int8_arithmetic
 from qtool.quantize.encoding import TARGETS
 from qtool.quantize.run import quantize
 from qtool.runtime import NativeSession
+from qtool.quantize.options import QuantizeOptions, SensitivityOptions
 
 
 def run_all(sess, feeds):
@@ -128,8 +129,7 @@ def main(argv=None):
     for base_target, tuned in runs:
         target = base_target + ("+tuned" if tuned else "")
         t = time.time()
-        r = quantize(work, output=os.path.join(work, f"{target}.onnx"), target=base_target, say=lambda *_: None,
-                     rounding=a.rounding == "output", tune_ranges=tuned)
+        r = quantize(work, QuantizeOptions(output=os.path.join(work, f"{target}.onnx"), target=base_target, rounding=a.rounding == "output", tune_ranges=tuned, progress=False, sensitivity=SensitivityOptions(enabled=False)), say=lambda *_: None)
         paths[target] = r.path
         row = {"quantize_seconds": time.time() - t, "encodings": r.report["encodings"], "method": r.report["method"],
                "rounding": r.report["rounding"]}

@@ -19,16 +19,19 @@ Samples from an iterable are not kept: quantize's steps that re-read calibration
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from qtool.calibrate.options import CalibrateOptions, Sampling
 from qtool.calibrate.run import CalibrateResult
 from qtool.calibrate.run import calibrate as _calibrate
 from qtool.evaluate import evaluate_workdir
-from qtool.quantize.encoding import DEFAULT_TARGET
-from qtool.quantize.run import QuantizeResult, SensitivityOptions
+from qtool.quantize.options import ExclusionOptions, QuantizeOptions, SensitivityOptions
+from qtool.quantize.run import QuantizeResult
 from qtool.quantize.run import quantize as _quantize
 from qtool.workdir import DEFAULT as DEFAULT_WORKDIR
 
-__all__ = ["calibrate", "quantize", "evaluate", "CalibrateResult", "QuantizeResult", "Sampling"]
+__all__ = ["calibrate", "quantize", "evaluate", "CalibrateResult", "QuantizeResult", "Sampling", "QuantizeOptions",
+           "SensitivityOptions", "ExclusionOptions"]
 
 
 def _say(verbose: bool):
@@ -47,26 +50,21 @@ def calibrate(model: str, data, config=None, *, method: str = CalibrateOptions.m
     return _calibrate(model, data, options, workdir, say=_say(verbose))
 
 
-def quantize(workdir: str = DEFAULT_WORKDIR, *, output: str | None = None, method: str | None = None,
-             exclude=(), exclude_sensitive: bool = False, target_agreement: float = 0.995,
-             max_drop: float | None = None, max_excluded: int = 5, labels: str | None = None,
-             sensitivity: bool = True, sensitivity_samples: int | None = None, bias_correction: bool = True,
-             rounding: str | None = None, tune_ranges: bool | None = None, target: str = DEFAULT_TARGET,
-             model: str | None = None, table: str | None = None, verbose: bool = True,
-             strict: bool = False, verify: bool = False) -> QuantizeResult:
-    """Write the INT8 QDQ model (`output`, default WORKDIR/model.int8.onnx) from the calibration in
-    `workdir`. `method`: None keeps calibrate's, or minmax/percentile/entropy/mse/auto. `exclude`:
-    node names to keep fp32. `rounding`: "output" (None: the default) or "nearest". `strict`: an
-    optional step that fails raises instead of falling back with a warning. `verify`: hold about a
-    third of the calibration samples out of the fitting steps and keep each step that changes the model
-    only where it measures better on them (off by default; report["verified"] holds the verdicts).
+def quantize(workdir: str = DEFAULT_WORKDIR, options: QuantizeOptions | None = None, *,
+             verbose: bool = True) -> QuantizeResult:
+    """Write the INT8 QDQ model (options.output, default WORKDIR/model.int8.onnx) from the calibration in
+    `workdir`, as `options` ask (None: the command's defaults: calibrate's method, portable target,
+    output-aware rounding, sensitivity report). For example
+    `QuantizeOptions(method="auto", exclude=["/fc/Gemm"], exclusion=ExclusionOptions(enabled=True))`;
+    `strict=True`: an optional step that fails raises instead of falling back with a warning;
+    `verify=True`: hold about a third of the calibration samples out of the fitting steps and keep each
+    step that changes the model only where it measures better on them (report["verified"] holds the
+    verdicts). `verbose`: progress bars and the lines the command prints.
     The result has .path, .report (what quantize.json holds), .sensitivity and .exclusion."""
-    ex = {n: "excluded by the user (--exclude)" for n in exclude}
-    opts = SensitivityOptions(sensitivity or exclude_sensitive, sensitivity_samples, exclude_sensitive,
-                              target_agreement, max_drop, max_excluded, labels, show_progress=verbose)
-    return _quantize(workdir, model, table, output, method, ex, bias_correction, opts, say=_say(verbose),
-                     rounding=None if rounding is None else rounding == "output", tune_ranges=tune_ranges,
-                     target=target, strict=strict, verify=verify)
+    options = QuantizeOptions() if options is None else options
+    if not verbose:
+        options = replace(options, progress=False)
+    return _quantize(workdir, options, say=_say(verbose))
 
 
 def evaluate(workdir: str = DEFAULT_WORKDIR, data=None, *, labels: str | None = None, model: str | None = None,

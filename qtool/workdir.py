@@ -75,9 +75,10 @@ class Workdir:
             atomic_write_text(self.file(MANIFEST), json.dumps(m, indent=2))
             return m
 
-    def require(self, key: str, command: str) -> dict:
-        """The manifest entry written by an earlier step, or an error saying which step to run."""
-        m = self.manifest()
+    def require(self, key: str, command: str, manifest: dict | None = None) -> dict:
+        """The manifest entry written by an earlier step, or an error saying which step to run.
+        `manifest`: the manifest as the caller already read it."""
+        m = self.manifest() if manifest is None else manifest
         if key not in m:
             raise QtoolError(f"{self.path}: nothing from `qtool {command}` here yet; run `qtool {command}` first "
                              f"(or pass the paths explicitly)")

@@ -304,7 +304,7 @@ def int8_base(base, root: str) -> onnx.ModelProto:
     if base.__name__ not in _INT8:
         from qtool.calibrate.run import calibrate
         from qtool.calibrate.options import CalibrateOptions, Sampling
-        from qtool.quantize.run import SensitivityOptions, quantize
+        from qtool.quantize.run import quantize
         d = tempfile.mkdtemp(prefix=f"int8{base.__name__}-", dir=root)
         path = os.path.join(d, "fp32.onnx")
         onnx.save(base(np.random.default_rng(7)), path)
@@ -312,7 +312,7 @@ def int8_base(base, root: str) -> onnx.ModelProto:
                   CalibrateOptions(config=None, method="minmax", threads=1,
                                    sampling=Sampling(batch=2), show_progress=False),
                   workdir=d)
-        q = quantize(d, sensitivity=SensitivityOptions(enabled=False, show_progress=False), say=lambda *a: None)
+        q = quantize(d, say=lambda *a: None)
         _INT8[base.__name__] = onnx.load(q.path)
     m = onnx.ModelProto()
     m.CopyFrom(_INT8[base.__name__])
@@ -354,7 +354,7 @@ def run_case(seed: int, case: int, root: str) -> dict:
     from qtool.calibrate.options import CalibrateOptions, Sampling
     from qtool.errors import QtoolError
     from qtool.inspect import inspect_model
-    from qtool.quantize.run import SensitivityOptions, quantize
+    from qtool.quantize.run import quantize
     from qtool.runtime import NativeSession
 
     m, base, done = mutated(seed, case, root)
@@ -402,8 +402,7 @@ def run_case(seed: int, case: int, root: str) -> dict:
                                               workdir=wd))
     q = None
     if cal is not None and not res["failure"]:
-        q = step("quantize", lambda: quantize(wd, sensitivity=SensitivityOptions(enabled=False, show_progress=False),
-                                              say=lambda *a: None))
+        q = step("quantize", lambda: quantize(wd, say=lambda *a: None))
     if not res["failure"]:
         target = q.path if q is not None else path
         s = step("runtime load", lambda: NativeSession(target, threads=1))

@@ -10,6 +10,7 @@ from helpers import run, save
 from qtool.calibrate.run import calibrate
 from qtool.calibrate.options import CalibrateOptions
 from qtool.quantize.qdq import quantize_graph
+from qtool.quantize.qdq import BuildOptions
 
 
 def sqnr(ref, out):
@@ -26,7 +27,7 @@ def quantize_tiny(model, tmp_path, shapes, n=4, seed=0, method="minmax"):
         warnings.simplefilter("ignore")
         r = calibrate(save(model, tmp_path / "m.onnx"), data[:n],
                       CalibrateOptions(method=method, threads=1, show_progress=False), workdir=str(tmp_path / "w"))
-    out = quantize_graph(r.fused, r.table, method)
+    out = quantize_graph(r.fused, r.table, BuildOptions(method=method))
     onnx.checker.check_model(out.model)
     return out, {d.name: d for d in out.plan.decisions}, data[n]
 

@@ -20,6 +20,7 @@ from qtool.calibrate.run import calibrate
 from qtool.calibrate.options import CalibrateOptions, Sampling
 from qtool.calibrate.table import load_table
 from qtool.errors import QtoolError
+from qtool.quantize.options import QuantizeOptions, SensitivityOptions
 
 
 def _calibrate(model, data, tmp_path, say=print, **kw):
@@ -672,7 +673,7 @@ def test_stale_declared_shape_that_onnx_runtime_ignores_is_a_note_not_an_error(t
         warnings.simplefilter("ignore")
         r = calibrate(p, str(tmp_path / "cal"),
                       CalibrateOptions(config=cfg, show_progress=False), workdir=str(tmp_path / "w"))
-        q = quantize(str(tmp_path / "w"), strict=True)
+        q = quantize(str(tmp_path / "w"), QuantizeOptions(strict=True, progress=False, sensitivity=SensitivityOptions(enabled=False)))
     assert any("shape inference objects" in n for n in r.notes)
     assert sum(n.op_type == "QLinearConv" or n.op_type == "DequantizeLinear" for n in load_model(q.path, check=False).graph.node) > 3
 

@@ -23,6 +23,7 @@ import deep_chain
 from qtool import cli
 from qtool import graph as G
 from qtool.errors import QtoolError
+from qtool.quantize.qdq import BuildOptions
 
 DEPTH = 3000
 STEP_SECONDS = {}  # step -> seconds, printed at the end of the module (pytest -s shows it)
@@ -71,9 +72,11 @@ def calibrated(chain):
     root, path, convs = chain
     work = root / "work"
     assert timed("calibrate", qtool, "calibrate", "--model", path, "--data", root / "data", "-w", work, "-q") == 0
-    from qtool.quantize.run import load_inputs
+    from qtool.quantize.inputs import load_inputs
+    from qtool.workdir import Workdir
     from qtool.quantize.sensitivity import quantizable_layers
-    fused, table, _ = load_inputs(str(work), None, None)
+    inp = load_inputs(Workdir(str(work)))
+    fused, table = inp.fused, inp.table
     layers = [d.name for d in quantizable_layers(fused)]  # a plan of the whole chain, made once
     return work, fused, table, layers
 
@@ -94,7 +97,7 @@ def test_default_quantize_with_sensitivity_then_native_matches_reference(chain, 
     builds and loads a 3000-node model (about 1 s here), so the sensitivity pass measures a sample of
     layers: the first (3000 fp32 nodes after it, where the old recursion broke), one in the middle and
     the last; all the other layers stay fp32 in each measurement, as in the full pass."""
-    import qtool.quantize.run as run
+    import qtool.quantize.steps.sensitivity as run
     from qtool.quantize import sensitivity
     from qtool.runtime import NativeSession
 
@@ -177,7 +180,7 @@ def test_one_int8_layer_qdq_placement_matches_brute_force(calibrated, where):
     _, fused, table, names = calibrated
     pick = {"first": names[0], "hard-swish": "block1/Conv", "middle": names[len(names) // 2],
             "last conv": [n for n in names if n.endswith("/Conv")][-1], "tail residual": "tail/residual"}[where]
-    q = quantize_graph(fused, table, None, _alone(names, {pick}), prune_excluded=False)
+    q = quantize_graph(fused, table, BuildOptions(method=None, exclude=_alone(names, {pick}), prune_excluded=False))
     want = _brute_force_qdq(fused, {pick})
     assert _qdq_tensors(q.model) == want
     assert want  # the layer's own input at least
@@ -193,7 +196,7 @@ def test_int8_layers_3000_nodes_apart_keep_the_quantizer_between(calibrated):
     from qtool.quantize.qdq import quantize_graph
     _, fused, table, names = calibrated
     both = {"block1/Conv", "tail/residual"}
-    q = quantize_graph(fused, table, None, _alone(names, both), prune_excluded=False)
+    q = quantize_graph(fused, table, BuildOptions(method=None, exclude=_alone(names, both), prune_excluded=False))
     want = _brute_force_qdq(fused, both)
     assert _qdq_tensors(q.model) == want
     assert "block1_conv" in want

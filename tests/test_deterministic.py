@@ -16,6 +16,7 @@ from helpers import calibrate_samples, if_conv_model, init, make_model, save, sm
 from qtool.api import quantize
 from qtool.quantize import budget as B
 from qtool.quantize import samples as S
+from qtool.quantize.options import QuantizeOptions
 
 
 def _fixed(rng):
@@ -95,7 +96,7 @@ def _quantize_bytes(work: str, copy: str) -> tuple:
     shutil.copytree(work, copy)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        q = quantize(copy, strict=True, verbose=False)
+        q = quantize(copy, QuantizeOptions(strict=True), verbose=False)
     with open(q.path, "rb") as f:
         return f.read(), q.report
 

@@ -7,6 +7,7 @@ from helpers import init, make_model
 from onnx import helper
 
 from qtool.quantize import encoding as E
+from qtool.quantize.qdq import BuildOptions
 
 
 def test_pair_safe_cost_is_zero_where_no_pair_binds_and_positive_where_one_does():
@@ -57,8 +58,8 @@ def test_quantize_graph_writes_the_chosen_layer_as_uint8_plus_128(calibrated):
     from qtool.quantize.qdq import quantize_graph
     _, _, _, _, r = calibrated
     name = next(n.name for n in r.fused.graph.node if n.op_type == "Conv" and n.input[1])
-    plain = quantize_graph(r.fused, r.table, target="vnni")
-    out = quantize_graph(r.fused, r.table, target="portable", encodings={name: E.U8})
+    plain = quantize_graph(r.fused, r.table, BuildOptions(target="vnni"))
+    out = quantize_graph(r.fused, r.table, BuildOptions(target="portable", encodings={name: E.U8}))
     assert out.layers[name].encoding == E.U8
     assert all(v.encoding != E.U8 for k, v in out.layers.items() if k != name)
     inits = {t.name: numpy_helper.to_array(t) for t in out.model.graph.initializer}

@@ -9,6 +9,7 @@ from onnx import helper
 
 from helpers import init, make_model, run, save
 from qtool.api import calibrate, quantize
+from qtool.quantize.options import QuantizeOptions
 
 
 def _mlp(rng):
@@ -31,7 +32,7 @@ def test_balanced_gemm_output_stays_2d_without_shape_inference(tmp_path, monkeyp
         np.save(d / f"{k:02d}.npy", rng.standard_normal((1, 16)).astype(np.float32))
     calibrate(path, str(d), workdir=str(tmp_path / "w"))
     monkeypatch.setattr(G, "inferred_shapes", lambda *a, **k: {})  # (as for a model whose sizes are all free)
-    q = quantize(workdir=str(tmp_path / "w"), strict=True)
+    q = quantize(str(tmp_path / "w"), QuantizeOptions(strict=True))
     assert "equalization" not in str(q.report["optional_steps"].get("fallbacks"))
     x = rng.standard_normal((8, 16)).astype(np.float32)
     ref = run(m, {"x": x})[0]

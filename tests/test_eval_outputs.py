@@ -250,7 +250,7 @@ def test_text_inputs_and_scalar_outputs(tmp_path):
     samples = [{"x": rng.standard_normal((1, 8)).astype(np.float32), "s": np.array([w], dtype=object)}
                for w in words * 2]
     api_calibrate(path, samples, workdir=str(tmp_path / "w"))
-    api_quantize(workdir=str(tmp_path / "w"))
+    api_quantize(str(tmp_path / "w"))
     r = api_evaluate(workdir=str(tmp_path / "w"), data=samples)
     assert r["outputs"]["t"] == {"shape": [1], "equal_fraction": 1.0}
     assert r["outputs"]["total"]["shape"] == [] and r["outputs"]["total"]["sqnr_db"] > 20
@@ -283,7 +283,7 @@ def test_sequence_and_empty_outputs(tmp_path):
     path = save(m, tmp_path / "s.onnx")
     samples = [rng.standard_normal((2, 6)).astype(np.float32) for _ in range(6)]
     api_calibrate(path, samples, workdir=str(tmp_path / "w"))
-    api_quantize(workdir=str(tmp_path / "w"))
+    api_quantize(str(tmp_path / "w"))
     r = api_evaluate(workdir=str(tmp_path / "w"), data=samples)
     assert r["outputs"]["y"]["sqnr_db"] > 20 and r["outputs"]["seq"]["sqnr_db"] > 20
     assert r["outputs"]["empty"]["shape"][1] == 0

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import numpy as np
 import onnx
 from qtool.metrics import kl_softmax_each
-from qtool.quantize.exclude import exclude_sensitive
+from qtool.quantize.exclude import Target, exclude_sensitive
 from qtool.quantize.samples import SampleSet
 
 N, CLASSES = 100, 10
@@ -37,7 +37,7 @@ def _run(small_scale):
     ctx = FakeContext(small_scale)
     samples = SampleSet([f"{k}" for k in range(N)], {"x": np.zeros((N, 1), np.float32)}, ctx.ref)
     ranking = [SimpleNamespace(name="big", rank=1), SimpleNamespace(name="small", rank=2)]
-    return exclude_sensitive(ctx, ranking, samples, target_agreement=1.01, max_excluded=2, measure_latency=False)
+    return exclude_sensitive(ctx, ranking, samples, Target(1.01, max_excluded=2), measure_latency=False)
 
 
 def test_an_exclusion_whose_gain_is_within_the_noise_is_undone():
@@ -80,8 +80,7 @@ def _pair_run(noisy):
     ctx = PairContext(None)
     samples = SampleSet([f"{k}" for k in range(N)], {"x": np.zeros((N, 1), np.float32)}, ctx.ref)
     ranking = [SimpleNamespace(name=n, rank=k) for k, n in enumerate(("a", "r1", "r2"), 1)]
-    return exclude_sensitive(ctx, ranking, samples, target_agreement=1.01, max_excluded=3, measure_latency=False,
-                             noisy=noisy)
+    return exclude_sensitive(ctx, ranking, samples, Target(1.01, max_excluded=3), measure_latency=False, noisy=noisy)
 
 
 def test_the_readers_of_a_noisy_quantizer_are_tried_together():
@@ -126,7 +125,8 @@ def test_one_value_per_position_is_a_decision_at_each_position():
     whatever was kept, and 5 layers were kept fp32 for a model whose every decision already agreed."""
     ctx = DecisionContext()
     samples = SampleSet([f"{k}" for k in range(N)], {"x": np.zeros((N, 1), np.float32)}, ctx.ref)
-    r = exclude_sensitive(ctx, [SimpleNamespace(name="big", rank=1)], samples, max_excluded=2, measure_latency=False)
+    r = exclude_sensitive(ctx, [SimpleNamespace(name="big", rank=1)], samples, Target(max_excluded=2),
+                          measure_latency=False)
     first = r.curve[0]
     assert first.agreement == 1.0 and first.predicted_agreement > 0.999 and first.images == N
     assert r.reached and len(r.curve) == 1 and not r.excluded

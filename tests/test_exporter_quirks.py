@@ -13,7 +13,8 @@ from onnx import TensorProto, helper
 from helpers import make_model, run, save, weight
 from qtool.calibrate.run import calibrate
 from qtool.calibrate.options import CalibrateOptions
-from qtool.quantize.run import SensitivityOptions, quantize
+from qtool.quantize.run import quantize
+from qtool.quantize.options import QuantizeOptions, SensitivityOptions
 
 
 def _npy_folder(folder, samples):
@@ -48,7 +49,7 @@ def test_node_named_like_its_output_tensor(tmp_path):
              weight(rng, "w3", 4, 8, 1, 1, scale=0.2)]
     m = make_model(nodes, inits, [("x", ["N", 3, 16, 16])], [("y", ["N", 4, 16, 16])], opset=15)
     w = _calibrate(m, tmp_path, [rng.standard_normal((1, 3, 16, 16)).astype(np.float32) for _ in range(16)])
-    r = quantize(w, strict=True, say=lambda *a, **k: None, sensitivity=SensitivityOptions(show_progress=False))
+    r = quantize(w, QuantizeOptions(strict=True, progress=False), say=lambda *a, **k: None)
     onnx.checker.check_model(r.path)
 
 
@@ -79,7 +80,7 @@ def test_if_branch_of_constants_only(tmp_path):
     m.ir_version = 8
     onnx.checker.check_model(m)
     w = _calibrate(m, tmp_path, [rng.standard_normal((1, 8, 1, 32)).astype(np.float32) for _ in range(8)])
-    r = quantize(w, strict=True, say=lambda *a, **k: None, sensitivity=SensitivityOptions(show_progress=False))
+    r = quantize(w, QuantizeOptions(strict=True, progress=False), say=lambda *a, **k: None)
     onnx.checker.check_model(r.path)
 
 
@@ -107,7 +108,7 @@ def test_eval_of_a_fixed_batch_model(tmp_path):
         warnings.simplefilter("ignore")
         calibrate(str(path), str(tmp_path / "calib"),
                   CalibrateOptions(method="minmax", threads=1, show_progress=False), workdir=str(tmp_path / "w"))
-        q = quantize(str(tmp_path / "w"), say=lambda *a, **k: None, sensitivity=SensitivityOptions(enabled=False))
+        q = quantize(str(tmp_path / "w"), QuantizeOptions(sensitivity=SensitivityOptions(enabled=False)), say=lambda *a, **k: None)
         r = evaluate(str(path), q.path, str(tmp_path / "eval"), show_progress=False)
         assert r["n_images"] == 4 and r["left_out"] == 2
         assert r["latency_ms"]["ort_int8"] > 0
@@ -143,7 +144,7 @@ def test_selection_from_an_infinite_tensor(tmp_path):
     m = make_model(nodes, inits, [("x", ["N", 16])], [("y", ["N", 1])], opset=18)
     w = _calibrate(m, tmp_path, [rng.standard_normal((1, 16)).astype(np.float32) for _ in range(16)])
     with pytest.warns(UserWarning, match="judges by the output 'y'"):
-        r = quantize(w, strict=True, say=lambda *a, **k: None, sensitivity=SensitivityOptions(show_progress=False))
+        r = quantize(w, QuantizeOptions(strict=True, progress=False), say=lambda *a, **k: None)
     assert "sensitivity" in r.report and r.report["rounding"] == "output-aware", r.report
 
 
@@ -206,7 +207,7 @@ def test_selection_after_a_score_threshold(tmp_path):
     m = _threshold_nms_model(rng)
     assert G.reference_output(m) == "head"  # (back over the Reshape: the same values, N first)
     w = _calibrate(m, tmp_path, [rng.standard_normal((1, 3, 8, 16)).astype(np.float32) for _ in range(12)])
-    r = quantize(w, strict=True, say=lambda *a, **k: None, sensitivity=SensitivityOptions(show_progress=False))
+    r = quantize(w, QuantizeOptions(strict=True, progress=False), say=lambda *a, **k: None)
     assert r.report["rounding"] == "output-aware" and "sensitivity" in r.report, r.report
 
 
@@ -222,7 +223,7 @@ def test_a_judge_tensor_whose_rows_do_not_follow_the_samples(tmp_path, monkeypat
     monkeypatch.setattr("qtool.quantize.samples._sample_axis", lambda sess, out, s: (0, 1))
     monkeypatch.setattr("qtool.quantize.samples._joins", lambda s, ys: True)
     with pytest.warns(UserWarning, match="does not hold one entry per calibration sample"):
-        r = quantize(w, say=lambda *a, **k: None, sensitivity=SensitivityOptions(show_progress=False))
+        r = quantize(w, QuantizeOptions(progress=False), say=lambda *a, **k: None)
     onnx.checker.check_model(r.path)
 
 
@@ -249,7 +250,7 @@ def test_eval_of_a_classifier_whose_probabilities_are_a_zipmap(tmp_path):
     rng = np.random.default_rng(6)
     w = _calibrate(m, tmp_path, [rng.random((4, 4), dtype=np.float32) for _ in range(24)])
     said = []
-    q = quantize(w, strict=True, say=said.append, sensitivity=SensitivityOptions(show_progress=False))
+    q = quantize(w, QuantizeOptions(strict=True, progress=False), say=said.append)
     # nothing runs in int8: nothing to measure (luscinia's 194 MB ensemble spent 114 s and 7.4 GB on it)
     assert any("no op of this model runs in int8" in line for line in said), said
     ran = q.report["optional_steps"]["seconds"]
@@ -303,8 +304,7 @@ def test_fixed_batch_with_a_sequence_first_output(tmp_path):
         warnings.simplefilter("ignore")
         calibrate(str(tmp_path / "m.onnx"), str(tmp_path / "imgs"),
                   CalibrateOptions(config=cfg, threads=1, show_progress=False), workdir=str(tmp_path / "w"))
-    r = quantize(str(tmp_path / "w"), strict=True, say=lambda *a, **k: None,
-                 sensitivity=SensitivityOptions(show_progress=False))
+    r = quantize(str(tmp_path / "w"), QuantizeOptions(strict=True, progress=False), say=lambda *a, **k: None)
     assert r.report["method_scores_db"] and "sensitivity" in r.report, r.report
 
 
@@ -372,8 +372,7 @@ def test_an_output_whose_length_follows_the_values(tmp_path):
         warnings.simplefilter("ignore")
         calibrate(str(path), str(data),
                   CalibrateOptions(method="minmax", show_progress=False), workdir=str(tmp_path / "w"))
-    r = quantize(str(tmp_path / "w"), strict=True, say=lambda *a, **k: None,
-                 sensitivity=SensitivityOptions(show_progress=False))
+    r = quantize(str(tmp_path / "w"), QuantizeOptions(strict=True, progress=False), say=lambda *a, **k: None)
     assert r.report["resized_share"] > 0
     status = {d["name"]: d["status"] for d in r.report["nodes"]}
     assert status["length_layer"] == "fp32" and status["value_layer"] == "int8"
@@ -412,7 +411,7 @@ def test_nodes_listed_out_of_order(tmp_path):
              helper.make_node("Relu", ["a"], ["f"], name="relu")]
     m = _unchecked(nodes, [weight(rng, "W1", 16, 32), weight(rng, "W2", 32, 4)], [("x", ["N", 16])], [("y", ["N", 4])])
     w = _calibrate(m, tmp_path, [rng.standard_normal((1, 16)).astype(np.float32) for _ in range(8)])
-    r = quantize(w, strict=True, say=lambda *a, **k: None, sensitivity=SensitivityOptions(show_progress=False))
+    r = quantize(w, QuantizeOptions(strict=True, progress=False), say=lambda *a, **k: None)
     assert [n.name for n in onnx.load(str(tmp_path / "w" / "fused.onnx")).graph.node] == ["first", "relu", "last"]
     assert r.report["summary"].get("int8") == 2
     notes = []
@@ -460,7 +459,7 @@ def test_an_output_masked_with_nan_by_design(tmp_path, nan_from):
         r = calibrate(str(tmp_path / "m.onnx"), str(data),
                       CalibrateOptions(method="minmax", show_progress=False), workdir=str(tmp_path / "w"))
     assert not any("degenerate" in str(c.message) for c in caught) and not any("degenerate" in a for a in r.warnings)
-    q = quantize(str(tmp_path / "w"), strict=True, say=lambda *a, **k: None, sensitivity=SensitivityOptions(show_progress=False))
+    q = quantize(str(tmp_path / "w"), QuantizeOptions(strict=True, progress=False), say=lambda *a, **k: None)
     assert q.report["rounding"] == "output-aware" and "sensitivity" in q.report
     e = evaluate_workdir(str(tmp_path / "w"), data=str(data), show_progress=False)
     out = e["outputs"]["y"]
@@ -483,7 +482,7 @@ def test_a_scalar_output_with_a_free_batch(tmp_path):
     w = _calibrate(m, tmp_path, [rng.standard_normal((1, 4, 16, 16)).astype(np.float32) for _ in range(12)])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        r = quantize(w, strict=True, say=lambda *a, **k: None, sensitivity=SensitivityOptions(show_progress=False))
+        r = quantize(w, QuantizeOptions(strict=True, progress=False), say=lambda *a, **k: None)
     assert not any("does not hold one entry" in str(c.message) for c in caught)
     assert r.report["rounding"] == "output-aware" and "sensitivity" in r.report
 
@@ -521,7 +520,7 @@ def test_an_output_whose_length_follows_the_whole_batch(tmp_path):
     w = _calibrate(m, tmp_path, [x0] * 20 + [3 * x0] * 4)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        r = quantize(w, strict=True, say=lambda *a, **k: None, sensitivity=SensitivityOptions(show_progress=False))
+        r = quantize(w, QuantizeOptions(strict=True, progress=False), say=lambda *a, **k: None)
     assert not any("does not hold one entry" in str(c.message) for c in caught), [str(c.message) for c in caught]
     assert r.report["rounding"] == "output-aware" and "sensitivity" in r.report
 
@@ -561,8 +560,7 @@ def _strict_quantize(tmp_path, graph, samples: list):
         warnings.simplefilter("ignore")
         calibrate(str(path), str(data),
                   CalibrateOptions(method="minmax", show_progress=False), workdir=str(tmp_path / "w"))
-        return quantize(str(tmp_path / "w"), strict=True, say=lambda *a, **k: None,
-                        sensitivity=SensitivityOptions(show_progress=False))
+        return quantize(str(tmp_path / "w"), QuantizeOptions(strict=True, progress=False), say=lambda *a, **k: None)
 
 
 def test_an_output_declared_without_a_shape_is_given_its_rank(tmp_path):
@@ -584,7 +582,8 @@ def test_experiments_run_large_inputs_in_smaller_batches(tmp_path):
     """quantize's experiments batch samples by their bytes (BATCH_BYTES: 8 images at 640x640): 6 samples at
     3x1536x1536 run 1 at a time, not 16 (hx8: a 624x624 classifier's --exclude-sensitive held 16 images'
     activations per experiment, two at a time: 4.1 GB for a 6.7 MB model; now 2.0 GB); the same outputs."""
-    from qtool.quantize.run import load_inputs
+    from qtool.quantize.inputs import load_inputs
+    from qtool.workdir import Workdir
     from qtool.quantize.samples import BATCH, load_samples
     rng = np.random.default_rng(4)
     nodes = [helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1])]
@@ -599,7 +598,8 @@ def test_experiments_run_large_inputs_in_smaller_batches(tmp_path):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             calibrate(str(model), str(data), CalibrateOptions(method="minmax", show_progress=False), workdir=wd)
-        fused, table, _ = load_inputs(wd, None, None)
+        inp = load_inputs(Workdir(wd))
+        fused, table = inp.fused, inp.table
         s = load_samples(fused, table, sorted(str(p) for p in data.iterdir()))
         assert s.batch == want and len(s.feeds) == -(-6 // want)
         direct = np.concatenate([run(fused, {"x": np.load(data / f"{i}.npy")})[0] for i in range(6)])

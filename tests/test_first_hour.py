@@ -76,7 +76,7 @@ def test_range_search_tells_its_exact_total(tmp_path):
 # --- item 5: messages ------------------------------------------------------------------------------------
 
 def test_fp32_summary_lists_every_rank():
-    from qtool.quantize.run import reasons_text
+    from qtool.quantize.report import reasons_text
     r = [f"kept fp32 by --exclude-sensitive (rank {k})" for k in (1, 10, 2, 4, 3)]
     assert reasons_text(r) == "kept fp32 by --exclude-sensitive, sensitivity ranks 1, 2, 3, 4, 10"
     assert reasons_text(["no int8 rule for this op"] * 3) == "no int8 rule for this op"
@@ -130,7 +130,7 @@ def test_python_api_calibrate_quantize_evaluate_from_plain_arrays(tmp_path, caps
     wd = str(tmp_path / "work")
     cal = api.calibrate(model, batches, workdir=wd, verbose=False)
     assert cal.table.n_samples == 12 and cal.table.method == "auto"
-    q = api.quantize(workdir=wd, verbose=False)
+    q = api.quantize(wd, verbose=False)
     assert q.report["method"] == "minmax" and q.report["target"] == "portable"
     onnx.checker.check_model(onnx.load(q.path))
     one_at_a_time = (x for b in batches for x in b)  # single samples [C, H, W] work too
@@ -150,11 +150,13 @@ def test_api_defaults_are_the_cli_defaults():
     assert pyinspect.signature(api.calibrate).parameters["method"].default == cli_default["method"] == "auto"
     assert CalibrateOptions().method == "auto"
     q_default = {p.name: p.default for p in q_cmd.command.params}
-    sig = pyinspect.signature(api.quantize).parameters
-    assert sig["target"].default == q_default["target"]
-    assert sig["sensitivity_samples"].default == q_default["sensitivity_samples"]
-    assert sig["target_agreement"].default == q_default["target_agreement"]
-    assert sig["rounding"].default is q_default["rounding"] is None  # None: output-aware, in both
+    opts = api.QuantizeOptions()  # (what api.quantize takes without options)
+    assert opts.target == q_default["target"]
+    assert opts.sensitivity.samples == q_default["sensitivity_samples"]
+    assert opts.exclusion.target_agreement == q_default["target_agreement"]
+    assert opts.exclusion.max_excluded == q_default["max_excluded"]
+    assert opts.rounding is q_default["rounding"] is None  # None: output-aware, in both
+    assert len(pyinspect.signature(api.quantize).parameters) <= 8
 
 
 def test_readme_api_section_runs_as_written(tmp_path, monkeypatch):

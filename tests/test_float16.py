@@ -80,7 +80,7 @@ def test_float16_model_quantizes_and_keeps_float16_io(tmp_path):
     path = save(m16, tmp_path / "half.onnx")
     samples = [_x((1, 3, 16, 16), seed=k) for k in range(8)]
     calibrate(path, samples, workdir=str(tmp_path / "w"))
-    q = quantize(workdir=str(tmp_path / "w"))
+    q = quantize(str(tmp_path / "w"))
     q8 = onnx.load(q.path)
     ops = {n.op_type for n in q8.graph.node}
     assert {"QuantizeLinear", "DequantizeLinear"} <= ops and q.report["summary"].get("int8", 0) >= 3
@@ -100,7 +100,7 @@ def test_float16_model_calibrates_from_images(tmp_path):
     path = save(to_float16(small_convnet()), tmp_path / "half.onnx")
     from qtool.data.config import load_config
     calibrate(path, str(tmp_path / "d"), config=load_config(cfg), workdir=str(tmp_path / "w"))
-    q = quantize(workdir=str(tmp_path / "w"))
+    q = quantize(str(tmp_path / "w"))
     assert q.report["summary"].get("int8", 0) >= 3
     r = evaluate(workdir=str(tmp_path / "w"), data=str(tmp_path / "d"))
     assert r["output_sqnr_db"] > 25

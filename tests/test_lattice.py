@@ -9,6 +9,7 @@ from onnx import helper, numpy_helper, TensorProto
 
 from qtool import qparams as Q
 from qtool.lattice import DistinctValues, Lattice, find_lattice, lattice_qparams
+from qtool.quantize.qdq import BuildOptions
 
 PIXELS = np.arange(256, dtype=np.float32)
 
@@ -101,10 +102,10 @@ def test_quantize_puts_a_lattice_input_on_the_grid_and_keeps_the_output(tmp_path
     x = np.concatenate([load_image(f, c) for f in list_images(str(tmp_path / "d"))])
     ref = _ort(r.fused, x)
     # (the default target: exact in ONNX Runtime on every x86 tier, so the comparison below is the same on any CPU)
-    on = quantize_graph(r.fused, r.table, bias_correction=False)
+    on = quantize_graph(r.fused, r.table, BuildOptions(bias_correction=False))
     lattice = r.table.lattices["x"]
     r.table.lattices = {}
-    off = quantize_graph(r.fused, r.table, bias_correction=False)
+    off = quantize_graph(r.fused, r.table, BuildOptions(bias_correction=False))
     adds = [n for n in on.model.graph.node if n.op_type == "Add" and "x" in n.input]
     assert len(adds) == 1 and not any(n.op_type == "Add" for n in off.model.graph.node)
     assert list(on.input_shifts) == ["x"] and not off.input_shifts

@@ -69,7 +69,7 @@ def test_a_clip_needs_more_than_a_few_samples(monkeypatch):
     on the very samples that set its clip: wired-table-rec's segmenter chose mse on one (39.2 dB against
     27.8) and read worse than minmax on 16 other tables. Below MIN_CHOICE_SAMPLES the unclipped method stays."""
     from types import SimpleNamespace
-    from qtool.quantize import run
+    from qtool.quantize import method_choice as run
     monkeypatch.setattr(run, "method_scores", lambda ctx, samples, candidates, progress=None, agreement=None:
                         {"minmax": 27.8, "mse": 39.2})
     ctx = SimpleNamespace(table=SimpleNamespace(range_method="minmax", ranges={"minmax": {}, "mse": {}}))

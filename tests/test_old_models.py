@@ -34,7 +34,7 @@ def test_ir3_model_with_weights_as_inputs_quantizes_and_runs(tmp_path):
     p = str(tmp_path / "old.onnx")
     onnx.save(m, p)
     calibrate(p, _samples((1, 3, 8, 8)), workdir=str(tmp_path / "w"))
-    q = quantize(workdir=str(tmp_path / "w"))
+    q = quantize(str(tmp_path / "w"))
     q8 = onnx.load(q.path)
     onnx.checker.check_model(q8)
     assert G.opset(q8) >= MIN_OPSET and q8.ir_version >= 7
@@ -56,7 +56,7 @@ def test_ir3_model_with_unlisted_initializers_is_read_as_ir4(tmp_path):
     assert load_model(p, notes=notes).ir_version == 4
     assert any("not listed as graph inputs" in n for n in notes), notes
     calibrate(p, _samples((1, 3, 8, 8)), workdir=str(tmp_path / "w"))
-    q = quantize(workdir=str(tmp_path / "w"))
+    q = quantize(str(tmp_path / "w"))
     x = _samples((1, 3, 8, 8), 1, seed=5)[0]
     assert _sqnr(_ort(p, x), _ort(q.path, x)) > 25
 
@@ -89,7 +89,7 @@ def test_opset9_classifier_calibrates_on_the_graph_quantize_writes(tmp_path):
     calibrate(p, _samples((1, 3, 8, 8), 6), workdir=str(tmp_path / "w"))
     fused = onnx.load(str(tmp_path / "w" / "fused.onnx"))
     assert G.opset(fused) == MIN_OPSET and "Dropout" not in {n.op_type for n in fused.graph.node}
-    q = quantize(workdir=str(tmp_path / "w"))
+    q = quantize(str(tmp_path / "w"))
     x = _samples((1, 3, 8, 8), 1, seed=9)[0]
     assert _sqnr(_ort(p, x), _ort(q.path, x)) > 25
 

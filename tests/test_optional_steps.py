@@ -3,6 +3,7 @@ valid int8 model, one warning naming the step, and a record in quantize.json; --
 same fault into one line and exit 70. Errors in the user's input stay errors."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import warnings
@@ -13,34 +14,39 @@ import pytest
 
 from helpers import run
 from qtool import cli
-from qtool.quantize import run as quantize_run
-from qtool.quantize.optional import STEPS, OptionalSteps, StepError
+from qtool.quantize.optional import OptionalSteps, StepError
+from qtool.quantize.options import ExclusionOptions, QuantizeOptions
+from qtool.quantize.pipeline import FALLBACKS, LAYER_FALLBACKS
+from qtool.quantize.steps import (budget, encoding_choice, equalization, exclusion, guard, input_grid, method_choice,
+                                  quantizer_noise, range_tuning, rounding, sensitivity, target_cost)
 
 
 def _boom(*args, **kwargs):
     raise RuntimeError("injected fault")
 
 
-# step -> (the function quantize calls for it, quantize options that turn the step on)
+EXCLUDING = QuantizeOptions(exclusion=ExclusionOptions(enabled=True, max_excluded=1))
+# step -> (its file, the function it calls there, quantize options that turn the step on)
 INJECT = {
-    "equalization": ("balance", {}),
-    "calibration samples": ("afford", {}),
-    "method choice": ("pick_method", {"method": "auto"}),
-    "encoding choice": ("choose_encodings", {}),
-    "input grid": ("choose_input_grid", {}),  # (the suite's images are normalised to [-1, 1]: a lattice)
-    "output-aware rounding": ("tune_rounding", {}),
-    "range tuning": ("tune_activation_ranges", {"tune_ranges": True}),
-    "sensitivity": ("run_sensitivity", {}),
-    "guard": ("guard_layers", {}),
-    "quantizer noise": ("quantizer_noise", {"exclude_sensitive": True, "max_excluded": 1}),
-    "exclusion": ("run_exclusion", {"exclude_sensitive": True, "max_excluded": 1}),
-    "target cost": ("target_cost", {}),
+    "equalization": (equalization, "balance", QuantizeOptions()),
+    "calibration samples": (budget, "afford", QuantizeOptions()),
+    "method choice": (method_choice, "pick_method", QuantizeOptions(method="auto")),
+    "encoding choice": (encoding_choice, "choose_encodings", QuantizeOptions()),
+    # (the suite's images are normalised to [-1, 1]: a lattice)
+    "input grid": (input_grid, "choose_input_grid", QuantizeOptions()),
+    "output-aware rounding": (rounding, "tune_rounding", QuantizeOptions()),
+    "range tuning": (range_tuning, "tune_activation_ranges", QuantizeOptions(tune_ranges=True)),
+    "sensitivity": (sensitivity, "run_sensitivity", QuantizeOptions()),
+    "guard": (guard, "guard_layers", QuantizeOptions()),
+    "quantizer noise": (quantizer_noise, "quantizer_noise", EXCLUDING),
+    "exclusion": (exclusion, "run_exclusion", EXCLUDING),
+    "target cost": (target_cost, "target_cost", QuantizeOptions()),
 }
 
 
 def test_every_optional_step_has_a_fault_injected_here():
     # (subgraphs: in test_real_models, on a model with an If; verification: in test_verify, with --verify on 24 samples or more)
-    assert set(INJECT) | {"subgraphs", "verification"} == set(STEPS)
+    assert set(INJECT) | {"subgraphs", "verification"} == set(FALLBACKS)
 
 
 @pytest.fixture
@@ -50,18 +56,18 @@ def work(calibrated, tmp_path, monkeypatch):
     return tmp_path / "work"
 
 
-def _quantize(work, **kw):
+def _quantize(work, options=None):
     from qtool.api import quantize
-    return quantize(str(work), verbose=False, **kw)
+    return quantize(str(work), options, verbose=False)
 
 
 @pytest.mark.parametrize("step", sorted(INJECT))
 def test_a_failing_step_falls_back_and_warns_once(work, monkeypatch, step, calibrated):
-    fn, options = INJECT[step]
-    monkeypatch.setattr(quantize_run, fn, _boom)
+    module, fn, options = INJECT[step]
+    monkeypatch.setattr(module, fn, _boom)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        q = _quantize(work, **options)
+        q = _quantize(work, options)
     said = [str(w.message) for w in caught if "injected fault" in str(w.message)]
     assert len(said) == 1 and said[0].startswith(f"{step} failed (RuntimeError: injected fault)")
     m = onnx.load(q.path)
@@ -75,10 +81,10 @@ def test_a_failing_step_falls_back_and_warns_once(work, monkeypatch, step, calib
 
 @pytest.mark.parametrize("step", ["output-aware rounding", "sensitivity", "target cost"])
 def test_strict_makes_the_fault_one_line_and_exit_70(work, monkeypatch, capsys, step):
-    fn, options = INJECT[step]
-    monkeypatch.setattr(quantize_run, fn, _boom)
+    module, fn, options = INJECT[step]
+    monkeypatch.setattr(module, fn, _boom)
     with pytest.raises(StepError):
-        _quantize(work, strict=True, **options)
+        _quantize(work, dataclasses.replace(options, strict=True))
     with pytest.raises(SystemExit) as e:
         cli.main(["quantize", "-w", str(work), "--strict", "-q"])
     assert e.value.code == 70
@@ -112,11 +118,12 @@ def test_one_layer_that_cannot_be_rounded_keeps_nearest_rounding(work, monkeypat
 def test_a_bad_labels_file_stays_an_error(work):
     from qtool.errors import QtoolError
     with pytest.raises(QtoolError, match="no such labels file"):
-        _quantize(work, exclude_sensitive=True, labels=str(work / "absent.txt"), max_drop=1.0)
+        _quantize(work, QuantizeOptions(exclusion=ExclusionOptions(enabled=True, labels=str(work / "absent.txt"),
+                                                                   max_drop=1.0)))
 
 
 def test_the_runner_times_each_step_and_keeps_interrupts():
-    steps = OptionalSteps()
+    steps = OptionalSteps(FALLBACKS, LAYER_FALLBACKS)
     assert steps.run("target cost", lambda: 3) == 3
     assert "target cost" in steps.to_dict()["seconds"]
 

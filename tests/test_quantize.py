@@ -22,6 +22,8 @@ from qtool.errors import QtoolError
 from qtool.plan import make_plan
 from qtool.quantize.qdq import quantize_graph
 from qtool.quantize.run import quantize
+from qtool.quantize.options import QuantizeOptions, SensitivityOptions
+from qtool.quantize.qdq import BuildOptions
 
 
 def _cal(model, tmp_path, n=6, cfg=None, seed=1, **kw):
@@ -59,7 +61,7 @@ def q(calibrated):
     """The session's calibrated small net quantized without bias correction (so biases are checkable),
     with plain int8 weights (the vnni target: max |q| is 127 in every channel)."""
     root, model, data, cfg, r = calibrated
-    return quantize_graph(r.fused, r.table, bias_correction=False, target="vnni"), r
+    return quantize_graph(r.fused, r.table, BuildOptions(bias_correction=False, target="vnni")), r
 
 
 def test_quantized_graph_is_valid_and_clean(q):
@@ -156,21 +158,21 @@ def test_int8_output_close_to_fp32(q, calibrated):
 def test_method_choice_sets_activation_qparams(calibrated):
     root, model, data, cfg, r = calibrated
     for method in ("minmax", "percentile", "entropy", "mse"):
-        out = quantize_graph(r.fused, r.table, method=method)
+        out = quantize_graph(r.fused, r.table, BuildOptions(method=method))
         for t in ("a1", "a2"):  # (the input "x" is on an 8-bit lattice: quantized on its grid, test_lattice.py)
             lo, hi = r.table.ranges[method][t]
             assert out.qparams[t] == Q.activation_qparams(lo, max(hi, 0.0)) or out.plan.clamp.get(t), method
         lo, hi = r.table.ranges[method]["x"]
         r.table.lattices, kept = {}, r.table.lattices
         try:
-            assert quantize_graph(r.fused, r.table, method=method).qparams["x"] == Q.activation_qparams(lo, hi), method
+            assert quantize_graph(r.fused, r.table, BuildOptions(method=method)).qparams["x"] == Q.activation_qparams(lo, hi), method
         finally:
             r.table.lattices = kept
 
 
 def test_ranges_override(calibrated):
     root, model, data, cfg, r = calibrated
-    out = quantize_graph(r.fused, r.table, ranges={"x": (-2.0, 2.0)})
+    out = quantize_graph(r.fused, r.table, BuildOptions(ranges={"x": (-2.0, 2.0)}))
     assert out.qparams["x"] == Q.activation_qparams(-2.0, 2.0)
 
 
@@ -197,7 +199,7 @@ def test_bias_correction_reduces_mean_output_error(tmp_path):
     ref = run(r.fused, {"x": x})[0]
     errs = {}
     for bc in (False, True):
-        out = quantize_graph(r.fused, r.table, bias_correction=bc, target="vnni")  # (its weights round with a bias)
+        out = quantize_graph(r.fused, r.table, BuildOptions(bias_correction=bc, target="vnni"))  # (its weights round with a bias)
         d = run(out.model, {"x": x})[0].astype(np.float64) - ref
         errs[bc] = np.abs(d.mean(axis=(0, 2, 3)))  # per-channel mean (systematic) error
     assert errs[False].mean() > 0.02, errs  # the model really has a rounding bias
@@ -223,7 +225,7 @@ def test_op_without_rule_stays_fp32(tmp_path, op):
 
 def test_exclude_keeps_node_fp32(calibrated):
     root, model, data, cfg, r = calibrated
-    out = quantize_graph(r.fused, r.table, exclude={"dw_conv": "excluded by the user (--exclude)"})
+    out = quantize_graph(r.fused, r.table, BuildOptions(exclude={"dw_conv": "excluded by the user (--exclude)"}))
     d = out.plan.decision("dw_conv")
     assert d.status == "fp32" and "--exclude" in d.reason
     conv = next(n for n in out.model.graph.node if n.name == "dw_conv")
@@ -243,7 +245,7 @@ def test_excluded_layer_stays_fp32_in_onnx_runtime(calibrated, layer):
     fc writes the graph output, not a QuantizeLinear: that pass leaves it alone, and so does qtool."""
     import onnxruntime as ort
     root, model, data, cfg, r = calibrated
-    out = quantize_graph(r.fused, r.table, exclude={layer: "excluded by the user (--exclude)"})
+    out = quantize_graph(r.fused, r.table, BuildOptions(exclude={layer: "excluded by the user (--exclude)"}))
     x = np.random.default_rng(0).standard_normal((4, 3, 16, 16)).astype(np.float32)
     so = ort.SessionOptions()
     so.log_severity_level = 3
@@ -274,7 +276,7 @@ def _same_with_and_without_weight_bias_quantization(model, feeds):
 def test_weights_false_leaves_every_weight_fp32_in_onnx_runtime(calibrated):
     """The activations-only diagnostic: ORT must not quantize the fp32 weights it finds between DQ and Q."""
     root, model, data, cfg, r = calibrated
-    out = quantize_graph(r.fused, r.table, weights=False)
+    out = quantize_graph(r.fused, r.table, BuildOptions(weights=False))
     _same_with_and_without_weight_bias_quantization(
         out.model, {"x": np.random.default_rng(1).standard_normal((2, 3, 16, 16)).astype(np.float32)})
 
@@ -296,7 +298,7 @@ def test_excluded_layer_on_a_one_channel_input_stays_fp32(tmp_path):
     feeds = [{"x": rng.standard_normal((2, 3, 8, 8)).astype(np.float32)} for _ in range(3)]
     r = calibrate(path, feeds,
                   CalibrateOptions(method="minmax", threads=1, show_progress=False), workdir=str(tmp_path / "w"))
-    out = quantize_graph(r.fused, r.table, exclude={"conv_b": "excluded by the user"})
+    out = quantize_graph(r.fused, r.table, BuildOptions(exclude={"conv_b": "excluded by the user"}))
     conv_b = next(n for n in out.model.graph.node if n.name == "conv_b")
     assert conv_b.input[0] == "t"  # the fp32 value, not a DequantizeLinear of it
     _same_with_and_without_weight_bias_quantization(out.model, feeds[0])
@@ -307,11 +309,11 @@ def test_quantize_writes_model_report_and_manifest(calibrated, tmp_path):
     wd = tmp_path / "work"
     shutil.copytree(root / "work", wd)
     # the table records absolute paths of the session's workdir; point quantize at the copy explicitly
-    res = quantize(str(wd), table_path=str(wd / "calibration.json"), exclude={"fc": "excluded by the user"})
+    res = quantize(str(wd), QuantizeOptions(table=str(wd / "calibration.json"), exclude=["fc"]))
     assert res.path == str(wd / "model.int8.onnx")
     onnx.checker.check_model(onnx.load(res.path))
     rep = json.load(open(wd / "quantize.json"))
-    assert rep["excluded"] == {"fc": "excluded by the user"} and rep["method"] == "minmax"
+    assert rep["excluded"] == {"fc": "excluded by the user (--exclude)"} and rep["method"] == "minmax"
     assert {d["name"]: d["status"] for d in rep["nodes"]}["fc"] == "fp32"
     assert rep["size_bytes"]["int8"] < rep["size_bytes"]["fp32"] * 1.5
     assert json.load(open(wd / "manifest.json"))["quantize"]["int8_path"] == res.path
@@ -320,7 +322,7 @@ def test_quantize_writes_model_report_and_manifest(calibrated, tmp_path):
 def test_unknown_exclude_name_is_an_error(calibrated, tmp_path):
     root, model, data, cfg, r = calibrated
     with pytest.raises(QtoolError, match=r"--exclude: no node named 'no_such_node'"):
-        quantize(str(tmp_path / "w"), table_path=r.table_path, exclude={"no_such_node": "x"})
+        quantize(str(tmp_path / "w"), QuantizeOptions(table=r.table_path, exclude=["no_such_node"]))
     assert not (tmp_path / "w" / "model.int8.onnx").exists()
 
 
@@ -328,7 +330,7 @@ def test_table_from_another_model_is_refused(calibrated, tmp_path):
     root, model, data, cfg, r = calibrated
     other = save(small_convnet(seed=5), tmp_path / "other.onnx")
     with pytest.raises(QtoolError, match=r"calibration\.json.*another model.*net\.onnx.*other\.onnx"):
-        quantize(str(tmp_path / "w"), model=other, table_path=r.table_path)
+        quantize(str(tmp_path / "w"), QuantizeOptions(model=other, table=r.table_path, progress=False, sensitivity=SensitivityOptions(enabled=False)))
 
 
 def test_table_missing_tensor_is_refused(calibrated):
@@ -349,7 +351,7 @@ def test_changed_fused_graph_is_refused_when_original_is_gone(calibrated, tmp_pa
     t.save(str(wd / "calibration.json"))
     (wd / "fused.onnx").write_bytes(b"changed")
     with pytest.raises(QtoolError, match=r"fused\.onnx.*gone\.onnx"):
-        quantize(str(wd), table_path=str(wd / "calibration.json"))
+        quantize(str(wd), QuantizeOptions(table=str(wd / "calibration.json"), progress=False, sensitivity=SensitivityOptions(enabled=False)))
 
 
 def test_old_opset_is_upgraded_with_a_note(tmp_path):
@@ -490,7 +492,7 @@ def test_method_auto_picks_the_best_measured_method(calibrated, tmp_path):
     root = calibrated[0]
     work = tmp_path / "work"
     shutil.copytree(root / "work", work)  # the shared fixture's folder stays as it is
-    r = quantize(str(work), method="auto", say=lambda s: None)
+    r = quantize(str(work), QuantizeOptions(method="auto", progress=False, sensitivity=SensitivityOptions(enabled=False)), say=lambda s: None)
     scores = r.report["method_scores_db"]
     assert set(scores) == set(METHODS)
     best = max(scores, key=scores.get)  # (a clipping method must beat minmax by CLIP_GAIN_DB)
@@ -503,8 +505,8 @@ def test_exclusion_drops_the_quantizer_only_the_excluded_layer_read(calibrated):
     root, model, data, cfg, r = calibrated
     x = _inputs(cfg, data)
     ex = {"pw_conv": "excluded by the user (--exclude)"}
-    pruned = quantize_graph(r.fused, r.table, exclude=ex)
-    kept = quantize_graph(r.fused, r.table, exclude=ex, prune_excluded=False)
+    pruned = quantize_graph(r.fused, r.table, BuildOptions(exclude=ex))
+    kept = quantize_graph(r.fused, r.table, BuildOptions(exclude=ex, prune_excluded=False))
     dw_out = next(n.output[0] for n in r.fused.graph.node if n.name == "dw_relu")
     assert dw_out in kept.plan.tensors and dw_out not in pruned.plan.tensors
     assert kept.plan.decision("dw_relu").status == "fused"
@@ -519,7 +521,7 @@ def test_exclusion_drops_the_quantizer_only_the_excluded_layer_read(calibrated):
     ref = run(r.fused, {"x": x})[0]
     assert _sqnr(ref, run(pruned.model, {"x": x})[0]) > 20
     # the first conv excluded: nothing int8 reads the graph input, so it is not quantized
-    first = quantize_graph(r.fused, r.table, exclude={"stem_conv": "x"})
+    first = quantize_graph(r.fused, r.table, BuildOptions(exclude={"stem_conv": "x"}))
     assert "x" not in first.plan.tensors
 
 
@@ -543,7 +545,7 @@ def test_targets_encode_the_same_layers_three_ways(calibrated):
     from qtool.arithmetic import ARITHMETICS, conv_rows, saturating_pairs
     from qtool.runtime import NativeSession
     root, model, data, cfg, r = calibrated
-    outs = {t: quantize_graph(r.fused, r.table, target=t) for t in ("portable", "vnni", "u8-weights")}
+    outs = {t: quantize_graph(r.fused, r.table, BuildOptions(target=t)) for t in ("portable", "vnni", "u8-weights")}
     for t, out in outs.items():
         assert {p.key: p.value for p in out.model.metadata_props}["qtool.target"] == t
     n_paired = 0
@@ -672,7 +674,7 @@ def test_balancing_trials_are_said_as_trials(monkeypatch):
     "method auto: minmax" as what the model got, while the unbalanced mse model was kept)."""
     from dataclasses import dataclass
     from types import SimpleNamespace
-    from qtool.quantize import run as qrun
+    from qtool.quantize.steps import equalization as qrun
 
     @dataclass
     class Ctx:
@@ -704,7 +706,7 @@ def test_balancing_trials_are_said_as_trials(monkeypatch):
 def test_a_model_the_guard_keeps_all_fp32_says_so(calibrated, tmp_path, monkeypatch):
     """The guard (or --exclude-sensitive) may keep every candidate fp32 (onnx-asr's wespeaker front end: its one int8
     layer alone left the output at 1.9 dB): the model written is fp32, and quantize said nothing of it."""
-    import qtool.quantize.run as run_mod
+    import qtool.quantize.steps.guard as run_mod
     from qtool.quantize.sensitivity import quantizable_layers
 
     root = calibrated[0]
@@ -713,6 +715,6 @@ def test_a_model_the_guard_keeps_all_fp32_says_so(calibrated, tmp_path, monkeypa
     monkeypatch.setattr(run_mod, "guard_layers", lambda ctx, ranking, samples, say: {
         d.name: "kept fp32 (test)" for d in quantizable_layers(ctx.fused)})
     said = []
-    r = quantize(str(work), say=said.append, sensitivity=run_mod.SensitivityOptions(True, None, show_progress=False))
+    r = quantize(str(work), QuantizeOptions(progress=False, sensitivity=SensitivityOptions()), say=said.append)
     assert not r.output.plan.int8_nodes
     assert any(s.startswith("note: every op that could run in int8 is kept fp32") for s in said), said

@@ -12,7 +12,8 @@ from qtool.calibrate.options import CalibrateOptions
 from qtool.qparams import ActQParams
 from qtool.quantize.context import QuantizeContext
 from qtool.quantize.quantizer_noise import _measure, quantizer_noise
-from qtool.quantize.run import load_inputs
+from qtool.quantize.inputs import load_inputs
+from qtool.workdir import Workdir
 from qtool.quantize.samples import load_samples
 
 
@@ -26,7 +27,8 @@ def swamped(tmp_path):
     calibrate(model, data,
               CalibrateOptions(config=write_config(str(tmp_path / "cfg.toml"), size=16), method="minmax", show_progress=False),
               workdir=wd)
-    fused, table, _ = load_inputs(wd, None, None)
+    inp = load_inputs(Workdir(wd))
+    fused, table = inp.fused, inp.table
     ctx = QuantizeContext(fused, table, "minmax")
     samples = load_samples(fused, table, sorted(glob.glob(os.path.join(data, "*"))))
     return ctx, samples

@@ -13,7 +13,7 @@ from onnx import TensorProto, helper
 from helpers import calibrate_samples, if_conv_model, init, make_model, run, save, weight, write_samples
 from qtool import graph as G
 from qtool.api import calibrate, quantize
-from qtool.quantize.run import SensitivityOptions
+from qtool.quantize.options import ExclusionOptions, QuantizeOptions, SensitivityOptions
 
 
 def _sqnr(ref, out):
@@ -21,13 +21,13 @@ def _sqnr(ref, out):
     return 10 * np.log10((ref ** 2).sum() / max(((ref - out) ** 2).sum(), 1e-30))
 
 
-def default_run(model, samples: list, tmp_path, min_db: float = 20.0, **quantize_kw):
+def default_run(model, samples: list, tmp_path, min_db: float = 20.0, rounding: bool | None = None):
     """calibrate (method auto) + quantize with every default step, strict; the int8 model runs in ORT
     on every sample and its outputs stay within `min_db` of fp32. -> QuantizeResult."""
     work = calibrate_samples(model, samples, tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        q = quantize(work, strict=True, verbose=False, **quantize_kw)
+        q = quantize(work, QuantizeOptions(strict=True, rounding=rounding), verbose=False)
     m = onnx.load(q.path)
     onnx.checker.check_model(m)
     for s in samples[:3]:
@@ -293,20 +293,20 @@ def test_unbalanced_channels_are_balanced_exactly_and_gain(tmp_path, monkeypatch
     """quantize/equalize.py: the balanced fp32 graph computes the same outputs, and the int8 model gains:
     the wide channel no longer sets the range of the seven narrow ones, before and after hard-swish."""
     from qtool.calibrate.table import load_table
-    from qtool.quantize import run as quantize_run
     from qtool.quantize.equalize import equalize
+    from qtool.quantize.steps import equalization
     rng = np.random.default_rng(11)
     m = _unbalanced_mobilenet_block(rng)
     samples = [{"x": rng.standard_normal((1, 4, 10, 10)).astype(np.float32)} for _ in range(12)]
-    q = default_run(m, samples, tmp_path / "balanced", min_db=0, rounding="nearest")
+    q = default_run(m, samples, tmp_path / "balanced", min_db=0, rounding=False)
     table = load_table(str(tmp_path / "balanced" / "work" / "calibration.json"))
     assert {"z", "h"} <= set(table.channel_ranges)
     balanced, _, _ = equalize(onnx.load(str(tmp_path / "balanced" / "work" / "fused.onnx")), table, say=lambda s: None)
     assert sum(n.op_type == "Mul" for n in balanced.graph.node) == 3  # hard-swish's own, one before it, one after
     for s in samples[:2]:
         np.testing.assert_allclose(run(balanced, s)[0], run(m, s)[0], rtol=1e-4, atol=1e-4)
-    monkeypatch.setattr(quantize_run, "balance", lambda ctx, samples, say: None)
-    plain = default_run(m, samples, tmp_path / "plain", min_db=0, rounding="nearest")
+    monkeypatch.setattr(equalization, "balance", lambda ctx, samples, say: None)
+    plain = default_run(m, samples, tmp_path / "plain", min_db=0, rounding=False)
 
     def db(q):
         return np.mean([_sqnr(run(m, s)[0], run(onnx.load(q.path), s)[0]) for s in samples])
@@ -346,8 +346,7 @@ def test_figures_count_the_branches_quantized(tmp_path):
     assert 10 < cost["output_sqnr_db"] < 80 and "If branches" in cost["measured"]
     assert q.report["subgraphs"][0]["summary"]["int8"] == 2
     said = []
-    r = quantize_run(str(tmp_path / "work"), say=said.append,
-                     sensitivity=SensitivityOptions(True, None, True, 0.9999, None, 5, None, show_progress=False))
+    r = quantize_run(str(tmp_path / "work"), QuantizeOptions(progress=False, sensitivity=SensitivityOptions(), exclusion=ExclusionOptions(enabled=True, target_agreement=0.9999)), say=said.append)
     assert r.exclusion is None  # (the main graph has no layer of its own to keep)
     line = next(t for t in said if t.startswith("rate (then_branch"))
     assert "--exclude-sensitive there kept" in line, said
@@ -355,13 +354,13 @@ def test_figures_count_the_branches_quantized(tmp_path):
 
 def test_a_failing_branch_stays_fp32_and_says_so(tmp_path, monkeypatch):
     """The optional step 'subgraphs' fails: the branch stays fp32, one warning, the model is written."""
-    from qtool.quantize import run as quantize_run
+    from qtool.quantize.steps import subgraphs
     monkeypatch.delenv("QTOOL_STRICT", raising=False)
     m = if_conv_model(np.random.default_rng(13))
 
     def boom(*a, **k):
         raise RuntimeError("injected fault")
-    monkeypatch.setattr(quantize_run, "quantize_branches", boom)
+    monkeypatch.setattr(subgraphs, "quantize_branches", boom)
     path = save(m, tmp_path / "model.onnx")
     rng = np.random.default_rng(14)
     data = write_samples(tmp_path / "data", [{"x": rng.standard_normal((1, 1, 64)).astype(np.float32),

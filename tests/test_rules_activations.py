@@ -9,6 +9,7 @@ from qtool.calibrate.histogram import Histogram
 from qtool.calibrate.methods import METHODS
 from qtool.rules.activations import FUNCTIONS, activation_inputs, activation_mse_range
 from rules_util import output_sqnr, quantize_tiny
+from qtool.quantize.options import QuantizeOptions
 
 
 def _net(rng):
@@ -170,7 +171,7 @@ def test_quantize_with_a_flat_ended_method(tmp_path):
     m = _net(np.random.default_rng(3))
     quantize_tiny(m, tmp_path, {"x": (2, 4, 6, 6)}, method="minmax")
     from qtool.api import quantize
-    q = quantize(str(tmp_path / "w"), method="minmax+flat", verbose=False, output=str(tmp_path / "f.onnx"))
+    q = quantize(str(tmp_path / "w"), QuantizeOptions(method="minmax+flat", output=str(tmp_path / "f.onnx")), verbose=False)
     import onnx
     from qtool.qparams import ActQParams
     g = onnx.load(q.path).graph

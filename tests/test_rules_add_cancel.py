@@ -8,6 +8,7 @@ from onnx import helper
 
 from helpers import init, make_model, run, save
 from qtool.api import calibrate, quantize
+from qtool.quantize.options import QuantizeOptions
 
 
 def _cancelling(rng):
@@ -33,11 +34,11 @@ def test_cancelling_add_stays_fp32(tmp_path, monkeypatch):
     x = rng.standard_normal((64, 16)).astype(np.float32)
     ref = run(m, {"x": x})[0]
     calibrate(path, samples, workdir=str(tmp_path / "w"))
-    q = quantize(workdir=str(tmp_path / "w"))
+    q = quantize(str(tmp_path / "w"))
     d = {n["name"]: n for n in q.report["nodes"]}["cancel"]
     assert d["status"] == "fp32" and "cancel" in d["reason"]
     kept = _sqnr(ref, run(onnx.load(q.path), {"x": x})[0])
     monkeypatch.setattr(add, "MAX_CANCEL_RATIO", float("inf"))
-    q2 = quantize(workdir=str(tmp_path / "w"), output=str(tmp_path / "int8_all.onnx"))
+    q2 = quantize(str(tmp_path / "w"), QuantizeOptions(output=str(tmp_path / "int8_all.onnx")))
     assert {n["name"]: n for n in q2.report["nodes"]}["cancel"]["status"] == "int8"
     assert kept > _sqnr(ref, run(onnx.load(q2.path), {"x": x})[0]) + 6

@@ -12,6 +12,7 @@ ort = pytest.importorskip("onnxruntime")
 
 from qtool.arithmetic import ARITHMETICS  # noqa: E402
 from qtool.runtime import NativeSession  # noqa: E402
+from qtool.quantize.options import QuantizeOptions, SensitivityOptions
 
 
 def test_qtool_int8_model_matches_ort(calibrated, tmp_path):
@@ -20,7 +21,7 @@ def test_qtool_int8_model_matches_ort(calibrated, tmp_path):
     out = tmp_path / "net.int8.onnx"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        quantize(workdir=str(root / "work"), output=str(out), say=lambda *a, **k: None)
+        quantize(str(root / "work"), QuantizeOptions(output=str(out), progress=False, sensitivity=SensitivityOptions(enabled=False)), say=lambda *a, **k: None)
     s = NativeSession(str(out))
     assert s.fallback_nodes() == [], s.report()
     so = ort.SessionOptions()

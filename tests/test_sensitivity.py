@@ -7,7 +7,8 @@ from onnx import helper
 from helpers import init, make_model, save, write_config, write_images
 from qtool.calibrate.run import calibrate
 from qtool.calibrate.options import CalibrateOptions
-from qtool.quantize.run import SensitivityOptions, quantize
+from qtool.quantize.run import quantize
+from qtool.quantize.options import ExclusionOptions, QuantizeOptions, SensitivityOptions
 
 
 def damaged_chain(seed=0, c=8, damaged="c2"):
@@ -51,7 +52,7 @@ def damaged_workdir(tmp_path):
 
 
 def test_planted_damaged_layer_ranks_first(damaged_workdir):
-    r = quantize(damaged_workdir, sensitivity=SensitivityOptions(samples=16, show_progress=False), say=lambda s: None)
+    r = quantize(damaged_workdir, QuantizeOptions(progress=False, sensitivity=SensitivityOptions(samples=16)), say=lambda s: None)
     layers = sorted(r.sensitivity["layers"], key=lambda l: l["rank"])
     assert layers[0]["name"] == "c2", [(l["name"], round(l["output_sqnr_db"], 1)) for l in layers]
     # and clearly so: the damaged layer hurts far more than the next one
@@ -59,9 +60,9 @@ def test_planted_damaged_layer_ranks_first(damaged_workdir):
 
 
 def test_exclude_sensitive_keeps_the_damaged_layer_fp32(damaged_workdir):
-    opts = SensitivityOptions(samples=12, exclude_sensitive=True, target_agreement=0.99, max_excluded=2,
-                              show_progress=False)
-    r = quantize(damaged_workdir, sensitivity=opts, say=lambda s: None)
+    opts = QuantizeOptions(progress=False, sensitivity=SensitivityOptions(samples=12),
+                           exclusion=ExclusionOptions(enabled=True, target_agreement=0.99, max_excluded=2))
+    r = quantize(damaged_workdir, opts, say=lambda s: None)
     assert "c2" in r.exclusion.excluded
     # the damaged layer alone ruins the output: the default guard (guard.py) keeps it fp32 already, and
     # the search starts from there and never ends worse
@@ -79,19 +80,18 @@ def test_exclude_sensitive_keeps_the_damaged_layer_fp32(damaged_workdir):
 
 
 def test_plain_quantize_rounds_by_output_and_keeps_calibrated_ranges(damaged_workdir):
-    r = quantize(damaged_workdir, sensitivity=SensitivityOptions(enabled=False), say=lambda s: None)
+    r = quantize(damaged_workdir, QuantizeOptions(sensitivity=SensitivityOptions(enabled=False)), say=lambda s: None)
     assert r.report["rounding"] == "output-aware" and r.report["tuned_ranges"] is None
-    r = quantize(damaged_workdir, sensitivity=SensitivityOptions(enabled=False), say=lambda s: None, rounding=False)
+    r = quantize(damaged_workdir, QuantizeOptions(rounding=False, sensitivity=SensitivityOptions(enabled=False)), say=lambda s: None)
     assert r.report["rounding"] == "nearest" and r.report["tuned_ranges"] is None
-    r = quantize(damaged_workdir, sensitivity=SensitivityOptions(enabled=False), say=lambda s: None,
-                 rounding=True, tune_ranges=True)
+    r = quantize(damaged_workdir, QuantizeOptions(rounding=True, tune_ranges=True, sensitivity=SensitivityOptions(enabled=False)), say=lambda s: None)
     assert r.report["rounding"] == "output-aware" and r.report["tuned_ranges"]["probes"] > 0
 
 
 def test_default_sensitivity_samples_follow_the_output_size():
     """A classifier ranks on 64 images; a model with large outputs (a detector) on fewer, down to 4."""
     from onnx import TensorProto, helper
-    from qtool.quantize.run import sensitivity_samples
+    from qtool.quantize.split import sensitivity_samples
 
     def model(out_dims):
         g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
@@ -110,13 +110,13 @@ def test_default_sensitivity_samples_follow_the_output_size():
 def test_tuning_takes_the_first_sensitivity_images_and_at_least_eight():
     """Rounding and range tuning read the first 32 sensitivity images; a detector ranks on 4 but its
     covariances take 8, evenly spread over the calibration images."""
-    from qtool.quantize.run import SampleSplit
+    from qtool.quantize.split import SampleSplit
     files = [f"f{k:03d}" for k in range(100)]
     big = SampleSplit.of(files, 64)
     assert big.tune == big.sensitivity[:32]
     small = SampleSplit.of(files, 4)
     assert len(small.sensitivity) == 4 and len(small.tune) == 8 and len(set(small.tune)) == 8
-    assert set(small.needed(auto=False, tune=True, sensitivity=True, exclusion=False)) == set(small.tune) | set(
+    assert set(small.files({"tune", "sensitivity"})) == set(small.tune) | set(
         small.sensitivity)
     assert SampleSplit.of(files[:5], 4).tune == files[:5]  # fewer files than that: all of them
 
@@ -198,7 +198,7 @@ def test_a_per_position_distribution_is_judged_per_position(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         api_calibrate(path, str(data), method="minmax", workdir=str(tmp_path / "w"), verbose=False, threads=1)
-        q = api_quantize(str(tmp_path / "w"), strict=True, verbose=False, rounding=False)
+        q = api_quantize(str(tmp_path / "w"), QuantizeOptions(strict=True, rounding=False), verbose=False)
     layers = sorted(q.sensitivity["layers"], key=lambda l: l["rank"])
     assert layers[0]["name"] == "fc1", [(l["name"], l["kl"]) for l in layers]
     assert layers[0]["kl"] > 0 and [l["kl"] for l in layers] == sorted((l["kl"] for l in layers), reverse=True)

@@ -16,6 +16,7 @@ from qtool.quantize.samples import SampleSet
 from qtool.quantize.rounding import conv_patches, layer_hessians, round_weights
 from qtool.ortsession import run_first_output
 from qtool import qparams as Q
+from qtool.quantize.qdq import BuildOptions
 
 
 def _calibrated(model, tmp_path, samples):
@@ -80,8 +81,8 @@ def test_output_aware_rounding_lowers_a_conv_output_error(tmp_path):
     assert set(hess) == {"conv"} and hess["conv"].shape == (1, 54, 54)
     ref = run_first_output(r.fused, feeds)
 
-    def err(**kw):
-        q = quantize_graph(r.fused, r.table, activations=False, **kw)
+    def err(hessians=None):
+        q = quantize_graph(r.fused, r.table, BuildOptions(activations=False, hessians=hessians))
         return float(((run_first_output(q.model, feeds) - ref) ** 2).mean())
     assert err(hessians=hess) < 0.8 * err()
 
@@ -111,7 +112,7 @@ def test_range_search_clips_what_the_output_does_not_need(tmp_path):
     assert res.ranges["t"][1] - res.ranges["t"][0] < 0.8 * (hi - lo)
     assert res.sqnr_tuned_db > res.sqnr_default_db + 1.0
     # and the int8 model built with the tuned ranges is the closer one
-    y = run_first_output(quantize_graph(r.fused, r.table, ranges=res.ranges).model, feeds)
+    y = run_first_output(quantize_graph(r.fused, r.table, BuildOptions(ranges=res.ranges)).model, feeds)
     y0 = run_first_output(quantize_graph(r.fused, r.table).model, feeds)
     assert ((y - ref) ** 2).sum() < ((y0 - ref) ** 2).sum()
 
@@ -170,7 +171,7 @@ def test_native_descent_gives_the_numpy_reference_bit_for_bit(g, c, k, pair_safe
     for native in (False, True):
         q = q0.copy()
         grad = np.matmul(q * sg[:, :, None] - w.reshape(g, c, k), h)
-        R.descend(q, grad, h, sg, 4, native=native, threads=threads, **extra)
+        R.descend(q, grad, h, sg, 4, R.Moves(**extra), native=native, threads=threads)
         results.append((q, grad))
     assert not np.array_equal(results[0][0], q0) or k == 1  # the descent moved something: the test compares work
     np.testing.assert_array_equal(results[1][0], results[0][0])

@@ -14,7 +14,9 @@ import pytest
 from helpers import save, small_convnet
 from qtool.api import calibrate, quantize
 from qtool.quantize import verify as V
-from qtool.quantize.run import MIN_VERIFY_SAMPLES, VERIFY_EVERY, SampleSplit
+from qtool.quantize.split import MIN_VERIFY_SAMPLES, PARTS, VERIFY_EVERY, SampleSplit
+from qtool.quantize.steps import verify_choice
+from qtool.quantize.options import QuantizeOptions, SensitivityOptions
 
 
 def _ctc(rng, n=12, t=20, c=6):
@@ -112,7 +114,7 @@ def test_rounding_that_measures_worse_where_it_was_not_fitted_falls_back_to_near
     lines = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        q = quantize(work, strict=True, verbose=False, sensitivity=False, verify=True)
+        q = quantize(work, QuantizeOptions(strict=True, verify=True, sensitivity=SensitivityOptions(enabled=False)), verbose=False)
     rep = q.report
     assert rep["rounding"] == "nearest" and not rep["rounded_layers"]
     v = rep["verified"]["output-aware rounding"]
@@ -127,7 +129,7 @@ def test_too_few_samples_to_hold_out_say_so(tmp_path, capsys):
     said = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        q = run_quantize(work, say=said.append, strict=True, verify=True)
+        q = run_quantize(work, QuantizeOptions(strict=True, verify=True, progress=False, sensitivity=SensitivityOptions(enabled=False)), say=said.append)
     assert q.report["verified"] == {}
     assert any("too few to hold" in s and "kept unverified" in s for s in said)
 
@@ -138,8 +140,8 @@ def test_every_step_falls_back_where_it_does_not_measure_better(tmp_path, monkey
     their calibrated grid; each step says so in quantize.json."""
     real = V.verdict
     monkeypatch.setattr(V, "verdict", lambda *a, **k: dataclasses.replace(real(*a, **k), kept=False))
-    from qtool.quantize import run as quantize_run
-    monkeypatch.setattr(quantize_run, "choose", lambda *a, **k: "mse")  # (a clipping method chosen)
+    from qtool.quantize import method_choice
+    monkeypatch.setattr(method_choice, "choose", lambda *a, **k: "mse")  # (a clipping method chosen)
     rng = np.random.default_rng(4)
     path = save(small_convnet(seed=4), tmp_path / "model.onnx")
     data = tmp_path / "data"
@@ -150,7 +152,7 @@ def test_every_step_falls_back_where_it_does_not_measure_better(tmp_path, monkey
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         calibrate(path, str(data), method="auto", workdir=work, verbose=False, threads=1)
-        q = quantize(work, strict=True, verbose=False, verify=True)
+        q = quantize(work, QuantizeOptions(strict=True, verify=True), verbose=False)
     rep = q.report
     assert rep["verified"] and all(not v["kept"] for v in rep["verified"].values())
     assert "output-aware rounding" in rep["verified"] and rep["rounding"] == "nearest"
@@ -168,7 +170,7 @@ def test_the_default_holds_no_sample_out():
         files = [f"f{k:03d}" for k in range(n)]
         off, on = SampleSplit.of(files, 64), SampleSplit.of(files, 64, verify=True)
         assert off.verify == [] and off.auto == on.auto and set(on.tune) <= set(off.tune)
-        assert set(off.needed(auto=True, tune=True, sensitivity=True, exclusion=True)) == \
+        assert set(off.files(PARTS)) == \
             set(off.auto) | set(off.tune) | set(off.sensitivity) | set(off.held_back)
     files = [f"f{k:02d}" for k in range(32)]
     assert len(SampleSplit.of(files, 64).tune) == 32 and len(SampleSplit.of(files, 64, verify=True).tune) == 22
@@ -178,21 +180,20 @@ def test_the_default_writes_the_model_verification_never_touches(tmp_path, monke
     """quantize without --verify writes the same bytes as with every verification code path taken away
     (verify_step and verify_choice raise, the split holds nothing out), records no `verified` and measures
     no step on held-out samples; with --verify the report says what was verified."""
-    from qtool.quantize import run as quantize_run
     work = _calibrated(tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        default = quantize(work, strict=True, verbose=False, output=str(tmp_path / "default.onnx"))
+        default = quantize(work, QuantizeOptions(strict=True, output=str(tmp_path / "default.onnx")), verbose=False)
         with monkeypatch.context() as m:
             def never(*a, **k):
                 raise AssertionError("verification ran without --verify")
-            m.setattr(quantize_run, "verify_step", never)
-            m.setattr(quantize_run, "verify_choice", never)
-            real_of = quantize_run.SampleSplit.of.__func__
-            m.setattr(quantize_run.SampleSplit, "of", classmethod(
+            m.setattr(V, "verify_step", never)
+            m.setattr(verify_choice, "verify_choice", never)
+            real_of = SampleSplit.of.__func__
+            m.setattr(SampleSplit, "of", classmethod(
                 lambda cls, *a, **k: dataclasses.replace(real_of(cls, *a, **k), verify=[])))
-            bare = quantize(work, strict=True, verbose=False, output=str(tmp_path / "bare.onnx"))
-        verified = quantize(work, strict=True, verbose=False, output=str(tmp_path / "verified.onnx"), verify=True)
+            bare = quantize(work, QuantizeOptions(strict=True, output=str(tmp_path / "bare.onnx")), verbose=False)
+        verified = quantize(work, QuantizeOptions(strict=True, output=str(tmp_path / "verified.onnx"), verify=True), verbose=False)
     assert open(default.path, "rb").read() == open(bare.path, "rb").read()
     rep = default.report
     assert "verified" not in rep and "verification" not in rep["samples_used"]["steps"]

@@ -11,6 +11,7 @@ from onnx import helper
 
 from helpers import init, make_model, save
 from qtool.api import Sampling, calibrate, evaluate, quantize
+from qtool.quantize.options import QuantizeOptions
 
 
 def _frames_model(rng, bins=8, k=5):
@@ -44,7 +45,7 @@ def test_spectrogram_files_run_whole(tmp_path):
     w = str(tmp_path / "w")
     r = calibrate(path, calib, workdir=w)
     assert r.table.n_samples == 8  # (files, not 188 rows)
-    q = quantize(workdir=w, strict=True)  # every optional step works on whole samples
+    q = quantize(w, QuantizeOptions(strict=True))  # every optional step works on whole samples
     assert q.report["summary"].get("int8", 0) >= 2
     ev = evaluate(workdir=w, data=_files(tmp_path / "e", [22, 20, 28], seed=3))
     assert ev["n_samples"] == 3
@@ -89,7 +90,7 @@ def test_a_free_batch_the_graph_does_not_honour(tmp_path):
     calibrate(path, str(d), workdir=w, sampling=Sampling(batch=1))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        q = quantize(workdir=w)
+        q = quantize(w)
     said = " ".join(str(c.message) for c in caught)
     assert "calibration samples failed" not in said and "method choice failed" not in said, said
     assert q.report["summary"].get("int8", 0) >= 2
@@ -108,6 +109,6 @@ def test_sizes_count_external_weight_files(tmp_path):
     rng = np.random.default_rng(0)
     calibrate(path, [rng.standard_normal((1, 3, 16, 16)).astype(np.float32) for _ in range(4)],
               workdir=str(tmp_path / "w"))
-    q = quantize(workdir=str(tmp_path / "w"))
+    q = quantize(str(tmp_path / "w"))
     assert q.report["size_bytes"]["fp32"] == model_bytes(path)
     assert q.report["size_bytes"]["int8"] < 3 * q.report["size_bytes"]["fp32"]

@@ -8,7 +8,9 @@ from qtool.calibrate.methods import AUTO, METHODS
 from qtool.commands.common import common_options, say, setup_output, shown, write_json
 from qtool.outputs import File
 from qtool.quantize.encoding import DEFAULT_TARGET, TARGETS
-from qtool.quantize.run import SensitivityOptions, fp32_ops_of, quantize, reasons_text
+from qtool.quantize import report
+from qtool.quantize.options import ExclusionOptions, QuantizeOptions, SensitivityOptions
+from qtool.quantize.run import quantize
 
 
 LOW_SQNR_DB = 10.0  # output SQNR on calibration images below which the user is told to check the model
@@ -97,70 +99,29 @@ def command(output, model, table, method, exclude, no_bias_correction, exclude_s
         raise click.UsageError("--exclude-sensitive needs the sensitivity analysis; drop --no-sensitivity")
     if (sensitivity_samples is not None and sensitivity_samples < 1) or max_excluded < 0 or not 0 < target_agreement <= 1:
         raise click.UsageError("--sensitivity-samples >= 1, --max-excluded >= 0 and 0 < --target-agreement <= 1")
-    ex = {n: "excluded by the user (--exclude)" for n in exclude}
-    opts = SensitivityOptions(not no_sensitivity, sensitivity_samples, exclude_sensitive, target_agreement, max_drop,
-                              max_excluded, labels, show_progress=not quiet)
+    options = QuantizeOptions(
+        model=model, table=table, output=output, method=method, exclude=exclude,
+        bias_correction=not no_bias_correction, rounding=None if rounding is None else rounding == "output",
+        tune_ranges=tune_ranges, target=target, strict=strict, verify=verify, progress=not quiet,
+        sensitivity=SensitivityOptions(not no_sensitivity, sensitivity_samples),
+        exclusion=ExclusionOptions(exclude_sensitive, target_agreement, max_drop, max_excluded, labels))
 
     def show(r):
+        lines = []
         if r.sensitivity:
-            layers = sorted(r.sensitivity["layers"], key=lambda l: l["rank"])
-            say(quiet, f"sensitivity of {len(layers)} layers on {r.sensitivity['samples']} images "
-                       f"({r.sensitivity['seconds']:.1f}s); most sensitive:")
-            say(quiet, f"  {'rank':>4}  {'layer':44} {'op':8} {'SQNR dB':>8} {'agree':>7} {'KL':>8} {'w SQNR':>7} {'clip %':>7}")
-            for l in layers[:10]:
-                ws = "-" if l["weight_sqnr_db"] is None else f"{l['weight_sqnr_db']:.1f}"
-                say(quiet, f"  {l['rank']:>4}  {l['name'][-44:]:44} {l['op_type'][:8]:8} {l['output_sqnr_db']:>8.1f} "
-                           f"{l['top1_agreement']:>7.4f} {l['kl']:>8.5f} {ws:>7} {100 * l['clip_fraction']:>7.3f}")
+            lines += report.sensitivity_lines(r.sensitivity)
         if r.exclusion is not None:
-            e = r.exclusion
-            say(quiet, f"exclude-sensitive ({e.target}, checked on {e.check_images} "
-                       + ("held-back images):" if e.check_held_back else "calibration images, not held back):"))
-            say(quiet, f"  {'fp32 layers':>11}  {'agreement [95% interval]':>25}  {'predicted':>9}  {'SQNR dB':>7}  "
-                       f"{e.error:>8}  {'ORT int8 ms':>11}  step")
-            for p in e.curve:
-                ms = "-" if p.ort_int8_ms is None else f"{p.ort_int8_ms:.2f}"
-                gain = "" if p.gain_se is None else f"gain {p.gain_se:.1f} SE"
-                step = "all int8" if not p.added else (f"+{p.added[-40:]} ({gain})" if p.kept else
-                                                       f"+{p.added[-40:]} ({gain}: {p.undone or 'no gain'}, undone)")
-                say(quiet, f"  {len(p.excluded):>11}  {p.agreement:>7.4f} [{p.agreement_95[0]:.4f}, {p.agreement_95[1]:.4f}]"
-                           f"  {p.predicted_agreement:>9.4f}  {p.sqnr_db:>7.1f}  "
-                           f"{(f'{p.kl:>8.5f}' if e.error == 'KL' else f'{p.kl:>8.1f}')}  {ms:>11}  {step}")
-            say(quiet, ("  target reached" if e.reached else "  target NOT reached; wrote the best model found")
-                       + f" with {len(e.excluded) - len(ex)} layers kept fp32: {', '.join(n for n in e.excluded if n not in ex) or 'none'}")
-        s = r.report["summary"]
-        subs = r.report.get("subgraphs") or []
-        inside = (f" (and in {len(subs)} If branch{'es' if len(subs) > 1 else ''}, quantized as models of their own: "
-                  f"{sum(b['summary'].get('int8', 0) for b in subs)} ops int8, "
-                  f"{sum(b['summary'].get('fp32', 0) for b in subs)} fp32)") if subs else ""
-        say(quiet, f"quantized in {r.seconds:.1f}s with {r.report['method']} ranges: {s.get('int8', 0)} ops int8, "
-                   f"{s.get('passthrough', 0)} pass int8 through, {s.get('fused', 0)} activations fused, "
-                   f"{s.get('fp32', 0)} stay fp32{inside}")
-        enc = r.report["encodings"]
-        line = f"target {target}: weights " + (", ".join(f"{k} x{v}" for k, v in sorted(enc.items())) or "none in int8")
-        cost = r.report.get("target_cost")
-        if cost:
-            line += f"; output SQNR on {cost['samples']} calibration images {cost['output_sqnr_db']:.2f} dB " + (
-                f"(plain int8 weights: {cost['output_sqnr_plain_int8_db']:.2f} dB)"
-                if cost.get("output_sqnr_plain_int8_db") is not None else f"({cost.get('measured', '')})")
-        say(quiet, line)
+            lines += report.exclusion_lines(r.exclusion, options.exclude)
+        for line in lines + report.summary_lines(r.report, r.seconds, target):
+            say(quiet, line)
         warning = far_from_fp32(r.report, exclude_sensitive)
         if warning:
             click.echo(warning, err=True)  # even with -q: the model written may not be usable as it is
             r.report["warnings"] = r.report.get("warnings", []) + [warning]
-        for op, reasons in sorted(fp32_ops_of(r.output).items()):
-            say(quiet, f"  fp32: {op} x{len(reasons)} ({reasons_text(reasons)})")
-        for note in r.output.notes:
-            if verbose or "opset" in note:
-                say(quiet, f"  note: {note}")
-        sb = r.report["size_bytes"]
-        say(quiet, f"wrote {r.path} ({sb['int8'] / 1e6:.2f} MB, {100 * sb['int8'] / sb['fp32']:.1f}% of fp32)")
-        if r.report.get("sensitivity"):  # (absent when a write before it failed)
-            say(quiet, f"wrote {r.report['sensitivity']['html']}")
-        say(quiet, "next: qtool eval --compare fp32 --data DIR")
+        for line in report.fp32_lines(r.output, verbose) + report.written_lines(r.report, r.path):
+            say(quiet, line)
         write_json(json_path, r.report)
 
-    shown(lambda: quantize(workdir, model, table, output, method, ex, not no_bias_correction, opts,
-                           say=lambda t: say(quiet, t), rounding=None if rounding is None else rounding == "output",
-                           tune_ranges=tune_ranges, target=target, strict=strict, verify=verify,
+    shown(lambda: quantize(workdir, options, say=lambda t: say(quiet, t),
                            also_writes=[File("--json file", json_path)] if json_path else []),  # (checked first)
           show)

@@ -13,13 +13,13 @@ weights as uint8 + 128, which ORT computes exactly on every CPU.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import onnx
 
 from qtool.arithmetic import EXACT
 from qtool.quantize.encoding import DEFAULT_TARGET, S8, TARGETS
-from qtool.quantize.qdq import QuantizeOutput, quantize_graph
+from qtool.quantize.qdq import BuildOptions, QuantizeOutput, quantize_graph
 
 
 class ReportingCache(dict):
@@ -69,15 +69,18 @@ class QuantizeContext:
         if self.exact_storage is None:
             self.exact_storage = exact_storage_needed(self.target)
 
+    def options(self, exclude: dict | None = None, *, scoring: bool = False, **over) -> BuildOptions:
+        """The quantize_graph options of the context's settings; `exclude` adds to the user's exclusions and
+        `over` replaces any other option (method, ranges, prune_excluded, ...)."""
+        return replace(BuildOptions(
+            method=self.method, exclude={**self.exclude, **(exclude or {})}, bias_correction=self.bias_correction,
+            ranges=self.ranges, hessians=self.hessians, weight_cache=self.weight_cache, target=self.target,
+            u8_storage=scoring and self.exact_storage, on_error=self.on_error, encodings=self.encodings,
+            input_grid=self.input_grid), **over)
+
     def build(self, exclude: dict | None = None, *, scoring: bool = False, **over) -> QuantizeOutput:
-        """The QDQ graph with the context's settings; `exclude` adds to the user's exclusions and
-        `over` replaces any other quantize_graph argument (method, ranges, prune_excluded, ...)."""
-        kw = dict(method=self.method, exclude={**self.exclude, **(exclude or {})},
-                  bias_correction=self.bias_correction, ranges=self.ranges, hessians=self.hessians,
-                  weight_cache=self.weight_cache, target=self.target, u8_storage=scoring and self.exact_storage,
-                  on_error=self.on_error, encodings=self.encodings, input_grid=self.input_grid)
-        kw.update(over)
-        return quantize_graph(self.fused, self.table, **kw)
+        """The QDQ graph with the context's settings (options())."""
+        return quantize_graph(self.fused, self.table, self.options(exclude, scoring=scoring, **over))
 
     @property
     def workers(self) -> int:

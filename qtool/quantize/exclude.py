@@ -138,27 +138,37 @@ def noisy_groups(noisy: list, rank: dict, excl: dict, pool: list, max_excluded: 
     return out
 
 
-def exclude_sensitive(ctx: QuantizeContext, ranking: list, samples: SampleSet, target_agreement: float = 0.995,
-                      max_drop: float | None = None, labels=None, max_excluded: int = 5, progress=None,
-                      measure_latency: bool = True, partial: list | None = None,
-                      noisy: list | None = None) -> ExclusionResult:
-    """Layers kept fp32 on top of the user's (ctx.exclude), judged on `samples` (held back).
-    `partial` gets the result as soon as it exists: what was kept so far, should a later step fail.
-    `noisy` ([QuantizerNoise], quantizer_noise.py): the readers of the noisiest quantizers are
-    candidates too, each group kept fp32 together."""
-    base_exclude = dict(ctx.exclude)
-    reference = samples.reference
-    one = samples.feed(0, samples.batch if samples.fixed_batch else 1)  # (latency at batch 1)
-    y_true = None if labels is None else np.asarray(labels)
+@dataclass(frozen=True)
+class Target:
+    """When the search stops: top-1 agreement with fp32 of at least `agreement` (counted and predicted),
+    or, with `labels` (one class per check image, -1: unknown), an accuracy drop of at most `max_drop`
+    points; at most `max_excluded` layers kept fp32 beside the user's."""
+    agreement: float = 0.995
+    max_drop: float | None = None
+    max_excluded: int = 5
+    labels: list | None = None
 
-    dist = distribution_output(ctx.fused, samples)
-    # one value per position, more than one position per sample: each value is a decision of its own (an
-    # argmax over a sample's positions, as for a classifier's classes, means nothing there)
-    decisions = not dist and reference.ndim >= 2 and reference.shape[-1] == 1 and reference[0].size > 1
-    errors = {}  # id(TradeoffPoint) -> its error on each image (KL, or squared error for other outputs)
 
-    def evaluate(excl: dict, threads: int | None = None):
-        y, q = ctx.score(samples, excl, threads)
+class _Search:
+    """The models measured on the check samples: each point of the trade-off, its per-image error, and
+    whether it reaches the target."""
+
+    def __init__(self, ctx: QuantizeContext, samples: SampleSet, target: Target, progress=None):
+        self.ctx, self.samples, self.target, self.progress = ctx, samples, target, progress
+        self.base_exclude = dict(ctx.exclude)
+        self.reference = samples.reference
+        self.y_true = None if target.labels is None else np.asarray(target.labels)
+        self.dist = distribution_output(ctx.fused, samples)
+        # one value per position, more than one position per sample: each value is a decision of its own (an
+        # argmax over a sample's positions, as for a classifier's classes, means nothing there)
+        ref = self.reference
+        self.decisions = not self.dist and ref.ndim >= 2 and ref.shape[-1] == 1 and ref[0].size > 1
+        self.errors = {}  # id(TradeoffPoint) -> its error on each image (KL, or squared error for other outputs)
+        self.res = None
+
+    def evaluate(self, excl: dict, threads: int | None = None):
+        reference, y_true, dist = self.reference, self.y_true, self.dist
+        y, q = self.ctx.score(self.samples, excl, threads)
         drop = None
         if y_true is not None:
             m = y_true >= 0
@@ -171,57 +181,60 @@ def exclude_sensitive(ctx: QuantizeContext, ranking: list, samples: SampleSet, t
             kl = float(err.mean())
         else:
             # (decisions: a one-value decision at each position, [N, T, 1]: a word boundary per character)
-            r1, y1 = (reference.reshape(-1, 1), y.reshape(-1, 1)) if decisions else (reference, y)
+            r1, y1 = (reference.reshape(-1, 1), y.reshape(-1, 1)) if self.decisions else (reference, y)
             agree, predicted, count = top1_agreement(r1, y1), predicted_agreement(r1, y1), len(r1)
             err = per_image_error(reference, y)
             kl = float(err.mean()) if y.ndim == 2 else -db  # (err: each image's KL there)
-        pt = TradeoffPoint(sorted(n for n in excl if n not in base_exclude), agree, predicted, db, drop, None,
+        pt = TradeoffPoint(sorted(n for n in excl if n not in self.base_exclude), agree, predicted, db, drop, None,
                            kl=kl, agreement_95=wilson(round(agree * count), count), images=len(y))
-        errors[id(pt)] = err
-        if progress:
-            progress(1)
+        self.errors[id(pt)] = err
+        if self.progress:
+            self.progress(1)
         return q, pt
 
-    def evaluate_all(excls: list) -> list:
+    def evaluate_all(self, excls: list) -> list:
         """evaluate() of each, side by side with one ORT thread each: one model's graph is built (Python)
         while another runs, and one thread per session beats two on a model this size (simulate.py)."""
-        workers = min(len(excls), ctx.workers)
-        if workers <= 1 or reference.nbytes > SIDE_BY_SIDE_BYTES:
-            return [evaluate(e) for e in excls]
+        workers = min(len(excls), self.ctx.workers)
+        if workers <= 1 or self.reference.nbytes > SIDE_BY_SIDE_BYTES:
+            return [self.evaluate(e) for e in excls]
         with ThreadPoolExecutor(workers) as pool:
-            return list(pool.map(lambda e: evaluate(e, 1), excls))
+            return list(pool.map(lambda e: self.evaluate(e, 1), excls))
 
-    def not_worse(pt: TradeoffPoint) -> bool:
+    def not_worse(self, pt: TradeoffPoint) -> bool:
         """Never give up a layer for a model whose agreement or SQNR is below the all-int8 one's."""
-        base = res.curve[0]
+        base = self.res.curve[0]
         return pt.agreement >= base.agreement and pt.sqnr_db >= base.sqnr_db
 
-    def good(pt: TradeoffPoint) -> bool:
-        if max_drop is not None and pt.accuracy_drop_pt is not None:
-            return pt.accuracy_drop_pt <= max_drop
-        return min(pt.agreement, pt.predicted_agreement) >= target_agreement
+    def good(self, pt: TradeoffPoint) -> bool:
+        if self.target.max_drop is not None and pt.accuracy_drop_pt is not None:
+            return pt.accuracy_drop_pt <= self.target.max_drop
+        return min(pt.agreement, pt.predicted_agreement) >= self.target.agreement
 
-    def score(pt: TradeoffPoint):
+    def score(self, pt: TradeoffPoint):
         # KL is smooth and well estimated on a few dozen images, where a count of top-1 flips
         # moves in steps of 1/N: it picks the candidate, the target decides when to stop
-        if max_drop is not None and pt.accuracy_drop_pt is not None:
+        if self.target.max_drop is not None and pt.accuracy_drop_pt is not None:
             return (-pt.accuracy_drop_pt, -pt.kl)
         return (-pt.kl, pt.sqnr_db)
 
-    target = f"accuracy drop <= {max_drop} pt" if max_drop is not None and y_true is not None \
-        else f"top-1 agreement >= {target_agreement}"
-    excl = dict(base_exclude)
-    q, pt = evaluate(excl)
-    if measure_latency:
-        pt.ort_int8_ms = latency_ms(_deployed(ctx, q, excl), one)
-    res = ExclusionResult(dict(excl), [pt], good(pt), target, model=q.model,
-                          error="KL" if dist or reference.ndim == 2 else "-SQNR")
-    if partial is not None:
-        partial.append(res)
-    best_q, best_pt = q, pt
+    def why_undone(self, pt: TradeoffPoint, best_pt: TradeoffPoint) -> str:
+        """Why a step's exclusion does not stay ("" where it does): it helps only with a better score than
+        the best so far, no worse than the all-int8 model in agreement and SQNR on the held-back images,
+        and by more than the images' own noise."""
+        d = self.errors[id(best_pt)] - self.errors[id(pt)]
+        pt.gain_se = float(d.mean() / max(d.std(ddof=1) / np.sqrt(len(d)), 1e-30)) if len(d) > 1 else 0.0
+        return ("no better than the best so far" if not self.score(pt) > self.score(best_pt) else
+                "agreement or SQNR below the all-int8 model's" if not self.not_worse(pt) else
+                "no gain beyond noise" if not pt.gain_se > SIGNIFICANCE else "")
+
+
+def _candidates(search: _Search, ranking: list, excl: dict, noisy: list | None) -> tuple:
+    """(the candidate groups in the order they are tried, {group: why it is kept fp32}). A candidate is a
+    group of layers kept fp32 together: one layer, or every reader of a noisy quantizer."""
+    res, max_excluded = search.res, search.target.max_excluded
     rank = {s.name: s.rank for s in ranking}
     reason = {(n,): f"kept fp32 by --exclude-sensitive (sensitivity rank {r})" for n, r in rank.items()}
-    # a candidate is a group of layers kept fp32 together: one layer, or every reader of a noisy quantizer
     order = [(s.name,) for s in sorted(ranking, key=lambda s: s.rank) if s.name not in excl]
     if not res.reached and max_excluded > 0:
         # leave-one-out from the fully quantized model, for the top of the ranking and the readers of
@@ -232,29 +245,46 @@ def exclude_sensitive(ctx: QuantizeContext, ranking: list, samples: SampleSet, t
             reason[g] = why
             if g in order:
                 order.remove(g)
-        alone = dict(zip(pool, (r[1] for r in evaluate_all([with_group(excl, g) for g in pool]))))
-        order = sorted(pool, key=lambda g: score(alone[g]), reverse=True) + [g for g in order if g not in alone]
+        alone = dict(zip(pool, (r[1] for r in search.evaluate_all([with_group(excl, g) for g in pool]))))
+        order = sorted(pool, key=lambda g: search.score(alone[g]), reverse=True) + [g for g in order if g not in alone]
         res.leave_one_out = {"+".join(g): {"kl": p.kl, "sqnr_db": p.sqnr_db, "agreement": p.agreement}
                              for g, p in alone.items()}
+    return order, reason
+
+
+def exclude_sensitive(ctx: QuantizeContext, ranking: list, samples: SampleSet, target: Target = Target(),
+                      progress=None, measure_latency: bool = True, partial: list | None = None,
+                      noisy: list | None = None) -> ExclusionResult:
+    """Layers kept fp32 on top of the user's (ctx.exclude), judged on `samples` (held back).
+    `partial` gets the result as soon as it exists: what was kept so far, should a later step fail.
+    `noisy` ([QuantizerNoise], quantizer_noise.py): the readers of the noisiest quantizers are
+    candidates too, each group kept fp32 together."""
+    search = _Search(ctx, samples, target, progress)
+    one = samples.feed(0, samples.batch if samples.fixed_batch else 1)  # (latency at batch 1)
+    label = f"accuracy drop <= {target.max_drop} pt" if target.max_drop is not None and search.y_true is not None \
+        else f"top-1 agreement >= {target.agreement}"
+    excl = dict(search.base_exclude)
+    q, pt = search.evaluate(excl)
+    if measure_latency:
+        pt.ort_int8_ms = latency_ms(_deployed(ctx, q, excl), one)
+    res = search.res = ExclusionResult(dict(excl), [pt], search.good(pt), label, model=q.model,
+                                       error="KL" if search.dist or search.reference.ndim == 2 else "-SQNR")
+    if partial is not None:
+        partial.append(res)
+    best_q, best_pt = q, pt
+    order, reason = _candidates(search, ranking, excl, noisy)
     misses = 0  # steps in a row whose exclusion did not stay
     while not res.reached and order and misses < MAX_MISSES:
-        room = max_excluded - (len(excl) - len(base_exclude))
+        room = target.max_excluded - (len(excl) - len(search.base_exclude))
         groups = [g for g in order if len(g) <= room][:CANDIDATES_PER_STEP]
         if not groups:
             break
         cands = [with_group(excl, g, reason[g]) for g in groups]
-        tried = [(g, cand) + r for g, cand, r in zip(groups, cands, evaluate_all(cands))]
-        group, cand, q, pt = max(tried, key=lambda t: score(t[3]))
+        tried = [(g, cand) + r for g, cand, r in zip(groups, cands, search.evaluate_all(cands))]
+        group, cand, q, pt = max(tried, key=lambda t: search.score(t[3]))
         pt.added = "+".join(group)
         order.remove(group)
-        # an exclusion stays only if it helps: a better score than the best so far, and no worse
-        # than the all-int8 model in agreement and SQNR on the held-back images
-        # and by more than the images' own noise
-        d = errors[id(best_pt)] - errors[id(pt)]
-        pt.gain_se = float(d.mean() / max(d.std(ddof=1) / np.sqrt(len(d)), 1e-30)) if len(d) > 1 else 0.0
-        pt.undone = ("no better than the best so far" if not score(pt) > score(best_pt) else
-                     "agreement or SQNR below the all-int8 model's" if not not_worse(pt) else
-                     "no gain beyond noise" if not pt.gain_se > SIGNIFICANCE else "")
+        pt.undone = search.why_undone(pt, best_pt)
         pt.kept = not pt.undone
         if measure_latency:
             pt.ort_int8_ms = latency_ms(_deployed(ctx, q, cand), one)
@@ -266,6 +296,6 @@ def exclude_sensitive(ctx: QuantizeContext, ranking: list, samples: SampleSet, t
         excl = cand
         best_q, best_pt = q, pt
         res.excluded = dict(excl)
-        res.reached = good(pt)
+        res.reached = search.good(pt)
     res.model = best_q.model
     return res

@@ -3,7 +3,7 @@
 Method choice, output-aware rounding, range tuning, sensitivity, exclusion and the target's cost
 each make an int8 model better, or explain it; none is needed to write one. A failure inside one
 (a bug of ours on a graph nobody tried, ONNX Runtime refusing an experiment's graph, memory) must
-cost the user that improvement, not the model: the step falls back (STEPS says to what), one
+cost the user that improvement, not the model: the step falls back (each step says to what), one
 warning line names the step, the layer and the error, and quantize.json records it. `strict`
 (--strict, the test suite, `make zoo`) makes such a failure an error instead, so that no bug hides
 behind a fallback. Errors in the user's input are found before these steps run and stay errors.
@@ -15,28 +15,6 @@ import warnings
 from dataclasses import asdict, dataclass
 
 from qtool.errors import QtoolError
-
-# each optional step, and what the model gets when it fails
-STEPS = {
-    "equalization": "the depthwise convolutions' input channels as calibrated",
-    "calibration samples": "no calibration samples: the steps below skipped",
-    "method choice": "the calibrated range method",
-    "input grid": "model inputs quantized on their calibrated grid",
-    "encoding choice": "the target's encoding for every layer",
-    "output-aware rounding": "nearest rounding",
-    "range tuning": "the method's ranges",
-    "sensitivity": "no sensitivity report, nothing excluded by it",
-    "guard": "no layer kept fp32 for ruining the output alone",
-    "quantizer noise": "exclusion candidates from the sensitivity ranking alone",
-    "exclusion": "the layers kept fp32 before the failure",
-    "target cost": "the target's cost not measured",
-    "subgraphs": "the If branches stay fp32",
-    "verification": "the step kept unverified",
-}
-# per layer, the fallback of a step that goes on with the other layers
-LAYER_FALLBACK = {
-    "output-aware rounding": "this layer rounded to nearest",
-}
 
 
 class StepError(QtoolError):
@@ -71,7 +49,10 @@ class OptionalSteps:
     """Runs the optional steps of one quantize run: `run` a whole step, `failed` for one layer of a
     step that goes on. Records each step's seconds and every fallback."""
 
-    def __init__(self, strict: bool = False, warn=None):
+    def __init__(self, fallbacks: dict, layer_fallbacks: dict | None = None, strict: bool = False, warn=None):
+        """`fallbacks`: step -> what the model gets when it fails (pipeline.FALLBACKS); `layer_fallbacks`:
+        step -> a layer's, for a step that goes on without that layer."""
+        self.texts, self.layer_texts = fallbacks, layer_fallbacks or {}
         self.strict = strict
         self.warn = warn or (lambda text: warnings.warn(text, stacklevel=3))
         self.fallbacks: list = []
@@ -79,7 +60,7 @@ class OptionalSteps:
 
     def run(self, step: str, fn, *args, fallback=None, **kwargs):
         """fn(*args, **kwargs), or `fallback` (a value, or a callable giving it) if it raises."""
-        if step not in STEPS:
+        if step not in self.texts:
             raise ValueError(f"unknown optional step {step!r}")
         t0 = time.perf_counter()
         try:
@@ -94,7 +75,8 @@ class OptionalSteps:
         """Record (or, strict, raise) `step`'s failure; with `layer`, the step goes on without it."""
         if isinstance(error, StepError):
             raise error  # (already strict, from a layer inside this step)
-        f = Fallback(step, _one_line(error), LAYER_FALLBACK.get(step, STEPS[step]) if layer else STEPS[step], layer)
+        text = self.texts[step]
+        f = Fallback(step, _one_line(error), self.layer_texts.get(step, text) if layer else text, layer)
         if self.strict:
             at = f" at layer {layer!r}" if layer else ""
             raise StepError(f"{step} failed{at} ({f.error}) and --strict is set (without it: {f.fallback}); "

@@ -24,7 +24,7 @@ from qtool.quantize.encoding import DEFAULT_TARGET, PAIR_SAFE, S7, S8, TARGETS, 
 from qtool.plan import Plan, make_plan
 from qtool.lattice import Lattice, lattice_qparams
 from qtool.rules import RULES
-from qtool.quantize.weights import pair_safe_scale, quantize_weight
+from qtool.quantize.weights import WeightLayer, WeightRounding, pair_safe_scale, quantize_weight
 
 
 
@@ -122,58 +122,10 @@ def lattice_inputs(model: onnx.ModelProto, plan: Plan, table, qp: dict, method: 
     return shifts
 
 
-def layer_weights(model, node, inits, s_in, mean_x, bias_correction: bool, hessian, target: str,
-                  weight_cache: dict | None, on_error=None, encodings: dict | None = None):
-    """(QuantizedWeight, encoding, whether ORT pairs this layer's weights) of an int8 layer with a
-    weight, as the target encodes it; cached per layer and setting in `weight_cache`.
-    `on_error(layer, exception)`: output-aware rounding of this layer failed; it is told, and the
-    layer is rounded to nearest (without it, the exception propagates). `encodings`: node -> encoding
-    where it is not the target's (encoding.cheap_u8_layers)."""
-    rule = RULES[node.op_type]
-    widx, axis = rule.weight(node, model)
-    partners = pair_partners(tuple(inits[node.input[widx]].dims), node.op_type, axis, G.attr(node, "group", 1))
-    enc = S8 if partners is None else (encodings or {}).get(node.name, TARGETS[target].encoding)
-    key = (node.name, bias_correction, hessian is not None, s_in if rule.bias is not None else None,
-           enc if enc in (PAIR_SAFE, S7) else S8)
-    qw = weight_cache.get(key) if weight_cache is not None else None
-    if qw is None:  # (the weights are read only now: a build with every layer cached reads none)
-        w = numpy_helper.to_array(inits[node.input[widx]]).astype(np.float32)
-        has_bias = rule.bias is not None and len(node.input) > rule.bias and node.input[rule.bias]
-        b = numpy_helper.to_array(inits[node.input[rule.bias]]).astype(np.float32).ravel() if has_bias else None
-        def weights(h):
-            scale = None
-            if enc == PAIR_SAFE and weight_cache is not None:
-                # the scale search is the costly part, and depends on the weight alone (and the layer's
-                # covariance): once per weight, for every range method and every node sharing it
-                # (an LSTM unrolled over 40 steps: one weight, 40 Gemm nodes)
-                skey = ("pair-safe scale", node.input[widx], axis, node.name if h is not None else None)
-                if skey not in weight_cache:
-                    weight_cache[skey] = pair_safe_scale(w, axis, partners, h)
-                scale = weight_cache[skey]
-            return quantize_weight(w, axis, b, mean_x, node.op_type, G.attr(node, "group", 1),
-                                   correct_bias=bias_correction and rule.bias is not None,
-                                   s_in=s_in if rule.bias is not None else None, hessian=h,
-                                   partners=partners if enc == PAIR_SAFE else None, w_max=W_MAX_OF.get(enc, Q.W_MAX),
-                                   scale=scale)
-        try:
-            qw = weights(hessian)
-        except Exception as e:
-            if hessian is None or on_error is None:
-                raise
-            on_error(node.name, e)
-            qw = weights(None)
-        if weight_cache is not None:
-            weight_cache[key] = qw
-    return qw, enc, partners is not None
-
-
-def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exclude: dict | None = None,
-                   bias_correction: bool = True, ranges: dict | None = None, weights: bool = True,
-                   activations: bool = True, weight_cache: dict | None = None,
-                   prune_excluded: bool = True, hessians: dict | None = None, target: str = DEFAULT_TARGET,
-                   u8_storage: bool = False, on_error=None, encodings: dict | None = None,
-                   input_grid: bool = True) -> QuantizeOutput:
-    """`ranges` (tensor -> (lo, hi)) overrides the table's, for experiments and sensitivity search.
+@dataclass(frozen=True)
+class BuildOptions:
+    """How quantize_graph builds the QDQ graph.
+    `ranges` (tensor -> (lo, hi)) overrides the table's, for experiments and sensitivity search.
     `weights=False` / `activations=False` leave that side fp32: the diagnostic that tells
     which of the two a model's quantization error comes from.
     `weight_cache` (node -> QuantizedWeight) is filled and reused across calls: a layer's
@@ -187,93 +139,146 @@ def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exc
     `encodings`: node -> encoding where it is not the target's.
     `input_grid`: a model input on an 8-bit lattice half a step off every grid is shifted onto one
     (lattice_inputs); off, such an input keeps its calibrated range (lattices on a grid are used either way)."""
-    notes: list = []
-    m = onnx.ModelProto()
-    m.CopyFrom(fused)
-    m = upgrade_opset(m, notes)
-    upcast_float16.noted(m, notes)
-    plan = make_plan(m, exclude, {**table.ranges.get(method or table.range_method, {}), **(ranges or {})}, prune_excluded)
-    nodes = {n.name: n for n in m.graph.node}
-    # fused activations: the producer writes the activation's output, the activation goes
-    for act_name, (prod_name, _lo, _hi) in (plan.fused.items() if activations else ()):
-        act = nodes[act_name]
-        nodes[prod_name].output[0] = act.output[0]
-        m.graph.node.remove(act)
-    qp = activation_qparams(m, plan, table, method, ranges)
-    shifts = lattice_inputs(m, plan, table, qp, method, ranges, notes, input_grid)
-    inits = G.initializers(m)
-    taken = {o for n in m.graph.node for o in n.output} | set(inits) | {i.name for i in m.graph.input}
-    new_inits, layers = [], {}
-    graph_inputs = {i.name for i in G.real_inputs(m)}
-    outputs = G.graph_output_names(m)
+    method: str | None = None
+    exclude: dict | None = None
+    bias_correction: bool = True
+    ranges: dict | None = None
+    weights: bool = True
+    activations: bool = True
+    weight_cache: dict | None = None
+    prune_excluded: bool = True
+    hessians: dict | None = None
+    target: str = DEFAULT_TARGET
+    u8_storage: bool = False
+    on_error: object = None
+    encodings: dict | None = None
+    input_grid: bool = True
 
-    same = {}  # (dtype, shape, bytes) -> initializer: one copy of what several nodes hold alike (the
-    # int8 weight of an LSTM cell unrolled over 40 steps: 40 nodes, one weight)
 
-    def add_init(base, arr):
+def layer_weights(model, node, inits, s_in, mean_x, hessian, o: BuildOptions):
+    """(QuantizedWeight, encoding, whether ORT pairs this layer's weights) of an int8 layer with a
+    weight, as the target (o.target) encodes it; cached per layer and setting in o.weight_cache.
+    o.on_error(layer, exception): output-aware rounding of this layer failed; it is told, and the
+    layer is rounded to nearest (without it, the exception propagates). o.encodings: node -> encoding
+    where it is not the target's (encoding.cheap_u8_layers)."""
+    rule, cache = RULES[node.op_type], o.weight_cache
+    widx, axis = rule.weight(node, model)
+    partners = pair_partners(tuple(inits[node.input[widx]].dims), node.op_type, axis, G.attr(node, "group", 1))
+    enc = S8 if partners is None else (o.encodings or {}).get(node.name, TARGETS[o.target].encoding)
+    key = (node.name, o.bias_correction, hessian is not None, s_in if rule.bias is not None else None,
+           enc if enc in (PAIR_SAFE, S7) else S8)
+    qw = cache.get(key) if cache is not None else None
+    if qw is None:  # (the weights are read only now: a build with every layer cached reads none)
+        w = numpy_helper.to_array(inits[node.input[widx]]).astype(np.float32)
+        has_bias = rule.bias is not None and len(node.input) > rule.bias and node.input[rule.bias]
+        b = numpy_helper.to_array(inits[node.input[rule.bias]]).astype(np.float32).ravel() if has_bias else None
+        layer = WeightLayer(w, axis, b, mean_x, node.op_type, G.attr(node, "group", 1))
+
+        def weights(h):
+            scale = None
+            if enc == PAIR_SAFE and cache is not None:
+                # the scale search is the costly part, and depends on the weight alone (and the layer's
+                # covariance): once per weight, for every range method and every node sharing it
+                # (an LSTM unrolled over 40 steps: one weight, 40 Gemm nodes)
+                skey = ("pair-safe scale", node.input[widx], axis, node.name if h is not None else None)
+                if skey not in cache:
+                    cache[skey] = pair_safe_scale(w, axis, partners, h)
+                scale = cache[skey]
+            return quantize_weight(layer, WeightRounding(
+                correct_bias=o.bias_correction and rule.bias is not None, s_in=s_in if rule.bias is not None else None,
+                hessian=h, partners=partners if enc == PAIR_SAFE else None, w_max=W_MAX_OF.get(enc, Q.W_MAX),
+                scale=scale))
+        try:
+            qw = weights(hessian)
+        except Exception as e:
+            if hessian is None or o.on_error is None:
+                raise
+            o.on_error(node.name, e)
+            qw = weights(None)
+        if cache is not None:
+            cache[key] = qw
+    return qw, enc, partners is not None
+
+
+class _Writer:
+    """The graph being written: names not yet taken, and one initializer per distinct array (the int8
+    weight of an LSTM cell unrolled over 40 steps: 40 nodes, one weight)."""
+
+    def __init__(self, m: onnx.ModelProto):
+        self.m = m
+        self.inits = G.initializers(m)
+        self.taken = {o for n in m.graph.node for o in n.output} | set(self.inits) | {i.name for i in m.graph.input}
+        self.new_inits = []
+        self.same = {}  # (dtype, shape, bytes) -> initializer
+
+    def add_init(self, base, arr) -> str:
         arr = np.asarray(arr)
         key = (arr.dtype.str, arr.shape, hashlib.sha256(np.ascontiguousarray(arr).tobytes()).digest())
-        if key not in same:
-            same[key] = G.unique_name(m, base, taken)
-            new_inits.append(numpy_helper.from_array(arr, same[key]))
-        return same[key]
+        if key not in self.same:
+            self.same[key] = G.unique_name(self.m, base, self.taken)
+            self.new_inits.append(numpy_helper.from_array(arr, self.same[key]))
+        return self.same[key]
 
-    # weights and biases
-    for node in list(m.graph.node):
-        if node.name not in plan.int8_nodes:
-            continue
-        rule = RULES[node.op_type]
-        wspec = rule.weight(node, m)
-        if wspec is None or not weights:
-            continue
-        widx, axis = wspec
-        x_name = plan.weight_inputs[node.name]
-        has_bias = rule.bias is not None and len(node.input) > rule.bias and node.input[rule.bias]
-        qw, enc, paired = layer_weights(m, node, inits, qp[x_name].scale, table.channel_means.get(x_name),
-                                        bias_correction, (hessians or {}).get(node.name), target, weight_cache,
-                                        on_error, encodings)
-        base = node.input[widx]
-        if enc == U8 or (u8_storage and paired):
-            wq = add_init(base + "_quantized", (qw.q.astype(np.int16) + 128).astype(np.uint8))
-            wz = add_init(base + "_zero_point", np.full(qw.scale.shape, 128, np.uint8))
-        else:
-            wq = add_init(base + "_quantized", qw.q)
-            wz = add_init(base + "_zero_point", np.zeros(qw.scale.shape, np.int8))
-        ws = add_init(base + "_scale", qw.scale)
-        wd = G.unique_name(m, base + "_dequantized", taken)
-        m.graph.node.append(helper.make_node("DequantizeLinear", [wq, ws, wz], [wd], name=wd, axis=axis))
-        node.input[widx] = wd
-        bias = qw.bias
-        if x_name in shifts:  # the input arrives shifted (lattice_inputs): the bias takes the shift back out
-            w_dq = Q.dequantize_weight(qw.q, qw.scale, qw.axis).astype(np.float64)
-            moved = shifts[x_name] * w_dq.sum(axis=tuple(a for a in range(qw.q.ndim) if a != qw.axis))
-            bias = (np.zeros(moved.shape) if bias is None else np.asarray(bias, np.float64)) - moved
-        if bias is not None:
-            s_in = qp[x_name].scale
-            bq, bscale = Q.quantize_bias(bias, s_in, qw.scale)
-            bbase = node.input[rule.bias] if has_bias else node.name + "_bias"
-            bqn = add_init(bbase + "_quantized", bq)
-            bsn = add_init(bbase + "_scale", bscale)
-            bzn = add_init(bbase + "_zero_point", np.zeros(bscale.shape, np.int32))
-            bd = G.unique_name(m, bbase + "_dequantized", taken)
-            m.graph.node.append(helper.make_node("DequantizeLinear", [bqn, bsn, bzn], [bd], name=bd, axis=0))
-            while len(node.input) <= rule.bias:
-                node.input.append("")
-            node.input[rule.bias] = bd
-        layers[node.name] = LayerInfo(node.name, node.op_type, qw.weight_sqnr_db, encoding=enc)
-    # activations
+    def name(self, base: str) -> str:
+        return G.unique_name(self.m, base, self.taken)
+
+    def dequantize(self, ins: list, base: str, axis: int) -> str:
+        """A DequantizeLinear of `ins` (quantized, scale, zero point) appended; -> its output."""
+        out = self.name(base)
+        self.m.graph.node.append(helper.make_node("DequantizeLinear", ins, [out], name=out, axis=axis))
+        return out
+
+
+def _write_layer(g: _Writer, node, x_name: str, qp: dict, table, shifts: dict, o: BuildOptions) -> LayerInfo:
+    """An int8 layer's weight (and bias) quantized and read through DequantizeLinear nodes."""
+    m, rule = g.m, RULES[node.op_type]
+    widx, axis = rule.weight(node, m)
+    has_bias = rule.bias is not None and len(node.input) > rule.bias and node.input[rule.bias]
+    qw, enc, paired = layer_weights(m, node, g.inits, qp[x_name].scale, table.channel_means.get(x_name),
+                                    (o.hessians or {}).get(node.name), o)
+    base = node.input[widx]
+    if enc == U8 or (o.u8_storage and paired):
+        wq = g.add_init(base + "_quantized", (qw.q.astype(np.int16) + 128).astype(np.uint8))
+        wz = g.add_init(base + "_zero_point", np.full(qw.scale.shape, 128, np.uint8))
+    else:
+        wq = g.add_init(base + "_quantized", qw.q)
+        wz = g.add_init(base + "_zero_point", np.zeros(qw.scale.shape, np.int8))
+    ws = g.add_init(base + "_scale", qw.scale)
+    node.input[widx] = g.dequantize([wq, ws, wz], base + "_dequantized", axis)
+    bias = qw.bias
+    if x_name in shifts:  # the input arrives shifted (lattice_inputs): the bias takes the shift back out
+        w_dq = Q.dequantize_weight(qw.q, qw.scale, qw.axis).astype(np.float64)
+        moved = shifts[x_name] * w_dq.sum(axis=tuple(a for a in range(qw.q.ndim) if a != qw.axis))
+        bias = (np.zeros(moved.shape) if bias is None else np.asarray(bias, np.float64)) - moved
+    if bias is not None:
+        bq, bscale = Q.quantize_bias(bias, qp[x_name].scale, qw.scale)
+        bbase = node.input[rule.bias] if has_bias else node.name + "_bias"
+        ins = [g.add_init(bbase + "_quantized", bq), g.add_init(bbase + "_scale", bscale),
+               g.add_init(bbase + "_zero_point", np.zeros(bscale.shape, np.int32))]
+        bd = g.dequantize(ins, bbase + "_dequantized", 0)
+        while len(node.input) <= rule.bias:
+            node.input.append("")
+        node.input[rule.bias] = bd
+    return LayerInfo(node.name, node.op_type, qw.weight_sqnr_db, encoding=enc)
+
+
+def _write_activations(g: _Writer, plan: Plan, qp: dict, shifts: dict) -> dict:
+    """Every tensor the plan quantizes through QuantizeLinear -> DequantizeLinear, its int8 readers
+    reading the latter. -> {dequantized tensor: (quantized tensor, qparams, tensor)}."""
+    m = g.m
+    graph_inputs = {i.name for i in G.real_inputs(m)}
     cons = G.consumers(m)
-    dq_of = {}  # dequantized tensor -> (quantized tensor, qparams)
-    for t in plan.tensors if activations else ():
+    dq_of = {}
+    for t in plan.tensors:
         p = qp[t]
-        sn = add_init(t + "_scale", np.array(p.scale, np.float32))
-        zn = add_init(t + "_zero_point", np.array(p.zero_point, np.uint8))
-        tq = G.unique_name(m, t + "_quantized", taken)
-        td = G.unique_name(m, t + "_dequantized", taken)
+        sn = g.add_init(t + "_scale", np.array(p.scale, np.float32))
+        zn = g.add_init(t + "_zero_point", np.array(p.zero_point, np.uint8))
+        tq = g.name(t + "_quantized")
+        td = g.name(t + "_dequantized")
         src = t
         if t in shifts:
-            src = G.unique_name(m, t + "_on_grid", taken)
-            m.graph.node.append(helper.make_node("Add", [t, add_init(t + "_grid_shift", np.array(shifts[t], np.float32))],
+            src = g.name(t + "_on_grid")
+            m.graph.node.append(helper.make_node("Add", [t, g.add_init(t + "_grid_shift", np.array(shifts[t], np.float32))],
                                                  [src], name=src))
         m.graph.node.append(helper.make_node("QuantizeLinear", [src, sn, zn], [tq], name=tq))
         m.graph.node.append(helper.make_node("DequantizeLinear", [tq, sn, zn], [td], name=td))
@@ -286,10 +291,44 @@ def quantize_graph(fused: onnx.ModelProto, table, method: str | None = None, exc
             for k, i in enumerate(c.input):
                 if i == t:
                     c.input[k] = td
-    _shield_fp32_layers(m, inits, dq_of, add_init, taken)
-    m.graph.initializer.extend(new_inits)
+    return dq_of
+
+
+def _planned(fused: onnx.ModelProto, table, o: BuildOptions, notes: list) -> tuple:
+    """(a copy of `fused` at the opset QDQ needs, with the plan's activations fused into their
+    producers, the plan)."""
+    m = onnx.ModelProto()
+    m.CopyFrom(fused)
+    m = upgrade_opset(m, notes)
+    upcast_float16.noted(m, notes)
+    plan = make_plan(m, o.exclude, {**table.ranges.get(o.method or table.range_method, {}), **(o.ranges or {})},
+                     o.prune_excluded)
+    nodes = {n.name: n for n in m.graph.node}
+    # fused activations: the producer writes the activation's output, the activation goes
+    for act_name, (prod_name, _lo, _hi) in (plan.fused.items() if o.activations else ()):
+        act = nodes[act_name]
+        nodes[prod_name].output[0] = act.output[0]
+        m.graph.node.remove(act)
+    return m, plan
+
+
+def quantize_graph(fused: onnx.ModelProto, table, options: BuildOptions | None = None) -> QuantizeOutput:
+    """The QDQ graph of `fused` at `table`'s ranges, built as `options` (BuildOptions) say."""
+    o = options or BuildOptions()
+    notes: list = []
+    m, plan = _planned(fused, table, o, notes)
+    qp = activation_qparams(m, plan, table, o.method, o.ranges)
+    shifts = lattice_inputs(m, plan, table, qp, o.method, o.ranges, notes, o.input_grid)
+    g = _Writer(m)
+    layers = {}
+    for node in list(m.graph.node):  # weights and biases
+        if node.name in plan.int8_nodes and o.weights and RULES[node.op_type].weight(node, m) is not None:
+            layers[node.name] = _write_layer(g, node, plan.weight_inputs[node.name], qp, table, shifts, o)
+    dq_of = _write_activations(g, plan, qp, shifts) if o.activations else {}
+    _shield_fp32_layers(m, g.inits, dq_of, g.add_init, g.taken)
+    m.graph.initializer.extend(g.new_inits)
     G.remove_unused_initializers(m)
-    set_provenance(m, target=target)  # (read back by modelio.provenance: qtool.target)
+    set_provenance(m, target=o.target)  # (read back by modelio.provenance: qtool.target)
     G.toposort(m)
     for d in plan.decisions:
         if d.status == "fp32" and d.op_type in RULES:

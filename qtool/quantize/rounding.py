@@ -16,6 +16,7 @@ rounding is already optimal: little data, little change.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -134,7 +135,7 @@ def round_weights(w: np.ndarray, scale: np.ndarray, axis: int, hessian: np.ndarr
     q = q.reshape(g, cout // g, k)
     lo, hi, wg, sg = (a.reshape(g, cout // g, -1) for a in (lo, hi, wm, np.broadcast_to(s, (cout, 1))))
     grad = np.matmul(q * sg - wg, hessian)
-    descend(q, grad, hessian, sg[:, :, 0], sweeps, lo=lo, hi=hi)
+    descend(q, grad, hessian, sg[:, :, 0], sweeps, Moves(lo=lo, hi=hi))
     q = q.reshape(cout, *np.moveaxis(np.asarray(w), axis, 0).shape[1:])
     return np.moveaxis(q, 0, axis).astype(np.int8)
 
@@ -164,15 +165,25 @@ def _descend_pair_safe(q, v, wm, s, hessian, partners, sweeps):
     q, v, wg = (np.ascontiguousarray(a.reshape(g, cout // g, k)) for a in (q, v, wm))
     sg = np.ascontiguousarray(np.broadcast_to(s, (cout, 1)).reshape(g, cout // g, 1)[:, :, 0])
     grad = np.matmul(q * sg[:, :, None] - wg, hessian)
-    descend(q, grad, hessian, sg, sweeps, v=v, partners=partners)
+    descend(q, grad, hessian, sg, sweeps, Moves(v=v, partners=partners))
     return q.reshape(cout, k)
 
 
-def descend(q, grad, hessian, s, sweeps: int, lo=None, hi=None, v=None, partners=None, native: bool | None = None,
-            threads: int = 0) -> None:
-    """The coordinate descent on q [G, C, K] (float64, in place; grad = (q s - w) H kept current):
-    each weight to `lo` or `hi` (plain), or one step at a time staying pair-safe (`v`, `partners`).
+@dataclass(frozen=True)
+class Moves:
+    """Where the descent may move each weight: to `lo` or `hi` (plain rounding: the grid points either
+    side of w / s), or one step at a time staying pair-safe (`v`: w / s, `partners`: encoding.pair_partners)."""
+    lo: np.ndarray | None = None
+    hi: np.ndarray | None = None
+    v: np.ndarray | None = None
+    partners: np.ndarray | None = None
+
+
+def descend(q, grad, hessian, s, sweeps: int, moves: Moves, native: bool | None = None, threads: int = 0) -> None:
+    """The coordinate descent on q [G, C, K] (float64, in place; grad = (q s - w) H kept current),
+    each weight moved as `moves` allow.
     `native`: the C loop (None: when built), else the numpy reference; both give the same bits."""
+    lo, hi, v, partners = moves.lo, moves.hi, moves.v, moves.partners
     use = _native is not None if native is None else native
     if not use:
         if partners is None:
@@ -354,10 +365,14 @@ def _slices(feeds, step: int):
             yield {k: v[a:a + step] for k, v in feed.items()}, min(step, n - a)
 
 
-def layer_hessians(fused, feeds, exclude: dict | None = None, threads: int = 0, seed: int = 0,
-                   chunk: int = 4, progress=None, on_error=None, skipped: dict | None = None) -> dict:
+SEED = 0  # the patches sampled from large convolution inputs (conv_patches)
+CHUNK = 4  # samples per run, at most
+
+
+def layer_hessians(fused, feeds, exclude: dict | None = None, threads: int = 0, progress=None, on_error=None,
+                   skipped: dict | None = None) -> dict:
     """node name -> [G, K, K] input covariance of every int8 layer with a weight, from the fp32
-    graph run on calibration `feeds` (a SampleSet, or a list of input dicts), at most `chunk` samples at a time (fewer
+    graph run on calibration `feeds` (a SampleSet, or a list of input dicts), at most CHUNK samples at a time (fewer
     where the layer inputs are large: ACTIVATIONS_BYTES; a model whose layer inputs do not fit
     it at once runs once per group of them); `progress(k)` is told of k more samples.
     `on_error(layer, exception)`: a layer whose covariance fails is told and left out (nearest
@@ -372,12 +387,12 @@ def layer_hessians(fused, feeds, exclude: dict | None = None, threads: int = 0, 
         return {}
     names = sorted({x for x, _, _ in layers.values()})
     groups = fetch_groups(fused, names, next(_slices(feeds, 1))[0])
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(SEED)
     failed = set()
     for gi, (group, per_run) in enumerate(groups):
         sess = session(with_outputs(fused, group), threads)
         mine = [(name, x, acc, conv) for name, (x, acc, conv) in layers.items() if x in group]
-        step = max(1, min(chunk, per_run))
+        step = max(1, min(CHUNK, per_run))
         for feed, n in _slices(feeds, step):
             outs = dict(zip(group, sess.run(group, feed)))
             for name, x_name, acc, conv in mine:

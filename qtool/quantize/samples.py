@@ -151,11 +151,20 @@ class SampleSet:
 def load_samples(fused, table, files: list, threads: int = 0, progress=None) -> SampleSet:
     """Decode `files` with the calibration's preprocessing and run the fp32 graph on them once;
     `progress(k)` is told of k more samples decoded, then of k more run."""
+    if not files:
+        return SampleSet.empty()
+    s = _decoded(fused, table, files, progress)
+    if not len(s):
+        return s
+    return _with_reference(s, fused, table, threads, progress)
+
+
+def _decoded(fused, table, files: list, progress=None) -> SampleSet:
+    """The samples of the most common input size, decoded (a fixed batch: whole batches only); none
+    where none can be read, with a warning."""
     from qtool.data.config import config_from_any
     from qtool.data.sources import ImageData
 
-    if not files:
-        return SampleSet.empty()
     data = ImageData(os.path.dirname(files[0]), config_from_any(table.config), fused, table.model_path,
                      batch=BATCH, files=files)
     stacked = getattr(data, "kind", "") != "images" and data.batch == 1  # (each sample fed whole, as recorded)
@@ -174,15 +183,15 @@ def load_samples(fused, table, files: list, threads: int = 0, progress=None) -> 
     if len(by_shape) > 1:
         warnings.warn(f"the calibration samples come in {len(by_shape)} input sizes; the {len(names)} of the most "
                       f"common size are used for method choice, rounding, range tuning and sensitivity "
-                      f"(calibration saw them all)", stacklevel=2)
+                      f"(calibration saw them all)", stacklevel=3)
     skipped = len(files) - sum(len(ns) for ns, _ in by_shape.values())
     if not names:
         warnings.warn(f"none of the {len(files)} calibration samples can be read now (first: {files[0]}); the steps "
-                      f"that need them are skipped", stacklevel=2)
+                      f"that need them are skipped", stacklevel=3)
         return SampleSet.empty()
     if skipped:
         warnings.warn(f"{skipped} of {len(files)} calibration samples can no longer be read; using the other "
-                      f"{len(names)}", stacklevel=2)
+                      f"{len(names)}", stacklevel=3)
     if stacked:  # (tensors that cannot be stacked on axis 0)
         s = SampleSet(names, {k: _stack(v) for k, v in parts.items()}, np.zeros((0,)), 1, True, stacked=True)
     else:
@@ -192,8 +201,13 @@ def load_samples(fused, table, files: list, threads: int = 0, progress=None) -> 
     s = s.subset(range(len(names)))  # (a fixed batch: whole batches only)
     if not len(s):
         warnings.warn(f"the model takes exactly {s.batch} samples at a time and only {len(names)} calibration "
-                      f"samples are here; the steps that need them are skipped", stacklevel=2)
-        return s
+                      f"samples are here; the steps that need them are skipped", stacklevel=3)
+    return s
+
+
+def _with_reference(s: SampleSet, fused, table, threads: int, progress=None) -> SampleSet:
+    """`s` with the fp32 graph's reference output of every sample, where it holds one entry per sample
+    (else no sample: the steps that need them are skipped, with a warning); non-finite samples left out."""
     from qtool.ortsession import session, with_outputs
     out = s.output = G.reference_output(fused)
     for attempt in (0, 1):
@@ -211,7 +225,7 @@ def load_samples(fused, table, files: list, threads: int = 0, progress=None) -> 
         # the tensor a final selection reads is -inf by design (a peak picker's padding, swift-f0): every
         # sample would be left out as non-finite; the output itself is the judge instead
         warnings.warn(f"'{out}', which the model's last selection reads, is not finite in any calibration sample; "
-                      f"quantize judges by the output '{G.first_output(fused)}' instead", stacklevel=2)
+                      f"quantize judges by the output '{G.first_output(fused)}' instead", stacklevel=3)
         out = s.output = G.first_output(fused)
     if not s.stacked and not s.fixed_batch and not _joins(s, ys) \
             and all(len(v) == len(s) for v in s.inputs.values()):
@@ -227,7 +241,7 @@ def load_samples(fused, table, files: list, threads: int = 0, progress=None) -> 
         keep = [i for i, y in enumerate(ys) if y.shape == common]
         warnings.warn(f"the fp32 outputs of the calibration samples differ in size; the {len(keep)} of the most "
                       f"common size {list(common)} are used for method choice, rounding, range tuning and "
-                      f"sensitivity", stacklevel=2)
+                      f"sensitivity", stacklevel=3)
         s, ys = s.subset(keep), [ys[i] for i in keep]
     try:
         s.reference = s.join(ys)
@@ -238,7 +252,7 @@ def load_samples(fused, table, files: list, threads: int = 0, progress=None) -> 
         # the steps cannot pair samples with it; they are skipped, quantize goes on
         warnings.warn(f"'{out}', which quantize judges the model by, does not hold one entry per calibration "
                       f"sample ({len(s.reference)} for {len(s)}); the steps that need samples are skipped",
-                      stacklevel=2)
+                      stacklevel=3)
         return SampleSet.empty()
     return _finite_only(s)
 
@@ -318,7 +332,7 @@ def _finite_only(s: SampleSet) -> SampleSet:
     bad = [s.names[i] for i in np.flatnonzero(~ok)]
     warnings.warn(f"{len(bad)} calibration sample{'s' if len(bad) > 1 else ''} with NaN/inf in the input or the fp32 "
                   f"output left out: {', '.join(os.path.basename(str(b)) for b in bad[:5])}"
-                  f"{', ...' if len(bad) > 5 else ''}", stacklevel=3)
+                  f"{', ...' if len(bad) > 5 else ''}", stacklevel=4)
     return s.subset(np.flatnonzero(ok))
 
 

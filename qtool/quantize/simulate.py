@@ -124,8 +124,7 @@ class Simulator:
             widx, axis = rule.weight(node, m)
             x = self.plan.weight_inputs[name]
             qw, _, _ = layer_weights(m, node, G.initializers(m), self.qparams[x].scale, ctx.table.channel_means.get(x),
-                                     ctx.bias_correction, (ctx.hessians or {}).get(name), ctx.target, ctx.weight_cache,
-                                     encodings=ctx.encodings)
+                                     (ctx.hessians or {}).get(name), ctx.options(on_error=None))
             self._sqnr[name] = qw.weight_sqnr_db
             out = [(widx, Q.dequantize_weight(qw.q, qw.scale, axis))]
             if qw.bias is not None:
@@ -216,22 +215,11 @@ class Simulator:
             self.shared[name] = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(arr))
         return self.shared[name]
 
-    def session(self, p: int, variants: list):
-        """A session for the graph from cut p on, with a switch on everything `variants` change:
-        T -> If(on_T, DQ(Q(T, s_T, z_T)), T) and W -> Where(on_N, W_int8, W), the switches, scales
-        and zero points fed per run. A session for one variant has no switch: its quantizers and
-        weights are fixed in the graph (an If costs its copies and keeps ORT from fusing across it).
-        -> (session, frontier tensors it reads, its switches)."""
-        fixed = variants[0] if len(variants) == 1 else None
-        frontier = self._frontier(p)
-        # (what no node of the output's reads changes nothing: it gets no switch)
-        tensors = sorted({t for v in variants for t in v.tensors if t in self.first_read})
-        weights = sorted({n for v in variants for n in v.weights if n in self.feeds_output})
-        graph_inputs = {i.name for i in G.real_inputs(self.base)}
-        int8 = set().union(*(v.nodes for v in variants)) if variants else set()
-        nodes = [_copy(n) for n in self.nodes[p:] if n.name in self.feeds_output]
-        big = {}
-        before = {}  # node name -> switch nodes placed right before it
+    def _weight_switches(self, nodes: list, weights: list, fixed) -> tuple:
+        """Each layer of `weights` among `nodes` (copies, changed in place) reads its int8 weights (dequantized),
+        behind a Where on its switch unless the session is for one variant (`fixed`).
+        -> ({name: weight value}, {node name: the switch nodes placed right before it})."""
+        big, before = {}, {}
         for n in nodes:
             if n.name not in weights:
                 continue
@@ -248,6 +236,49 @@ class Simulator:
                 while len(n.input) <= idx:
                     n.input.append("")
                 n.input[idx] = stem if fixed is not None else f"sim:w{idx}on:{n.name}"
+        return big, before
+
+    @staticmethod
+    def _quantizers(nodes: list, tensors: list, fixed) -> tuple:
+        """Each tensor of `tensors` through Q -> DQ after the node that writes it: fixed for one variant
+        (`fixed`), else inside an If on its switch. -> ({writer: the nodes after it}, constants)."""
+        produced = {o: n.name for n in nodes for o in n.output}
+        after, consts = {}, []
+        for t in tensors:
+            sc, z = f"sim:s:{t}", f"sim:z:{t}"
+            if fixed is not None:
+                qp = fixed.tensors[t]
+                consts += [helper.make_tensor(sc, TensorProto.FLOAT, [], [qp.scale]),
+                           helper.make_tensor(z, TensorProto.UINT8, [], [qp.zero_point])]
+                after.setdefault(produced.get(t), []).extend(
+                    [helper.make_node("QuantizeLinear", [t, sc, z], [f"sim:q:{t}"]),
+                     helper.make_node("DequantizeLinear", [f"sim:q:{t}", sc, z], [f"sim:y:{t}"])])
+                continue
+            # If, not arithmetic on a gate: a switch that is off then costs one copy, not five passes
+            on = helper.make_graph([helper.make_node("QuantizeLinear", [t, sc, z], [f"sim:q:{t}"]),
+                                    helper.make_node("DequantizeLinear", [f"sim:q:{t}", sc, z], [f"sim:dq:{t}"])],
+                                   "on", [], [helper.make_tensor_value_info(f"sim:dq:{t}", TensorProto.FLOAT, None)])
+            off = helper.make_graph([helper.make_node("Identity", [t], [f"sim:id:{t}"])], "off", [],
+                                    [helper.make_tensor_value_info(f"sim:id:{t}", TensorProto.FLOAT, None)])
+            after.setdefault(produced.get(t), []).append(
+                helper.make_node("If", [f"sim:t:{t}"], [f"sim:y:{t}"], then_branch=on, else_branch=off))
+        return after, consts
+
+    def session(self, p: int, variants: list):
+        """A session for the graph from cut p on, with a switch on everything `variants` change:
+        T -> If(on_T, DQ(Q(T, s_T, z_T)), T) and W -> Where(on_N, W_int8, W), the switches, scales
+        and zero points fed per run. A session for one variant has no switch: its quantizers and
+        weights are fixed in the graph (an If costs its copies and keeps ORT from fusing across it).
+        -> (session, frontier tensors it reads, its switches)."""
+        fixed = variants[0] if len(variants) == 1 else None
+        frontier = self._frontier(p)
+        # (what no node of the output's reads changes nothing: it gets no switch)
+        tensors = sorted({t for v in variants for t in v.tensors if t in self.first_read})
+        weights = sorted({n for v in variants for n in v.weights if n in self.feeds_output})
+        graph_inputs = {i.name for i in G.real_inputs(self.base)}
+        int8 = set().union(*(v.nodes for v in variants)) if variants else set()
+        nodes = [_copy(n) for n in self.nodes[p:] if n.name in self.feeds_output]
+        big, before = self._weight_switches(nodes, weights, fixed)
         rename = {t: f"sim:y:{t}" for t in tensors}
         for n in nodes:
             for k, i in enumerate(n.input):
@@ -255,28 +286,7 @@ class Simulator:
                 # branch reading a tensor by name reads it unquantized)
                 if i in rename and (i not in graph_inputs or n.name in int8):
                     n.input[k] = rename[i]
-        produced = {o: n.name for n in nodes for o in n.output}
-        after = {}
-        consts = []
-        for t in tensors:
-            if fixed is not None:
-                qp = fixed.tensors[t]
-                sc, z = f"sim:s:{t}", f"sim:z:{t}"
-                consts += [helper.make_tensor(sc, TensorProto.FLOAT, [], [qp.scale]),
-                           helper.make_tensor(z, TensorProto.UINT8, [], [qp.zero_point])]
-                after.setdefault(produced.get(t), []).extend(
-                    [helper.make_node("QuantizeLinear", [t, sc, z], [f"sim:q:{t}"]),
-                     helper.make_node("DequantizeLinear", [f"sim:q:{t}", sc, z], [rename[t]])])
-                continue
-            # If, not arithmetic on a gate: a switch that is off then costs one copy, not five passes
-            sc, z = f"sim:s:{t}", f"sim:z:{t}"
-            on = helper.make_graph([helper.make_node("QuantizeLinear", [t, sc, z], [f"sim:q:{t}"]),
-                                    helper.make_node("DequantizeLinear", [f"sim:q:{t}", sc, z], [f"sim:dq:{t}"])],
-                                   "on", [], [helper.make_tensor_value_info(f"sim:dq:{t}", TensorProto.FLOAT, None)])
-            off = helper.make_graph([helper.make_node("Identity", [t], [f"sim:id:{t}"])], "off", [],
-                                    [helper.make_tensor_value_info(f"sim:id:{t}", TensorProto.FLOAT, None)])
-            after.setdefault(produced.get(t), []).append(
-                helper.make_node("If", [f"sim:t:{t}"], [rename[t]], then_branch=on, else_branch=off))
+        after, consts = self._quantizers(nodes, tensors, fixed)
         ordered = list(after.get(None, []))
         for n in nodes:
             ordered.extend(before.get(n.name, []) + [n] + after.get(n.name, []))

@@ -124,14 +124,14 @@ def put_back(model: onnx.ModelProto, node_name: str, which: str, int8: onnx.Mode
                 o.version = want
 
 
-def quantize_branches(model: onnx.ModelProto, fused: onnx.ModelProto, samples, workdir: str, options: dict,
+def quantize_branches(model: onnx.ModelProto, fused: onnx.ModelProto, samples, workdir: str, quantize,
                       say=print) -> list:
     """Quantize in `model` (the int8 main graph, changed in place) every If branch of `fused` that all
-    `samples` take, each in its own working directory under `workdir`, with the quantize `options`
-    (a branch's own Ifs are handled there, the same way). -> [(If node, branch, its QuantizeResult)]."""
+    `samples` take, each in its own working directory under `workdir`, by `quantize(working directory)`
+    (-> QuantizeResult: the run's quantize with the branch's options; a branch's own Ifs are handled
+    there, the same way). -> [(If node, branch, its QuantizeResult)]."""
     from qtool.calibrate.run import calibrate
     from qtool.calibrate.options import CalibrateOptions
-    from qtool.quantize.run import quantize
 
     done = []
     for node, which, outer in taken_branches(fused, samples):
@@ -148,10 +148,9 @@ def quantize_branches(model: onnx.ModelProto, fused: onnx.ModelProto, samples, w
         save_model(sub, path)
         with warnings.catch_warnings():  # (what the branch's own steps would say: its summary is said here)
             warnings.simplefilter("ignore")
-            calibrate(path, data,
-                      CalibrateOptions(show_progress=False),
-                      workdir=os.path.join(folder, "work"), say=lambda text: None)
-            q = quantize(os.path.join(folder, "work"), say=lambda text: None, **options)
+            calibrate(path, data, CalibrateOptions(show_progress=False), workdir=os.path.join(folder, "work"),
+                      say=lambda text: None)
+            q = quantize(os.path.join(folder, "work"))
         s = q.report["summary"]
         kept = "" if q.exclusion is None else (
             f"; --exclude-sensitive there kept {len(q.exclusion.excluded)} layer(s) fp32"

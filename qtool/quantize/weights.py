@@ -42,12 +42,22 @@ def _expected_input_per_weight(w_shape, axis, mean_x, op_type, groups):
 BIAS_HEADROOM = 2.0 ** 30  # an int32 bias stays within half the int32 range
 
 
-def quantize_weight(w: np.ndarray, axis: int, bias: np.ndarray | None, mean_x, op_type: str,
-                    groups: int = 1, correct_bias: bool = True, s_in: float | None = None,
-                    hessian: np.ndarray | None = None, partners: np.ndarray | None = None,
-                    w_max: int = Q.W_MAX, scale: np.ndarray | None = None) -> QuantizedWeight:
-    """`hessian` ([G, K, K] input covariance, rounding.py): round each weight down or up to lower
-    the layer's output error instead of to the nearest step.
+@dataclass(frozen=True)
+class WeightLayer:
+    """One layer's weight as it is quantized: the weight, its output channels' axis, its bias, and what the
+    bias correction needs (the op, its groups, `mean_x`: E[x] per input channel, None: not corrected)."""
+    w: np.ndarray
+    axis: int
+    bias: np.ndarray | None
+    mean_x: object
+    op_type: str
+    groups: int = 1
+
+
+@dataclass(frozen=True)
+class WeightRounding:
+    """How a layer's weights are rounded. `hessian` ([G, K, K] input covariance, rounding.py): round each
+    weight down or up to lower the layer's output error instead of to the nearest step.
     `s_in`: the input's activation scale. With it, a channel whose weights are almost zero
     (a dead channel: max |w| ~ 1e-7) gets a larger weight scale, enough that bias / (s_in * s_w)
     fits in int32 with room to spare; otherwise the int32 bias saturates (ONNX Runtime even
@@ -55,18 +65,27 @@ def quantize_weight(w: np.ndarray, axis: int, bias: np.ndarray | None, mean_x, o
     `partners` (encoding.pair_partners): make the weights pair-safe for ONNX Runtime's int16 pair
     sums (encoding.py); each channel's scale is then chosen by the same error (`scale`: that
     choice, made already, pair_safe_scale)."""
-    if partners is None:
-        scale = Q.weight_scales(w, axis, w_max)
-    elif scale is None:
-        scale = pair_safe_scale(w, axis, partners, hessian)
-    q, corrected = _round_and_correct(w, axis, scale, bias, mean_x, op_type, groups, correct_bias, hessian, partners,
-                                      w_max)
-    if s_in is not None and corrected is not None:
-        floor = (np.abs(corrected.astype(np.float64)) / (float(s_in) * BIAS_HEADROOM)).astype(np.float32)
+    correct_bias: bool = True
+    s_in: float | None = None
+    hessian: np.ndarray | None = None
+    partners: np.ndarray | None = None
+    w_max: int = Q.W_MAX
+    scale: np.ndarray | None = None
+
+
+def quantize_weight(layer: WeightLayer, how: WeightRounding) -> QuantizedWeight:
+    """The layer's int8 weights, per-channel scales and corrected bias, rounded as `how` says."""
+    w, axis = layer.w, layer.axis
+    if how.partners is None:
+        scale = Q.weight_scales(w, axis, how.w_max)
+    else:
+        scale = how.scale if how.scale is not None else pair_safe_scale(w, axis, how.partners, how.hessian)
+    q, corrected = _round_and_correct(layer, scale, how)
+    if how.s_in is not None and corrected is not None:
+        floor = (np.abs(corrected.astype(np.float64)) / (float(how.s_in) * BIAS_HEADROOM)).astype(np.float32)
         if (floor > scale).any():
             scale = np.maximum(scale, floor).astype(np.float32)
-            q, corrected = _round_and_correct(w, axis, scale, bias, mean_x, op_type, groups, correct_bias, hessian,
-                                              partners, w_max)
+            q, corrected = _round_and_correct(layer, scale, how)
     dw = Q.dequantize_weight(q, scale, axis).astype(np.float64) - w.astype(np.float64)
     err = float(np.sum(dw ** 2))
     sqnr = float(10 * np.log10(np.sum(w.astype(np.float64) ** 2) / err)) if err > 0 else float("inf")
@@ -83,19 +102,19 @@ def _rows(w, axis):
     return np.moveaxis(np.asarray(w), axis, 0).reshape(w.shape[axis], -1)
 
 
-def _round_and_correct(w, axis, scale, bias, mean_x, op_type, groups, correct_bias, hessian, partners=None,
-                       w_max=Q.W_MAX):
+def _round_and_correct(layer: WeightLayer, scale, how: WeightRounding):
     """int8 weights at `scale`, and the bias corrected for their rounding (None if no bias)."""
-    if partners is not None:
-        q = round_weights(w, scale, axis, hessian, partners=partners)
-    elif hessian is None:
-        q = Q.quantize_weight(w, scale, axis, w_max)
+    w, axis, bias, mean_x = layer.w, layer.axis, layer.bias, layer.mean_x
+    if how.partners is not None:
+        q = round_weights(w, scale, axis, how.hessian, partners=how.partners)
+    elif how.hessian is None:
+        q = Q.quantize_weight(w, scale, axis, how.w_max)
     else:
-        q = round_weights(w, scale, axis, hessian, w_max=w_max)
+        q = round_weights(w, scale, axis, how.hessian, w_max=how.w_max)
     cout = w.shape[axis]
-    if correct_bias and mean_x is not None:
+    if how.correct_bias and mean_x is not None:
         dw = Q.dequantize_weight(q, scale, axis).astype(np.float64) - w.astype(np.float64)
-        e = _expected_input_per_weight(w.shape, axis, mean_x, op_type, groups)
+        e = _expected_input_per_weight(w.shape, axis, mean_x, layer.op_type, layer.groups)
         if e.size and np.broadcast_shapes(e.shape, dw.shape) == dw.shape:
             shift = np.sum(dw * e, axis=tuple(k for k in range(dw.ndim) if k != axis))
             bias = (np.zeros(cout) if bias is None else bias.astype(np.float64)) - shift

@@ -1,0 +1,121 @@
+"""What the steps of one `quantize` run share (the pipeline's one context): the options, the working
+directory, the experiments' QuantizeContext, the samples, and what each step found so far."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+
+from qtool.quantize import verify
+from qtool.quantize.context import QuantizeContext
+from qtool.quantize.optional import OptionalSteps
+from qtool.quantize.options import QuantizeOptions
+from qtool.quantize.samples import SampleSet
+from qtool.quantize.split import SampleSplit, _evenly, samples_for_values
+from qtool.workdir import Workdir
+
+
+@dataclass
+class Switches:
+    """Which of the steps that read calibration samples run: from the options and the model, then the
+    budget (steps/budget.py), which may turn a step off."""
+    auto: bool  # method choice
+    rounding: bool  # output-aware rounding
+    tune_ranges: bool
+    sensitivity: bool
+    exclusion: bool
+    branch_exclusion: bool  # --exclude-sensitive goes on into the If branches (the main graph has no int8 layer)
+
+
+@dataclass
+class Tuning:
+    """Output-aware weight rounding (rounding.py) and activation ranges (range_search.py)."""
+    hessians: dict | None = None
+    ranges: dict | None = None
+    search: object = None  # RangeSearch
+    seconds: float = 0.0
+    samples: int = 0
+    unrounded: dict = field(default_factory=dict)  # layer -> why output-aware rounding left it to nearest
+
+
+@dataclass
+class QuantizeRun:
+    options: QuantizeOptions
+    wd: Workdir
+    manifest: dict  # (read once)
+    inputs: object  # inputs.Inputs
+    ctx: QuantizeContext
+    steps: OptionalSteps  # times and contains the optional steps
+    say: object
+    files: list  # the calibration files still there
+    on: Switches
+    split: SampleSplit
+    method: str | None  # the method asked for (METHOD+flat resolved)
+    main_int8: bool  # the main graph has an op that can run in int8
+    plain: QuantizeContext | None = None  # --verify: the model before method choice and balancing
+    afforded: object = None  # steps.budget.Afforded
+    labels: dict | None = None  # {file: class} for --exclude-sensitive
+    samples: SampleSet = field(default_factory=SampleSet.empty)
+    verdicts: dict = field(default_factory=dict)  # step -> verify.Verdict
+    method_scores_db: dict | None = None
+    method_agreement: dict | None = None
+    input_grid: dict | None = None
+    encoding_reasons: dict = field(default_factory=dict)
+    tuning: Tuning = field(default_factory=Tuning)
+    sensitivity: dict | None = None
+    ranking: list | None = None
+    check: SampleSet | None = None  # the exclusion check's samples
+    check_held_back: bool = True  # (they were held back from the sensitivity analysis)
+    noisy: list | None = None
+    partial: list = field(default_factory=list)  # the exclusion search so far, should it fail
+    exclusion: object = None
+    final_exclude: dict = field(default_factory=dict)
+    out: object = None  # the QuantizeOutput written
+    branches: list = field(default_factory=list)
+    path: str | None = None
+    saved: object = None
+    cost: dict | None = None
+    pipeline: tuple = ()  # the steps (pipeline.PIPELINE)
+    quantize: object = None  # run.quantize: what the If branches are quantized with (steps/subgraphs.py)
+    guarded: dict = field(default_factory=dict)  # layer -> why the guard keeps it fp32
+    need: list = field(default_factory=list)  # the calibration files decoded
+
+    @property
+    def used(self) -> dict:
+        """step -> calibration samples it measured on (quantize.json)."""
+        return self.ctx.samples_used
+
+    @property
+    def progress(self) -> bool:
+        return self.options.progress
+
+    @cached_property
+    def held_out(self) -> SampleSet:
+        return self.samples.pick(self.split.verify)
+
+    @cached_property
+    def tune_samples(self) -> SampleSet:
+        return self.samples.pick(self.split.tune)
+
+    @cached_property
+    def sens_samples(self) -> SampleSet:
+        sens = self.samples.pick(self.split.sensitivity)
+        if self.options.sensitivity.samples is None and len(sens):  # a dynamic output's size is known now
+            n = samples_for_values(int(np.prod(sens.reference.shape[1:], dtype=np.int64)))
+            sens = sens.pick(_evenly(sens.names, n))
+        return sens
+
+    def wanted(self, budgeted: bool = False) -> list:
+        """The calibration files the steps on in this run read (`budgeted`: of those the budget counts)."""
+        parts = {p for s in self.pipeline if s.budgeted or not budgeted for p in s.samples(self)}
+        return self.split.files(parts)
+
+    def verify(self, step: str, fallback: str, **over):
+        """The held-out verdict on `step` (verify.verify_step), contained as the verification step; kept in
+        self.verdicts. None where it failed."""
+        v = self.steps.run("verification", verify.verify_step, self.ctx, self.held_out, step, fallback, self.say,
+                           fallback=None, **over)
+        if v is not None:
+            self.verdicts[v.step] = v
+        return v

@@ -1,0 +1,25 @@
+"""--method auto: the range method whose int8 model measures best on a few calibration samples
+(method_choice.py)."""
+from __future__ import annotations
+
+from qtool.quantize.method_choice import pick_method
+from qtool.quantize.step import Step
+
+
+def when(run) -> bool:
+    """--method auto, the main graph has int8 layers, the budget affords it"""
+    return run.on.auto
+
+
+def samples(run) -> tuple:
+    """method choice's few; held-out ones with --verify"""
+    return ("auto", "verify") if run.on.auto else ()
+
+
+def choose(run) -> None:
+    chosen = run.samples.pick(run.split.auto)
+    run.used["method choice"] = len(chosen)
+    run.ctx.method, run.method_scores_db, run.method_agreement = pick_method(run.ctx, chosen, run.say, run.progress)
+
+
+STEP = Step("method choice", choose, when, samples, fallback="the calibrated range method")
