@@ -24,14 +24,14 @@ from dataclasses import replace
 from qtool.calibrate.options import CalibrateOptions, Sampling
 from qtool.calibrate.run import CalibrateResult
 from qtool.calibrate.run import calibrate as _calibrate
-from qtool.evaluate import evaluate_workdir
+from qtool.evaluate import EvalOptions, evaluate_workdir
 from qtool.quantize.options import ExclusionOptions, QuantizeOptions, SensitivityOptions
 from qtool.quantize.run import QuantizeResult
 from qtool.quantize.run import quantize as _quantize
 from qtool.workdir import DEFAULT as DEFAULT_WORKDIR
 
 __all__ = ["calibrate", "quantize", "evaluate", "CalibrateResult", "QuantizeResult", "Sampling", "QuantizeOptions",
-           "SensitivityOptions", "ExclusionOptions"]
+           "SensitivityOptions", "ExclusionOptions", "EvalOptions"]
 
 
 def _say(verbose: bool):
@@ -67,11 +67,10 @@ def quantize(workdir: str = DEFAULT_WORKDIR, options: QuantizeOptions | None = N
     return _quantize(workdir, options, say=_say(verbose))
 
 
-def evaluate(workdir: str = DEFAULT_WORKDIR, data=None, *, labels: str | None = None, model: str | None = None,
-             int8: str | None = None, config=None, limit: int | None = None, threads: int = 2,
-             runtime: str = "ort", verbose: bool = True) -> dict:
+def evaluate(workdir: str = DEFAULT_WORKDIR, data=None, *, model: str | None = None, int8: str | None = None,
+             options: EvalOptions = EvalOptions(), verbose: bool = True) -> dict:
     """The int8 model against its fp32 original on `data` (default: the calibration folder, without
-    the calibration images). Returns every figure `qtool eval --json` writes: output_sqnr_db,
-    top1_agreement (classifiers), fp32/int8 top-1 and top-5 with labels, size_bytes, latency_ms."""
-    return evaluate_workdir(workdir, data, labels, model, int8, config, limit, threads, runtime,
-                            show_progress=verbose, say=_say(verbose))
+    the calibration images). `options`: EvalOptions(labels=, config=, limit=, threads=, runtime=), the
+    command's options. Returns every figure `qtool eval --json` writes: output_sqnr_db, top1_agreement
+    (classifiers), fp32/int8 top-1 and top-5 with labels, size_bytes, latency_ms."""
+    return evaluate_workdir(workdir, data, model, int8, options, show_progress=verbose, say=_say(verbose))

@@ -283,7 +283,7 @@ def _detector_model(seed=0):
 
 
 def test_eval_without_labels_per_output_and_detector_rows(tmp_path):
-    from qtool.evaluate import evaluate_tensors
+    from qtool.evaluate import EvalOptions, evaluate_tensors
     rng = np.random.default_rng(7)
     model = save(_detector_model(), tmp_path / "det.onnx")
     r, q = _cal_q(model, _samples(rng, 6, {"x": (1, 3, 8, 8)}), tmp_path / "work")
@@ -291,7 +291,7 @@ def test_eval_without_labels_per_output_and_detector_rows(tmp_path):
     ev.mkdir()
     for k in range(4):
         np.save(ev / f"{k}.npy", rng.standard_normal((1, 3, 8, 8)).astype(np.float32))
-    res = evaluate_tensors(model, q.path, str(ev), threads=1, latency=False)
+    res = evaluate_tensors(model, q.path, str(ev), EvalOptions(threads=1, latency=False))
     o = res["outputs"]["rows"]
     assert res["n_samples"] == 4 and o["shape"] == [1, 64, 6]
     assert o["sqnr_db"] > 20 and 0 < o["max_abs_error"] < 1

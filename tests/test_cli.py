@@ -545,20 +545,21 @@ def test_eval_says_when_ort_int8_is_not_the_exact_result(project, capsys, monkey
     the default portable model, exact there, gets no warning."""
     from onnx import numpy_helper
 
-    from qtool import evaluate as E
+    from qtool.evaluate import images, tensors
     from qtool.runtime import NativeSession
     m = small_convnet()
     w = next(t for t in m.graph.initializer if t.name == "stem_w")
     w.CopyFrom(numpy_helper.from_array(np.abs(numpy_helper.to_array(w)) + 0.5, "stem_w"))  # same-sign pairs
     save(m, project / "net.onnx")
-    real = E.session
+    real = images.session
 
     def ort_without_vnni(path, threads=0, *a, **kw):
         if str(path).endswith(".int8.onnx"):
             return NativeSession(path, threads=1, arithmetic="ort-x86-novnni")
         return real(path, threads, *a, **kw)
 
-    monkeypatch.setattr(E, "session", ort_without_vnni)
+    for loop in (images, tensors):  # (either loop, whichever the data takes)
+        monkeypatch.setattr(loop, "session", ort_without_vnni)
     # and ORT's probe says so too, whatever this CPU has (on a VNNI CPU it finds ORT exact: the hint differs)
     from qtool import ort_arithmetic
     from qtool.arithmetic import ORT_X86_NOVNNI

@@ -12,7 +12,8 @@ from helpers import init, make_model, save, write_config, write_images
 from qtool.calibrate.run import calibrate
 from qtool.calibrate.options import CalibrateOptions
 from qtool.commands.eval import render
-from qtool.evaluate import OutputStats, agreement_kind, evaluate, evaluate_workdir
+from qtool.evaluate import EvalOptions, OutputStats, evaluate, evaluate_workdir
+from qtool.metrics import agreement_kind
 from qtool.quantize.run import quantize
 
 
@@ -78,7 +79,7 @@ def _calibrated(tmp_path, model):
 
 def test_eval_of_a_sequence_output_is_per_position(tmp_path):
     fp32, int8, cfg = _calibrated(tmp_path, _sequence_model(np.random.default_rng(3)))
-    r = evaluate(fp32, int8, str(tmp_path / "ev"), config=cfg, latency=False, show_progress=False)
+    r = evaluate(fp32, int8, str(tmp_path / "ev"), EvalOptions(config=cfg, latency=False), show_progress=False)
     assert r["n_images"] == 5 and r["agreement_over"] == "positions"
     assert 0.5 < r["top1_agreement"] <= 1.0 and 0.0 <= r["sequence_agreement"] <= r["top1_agreement"]
     assert "top5_overlap" in r and r["top5_overlap"] is None  # kept only for a classifier
@@ -87,8 +88,8 @@ def test_eval_of_a_sequence_output_is_per_position(tmp_path):
 
 def test_eval_of_a_probability_map_has_no_top1(tmp_path):
     fp32, int8, cfg = _calibrated(tmp_path, _map_model(np.random.default_rng(4)))
-    r = evaluate(fp32, int8, str(tmp_path / "ev"), config=cfg, latency=False, show_progress=False,
-                 runtime="both")
+    r = evaluate(fp32, int8, str(tmp_path / "ev"), EvalOptions(config=cfg, latency=False, runtime="both"),
+                 show_progress=False)
     assert r["n_images"] == 5 and "top1_agreement" not in r and r["output_sqnr_db"] > 15
     assert "top1_agreement_vs_fp32" not in r["native"] and r["native"]["max_abs_diff_vs_ort_int8"] >= 0
     text = render(r)
@@ -108,7 +109,8 @@ def test_sequence_first_output_is_read_per_sample():
 
 
 def test_ctc_texts_equal_where_only_a_blank_moved():
-    from qtool.evaluate import ctc_agreement, ctc_collapse
+    from qtool.evaluate import ctc_agreement
+    from qtool.metrics import ctc_collapse
     assert ctc_collapse(np.array([0, 3, 3, 0, 3, 5, 0]), blank=0) == (3, 3, 5)
     same = (np.array([0, 0, 3, 3, 0, 0, 5, 0]), np.array([0, 3, 3, 0, 0, 0, 5, 5]))  # the same text, "35"
     other = (np.array([0, 0, 3, 0, 0, 0, 5, 0]), np.array([0, 0, 3, 0, 0, 0, 4, 0]))  # "35" against "34"
@@ -129,7 +131,7 @@ def test_no_ctc_texts_for_a_per_step_classifier():
 
 
 def test_detector_heads_in_both_layouts():
-    from qtool.evaluate import detector_like
+    from qtool.metrics import detector_like
     assert detector_like((1, 3549, 6)) == "rows"       # YOLOX at 416: x, y, w, h, objectness, class
     assert detector_like((1, 22, 2100)) == "columns"   # YOLOv8 at 320: x, y, w, h, 18 classes; 2100 anchors
     assert detector_like((1, 84, 8400)) == "columns"
@@ -160,7 +162,7 @@ def test_eval_on_images_of_a_two_output_model_reports_each_output(tmp_path):
     """`qtool eval` on an image folder printed a two-output model's lines through the .npy path's renderer,
     which wants n_samples: KeyError, exit 70, after the whole evaluation had run."""
     fp32, int8, cfg = _calibrated(tmp_path, _two_output_model(np.random.default_rng(5)))
-    r = evaluate(fp32, int8, str(tmp_path / "ev"), config=cfg, latency=False, show_progress=False)
+    r = evaluate(fp32, int8, str(tmp_path / "ev"), EvalOptions(config=cfg, latency=False), show_progress=False)
     assert r["n_images"] == 5 and set(r["outputs"]) == {"prob", "feat"}
     lines = render(r).splitlines()
     assert any(line.startswith("  prob [") and "SQNR" in line for line in lines)
@@ -293,7 +295,7 @@ def test_one_position_states_get_no_top1_figure():
     """faster-whisper's VAD writes its LSTM state h, c [1, 1, 128]: eval scored them 'top-1 agreement per
     position 0.59' and 'texts equal after CTC decoding'. One position of log-probabilities (a decoder step)
     keeps its figure."""
-    from qtool.evaluate import output_kind
+    from qtool.metrics import output_kind
     rng = np.random.default_rng(0)
     state = np.tanh(rng.standard_normal((1, 1, 128)))
     assert output_kind(state)[0] is None
@@ -307,7 +309,7 @@ def test_independent_gains_per_position_get_no_top1_figure():
     """NSNet2's output is a sigmoid gain for each of 161 frequency bins at each frame: eval read it as a class per
     frame ('sequences equal at every position 0.0000' for an int8 enhancer as good as fp32). Values in [0, 1] that
     do not sum to 1 are no distribution; a softmax's are, and logits too keep their figure."""
-    from qtool.evaluate import output_kind
+    from qtool.metrics import output_kind
     rng = np.random.default_rng(1)
     gains = 1 / (1 + np.exp(-rng.standard_normal((2, 50, 161))))
     assert output_kind(gains)[0] is None
@@ -420,17 +422,17 @@ def test_eval_of_images_sizes_its_batches_by_memory(tmp_path, monkeypatch):
     """A folder of images is run in batches sized by one image's largest tensor, as a folder of tensors is
     (16 photos at once through a 640x480 text detector: eval at 3.3-6.9 GB; 1.1 GB in batches of 3), with
     the same figures."""
-    import qtool.evaluate as ev
+    from qtool.evaluate import batching
     from helpers import small_convnet
     fp32, int8, cfg = _calibrated(tmp_path, small_convnet(seed=4))  # (a free batch)
     seen = []
     real = OutputStats.add
     monkeypatch.setattr(OutputStats, "add", lambda self, a, b, samples=None: seen.append(len(a)) or real(self, a, b, samples))
-    whole = evaluate(fp32, int8, str(tmp_path / "ev"), config=cfg, latency=False, show_progress=False)
+    whole = evaluate(fp32, int8, str(tmp_path / "ev"), EvalOptions(config=cfg, latency=False), show_progress=False)
     assert max(seen) == 5
     seen.clear()
-    monkeypatch.setattr(ev, "EVAL_MEMORY", 1)
-    cut = evaluate(fp32, int8, str(tmp_path / "ev"), config=cfg, latency=False, show_progress=False)
+    monkeypatch.setattr(batching, "EVAL_MEMORY", 1)
+    cut = evaluate(fp32, int8, str(tmp_path / "ev"), EvalOptions(config=cfg, latency=False), show_progress=False)
     assert max(seen) == 1 and cut["n_images"] == whole["n_images"] == 5
     assert cut["output_sqnr_db"] == pytest.approx(whole["output_sqnr_db"], rel=1e-4)
     assert cut["top1_agreement"] == whole["top1_agreement"]
@@ -445,7 +447,7 @@ def test_eval_of_images_whose_first_is_unreadable(tmp_path):
     (tmp_path / "ev" / "000_broken.png").write_bytes(b"\x89PNG not really")
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        r = evaluate(fp32, int8, str(tmp_path / "ev"), config=cfg, latency=False, show_progress=False)
+        r = evaluate(fp32, int8, str(tmp_path / "ev"), EvalOptions(config=cfg, latency=False), show_progress=False)
     assert r["n_images"] == 5 and len(r["skipped"]) == 1
     assert sum("000_broken.png" in str(w.message) for w in seen) == 1
 
@@ -477,3 +479,28 @@ def test_a_recurrent_layers_last_state_gets_no_top1(tmp_path):
     r = _three_steps(model, tmp_path)
     state = r["outputs"]["state"]
     assert "top1_agreement" not in state and state["cosine"]["mean"] > 0.9
+
+
+def test_an_output_gets_the_figures_of_each_kind_that_recognises_it():
+    """The kinds are found through one registry (kinds.KINDS), each recognising fp32's first batch: a
+    classifier's scores are classes and vectors, an embedding (vectors of length 1) and a gain mask (values
+    in [0, 1] at each position, no distribution) vectors only, a detector's rows rows and vectors."""
+    from qtool.evaluate.kinds import EQUAL, KINDS, First, numeric_kinds
+    from qtool.evaluate.kinds.classifier import Classes
+    from qtool.evaluate.kinds.detector import Rows
+    from qtool.evaluate.kinds.embeddings import Vectors
+    for kind in KINDS:
+        assert callable(kind.recognises) and isinstance(kind.per_class, bool), kind
+    assert all(callable(k.recognises) for k in EQUAL)
+    rng = np.random.default_rng(11)
+    emb = rng.standard_normal((4, 32))
+    emb /= np.linalg.norm(emb, axis=-1, keepdims=True)
+    rows = np.concatenate([rng.random((1, 3549, 4)) * 416, rng.random((1, 3549, 2))], axis=2)
+    cases = {"scores": (rng.standard_normal((4, 10)), {Vectors, Classes}), "embedding": (emb, {Vectors}),
+             "mask": (rng.random((1, 20, 161)), {Vectors}), "rows": (rows, {Vectors, Rows})}
+    for name, (a, want) in cases.items():
+        assert {type(k) for k in numeric_kinds(First.of(a, False, (1, 10, 100)))} == want, name
+    st = OutputStats("embedding")
+    st.add(emb, emb + 0.001)
+    r = st.result()
+    assert r["cosine"]["unit_length"] is True and "top1_agreement" not in r

@@ -99,7 +99,7 @@ def test_eval_of_a_fixed_batch_model(tmp_path):
     import pytest
     from helpers import write_images
     from qtool.errors import QtoolError
-    from qtool.evaluate import evaluate
+    from qtool.evaluate import EvalOptions, evaluate
     path = tmp_path / "m.onnx"
     save(_fixed_batch_model(4), path)
     write_images(tmp_path / "calib", 8, seed=1, h=32, w=32)
@@ -113,7 +113,7 @@ def test_eval_of_a_fixed_batch_model(tmp_path):
         assert r["n_images"] == 4 and r["left_out"] == 2
         assert r["latency_ms"]["ort_int8"] > 0
         with pytest.raises(QtoolError, match="fixed at 4"):
-            evaluate(str(path), q.path, str(tmp_path / "eval"), limit=3, show_progress=False)
+            evaluate(str(path), q.path, str(tmp_path / "eval"), EvalOptions(limit=3), show_progress=False)
 
 
 def test_eval_says_outputs_of_different_shapes():

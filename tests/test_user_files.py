@@ -144,11 +144,12 @@ def read_only_workdir(monkeypatch):
 
 
 def test_eval_on_a_read_only_workdir_fails_before_evaluating(int8, capsys, monkeypatch, read_only_workdir):  # noqa: F811
-    import qtool.evaluate as ev
+    from qtool.evaluate import from_workdir
 
     def never(*a, **k):
         raise AssertionError("the evaluation ran before the manifest was checked writable")
-    monkeypatch.setattr(ev, "evaluate", never)
+    monkeypatch.setattr(from_workdir, "evaluate", never)
+    monkeypatch.setattr(from_workdir, "evaluate_tensors", never)
     capsys.readouterr()
     assert qtool("eval", "--json", "eval.json") == 1
     one_line_error(capsys.readouterr().err, "manifest.json", "Read-only file system")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import click
 
 from qtool.commands.common import common_options, say, setup_output, shown, write_json
-from qtool.evaluate import check_warning, evaluate_workdir
+from qtool.evaluate import EvalOptions, check_warning, evaluate_workdir
 from qtool.outputs import File
 
 
@@ -39,8 +39,9 @@ def command(compare, data, labels, model, int8_path, config, limit, runtime, thr
         _warn_runtime(r)
         write_json(json_path, r)
 
-    shown(lambda: evaluate_workdir(workdir, data, labels, model, int8_path, config, limit, threads, runtime,
-                                   show_progress=not quiet, say=lambda t: say(quiet, t),
+    options = EvalOptions(labels=labels, config=config, limit=limit, threads=threads, runtime=runtime)
+    shown(lambda: evaluate_workdir(workdir, data, model, int8_path, options, show_progress=not quiet,
+                                   say=lambda t: say(quiet, t),
                                    also_writes=[File("--json file", json_path)] if json_path else []),  # (checked first)
           show)
 

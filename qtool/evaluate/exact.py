@@ -1,0 +1,112 @@
+"""The exact-arithmetic check: does this machine's ONNX Runtime compute, in int8, what the QDQ model defines?
+ORT's int8 output is compared with qtool's runtime (exact int32 sums) on the first samples of the evaluation."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from qtool.arithmetic import ORT_X86_NOVNNI
+from qtool.metrics import agreement_kind
+from qtool.modelio import provenance
+
+
+CHECK_SAMPLES = 32  # samples on which ORT's int8 output is compared with the exact int8 arithmetic
+CHECK_MIN_DB = 50.0  # below this SQNR between ORT int8 and exact int8, ORT's arithmetic differs (not float noise)
+# ... where every compute op is int8. Where some run in float (layers kept fp32), float rounding decides
+# which side of a quantization step a value lands on downstream, and the two legitimately differ:
+# EfficientNet-Lite0 with 5 layers fp32, 31.7 dB (ORT's own float and int8 paths differ by 29-30 dB
+# on any Lite0 model), where saturating int16 pairs cost 9-14 dB (arithmetic.py)
+CHECK_MIN_DB_WITH_FLOAT_OPS = 20.0
+CHECK_SECONDS = 20.0  # the check stops taking samples once it has spent this long (it always takes one batch)
+
+
+class ExactCheck:
+    """ORT's int8 output against the exact int8 arithmetic (qtool's runtime) on the first samples:
+    does the int8 path of this machine's ONNX Runtime compute what the QDQ model defines?"""
+
+    def __init__(self, int8_path: str, threads: int, n: int = CHECK_SAMPLES, native=None):
+        """`native`: a NativeSession of the model already made (exact arithmetic) to reuse."""
+        self.n, self.rows, self.error = n, {"ort": [], "exact": []}, ""
+        self.target = provenance(int8_path).get("target")
+        self.session = native
+        self.float_ops, self.seconds, self.samples = 0, 0.0, 0
+        if native is None:
+            try:
+                from qtool.runtime import NativeSession
+                self.session = NativeSession(int8_path, threads=threads)  # exact int32 sums
+            except Exception as e:  # a model the runtime cannot load: say so, do not fail eval
+                self._give_up(e)
+        if self.session is not None:
+            self.float_ops = sum(st.kernel.startswith("numpy") for st in self.session.program.steps)
+
+    def _give_up(self, e: Exception) -> None:
+        self.session, self.error = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+    def add(self, feeds: dict, ort_out: list, samples: int | None = None) -> None:
+        """A whole batch (a model may take its batch whole only) of `samples` samples (None: axis 0 of
+        the feed), until n samples are in."""
+        if self.session is None or self.samples >= self.n or self.seconds > CHECK_SECONDS:
+            return
+        t = time.perf_counter()
+        try:
+            exact = self.session.run(None, feeds)[0]
+            self.seconds += time.perf_counter() - t
+        except Exception as e:  # the runtime fails on this model: no check, eval goes on
+            self._give_up(e)
+            return
+        if np.shape(exact) != np.shape(ort_out[0]):  # (a runtime bug to report, not a reason to stop eval)
+            self._give_up(ValueError(f"the native runtime wrote shape {list(np.shape(exact))} where ONNX Runtime "
+                                     f"wrote {list(np.shape(ort_out[0]))}"))
+            return
+        # each batch kept in its own shape: samples of a model with free input sizes differ in length
+        self.rows["exact"].append(np.asarray(exact, np.float64))
+        self.rows["ort"].append(np.asarray(ort_out[0], np.float64))
+        # (axis 0 of the feed is not always samples: a tagger's [chars, 1] counted 49 for one sentence)
+        self.samples += samples if samples is not None else len(next(iter(feeds.values()))) if feeds else 1
+
+    def result(self) -> dict:
+        if self.session is None or not self.rows["ort"]:
+            return {"checked": 0, "error": self.error or "no samples"}
+        a = np.concatenate([x.ravel() for x in self.rows["exact"]])
+        b = np.concatenate([x.ravel() for x in self.rows["ort"]])
+        both = np.isfinite(a) & np.isfinite(b)
+        if not both.all():  # (NaN where the model masks entries by design: compared where both are finite)
+            a, b = a[both], b[both]
+        from qtool.metrics import sqnr_db
+        from qtool.ort_arithmetic import ort_int8_arithmetic
+        db = sqnr_db(a, b) if a.size else float("inf")
+        floor = CHECK_MIN_DB_WITH_FLOAT_OPS if self.float_ops else CHECK_MIN_DB
+        r = {"checked": self.samples, "sqnr_ort_vs_exact_db": db,
+             "max_abs_diff": float(np.abs(a - b).max()) if a.size else 0.0,
+             "ort_int8_arithmetic": ort_int8_arithmetic(), "exact": bool(db >= floor), "target": self.target,
+             "float_ops": self.float_ops, "min_sqnr_db": floor}
+        if all(agreement_kind(x.shape) is not None for x in self.rows["ort"]):
+            same = [x.reshape(-1, x.shape[-1]).argmax(1) == y.reshape(-1, y.shape[-1]).argmax(1)
+                    for x, y in zip(self.rows["exact"], self.rows["ort"])]
+            r["top1_agreement_ort_vs_exact"] = float(np.concatenate(same).mean())
+        return r
+
+
+PAIR_EXACT = ("portable", "u8-weights", "7bit")  # targets exact under the x86-without-VNNI arithmetic
+
+
+def check_warning(c: dict) -> str | None:
+    """The one line `qtool eval` prints when ORT's int8 output is not the exact int8 result, or when that
+    could not be checked (qtool's runtime cannot run the model: without the line, "not checked" read as
+    "checked, exact")."""
+    if c and not c.get("checked") and c.get("error") and c["error"] != "no samples":
+        return (f"note: not checked whether ONNX Runtime's int8 output here is the exact int8 result: qtool's "
+                f"runtime could not run the model ({c['error'][:200]})")
+    if not c or c.get("exact", True) or not c.get("checked"):
+        return None
+    agree = f"top-1 agreement {c['top1_agreement_ort_vs_exact']:.4f}, " if "top1_agreement_ort_vs_exact" in c else ""
+    head = (f"warning: on this CPU ONNX Runtime's int8 output is not the exact int8 result ({agree}SQNR "
+            f"{c['sqnr_ort_vs_exact_db']:.1f} dB between the two on {c['checked']} samples)")
+    if c.get("ort_int8_arithmetic") == ORT_X86_NOVNNI and c.get("target") not in PAIR_EXACT:
+        return (f"{head}: its int8 path here adds weight pairs in a saturating int16 (no VNNI); the figures above "
+                f"are what this CPU gives. Fix: `qtool quantize --target portable` (exact on every CPU), or run the "
+                f"model on qtool's runtime")
+    return (f"{head}, which neither this ONNX Runtime's known arithmetic ({c.get('ort_int8_arithmetic')}) nor the "
+            f"model's target ({c.get('target') or 'not a qtool model'}) explains; the figures above are what this "
+            f"CPU gives; qtool's runtime gives the exact result")
