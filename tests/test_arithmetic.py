@@ -147,8 +147,53 @@ def test_eval_says_when_the_runtime_check_could_not_run_and_counts_samples_not_r
             return [feeds["x"] * 2]
     c = ExactCheck.__new__(ExactCheck)
     c.n, c.error, c.target, c.session, c.float_ops = 3, "", "portable", Runs(), 0
-    c.rows, c.samples, c.seconds = {"exact": [], "ort": []}, 0, 0.0
+    c.rows, c.samples, c.gmacs, c.int8_path, c._model, c._macs = {"exact": [], "ort": []}, 0, 0.0, None, None, {}
     for _ in range(4):
         x = np.ones((49, 1), np.float32)
         c.add({"x": x}, [x * 2], samples=1)
     assert c.samples == 3 and c.result()["checked"] == 3
+
+
+def test_exact_check_takes_samples_by_counted_work_not_time(tmp_path, monkeypatch):
+    """How many samples the exact check takes is a count of the model's work, never a clock: a MatMul of
+    64 x 1000 products per sample under a budget of 2.5 samples' work takes 3 samples however slow the run;
+    a model whose work cannot be counted takes CHECK_SAMPLES_UNCOUNTED."""
+    import time
+
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from qtool.evaluate import exact
+    from qtool.evaluate.exact import ExactCheck
+
+    w = numpy_helper.from_array(np.ones((64, 1000), np.float32), "w")
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1000])], [w])
+    path = str(tmp_path / "m.onnx")
+    onnx.save(helper.make_model(g), path)
+
+    class Slow:
+        program = type("Program", (), {"steps": []})()
+
+        def run(self, names, feeds):
+            time.sleep(0.01)  # (a loaded machine: under the old 20 s clock the count moved with this)
+            return [feeds["x"] @ np.ones((64, 1000), np.float32)]
+
+    monkeypatch.setattr(exact, "CHECK_GMACS", 2.5 * 64 * 1000 / 1e9)
+    x = np.ones((1, 64), np.float32)
+    c = ExactCheck(path, threads=1, n=32, native=Slow())
+    for _ in range(10):
+        c.add({"x": x}, [x @ np.ones((64, 1000), np.float32)])
+    assert c.samples == 3 and c.result()["checked"] == 3
+
+    # a MatMul whose weight is an input of unknown shape: its work cannot be counted
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64]),
+                           helper.make_tensor_value_info("w", TensorProto.FLOAT, None)],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    onnx.save(helper.make_model(g), str(tmp_path / "u.onnx"))
+    c = ExactCheck(str(tmp_path / "u.onnx"), threads=1, n=32, native=Slow())
+    for _ in range(20):
+        c.add({"x": x}, [x @ np.ones((64, 1000), np.float32)])
+    assert c.samples == exact.CHECK_SAMPLES_UNCOUNTED

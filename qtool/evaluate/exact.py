@@ -2,11 +2,10 @@
 ORT's int8 output is compared with qtool's runtime (exact int32 sums) on the first samples of the evaluation."""
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from qtool.arithmetic import ORT_X86_NOVNNI
+from qtool.graph import total_macs
 from qtool.metrics import agreement_kind
 from qtool.modelio import provenance
 
@@ -18,7 +17,12 @@ CHECK_MIN_DB = 50.0  # below this SQNR between ORT int8 and exact int8, ORT's ar
 # EfficientNet-Lite0 with 5 layers fp32, 31.7 dB (ORT's own float and int8 paths differ by 29-30 dB
 # on any Lite0 model), where saturating int16 pairs cost 9-14 dB (arithmetic.py)
 CHECK_MIN_DB_WITH_FLOAT_OPS = 20.0
-CHECK_SECONDS = 20.0  # the check stops taking samples once it has spent this long (it always takes one batch)
+# The check stops taking samples once the ones it took hold this many multiply-accumulates (it always takes
+# one batch): counted, not timed, so that the same files give the same eval.json whatever the machine's load
+# (a 20 s clock checked CRAFT, 437 GMAC a page, on 2 or 3 pages as the load went). Where the model's work
+# cannot be counted (shapes ONNX cannot infer), CHECK_SAMPLES_UNCOUNTED samples at most.
+CHECK_GMACS = 600.0
+CHECK_SAMPLES_UNCOUNTED = 8
 
 
 class ExactCheck:
@@ -30,7 +34,8 @@ class ExactCheck:
         self.n, self.rows, self.error = n, {"ort": [], "exact": []}, ""
         self.target = provenance(int8_path).get("target")
         self.session = native
-        self.float_ops, self.seconds, self.samples = 0, 0.0, 0
+        self.float_ops, self.samples, self.gmacs = 0, 0, 0.0
+        self.int8_path, self._model, self._macs = int8_path, None, {}  # input shapes -> MACs (None: uncounted)
         if native is None:
             try:
                 from qtool.runtime import NativeSession
@@ -46,12 +51,10 @@ class ExactCheck:
     def add(self, feeds: dict, ort_out: list, samples: int | None = None) -> None:
         """A whole batch (a model may take its batch whole only) of `samples` samples (None: axis 0 of
         the feed), until n samples are in."""
-        if self.session is None or self.samples >= self.n or self.seconds > CHECK_SECONDS:
+        if self.session is None or self.samples >= self.n or self._spent():
             return
-        t = time.perf_counter()
         try:
             exact = self.session.run(None, feeds)[0]
-            self.seconds += time.perf_counter() - t
         except Exception as e:  # the runtime fails on this model: no check, eval goes on
             self._give_up(e)
             return
@@ -64,6 +67,29 @@ class ExactCheck:
         self.rows["ort"].append(np.asarray(ort_out[0], np.float64))
         # (axis 0 of the feed is not always samples: a tagger's [chars, 1] counted 49 for one sentence)
         self.samples += samples if samples is not None else len(next(iter(feeds.values()))) if feeds else 1
+        macs = self._batch_macs(feeds)
+        self.gmacs = float("nan") if macs is None or self.gmacs != self.gmacs else self.gmacs + macs / 1e9
+
+    def _spent(self) -> bool:
+        """Whether the samples taken hold the check's budget: CHECK_GMACS, or where the work is not counted
+        (gmacs NaN), CHECK_SAMPLES_UNCOUNTED samples."""
+        if self.gmacs != self.gmacs:
+            return self.samples >= CHECK_SAMPLES_UNCOUNTED
+        return self.gmacs >= CHECK_GMACS
+
+    def _batch_macs(self, feeds: dict) -> int | None:
+        """The int8 model's multiply-accumulates for this batch (its Conv, Gemm and MatMul nodes at the
+        feed's shapes), counted once per set of shapes; None where they cannot be counted."""
+        key = tuple(sorted((k, tuple(np.shape(v))) for k, v in feeds.items()))
+        if key not in self._macs:
+            try:
+                if self._model is None:
+                    import onnx
+                    self._model = onnx.load(self.int8_path, load_external_data=False)
+                self._macs[key] = total_macs(self._model, dict(key)) or None
+            except Exception:  # (shapes ONNX's inference cannot follow: the uncounted bound applies)
+                self._macs[key] = None
+        return self._macs[key]
 
     def result(self) -> dict:
         if self.session is None or not self.rows["ort"]:
