@@ -86,7 +86,7 @@ class ExactCheck:
                 if self._model is None:
                     import onnx
                     self._model = onnx.load(self.int8_path, load_external_data=False)
-                self._macs[key] = total_macs(self._model, dict(key)) or None
+                self._macs[key] = total_macs(self._model, dict(key))
             except Exception:  # (shapes ONNX's inference cannot follow: the uncounted bound applies)
                 self._macs[key] = None
         return self._macs[key]
