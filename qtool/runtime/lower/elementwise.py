@@ -17,13 +17,20 @@ def _binary_slots(c, a, b):
     return va.slot, vb.slot, va.nhwc
 
 
-def rule_add(c, node):
+def _uint8_pair(c, node):
+    """(a, b, the output's quantization) of a binary op whose two inputs are uint8, or the reason not."""
     a, b = (c.views.get(i) for i in node.input)
     if a is None or b is None:
         return NOT_UINT8_PAIR
     oq = c.out_quant(node.output[0])
-    if isinstance(oq, str):
-        return oq
+    return oq if isinstance(oq, str) else (a, b, oq)
+
+
+def rule_add(c, node):
+    got = _uint8_pair(c, node)
+    if isinstance(got, str):
+        return got
+    a, b, oq = got
     qnode, qy, lo, hi, fused = oq
     va = c.vals[a.src]
     sa, sb, nhwc = _binary_slots(c, a, b)
@@ -66,12 +73,10 @@ def _times_table(c, node, a, b, oq):
 
 
 def rule_mul(c, node):
-    a, b = (c.views.get(i) for i in node.input)
-    if a is None or b is None:
-        return NOT_UINT8_PAIR
-    oq = c.out_quant(node.output[0])
-    if isinstance(oq, str):
-        return oq
+    got = _uint8_pair(c, node)
+    if isinstance(got, str):
+        return got
+    a, b, oq = got
     if _times_table(c, node, a, b, oq):
         return None
     qnode, qy, lo, hi, fused = oq
