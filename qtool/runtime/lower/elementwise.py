@@ -31,14 +31,18 @@ def rule_add(c, node):
     if isinstance(got, str):
         return got
     a, b, oq = got
+    return _emit_binary(c, node, a, b, oq, S.AddStep)
+
+
+def _emit_binary(c, node, a, b, oq, step_type):
+    """The int8 step of a binary op (AddStep, MulStep) on two uint8 inputs, its output quantized as `oq`."""
     qnode, qy, lo, hi, fused = oq
-    va = c.vals[a.src]
     sa, sb, nhwc = _binary_slots(c, a, b)
-    v = c.emit_q(qnode, nhwc=nhwc, q=qy, rank=va.rank, fused=fused, op_node=node)
-    st = S.AddStep(node.name or "Add", c.K, sa, sb, v.slot, (a.scale, a.zp), (b.scale, b.zp),
+    v = c.emit_q(qnode, nhwc=nhwc, q=qy, rank=c.vals[a.src].rank, fused=fused, op_node=node)
+    st = step_type(node.name or node.op_type, c.K, sa, sb, v.slot, (a.scale, a.zp), (b.scale, b.zp),
                    S.OutQuant(qy[0], qy[1], lo, hi))
     c.steps.append(st)
-    c.entries.append(Entry(node.name or "Add", "Add", "int8", st.kernel))
+    c.entries.append(Entry(node.name or node.op_type, node.op_type, "int8", st.kernel))
     return None
 
 
@@ -79,17 +83,10 @@ def rule_mul(c, node):
     a, b, oq = got
     if _times_table(c, node, a, b, oq):
         return None
-    qnode, qy, lo, hi, fused = oq
     va, vb = c.vals[a.src], c.vals[b.src]
     if va.rank != vb.rank or va.rank is None:
         return "inputs of different or unknown rank"
-    sa, sb, nhwc = _binary_slots(c, a, b)
-    v = c.emit_q(qnode, nhwc=nhwc, q=qy, rank=va.rank, fused=fused, op_node=node)
-    st = S.MulStep(node.name or "Mul", c.K, sa, sb, v.slot, (a.scale, a.zp), (b.scale, b.zp),
-                   S.OutQuant(qy[0], qy[1], lo, hi))
-    c.steps.append(st)
-    c.entries.append(Entry(node.name or "Mul", "Mul", "int8", st.kernel))
-    return None
+    return _emit_binary(c, node, a, b, oq, S.MulStep)
 
 
 RULES = {"Add": rule_add, "Mul": rule_mul}
