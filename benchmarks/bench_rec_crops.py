@@ -31,7 +31,9 @@ import numpy as np
 from PIL import Image
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_ocr import char_acc  # noqa: E402  (the OCR bench's scoring, one copy)
 from bench_zoo import ort_quantize, ort_session  # noqa: E402
+from qtool.metrics import ctc_collapse  # noqa: E402
 
 
 def charset(model, spec):
@@ -82,18 +84,9 @@ def write_tensors(items, folder, height, width):
 
 
 def decode(probs, chars):
-    ids = probs.argmax(-1).reshape(-1)
-    keep = [i for k, i in enumerate(ids) if i != 0 and (k == 0 or i != ids[k - 1])]
-    return "".join(chars[i] if i < len(chars) else "" for i in keep)
-
-
-def edit_distance(a, b):
-    row = list(range(len(b) + 1))
-    for i, ca in enumerate(a, 1):
-        prev, row[0] = row[0], i
-        for j, cb in enumerate(b, 1):
-            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (ca != cb))
-    return row[len(b)]
+    """Greedy CTC (qtool.metrics.ctc_collapse, blank 0) to text."""
+    ids = ctc_collapse(probs.argmax(-1).reshape(-1), 0)
+    return "".join(chars[i] if i < len(chars) else "" for i in ids)
 
 
 def read_all(model, folder, n, chars):
@@ -106,7 +99,7 @@ def score(texts, truth, ref):
     clean = [t.replace(" ", "") for t in texts]
     gold = [t.replace(" ", "") for t in truth]
     words = sum(c == g for c, g in zip(clean, gold))
-    chars = np.mean([1 - edit_distance(c, g) / max(len(c), len(g), 1) for c, g in zip(clean, gold)])
+    chars = np.mean([char_acc(c, g) for c, g in zip(clean, gold)])
     changed = sum(t != r for t, r in zip(texts, ref))
     return {"words_read": round(words / len(gold), 4), "words": f"{words}/{len(gold)}",
             "char_accuracy": round(float(chars), 4), "changed_vs_fp32": changed}
