@@ -56,6 +56,24 @@ def test_imagenet_normalisation_per_channel_is_no_single_lattice():
     assert _distinct(x).lattice() is None
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_distinct_values_are_np_unique_of_the_floats(dtype):
+    """The set is taken over bit patterns first (the fast sort): +0 and -0 must still be one value, as
+    must NaN's payloads (which make it give up), whatever the float type."""
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 256, (2, 3, 8, 8)).astype(dtype) / dtype(255) - dtype(0.5)
+    x.reshape(-1)[:5] = [0.0, -0.0, 0.0, -0.0, 0.5]
+    d = DistinctValues()
+    d.add(x)
+    d.add(x[::-1] * dtype(2))
+    want = np.union1d(np.unique(x.astype(np.float64)), np.unique((x[::-1] * dtype(2)).astype(np.float64)))
+    assert not d.given_up and np.array_equal(d.values, want) and np.count_nonzero(d.values == 0) == 1
+    nan = x.copy()
+    nan.reshape(-1)[7] = np.nan
+    d.add(nan)
+    assert d.given_up
+
+
 def test_spans_beyond_256_levels_and_huge_sets_are_refused():
     assert find_lattice(np.arange(300, dtype=np.float64) / 255) is None
     d = DistinctValues()

@@ -164,23 +164,26 @@ def _reader_sets(rng):
         yield [(w, 1)], 4096
 
 
-def test_native_cost_matrix_is_the_reference_bit_for_bit():
+def test_native_cost_matrix_is_the_reference_bit_for_bit_on_every_isa():
     """The C loop against the numpy reference (np.add.reduceat's float32 sums: a run's first row plus
     numpy's pairwise sum of the others), on every thread count: pairing decisions depend on ties."""
     if pair_channels._native is None:
         import pytest
         pytest.skip("the native cost matrix is not built")
     rng = np.random.default_rng(7)
+    native = pair_channels._native
     for readers, block in _reader_sets(rng):
         ref = pair_cost_matrix(readers, block, native=False)
-        for threads in (1, 3):
+        for isa, threads in (("avx512", 1), ("avx512", 3), ("avx2", 1), ("avx2", 3), ("scalar", 1)):
             pair_channels.THREADS = threads
+            prev = native.set_isa(isa)  # (capped at what this CPU has: the paths below it run too)
             try:
                 got = pair_cost_matrix(readers, block, native=True)
             finally:
                 pair_channels.THREADS = None
+                native.set_isa(prev)
             assert got.dtype == ref.dtype and np.array_equal(got, ref), \
-                (block, threads, [w.shape for w, _ in readers], np.argwhere(got != ref)[:4])
+                (block, isa, threads, [w.shape for w, _ in readers], np.argwhere(got != ref)[:4])
 
 
 def test_steps_are_each_output_channels_weights_over_its_max_over_127():
