@@ -265,12 +265,12 @@ def test_internal_error_with_debug_raises_the_original(project, monkeypatch):
 
 
 def test_internal_error_message_is_one_line_whatever_the_exception_says(project, monkeypatch, capsys):
-    import qtool.commands.inspect as inspect_cmd
+    import qtool.inspect as inspect_mod  # (the command imports inspect_model when it runs)
 
     def bug(*a, **k):
         raise ValueError("first line\nsecond line\n" + "x" * 1000)
 
-    monkeypatch.setattr(inspect_cmd, "inspect_model", bug)
+    monkeypatch.setattr(inspect_mod, "inspect_model", bug)
     assert qtool("inspect", "net.onnx") == 70
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and len(err) < 600

@@ -4,7 +4,6 @@ from __future__ import annotations
 import click
 
 from qtool.commands.common import common_options, say, setup_output, shown, write_json
-from qtool.evaluate import EvalOptions, check_warning, evaluate_workdir
 from qtool.outputs import File
 
 
@@ -39,6 +38,8 @@ def command(compare, data, labels, model, int8_path, config, limit, runtime, thr
         _warn_runtime(r)
         write_json(json_path, r)
 
+    from qtool.evaluate import EvalOptions, evaluate_workdir  # (here: the other commands need not import eval)
+
     options = EvalOptions(labels=labels, config=config, limit=limit, threads=threads, runtime=runtime)
     shown(lambda: evaluate_workdir(workdir, data, model, int8_path, options, show_progress=not quiet,
                                    say=lambda t: say(quiet, t),
@@ -48,6 +49,7 @@ def command(compare, data, labels, model, int8_path, config, limit, runtime, thr
 
 def _warn_runtime(r: dict) -> None:
     """Said even with -q: the numbers above are not what the model computes elsewhere."""
+    from qtool.evaluate import check_warning
     line = check_warning(r.get("runtime_check"))
     if line:
         click.echo(line, err=True)

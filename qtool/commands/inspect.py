@@ -5,7 +5,6 @@ import click
 
 from qtool import outputs
 from qtool.commands.common import output_options, say, setup_output, write_json
-from qtool.inspect import inspect_model, render
 
 
 @click.command("inspect", short_help="What qtool will do with each op of a model, before calibrating.")
@@ -27,6 +26,8 @@ def command(model, shapes, exclude, all_nodes, json_path, quiet, verbose, debug)
     setup_output(quiet, verbose)
     if json_path:  # (before the model is read: a 1,000,000-node model takes a while)
         outputs.check(writes=[outputs.File("--json file", json_path)], reads=outputs.model("model", model))
+    from qtool.inspect import inspect_model, render  # (here: the other commands need not import it)
+
     r = inspect_model(model, list(shapes), {n: "excluded by the user (--exclude)" for n in exclude})
     say(quiet, render(r, all_nodes or verbose > 0))
     write_json(json_path, r.to_dict())

@@ -8,9 +8,7 @@ from qtool.calibrate.methods import AUTO, METHODS
 from qtool.commands.common import common_options, say, setup_output, shown, write_json
 from qtool.outputs import File
 from qtool.quantize.encoding import DEFAULT_TARGET, TARGETS
-from qtool.quantize import report
 from qtool.quantize.options import ExclusionOptions, QuantizeOptions, SensitivityOptions
-from qtool.quantize.run import quantize
 
 
 LOW_SQNR_DB = 10.0  # output SQNR on calibration images below which the user is told to check the model
@@ -99,6 +97,9 @@ def command(output, model, table, method, exclude, no_bias_correction, exclude_s
         raise click.UsageError("--exclude-sensitive needs the sensitivity analysis; drop --no-sensitivity")
     if (sensitivity_samples is not None and sensitivity_samples < 1) or max_excluded < 0 or not 0 < target_agreement <= 1:
         raise click.UsageError("--sensitivity-samples >= 1, --max-excluded >= 0 and 0 < --target-agreement <= 1")
+    from qtool.quantize import report  # (here: `qtool calibrate` need not import quantize's pipeline)
+    from qtool.quantize.run import quantize
+
     options = QuantizeOptions(
         model=model, table=table, output=output, method=method, exclude=exclude,
         bias_correction=not no_bias_correction, rounding=None if rounding is None else rounding == "output",
