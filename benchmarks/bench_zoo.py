@@ -11,8 +11,8 @@ Both int8 models are scored by output SQNR against fp32 over every evaluation fi
 which ONNX Runtime computes exactly on every CPU. Then the zoo's task check (check.py) runs on fp32,
 qtool's int8 and ORT's int8.
 
-quantize runs a second time, in a copy of the calibrated working folder, and the two int8 files are
-compared byte for byte (issue 45: the same inputs must give the same model, whatever the machine's load).
+quantize runs a second time, in a copy of the calibrated working folder, with a busy loop on one core
+beside it, and the two int8 files are compared byte for byte (issue 45: the same inputs must give the same model, whatever the machine's load).
 For each OCR recognizer (family ocr-rec) the share of its evaluation crops whose text, greedy-CTC decoded
 (qtool.evaluate's decoder), int8 changes against fp32 is printed too.
 
@@ -394,13 +394,22 @@ def run_qtool(a, paths, work, strict, row):
 
 
 def quantize_again(a, work, strict, row):
-    """quantize a second time, in a copy of the calibrated working folder, and compare the int8 files'
-    bytes with the first run's (row["identical"]); the copy goes afterwards."""
+    """quantize a second time, in a copy of the calibrated working folder, with a busy loop on one core
+    beside it (a machine loaded otherwise than for the first run: nothing quantize decides may follow the
+    clock or the load), and compare the int8 files' bytes with the first run's (row["identical"]); the
+    copy goes afterwards."""
     again = work + "-again"
     shutil.rmtree(again, ignore_errors=True)
     shutil.copytree(work, again, ignore=shutil.ignore_patterns("ort", "eval.json", "sqnr-*.json", "model.int8.onnx",
                                                                "texts.json"))
-    s = run_step([a.qtool, "quantize", "-w", again, "-q"] + (["--strict"] if strict else []), a)
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if a.loaded_second else None
+    try:
+        s = run_step([a.qtool, "quantize", "-w", again, "-q"] + (["--strict"] if strict else []), a)
+    finally:
+        if busy is not None:
+            busy.kill()
+            busy.wait()
+    row["loaded"] = busy is not None
     row["steps"]["quantize again"] = s.record()
     first, second = os.path.join(work, "model.int8.onnx"), os.path.join(again, "model.int8.onnx")
     if s.ok and os.path.isfile(first) and os.path.isfile(second):
@@ -607,7 +616,8 @@ def markdown(rows, machine):
              f"`!` marks a miss (step > {BUDGET_S} s, quantize > {QUANT_MB // 1024} GB, SQNR below ORT's).", "",
              "| " + " | ".join(HEAD) + " |", "|" + "---|" * len(HEAD)]
     lines += ["| " + " | ".join(c.replace("|", "\\|") for c in cells(r)) + " |" for r in rows]
-    lines += ["", f"{sum(bool(r.get('identical')) for r in rows)} of {len(rows)} byte-identical across two quantize runs."]
+    lines += ["", f"{sum(bool(r.get('identical')) for r in rows)} of {len(rows)} byte-identical across two quantize runs"
+              + (" (the second with a busy loop on one core beside it)." if any(r.get("loaded") for r in rows) else ".")]
     for r in rows:
         t = r.get("texts_changed", {})
         if "changed" in t:
@@ -713,6 +723,8 @@ def parse(argv):
     p.add_argument("--threads", type=int, default=2, help="ONNX Runtime threads for the SQNR runs and task checks")
     p.add_argument("--no-strict", action="store_true", help="run qtool quantize without --strict")
     p.add_argument("--no-ort", action="store_true", help="skip ORT's quantizer")
+    p.add_argument("--quiet-second", dest="loaded_second", action="store_false",
+                   help="run the second quantize without the busy loop on one core beside it")
     p.add_argument("--json", help="results (default: OUT/zoo.json)")
     p.add_argument("--results", help="folder of the results files `make results` reads (default: benchmarks/results; "
                                      "written only when every model of ZOO.json ran)")
@@ -787,6 +799,7 @@ def main(argv=None):
                                              if "changed" in t else t.get("error", "?")))
     same = [r for r in rows if r.get("identical")]
     print(f"{len(same)} of {len(rows)} byte-identical across two quantize runs"
+          + (" (the second with a busy loop on one core beside it)" if any(r.get("loaded") for r in rows) else "")
           + (f"; differ or not compared: {', '.join(r['name'] for r in rows if not r.get('identical'))}"
              if len(same) < len(rows) else ""))
     if not a.models:
