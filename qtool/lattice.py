@@ -62,36 +62,6 @@ class Lattice:
         return lat if ok else None
 
 
-class DistinctValues:
-    """The distinct values of one float input over the calibration samples, while they are few."""
-
-    def __init__(self):
-        self.values = np.zeros(0, np.float64)
-        self.given_up = False
-
-    def add(self, x: np.ndarray) -> None:
-        if self.given_up:
-            return
-        x = np.asarray(x)
-        if x.dtype.kind != "f":
-            self.given_up = True
-            return
-        # the distinct bit patterns first (an integer sort: a quarter of the float sort's time, which took
-        # 14 ms per ImageNet image on the calibrate's main thread), then as floats, where +0 and -0 (and
-        # NaN's payloads) are one value: the same set as np.unique(x)
-        flat = np.ascontiguousarray(x).reshape(-1)
-        u = np.unique(np.unique(flat.view(f"u{flat.dtype.itemsize}")).view(flat.dtype))
-        if u.size > MAX_DISTINCT or not np.all(np.isfinite(u)):
-            self.given_up = True
-            return
-        self.values = np.union1d(self.values, u.astype(np.float64))
-        if self.values.size > MAX_DISTINCT:
-            self.given_up = True
-
-    def lattice(self) -> Lattice | None:
-        return None if self.given_up else find_lattice(self.values)
-
-
 def find_lattice(values: np.ndarray) -> Lattice | None:
     """The lattice most of these sorted distinct values lie on, if it spans at most 255 steps."""
     v = np.asarray(values, np.float64)

@@ -8,7 +8,8 @@ import pytest
 from onnx import helper, numpy_helper, TensorProto
 
 from qtool import qparams as Q
-from qtool.lattice import DistinctValues, Lattice, find_lattice, lattice_qparams
+from qtool.calibrate.distinct import DistinctValues
+from qtool.lattice import Lattice, find_lattice, lattice_qparams
 from qtool.quantize.qdq import BuildOptions
 
 PIXELS = np.arange(256, dtype=np.float32)
@@ -56,22 +57,39 @@ def test_imagenet_normalisation_per_channel_is_no_single_lattice():
     assert _distinct(x).lattice() is None
 
 
+@pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
-def test_distinct_values_are_np_unique_of_the_floats(dtype):
-    """The set is taken over bit patterns first (the fast sort): +0 and -0 must still be one value, as
-    must NaN's payloads (which make it give up), whatever the float type."""
+def test_distinct_values_are_np_unique_of_the_floats(dtype, native):
+    """The native hash set of bit patterns (float32) and numpy's unique (any float type) hold the same
+    set: +0 and -0 one value, a NaN or an infinity anywhere gives up, past MAX_DISTINCT gives up."""
+    from qtool.calibrate import distinct
+    from qtool.lattice import MAX_DISTINCT
+    if native and distinct._native is None:
+        pytest.skip("the native set is not built")
     rng = np.random.default_rng(1)
     x = rng.integers(0, 256, (2, 3, 8, 8)).astype(dtype) / dtype(255) - dtype(0.5)
     x.reshape(-1)[:5] = [0.0, -0.0, 0.0, -0.0, 0.5]
-    d = DistinctValues()
+    d = DistinctValues(native=native)
     d.add(x)
     d.add(x[::-1] * dtype(2))
     want = np.union1d(np.unique(x.astype(np.float64)), np.unique((x[::-1] * dtype(2)).astype(np.float64)))
     assert not d.given_up and np.array_equal(d.values, want) and np.count_nonzero(d.values == 0) == 1
-    nan = x.copy()
-    nan.reshape(-1)[7] = np.nan
-    d.add(nan)
-    assert d.given_up
+    for bad in (np.nan, np.inf, -np.inf):
+        e = DistinctValues(native=native)
+        e.add(x)
+        y = x.copy()
+        y.reshape(-1)[7] = bad
+        e.add(y)
+        assert e.given_up
+    # exactly MAX_DISTINCT values, both zeros among them: kept; one more value: given up
+    many = np.concatenate([[-0.0], np.arange(MAX_DISTINCT, dtype=np.float64)]).astype(np.float32)
+    f = DistinctValues(native=native)
+    f.add(many)
+    assert not f.given_up and f.values.size == MAX_DISTINCT
+    f.add(np.float32([0.0, -0.0, 1.0]))
+    assert not f.given_up
+    f.add(np.float32([MAX_DISTINCT + 0.5]))
+    assert f.given_up
 
 
 def test_spans_beyond_256_levels_and_huge_sets_are_refused():

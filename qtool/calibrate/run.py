@@ -22,7 +22,7 @@ from qtool.data.sources import ImageData
 from qtool.data.tensors import tensor_source
 from qtool.errors import LateWriteError, QtoolError, UsageError
 from qtool.fuse import fuse_model
-from qtool.lattice import DistinctValues
+from qtool.calibrate.distinct import DistinctValues
 from qtool.modelio import ModelFile, read_model_file, save_model
 from qtool.plan import ModelFacts, balanced_tensors, calibration_targets
 from qtool.qparams import clip_to_flat
