@@ -254,3 +254,88 @@ def _anchor_count(r: int) -> bool:
     of the largest stride: a multi-scale detection head's anchors (2100 at 320x320, 8400 at 640x640),
     which a recognizer's class count (6625, 97) is not."""
     return r >= 21 and ((r * 1024) % 21 == 0 or (r * 4096) % 85 == 0)
+
+
+# an encoder's vectors (a sentence's, an image's, a token's): judged as a search index would use them, over
+# the whole evaluation set (an argmax over a vector's coordinates picks its largest feature, which means nothing)
+PAIR_SAMPLES_MAX = 2000  # the rank correlation of pair similarities is taken over at most this many samples
+
+
+def cosine_each(ref: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """The cosine of each pair of rows along the last axis (float64, flattened over the other axes); 1 where
+    both rows are zero, 0 where one is."""
+    c = ref.shape[-1]
+    a, b = np.asarray(ref, np.float64).reshape(-1, c), np.asarray(out, np.float64).reshape(-1, c)
+    na, nb = np.linalg.norm(a, axis=1), np.linalg.norm(b, axis=1)
+    cos = (a * b).sum(1) / np.maximum(na * nb, 1e-300)
+    return np.where((na == 0) & (nb == 0), 1.0, np.where((na == 0) | (nb == 0), 0.0, cos))
+
+
+def mean_pool(states: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+    """Token states [N, T, H] into one vector per sample [N, H]: the mean over the positions the mask ([N, T],
+    nonzero: a real token) keeps, as sentence encoders pool; over every position without a mask."""
+    s = np.asarray(states, np.float64)
+    if mask is None:
+        return s.mean(axis=1)
+    m = (np.asarray(mask).reshape(s.shape[:2]) != 0).astype(np.float64)
+    return (s * m[..., None]).sum(axis=1) / np.maximum(m.sum(axis=1), 1.0)[:, None]
+
+
+def _unit(v: np.ndarray) -> np.ndarray:
+    v = np.asarray(v, np.float64).reshape(len(v), -1)
+    return v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-300)
+
+
+def nearest_others(vectors: np.ndarray, chunk: int = 1024) -> np.ndarray:
+    """Each sample's nearest other sample by cosine (index [N]; ties to the lower index), a block of rows at a
+    time (10 000 samples: an N x N similarity matrix would take 800 MB)."""
+    u = _unit(vectors)
+    near = np.empty(len(u), np.int64)
+    for s in range(0, len(u), chunk):
+        sim = u[s:s + chunk] @ u.T
+        sim[np.arange(len(sim)), np.arange(s, s + len(sim))] = -np.inf
+        near[s:s + chunk] = sim.argmax(1)
+    return near
+
+
+def neighbour_agreement(ref: np.ndarray, out: np.ndarray) -> float:
+    """The share of samples whose nearest other sample (by cosine, among the same model's vectors) is the one
+    fp32's vectors say: what a search over int8 vectors returns first, unchanged (1.0 under 2 samples)."""
+    if len(ref) < 2:
+        return 1.0
+    return float((nearest_others(ref) == nearest_others(out)).mean())
+
+
+def _ranks(x: np.ndarray) -> np.ndarray:
+    """Ranks from 0, ties given their mean rank."""
+    order = np.argsort(x, kind="stable")
+    r = np.empty(len(x), np.float64)
+    r[order] = np.arange(len(x))
+    _, inv, counts = np.unique(x, return_inverse=True, return_counts=True)
+    if len(counts) < len(x):
+        r = (np.bincount(inv, weights=r) / counts)[inv]
+    return r
+
+
+def pair_spearman(ref: np.ndarray, out: np.ndarray) -> float | None:
+    """Spearman rank correlation of the cosine similarities of every pair of samples (of the first
+    PAIR_SAMPLES_MAX) under int8 against under fp32: whether int8 orders the whole set's pairs as fp32 does,
+    where the nearest neighbour sees one pair per sample. None under 3 samples (fewer than 3 pairs)."""
+    n = min(len(ref), PAIR_SAMPLES_MAX)
+    if n < 3:
+        return None
+    a, b = _unit(ref[:n]), _unit(out[:n])
+    upper = np.triu_indices(n, 1)
+    ra, rb = _ranks((a @ a.T)[upper]), _ranks((b @ b.T)[upper])
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    den = math.sqrt(float((ra * ra).sum() * (rb * rb).sum()))
+    return float((ra * rb).sum() / den) if den > 0 else 1.0
+
+
+def vector_figures(ref: np.ndarray, out: np.ndarray) -> dict:
+    """An encoder's figures over a set of samples, one vector each ([N, H]): cosine to fp32 per sample (mean,
+    worst), nearest-neighbour agreement, Spearman of all pair similarities, and SQNR as a secondary figure."""
+    cos = cosine_each(ref, out)
+    return {"cosine": {"mean": float(cos.mean()), "worst": float(cos.min())} if len(cos) else None,
+            "neighbour_agreement": neighbour_agreement(ref, out), "pair_spearman": pair_spearman(ref, out),
+            "sqnr_db": sqnr_db(ref, out), "samples": len(ref)}

@@ -375,9 +375,10 @@ def test_a_uint8_picture_out_is_judged_by_its_values_and_int64_ids_as_ids():
 
 
 def test_vectors_get_a_cosine_and_unit_embeddings_no_top1():
-    """Each vector along the last axis gets fp32/int8 cosine (mean, min); rows all of length 1 (a normalized
-    face or sentence embedding) get no top-1 agreement, which means nothing there (MiniLM's sentence vector
-    read 0.6875 'top-1 agreement'); a confident softmax, whose rows are near length 1 too, keeps it."""
+    """Rows all of length 1 (a normalized face or sentence embedding) are an encoder's vectors: cosine per
+    sample (mean, worst) among its figures and no top-1 agreement, which means nothing there (MiniLM's
+    sentence vector read 0.6875 'top-1 agreement'); a confident softmax, whose rows are near length 1 too,
+    keeps it, and its vectors' cosine."""
     rng = np.random.default_rng(3)
     e = rng.standard_normal((8, 128))
     e /= np.linalg.norm(e, axis=1, keepdims=True)
@@ -386,8 +387,9 @@ def test_vectors_get_a_cosine_and_unit_embeddings_no_top1():
     st.add(e.astype(np.float32), noisy.astype(np.float32))
     r = st.result()
     want = (e * noisy).sum(1) / np.linalg.norm(noisy, axis=1)
-    assert r["cosine"]["mean"] == pytest.approx(want.mean(), abs=1e-6) and r["cosine"]["unit_length"]
-    assert r["cosine"]["min"] == pytest.approx(want.min(), abs=1e-6) and "top1_agreement" not in r
+    assert r["task"] == "encoder" and "length 1" in r["task_from"]
+    assert r["encoder"]["cosine"]["mean"] == pytest.approx(want.mean(), abs=1e-6)
+    assert r["encoder"]["cosine"]["worst"] == pytest.approx(want.min(), abs=1e-6) and "top1_agreement" not in r
     p = np.full((8, 100), 1e-4)
     p[:, 3] = 1 - 99e-4  # (rows of length 0.99)
     st = OutputStats("probs")
@@ -483,12 +485,13 @@ def test_a_recurrent_layers_last_state_gets_no_top1(tmp_path):
 
 def test_an_output_gets_the_figures_of_each_kind_that_recognises_it():
     """The kinds are found through one registry (kinds.KINDS), each recognising fp32's first batch: a
-    classifier's scores are classes and vectors, an embedding (vectors of length 1) and a gain mask (values
-    in [0, 1] at each position, no distribution) vectors only, a detector's rows rows and vectors."""
+    classifier's scores are classes and vectors, an embedding (vectors of length 1) an encoder's, a gain mask
+    (values in [0, 1] at each position, no distribution) vectors only, a detector's rows rows and vectors."""
     from qtool.evaluate.kinds import EQUAL, KINDS, First, numeric_kinds
     from qtool.evaluate.kinds.classifier import Classes
     from qtool.evaluate.kinds.detector import Rows
     from qtool.evaluate.kinds.embeddings import Vectors
+    from qtool.evaluate.kinds.encoder import Encoder
     for kind in KINDS:
         assert callable(kind.recognises) and isinstance(kind.per_class, bool), kind
     assert all(callable(k.recognises) for k in EQUAL)
@@ -496,11 +499,11 @@ def test_an_output_gets_the_figures_of_each_kind_that_recognises_it():
     emb = rng.standard_normal((4, 32))
     emb /= np.linalg.norm(emb, axis=-1, keepdims=True)
     rows = np.concatenate([rng.random((1, 3549, 4)) * 416, rng.random((1, 3549, 2))], axis=2)
-    cases = {"scores": (rng.standard_normal((4, 10)), {Vectors, Classes}), "embedding": (emb, {Vectors}),
+    cases = {"scores": (rng.standard_normal((4, 10)), {Vectors, Classes}), "embedding": (emb, {Encoder}),
              "mask": (rng.random((1, 20, 161)), {Vectors}), "rows": (rows, {Vectors, Rows})}
     for name, (a, want) in cases.items():
         assert {type(k) for k in numeric_kinds(First.of(a, False, (1, 10, 100)))} == want, name
     st = OutputStats("embedding")
     st.add(emb, emb + 0.001)
     r = st.result()
-    assert r["cosine"]["unit_length"] is True and "top1_agreement" not in r
+    assert r["encoder"]["cosine"]["mean"] > 0.99 and "top1_agreement" not in r and "cosine" not in r

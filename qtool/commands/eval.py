@@ -5,6 +5,15 @@ import click
 
 from qtool.commands.common import common_options, say, setup_output, shown, write_json
 from qtool.outputs import File
+from qtool.tasks import NAMES, TASKS, parse_tasks
+
+
+def _tasks(ctx, param, value):
+    try:
+        parse_tasks(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+    return tuple(value)
 
 
 @click.command("eval", short_help="Compare the int8 model with its fp32 original.")
@@ -20,9 +29,12 @@ from qtool.outputs import File
               help="Run the int8 model on ONNX Runtime, qtool's native kernels, or both.")
 @click.option("--threads", default=2, show_default=True, type=click.IntRange(1, 1024),
               help="Threads for each engine (ONNX Runtime fp32 and int8, qtool's runtime).")
+@click.option("--task", multiple=True, metavar="[OUTPUT=]TASK", callback=_tasks,
+              help=f"What the outputs (or OUTPUT) mean, where the guess printed is wrong: {', '.join(TASKS)} "
+                   f"(also {', '.join(n for n in NAMES if n not in TASKS)}). Repeatable.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write all figures as JSON here.")
 @common_options
-def command(compare, data, labels, model, int8_path, config, limit, runtime, threads, json_path, workdir, quiet,
+def command(compare, data, labels, model, int8_path, config, limit, runtime, threads, task, json_path, workdir, quiet,
             verbose, debug):
     """Accuracy, top-1 agreement, output SQNR, size and latency of int8 vs fp32.
 
@@ -30,6 +42,7 @@ def command(compare, data, labels, model, int8_path, config, limit, runtime, thr
     Example:
       qtool eval --compare fp32
       qtool eval --data ../shared/imagenet-samples --labels ../shared/imagenet-samples/synsets.txt --json eval.json
+      qtool eval --data sentences/ --task encoder
     """
     setup_output(quiet, verbose)
 
@@ -40,7 +53,7 @@ def command(compare, data, labels, model, int8_path, config, limit, runtime, thr
 
     from qtool.evaluate import EvalOptions, evaluate_workdir  # (here: the other commands need not import eval)
 
-    options = EvalOptions(labels=labels, config=config, limit=limit, threads=threads, runtime=runtime)
+    options = EvalOptions(labels=labels, config=config, limit=limit, threads=threads, runtime=runtime, task=task)
     shown(lambda: evaluate_workdir(workdir, data, model, int8_path, options, show_progress=not quiet,
                                    say=lambda t: say(quiet, t),
                                    also_writes=[File("--json file", json_path)] if json_path else []),  # (checked first)
@@ -57,7 +70,7 @@ def _warn_runtime(r: dict) -> None:
 
 def render_outputs(r: dict) -> str:
     """The .npy path's report: one line per output, then size and latency."""
-    lines = [f"{r['n_samples']} samples; per output, int8 vs fp32:"] + _output_lines(r)
+    lines = [f"{r['n_samples']} samples; per output, int8 vs fp32:"] + _output_lines(r) + _task_line(r)
     sb = r["size_bytes"]
     lines.append(f"model size {sb['fp32'] / 1e6:.2f} MB fp32 -> {sb['int8'] / 1e6:.2f} MB int8 "
                  f"({100 * r['size_ratio']:.1f}%)")
@@ -89,6 +102,8 @@ def _output_lines(r: dict) -> list[str]:
         text = f"  {name} {shape}: SQNR {o['sqnr_db']:.1f} dB, max |error| {o['max_abs_error']:.4g}"
         if "top1_agreement" in o:
             text += ", " + _agreement(o)
+        if "encoder" in o:
+            text += ", " + _encoder(o["encoder"])
         cos = o.get("cosine")
         if cos and "top_rows_agreement" not in o and "top1_agreement" not in o:  # (vectors, not classes: JSON has both)
             text += (f", cosine to fp32 {cos['mean']:.4f} (min {cos['min']:.4f}"
@@ -103,6 +118,30 @@ def _output_lines(r: dict) -> list[str]:
             text += f", {nf['finite_in_one_only']} of them finite in one model only)" if nf["finite_in_one_only"] else ")"
         lines.append(text)
     return lines
+
+
+def _task_line(r: dict) -> list[str]:
+    """One line: what each output was judged as, and whether guessed (the why is in --json: task_from)."""
+    outs = {n: o for n, o in r.get("outputs", {}).items() if "task" in o}
+    if not outs:
+        return []
+    told = any(o["task_from"] == "--task" for o in outs.values())
+    return [f"judged as ({'--task where given, else ' if told else ''}guessed from the graph and fp32's values; "
+            f"--task [OUTPUT=]TASK to say otherwise): "
+            + ", ".join(f"{n} {o['task']}" + (" (--task)" if o["task_from"] == "--task" else "") for n, o in outs.items())]
+
+
+def _encoder(e: dict) -> str:
+    """An encoder's figures over the evaluation set, one vector per sample."""
+    cos = e["cosine"] or {"mean": float("nan"), "worst": float("nan")}
+    sp = "-" if e["pair_spearman"] is None else f"{e['pair_spearman']:.4f}"
+    text = (f"as an encoder over {e['samples']} samples ({e['vectors']}): cosine to fp32 {cos['mean']:.4f} "
+            f"(worst {cos['worst']:.4f}), nearest neighbour unchanged {e['neighbour_agreement']:.4f}, Spearman of "
+            f"pair similarities {sp}, vector SQNR {e['sqnr_db']:.1f} dB")
+    tok = e.get("token_cosine")
+    if tok:
+        text += f"; per real token cosine {tok['mean']:.4f} (worst {tok['worst']:.4f})"
+    return text
 
 
 def _agreement(o: dict) -> str:
@@ -140,6 +179,8 @@ def render(r: dict) -> str:
         if "top_rows_agreement" in first:
             lines.append(f"{r['n_images']} images{skipped}; detections: top-scoring rows shared with fp32 "
                          + ", ".join(f"{k} {v:.2f}" for k, v in first["top_rows_agreement"].items()))
+        elif "encoder" in first:
+            lines.append(f"{r['n_images']} images{skipped}; {_encoder(first['encoder'])}")
         elif first.get("cosine", {}).get("unit_length"):
             lines.append(f"{r['n_images']} images{skipped}; embeddings (vectors of length 1): cosine to fp32 "
                          f"{first['cosine']['mean']:.4f}, lowest {first['cosine']['min']:.4f}")
@@ -152,6 +193,7 @@ def render(r: dict) -> str:
         lines.append(f"output SQNR {r['output_sqnr_db']:.1f} dB, max |error| {r['max_abs_error']:.4g}")
     if len(r.get("outputs", {})) > 1 or any(o.get("shape_mismatch") for o in r.get("outputs", {}).values()):
         lines += _output_lines(r)
+    lines += _task_line(r)
     if "native" in r:
         n = r["native"]
         if "top1_agreement_vs_ort_int8" in n:

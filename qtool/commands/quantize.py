@@ -9,6 +9,7 @@ from qtool.commands.common import common_options, say, setup_output, shown, writ
 from qtool.outputs import File
 from qtool.quantize.encoding import DEFAULT_TARGET, TARGETS
 from qtool.quantize.options import ExclusionOptions, QuantizeOptions, SensitivityOptions
+from qtool.tasks import NAMES, TASKS
 
 
 LOW_SQNR_DB = 10.0  # output SQNR on calibration images below which the user is told to check the model
@@ -41,7 +42,8 @@ def far_from_fp32(report: dict, excluded_sensitive: bool) -> str | None:
 @click.option("--no-bias-correction", is_flag=True, help="Do not correct biases for weight rounding.")
 @click.option("--exclude-sensitive", is_flag=True, help="Keep the most sensitive layers in fp32 until the target is met.")
 @click.option("--target-agreement", type=click.FloatRange(0, 1, min_open=True), default=0.995, show_default=True,
-              help="With --exclude-sensitive: top-1 agreement with fp32 to reach on held-back calibration images.")
+              help="With --exclude-sensitive: top-1 agreement with fp32 to reach on held-back calibration images "
+                   "(an encoder's: mean cosine to fp32 and nearest-neighbour agreement).")
 @click.option("--max-drop", type=click.FloatRange(0, 100), default=None, help="With --exclude-sensitive and labels: largest accuracy "
               "drop in points to accept (instead of --target-agreement).")
 @click.option("--max-excluded", type=click.IntRange(min=0), default=5, show_default=True, help="At most this many layers kept in fp32.")
@@ -68,12 +70,15 @@ def far_from_fp32(report: dict, excluded_sensitive: bool) -> str | None:
               "encoding choice, output-aware rounding, range tuning, the guard) only where it measures better "
               "on them, by what the output means (off by default: a few held-out samples rarely show a step's "
               "gain beyond their noise; see docs/cli.md).")
+@click.option("--task", type=click.Choice(NAMES, case_sensitive=False), default=None,
+              help=f"What the output quantize judges by means, where the guess is wrong ({', '.join(TASKS)}): "
+                   "'encoder' judges --exclude-sensitive's target by the vectors' cosine to fp32 and nearest "
+                   "neighbours, not by top-1.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the quantize summary as JSON here.")
 @common_options
 def command(output, model, table, method, exclude, no_bias_correction, exclude_sensitive, target_agreement, max_drop,
-            max_excluded, labels, sensitivity_samples, no_sensitivity, rounding, tune_ranges, target, strict, verify, json_path,
-            workdir,
-            quiet, verbose, debug):
+            max_excluded, labels, sensitivity_samples, no_sensitivity, rounding, tune_ranges, target, strict, verify, task,
+            json_path, workdir, quiet, verbose, debug):
     """Write an INT8 ONNX model (QDQ: uint8 activations, int8 per-channel weights).
 
     Ops without an int8 rule stay fp32 and are listed. On a sample of the calibration
@@ -103,7 +108,7 @@ def command(output, model, table, method, exclude, no_bias_correction, exclude_s
     options = QuantizeOptions(
         model=model, table=table, output=output, method=method, exclude=exclude,
         bias_correction=not no_bias_correction, rounding=None if rounding is None else rounding == "output",
-        tune_ranges=tune_ranges, target=target, strict=strict, verify=verify, progress=not quiet,
+        tune_ranges=tune_ranges, target=target, strict=strict, verify=verify, progress=not quiet, task=task,
         sensitivity=SensitivityOptions(not no_sensitivity, sensitivity_samples),
         exclusion=ExclusionOptions(exclude_sensitive, target_agreement, max_drop, max_excluded, labels))
 

@@ -15,11 +15,10 @@ from qtool.evaluate.batching import batch_for_memory
 from qtool.evaluate.exact import ExactCheck
 from qtool.evaluate.kinds import classifier
 from qtool.evaluate.options import EvalOptions
-from qtool.evaluate.states import recurrent_states
+from qtool.evaluate.meaning import output_meanings
 from qtool.evaluate.stats import OutputStats, headline
 from qtool.evaluate.timing import latency_ms, ort_latency
 from qtool.labels import labels_from_file, labels_from_folders
-from qtool.metrics import agreement_kind
 from qtool.modelio import check_pair, load_model, model_bytes
 from qtool.ortsession import session
 
@@ -47,7 +46,7 @@ def evaluate(fp32_path: str, int8_path: str, data: str, options: EvalOptions = E
         from qtool.runtime import NativeSession
         native = NativeSession(int8_path, threads=options.threads)
     exact = ExactCheck(int8_path, options.threads, native=native) if options.check else None
-    run = _Pass(sf, sq, fp32, native, exact)
+    run = _Pass(sf, sq, output_meanings(fp32, [o.name for o in sf.get_outputs()], options.task), native, exact)
     label_of = dict(zip(src.files, y_true)) if y_true is not None else {}
     fixed = getattr(src, "fixed_batch", None)
     with tqdm(total=len(src), unit="img", desc="eval", disable=not show_progress, leave=False) as bar:
@@ -88,13 +87,13 @@ class _Pass:
     """What one pass over the images keeps: each output's figures (and the native runtime's against each model
     on the first output), a classifier's logits for labels and top-5, the labels, and one sample to time."""
 
-    def __init__(self, sf, sq, fp32, native, exact):
+    def __init__(self, sf, sq, meanings: dict, native, exact):
+        """`meanings`: output name -> meaning.Meaning (what the graph and --task say each output is)."""
         self.sf, self.sq, self.native, self.exact = sf, sq, native, exact
         self.out_names = [o.name for o in sf.get_outputs()]
         self.out_name = self.out_names[0]
-        states = recurrent_states(fp32)
-        self.stats = {n: OutputStats(n, state=n in states) for n in self.out_names}
-        self.native_stats = {"fp32": OutputStats(self.out_name), "int8": OutputStats(self.out_name)}
+        self.stats = {n: OutputStats(n, meaning=meanings[n]) for n in self.out_names}
+        self.native_stats = {k: OutputStats(self.out_name, meaning=meanings[self.out_name]) for k in ("fp32", "int8")}
         self.rows = {"fp32": [], "int8": []}  # a classifier's logits, for labels and top-5
         self.truth: list = []
         self.sample = None
@@ -106,7 +105,7 @@ class _Pass:
         a, b = outs_f[0], outs_q[0]
         if self.exact is not None:
             self.exact.add(feeds, [b], len(names))
-        if agreement_kind(a.shape) == "class":
+        if self._classes():
             self.rows["fp32"].append(a)
             self.rows["int8"].append(b)
         if self.native is not None:
@@ -116,6 +115,11 @@ class _Pass:
         self.truth.extend(label_of.get(n) for n in names)
         if self.sample is None:  # (a model whose batch is fixed takes that batch only)
             self.sample = feeds if fixed_batch else {k: v[:1] for k, v in feeds.items()}
+
+    def _classes(self) -> bool:
+        """Whether the first output is judged as a classifier's [N, C] scores (kept for labels and top-5)."""
+        first = self.stats[self.out_name].first
+        return first is not None and first.task == "classifier" and first.agreement == "class"
 
     def figures(self, src, fp32_path: str, int8_path: str) -> dict:
         first = headline([self.stats[self.out_name].result()])
@@ -130,7 +134,7 @@ class _Pass:
             "output_sqnr_db": first["sqnr_db"], "max_abs_error": first["max_abs_error"],
             "outputs": {n: st.result() for n, st in self.stats.items()}, "size_bytes": size,
         }
-        for k in ("top1_agreement", "agreement_over", "sequence_agreement", "ctc_text_agreement", "ctc_blank"):
+        for k in ("top1_agreement", "agreement_over", "sequence_agreement", "ctc_text_agreement", "ctc_blank", "encoder"):
             if k in first:
                 res[k] = first[k]
         res["size_ratio"] = size["int8"] / size["fp32"]

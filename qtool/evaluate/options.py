@@ -10,7 +10,8 @@ class EvalOptions:
     the model's metadata). `labels`: class names one per line (None: class folders, where there are).
     `limit`: at most this many samples. `runtime`: "ort", or "native"/"both" to run the int8 model on qtool's
     runtime too (images). `latency`: time both models on one sample. `check`: compare ONNX Runtime's int8
-    output with the exact int8 arithmetic (exact.ExactCheck)."""
+    output with the exact int8 arithmetic (exact.ExactCheck). `task`: what outputs mean where the guess is
+    wrong, entries "TASK" (every output) or "OUTPUT=TASK" (qtool.tasks; the guess is printed)."""
     labels: str | None = None
     config: object = None
     limit: int | None = None
@@ -18,3 +19,4 @@ class EvalOptions:
     runtime: str = "ort"
     latency: bool = True
     check: bool = True
+    task: tuple = ()

@@ -6,14 +6,18 @@ import numpy as np
 
 from qtool.evaluate.kinds import EQUAL, First, equal_kind, numeric_kinds
 from qtool.evaluate.kinds.maps import Magnitude
+from qtool.evaluate.meaning import Meaning
 
 
 class OutputStats:
     """Streaming comparison of one output: SQNR, max abs error, and the figures of its kinds."""
 
-    def __init__(self, name: str, top_rows=(1, 10, 100), state: bool = False):
-        """`state`: a recurrent layer's last hidden or cell state (recurrent_states), vectors and no classes."""
-        self.name, self.top_rows, self.state = name, top_rows, state
+    def __init__(self, name: str, top_rows=(1, 10, 100), state: bool = False, meaning: Meaning | None = None):
+        """`state`: a recurrent layer's last hidden or cell state (recurrent_states), vectors and no classes.
+        `meaning`: what the graph and the user say the output is (meaning.output_meanings; it holds `state`)."""
+        self.name, self.top_rows = name, top_rows
+        self.meaning = meaning or Meaning(state=state)
+        self.first = None  # what the first batch showed (kinds.First): the task it is judged as
         self.n = 0
         self.shape = None
         self.equal: dict = {}  # kind -> accumulator, for strings and ids (compared by equality)
@@ -23,9 +27,10 @@ class OutputStats:
         self.mismatch_shapes = None
         self.not_finite = self.finite_differs = 0  # positions NaN/inf in either; in one only
 
-    def add(self, a: np.ndarray, b: np.ndarray, samples: int | None = None) -> None:
+    def add(self, a: np.ndarray, b: np.ndarray, samples: int | None = None, mask=None) -> None:
         """`samples`: how many samples the batch holds, where known: a [T, N, C] output (sequence
-        first, as many CRNN exports write) is then read as N sequences of T positions."""
+        first, as many CRNN exports write) is then read as N sequences of T positions. `mask`: the batch's
+        attention mask [N, T], where the model takes one (an encoder's token states are pooled over it)."""
         if isinstance(a, list) or isinstance(b, list):  # a sequence output: its tensors' values, end to end
             a, b = (np.concatenate([np.ravel(x) for x in v]) if len(v) else np.zeros(0, np.float32) for v in (a, b))
         a, b = np.asarray(a), np.asarray(b)
@@ -45,10 +50,14 @@ class OutputStats:
         self._track_shape(a.shape)
         self.magnitude.add(a64, b64)
         if not self.n:
-            self.kinds = numeric_kinds(First.of(a64, self.state, self.top_rows))
+            self.first = First.of(a64, self.meaning.state, self.top_rows, self.meaning)
+            self.kinds = numeric_kinds(self.first)
         self.n += len(a64) if a64.ndim else 1
         for kind in self.kinds:
-            kind.add(a64, b64)
+            if getattr(kind, "reads_mask", False):
+                kind.add(a64, b64, mask)
+            else:
+                kind.add(a64, b64)
 
     def _finite(self, a64: np.ndarray, b64: np.ndarray) -> tuple:
         """NaN where the model masks an entry by design (caustic-nmr's shifts of atoms a residue lacks):
@@ -75,6 +84,8 @@ class OutputStats:
             if kind in self.equal:
                 return self.equal[kind].result()
         r = {"shape": self.shape, **self.magnitude.result(self.shape is not None)}
+        if self.first is not None:  # (what it was judged as, and why: the guess, or the user's --task)
+            r["task"], r["task_from"] = self.first.task, self.first.why
         if self.mismatch:
             r["shape_mismatch"] = {"batches": self.mismatch, "fp32": self.mismatch_shapes[0],
                                    "int8": self.mismatch_shapes[1]}

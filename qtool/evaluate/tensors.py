@@ -8,7 +8,7 @@ from qtool import graph as G
 from qtool.evaluate.batching import eval_batch
 from qtool.evaluate.exact import ExactCheck
 from qtool.evaluate.options import EvalOptions
-from qtool.evaluate.states import recurrent_states
+from qtool.evaluate.meaning import output_meanings
 from qtool.evaluate.stats import OutputStats, headline
 from qtool.evaluate.timing import RunTimes, ort_latency
 from qtool.modelio import check_pair, load_model, model_bytes
@@ -35,8 +35,9 @@ def evaluate_tensors(fp32_path: str, int8_path: str, data, options: EvalOptions 
         raise QtoolError(f"{data}: holds images; evaluate them with a preprocessing config")
     sf, sq = session(fp32_path, options.threads), session(int8_path, options.threads)
     names = [o.name for o in sf.get_outputs()]
-    states = recurrent_states(fp32)
-    stats = {n: OutputStats(n, state=n in states) for n in names}
+    meanings = output_meanings(fp32, names, options.task)
+    stats = {n: OutputStats(n, meaning=meanings[n]) for n in names}
+    mask = next((m.mask for m in meanings.values() if m.mask), None)  # (the attention mask, an encoder pools over)
     exact = ExactCheck(int8_path, options.threads) if options.check and int8_ops else None
     sample, n_samples = None, 0
     times = RunTimes()
@@ -48,7 +49,7 @@ def evaluate_tensors(fp32_path: str, int8_path: str, data, options: EvalOptions 
         if exact is not None:
             exact.add(feeds, outs_q, n_batch)
         for name, a, b in zip(names, outs_f, outs_q):
-            stats[name].add(a, b, n_batch)
+            stats[name].add(a, b, n_batch, feeds.get(mask) if mask else None)
         n_samples += n_batch
         sample = sample or feeds
     if n_samples == 0:
@@ -59,8 +60,9 @@ def evaluate_tensors(fp32_path: str, int8_path: str, data, options: EvalOptions 
     res = {"n_samples": n_samples, "data_kind": src.kind, "fp32_model": os.path.abspath(fp32_path),
            "int8_model": os.path.abspath(int8_path), "outputs": outs,
            "output_sqnr_db": first["sqnr_db"], "max_abs_error": first["max_abs_error"], "size_bytes": size}
-    if "top1_agreement" in first:
-        res["top1_agreement"] = first["top1_agreement"]
+    for k in ("top1_agreement", "encoder"):  # (an encoder's figures: its vectors over the set)
+        if k in first:
+            res[k] = first[k]
     if exact is not None:
         res["runtime_check"] = exact.result()
     res["size_ratio"] = size["int8"] / size["fp32"]

@@ -15,6 +15,9 @@ the error on the few classes that carry the probability, where output SQNR weigh
 logits alike; unlike a count of flips it is smooth on a few dozen images. Top-1 agreement
 is judged both as counted and as predicted from the logit margins (metrics.predicted_
 agreement): a count over a few dozen images cannot tell 99.5 % from 100 %.
+An encoder's output (encoder_judge.py: token states or pooled vectors) is judged as vectors instead: the
+agreement is the nearest-neighbour agreement over the check samples, the second figure each sample's cosine
+to fp32 (mean), the error 1 - cosine; the target holds where both reach it.
 A step's exclusion stays only if it helps: a better score than the best model so far, no worse
 agreement or SQNR than the all-int8 model, and a gain beyond the images' noise (the per-image
 KL difference, paired on the same images, above SIGNIFICANCE standard errors).
@@ -32,6 +35,7 @@ from qtool.ortsession import session
 from qtool.metrics import (kl_each, kl_softmax_each, position_agreement, position_top1_agreement, predicted_agreement,
                            sqnr_db, top1_agreement, wilson)
 from qtool.quantize.context import QuantizeContext
+from qtool.quantize.encoder_judge import encoder_judge
 from qtool.quantize.samples import SampleSet, distribution_output
 
 CANDIDATES_PER_STEP = 2
@@ -58,13 +62,13 @@ SIDE_BY_SIDE_BYTES = 256 << 20
 @dataclass
 class TradeoffPoint:
     excluded: list
-    agreement: float  # counted on the check images
-    predicted_agreement: float
+    agreement: float  # counted on the check images (an encoder's: nearest-neighbour agreement)
+    predicted_agreement: float  # (an encoder's: its mean cosine to fp32; ExclusionResult.figures names them)
     sqnr_db: float
     accuracy_drop_pt: float | None
     ort_int8_ms: float | None
     added: str = ""  # the layer this step kept in fp32
-    kl: float = 0.0  # mean softmax KL divergence from fp32 (nats)
+    kl: float = 0.0  # mean softmax KL divergence from fp32 (nats), or what ExclusionResult.error names
     agreement_95: tuple = (0.0, 1.0)  # Wilson interval of the counted agreement
     images: int = 0
     kept: bool = True  # this step's exclusion stayed (it helped on the held-back images)
@@ -78,7 +82,8 @@ class ExclusionResult:
     curve: list = field(default_factory=list)  # TradeoffPoint per step
     reached: bool = False
     target: str = ""
-    error: str = "KL"  # what TradeoffPoint.kl holds: "KL" (nats), or "-SQNR" (dB) for outputs that are no distribution
+    error: str = "KL"  # what TradeoffPoint.kl holds: "KL" (nats), "1-cosine" (an encoder's), or "-SQNR" (dB)
+    figures: tuple = ("agreement", "predicted")  # what TradeoffPoint.agreement and .predicted_agreement are
     model: onnx.ModelProto | None = None
     leave_one_out: dict = field(default_factory=dict)  # layer -> the fully quantized model with it alone fp32
     check_images: int = 0  # images the target was checked on
@@ -86,7 +91,8 @@ class ExclusionResult:
 
     def to_dict(self):
         return {"excluded": self.excluded, "reached": self.reached, "target": self.target, "error": self.error,
-                "curve": [asdict(p) for p in self.curve], "leave_one_out": self.leave_one_out}
+                "figures": list(self.figures), "curve": [asdict(p) for p in self.curve],
+                "leave_one_out": self.leave_one_out}
 
 
 def per_image_error(ref: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -142,11 +148,22 @@ def noisy_groups(noisy: list, rank: dict, excl: dict, pool: list, max_excluded: 
 class Target:
     """When the search stops: top-1 agreement with fp32 of at least `agreement` (counted and predicted),
     or, with `labels` (one class per check image, -1: unknown), an accuracy drop of at most `max_drop`
-    points; at most `max_excluded` layers kept fp32 beside the user's."""
+    points; at most `max_excluded` layers kept fp32 beside the user's. `task`: what the output means where
+    the user says (qtool.tasks; "encoder": judged as vectors, encoder_judge.py), else guessed."""
     agreement: float = 0.995
     max_drop: float | None = None
     max_excluded: int = 5
     labels: list | None = None
+    task: str | None = None
+
+
+def target_words(target: Target, encoder: bool, labelled: bool) -> str:
+    """The target as the command says it."""
+    if encoder:
+        return f"cosine to fp32 and nearest-neighbour agreement >= {target.agreement}"
+    if target.max_drop is not None and labelled:
+        return f"accuracy drop <= {target.max_drop} pt"
+    return f"top-1 agreement >= {target.agreement}"
 
 
 class _Search:
@@ -157,8 +174,10 @@ class _Search:
         self.ctx, self.samples, self.target, self.progress = ctx, samples, target, progress
         self.base_exclude = dict(ctx.exclude)
         self.reference = samples.reference
-        self.y_true = None if target.labels is None else np.asarray(target.labels)
         self.dist = distribution_output(ctx.fused, samples)
+        self.encoder = None if self.dist and target.task is None else encoder_judge(ctx.fused, samples, target.task)
+        # (an encoder's vectors have no classes: labels say nothing of them)
+        self.y_true = None if target.labels is None or self.encoder else np.asarray(target.labels)
         # one value per position, more than one position per sample: each value is a decision of its own (an
         # argmax over a sample's positions, as for a classifier's classes, means nothing there)
         ref = self.reference
@@ -174,7 +193,11 @@ class _Search:
             m = y_true >= 0
             drop = 100 * float((reference[m].argmax(1) == y_true[m]).mean() - (y.reshape(len(y), -1)[m].argmax(1) == y_true[m]).mean())
         db = sqnr_db(reference, y)
-        if dist:  # what each position means is its class: agreement and KL per position
+        if self.encoder is not None:  # vectors: neighbours kept, and each sample's cosine
+            agree, cos = self.encoder.measure(y)
+            count, predicted, err = len(cos), float(cos.mean()), 1 - cos
+            kl = float(err.mean())
+        elif dist:  # what each position means is its class: agreement and KL per position
             agree, count = position_top1_agreement(reference, y), reference.size // reference.shape[-1]
             predicted = position_agreement(reference, y)
             err = kl_each(reference, y, log=dist == "LogSoftmax")
@@ -252,6 +275,12 @@ def _candidates(search: _Search, ranking: list, excl: dict, noisy: list | None) 
     return order, reason
 
 
+def _error_name(search: _Search) -> str:
+    if search.encoder is not None:
+        return "1-cosine"
+    return "KL" if search.dist or search.reference.ndim == 2 else "-SQNR"
+
+
 def exclude_sensitive(ctx: QuantizeContext, ranking: list, samples: SampleSet, target: Target = Target(),
                       progress=None, measure_latency: bool = True, partial: list | None = None,
                       noisy: list | None = None) -> ExclusionResult:
@@ -261,14 +290,15 @@ def exclude_sensitive(ctx: QuantizeContext, ranking: list, samples: SampleSet, t
     candidates too, each group kept fp32 together."""
     search = _Search(ctx, samples, target, progress)
     one = samples.feed(0, samples.batch if samples.fixed_batch else 1)  # (latency at batch 1)
-    label = f"accuracy drop <= {target.max_drop} pt" if target.max_drop is not None and search.y_true is not None \
-        else f"top-1 agreement >= {target.agreement}"
+    label = target_words(target, search.encoder is not None, search.y_true is not None)
     excl = dict(search.base_exclude)
     q, pt = search.evaluate(excl)
     if measure_latency:
         pt.ort_int8_ms = latency_ms(_deployed(ctx, q, excl), one)
     res = search.res = ExclusionResult(dict(excl), [pt], search.good(pt), label, model=q.model,
-                                       error="KL" if search.dist or search.reference.ndim == 2 else "-SQNR")
+                                       error=_error_name(search))
+    if search.encoder is not None:
+        res.figures = ("neighbours", "cosine")
     if partial is not None:
         partial.append(res)
     best_q, best_pt = q, pt

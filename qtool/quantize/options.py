@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from qtool.quantize.encoding import DEFAULT_TARGET
+from qtool.tasks import task_name
 
 USER_EXCLUDED = "excluded by the user (--exclude)"
 
@@ -39,7 +40,9 @@ class QuantizeOptions:
     `tune_ranges`: activation ranges chosen at the output (None: off). `target` (encoding.TARGETS).
     `strict`: an optional step that fails is an error, not a fallback with a warning. `verify`: hold
     samples out of the fitting steps and keep each step only where it measures better on them.
-    `progress`: progress bars."""
+    `progress`: progress bars. `task`: what the output quantize judges by means, where the guess is wrong
+    (qtool.tasks; None: guessed): "encoder" judges --exclude-sensitive's target by the vectors' cosine and
+    nearest neighbours."""
     model: str | None = None
     table: str | None = None
     output: str | None = None
@@ -52,11 +55,14 @@ class QuantizeOptions:
     strict: bool = False
     verify: bool = False
     progress: bool = True
+    task: str | None = None
     sensitivity: SensitivityOptions = field(default_factory=SensitivityOptions)
     exclusion: ExclusionOptions = field(default_factory=ExclusionOptions)
 
     def __post_init__(self):
         object.__setattr__(self, "exclude", tuple(dict.fromkeys(self.exclude)))  # (a list given: a tuple, each once)
+        if self.task is not None:  # (an alias given: the task it names; an unknown word: ValueError)
+            object.__setattr__(self, "task", task_name(self.task))
 
     @property
     def sensitivity_on(self) -> bool:

@@ -153,9 +153,10 @@ def sensitivity_lines(sensitivity: dict) -> list:
 def exclusion_lines(e, user_excluded) -> list:
     """--exclude-sensitive's search as the command prints it: each step tried, and what it kept fp32
     beside the user's `user_excluded` nodes."""
+    agreement, predicted = e.figures  # (an encoder's: neighbour agreement, cosine)
     lines = [f"exclude-sensitive ({e.target}, checked on {e.check_images} "
              + ("held-back images):" if e.check_held_back else "calibration images, not held back):"),
-             f"  {'fp32 layers':>11}  {'agreement [95% interval]':>25}  {'predicted':>9}  {'SQNR dB':>7}  "
+             f"  {'fp32 layers':>11}  {agreement + ' [95% interval]':>25}  {predicted:>9}  {'SQNR dB':>7}  "
              f"{e.error:>8}  {'ORT int8 ms':>11}  step"]
     for p in e.curve:
         ms = "-" if p.ort_int8_ms is None else f"{p.ort_int8_ms:.2f}"
@@ -164,7 +165,7 @@ def exclusion_lines(e, user_excluded) -> list:
                                                f"+{p.added[-40:]} ({gain}: {p.undone or 'no gain'}, undone)")
         lines.append(f"  {len(p.excluded):>11}  {p.agreement:>7.4f} [{p.agreement_95[0]:.4f}, {p.agreement_95[1]:.4f}]"
                      f"  {p.predicted_agreement:>9.4f}  {p.sqnr_db:>7.1f}  "
-                     f"{(f'{p.kl:>8.5f}' if e.error == 'KL' else f'{p.kl:>8.1f}')}  {ms:>11}  {step}")
+                     f"{(f'{p.kl:>8.1f}' if e.error == '-SQNR' else f'{p.kl:>8.5f}')}  {ms:>11}  {step}")
     kept = [n for n in e.excluded if n not in user_excluded]
     lines.append(("  target reached" if e.reached else "  target NOT reached; wrote the best model found")
                  + f" with {len(e.excluded) - len(user_excluded)} layers kept fp32: {', '.join(kept) or 'none'}")

@@ -9,7 +9,7 @@ class Classes:
 
     @staticmethod
     def recognises(first) -> bool:
-        return first.agreement == "class" and not first.state and not first.unit_rows
+        return first.task == "classifier" and first.agreement == "class"
 
     def __init__(self, first):
         self.same = self.positions = 0

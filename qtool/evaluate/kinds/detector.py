@@ -18,7 +18,7 @@ class Rows:
 
     @staticmethod
     def recognises(first) -> bool:
-        return first.layout is not None and not first.state
+        return first.task == "detector" and first.layout is not None
 
     def __init__(self, first):
         self.layout, self.top_rows = first.layout, first.top_rows

@@ -27,7 +27,7 @@ class Vectors:
 
     @staticmethod
     def recognises(first) -> bool:
-        return _has_vectors(first.values)
+        return _has_vectors(first.values) and first.task != "encoder"  # (an encoder's: kinds/encoder.py)
 
     def __init__(self, first):
         self.unit_rows = first.unit_rows

@@ -2,7 +2,8 @@
 (exclude.py)."""
 from __future__ import annotations
 
-from qtool.quantize.exclude import CANDIDATES_PER_STEP, NOISY_GROUPS, POOL, Target, exclude_sensitive
+from qtool.quantize.encoder_judge import encoder_judge
+from qtool.quantize.exclude import CANDIDATES_PER_STEP, NOISY_GROUPS, POOL, Target, exclude_sensitive, target_words
 from qtool.quantize.progress import bar
 from qtool.quantize.step import Step
 
@@ -13,15 +14,16 @@ def run_exclusion(run):
     readers of quantizer_noise's noisiest quantizers (run.noisy) are candidates too."""
     opts, check, say = run.options.exclusion, run.check, run.say
     labels = None if run.labels is None else [run.labels.get(n, -1) for n in check.names]
-    target = (f"top-1 agreement >= {opts.target_agreement}" if opts.max_drop is None or labels is None
-              else f"accuracy drop <= {opts.max_drop} pt")
-    say(f"exclude-sensitive: keeping layers fp32 (at most {opts.max_excluded}) until {target} on {len(check)} "
-        + ("held-back calibration images" if run.check_held_back else "calibration images"))
+    target = Target(opts.target_agreement, opts.max_drop, opts.max_excluded, labels, run.options.task)
+    encoder = encoder_judge(run.ctx.fused, check, target.task)
+    say(f"exclude-sensitive: keeping layers fp32 (at most {opts.max_excluded}) until "
+        f"{target_words(target, encoder is not None, labels is not None)} on {len(check)} "
+        + ("held-back calibration images" if run.check_held_back else "calibration images")
+        + (f"; judged as an encoder's vectors ({encoder.why})" if encoder is not None else ""))
     with bar(1 + POOL + NOISY_GROUPS + opts.max_excluded * CANDIDATES_PER_STEP, "model",
              "exclude-sensitive (at most)", run.progress) as pb:
-        exclusion = exclude_sensitive(run.ctx, run.ranking, check,
-                                      Target(opts.target_agreement, opts.max_drop, opts.max_excluded, labels),
-                                      pb.update, partial=run.partial, noisy=run.noisy)
+        exclusion = exclude_sensitive(run.ctx, run.ranking, check, target, pb.update, partial=run.partial,
+                                      noisy=run.noisy)
         pb.total = pb.n  # the target held early: done
         pb.refresh()
     exclusion.check_images = len(check)
