@@ -76,6 +76,8 @@ class Compiler:
         self.ranks = _static_value_ranks(model)
         self.opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 13)
         self.pads: dict = {}  # uint8 output of an int8 Pad -> (input name, (t, l, b, r), fill, step)
+        self.dynamic: dict = {}  # uint8 output of a DynamicQuantizeLinear -> (its scale, its zero point)
+        self.dynamic_views: dict = {}  # DequantizeLinear of one, read only by int8 MatMuls -> the uint8 name
         self.luts: dict = {}  # uint8 output of a per-tensor LutStep -> (input name, table, step)
 
     # ------------------------------------------------------------ helpers
