@@ -267,3 +267,9 @@ def cubic_axis(y, ax, src, at):
     yd = np.moveaxis(y.astype(np.float64), ax, -1)
     out = np.einsum("...ok,ok->...o", yd[..., idx], w)
     return np.moveaxis(out, -1, ax).astype(y.dtype)
+
+
+@op("NonZero")
+def nonzero(ins, at):
+    x = ins[0]
+    return [np.array(np.nonzero(x.reshape(1) if x.ndim == 0 else x), np.int64).reshape(max(x.ndim, 1), -1)]

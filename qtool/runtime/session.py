@@ -23,6 +23,7 @@ from qtool.errors import QtoolError
 from qtool.modelio import check_tensor, load_model
 from qtool.runtime.backend import kernel_info, load_backend
 from qtool.runtime.compiler import Compiler
+from qtool.runtime.plan_static import static_steps
 
 _ELEM = {1: "tensor(float)", 2: "tensor(uint8)", 3: "tensor(int8)", 6: "tensor(int32)", 7: "tensor(int64)",
          10: "tensor(float16)", 11: "tensor(double)"}
@@ -113,6 +114,11 @@ def _assign_buffers(env, steps, views, live):
             if last.get(r) == k and r in owner and r not in forever:
                 pool.append(owner.pop(r))
     return bufs, (total, no_reuse, n_buffers)
+
+
+def _bound_indices(steps, views):
+    """The step index of each call _bind_steps returns (views are made at binding, not called)."""
+    return [k for k in range(len(steps)) if k not in views]
 
 
 def _bind_steps(env, steps, views, bufs):
@@ -255,7 +261,9 @@ class NativeSession:
         plan = _Plan()
         plan.env = env
         bufs, (plan.bytes, plan.bytes_no_reuse, plan.n_buffers) = _assign_buffers(env, steps, views, (root, last, forever))
-        plan.steps_calls = _bind_steps(env, steps, views, bufs)
+        once = static_steps(steps, {slot for slot, _ in arrs}, set(prog.consts))
+        plan.steps_calls = [sc for k, sc in zip(_bound_indices(steps, views), _bind_steps(env, steps, views, bufs))
+                            if k not in once]
         plan.calls = [f for _, f in plan.steps_calls]
         for slot, x in arrs:
             env[slot] = x
