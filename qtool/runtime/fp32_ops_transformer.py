@@ -28,30 +28,36 @@ def _str(v, default):
     return v.decode() if isinstance(v, bytes) else v
 
 
-# ---- erf: a cubic Hermite table of math.erf (values and exact derivatives), error < 1e-11 -----
-_ERF_H = 1.0 / 512
-_ERF_X = np.arange(0, 6.0 + 2 * _ERF_H, _ERF_H)
-_ERF_Y = np.array([math.erf(v) for v in _ERF_X])
-_ERF_D = 2.0 / math.sqrt(math.pi) * np.exp(-_ERF_X * _ERF_X) * _ERF_H
+# ---- erf: x * P(x^2) / Q(x^2) on [-4, 4] (beyond, float32 erf is +-1), the rational form of Eigen's
+# and XLA's float erf; within 7 float32 ulps (4.2e-7) of math.erf. In float32, in place: Erf is the
+# inner op of every BERT/ViT GELU, on [tokens, 4 * hidden] tensors.
+_ERF_P = [-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06, -5.69250639462346e-05,
+          -7.34990630326855e-04, -2.95459980854025e-03, -1.60960333262415e-02]
+_ERF_Q = [-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03, -7.37332916720468e-03,
+          -1.42647390514189e-02]
 
 
-def erf64(x):
-    """erf of a float array in float64 (|x| >= 6 gives +-1, as float32 erf does from 3.92)."""
-    a = np.minimum(np.abs(np.asarray(x, np.float64)), 6.0)
-    u = a / _ERF_H
-    i = np.minimum(u.astype(np.int64), len(_ERF_X) - 2)
-    t = u - i
-    y0, y1, d0, d1 = _ERF_Y[i], _ERF_Y[i + 1], _ERF_D[i], _ERF_D[i + 1]
-    t2 = t * t
-    t3 = t2 * t
-    y = (2 * t3 - 3 * t2 + 1) * y0 + (t3 - 2 * t2 + t) * d0 + (-2 * t3 + 3 * t2) * y1 + (t3 - t2) * d1
-    return np.copysign(y, x)
+def _horner(x2, coefs):
+    p = np.full_like(x2, np.float32(coefs[0]))
+    for c in coefs[1:]:
+        p *= x2
+        p += np.float32(c)
+    return p
+
+
+def erf32(x):
+    x = np.clip(np.asarray(x, np.float32), np.float32(-4), np.float32(4))
+    x2 = x * x
+    p = _horner(x2, _ERF_P)
+    p *= x
+    p /= _horner(x2, _ERF_Q)
+    return p
 
 
 @op("Erf")
 def erf(ins, at):
     x = ins[0]
-    return [erf64(x).astype(x.dtype)]
+    return [erf32(x).astype(x.dtype, copy=False)]
 
 
 @op("Gelu")
@@ -62,7 +68,7 @@ def gelu(ins, at):
     if _str(at.get("approximate"), "none") == "tanh":
         y = 0.5 * xd * (1 + np.tanh(math.sqrt(2 / math.pi) * (xd + 0.044715 * xd ** 3)))
     else:
-        y = 0.5 * xd * (1 + erf64(xd / math.sqrt(2)))
+        y = 0.5 * xd * (1 + erf32(x * np.float32(1 / math.sqrt(2))))
     return [y.astype(x.dtype)]
 
 

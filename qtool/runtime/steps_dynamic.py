@@ -29,8 +29,8 @@ class DynamicQuantizeStep(Step):
         x = env[self.ins[0]]
         s, z = dynamic_qparams(x)
         if self.native is not None and x.ndim >= 1 and x.size and x.dtype == np.float32:
-            x2 = np.ascontiguousarray(x).reshape(-1, x.shape[-1])
-            y = self.native(x2, float(s), z).reshape(x.shape)
+            rows = np.ascontiguousarray(x).reshape(1, 1, -1, x.shape[-1])  # one channel: the kernel's row loop
+            y = self.native(rows, float(s), z).reshape(x.shape)
         else:
             y = quantize_u8(x, s, z)
         env[self.outs[0]], env[self.outs[1]], env[self.outs[2]] = y, np.asarray(s, np.float32), np.asarray(z, np.uint8)
