@@ -305,7 +305,9 @@ FP32_OPS["ReduceMin"] = _mk_reduce(np.min)
 
 @op("MatMul")
 def matmul(ins, at):
-    return [np.matmul(ins[0], ins[1])]
+    # strided views (attention's transposed heads) take numpy's loop instead of BLAS: 100x slower
+    a, b = (x if x.ndim < 3 or x.flags.c_contiguous else np.ascontiguousarray(x) for x in ins[:2])
+    return [np.matmul(a, b)]
 
 
 @op("Gemm")
@@ -458,7 +460,7 @@ def conv_transpose(ins, at):
     for gi in range(g):
         xg = x[:, gi * cg:(gi + 1) * cg].reshape(n, cg, h * wd)
         wg = w[gi * cg:(gi + 1) * cg].reshape(cg, og * kh * kw)
-        cols = np.matmul(wg.T, xg).reshape(n, og, kh, kw, h, wd)  # every tap of every input pixel
+        cols = np.matmul(np.ascontiguousarray(wg.T), xg).reshape(n, og, kh, kw, h, wd)  # every tap of every input pixel (C order: BLAS)
         out = y[:, gi * og:(gi + 1) * og]
         for ky in range(kh):
             for kx in range(kw):

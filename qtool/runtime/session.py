@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
+from qtool.blas import blas_threads
 from qtool.errors import QtoolError
 from qtool.modelio import check_tensor, load_model
 from qtool.runtime.backend import kernel_info, load_backend
@@ -166,9 +167,12 @@ class NativeSession:
     def run(self, output_names, feeds: dict):
         if self._prewake is not None:  # the workers wake while Python checks the inputs
             self._prewake()
-        plan = self._plan_for(feeds)
-        for f in plan.calls:
-            f()
+        # numpy's BLAS (fp32 MatMul fallbacks) on one thread: OpenBLAS's waiting threads spin against the
+        # kernels' pool (a ViT's attention MatMul took 117 ms on 2 BLAS threads inside a run, 4 ms alone)
+        with blas_threads(1):
+            plan = self._plan_for(feeds)
+            for f in plan.calls:
+                f()
         return self._collect(plan, output_names)
 
     # ---------------------------------------------------------------- internals
@@ -340,14 +344,16 @@ class NativeSession:
 
     def profile(self, feeds, repeats: int = 10):
         """Time every step: -> list of dicts (name, op, mode, kernel, ms (median), macs)."""
-        plan = self._plan_for(feeds)
-        times = [[] for _ in plan.steps_calls]
+        times = None
         pc = time.perf_counter
-        for _ in range(repeats):
-            for j, (st, f) in enumerate(plan.steps_calls):
-                t = pc()
-                f()
-                times[j].append(pc() - t)
+        with blas_threads(1):  # as run() does
+            plan = self._plan_for(feeds)
+            times = [[] for _ in plan.steps_calls]
+            for _ in range(repeats):
+                for j, (st, f) in enumerate(plan.steps_calls):
+                    t = pc()
+                    f()
+                    times[j].append(pc() - t)
         out = []
         for (st, _), ts in zip(plan.steps_calls, times):
             out.append({"name": st.name, "op": st.op, "mode": st.mode, "kernel": st.kernel,
