@@ -76,21 +76,24 @@ def gelu(ins, at):
 @op("LayerNormalization")
 def layer_norm(ins, at):
     """opset 17: normalize over axes [axis, rank); outputs Y and, if asked, Mean and InvStdDev
-    (shape of X with the normalized axes kept as 1), in stash_type's precision (float32 when 1)."""
+    (shape of X with the normalized axes kept as 1). In float32 (stash_type 1) with numpy's pairwise
+    sums, in place: it runs twice per transformer layer."""
     x, scale = ins[0], ins[1]
     bias = ins[2] if len(ins) > 2 else None
     axis = int(at.get("axis", -1)) % x.ndim
     eps = float(at.get("epsilon", 1e-5))
     axes = tuple(range(axis, x.ndim))
-    xd = x.astype(np.float64)
-    mean = xd.mean(axis=axes, keepdims=True)
-    var = np.square(xd - mean).mean(axis=axes, keepdims=True)
-    inv = 1.0 / np.sqrt(var + eps)
-    y = (xd - mean) * inv * scale.astype(np.float64)
+    ct = np.float32 if x.dtype == np.float32 and int(at.get("stash_type", 1)) == 1 else np.float64
+    xc = x.astype(ct)
+    mean = xc.mean(axis=axes, keepdims=True)
+    d = xc - mean
+    var = np.square(d).mean(axis=axes, keepdims=True)
+    inv = ct(1) / np.sqrt(var + ct(eps))
+    d *= inv
+    d *= scale.astype(ct, copy=False)
     if bias is not None:
-        y = y + bias.astype(np.float64)
-    stash = np.float32 if int(at.get("stash_type", 1)) == 1 else np.float64
-    return [y.astype(x.dtype), mean.astype(stash), inv.astype(stash)]
+        d += bias.astype(ct, copy=False)
+    return [d.astype(x.dtype, copy=False), mean, inv]
 
 
 def _two_d(x, at, f):
