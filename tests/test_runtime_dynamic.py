@@ -105,6 +105,8 @@ def test_dynamic_matmul_matches_ort_bit_for_bit(case, isa, tmp_path):
     (ref,) = _ort(m, x)
     kinds = {e.op: e.mode for e in sess.report_entries()} if hasattr(sess, "report_entries") else None
     assert "DynamicGemmStep" in {type(st).__name__ for st in sess.program.steps}, kinds
+    if with_bias:  # the bias Add runs in the GEMM's step
+        assert "Add" not in {st.op for st in sess.program.steps}
     if with_bias and len(shape) == 2:  # ORT folds a 2-D MatMul + Add into a float Gemm on the dequantized values
         np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4)
     else:  # its DynamicQuantizeMatMul / MatMulIntegerToFloat

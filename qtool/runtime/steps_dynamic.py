@@ -47,6 +47,7 @@ class DynamicGemmStep(Step):
         self.cs = w_colsum.astype(np.float64 if len(chunks) > 1 else np.float32)
         self.sw = w_scale.astype(np.float32)
         self.k = chunks[-1][1]
+        self.bias = None  # float32 [N] added last (lower/dynamic.py: a following Add of a constant row)
         self.kernel = f"gemm:{getattr(chunks[0][2], 'kernel', '')} dynamic"
 
     def run(self, env, out):
@@ -62,6 +63,8 @@ class DynamicGemmStep(Step):
                       for k0, k1, p in self.chunks)
             acc = (acc - zp * self.cs).astype(np.float32)
         acc *= np.float32(np.asarray(s).reshape(())) * self.sw
+        if self.bias is not None:  # a following Add of a constant row, fused
+            acc += self.bias
         env[self.outs[0]] = acc.reshape(lead + (acc.shape[-1],))
 
     def macs(self, env):

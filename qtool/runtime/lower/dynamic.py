@@ -81,12 +81,34 @@ def rule_dynamic_matmul(c, node):
     chunks = [(k0, k1, K.pack_gemm(np.ascontiguousarray(w_nk[:, k0:k1]), None, x_zp=0, multiplier=1.0,
                                    out_dtype="float32")) for k0, k1 in k_chunks(w_nk)]
     ins = [c.vals[y].slot, c.vals[s].slot, c.vals[z].slot]
-    v = c.add_val(node.output[0], "f", rank=c.vals[y].rank)
+    add, bias = _bias_add(c, node, w_nk.shape[0])
+    v = c.add_val((add or node).output[0], "f", rank=c.vals[y].rank)
     st = DynamicGemmStep(node.name or node.op_type, K, chunks, w_nk.astype(np.int64).sum(axis=1), sw, ins, v.slot)
+    st.bias = bias
     c.steps.append(st)
     detail = f"{st.kernel}" + (f", K in {len(chunks)} chunks" if len(chunks) > 1 else "")
+    if add is not None:
+        c.done.add(id(add))
+        c.entries.append(Entry(add.name or add.op_type, add.op_type, "fused", f"into {node.name or node.op_type}"))
     c.entries.append(Entry(node.name or node.op_type, node.op_type, "int8", detail))
     return None
+
+
+def _bias_add(c, node, n):
+    """The Add of a constant float32 row [N] (any leading 1s) that alone reads the MatMul's output:
+    (Add node, bias) to add in the same step (after the float32 product, one more rounding, as the
+    separate Add gives), else (None, None)."""
+    out = node.output[0]
+    readers = c.consumers.get(out, [])
+    if out in c.graph_outputs or len(readers) != 1 or readers[0].op_type != "Add":
+        return None, None
+    add = readers[0]
+    other = add.input[1] if add.input[0] == out else add.input[0]
+    b = c.consts.get(other)
+    if b is None or add.input[0] == add.input[1] or b.dtype != np.float32 or b.size != n or b.shape[-1] != n \
+            or b.ndim > c.vals[c.dynamic_views[node.input[0]][0]].rank:
+        return None, None
+    return add, np.ascontiguousarray(b.reshape(-1))
 
 
 RULES = {"DynamicQuantizeLinear": rule_dynamic_quantize, "DequantizeLinear": rule_dynamic_view}
