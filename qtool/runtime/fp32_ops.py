@@ -460,7 +460,9 @@ def conv_transpose(ins, at):
     for gi in range(g):
         xg = x[:, gi * cg:(gi + 1) * cg].reshape(n, cg, h * wd)
         wg = w[gi * cg:(gi + 1) * cg].reshape(cg, og * kh * kw)
-        cols = np.matmul(np.ascontiguousarray(wg.T), xg).reshape(n, og, kh, kw, h, wd)  # every tap of every input pixel (C order: BLAS)
+        wt = np.ascontiguousarray(wg.T)  # C order: BLAS (numpy's own loop otherwise)
+        cols = (wt @ xg[0])[None] if n == 1 else np.matmul(wt, xg)
+        cols = cols.reshape(n, og, kh, kw, h, wd)  # every tap of every input pixel
         out = y[:, gi * og:(gi + 1) * og]
         for ky in range(kh):
             for kx in range(kw):
