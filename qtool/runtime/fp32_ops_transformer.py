@@ -12,6 +12,8 @@ import math
 
 import numpy as np
 
+from qtool.runtime.dynamic_quant import dynamic_qparams, quantize_u8
+
 OPS = {}
 
 
@@ -244,7 +246,6 @@ def range_(ins, at):
 def dynamic_quantize_linear(ins, at):
     """uint8 per tensor with the range widened to include 0: scale = (max - min) / 255 (1 when the
     range is empty, as ONNX Runtime does), zero point = saturate(round(-min / scale)), half to even."""
-    from qtool.runtime.dynamic_quant import dynamic_qparams, quantize_u8
     x = ins[0]
     s, z = dynamic_qparams(x)
     return [quantize_u8(x, s, z), np.float32(s), np.uint8(z)]
