@@ -33,7 +33,7 @@ def _elementwise(f):
 
 
 for _name, _f in {
-    "Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Pow": lambda a, b: np.power(a, b).astype(a.dtype),
+    "Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Pow": lambda a, b: np.power(a, b).astype(a.dtype, copy=False),
     "Sqrt": np.sqrt, "Exp": np.exp, "Log": np.log, "Neg": np.negative, "Abs": np.abs,
     "Floor": np.floor, "Ceil": np.ceil, "Reciprocal": np.reciprocal, "Tanh": np.tanh,
     "Equal": np.equal, "Less": np.less, "Greater": np.greater, "Not": np.logical_not,
@@ -48,7 +48,7 @@ def div(ins, at):
     a, b = ins
     if np.issubdtype(a.dtype, np.integer) and np.issubdtype(b.dtype, np.integer):
         return [(np.trunc(a / b)).astype(a.dtype)]
-    return [np.divide(a, b).astype(np.result_type(a, b))]
+    return [np.divide(a, b).astype(np.result_type(a, b), copy=False)]
 
 
 def _reduce_variadic(f):

@@ -108,8 +108,10 @@ def _two_d(x, at, f):
 
 
 def _softmax(x, axis):
-    e = np.exp(x - x.max(axis=axis, keepdims=True))
-    return (e / e.sum(axis=axis, keepdims=True)).astype(x.dtype)
+    e = x - x.max(axis=axis, keepdims=True)  # (in place from here: attention's [heads, L, L] each layer)
+    np.exp(e, out=e)
+    e /= e.sum(axis=axis, keepdims=True)
+    return e.astype(x.dtype, copy=False)
 
 
 def _log_softmax(x, axis):
