@@ -83,8 +83,22 @@ def make_feeds(sess: NativeSession, batch: int, shape=None, seed: int = 0) -> di
         if nbytes > MAX_FEED_BYTES:
             raise QtoolError(f"{sess.where}: input '{i.name}' of shape {dims} would take {human_bytes(nbytes)}, over "
                              f"the limit of {human_bytes(MAX_FEED_BYTES)}; use a smaller --batch or --shape")
-        feeds[i.name] = rng.standard_normal(dims).astype(np.float32)
+        feeds[i.name] = _random_input(rng, i, dims)
     return feeds
+
+
+_INT_TYPES = {"tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(uint8)": np.uint8, "tensor(int8)": np.int8}
+
+
+def _random_input(rng, arg, dims):
+    """float inputs: standard normal; integer ones (token ids, masks, type ids): a mask all ones, others
+    0 or 1 (a valid index of any table: the speed of a text model does not depend on which tokens)."""
+    dt = _INT_TYPES.get(getattr(arg, "type", ""))
+    if dt is None:
+        return rng.standard_normal(dims).astype(np.float32)
+    if "mask" in arg.name.lower():
+        return np.ones(dims, dt)
+    return rng.integers(0, 2, dims).astype(dt)
 
 
 def cpu_counters():

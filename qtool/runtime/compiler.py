@@ -74,7 +74,10 @@ class Compiler:
                 if i:
                     self.consumers.setdefault(i, []).append(n)
         self.ranks = _static_value_ranks(model)
+        self.opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 13)
         self.pads: dict = {}  # uint8 output of an int8 Pad -> (input name, (t, l, b, r), fill, step)
+        self.dynamic: dict = {}  # uint8 output of a DynamicQuantizeLinear -> (its scale, its zero point)
+        self.dynamic_views: dict = {}  # DequantizeLinear of one, read only by int8 MatMuls -> the uint8 name
         self.luts: dict = {}  # uint8 output of a per-tensor LutStep -> (input name, table, step)
 
     # ------------------------------------------------------------ helpers
@@ -312,7 +315,7 @@ class Compiler:
         if all(self.is_const(i) for i in node.input) and op in FP32_OPS and self._foldable(node):
             ins = [self.consts[i] if i else None for i in node.input]
             at = node_attrs(node)
-            at["_n_outputs"] = len(node.output)
+            at["_n_outputs"], at["_opset"] = len(node.output), self.opset
             outs = FP32_OPS[op](ins, at)
             for o, y in zip(node.output, outs):
                 if o:
@@ -396,6 +399,6 @@ class Compiler:
             else:
                 outs.append(None)
         at = node_attrs(node)
-        at["_n_outputs"] = len(node.output)
+        at["_n_outputs"], at["_opset"] = len(node.output), self.opset
         self.steps.append(S.FP32Step(node.name or op, op, ins, outs, at, reason))
         self.entries.append(Entry(node.name or op, op, "fp32", reason))

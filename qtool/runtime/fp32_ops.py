@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from qtool.runtime.fp32_ops_transformer import OPS as TRANSFORMER_OPS
+from qtool.runtime.fp32_ops_transformer import cubic_axis
 from qtool.windows import out_size
 
 FP32_OPS = {}
@@ -31,7 +33,7 @@ def _elementwise(f):
 
 
 for _name, _f in {
-    "Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Pow": lambda a, b: np.power(a, b).astype(a.dtype),
+    "Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Pow": lambda a, b: np.power(a, b).astype(a.dtype, copy=False),
     "Sqrt": np.sqrt, "Exp": np.exp, "Log": np.log, "Neg": np.negative, "Abs": np.abs,
     "Floor": np.floor, "Ceil": np.ceil, "Reciprocal": np.reciprocal, "Tanh": np.tanh,
     "Equal": np.equal, "Less": np.less, "Greater": np.greater, "Not": np.logical_not,
@@ -46,14 +48,7 @@ def div(ins, at):
     a, b = ins
     if np.issubdtype(a.dtype, np.integer) and np.issubdtype(b.dtype, np.integer):
         return [(np.trunc(a / b)).astype(a.dtype)]
-    return [np.divide(a, b).astype(np.result_type(a, b))]
-
-
-@op("Erf")
-def erf(ins, at):
-    import math
-    x = ins[0].astype(np.float64)
-    return [np.vectorize(math.erf)(x).astype(ins[0].dtype)]
+    return [np.divide(a, b).astype(np.result_type(a, b), copy=False)]
 
 
 def _reduce_variadic(f):
@@ -118,14 +113,6 @@ def hard_swish(ins, at):
     return [(x * np.clip(x * np.float32(1 / 6) + np.float32(0.5), 0, 1)).astype(x.dtype)]
 
 
-@op("Softmax")
-def softmax(ins, at):
-    x = ins[0]
-    axis = at.get("axis", -1)
-    e = np.exp(x - x.max(axis=axis, keepdims=True))
-    return [(e / e.sum(axis=axis, keepdims=True)).astype(x.dtype)]
-
-
 @op("Cast")
 def cast(ins, at):
     from onnx.helper import tensor_dtype_to_np_dtype
@@ -148,12 +135,6 @@ def constant_of_shape(ins, at):
     v = at.get("value")
     v = np.zeros(1, np.float32) if v is None else v
     return [np.full(tuple(int(d) for d in ins[0]), v.reshape(-1)[0], v.dtype)]
-
-
-@op("Range")
-def range_(ins, at):
-    s, l, d = (x.reshape(()) for x in ins)
-    return [np.arange(s, l, d).astype(s.dtype)]
 
 
 @op("Reshape")
@@ -274,12 +255,6 @@ def slice_(ins, at):
     return [x[tuple(sl)]]
 
 
-@op("Expand")
-def expand(ins, at):
-    x, s = ins
-    return [x * np.ones(tuple(int(d) for d in s), x.dtype)]
-
-
 @op("Tile")
 def tile(ins, at):
     return [np.tile(ins[0], tuple(int(r) for r in ins[1]))]
@@ -330,7 +305,9 @@ FP32_OPS["ReduceMin"] = _mk_reduce(np.min)
 
 @op("MatMul")
 def matmul(ins, at):
-    return [np.matmul(ins[0], ins[1])]
+    # strided views (attention's transposed heads) take numpy's loop instead of BLAS: 100x slower
+    a, b = (x if x.ndim < 3 or x.flags.c_contiguous else np.ascontiguousarray(x) for x in ins[:2])
+    return [np.matmul(a, b)]
 
 
 @op("Gemm")
@@ -483,7 +460,9 @@ def conv_transpose(ins, at):
     for gi in range(g):
         xg = x[:, gi * cg:(gi + 1) * cg].reshape(n, cg, h * wd)
         wg = w[gi * cg:(gi + 1) * cg].reshape(cg, og * kh * kw)
-        cols = np.matmul(wg.T, xg).reshape(n, og, kh, kw, h, wd)  # every tap of every input pixel
+        wt = np.ascontiguousarray(wg.T)  # C order: BLAS (numpy's own loop otherwise)
+        cols = (wt @ xg[0])[None] if n == 1 else np.matmul(wt, xg)
+        cols = cols.reshape(n, og, kh, kw, h, wd)  # every tap of every input pixel
         out = y[:, gi * og:(gi + 1) * og]
         for ky in range(kh):
             for kx in range(kw):
@@ -562,13 +541,28 @@ def global_max_pool(ins, at):
     return [x.max(axis=tuple(range(2, x.ndim)), keepdims=True)]
 
 
+def _source_positions(ctm, n_in, n_out, s, dtype):
+    """Input coordinate of each output position along one axis (cubic: in float32, as ONNX Runtime
+    computes them; its taps and weights follow them)."""
+    o, s = np.arange(n_out, dtype=dtype), dtype(s)
+    if ctm == "asymmetric":
+        return o / s
+    if ctm == "align_corners":
+        return o * (n_in - 1) / max(n_out - 1, 1)
+    if ctm == "pytorch_half_pixel" and n_out == 1:
+        return np.zeros(1)
+    if ctm == "tf_crop_and_resize":
+        raise NotImplementedError("Resize with tf_crop_and_resize")
+    return (o + 0.5) / s - 0.5
+
+
 @op("Resize", "Upsample")
 def resize(ins, at):
     x = ins[0]
     mode = at.get("mode", b"nearest")
     mode = mode.decode() if isinstance(mode, bytes) else mode
-    if mode not in ("nearest", "linear", "bilinear"):
-        raise NotImplementedError(f"Resize mode={mode} (nearest and linear only)")
+    if mode not in ("nearest", "linear", "bilinear", "cubic"):
+        raise NotImplementedError(f"Resize mode={mode} (nearest, linear and cubic only)")
     if mode != "nearest" and at.get("antialias", 0):
         raise NotImplementedError("Resize with antialias")
     scales = sizes = None
@@ -603,19 +597,10 @@ def resize(ins, at):
     for ax, (n_in, n_out, s) in enumerate(zip(x.shape, out, scales)):
         if n_in == n_out:
             continue
-        o = np.arange(n_out, dtype=np.float64)
-        if ctm == "asymmetric":
-            src = o / s
-        elif ctm == "align_corners":
-            src = o * (n_in - 1) / max(n_out - 1, 1)
-        elif ctm == "pytorch_half_pixel" and n_out == 1:
-            src = np.zeros(1)
-        elif ctm in ("half_pixel", "pytorch_half_pixel"):
-            src = (o + 0.5) / s - 0.5
-        elif ctm == "tf_crop_and_resize":
-            raise NotImplementedError("Resize with tf_crop_and_resize")
-        else:
-            src = (o + 0.5) / s - 0.5
+        src = _source_positions(ctm, n_in, n_out, s, np.float32 if mode == "cubic" else np.float64)
+        if mode == "cubic":
+            y = cubic_axis(y, ax, src, at)
+            continue
         if mode != "nearest":  # (linear, each axis in turn: n-linear; positions outside the input take its edge)
             src = np.clip(src, 0, n_in - 1)
             lo = np.floor(src).astype(np.int64)
@@ -753,3 +738,7 @@ def gru(ins, at):
         ys.append(np.stack(out))
         hs.append(h)
     return _recurrent_outputs(ys, hs, [])
+
+
+for _name, _fn in TRANSFORMER_OPS.items():
+    FP32_OPS[_name] = _fn

@@ -19,10 +19,12 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
+from qtool.blas import blas_threads
 from qtool.errors import QtoolError
 from qtool.modelio import check_tensor, load_model
 from qtool.runtime.backend import kernel_info, load_backend
 from qtool.runtime.compiler import Compiler
+from qtool.runtime.plan_static import static_steps
 
 _ELEM = {1: "tensor(float)", 2: "tensor(uint8)", 3: "tensor(int8)", 6: "tensor(int32)", 7: "tensor(int64)",
          10: "tensor(float16)", 11: "tensor(double)"}
@@ -115,6 +117,11 @@ def _assign_buffers(env, steps, views, live):
     return bufs, (total, no_reuse, n_buffers)
 
 
+def _bound_indices(steps, views):
+    """The step index of each call _bind_steps returns (views are made at binding, not called)."""
+    return [k for k in range(len(steps)) if k not in views]
+
+
 def _bind_steps(env, steps, views, bufs):
     """Binds in order (every input is a fixed buffer by then): -> [(step, bound call)]."""
     steps_calls = []
@@ -160,9 +167,12 @@ class NativeSession:
     def run(self, output_names, feeds: dict):
         if self._prewake is not None:  # the workers wake while Python checks the inputs
             self._prewake()
-        plan = self._plan_for(feeds)
-        for f in plan.calls:
-            f()
+        # numpy's BLAS (fp32 MatMul fallbacks) on one thread: OpenBLAS's waiting threads spin against the
+        # kernels' pool (a ViT's attention MatMul took 117 ms on 2 BLAS threads inside a run, 4 ms alone)
+        with blas_threads(1):
+            plan = self._plan_for(feeds)
+            for f in plan.calls:
+                f()
         return self._collect(plan, output_names)
 
     # ---------------------------------------------------------------- internals
@@ -255,7 +265,9 @@ class NativeSession:
         plan = _Plan()
         plan.env = env
         bufs, (plan.bytes, plan.bytes_no_reuse, plan.n_buffers) = _assign_buffers(env, steps, views, (root, last, forever))
-        plan.steps_calls = _bind_steps(env, steps, views, bufs)
+        once = static_steps(steps, {slot for slot, _ in arrs}, set(prog.consts))
+        plan.steps_calls = [sc for k, sc in zip(_bound_indices(steps, views), _bind_steps(env, steps, views, bufs))
+                            if k not in once]
         plan.calls = [f for _, f in plan.steps_calls]
         for slot, x in arrs:
             env[slot] = x
@@ -332,14 +344,16 @@ class NativeSession:
 
     def profile(self, feeds, repeats: int = 10):
         """Time every step: -> list of dicts (name, op, mode, kernel, ms (median), macs)."""
-        plan = self._plan_for(feeds)
-        times = [[] for _ in plan.steps_calls]
+        times = None
         pc = time.perf_counter
-        for _ in range(repeats):
-            for j, (st, f) in enumerate(plan.steps_calls):
-                t = pc()
-                f()
-                times[j].append(pc() - t)
+        with blas_threads(1):  # as run() does
+            plan = self._plan_for(feeds)
+            times = [[] for _ in plan.steps_calls]
+            for _ in range(repeats):
+                for j, (st, f) in enumerate(plan.steps_calls):
+                    t = pc()
+                    f()
+                    times[j].append(pc() - t)
         out = []
         for (st, _), ts in zip(plan.steps_calls, times):
             out.append({"name": st.name, "op": st.op, "mode": st.mode, "kernel": st.kernel,

@@ -73,6 +73,13 @@ class QuantizeStep(Step):
         if self.native is not None and self.nhwc and x.ndim == 4 and x.dtype == np.float32 and x.flags.c_contiguous:
             env[self.outs[0]] = self.native(x, self.inv, int(self.zp), out=out[0] if out else None)
             return
+        if self.native is not None and not (self.nhwc and x.ndim == 4) and x.ndim >= 1 and x.size and x.dtype == np.float32 \
+                and x.flags.c_contiguous:  # one channel of rows: the kernel's vectorized row loop, no transpose
+            rows = x.reshape(1, 1, -1, x.shape[-1])
+            y = out[0] if out else np.empty(x.shape, np.uint8)
+            self.native(rows, self.inv, int(self.zp), out=y.reshape(1, rows.shape[2], rows.shape[3], 1))
+            env[self.outs[0]] = y
+            return
         if self.nhwc and x.ndim == 4:
             x = x.transpose(0, 2, 3, 1)
         t = self.tmp.get(x.shape)
@@ -99,8 +106,14 @@ class DequantizeStep(Step):
 
     def run(self, env, out):
         x = env[self.ins[0]]
-        if self.native is not None and ((self.nhwc and x.ndim == 4) or x.ndim == 2):
+        if self.native is not None and self.nhwc and x.ndim == 4:
             env[self.outs[0]] = self.native(x, self.scale, int(self.zp), out=out[0] if out else None)
+            return
+        if self.native is not None and not (self.nhwc and x.ndim == 4) and x.ndim >= 1 and x.size and x.flags.c_contiguous:
+            rows = x.reshape(1, -1, x.shape[-1], 1)  # one channel: NHWC [1, rows, cols, 1] = NCHW [1, 1, rows, cols]
+            y = out[0] if out else np.empty(x.shape, np.float32)
+            self.native(rows, self.scale, int(self.zp), out=y.reshape(1, 1, rows.shape[1], rows.shape[2]))
+            env[self.outs[0]] = y
             return
         if self.nhwc and x.ndim == 4:
             x = x.transpose(0, 3, 1, 2)

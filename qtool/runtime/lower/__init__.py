@@ -8,10 +8,10 @@ Adding a rule: one function in its family's module and one entry in that module'
 """
 from __future__ import annotations
 
-from qtool.runtime.lower import conv, elementwise, gemm, lut, pool, shape
+from qtool.runtime.lower import conv, dynamic, elementwise, gemm, lut, pool, shape
 from qtool.runtime.lower.lut import ELEMENTWISE, rule_region
 
-FAMILIES = (lut, shape, conv, gemm, elementwise, pool)
+FAMILIES = (lut, shape, conv, gemm, elementwise, pool, dynamic)
 
 
 

@@ -7,6 +7,7 @@ import numpy as np
 from qtool.runtime import saturating
 from qtool.runtime import steps as S
 from qtool.runtime.backend import conv_multiplier
+from qtool.runtime.lower import dynamic, qmatmul
 from qtool.runtime.lower.common import uint8_input
 from qtool.runtime.program import Entry, node_attrs
 
@@ -55,6 +56,10 @@ def rule_gemm(c, node):
 
 
 def rule_matmul(c, node):
+    if node.input[0] in c.dynamic_views:
+        return dynamic.rule_dynamic_matmul(c, node)
+    if node.input[1] in c.views:
+        return qmatmul.rule_qmatmul(c, node)
     x = uint8_input(c, node)
     if isinstance(x, str):
         return x

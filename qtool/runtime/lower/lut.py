@@ -12,10 +12,10 @@ from qtool.runtime.lower.common import uint8_input
 from qtool.runtime.program import Entry, node_attrs
 
 LUT_OPS = {"Relu", "Clip", "Sigmoid", "HardSigmoid", "HardSwish", "LeakyRelu", "Tanh", "Exp", "Neg", "Abs",
-           "Sqrt", "Erf", "BatchNormalization", "Identity"}
+           "Sqrt", "Erf", "Gelu", "BatchNormalization", "Identity"}
 
 ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Pow", "Sqrt", "Relu", "Clip", "Sigmoid", "HardSigmoid", "HardSwish",
-               "Tanh", "LeakyRelu", "Exp", "Log", "Neg", "Abs", "Min", "Max", "Erf", "Identity", "Reciprocal"}
+               "Tanh", "LeakyRelu", "Exp", "Log", "Neg", "Abs", "Min", "Max", "Erf", "Gelu", "Identity", "Reciprocal"}
 
 REGION_MAX_ROUNDS = 64  # growth rounds of a region (each adds the ops reading what it produces)
 

@@ -1,0 +1,168 @@
+"""Dynamic quantization in the native runtime: DynamicQuantizeLinear -> DequantizeLinear -> MatMul
+with an int8 weight (per column or per tensor) runs as DynamicQuantizeStep + DynamicGemmStep, and
+gives ONNX Runtime's output (its MatMulIntegerToFloat / DynamicQuantizeMatMul fusion) bit for bit,
+on every kernel set, equal to the numpy reference in qtool.runtime.dynamic_quant."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+ort = pytest.importorskip("onnxruntime")
+
+import qtool.kernels as K  # noqa: E402
+from qtool.runtime import NativeSession  # noqa: E402
+from qtool.runtime.dynamic_quant import dynamic_qparams, k_chunks, matmul_integer_to_float, quantize_u8  # noqa: E402
+
+KERNEL_SETS = K.available_isas() + (["avx2-exact"] if "avx2" in K.available_isas() else [])
+
+
+@pytest.fixture(params=KERNEL_SETS)
+def isa(request):
+    prev = K.get_isa()
+    tier = request.param.replace("-exact", "")
+    K.set_isa(tier)
+    K.set_exact_only(request.param.endswith("-exact"))
+    yield tier
+    K.set_exact_only(False)
+    K.set_isa(prev)
+
+
+def _weights(rng, k, n, per_column=True, big=False):
+    w = np.full((k, n), 127, np.int8) if big else rng.integers(-127, 128, (k, n)).astype(np.int8)
+    if big:
+        w[:, ::2] = -127
+    s = (rng.random(n if per_column else 1) * 0.02 + 1e-3).astype(np.float32)
+    return w, s
+
+
+def dyn_model(x_shape, w, s, *, bias=None, extra_reader=False, second_matmul=None, opset=17):
+    """x -> DynamicQuantizeLinear -> DequantizeLinear -> MatMul(., DQ(w, s, axis=1)) [+ bias] -> y
+    (a second MatMul on the same DQ, or a Relu reading the DQ, when asked)."""
+    k, n = w.shape
+    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(s.reshape(-1) if s.size > 1 else s.reshape(()), "sw"),
+             numpy_helper.from_array(np.zeros(n if s.size > 1 else (), np.int8) if s.size > 1 else np.array(0, np.int8), "zw")]
+    nodes = [helper.make_node("DequantizeLinear", ["w", "sw", "zw"], ["wd"], axis=1),
+             helper.make_node("DynamicQuantizeLinear", ["x"], ["q", "qs", "qz"]),
+             helper.make_node("DequantizeLinear", ["q", "qs", "qz"], ["xd"]),
+             helper.make_node("MatMul", ["xd", "wd"], ["mm"])]
+    outs = ["y"]
+    if bias is not None:
+        inits.append(numpy_helper.from_array(bias, "b"))
+        nodes.append(helper.make_node("Add", ["b", "mm"], ["y"]))  # the bias first, as torch exports it
+    else:
+        nodes.append(helper.make_node("Identity", ["mm"], ["y"]))
+    if second_matmul is not None:
+        w2, s2 = second_matmul
+        inits += [numpy_helper.from_array(w2, "w2"), numpy_helper.from_array(s2, "sw2")]
+        nodes += [helper.make_node("DequantizeLinear", ["w2", "sw2"], ["wd2"], axis=1),
+                  helper.make_node("MatMul", ["xd", "wd2"], ["y2"])]
+        outs.append("y2")
+    if extra_reader:
+        nodes.append(helper.make_node("Relu", ["xd"], ["r"]))
+        outs.append("r")
+    # leading dims symbolic, as exporters write them (with static ones ORT folds MatMul + Add into a float Gemm)
+    dims = [f"d{i}" for i in range(len(x_shape) - 1)] + [x_shape[-1]]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, dims)],
+                          [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outs], initializer=inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = 8
+    return m
+
+
+def _ort(m, x):
+    return ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+
+
+def _native(m, x, path):
+    import onnx
+    onnx.save(m, path)
+    sess = NativeSession(str(path), threads=2)
+    return sess.run(None, {"x": x}), sess
+
+
+CASES = [  # (x shape, K, N, per column, bias, x offset)
+    ((1, 7, 16), 16, 24, True, False, 0.0),
+    ((2, 5, 64), 64, 48, True, True, 0.0),
+    ((33, 384), 384, 96, True, True, 0.0),
+    ((1, 33, 384), 384, 96, True, True, 0.0),
+    ((1, 32, 1536), 1536, 40, True, False, 0.0),
+    ((3, 20), 20, 5, False, False, 0.0),
+    ((4, 9, 32), 32, 17, True, True, 3.0),    # all positive: the range starts at 0, zero point 0
+    ((4, 9, 32), 32, 17, True, False, -3.0),  # all negative: zero point 255
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}x{c[2]}" for c in CASES])
+def test_dynamic_matmul_matches_ort_bit_for_bit(case, isa, tmp_path):
+    shape, k, n, per_col, with_bias, off = case
+    rng = np.random.default_rng(k * 7 + n)
+    w, s = _weights(rng, k, n, per_col)
+    x = (rng.standard_normal(shape) * 2 + off).astype(np.float32)
+    bias = (rng.standard_normal(n) * 0.1).astype(np.float32) if with_bias else None
+    m = dyn_model(shape, w, s, bias=bias)
+    (y,), sess = _native(m, x, tmp_path / "m.onnx")
+    (ref,) = _ort(m, x)
+    kinds = {e.op: e.mode for e in sess.report_entries()} if hasattr(sess, "report_entries") else None
+    assert "DynamicGemmStep" in {type(st).__name__ for st in sess.program.steps}, kinds
+    if with_bias:  # the bias Add runs in the GEMM's step
+        assert "Add" not in {st.op for st in sess.program.steps}
+    if with_bias and len(shape) == 2:  # ORT folds a 2-D MatMul + Add into a float Gemm on the dequantized values
+        np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4)
+    else:  # its DynamicQuantizeMatMul / MatMulIntegerToFloat
+        np.testing.assert_array_equal(y, ref)
+    # and the numpy reference of the arithmetic
+    sc, zp = dynamic_qparams(x)
+    want = matmul_integer_to_float(quantize_u8(x, sc, zp).reshape(-1, k), zp, w, np.float32(sc) * s.reshape(-1))
+    if bias is not None:
+        want = want + bias
+    np.testing.assert_array_equal(y.reshape(-1, n), want)
+
+
+def test_dynamic_matmul_long_k_is_split_and_exact(isa, tmp_path):
+    """255 * sum(|w|) over K beyond 2^24: float32 partial sums would round; K runs in chunks."""
+    rng = np.random.default_rng(5)
+    w, s = _weights(rng, 1200, 8, big=True)
+    assert len(k_chunks(np.ascontiguousarray(w.T))) > 1
+    x = np.abs(rng.standard_normal((3, 1200))).astype(np.float32) + 5  # every code near 255
+    x[0, 0] = -0.01
+    m = dyn_model(x.shape, w, s)
+    (y,), sess = _native(m, x, tmp_path / "m.onnx")
+    (ref,) = _ort(m, x)
+    np.testing.assert_array_equal(y, ref)
+
+
+def test_dynamic_quantize_shared_and_mixed_readers(tmp_path):
+    """One DynamicQuantizeLinear read by two MatMuls stays one step; a DequantizeLinear also read by
+    another op runs in fp32 (and its MatMuls with it), still as ORT computes."""
+    rng = np.random.default_rng(9)
+    w, s = _weights(rng, 32, 16)
+    w2, s2 = _weights(rng, 32, 8)
+    x = rng.standard_normal((2, 6, 32)).astype(np.float32)
+    m = dyn_model(x.shape, w, s, second_matmul=(w2, s2))
+    ys, sess = _native(m, x, tmp_path / "a.onnx")
+    names = [type(st).__name__ for st in sess.program.steps]
+    assert names.count("DynamicQuantizeStep") == 1 and names.count("DynamicGemmStep") == 2
+    for y, r in zip(ys, _ort(m, x)):
+        np.testing.assert_array_equal(y, r)
+    m = dyn_model(x.shape, w, s, extra_reader=True)
+    ys, sess = _native(m, x, tmp_path / "b.onnx")
+    assert "DynamicGemmStep" not in {type(st).__name__ for st in sess.program.steps}
+    for y, r in zip(ys, _ort(m, x)):
+        np.testing.assert_allclose(y, r, rtol=1e-5, atol=1e-5)
+
+
+def test_dynamic_quantize_step_matches_ort(tmp_path):
+    rng = np.random.default_rng(2)
+    for x in (rng.standard_normal((3, 50)).astype(np.float32) * 7, np.zeros((2, 3), np.float32),
+              np.abs(rng.standard_normal((1, 4, 8))).astype(np.float32)):
+        node = helper.make_node("DynamicQuantizeLinear", ["x"], ["y", "s", "z"])
+        g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.UINT8, None),
+                               helper.make_tensor_value_info("s", TensorProto.FLOAT, None),
+                               helper.make_tensor_value_info("z", TensorProto.UINT8, None)])
+        m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+        m.ir_version = 8
+        got, _ = _native(m, x, tmp_path / "q.onnx")
+        for a, b in zip(got, _ort(m, x)):
+            np.testing.assert_array_equal(np.asarray(a), b)
