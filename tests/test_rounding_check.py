@@ -62,7 +62,7 @@ def test_a_rounding_worse_on_the_half_it_did_not_see_falls_back_to_nearest(tmp_p
     assert c["decision"] == "nearest" and c["samples"] == rep["samples_used"]["steps"]["output-aware rounding"]
     assert c["verdict"]["samples"] == c["samples"] and c["verdict"]["judge"] == "top-1"
     assert rep["rounding"] == "nearest" and not rep["rounded_layers"]
-    assert any(s.startswith("verified output-aware rounding on") and s.endswith("nearest rounding instead")
+    assert any(s.startswith("verified output-aware rounding on") and "nearest rounding instead (" in s
                for s in said)
 
 
@@ -70,7 +70,7 @@ def test_where_kept_the_model_is_the_unchecked_rounding_byte_for_byte(tmp_path, 
     work = _calibrated(tmp_path)
     rep, checked, said = _quantize(work, str(tmp_path / "checked.onnx"))
     assert rep["rounding_check"]["decision"] == "kept" and rep["rounding"] == "output-aware"
-    assert any("kept (not worse beyond the noise)" in s for s in said)
+    assert any("kept (nearest" in s for s in said)
     # the same run with the check made blind: the rounding as it was before the check
     monkeypatch.setattr(rounding_step, "check_rounding",
                         lambda ctx, samples, progress=None: RC.RoundingCheck(len(samples), why_not="blind"))

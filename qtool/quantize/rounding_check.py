@@ -32,6 +32,11 @@ from qtool.quantize.verify import judge_for, verdict
 HALVES = 2  # folds of the tuning samples: fitted on one, judged on the other
 MIN_HALF = 4  # samples in each half, at least: fewer tuning samples leave the rounding unchecked
 STEP = "nearest rounding"  # the alternative judged: kept only where it measures better beyond the noise
+# standard errors (or a count's standard deviations) by which nearest rounding must measure better to replace
+# the fitted rounding: the conventional two, a one-sided false alarm of about 2 % per model where the two
+# roundings are in truth alike. One (verify.py's bar for keeping a step) would overturn the long-measured
+# default by chance alone on about one model in six
+HARM_SIGNIFICANCE = 2.0
 
 
 @dataclass
@@ -52,13 +57,14 @@ class RoundingCheck:
         v = self.verdict
         fig = (f"{v.read_without}/{v.samples} read as fp32 with the fitted rounding, {v.read_with}/{v.samples} with "
                f"nearest; " if v.read_with is not None else "")
-        what = ("nearest rounding instead" if v.kept else "kept (not worse beyond the noise)")
+        what = (f"nearest rounding instead ({v.margin:.1f} standard errors better)" if v.kept else
+                f"kept (nearest {v.margin:+.1f} standard errors, {HARM_SIGNIFICANCE:g} needed to replace it)")
         return (f"verified output-aware rounding on {v.samples} tuning samples, each by a model rounded on the "
                 f"other half, by {v.judge} against nearest rounding ({fig}error {v.error_without:.4g} fitted, "
                 f"{v.error_with:.4g} nearest): {what}")
 
     def to_dict(self) -> dict:
-        d = {"samples": self.samples, "halves": HALVES, "decision": "nearest" if self.nearest else
+        d = {"samples": self.samples, "halves": HALVES, "significance": HARM_SIGNIFICANCE, "decision": "nearest" if self.nearest else
              ("kept" if self.verdict is not None else "unchecked"), "why_not": self.why_not or None}
         if self.verdict is not None:
             d["verdict"] = self.verdict.to_dict()
@@ -97,5 +103,5 @@ def check_rounding(ctx, samples, progress=None) -> RoundingCheck:
     except ValueError as e:  # (outputs of different sizes cannot be judged side by side)
         check.why_not = f"the halves' outputs do not join: {e}"
         return check
-    check.verdict = verdict(STEP, judge_for(ref), ref, y_near, y_fit, "output-aware rounding")
+    check.verdict = verdict(STEP, judge_for(ref), ref, y_near, y_fit, "output-aware rounding", HARM_SIGNIFICANCE)
     return check
