@@ -12,8 +12,8 @@ The burden is on showing harm: the fitted rounding is the long-measured default,
 real gain seldom shows beyond the noise (as a keep-only-if-better rule, --verify took orinet 32.8 -> 27.4
 dB). So nearest rounding replaces it only where it measures better by HARM_SIGNIFICANCE standard errors
 (verify.verdict with the roles swapped); where kept, the rounding is fitted on all the tuning samples as
-before, and the model is the one the unchecked rounding wrote, byte for byte. (On 8 zoo models and PP-OCRv4's
-recognizer the halves put the fitted rounding closer to fp32 than nearest on 6, farther on 3, none of
+before, and the model is the one the unchecked rounding wrote, byte for byte. (On 8 zoo models and
+PP-OCRv4's recognizer the halves put the fitted rounding closer to fp32 than nearest on 6, farther on 3, none of
 those by two standard errors: each kept its bytes. PP-OCRv2's LSTM recognizer, on 8 samples, measured
 nearest 3.5 standard errors better.)
 
@@ -67,12 +67,13 @@ class RoundingCheck:
                 f"{v.error_with:.4g} nearest): {what}")
 
     def to_dict(self) -> dict:
-        d = {"samples": self.samples, "halves": HALVES, "significance": HARM_SIGNIFICANCE, "decision": "nearest" if self.nearest else
-             ("kept" if self.verdict is not None else "unchecked"), "why_not": self.why_not or None}
+        decision = "nearest" if self.nearest else "kept" if self.verdict is not None else "unchecked"
+        d = {"samples": self.samples, "halves": HALVES, "significance": HARM_SIGNIFICANCE, "decision": decision,
+             "why_not": self.why_not or None}
         if self.verdict is not None:
             d["verdict"] = self.verdict.to_dict()
-            d["verdict"]["note"] = ("'with' is nearest rounding, 'without' the rounding fitted on the other half; kept: "
-                                    f"nearest measured better by {HARM_SIGNIFICANCE:g} standard errors (margin)")
+            d["verdict"]["note"] = ("'with' is nearest rounding, 'without' the rounding fitted on the other half; "
+                                    f"kept: nearest measured better by {HARM_SIGNIFICANCE:g} standard errors (margin)")
         return d
 
 
