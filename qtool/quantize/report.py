@@ -47,7 +47,9 @@ def _tuning(run) -> dict:
             "rounded_layers": sorted(t.hessians or []),
             "tuned_ranges": None if t.search is None else dict(t.search.to_dict(), samples=t.samples),
             "tuning_seconds": t.seconds,
-            "unrounded_layers": t.unrounded if t.hessians else {}}
+            "unrounded_layers": t.unrounded if t.hessians else {},
+            # (what verified the rounding, on how many samples, by which figure, and what it decided)
+            "rounding_check": None if t.check is None else t.check.to_dict()}
 
 
 def quantize_report(run) -> dict:

@@ -37,6 +37,7 @@ class Tuning:
     seconds: float = 0.0
     samples: int = 0
     unrounded: dict = field(default_factory=dict)  # layer -> why output-aware rounding left it to nearest
+    check: object = None  # rounding_check.RoundingCheck: the rounding cross-fitted, layer by layer
 
 
 @dataclass

@@ -102,6 +102,7 @@ class Verdict:
     error_without: float
     decided_by: str  # "count" or "continuous"
     fallback: str  # what the model got where the step was not kept
+    margin: float = 0.0  # the deciding figure's gain in its standard deviations (count) or standard errors (mean)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -116,15 +117,17 @@ class Verdict:
 
 
 def verdict(step: str, judge: Judge, ref: np.ndarray, y_with: np.ndarray, y_without: np.ndarray,
-            fallback: str) -> Verdict:
+            fallback: str, significance: float = SIGNIFICANCE) -> Verdict:
     """Whether the model with `step` (its output y_with over the held-out samples) measures better than
-    without it (y_without), by `judge`: a count first (sign test), then the continuous figure (paired)."""
+    without it (y_without), by `judge`: a count first (sign test), then the continuous figure (paired), each
+    beyond `significance` standard deviations (the count's) or standard errors (the mean's)."""
     ref = np.asarray(ref)
     a, b = judge.counted(ref, y_with), judge.counted(ref, y_without)
-    kept, by = None, "continuous"
+    kept, by, margin = None, "continuous", 0.0
     if a is not None:
         wins, losses = int((a & ~b).sum()), int((b & ~a).sum())
-        bar = SIGNIFICANCE * np.sqrt(wins + losses)
+        bar = significance * np.sqrt(wins + losses)
+        margin = (wins - losses) / max(np.sqrt(wins + losses), 1.0)
         if wins - losses > bar:
             kept, by = True, "count"
         elif losses - wins > bar:
@@ -138,10 +141,11 @@ def verdict(step: str, judge: Judge, ref: np.ndarray, y_with: np.ndarray, y_with
         gain = np.log(e0 + floor) - np.log(e1 + floor)
         gain = gain[np.isfinite(gain)]
         se = float(gain.std(ddof=1) / np.sqrt(len(gain))) if len(gain) > 1 else float("inf")
-        kept = bool(len(gain) and gain.mean() > 0 and gain.mean() > SIGNIFICANCE * se)
+        kept = bool(len(gain) and gain.mean() > 0 and gain.mean() > significance * se)
+        margin = float(gain.mean() / se) if len(gain) and se > 0 else 0.0
     return Verdict(step, kept, judge.kind, len(ref), None if a is None else int(a.sum()),
                    None if b is None else int(b.sum()), float(np.nanmean(e_with)), float(np.nanmean(e_without)),
-                   by, fallback)
+                   by, fallback, round(float(margin), 3))
 
 
 def verify_step(ctx, samples, step: str, fallback: str, say=print, without=None, exclude: dict | None = None,

@@ -8,6 +8,7 @@ from qtool.quantize.context import QuantizeContext
 from qtool.quantize.optional import OptionalSteps
 from qtool.quantize.progress import bar, whole
 from qtool.quantize.rounding import layer_hessians
+from qtool.quantize.rounding_check import RoundingCheck, check_rounding
 from qtool.quantize.samples import SampleSet
 from qtool.quantize.state import Tuning
 from qtool.quantize.step import Step
@@ -43,11 +44,24 @@ def tune_rounding(ctx: QuantizeContext, samples: SampleSet, res: Tuning, steps: 
         res.unrounded[layer] = "its output-aware rounding failed"
 
     ctx.samples_used["output-aware rounding"] = len(samples)
+    check = cross_check(ctx, samples, say, show_progress)
+    res.check = check
+    if check.nearest:
+        ctx.hessians = res.hessians = None
+        return
     with bar(len(samples), "image", "covariances", show_progress) as pb:
         ctx.hessians = res.hessians = layer_hessians(ctx.fused, samples, progress=whole(pb), on_error=nearest,
                                                      skipped=res.unrounded)
     ctx.on_error = nearest
     round_all(ctx, say, show_progress)  # at the method's ranges; range tuning scores with these weights
+
+
+def cross_check(ctx: QuantizeContext, samples: SampleSet, say=print, show_progress: bool = True) -> RoundingCheck:
+    """rounding_check.check_rounding, said in one line."""
+    with bar(len(samples), "image", "covariances by halves", show_progress) as pb:
+        check = check_rounding(ctx, samples, progress=whole(pb))
+    say(check.line())
+    return check
 
 
 def when(run) -> bool:
@@ -56,7 +70,7 @@ def when(run) -> bool:
 
 
 def samples(run) -> tuple:
-    """the tuning samples; held-out ones with --verify"""
+    """the tuning samples (cross-checked: fitted on each half, judged on the other); held-out ones with --verify"""
     return ("tune", "verify") if run.on.rounding else ()
 
 
