@@ -260,13 +260,21 @@ def _drop_dynamic_only(model: onnx.ModelProto, plan: Plan, facts: ModelFacts) ->
     rounds (before the dynamic quantizer rounds again): the tensor stays fp32 for them. Its producer,
     an op without weights that then writes fp32 only, runs fp32 (_drop_float_ended)."""
     readers = facts.consumers
-    for t in list(plan.tensors):
-        if t in plan.shared or t in plan.shared.values() or t in plan.clamp:
-            continue
-        int8 = [u for u in readers.get(t, []) if u.name in plan.int8_nodes]
-        if int8 and all(u.name in plan.dynamic for u in int8):
-            _unquantize(model, plan, t, "activation runs fp32: only layers quantizing it at run time read it")
-    _drop_float_ended(model, plan, facts)
+    while True:  # (an op made fp32 here frees its inputs' pairs in turn)
+        made_int8 = {o for n in model.graph.node if n.name in plan.int8_nodes
+                     and RULES[n.op_type].kind == "compute" for o in n.output}
+        before = len(plan.tensors)
+        for t in list(plan.tensors):
+            if t in plan.shared or t in plan.shared.values() or t in plan.clamp:
+                continue
+            int8 = [u for u in readers.get(t, []) if u.name in plan.int8_nodes]
+            if int8 and all(u.name in plan.dynamic for u in int8):
+                _unquantize(model, plan, t, "activation runs fp32: only layers quantizing it at run time read it")
+            elif not int8 and t in made_int8:
+                _unquantize(model, plan, t, "activation runs fp32: no int8 op reads it")
+        _drop_float_ended(model, plan, facts)
+        if len(plan.tensors) == before:
+            return
 
 
 def _drop_float_ended(model: onnx.ModelProto, plan: Plan, facts: ModelFacts) -> None:

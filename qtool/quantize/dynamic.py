@@ -8,11 +8,16 @@ Runtime's quantize_dynamic does).
 
 The choice is a measurement on calibration samples, per layer: the layer's fp32 input x is rounded
 with the static range the build uses and with the range of each run, and the error each leaves in the
-layer's output, (round(x) - x) @ W, is compared (as SQNR against x @ W). A layer goes dynamic where
-that gains at least GAIN_DB: one bit of the eight, so a range that is merely a little loose (a CNN's
-classifier head) stays static. Only MatMuls with a 2-D weight and no bias are candidates (the bias of
-a Gemm is int32 at the static input scale); an input clamped by a fused Relu/Clip or on an input's
-lattice (lattice.py) keeps its static pair, which is exact where dynamic would not be.
+layer's output, (round(x) - x) @ W, is compared (as SQNR against x @ W). A layer *needs* a dynamic
+input where that gains at least GAIN_DB: one bit of the eight (never where the static range is exact:
+a one-hot input). Only where some layer needs one does anything change: those layers go dynamic, and
+the other layers that gain at all follow where the model's output then measures better (a transformer's
+layers read the same kind of tensor; one left static keeps its static pair, and the pairs that only
+round between fp32 ops go with the dynamic ones: plan._drop_dynamic_only). A convolution network's
+head, whose range is merely a little loose, needs none: its model does not change. Only MatMuls with
+a 2-D weight and no bias are candidates (a Gemm's bias is int32 at the static input scale); an input
+clamped by a fused Relu/Clip or on an input's lattice (lattice.py) keeps its static pair, exact where
+dynamic would not be.
 """
 from __future__ import annotations
 
@@ -32,13 +37,19 @@ class DynamicChoice:
     input: str
     static_sqnr_db: float  # the layer's output, its input rounded at the static range
     dynamic_sqnr_db: float  # ... at each run's own range
-    dynamic: bool
+    dynamic: bool  # needs it: gains at least GAIN_DB over a static range that is not exact
+
+    @property
+    def gains(self) -> bool:
+        """Whether each run's range measures better at all (a static range that is exact never loses)."""
+        return bool(np.isfinite(self.static_sqnr_db) and self.dynamic_sqnr_db > self.static_sqnr_db)
 
     def to_dict(self) -> dict:
         def db(v):  # (None: exact, no error at all)
             return round(v, 2) if np.isfinite(v) else None
         return {"input": self.input, "static_sqnr_db": db(self.static_sqnr_db),
-                "dynamic_sqnr_db": db(self.dynamic_sqnr_db), "dynamic": self.dynamic}
+                "dynamic_sqnr_db": db(self.dynamic_sqnr_db), "needs_dynamic": self.dynamic,
+                "dynamic": False}  # (the step sets what it chose)
 
 
 def candidates(ctx) -> dict:
@@ -96,31 +107,3 @@ def measure(ctx, samples, threads: int = 0) -> list:
         choices.append(DynamicChoice(layer, x_name, s_db, d_db, bool(np.isfinite(s_db) and d_db >= s_db + GAIN_DB)))
     return choices
 
-
-def weightless_groups(model, plan) -> list:
-    """The int8 ops (compute, not pass-through) of `plan` in groups that touch no layer with a weight:
-    groups joined by the int8 tensors one op writes and another reads (a layer that quantizes its input
-    at run time joins none through that input). Once a transformer's weight MatMuls read their inputs
-    dynamically, its residual Adds, attention-mask Add and GELU Mul are such groups: each rounds its
-    inputs and output to static uint8 between fp32 ops (LayerNorm, Softmax, the dynamic quantizers),
-    with no int8 layer to feed; in graph order."""
-    from qtool.rules import RULES
-
-    parent = {n.name: n.name for n in model.graph.node if n.name in plan.int8_nodes}
-
-    def root(a):
-        while parent[a] != a:
-            parent[a] = parent[parent[a]]
-            a = parent[a]
-        return a
-
-    made_by = {o: n.name for n in model.graph.node if n.name in parent for o in n.output if o}
-    for n in model.graph.node:
-        if n.name not in parent:
-            continue
-        for k, i in enumerate(n.input):
-            if i in made_by and not (k == 0 and n.name in plan.dynamic):
-                parent[root(n.name)] = root(made_by[i])
-    weighted = {root(name) for name in plan.weight_inputs if name in parent}
-    return [n.name for n in model.graph.node if n.name in parent and root(n.name) not in weighted
-            and RULES[n.op_type].kind == "compute"]
