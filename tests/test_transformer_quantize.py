@@ -15,7 +15,7 @@ from qtool.api import quantize
 from qtool.arithmetic import saturating_pairs
 from qtool.quantize.options import QuantizeOptions
 
-T, D, N, V = 64, 128, 160, 50  # (over 1 MMAC: portable keeps pair-safe int8 weights, not uint8)
+T, D, N, V = 64, 128, 160, 200  # (over 1 MMAC: portable keeps pair-safe int8 weights, not uint8)
 
 
 def _block():
@@ -101,6 +101,9 @@ def test_a_constant_index_gather_and_a_static_friendly_layer_stay_as_they_were(t
     m.graph.node.insert(0, helper.make_node("Gather", ["table", "const_ids"], ["c"], name="const_gather"))
     assert [n.name for n in embedding_gathers(m)] == ["embed"]
     assert embedding_gathers(m, {"embed": "user"}) == []
+    small = _block()  # a token-type table of two rows: its rounding would be in every position, for kilobytes
+    small.graph.initializer[0].CopyFrom(numpy_helper.from_array(np.ones((2, D), np.float32), "table"))
+    assert embedding_gathers(small) == []
 
     samples = _samples(24, 3)
     for s in samples:
