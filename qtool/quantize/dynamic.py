@@ -10,11 +10,13 @@ The choice is a measurement on calibration samples, per layer: the layer's fp32 
 with the static range the build uses and with the range of each run, and the error each leaves in the
 layer's output, (round(x) - x) @ W, is compared (as SQNR against x @ W). A layer *needs* a dynamic
 input where that gains at least GAIN_DB: one bit of the eight (never where the static range is exact:
-a one-hot input). Only where some layer needs one does anything change: those layers go dynamic, and
-the other layers that gain at all follow where the model's output then measures better (a transformer's
-layers read the same kind of tensor; one left static keeps its static pair, and the pairs that only
-round between fp32 ops go with the dynamic ones: plan._drop_dynamic_only). A convolution network's
-head, whose range is merely a little loose, needs none: its model does not change. Only MatMuls with
+a one-hot input). The step (steps/dynamic_inputs.py) then measures the model's output with the layers
+that need it, with every layer that gains at all, and with every candidate dynamic, and keeps the best
+where it is no worse than all static, or, where no layer needs a dynamic input, where it gains GAIN_DB
+at the output (a ViT's inputs are each held as well by a static range, yet with its layers dynamic the
+static pairs that only round between fp32 ops go too: plan._drop_dynamic_only; 17 -> 27 dB). A
+convolution network's head, whose range is merely a little loose, needs none and gains nothing like
+that: its model does not change. Only MatMuls with
 a 2-D weight and no bias are candidates (a Gemm's bias is int32 at the static input scale); an input
 clamped by a fused Relu/Clip or on an input's lattice (lattice.py) keeps its static pair, exact where
 dynamic would not be.
