@@ -37,6 +37,7 @@ class Plan:
     clamp: dict = field(default_factory=dict)  # tensor -> (lo, hi) of a fused Relu/Clip
     weight_inputs: dict = field(default_factory=dict)  # node name -> activation tensor its weight multiplies
     float_ended: set = field(default_factory=set)  # ops without weights left fp32 for their fp32 output
+    dynamic: dict = field(default_factory=dict)  # layer -> the fp32 input it quantizes at run time (no static pair)
 
     def decision(self, name):
         return next(d for d in self.decisions if d.name == name)
@@ -123,14 +124,19 @@ class ModelFacts:
 
 
 def make_plan(model: onnx.ModelProto, exclude: dict | None = None, ranges: dict | None = None,
-              prune_excluded: bool = True, facts: ModelFacts | None = None) -> Plan:
+              prune_excluded: bool = True, facts: ModelFacts | None = None, dynamic=()) -> Plan:
     """`exclude`: node name -> reason, for nodes the user (or --exclude-sensitive) keeps in fp32.
+    `dynamic`: layers with a weight whose input is quantized at run time (quantize/dynamic.py): their
+    input gets no static pair for them.
     With `prune_excluded`, an int8 output read only by excluded nodes is not quantized (sensitivity
     turns it off: a layer measured alone keeps its own output quantizer).
     `ranges` (tensor -> [lo, hi], once calibrated) lets rules refuse on ranges (Concat of very
     different ranges); without it the plan is the superset calibration observes."""
     with G.initializers_frozen(model):  # the rules look up every node's constants; the plan changes none
-        return _plan(model, exclude or {}, ranges, prune_excluded, facts or ModelFacts.of(model))
+        plan = _plan(model, exclude or {}, ranges, prune_excluded, facts or ModelFacts.of(model), set(dynamic))
+        if dynamic:
+            _drop_dynamic_only(model, plan, facts or ModelFacts.of(model))
+        return plan
 
 
 # ops left fp32 on purpose, and why (what a user asks first: "why is my decoder not int8?")
@@ -141,7 +147,7 @@ NO_RULE_BECAUSE = {
 
 
 def _plan(model: onnx.ModelProto, exclude: dict, ranges: dict | None, prune_excluded: bool,
-          facts: ModelFacts) -> Plan:
+          facts: ModelFacts, dynamic: set) -> Plan:
     plan = Plan()
     # a spectrum on its way to a Log stays fp32 in every plan, as an exclusion no one can lift
     exclude = {**facts.log_domain, **exclude}
@@ -193,6 +199,8 @@ def _plan(model: onnx.ModelProto, exclude: dict, ranges: dict | None, prune_excl
             plan.shared[out] = acts[0]
         elif facts.weighted[node.name]:
             plan.weight_inputs[node.name] = acts[0]
+            if node.name in dynamic:
+                plan.dynamic[node.name] = acts[0]
         # a Relu/Clip that alone reads this output is implemented by the output's clamp
         users = cons.get(out, [])
         if rule.kind == "compute" and len(users) == 1 and users[0].op_type in FUSABLE_ACTIVATIONS \
@@ -208,7 +216,7 @@ def _plan(model: onnx.ModelProto, exclude: dict, ranges: dict | None, prune_excl
                 out = users[0].output[0]
                 plan.clamp[out] = b
         for a in acts:
-            if a not in plan.tensors:
+            if a not in plan.tensors and node.name not in plan.dynamic:
                 plan.tensors.append(a)
         if out not in outputs:
             int8_out.add(out)
@@ -245,6 +253,28 @@ def _drop_unread_outputs(model: onnx.ModelProto, plan: Plan, order: list) -> Non
         _unquantize(model, plan, t, "activation runs fp32: its output is left fp32")
         d = plan.decision(node.name)
         d.reason = "output left fp32: only fp32 ops read it on the way to the graph output"
+
+
+def _drop_dynamic_only(model: onnx.ModelProto, plan: Plan, facts: ModelFacts) -> None:
+    """A static pair whose int8 readers are all layers that quantize their input at run time only
+    rounds (before the dynamic quantizer rounds again): the tensor stays fp32 for them. Its producer,
+    an op without weights that then writes fp32 only, runs fp32 (_drop_float_ended)."""
+    readers = facts.consumers
+    while True:  # (an op made fp32 here frees its inputs' pairs in turn)
+        made_int8 = {o for n in model.graph.node if n.name in plan.int8_nodes
+                     and RULES[n.op_type].kind == "compute" for o in n.output}
+        before = len(plan.tensors)
+        for t in list(plan.tensors):
+            if t in plan.shared or t in plan.shared.values() or t in plan.clamp:
+                continue
+            int8 = [u for u in readers.get(t, []) if u.name in plan.int8_nodes]
+            if int8 and all(u.name in plan.dynamic for u in int8):
+                _unquantize(model, plan, t, "activation runs fp32: only layers quantizing it at run time read it")
+            elif not int8 and t in made_int8:
+                _unquantize(model, plan, t, "activation runs fp32: no int8 op reads it")
+        _drop_float_ended(model, plan, facts)
+        if len(plan.tensors) == before:
+            return
 
 
 def _drop_float_ended(model: onnx.ModelProto, plan: Plan, facts: ModelFacts) -> None:

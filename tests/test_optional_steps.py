@@ -17,8 +17,8 @@ from qtool import cli
 from qtool.quantize.optional import OptionalSteps, StepError
 from qtool.quantize.options import ExclusionOptions, QuantizeOptions
 from qtool.quantize.pipeline import FALLBACKS, LAYER_FALLBACKS
-from qtool.quantize.steps import (budget, encoding_choice, equalization, exclusion, guard, input_grid, method_choice,
-                                  quantizer_noise, range_tuning, rounding, sensitivity, target_cost)
+from qtool.quantize.steps import (budget, dynamic_inputs, encoding_choice, equalization, exclusion, guard, input_grid,
+                                  method_choice, quantizer_noise, range_tuning, rounding, sensitivity, target_cost)
 
 
 def _boom(*args, **kwargs):
@@ -31,6 +31,7 @@ INJECT = {
     "equalization": (equalization, "balance", QuantizeOptions()),
     "calibration samples": (budget, "afford", QuantizeOptions()),
     "method choice": (method_choice, "pick_method", QuantizeOptions(method="auto")),
+    "dynamic inputs": (dynamic_inputs, "measure", QuantizeOptions()),
     "encoding choice": (encoding_choice, "choose_encodings", QuantizeOptions()),
     # (the suite's images are normalised to [-1, 1]: a lattice)
     "input grid": (input_grid, "choose_input_grid", QuantizeOptions()),

@@ -59,6 +59,7 @@ class QuantizeContext:
     exact_storage: bool | None = None  # None: decided from the target and this machine's ORT
     on_error: object = None  # (layer, exception): a layer's output-aware rounding failed (qdq.layer_weights)
     encodings: dict = field(default_factory=dict)  # node -> encoding where it is not the target's (encoding.py)
+    dynamic: frozenset = frozenset()  # layers whose input is quantized at run time (dynamic.py chooses)
     input_grid: bool = False  # shift a lattice input onto its grid (input_grid.py chooses; off: as calibrated)
     resized: float = 0.0  # the largest share of samples an experiment's int8 output changed the size of
     samples_used: dict = field(default_factory=dict)  # step -> calibration samples it measured on (quantize.json)
@@ -76,7 +77,7 @@ class QuantizeContext:
             method=self.method, exclude={**self.exclude, **(exclude or {})}, bias_correction=self.bias_correction,
             ranges=self.ranges, hessians=self.hessians, weight_cache=self.weight_cache, target=self.target,
             u8_storage=scoring and self.exact_storage, on_error=self.on_error, encodings=self.encodings,
-            input_grid=self.input_grid), **over)
+            input_grid=self.input_grid, dynamic=self.dynamic), **over)
 
     def build(self, exclude: dict | None = None, *, scoring: bool = False, **over) -> QuantizeOutput:
         """The QDQ graph with the context's settings (options())."""

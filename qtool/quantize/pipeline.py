@@ -12,9 +12,9 @@ from __future__ import annotations
 import sys
 
 from qtool.quantize.step import first_line
-from qtool.quantize.steps import (budget, build, decode, encoding_choice, equalization, exclusion, exclusion_check,
-                                  guard, input_grid, method_choice, quantizer_noise, range_tuning, rounding,
-                                  sensitivity, subgraphs, target_cost, verified, verify_choice, write)
+from qtool.quantize.steps import (budget, build, decode, dynamic_inputs, encoding_choice, equalization, exclusion,
+                                  exclusion_check, guard, input_grid, method_choice, quantizer_noise, range_tuning,
+                                  rounding, sensitivity, subgraphs, target_cost, verified, verify_choice, write)
 
 PIPELINE = (
     budget.STEP,
@@ -22,6 +22,7 @@ PIPELINE = (
     method_choice.STEP,
     equalization.STEP,
     verify_choice.STEP,
+    dynamic_inputs.STEP,
     input_grid.STEP,
     encoding_choice.STEP,
     rounding.STEP,

@@ -20,6 +20,7 @@ from qtool.errors import QtoolError
 from qtool.fuse import upcast_float16
 from qtool.fuse.upgrade_opset import MIN_OPSET, upgrade as upgrade_opset
 from qtool.modelio import set_provenance
+from qtool.quantize.embedding import embedding_gathers, write_embedding
 from qtool.quantize.encoding import DEFAULT_TARGET, PAIR_SAFE, S7, S8, TARGETS, U8, W_MAX_OF, pair_partners
 from qtool.plan import Plan, make_plan
 from qtool.lattice import Lattice, lattice_qparams
@@ -46,6 +47,7 @@ class QuantizeOutput:
     layers: dict = field(default_factory=dict)  # node name -> LayerInfo
     notes: list = field(default_factory=list)
     input_shifts: dict = field(default_factory=dict)  # model input -> the constant added before its quantizer
+    embeddings: dict = field(default_factory=dict)  # Gather node -> EmbeddingInfo (embedding.py)
 
 
 def _tensor_qparams(plan: Plan, table, method, tensor, producers=None):
@@ -138,7 +140,9 @@ class BuildOptions:
     `on_error(layer, exception)`: a layer's output-aware rounding failed (layer_weights).
     `encodings`: node -> encoding where it is not the target's.
     `input_grid`: a model input on an 8-bit lattice half a step off every grid is shifted onto one
-    (lattice_inputs); off, such an input keeps its calibrated range (lattices on a grid are used either way)."""
+    (lattice_inputs); off, such an input keeps its calibrated range (lattices on a grid are used either way).
+    `dynamic`: MatMul layers whose input is quantized at run time (DynamicQuantizeLinear; dynamic.py chooses).
+    `embeddings`: embedding tables int8 per row (embedding.py)."""
     method: str | None = None
     exclude: dict | None = None
     bias_correction: bool = True
@@ -153,6 +157,8 @@ class BuildOptions:
     on_error: object = None
     encodings: dict | None = None
     input_grid: bool = True
+    dynamic: frozenset = frozenset()
+    embeddings: bool = True
 
 
 def layer_weights(model, node, inits, s_in, mean_x, hessian, o: BuildOptions):
@@ -234,7 +240,8 @@ def _write_layer(g: _Writer, node, x_name: str, qp: dict, table, shifts: dict, o
     m, rule = g.m, RULES[node.op_type]
     widx, axis = rule.weight(node, m)
     has_bias = rule.bias is not None and len(node.input) > rule.bias and node.input[rule.bias]
-    qw, enc, paired = layer_weights(m, node, g.inits, qp[x_name].scale, table.channel_means.get(x_name),
+    s_in = qp[x_name].scale if x_name in qp else None  # (None: quantized at run time; such a layer has no bias)
+    qw, enc, paired = layer_weights(m, node, g.inits, s_in, table.channel_means.get(x_name),
                                     (o.hessians or {}).get(node.name), o)
     base = node.input[widx]
     if enc == U8 or (o.u8_storage and paired):
@@ -302,7 +309,7 @@ def _planned(fused: onnx.ModelProto, table, o: BuildOptions, notes: list) -> tup
     m = upgrade_opset(m, notes)
     upcast_float16.noted(m, notes)
     plan = make_plan(m, o.exclude, {**table.ranges.get(o.method or table.range_method, {}), **(o.ranges or {})},
-                     o.prune_excluded)
+                     o.prune_excluded, dynamic=o.dynamic)
     nodes = {n.name: n for n in m.graph.node}
     # fused activations: the producer writes the activation's output, the activation goes
     for act_name, (prod_name, _lo, _hi) in (plan.fused.items() if o.activations else ()):
@@ -324,7 +331,10 @@ def quantize_graph(fused: onnx.ModelProto, table, options: BuildOptions | None =
     for node in list(m.graph.node):  # weights and biases
         if node.name in plan.int8_nodes and o.weights and RULES[node.op_type].weight(node, m) is not None:
             layers[node.name] = _write_layer(g, node, plan.weight_inputs[node.name], qp, table, shifts, o)
+    embeddings = {n.name: write_embedding(g, n) for n in embedding_gathers(m, o.exclude)} if o.embeddings else {}
     dq_of = _write_activations(g, plan, qp, shifts) if o.activations else {}
+    if o.activations:
+        _write_dynamic(g, plan)
     _shield_fp32_layers(m, g.inits, dq_of, g.add_init, g.taken)
     m.graph.initializer.extend(g.new_inits)
     G.remove_unused_initializers(m)
@@ -337,7 +347,27 @@ def quantize_graph(fused: onnx.ModelProto, table, options: BuildOptions | None =
         onnx.checker.check_model(m)
     except Exception as e:
         raise QtoolError(f"internal error: the quantized graph fails onnx.checker ({e})") from None
-    return QuantizeOutput(m, plan, qp, layers, notes, shifts)
+    return QuantizeOutput(m, plan, qp, layers, notes, shifts, embeddings)
+
+
+def _write_dynamic(g: _Writer, plan: Plan) -> None:
+    """Each layer of plan.dynamic reads its fp32 input through DynamicQuantizeLinear -> DequantizeLinear
+    (uint8, per tensor, scale and zero point computed at run time from the tensor's min and max, widened
+    to 0), one pair per tensor however many layers read it. ONNX Runtime fuses DynamicQuantizeLinear ->
+    DequantizeLinear -> MatMul <- DequantizeLinear(weight) into its dynamic int8 MatMul: the same u8 x s8
+    products as a static layer, so the weights follow the target's encoding as there."""
+    made = {}
+    for node in list(g.m.graph.node):
+        x = plan.dynamic.get(node.name)
+        if x is None:
+            continue
+        if x not in made:
+            q, s, z, d = (g.name(x + suffix) for suffix in ("_dynamic_quantized", "_dynamic_scale",
+                                                            "_dynamic_zero_point", "_dynamic_dequantized"))
+            g.m.graph.node.append(helper.make_node("DynamicQuantizeLinear", [x], [q, s, z], name=q))
+            g.m.graph.node.append(helper.make_node("DequantizeLinear", [q, s, z], [d], name=d))
+            made[x] = d
+        node.input[0] = made[x]
 
 
 def _shield_fp32_layers(m, inits, dq_of, add_init, taken) -> None:

@@ -60,6 +60,8 @@ def quantize_report(run) -> dict:
         "method_scores_db": run.method_scores_db, "method_agreement": run.method_agreement, "target": o.target,
         "target_description": TARGETS[o.target].description, "target_cost": run.cost,
         "encodings": encoding_counts(out), "encoding_choice": run.encoding_reasons, "input_grid": run.input_grid,
+        "dynamic_inputs": run.dynamic,
+        "embeddings": {k: v.__dict__ for k, v in out.embeddings.items()},
         "bias_correction": o.bias_correction,
         **_tuning(run),
         "budget": None if run.afforded is None else run.afforded.to_dict(),

@@ -63,6 +63,7 @@ class QuantizeRun:
     method_agreement: dict | None = None
     input_grid: dict | None = None
     encoding_reasons: dict = field(default_factory=dict)
+    dynamic: dict | None = None  # the dynamic-input choice per layer, with its figures (steps/dynamic_inputs.py)
     tuning: Tuning = field(default_factory=Tuning)
     sensitivity: dict | None = None
     ranking: list | None = None

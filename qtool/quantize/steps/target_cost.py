@@ -17,7 +17,7 @@ def target_cost(ctx: QuantizeContext, samples: SampleSet, excluded: dict, say=pr
     if not len(samples) or TARGETS[ctx.target].encoding == S8:
         return None
     plain = QuantizeContext(ctx.fused, ctx.table, ctx.method, "vnni", ctx.bias_correction, ctx.exclude, ctx.ranges,
-                            ctx.hessians, threads=ctx.threads)
+                            ctx.hessians, threads=ctx.threads, dynamic=ctx.dynamic)
     say(f"measuring what target {ctx.target} costs against plain int8 weights on {len(samples)} calibration images")
     rounded = set(ctx.hessians or ())
     with bar(2 + len(rounded), "step", "target cost", show_progress) as pb:
