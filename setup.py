@@ -36,13 +36,14 @@ ext = [Extension("qtool.kernels._native", sources=sources, include_dirs=["qtool/
                  extra_link_args=["-pthread"] if sys.platform != "win32" else [])] if sources else []
 # the calibration histogram's one-pass update (plain C, no ISA-specific code)
 ext.append(Extension("qtool.calibrate._histogram", sources=["qtool/calibrate/src/histogram.c"],
-                     extra_compile_args=args))
+                     include_dirs=["qtool/src"], depends=["qtool/src/isa_choice.h"], extra_compile_args=args))
 # output-aware rounding's coordinate descent (plain C, float64 in the numpy reference's order)
 ext.append(Extension("qtool.quantize._rounding", sources=["qtool/quantize/src/rounding.c"],
                      extra_compile_args=kargs, extra_link_args=["-pthread"] if sys.platform != "win32" else []))
 # channel pairing's cost matrix (float32 sums in the numpy reference's order; AVX-512F, AVX2 and portable
 # paths of the same loops: without trapping math the compiler vectorises their selects, same results)
 ext.append(Extension("qtool.fuse._pair_cost", sources=["qtool/fuse/src/pair_cost.c"],
+                     include_dirs=["qtool/src"], depends=["qtool/src/isa_choice.h"],
                      extra_compile_args=kargs + (["-fno-trapping-math"] if sys.platform != "win32" else []),
                      extra_link_args=["-pthread"] if sys.platform != "win32" else []))
 if os.environ.get("QTOOL_NO_EXTENSIONS"):  # packaging tests: what goes into the wheel, without compiling

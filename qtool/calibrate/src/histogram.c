@@ -19,21 +19,18 @@
  * throughout. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include "isa_choice.h"
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__x86_64__) || defined(_M_X64)
+#ifdef QT_X86
 #include <immintrin.h>
-#define QT_X86 1
 #endif
 
 #define NSUB 4
 #define BLOCK 16
 
-enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
-static const char *ISA_NAMES[] = {"scalar", "avx2", "avx512"};
-static int g_isa = ISA_SCALAR, g_isa_max = ISA_SCALAR;
 
 /* floor() of a float that fits int64, without a libm call (baseline x86-64 has no roundps) */
 static inline int64_t floor_i64(float t) {
@@ -432,30 +429,6 @@ static PyObject *distinct(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(result);
 }
 
-/* ---- ISA choice ------------------------------------------------------------------------- */
-
-static PyObject *get_isa(PyObject *self, PyObject *noargs) { return PyUnicode_FromString(ISA_NAMES[g_isa]); }
-
-static int isa_from_name(const char *name) {
-    if (!strcmp(name, "avx512") || !strcmp(name, "avx512vnni")) return ISA_AVX512;
-    if (!strcmp(name, "avx2")) return ISA_AVX2;
-    if (!strcmp(name, "scalar")) return ISA_SCALAR;
-    return -1;
-}
-
-static PyObject *set_isa(PyObject *self, PyObject *args) {
-    const char *name;
-    if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
-    int want = isa_from_name(name);
-    if (want < 0) {
-        PyErr_Format(PyExc_ValueError, "set_isa: unknown ISA '%s' (avx512, avx2, scalar)", name);
-        return NULL;
-    }
-    int prev = g_isa;
-    g_isa = want < g_isa_max ? want : g_isa_max; /* never above what the CPU has */
-    return PyUnicode_FromString(ISA_NAMES[prev]);
-}
-
 static PyMethodDef methods[] = {
     {"accumulate", accumulate, METH_VARARGS,
      "accumulate(x_f32, counts_i64, e, k0[, offset, step]): add every step-th block of 16 values, from block "
@@ -465,25 +438,12 @@ static PyMethodDef methods[] = {
      "run of `inner` values is added to sums[run % len(sums)]"},
     {"distinct", distinct, METH_VARARGS,
      "distinct(x_f32, table_u32, limit) -> patterns in the set after adding x's, -1 at a NaN/inf, -2 past limit"},
-    {"isa", get_isa, METH_NOARGS, "isa() -> the path in use: avx512, avx2 or scalar"},
-    {"set_isa", set_isa, METH_VARARGS, "set_isa(name) -> previous; capped at what the CPU supports"},
+    ISA_METHODS,
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_histogram", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__histogram(void) {
-#ifdef QT_X86
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f"))
-        g_isa_max = ISA_AVX512;
-    else if (__builtin_cpu_supports("avx2"))
-        g_isa_max = ISA_AVX2;
-#endif
-    g_isa = g_isa_max;
-    const char *env = getenv("QTOOL_ISA");
-    if (env && *env) {
-        int want = isa_from_name(env);
-        if (want >= 0 && want < g_isa) g_isa = want;
-    }
+    isa_choose();
     return PyModule_Create(&module);
 }

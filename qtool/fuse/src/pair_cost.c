@@ -19,18 +19,13 @@
  * capped by QTOOL_ISA; set_isa() lets tests run each. The GIL is released throughout. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include "isa_choice.h"
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <stddef.h>
 #include <string.h>
-#if defined(__x86_64__) || defined(_M_X64)
-#define QT_X86 1
-#endif
 
-enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
-static const char *ISA_NAMES[] = {"scalar", "avx2", "avx512"};
-static int g_isa = ISA_SCALAR, g_isa_max = ISA_SCALAR;
 
 /* numpy's pairwise_sum (numpy/_core/src/umath/loops_utils.h.src) over n values, as a plan: under 8,
  * one sequential sum; up to 128, a leaf (8 interleaved accumulators over the first n - n % 8 values,
@@ -324,53 +319,16 @@ out:
     return result;
 }
 
-/* ---- ISA choice ------------------------------------------------------------------------- */
-
-static PyObject *get_isa(PyObject *self, PyObject *noargs) { return PyUnicode_FromString(ISA_NAMES[g_isa]); }
-
-static int isa_from_name(const char *name) {
-    if (!strcmp(name, "avx512") || !strcmp(name, "avx512vnni")) return ISA_AVX512;
-    if (!strcmp(name, "avx2")) return ISA_AVX2;
-    if (!strcmp(name, "scalar")) return ISA_SCALAR;
-    return -1;
-}
-
-static PyObject *set_isa(PyObject *self, PyObject *args) {
-    const char *name;
-    if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
-    int want = isa_from_name(name);
-    if (want < 0) {
-        PyErr_Format(PyExc_ValueError, "set_isa: unknown ISA '%s' (avx512, avx2, scalar)", name);
-        return NULL;
-    }
-    int prev = g_isa;
-    g_isa = want < g_isa_max ? want : g_isa_max; /* never above what the CPU has */
-    return PyUnicode_FromString(ISA_NAMES[prev]);
-}
-
 static PyMethodDef methods[] = {
     {"accumulate", accumulate, METH_VARARGS,
      "accumulate(v, half, block, limit, threads): add one reader's same-sign pair costs into half (float64 [C, C], in "
      "place); v float32 [R, C] in weight steps"},
-    {"isa", get_isa, METH_NOARGS, "isa() -> the path in use: avx512, avx2 or scalar"},
-    {"set_isa", set_isa, METH_VARARGS, "set_isa(name) -> previous; capped at what the CPU supports"},
+    ISA_METHODS,
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_pair_cost", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__pair_cost(void) {
-#ifdef QT_X86
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f"))
-        g_isa_max = ISA_AVX512;
-    else if (__builtin_cpu_supports("avx2"))
-        g_isa_max = ISA_AVX2;
-#endif
-    g_isa = g_isa_max;
-    const char *env = getenv("QTOOL_ISA");
-    if (env && *env) {
-        int want = isa_from_name(env);
-        if (want >= 0 && want < g_isa) g_isa = want;
-    }
+    isa_choose();
     return PyModule_Create(&module);
 }
