@@ -11,7 +11,7 @@ from tqdm import tqdm
 from qtool.data.config import config_from_any
 from qtool.data.images import list_images
 from qtool.data.sources import ImageData
-from qtool.evaluate.batching import batch_for_memory
+from qtool.evaluate.batching import batch_for_memory, run_alone
 from qtool.evaluate.exact import ExactCheck
 from qtool.evaluate.kinds import classifier
 from qtool.evaluate.options import EvalOptions
@@ -32,9 +32,9 @@ def evaluate(fp32_path: str, int8_path: str, data: str, options: EvalOptions = E
     arithmetic on the first CHECK_SAMPLES images and compare it with ONNX Runtime's int8 output
     (res["runtime_check"])."""
     fp32 = load_model(fp32_path)
-    load_model(int8_path, check=False)
+    alone = run_alone(load_model(int8_path, check=False))
     check_pair(fp32_path, int8_path)
-    src = _source(fp32, fp32_path, data, options, files)
+    src = _source(fp32, fp32_path, data, options, files, alone)
     y_true = labels_from_file(options.labels, src.files) if options.labels else labels_from_folders(data, src.files)
     # images of many sizes (a text detector's, --config ppocr-det): each ORT arena grew for every new size
     # (PP-OCR server det, 30 photos: 3.3 GB of the 6.9 GB peak); memory goes back after each run there
@@ -65,14 +65,15 @@ def evaluate(fp32_path: str, int8_path: str, data: str, options: EvalOptions = E
     return res
 
 
-def _source(fp32, fp32_path: str, data: str, options: EvalOptions, files: list | None) -> ImageData:
+def _source(fp32, fp32_path: str, data: str, options: EvalOptions, files: list | None,
+            alone: bool = False) -> ImageData:
     """The images in batches of IMAGE_BATCH, or fewer where one image's activations are large (16 photos of
     a 640x480 text detector at once: two ORT arenas and the runtime's plan held 16 images' activations each,
     eval at 3.3 GB), sized as a folder of tensors is."""
     cfg = None if options.config is None else config_from_any(options.config)  # None: the model's metadata
     files = list_images(data) if files is None else files
-    src = ImageData(data, cfg, fp32, fp32_path, batch=IMAGE_BATCH, limit=options.limit, files=files)
-    if not getattr(src, "fixed_batch", None) and len(src):
+    src = ImageData(data, cfg, fp32, fp32_path, batch=1 if alone else IMAGE_BATCH, limit=options.limit, files=files)
+    if not alone and not getattr(src, "fixed_batch", None) and len(src):
         with warnings.catch_warnings():  # (an unreadable image is warned of once, by the run itself)
             warnings.simplefilter("ignore")
             probe = ImageData(data, cfg, fp32, fp32_path, batch=1, files=src.files[:8])
