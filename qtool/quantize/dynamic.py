@@ -12,9 +12,9 @@ layer's output, (round(x) - x) @ W, is compared (as SQNR against x @ W). A layer
 input where that gains at least GAIN_DB: one bit of the eight (never where the static range is exact:
 a one-hot input). The step (steps/dynamic_inputs.py) then measures the model's output with the layers
 that need it, with every layer that gains at all, and with every candidate dynamic, and keeps the best
-where it is no worse than all static, or, where no layer needs a dynamic input, where it gains GAIN_DB
-at the output (a ViT's inputs are each held as well by a static range, yet with its layers dynamic the
-static pairs that only round between fp32 ops go too: plan._drop_dynamic_only; 17 -> 27 dB). A
+where the model's output gains GAIN_DB over all static, as a layer must (a ViT's inputs are each held as
+well by a static range, yet with its layers dynamic the static pairs that only round between fp32 ops go
+too: plan._drop_dynamic_only; 17 -> 27 dB; an FSMN voice detector's gain of 2.4 dB stays static). A
 convolution network's head, whose range is merely a little loose, needs none and gains nothing like
 that: its model does not change. Only MatMuls with
 a 2-D weight and no bias are candidates (a Gemm's bias is int32 at the static input scale); an input

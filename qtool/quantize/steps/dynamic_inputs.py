@@ -44,9 +44,10 @@ def choose(run) -> None:
     best = max(tried, key=lambda k: (figures[k], -len(tried[k])))
     chosen = tried[best]
     run.dynamic["output_sqnr_db"] = {k: round(v, 2) for k, v in figures.items()}
-    # where no layer needs it, the model as a whole must gain as much as a layer must
-    margin = 0.0 if needed else GAIN_DB
-    if figures[best] < before + margin:
+    # the model as a whole must gain as much as a layer must: a dynamic input costs each run a pass over the
+    # tensor and ORT's dynamic kernels, and its gain on calibration samples is no promise on others (FSMN-VAD:
+    # +2.4 dB on its calibration samples, -0.2 dB on its held-out files); static stays qtool's default
+    if figures[best] < before + GAIN_DB:
         if needed:
             run.say(f"note: {len(needed)} layer(s) measured better with their input quantized at run time, but the "
                     f"model is not ({before:.1f} -> {figures[best]:.1f} dB on {len(tune)} calibration samples): "
