@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from qtool.runtime.fp32_ops_transformer import OPS as TRANSFORMER_OPS
+from qtool.runtime.reduce_op import reducer
 from qtool.runtime.fp32_ops_transformer import cubic_axis
 from qtool.windows import out_size
 
@@ -283,24 +284,10 @@ def pad(ins, at):
     raise NotImplementedError(f"Pad mode={mode}")
 
 
-def _mk_reduce(f):
-    def fn(ins, at):
-        x = ins[0]
-        axes = ins[1] if len(ins) > 1 and ins[1] is not None else at.get("axes")
-        if axes is None or len(axes) == 0:
-            if at.get("noop_with_empty_axes", 0):
-                return [x]
-            axes = None
-        else:
-            axes = tuple(int(a) for a in axes)
-        return [f(x, axis=axes, keepdims=bool(at.get("keepdims", 1))).astype(x.dtype)]
-    return fn
-
-
-FP32_OPS["ReduceMean"] = _mk_reduce(np.mean)
-FP32_OPS["ReduceSum"] = _mk_reduce(np.sum)
-FP32_OPS["ReduceMax"] = _mk_reduce(np.max)
-FP32_OPS["ReduceMin"] = _mk_reduce(np.min)
+FP32_OPS["ReduceMean"] = reducer(np.mean)
+FP32_OPS["ReduceSum"] = reducer(np.sum)
+FP32_OPS["ReduceMax"] = reducer(np.max)
+FP32_OPS["ReduceMin"] = reducer(np.min)
 
 
 @op("MatMul")

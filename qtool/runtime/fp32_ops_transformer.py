@@ -13,6 +13,7 @@ import math
 import numpy as np
 
 from qtool.runtime.dynamic_quant import dynamic_qparams, quantize_u8
+from qtool.runtime.reduce_op import reducer
 
 OPS = {}
 
@@ -207,25 +208,13 @@ def einsum(ins, at):
     return [np.einsum(eq.replace(" ", ""), *ins)]
 
 
-def _reduce(f):
-    def fn(ins, at):
-        x = ins[0]
-        axes = ins[1] if len(ins) > 1 and ins[1] is not None else at.get("axes")
-        if axes is None or len(axes) == 0:
-            if at.get("noop_with_empty_axes", 0):
-                return [x]
-            axes = None
-        else:
-            axes = tuple(int(a) for a in axes)
-        return [np.asarray(f(x, axes, bool(at.get("keepdims", 1)))).astype(x.dtype)]
-    return fn
-
-
-OPS["ReduceL2"] = _reduce(lambda x, a, k: np.sqrt(np.sum(np.square(x.astype(np.float64)), axis=a, keepdims=k)))
-OPS["ReduceL1"] = _reduce(lambda x, a, k: np.sum(np.abs(x), axis=a, keepdims=k))
-OPS["ReduceSumSquare"] = _reduce(lambda x, a, k: np.sum(np.square(x), axis=a, keepdims=k))
-OPS["ReduceProd"] = _reduce(lambda x, a, k: np.prod(x, axis=a, keepdims=k))
-OPS["ReduceLogSumExp"] = _reduce(lambda x, a, k: np.log(np.sum(np.exp(x.astype(np.float64)), axis=a, keepdims=k)))
+OPS["ReduceL2"] = reducer(lambda x, axis, keepdims: np.sqrt(np.sum(np.square(x.astype(np.float64)), axis,
+                                                                   keepdims=keepdims)))
+OPS["ReduceL1"] = reducer(lambda x, axis, keepdims: np.sum(np.abs(x), axis, keepdims=keepdims))
+OPS["ReduceSumSquare"] = reducer(lambda x, axis, keepdims: np.sum(np.square(x), axis, keepdims=keepdims))
+OPS["ReduceProd"] = reducer(lambda x, axis, keepdims: np.prod(x, axis, keepdims=keepdims))
+OPS["ReduceLogSumExp"] = reducer(lambda x, axis, keepdims: np.log(np.sum(np.exp(x.astype(np.float64)), axis,
+                                                                            keepdims=keepdims)))
 
 
 @op("Expand")
