@@ -220,8 +220,8 @@ def write_samples(folder, samples: list) -> str:
     return str(folder)
 
 
-def calibrate_samples(model, samples: list, folder) -> str:
-    """model.onnx and its samples (write_samples) in `folder`, calibrated with method auto into
+def calibrate_samples(model, samples: list, folder, method: str = "auto") -> str:
+    """model.onnx and its samples (write_samples) in `folder`, calibrated with `method` into
     folder/work, quietly -> the working directory."""
     import warnings
     from qtool.api import calibrate
@@ -231,7 +231,7 @@ def calibrate_samples(model, samples: list, folder) -> str:
     work = str(os.path.join(folder, "work"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        calibrate(path, data, method="auto", workdir=work, verbose=False, threads=1)
+        calibrate(path, data, method=method, workdir=work, verbose=False, threads=1)
     return work
 
 

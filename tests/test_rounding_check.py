@@ -3,13 +3,11 @@ the output means against nearest rounding (rounding_check.py): nearest replaces 
 beyond the noise on the half it did not see; where kept, the model is the one the unchecked rounding writes."""
 from __future__ import annotations
 
-import os
 import warnings
 
 import numpy as np
 
-from helpers import save, small_convnet
-from qtool.api import calibrate
+from helpers import calibrate_samples, small_convnet
 from qtool.quantize import rounding_check as RC
 from qtool.quantize.options import QuantizeOptions, SensitivityOptions
 from qtool.quantize.run import quantize
@@ -20,16 +18,10 @@ OPTIONS = QuantizeOptions(strict=True, progress=False, sensitivity=SensitivityOp
 
 def _calibrated(tmp_path, n=24):
     rng = np.random.default_rng(4)
-    path = save(small_convnet(seed=4), tmp_path / "model.onnx")
-    data = tmp_path / "data"
-    os.makedirs(data)
-    for k in range(n):
-        np.save(data / f"s{k:02d}.npy", rng.standard_normal((1, 3, 16, 16)).astype(np.float32))
-    work = str(tmp_path / "work")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        calibrate(path, str(data), method="minmax", workdir=work, verbose=False, threads=1)
-    return work
+    model = small_convnet(seed=4)
+    x = model.graph.input[0].name
+    samples = [{x: rng.standard_normal((1, 3, 16, 16)).astype(np.float32)} for _ in range(n)]
+    return calibrate_samples(model, samples, tmp_path, method="minmax")
 
 
 def _quantize(work, out):
