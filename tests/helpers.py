@@ -242,3 +242,24 @@ def calibrate_options(**options):
     from qtool.calibrate.options import CalibrateOptions, Sampling
     sampling = {f.name: options.pop(f.name) for f in dataclasses.fields(Sampling) if f.name in options}
     return CalibrateOptions(**options, sampling=Sampling(**sampling))
+
+
+def kernel_set(name: str):
+    """The native kernels on one set ("scalar", "avx2", "avx2-exact", "avx512vnni", ...) for a `with` block
+    (-> the ISA tier), then back to what they were."""
+    import contextlib
+    from qtool import kernels as K
+
+    @contextlib.contextmanager
+    def chosen():
+        prev = K.get_isa()
+        tier = name.replace("-exact", "")
+        K.set_isa(tier)
+        K.set_exact_only(name.endswith("-exact"))
+        try:
+            yield tier
+        finally:
+            K.set_exact_only(False)
+            K.set_isa(prev)
+    return chosen()
+

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 K = pytest.importorskip("qtool.kernels")
+from helpers import kernel_set  # noqa: E402
 from qtool.kernels import reference as R  # noqa: E402
 from qtool.kernel_params import BinaryQuant, ConvGeometry, PoolWindow  # noqa: E402
 
@@ -22,16 +23,11 @@ GUARD = 67  # canary bytes before and after the output
 
 @pytest.fixture(params=KERNEL_SETS)
 def isa(request):
-    prev = K.get_isa()
-    tier = request.param.replace("-exact", "")
-    K.set_isa(tier)
-    K.set_exact_only(request.param.endswith("-exact"))
-    K._native.set_parallel_min_ns(0)  # thread even the tiny test ops (tile splits get exercised)
-    assert K.get_isa() == tier
-    yield tier
-    K._native.set_parallel_min_ns(15000)
-    K.set_exact_only(False)
-    K.set_isa(prev)
+    with kernel_set(request.param) as tier:
+        K._native.set_parallel_min_ns(0)  # thread even the tiny test ops (tile splits get exercised)
+        assert K.get_isa() == tier
+        yield tier
+        K._native.set_parallel_min_ns(15000)
 
 
 def canary_out(shape, dtype, canary):

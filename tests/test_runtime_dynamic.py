@@ -11,6 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 ort = pytest.importorskip("onnxruntime")
 
 import qtool.kernels as K  # noqa: E402
+from helpers import kernel_set  # noqa: E402
 from qtool.runtime import NativeSession  # noqa: E402
 from qtool.runtime.dynamic_quant import dynamic_qparams, k_chunks, matmul_integer_to_float, quantize_u8  # noqa: E402
 
@@ -19,13 +20,8 @@ KERNEL_SETS = K.available_isas() + (["avx2-exact"] if "avx2" in K.available_isas
 
 @pytest.fixture(params=KERNEL_SETS)
 def isa(request):
-    prev = K.get_isa()
-    tier = request.param.replace("-exact", "")
-    K.set_isa(tier)
-    K.set_exact_only(request.param.endswith("-exact"))
-    yield tier
-    K.set_exact_only(False)
-    K.set_isa(prev)
+    with kernel_set(request.param) as tier:
+        yield tier
 
 
 def _weights(rng, k, n, per_column=True, big=False):
