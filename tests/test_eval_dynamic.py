@@ -8,7 +8,7 @@ import numpy as np
 from onnx import helper
 
 from helpers import make_model, run, save
-from qtool.evaluate.batching import run_alone
+from qtool import graph as G
 from qtool.evaluate.options import EvalOptions
 from qtool.evaluate.tensors import evaluate_tensors
 
@@ -23,7 +23,7 @@ def _models():
 
 def test_samples_of_a_dynamic_model_are_evaluated_alone(tmp_path):
     fp32, int8 = _models()
-    assert run_alone(int8) and not run_alone(fp32)
+    assert G.samples_interact(int8) and not G.samples_interact(fp32)
     save(fp32, str(tmp_path / "f.onnx"))
     save(int8, str(tmp_path / "q.onnx"))
     os.makedirs(tmp_path / "d")

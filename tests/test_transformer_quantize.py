@@ -18,7 +18,7 @@ from qtool.quantize.options import QuantizeOptions
 T, D, N, V = 64, 128, 160, 200  # (over 1 MMAC: portable keeps pair-safe int8 weights, not uint8)
 
 
-def _block():
+def _block(batch=1):
     rng = np.random.default_rng(0)
     gamma = np.ones(D, np.float32)
     gamma[3] = 30.0  # the outlier channel every LayerNorm output of a real encoder carries
@@ -30,10 +30,11 @@ def _block():
              helper.make_node("LayerNormalization", ["h", "gamma", "beta"], ["n"], name="ln", axis=-1),
              helper.make_node("Mul", ["n", "s"], ["z"], name="scale"),  # a scale that changes per sample
              helper.make_node("MatMul", ["z", "w"], ["y"], name="dense")]
-    g = helper.make_graph(nodes, "block", [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, T]),
-                                           helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, T, D]),
-                                           helper.make_tensor_value_info("s", TensorProto.FLOAT, [1, 1, 1])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, T, N])], initializer=inits)
+    b = batch
+    g = helper.make_graph(nodes, "block", [helper.make_tensor_value_info("ids", TensorProto.INT64, [b, T]),
+                                           helper.make_tensor_value_info("x", TensorProto.FLOAT, [b, T, D]),
+                                           helper.make_tensor_value_info("s", TensorProto.FLOAT, [b, 1, 1])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [b, T, N])], initializer=inits)
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     m.ir_version = 8
     return m
@@ -115,3 +116,21 @@ def test_a_constant_index_gather_and_a_static_friendly_layer_stay_as_they_were(t
     report = json.load(open(os.path.join(work, "quantize.json")))
     assert not report["dynamic_inputs"]["layers"]["dense"]["dynamic"]
     assert not any(n.op_type == "DynamicQuantizeLinear" for n in onnx.load(os.path.join(work, "model.int8.onnx")).graph.node)
+
+
+def test_a_model_that_takes_any_batch_is_measured_one_sample_a_run(tmp_path):
+    """A run-time range is each sample's own: with a free batch axis, quantize's measurements (the dynamic
+    choice's figures, and the output judged with DynamicQuantizeLinear in the model) run one sample at a time
+    and find what the model of batch 1 finds. Batched, the per-sample scales (1/30 to 10) would share one range
+    per batch and the dynamic input would measure far worse."""
+    samples = _samples(24, 1)
+    reports = []
+    for name, batch in (("one", 1), ("free", None)):
+        work = calibrate_samples(_block(batch), samples, tmp_path / name)
+        quantize(work, QuantizeOptions(strict=True), verbose=False)
+        reports.append(json.load(open(os.path.join(work, "quantize.json")))["dynamic_inputs"])
+    one, free = reports
+    for key in ("static_sqnr_db", "dynamic_sqnr_db"):
+        assert abs(one["layers"]["dense"][key] - free["layers"]["dense"][key]) < 0.01, key
+    assert free["layers"]["dense"]["dynamic"]
+    assert abs(one["output_sqnr_db"]["needed"] - free["output_sqnr_db"]["needed"]) < 0.01

@@ -21,20 +21,6 @@ def eval_batch(model, data, path: str, files: list | None, batch: int) -> int:
     return batch_for_memory(model, feeds, batch)
 
 
-def run_alone(int8_model) -> bool:
-    """Whether each sample must run alone: a DynamicQuantizeLinear takes its range from the whole tensor it
-    reads, so in a batch every sample's int8 rounding would follow the others' values; run one at a time,
-    each sample's output is what the model gives it alone."""
-    graphs = [int8_model.graph]
-    while graphs:  # (If/Loop bodies included)
-        g = graphs.pop()
-        for n in g.node:
-            if n.op_type == "DynamicQuantizeLinear":
-                return True
-            graphs.extend(G._subgraphs(n))
-    return False
-
-
 def batch_for_memory(model, feeds: dict, batch: int) -> int:
     """`batch`, or fewer where one sample's (`feeds`) largest tensor is large: about 8 x it per sample and
     session within EVAL_MEMORY."""

@@ -8,10 +8,11 @@ import warnings
 import numpy as np
 from tqdm import tqdm
 
+from qtool import graph as G
 from qtool.data.config import config_from_any
 from qtool.data.images import list_images
 from qtool.data.sources import ImageData
-from qtool.evaluate.batching import batch_for_memory, run_alone
+from qtool.evaluate.batching import batch_for_memory
 from qtool.evaluate.exact import ExactCheck
 from qtool.evaluate.kinds import classifier
 from qtool.evaluate.options import EvalOptions
@@ -32,7 +33,7 @@ def evaluate(fp32_path: str, int8_path: str, data: str, options: EvalOptions = E
     arithmetic on the first CHECK_SAMPLES images and compare it with ONNX Runtime's int8 output
     (res["runtime_check"])."""
     fp32 = load_model(fp32_path)
-    alone = run_alone(load_model(int8_path, check=False))
+    alone = G.samples_interact(load_model(int8_path, check=False))
     check_pair(fp32_path, int8_path)
     src = _source(fp32, fp32_path, data, options, files, alone)
     y_true = labels_from_file(options.labels, src.files) if options.labels else labels_from_folders(data, src.files)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from qtool import graph as G
-from qtool.evaluate.batching import eval_batch, run_alone
+from qtool.evaluate.batching import eval_batch
 from qtool.evaluate.exact import ExactCheck
 from qtool.evaluate.options import EvalOptions
 from qtool.evaluate.meaning import output_meanings
@@ -30,7 +30,7 @@ def evaluate_tensors(fp32_path: str, int8_path: str, data, options: EvalOptions 
     # took a third copy in the runtime for it, eval peaked at 5.9 GB)
     int8 = load_model(int8_path, check=False)
     int8_ops = bool(G.quantized_ops(int8))
-    if run_alone(int8):
+    if G.samples_interact(int8):
         batch = 1
     del int8
     check_pair(fp32_path, int8_path)

@@ -81,8 +81,8 @@ def _sqnr_db(signal: float, noise: float) -> float:
 
 
 def measure(ctx, samples, threads: int = 0) -> list:
-    """DynamicChoice per candidate layer (candidates), measured on `samples` (a SampleSet) run by batch
-    as the model runs them; in layer-name order."""
+    """DynamicChoice per candidate layer (candidates), measured on `samples` (a SampleSet) one sample a run:
+    a run-time range is each sample's own (a user's single request), never a batch's; in layer-name order."""
     from qtool.ortsession import session, with_outputs
 
     cands = candidates(ctx)
@@ -91,7 +91,7 @@ def measure(ctx, samples, threads: int = 0) -> list:
     names = sorted({x for x, _, _ in cands.values()})
     sess = session(with_outputs(ctx.fused, names), threads)
     sums = {layer: np.zeros(3) for layer in cands}  # signal, static noise, dynamic noise
-    for feed in samples.feeds:
+    for feed in samples.single_feeds():
         got = dict(zip(names, sess.run(names, feed)))
         for layer, (x_name, qp, w) in cands.items():
             x = np.asarray(got[x_name], np.float32).reshape(-1, w.shape[0])

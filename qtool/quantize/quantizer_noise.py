@@ -69,7 +69,7 @@ def quantizer_noise(ctx, samples, threads: int = 0) -> list:
     take = samples.subset(np.linspace(0, len(samples) - 1, min(n, len(samples))).astype(int))
     ctx.samples_used["quantizer noise"] = len(take)
     # one sample per run, where the model takes any batch (whole batches where its batch is fixed)
-    feeds = take.feeds if take.fixed_batch else [take.feed(k, k + 1) for k in range(len(take))]
+    feeds = take.single_feeds()
     signal, noise = {}, {}
     a, per_run, biggest = 0, FIRST_PASS, 1
     while a < len(fetched):

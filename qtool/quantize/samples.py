@@ -109,8 +109,20 @@ class SampleSet:
         """(`model`'s reference output over these samples, joined as `reference` is; how many samples
         changed its size), run in ONNX Runtime."""
         from qtool.ortsession import run_output
-        return self.gather_like_reference(run_output(model, self.output or G.reference_output(model), self.feeds,
-                                                     threads))
+        return self.gather_like_reference(run_output(model, self.output or G.reference_output(model),
+                                                     self.feeds_for(model), threads))
+
+    def feeds_for(self, model) -> list:
+        """self.feeds as `model` must take them: one sample a feed where its samples interact in a batch
+        (G.samples_interact: a DynamicQuantizeLinear's range is the whole batch's, and each sample must be
+        judged by what the model gives it alone, as eval and a user's single requests see it)."""
+        return self.single_feeds() if G.samples_interact(model) else self.feeds
+
+    def single_feeds(self) -> list:
+        """One sample a feed; a model with a fixed batch gets its whole batches, as it can only be run."""
+        if self.fixed_batch:
+            return self.feeds
+        return [self.feed(k, k + 1) for k in range(len(self))]
 
     def gather_like_reference(self, outputs) -> tuple:
         """join_like_reference of the outputs of self.feeds as they come (an iterable), each written into
