@@ -250,3 +250,27 @@ def test_exclusion_judges_an_encoder_by_cosine_not_top1_of_its_states():
     assert "big" in r.excluded and r.curve[-1].predicted_agreement > base.predicted_agreement
     _, as_classes = _exclusion(Target(0.995, task="classifier"))
     assert as_classes.reached and len(as_classes.curve) == 1 and as_classes.curve[0].agreement == 1.0
+
+
+def test_quantize_judges_an_encoder_by_its_pooled_vectors(tmp_path):
+    """The rounding check (and any verified step) judges an encoder's token states as eval does: each sample's
+    vector mean-pooled over its mask, by cosine to fp32's, never as per-position classes; --task says otherwise."""
+    import json
+    from qtool.quantize.samples import SampleSet
+    from qtool.quantize.verify import ENCODER, judge_of
+    work = _workdir(tmp_path, encoder_model())
+    check = json.load(open(os.path.join(work, "quantize.json")))["rounding_check"]
+    assert check["verdict"]["judge"] == ENCODER, check
+
+    model = encoder_model()
+    feeds = _feeds(np.random.default_rng(9), 6)
+    ref = run(model, feeds)[0]  # tokens [6, T, H]
+    samples = SampleSet([str(k) for k in range(6)], feeds, ref, output="tokens")
+    judge = judge_of(model, samples)
+    noisy = ref + np.random.default_rng(1).standard_normal(ref.shape).astype(np.float32) * 0.3
+    m = feeds["attention_mask"][..., None].astype(np.float64)
+    a, b = (ref * m).sum(1) / m.sum(1), (noisy * m).sum(1) / m.sum(1)
+    want = 1 - (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+    assert judge.kind == ENCODER and np.allclose(judge.error(ref, noisy), want, rtol=1e-9, atol=1e-12)
+    assert judge.counted(ref, noisy) is None
+    assert judge_of(model, samples, "classifier").kind != ENCODER

@@ -30,7 +30,7 @@ import numpy as np
 
 from qtool.quantize.context import ReportingCache
 from qtool.quantize.rounding import layer_hessians
-from qtool.quantize.verify import judge_for, verdict
+from qtool.quantize.verify import judge_of, verdict
 
 HALVES = 2  # folds of the tuning samples: fitted on one, judged on the other
 MIN_HALF = 4  # samples in each half, at least: fewer tuning samples leave the rounding unchecked
@@ -85,9 +85,10 @@ def halves(n: int) -> list:
 def check_rounding(ctx, samples, progress=None) -> RoundingCheck:
     """Cross-fit output-aware rounding at ctx's ranges on `samples` (a SampleSet): each half run by the model
     rounded on the other half's covariances (a weight cache of its own: the context's keys a layer by
-    whether it has a covariance, not by which), against nearest rounding, by verify.judge_for."""
+    whether it has a covariance, not by which), against nearest rounding, by verify.judge_of."""
     check = RoundingCheck(len(samples))
-    parts = [samples.subset(idx) for idx in halves(len(samples))]
+    order = halves(len(samples))
+    parts = [samples.subset(idx) for idx in order]
     if min(len(p) for p in parts) < MIN_HALF:
         check.why_not = f"{len(samples)} tuning samples, fewer than {MIN_HALF} in each half"
         return check
@@ -107,5 +108,6 @@ def check_rounding(ctx, samples, progress=None) -> RoundingCheck:
     except ValueError as e:  # (outputs of different sizes cannot be judged side by side)
         check.why_not = f"the halves' outputs do not join: {e}"
         return check
-    check.verdict = verdict(STEP, judge_for(ref), ref, y_near, y_fit, "output-aware rounding", HARM_SIGNIFICANCE)
+    judge = judge_of(ctx.fused, samples.subset(np.concatenate(order)), ctx.task)  # (the samples as `ref` holds them)
+    check.verdict = verdict(STEP, judge, ref, y_near, y_fit, "output-aware rounding", HARM_SIGNIFICANCE)
     return check

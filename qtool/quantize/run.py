@@ -155,7 +155,7 @@ def _start(wd: Workdir, options: QuantizeOptions, inputs, manifest: dict, say) -
     table = inputs.table
     auto = (options.method or table.method) == AUTO
     ctx = QuantizeContext(inputs.fused, table, table.range_method if auto else (method or table.method),
-                          options.target, options.bias_correction, exclude)
+                          options.target, options.bias_correction, exclude, task=options.task)
     files = calibration_files(manifest)
     main_int8 = bool(make_plan(inputs.fused, exclude).int8_nodes)
     on = _switches(options, inputs, main_int8, say)

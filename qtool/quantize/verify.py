@@ -11,6 +11,8 @@ means, as eval judges it (evaluate.output_kind, one place):
 - a sequence recognizer (top-1 paths that look like CTC: metrics.ctc_blank): its texts after greedy
   CTC decoding (metrics.ctc_collapse), each sample read as fp32 reads it or not;
 - a classifier, or classes at each position: each sample's top-1 (all its positions) as fp32's or not;
+- an encoder (encoder_judge.py: token states mean-pooled over the mask, or pooled vectors; or the user's
+  --task encoder): each sample's vector's cosine to fp32's, never per-position classes;
 - a normalized embedding: each vector's cosine to fp32's;
 - anything else: each sample's squared error (SQNR), where nothing above applies.
 
@@ -28,15 +30,18 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from qtool.metrics import UNIT_ROWS_MIN, _top2, ctc_blank, ctc_collapse, is_distribution, output_kind
+from qtool.metrics import UNIT_ROWS_MIN, _top2, cosine_each, ctc_blank, ctc_collapse, is_distribution, output_kind
+from qtool.quantize.encoder_judge import encoder_judge
 
 SIGNIFICANCE = 1.0  # standard deviations (a count's) or standard errors (a mean's) a gain must exceed
+ENCODER = "cosine of the pooled vectors"
 
 
 @dataclass
 class Judge:
-    kind: str  # "texts (greedy CTC)", "top-1", "top-1 at every position", "cosine", "SQNR"
+    kind: str  # "texts (greedy CTC)", "top-1", "top-1 at every position", ENCODER, "cosine", "SQNR"
     blank: int | None = None  # the CTC blank
+    encoder: object = None  # an ENCODER's encoder_judge.EncoderJudge: how its output becomes a vector per sample
 
     def counted(self, ref: np.ndarray, y: np.ndarray) -> np.ndarray | None:
         """Each sample read as fp32 reads it (bool [N]), or None where the figure is no count."""
@@ -60,6 +65,8 @@ class Judge:
             k = np.arange(len(r))
             d = (o[k, i1].astype(np.float64) - r[k, i1]) - (o[k, i2].astype(np.float64) - r[k, i2])
             return (d ** 2).reshape(len(ref), -1).mean(axis=1)
+        if self.kind == ENCODER:
+            return 1 - cosine_each(self.encoder.vectors(ref), self.encoder.vectors(y))
         r, o = ref.reshape(len(ref), -1).astype(np.float64), y.reshape(len(y), -1).astype(np.float64)
         if self.kind == "cosine":
             c = ref.shape[-1]
@@ -67,6 +74,14 @@ class Judge:
             cos = (a * b).sum(1) / np.maximum(np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1), 1e-30)
             return (1 - cos).reshape(len(ref), -1).mean(axis=1)
         return ((o - r) ** 2).sum(axis=1) / max(float((r ** 2).sum(axis=1).mean()), 1e-30)
+
+
+def judge_of(fused, samples, task: str | None = None) -> Judge:
+    """What the output of `fused` over `samples` (a SampleSet) means: an encoder's vectors where the graph, the
+    values or the user's `task` say it is one (encoder_judge.py, as --exclude-sensitive and eval judge it),
+    else judge_for(its reference)."""
+    enc = encoder_judge(fused, samples, task)
+    return Judge(ENCODER, encoder=enc) if enc is not None else judge_for(samples.reference)
 
 
 def judge_for(reference: np.ndarray) -> Judge:
@@ -155,6 +170,6 @@ def verify_step(ctx, samples, step: str, fallback: str, say=print, without=None,
     balancing undone), else ctx's model built with `over` (hessians=None: nearest rounding). Says its one line."""
     y_with = ctx.score(samples, exclude)[0]
     y_without = (without.score(samples) if without is not None else ctx.score(samples, **over))[0]
-    v = verdict(step, judge_for(samples.reference), samples.reference, y_with, y_without, fallback)
+    v = verdict(step, judge_of(ctx.fused, samples, ctx.task), samples.reference, y_with, y_without, fallback)
     say(v.line())
     return v
