@@ -108,7 +108,7 @@ def test_rounding_that_measures_worse_where_it_was_not_fitted_falls_back_to_near
     monkeypatch.setattr(weights, "round_weights", harmful)
     # (the layer by layer check that runs by default catches this rounding first: test_rounding_check.py;
     # here it is made blind, so the rounding reaches the held-out model)
-    monkeypatch.setattr(rounding_step, "check_rounding", lambda ctx, samples, progress=None:
+    monkeypatch.setattr(rounding_step, "check_rounding", lambda ctx, samples, extra=None, progress=None:
                         RoundingCheck(len(samples), why_not="made blind"))
     work = _calibrated(tmp_path)
     lines = []

@@ -131,36 +131,62 @@ class Verdict:
                 f"({'; '.join(x for x in (fig, err) if x)}): {what}")
 
 
+@dataclass
+class Figures:
+    """A model's figures on each sample, by a Judge: read as fp32 reads it (bool [N], None where the figure is
+    no count) and its continuous error (float [N]). Figures of other samples add (+) to judge them together."""
+    read: np.ndarray | None
+    error: np.ndarray
+
+    @classmethod
+    def of(cls, judge: Judge, ref: np.ndarray, y: np.ndarray) -> "Figures":
+        ref = np.asarray(ref)
+        return cls(judge.counted(ref, y), np.asarray(judge.error(ref, y), np.float64))
+
+    def __add__(self, other: "Figures") -> "Figures":
+        read = None if self.read is None or other.read is None else np.concatenate([self.read, other.read])
+        return Figures(read, np.concatenate([self.error, other.error]))
+
+    def __len__(self):
+        return len(self.error)
+
+
 def verdict(step: str, judge: Judge, ref: np.ndarray, y_with: np.ndarray, y_without: np.ndarray,
             fallback: str, significance: float = SIGNIFICANCE) -> Verdict:
     """Whether the model with `step` (its output y_with over the held-out samples) measures better than
-    without it (y_without), by `judge`: a count first (sign test), then the continuous figure (paired), each
-    beyond `significance` standard deviations (the count's) or standard errors (the mean's)."""
-    ref = np.asarray(ref)
-    a, b = judge.counted(ref, y_with), judge.counted(ref, y_without)
+    without it (y_without), by `judge` (decide())."""
+    return decide(step, judge.kind, Figures.of(judge, ref, y_with), Figures.of(judge, ref, y_without), fallback,
+                  significance)
+
+
+def decide(step: str, kind: str, with_: Figures, without: Figures, fallback: str,
+           significance: float = SIGNIFICANCE, count_significance: float | None = None) -> Verdict:
+    """Whether the model with `step` measures better than without it, on the same samples judged by `kind`: a
+    count first (sign test), then the continuous figure (paired), each beyond `significance` standard
+    deviations (the count's; `count_significance` where it differs) or standard errors (the mean's)."""
+    a, b = with_.read, without.read
     kept, by, margin = None, "continuous", 0.0
-    if a is not None:
+    if a is not None and b is not None:
         wins, losses = int((a & ~b).sum()), int((b & ~a).sum())
-        bar = significance * np.sqrt(wins + losses)
+        bar = (significance if count_significance is None else count_significance) * np.sqrt(wins + losses)
         margin = (wins - losses) / max(np.sqrt(wins + losses), 1.0)
         if wins - losses > bar:
             kept, by = True, "count"
         elif losses - wins > bar:
             kept, by = False, "count"
-    e_with, e_without = judge.error(ref, y_with), judge.error(ref, y_without)
     if kept is None:
         # each sample's gain as a ratio (log): a sample whose output is ten times louder than the others' is one
         # sample, not the whole verdict (orinet: one held-out page decided a mean of squared errors alone)
-        e1, e0 = np.asarray(e_with, np.float64), np.asarray(e_without, np.float64)
+        e1, e0 = with_.error, without.error
         floor = 1e-12 * max(float(np.nanmean(e0)), float(np.nanmean(e1)), 1e-300)
         gain = np.log(e0 + floor) - np.log(e1 + floor)
         gain = gain[np.isfinite(gain)]
         se = float(gain.std(ddof=1) / np.sqrt(len(gain))) if len(gain) > 1 else float("inf")
         kept = bool(len(gain) and gain.mean() > 0 and gain.mean() > significance * se)
         margin = float(gain.mean() / se) if len(gain) and se > 0 else 0.0
-    return Verdict(step, kept, judge.kind, len(ref), None if a is None else int(a.sum()),
-                   None if b is None else int(b.sum()), float(np.nanmean(e_with)), float(np.nanmean(e_without)),
-                   by, fallback, round(float(margin), 3))
+    return Verdict(step, kept, kind, len(with_), None if a is None else int(a.sum()),
+                   None if b is None else int(b.sum()), float(np.nanmean(with_.error)),
+                   float(np.nanmean(without.error)), by, fallback, round(float(margin), 3))
 
 
 def verify_step(ctx, samples, step: str, fallback: str, say=print, without=None, exclude: dict | None = None,
