@@ -43,7 +43,7 @@ def tune_rounding(ctx: QuantizeContext, samples: SampleSet, res: Tuning, steps: 
             ctx.hessians.pop(layer, None)
         res.unrounded[layer] = "its output-aware rounding failed"
 
-    ctx.samples_used["output-aware rounding"] = len(samples)
+    ctx.record_samples("output-aware rounding", samples)
     check = cross_check(ctx, samples, say, show_progress)
     res.check = check
     if check.nearest:
