@@ -82,3 +82,10 @@ def test_an_output_that_changes_size_counts_as_wrong():
     y, bad = s.join_like_reference(outs)
     assert bad == 1 and y.shape == s.reference.shape and not y[2].any()
     np.testing.assert_array_equal(y[3], s.reference[3])
+
+
+def test_samples_fed_whole_count_their_own_sizes():
+    from qtool.quantize.samples import _stack
+    x = _stack([np.zeros((1, 3), np.float32), np.zeros((1, 5), np.float32), np.zeros((1, 3), np.float32)])
+    s = SampleSet(["a", "b", "c"], {"x": x}, np.zeros((0,)), 1, True, stacked=True)
+    assert s.n_sizes == 2 and [f["x"].shape for f in s.feeds] == [(1, 3), (1, 5), (1, 3)]

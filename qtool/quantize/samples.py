@@ -76,7 +76,11 @@ class SampleSet:
     @property
     def n_sizes(self) -> int:
         """How many input sizes the samples come in."""
-        return len(set(self.sizes)) if self.sizes is not None else min(len(self), 1)
+        if self.sizes is not None:
+            return len(set(self.sizes))
+        if self.stacked:  # (each fed whole, as recorded: their sizes are their own)
+            return len({tuple((k, np.shape(v[i])) for k, v in sorted(self.inputs.items())) for i in range(len(self))})
+        return min(len(self), 1)
 
     def spans(self, size: int) -> list:
         """[(a, b)]: the samples in runs of at most `size`, none mixing input sizes."""
