@@ -139,13 +139,6 @@ def make_plan(model: onnx.ModelProto, exclude: dict | None = None, ranges: dict 
         return plan
 
 
-# ops left fp32 on purpose, and why (what a user asks first: "why is my decoder not int8?")
-NO_RULE_BECAUSE = {
-    "ConvTranspose": "no int8 rule: ONNX Runtime's CPU provider runs a Q/DQ ConvTranspose in float (it has no fused "
-                     "kernel for it), so int8 would only add rounding",
-}
-
-
 def _plan(model: onnx.ModelProto, exclude: dict, ranges: dict | None, prune_excluded: bool,
           facts: ModelFacts, dynamic: set) -> Plan:
     plan = Plan()
@@ -163,7 +156,7 @@ def _plan(model: onnx.ModelProto, exclude: dict, ranges: dict | None, prune_excl
         if node.name in plan.fused:
             continue
         if rule is None:
-            why = NO_RULE_BECAUSE.get(node.op_type, "no int8 rule for this op")
+            why = "no int8 rule for this op"
             if node.op_type in FUSABLE_ACTIVATIONS:
                 why = "activation whose producer is not int8"
             plan.decisions.append(NodeDecision(node.name, node.op_type, "fp32", why))

@@ -106,6 +106,25 @@ def small_convnet(seed=0, size=16, classes=5, middle=None):
     return make_model(nodes, inits, [("x", ["N", 3, size, size])], [("y", ["N", classes])])
 
 
+def sequence_encoder(seed=0, d=16):
+    """x [N, T, d] (T free: sentences of many lengths) -> a dense layer, self-attention over T, a residual
+    Add, a dense layer -> y [N, T, d]."""
+    rng = np.random.default_rng(seed)
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="fc1"),
+             helper.make_node("Add", ["h", "b1"], ["hb"], name="add1"),
+             helper.make_node("Relu", ["hb"], ["r"], name="relu"),
+             helper.make_node("MatMul", ["r", "w2"], ["q"], name="fc2"),
+             helper.make_node("Transpose", ["q"], ["qt"], perm=[0, 2, 1], name="tr"),
+             helper.make_node("MatMul", ["q", "qt"], ["att"], name="qk"),
+             helper.make_node("Softmax", ["att"], ["p"], axis=-1, name="sm"),
+             helper.make_node("MatMul", ["p", "r"], ["ctxv"], name="av"),
+             helper.make_node("Add", ["ctxv", "x"], ["res"], name="resid"),
+             helper.make_node("MatMul", ["res", "w3"], ["y"], name="fc3")]
+    inits = [weight(rng, "w1", d, d, scale=0.3), weight(rng, "b1", d, scale=0.1),
+             weight(rng, "w2", d, d, scale=0.3), weight(rng, "w3", d, d, scale=0.3)]
+    return make_model(nodes, inits, [("x", ["N", "T", d])], [("y", ["N", "T", d])])
+
+
 def picture(rng, h=20, w=24, mode="RGB"):
     """A smooth gradient with noise and a bright blob: varied but natural-ish pixel statistics."""
     yy, xx = np.mgrid[0:h, 0:w]

@@ -128,7 +128,7 @@ def test_dynamic_batch_and_spatial_stay_dynamic(tmp_path):
     model = save(_dynamic_model(), tmp_path / "dyn.onnx")
     r, q = _cal_q(model, str(data), tmp_path / "work")
     assert r.table.n_samples == 4
-    assert q.report["rounding"] == "output-aware"  # the experiments take the samples of the most common size
+    assert q.report["rounding"] == "output-aware"  # the experiments take the samples of every size
     m = onnx.load(q.path)
     dims = m.graph.input[0].type.tensor_type.shape.dim
     assert [d.dim_param for d in dims] == ["N", "", "H", "W"] and dims[1].dim_value == 3
@@ -403,13 +403,14 @@ def test_shared_models_from_npy(tmp_path, name, shape, mean, std, min_db):
     assert _sqnr(ref, out) > min_db
 
 
-def test_conv_transpose_stays_fp32_because_onnx_runtime_runs_it_in_float(tmp_path):
-    """ConvTranspose keeps fp32 with the reason; the reason itself is checked against this ONNX Runtime:
-    its optimizer leaves a Q/DQ ConvTranspose as DequantizeLinear -> float ConvTranspose -> QuantizeLinear.
-    Should a later version fuse it (an int8 kernel), this fails and ConvTranspose wants an int8 rule."""
+def test_conv_transpose_is_int8_and_onnx_runtime_runs_it_in_float(tmp_path):
+    """ConvTranspose is int8 with weights that ORT never pairs (encoding.pair_partners: None, plain int8
+    over the full range); that rests on this ONNX Runtime's optimizer leaving a Q/DQ ConvTranspose as
+    DequantizeLinear -> float ConvTranspose -> QuantizeLinear. Should a later version fuse it (an int8
+    kernel, which may sum in int16 pairs), this fails and its weights want the target's encoding."""
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
-    from qtool.plan import NO_RULE_BECAUSE
+    from qtool.quantize.encoding import pair_partners
     rng = np.random.default_rng(8)
     nodes = [helper.make_node("Conv", ["x", "w0"], ["c"], pads=[1, 1, 1, 1]),
              helper.make_node("ConvTranspose", ["c", "w1"], ["y"], strides=[2, 2], kernel_shape=[2, 2])]
@@ -422,8 +423,8 @@ def test_conv_transpose_stays_fp32_because_onnx_runtime_runs_it_in_float(tmp_pat
     model = save(m, tmp_path / "ct.onnx")
     r, q = _cal_q(model, _samples(rng, 3, {"x": (1, 3, 8, 8)}), tmp_path / "work")
     nodes = {d["op_type"]: d for d in q.report["nodes"]}
-    assert nodes["ConvTranspose"]["status"] == "fp32" and nodes["ConvTranspose"]["reason"] == NO_RULE_BECAUSE["ConvTranspose"]
-    assert nodes["Conv"]["status"] == "int8"
+    assert nodes["ConvTranspose"]["status"] == "int8" and nodes["Conv"]["status"] == "int8"
+    assert pair_partners((4, 2, 2, 2), "ConvTranspose", 1) is None
     # the same ConvTranspose between Q/DQ pairs, as an int8 rule would write it: what ORT makes of it
     wq = np.clip(np.round(numpy_helper.to_array(inits[1]) / 0.02), -127, 127).astype(np.int8)
     qdq = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"]),

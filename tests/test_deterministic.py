@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper
 
-from helpers import calibrate_samples, if_conv_model, init, make_model, save, small_convnet, weight
+from helpers import calibrate_samples, if_conv_model, init, make_model, save, sequence_encoder, small_convnet, weight
 from qtool.api import quantize
 from qtool.quantize import budget as B
 from qtool.quantize import samples as S
@@ -83,8 +83,14 @@ def _lost_batch(rng):
                for _ in range(12)]
 
 
+def _many_lengths(rng):
+    """Sentences of many lengths (x [1, T, 16], T from 5 to 12): every step runs each length as its own batches."""
+    return sequence_encoder(seed=3), [{"x": rng.standard_normal((1, t, 16)).astype(np.float32)}
+                                      for t in (5, 7, 9, 5, 12, 7, 9, 5, 12, 6, 7, 9)]
+
+
 KINDS = {"fixed": _fixed, "sequence": _sequence, "multi_input": _multi_input, "uncountable": _uncountable,
-         "lost_batch": _lost_batch}
+         "lost_batch": _lost_batch, "many_lengths": _many_lengths}
 
 
 def _calibrated(tmp_path, kind):

@@ -83,7 +83,7 @@ def test_ort_runs_qlinear_mul(tmp_path):
 
 
 def _float_ended(rng, tail):
-    """Conv -> Relu -> ConvTranspose (no int8 rule) -> `tail` -> graph output: the last op has no
+    """Conv -> Relu -> ConvTranspose -> `tail` -> graph output: the last op has no
     weights and writes the graph output fp32."""
     nodes = [helper.make_node("Conv", ["x", "w0", "b0"], ["c"], name="conv0", kernel_shape=[3, 3], pads=[1] * 4),
              helper.make_node("Relu", ["c"], ["r"], name="relu0"),

@@ -144,6 +144,14 @@ def _run_shapes(fused, names: list, feed: dict) -> dict:
     return {t: list(np.shape(y)) for t, y in zip(fetch, ys)}
 
 
+def _work_at(fused, samples, i: int) -> int | None:
+    """counted_work of one fp32 pass at sample i's input sizes."""
+    one = samples.feed(i, i + 1)
+    shapes = {k: (1,) + tuple(v.shape[1:]) if not samples.stacked else tuple(v.shape) for k, v in one.items()
+              if hasattr(v, "shape")}
+    return counted_work(fused, shapes, one) if one else None
+
+
 @dataclass
 class Budget:
     seconds_per_sample: float  # one fp32 pass of one calibration sample, at NOMINAL_MACS_PER_SECOND (0: not counted)
@@ -155,13 +163,18 @@ class Budget:
 
     @classmethod
     def of(cls, fused, samples) -> "Budget":
-        """From the model's work counted at the first sample's shapes (counted_work, NOMINAL_MACS_PER_SECOND);
+        """From the model's work counted at the samples' shapes (counted_work, NOMINAL_MACS_PER_SECOND);
         where it cannot be counted, no cost: every step takes its default (fixed) number of samples.
         Never from a clock: samples.seconds_per_sample is reported, not used."""
-        one = samples.feed(0, 1) if len(samples) else {}
-        shapes = {k: (1,) + tuple(v.shape[1:]) if not samples.stacked else tuple(v.shape) for k, v in one.items()
-                  if hasattr(v, "shape")}
-        macs = counted_work(fused, shapes, one) if one else None
+        if not len(samples):
+            return cls(0.0, None)
+        # samples of several sizes: the mean over them, each size counted once
+        each = samples.sizes or [None]
+        firsts = {key: i for i, key in reversed(list(enumerate(each)))}
+        work = {key: _work_at(fused, samples, i) for key, i in firsts.items()}
+        if any(w is None for w in work.values()):
+            return cls(0.0, None)
+        macs = int(round(sum(work[key] for key in each) / len(each)))
         return cls(macs / NOMINAL_MACS_PER_SECOND if macs else 0.0, macs)
 
     def to_dict(self) -> dict:

@@ -64,6 +64,12 @@ class QuantizeContext:
     resized: float = 0.0  # the largest share of samples an experiment's int8 output changed the size of
     samples_used: dict = field(default_factory=dict)  # step -> calibration samples it measured on (quantize.json)
     task: str | None = None  # what the output means, where the user said (qtool.tasks): the judges read it
+    sizes_used: dict = field(default_factory=dict)  # step -> how many input sizes those samples come in
+
+    def record_samples(self, step: str, samples) -> None:
+        """Step `step` measured on `samples` (a SampleSet): how many, of how many input sizes (quantize.json)."""
+        self.samples_used[step] = len(samples)
+        self.sizes_used[step] = samples.n_sizes
 
     def __post_init__(self):
         if self.target not in TARGETS:

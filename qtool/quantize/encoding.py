@@ -13,7 +13,8 @@ saturate loses accuracy there. Three encodings give the exact int8 result on eve
              kernels, exact everywhere with no precision cost, but slower on CPUs without VNNI.
   s8         plain int8 (the vnni target): exact only where ORT's int8 path is exact.
 
-Depthwise convolutions are exact on every path and stay s8.
+Depthwise convolutions are exact on every path and stay s8, as do ConvTranspose weights (ORT
+dequantizes them and runs the layer in float).
 """
 from __future__ import annotations
 
@@ -51,7 +52,10 @@ DEFAULT_TARGET = "portable"
 def pair_partners(w_shape, op_type: str, axis: int, group: int = 1) -> np.ndarray | None:
     """For the rows qtool rounds (w moved to output-channel-first and flattened, the order of
     np.moveaxis(w, axis, 0).reshape(C, -1)), the index of each weight's pair partner in ONNX
-    Runtime's K order (-1: paired with padding), or None where ORT never pairs (depthwise)."""
+    Runtime's K order (-1: paired with padding), or None where ORT never pairs (depthwise; ConvTranspose,
+    which it dequantizes and runs in float: rules/conv.py)."""
+    if op_type == "ConvTranspose":
+        return None
     if op_type == "Conv":
         if is_depthwise(w_shape, group):
             return None

@@ -237,7 +237,7 @@ def balance(ctx, samples, say=print) -> None:
         say(f"note: channel balancing skipped (it would measure {len(names)} tensors twice; too slow for this model here)")
         return
     samples = samples.subset(np.linspace(0, len(samples) - 1, n).astype(int))
-    ctx.samples_used["channel balancing"] = len(samples)
+    ctx.record_samples("channel balancing", samples)
     ref = samples.reference
 
     def noise(fused, tab, tensors: list) -> list:

@@ -83,8 +83,8 @@ def pick_method(ctx: QuantizeContext, samples: SampleSet, say=print, show_progre
         scores = method_scores(ctx, samples, candidates, progress=pb.update, agreement=agreement)
     best = choose(scores, agreement, ctx.table.range_method, CLIP_GAIN_DB)
     if len(samples) < MIN_CHOICE_SAMPLES and best != ctx.table.range_method:
-        say(f"note: {best} measured best on only {len(samples)} calibration sample{'s' if len(samples) > 1 else ''} "
-            f"(of one input size); too few to trust a clip measured on the samples that set it: "
+        say(f"note: {best} measured best on only {len(samples)} calibration sample{'s' if len(samples) > 1 else ''}; "
+            f"too few to trust a clip measured on the samples that set it: "
             f"{ctx.table.range_method} instead")
         best = ctx.table.range_method
     say(f"method auto: {best} (output SQNR on {len(samples)} calibration samples: "

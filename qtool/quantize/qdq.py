@@ -112,9 +112,12 @@ def lattice_inputs(model: onnx.ModelProto, plan: Plan, table, qp: dict, method: 
             continue
         if by:
             readers = [c for c in cons.get(t, []) if c.name in plan.int8_nodes]
+            # (not a ConvTranspose: each of its output pixels reads another subset of its taps, so no one
+            # bias per channel takes the shift back out)
             ok = readers and not any(src == t for src in plan.shared.values()) and all(
-                plan.weight_inputs.get(c.name) == t and RULES[c.op_type].bias is not None
-                and RULES[c.op_type].weight(c, model) is not None and list(c.input).count(t) == 1 for c in readers)
+                c.op_type != "ConvTranspose" and plan.weight_inputs.get(c.name) == t
+                and RULES[c.op_type].bias is not None and RULES[c.op_type].weight(c, model) is not None
+                and list(c.input).count(t) == 1 for c in readers)
             if not ok:
                 continue
             shifts[t] = by
@@ -178,7 +181,8 @@ def layer_weights(model, node, inits, s_in, mean_x, hessian, o: BuildOptions):
         w = numpy_helper.to_array(inits[node.input[widx]]).astype(np.float32)
         has_bias = rule.bias is not None and len(node.input) > rule.bias and node.input[rule.bias]
         b = numpy_helper.to_array(inits[node.input[rule.bias]]).astype(np.float32).ravel() if has_bias else None
-        layer = WeightLayer(w, axis, b, mean_x, node.op_type, G.attr(node, "group", 1))
+        taps = 1.0 / float(np.prod(G.attr(node, "strides", [1]))) if node.op_type == "ConvTranspose" else 1.0
+        layer = WeightLayer(w, axis, b, mean_x, node.op_type, G.attr(node, "group", 1), taps)
 
         def weights(h):
             scale = None

@@ -67,7 +67,7 @@ def quantizer_noise(ctx, samples, threads: int = 0) -> list:
     runs = -(-len(fetched) // FIRST_PASS)  # (at most: later runs fetch more at once)
     n = noise_samples(fused, samples, runs)
     take = samples.subset(np.linspace(0, len(samples) - 1, min(n, len(samples))).astype(int))
-    ctx.samples_used["quantizer noise"] = len(take)
+    ctx.record_samples("quantizer noise", take)
     # one sample per run, where the model takes any batch (whole batches where its batch is fixed)
     feeds = take.single_feeds()
     signal, noise = {}, {}
@@ -110,5 +110,14 @@ def _measure(t, y, p, flat, signal, noise, axis: int = 1) -> None:
         ref, err = ref.reshape(1, -1), err.reshape(1, -1)
         axis = 0
     ax = tuple(k for k in range(ref.ndim) if k != axis % ref.ndim)
-    signal[t] = signal.get(t, 0.0) + np.sum(np.square(ref, dtype=np.float64), axis=ax)
-    noise[t] = noise.get(t, 0.0) + np.sum(np.square(err, dtype=np.float64), axis=ax)
+    _add(signal, t, np.sum(np.square(ref, dtype=np.float64), axis=ax))
+    _add(noise, t, np.sum(np.square(err, dtype=np.float64), axis=ax))
+
+
+def _add(acc: dict, t: str, v: np.ndarray) -> None:
+    """acc[t] += v per channel; where the channel axis changes size with the samples (a sequence of
+    several lengths), the sums over all of it instead."""
+    old = acc.get(t)
+    if old is not None and np.shape(old) != v.shape:
+        old, v = np.atleast_1d(np.sum(old)), np.atleast_1d(np.sum(v))
+    acc[t] = v if old is None else old + v

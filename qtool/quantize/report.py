@@ -32,13 +32,15 @@ def writes(wd: Workdir, output: str | None, sensitivity: bool) -> list:
 
 
 def _samples_used(run) -> dict:
-    """Every number of calibration samples a step measured on, and why that many: the work of a pass
-    counted (budget.py) or, where it cannot be counted, each step's fixed default; never a timing."""
+    """Every number of calibration samples a step measured on (and of how many input sizes), and why that
+    many: the work of a pass counted (budget.py) or, where it cannot be counted, each step's fixed default;
+    never a timing."""
     a = run.afforded
     return {"basis": a.budget.basis if a is not None else "fixed",
             "gmac_per_sample": None if a is None or a.budget.macs_per_sample is None
             else round(a.budget.macs_per_sample / 1e9, 6),
-            "steps": dict(sorted(run.used.items()))}
+            "steps": dict(sorted(run.used.items())),
+            "input_sizes": dict(sorted(run.ctx.sizes_used.items()))}
 
 
 def _tuning(run) -> dict:

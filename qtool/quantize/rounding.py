@@ -356,8 +356,8 @@ def _slices(feeds, step: int):
     from qtool.quantize.samples import SampleSet
     if isinstance(feeds, SampleSet):
         step = 1 if feeds.stacked else feeds.batch if feeds.fixed_batch else step
-        for a in range(0, len(feeds), step):
-            yield feeds.feed(a, min(a + step, len(feeds))), min(step, len(feeds) - a)
+        for a, b in feeds.spans(step):
+            yield feeds.feed(a, b), b - a
         return
     for feed in feeds:
         n = len(next(iter(feed.values())))

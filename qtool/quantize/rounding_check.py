@@ -118,21 +118,20 @@ def check_rounding(ctx, samples, extra=None, progress=None) -> RoundingCheck:
                                 on_error=lambda layer, e: None)[0])  # (that layer: nearest, here)
         del h
     near = [ctx.score(p, hessians=None)[0] for p in parts]
-    try:
-        ref = np.concatenate([p.reference for p in parts])
-        y_fit, y_near = np.concatenate(fitted), np.concatenate(near)
-    except ValueError as e:  # (outputs of different sizes cannot be judged side by side)
-        check.why_not = f"the halves' outputs do not join: {e}"
-        return check
-    judge = judge_of(ctx.fused, samples.subset(np.concatenate(order)), ctx.task)  # (the samples as `ref` holds them)
-    with_, without = Figures.of(judge, ref, y_near), Figures.of(judge, ref, y_fit)
-    check.halves = len(ref)
+    judged = [(p, y_near, y_fit) for p, y_near, y_fit in zip(parts, near, fitted)]
     if extra is not None and len(extra) and ctx.hessians:
-        other = judge_of(ctx.fused, extra, ctx.task)
-        if other.kind == judge.kind:
-            with_ = with_ + Figures.of(other, extra.reference, ctx.score(extra, hessians=None)[0])
-            without = without + Figures.of(other, extra.reference, ctx.score(extra)[0])
-            check.samples = len(with_)
-    check.verdict = decide(STEP, judge.kind, with_, without, "output-aware rounding", HARM_SIGNIFICANCE,
+        judged.append((extra, ctx.score(extra, hessians=None)[0], ctx.score(extra)[0]))
+    # each set judged by itself (its samples in the order its outputs hold them, an encoder's mask with them),
+    # the per-sample figures added up
+    judges = [judge_of(ctx.fused, p, ctx.task) for p, _, _ in judged]
+    if len({j.kind for j in judges}) > 1:
+        check.why_not = f"the samples are judged differently ({', '.join(sorted({j.kind for j in judges}))})"
+        return check
+    with_ = without = None
+    for judge, (p, y_near, y_fit) in zip(judges, judged):
+        a, b = Figures.of(judge, p.reference, y_near), Figures.of(judge, p.reference, y_fit)
+        with_, without = (a, b) if with_ is None else (with_ + a, without + b)
+    check.halves, check.samples = sum(len(p) for p in parts), len(with_)
+    check.verdict = decide(STEP, judges[0].kind, with_, without, "output-aware rounding", HARM_SIGNIFICANCE,
                            count_significance=COUNT_SIGNIFICANCE)
     return check

@@ -58,6 +58,13 @@ class SampleSet:
     stacked: bool = False
     seconds_per_sample: float = 0.0  # the fp32 pass that made `reference`, per sample (0: not measured)
     output: str | None = None  # the tensor `reference` holds (graph.reference_output of the fused graph)
+    # samples of several input sizes (sentences of many lengths): each sample's size, ((input, shape past
+    # axis 0), ...), its inputs zero-padded to the largest in `inputs`; the samples of one size lie together
+    # (subset keeps them so) and every feed holds one size, cut back to it. None: one size
+    sizes: list | None = None
+    # outputs of several sizes (one entry per token): each sample's output shape, `reference` zero-padded to
+    # the largest (a padded value is 0 in every output compared, so it adds no signal and no error). None: one
+    out_shapes: list | None = None
 
     def __len__(self):
         return len(self.names)
@@ -67,19 +74,52 @@ class SampleSet:
         return cls([], {}, np.zeros((0,)))
 
     @property
+    def n_sizes(self) -> int:
+        """How many input sizes the samples come in."""
+        if self.sizes is not None:
+            return len(set(self.sizes))
+        if self.stacked:  # (each fed whole, as recorded: their sizes are their own)
+            return len({tuple((k, np.shape(v[i])) for k, v in sorted(self.inputs.items())) for i in range(len(self))})
+        return min(len(self), 1)
+
+    def spans(self, size: int) -> list:
+        """[(a, b)]: the samples in runs of at most `size`, none mixing input sizes."""
+        n, out, a = len(self.names), [], 0
+        while a < n:
+            b = min(a + size, n)
+            if self.sizes is not None:
+                b = a + next((k for k in range(1, b - a) if self.sizes[a + k] != self.sizes[a]), b - a)
+            out.append((a, b))
+            a = b
+        return out
+
+    @property
     def feeds(self) -> list:
-        n = len(self.names)
-        return [self.feed(a, min(a + self.batch, n)) for a in range(0, n, self.batch)]
+        return [self.feed(a, b) for a, b in self.spans(1 if self.stacked else self.batch)]
 
     def feed(self, a: int, b: int) -> dict:
-        """The model inputs of samples a..b (b = a + 1 where samples are stacked)."""
+        """The model inputs of samples a..b (b = a + 1 where samples are stacked), of one input size."""
+        if self.sizes is not None and len(set(self.sizes[a:b])) > 1:
+            raise ValueError(f"samples {a}..{b} come in {len(set(self.sizes[a:b]))} input sizes; a run takes one")
+        cut = {} if self.sizes is None else dict(self.sizes[a])
         if self.stacked:
-            return {k: v[a] for k, v in self.inputs.items()}
-        return {k: v[a:b] for k, v in self.inputs.items()}
+            return {k: _cut(v[a], cut.get(k), 1) for k, v in self.inputs.items()}
+        return {k: _cut(v[a:b], cut.get(k), 1) for k, v in self.inputs.items()}
+
+    def widest(self) -> dict:
+        """A feed of one sample at the largest size of every input (feed(0, 1) where there is one size)."""
+        if self.sizes is None:
+            return self.feed(0, 1)
+        return {k: v[0] if self.stacked else v[:1] for k, v in self.inputs.items()}
 
     def join(self, outputs: list) -> np.ndarray:
         """The reference output of each of self.feeds, joined as `reference` is: one entry per sample
-        along axis 0 ([N, ...], or [N, rows, ...])."""
+        along axis 0 ([N, ...], or [N, rows, ...]); outputs of several sizes zero-padded to the
+        reference's (ValueError where one is larger)."""
+        if self.sizes is not None or self.out_shapes is not None:
+            parts = [o[None] if self.stacked else np.moveaxis(o, self.axis, 0) for o in outputs]
+            to = self.reference.shape[1:] if len(self.reference) == len(self) and self.reference.ndim > 1 else None
+            return _padded(parts, to)
         if self.stacked:
             return np.stack(outputs)
         y = np.moveaxis(np.concatenate(outputs, axis=self.axis), self.axis, 0)
@@ -90,6 +130,8 @@ class SampleSet:
         length that follows the values: a TTS model's duration predictor sets its audio's) cannot be
         compared, so it counts as wholly wrong: zeros in its place. Without this every experiment on
         Piper's VITS voice failed on the first sample whose int8 audio came out one frame longer."""
+        if self.out_shapes is not None:
+            return self._join_sized(outputs)
         if self.stacked:
             want = self.reference.shape[1:]
             bad = [i for i, y in enumerate(outputs) if y.shape != want]
@@ -104,6 +146,27 @@ class SampleSet:
         if y is None or y.shape != self.reference.shape:
             return np.zeros_like(self.reference), len(self)
         return y, 0
+
+    def _join_sized(self, outputs: list) -> tuple:
+        """join_like_reference where the samples' outputs differ in size: an output whose size is not
+        its samples' fp32 one is replaced by zeros of that size (each of its samples counted)."""
+        fixed, at, bad = [], 0, 0
+        for o in outputs:
+            n = 1 if self.stacked else o.shape[self.axis] if o.ndim > self.axis else 1
+            want = self.out_shapes[at] if at < len(self.out_shapes) else None
+            got = o.shape if self.stacked else np.moveaxis(o, self.axis, 0).shape[1:] if o.ndim > self.axis else None
+            if want is None or got != tuple(want):
+                if want is None:
+                    return np.zeros_like(self.reference), len(self)
+                o = np.zeros(want if self.stacked else (n,) + tuple(want), self.reference.dtype)
+                o = o if self.stacked else np.moveaxis(o, 0, self.axis)
+                bad += n
+            fixed.append(o)
+            at += n
+        try:
+            return self.join(fixed), bad
+        except ValueError:
+            return np.zeros_like(self.reference), len(self)
 
     def outputs_of(self, model, threads: int = 0) -> tuple:
         """(`model`'s reference output over these samples, joined as `reference` is; how many samples
@@ -128,7 +191,7 @@ class SampleSet:
         """join_like_reference of the outputs of self.feeds as they come (an iterable), each written into
         its rows of one array as it arrives where it lines up with the reference: one copy of the output
         held instead of the parts and their join (PP-OCRv5's recognizer on 226 crops: 634 MB each)."""
-        if self.stacked or self.axis != 0 or self.rows != 1 or not self.reference.ndim:
+        if self.stacked or self.axis != 0 or self.rows != 1 or not self.reference.ndim or self.out_shapes is not None:
             return self.join_like_reference(list(outputs))
         y = np.empty(self.reference.shape, self.reference.dtype)
         at, rest = 0, []
@@ -142,22 +205,47 @@ class SampleSet:
             return self.join_like_reference([y[:at]] + rest if at else rest)
         return y, 0
 
-    def _like(self, names, inputs, reference) -> "SampleSet":
-        return SampleSet(names, inputs, reference, self.batch, self.fixed_batch, self.axis, self.rows, self.stacked,
-                         self.seconds_per_sample, self.output)
-
     def subset(self, index) -> "SampleSet":
-        """The samples at `index`; for a model with a fixed batch, whole batches of them only (the
-        rest left out), so every feed, output and reference row lines up."""
+        """The samples at `index` (those of one input size together, in the order of the sizes); for a
+        model with a fixed batch, whole batches of them only (the rest left out), so every feed, output
+        and reference row lines up."""
         idx = np.asarray(index, np.int64)
+        if self.sizes is not None:
+            idx = np.asarray(sorted(idx.tolist(), key=lambda i: self.sizes[i]), np.int64)  # (stable: in order)
         if self.fixed_batch:
             idx = idx[:len(idx) - len(idx) % self.batch]
-        return self._like([self.names[i] for i in idx], {k: v[idx] for k, v in self.inputs.items()},
-                          self.reference[idx] if len(self.reference) else self.reference)
+        pick = (lambda xs: None if xs is None else [xs[i] for i in idx])  # noqa: E731
+        return SampleSet([self.names[i] for i in idx], {k: v[idx] for k, v in self.inputs.items()},
+                         self.reference[idx] if len(self.reference) else self.reference, self.batch, self.fixed_batch,
+                         self.axis, self.rows, self.stacked, self.seconds_per_sample, self.output,
+                         pick(self.sizes), pick(self.out_shapes))
 
     def pick(self, names: list) -> "SampleSet":
         pos = {n: i for i, n in enumerate(self.names)}
         return self.subset([pos[n] for n in names if n in pos])
+
+
+def _cut(v: np.ndarray, shape, lead: int = 1) -> np.ndarray:
+    """`v` with its axes past the first `lead` cut to `shape` (None: as it is)."""
+    if shape is None or tuple(v.shape[lead:]) == tuple(shape):
+        return v
+    return v[(slice(None),) * lead + tuple(slice(0, d) for d in shape)]
+
+
+def _padded(parts: list, to=None) -> np.ndarray:
+    """Arrays [n, ...] of one rank, each zero-padded past axis 0 to `to` (None: their largest), joined
+    on axis 0. ValueError where one is larger than `to` or the ranks differ."""
+    if len({p.ndim for p in parts}) > 1:
+        raise ValueError("outputs of different ranks")
+    to = tuple(to) if to is not None else tuple(np.max([p.shape[1:] for p in parts], axis=0))
+    if any(len(p.shape[1:]) != len(to) or any(d > t for d, t in zip(p.shape[1:], to)) for p in parts):
+        raise ValueError(f"an output larger than {list(to)}")
+    out = np.zeros((sum(len(p) for p in parts),) + to, parts[0].dtype)
+    at = 0
+    for p in parts:
+        out[(slice(at, at + len(p)),) + tuple(slice(0, d) for d in p.shape[1:])] = p
+        at += len(p)
+    return out
 
 
 def load_samples(fused, table, files: list, threads: int = 0, progress=None) -> SampleSet:
@@ -191,11 +279,16 @@ def _decoded(fused, table, files: list, progress=None) -> SampleSet:
             parts.setdefault(k, []).append(v)
         if progress:
             progress(len(n))
-    names, parts = max(by_shape.values(), key=lambda np_: len(np_[0]), default=([], {}))
-    if len(by_shape) > 1:
-        warnings.warn(f"the calibration samples come in {len(by_shape)} input sizes; the {len(names)} of the most "
-                      f"common size are used for method choice, rounding, range tuning and sensitivity "
-                      f"(calibration saw them all)", stacklevel=3)
+    fixed = [d[0] for d in (G.input_dims(i) for i in G.real_inputs(fused)) if d and isinstance(d[0], int)]
+    sizes = None
+    if len(by_shape) > 1 and not fixed:  # every size, each run as its own batches
+        names, parts, sizes = _all_sizes(by_shape)
+    else:
+        names, parts = max(by_shape.values(), key=lambda np_: len(np_[0]), default=([], {}))
+    if len(by_shape) > 1 and fixed:
+        warnings.warn(f"the calibration samples come in {len(by_shape)} input sizes and the model takes exactly "
+                      f"{fixed[0]} at a time; the {len(names)} of the most common size are used for method choice, "
+                      f"rounding, range tuning and sensitivity (calibration saw them all)", stacklevel=3)
     skipped = len(files) - sum(len(ns) for ns, _ in by_shape.values())
     if not names:
         warnings.warn(f"none of the {len(files)} calibration samples can be read now (first: {files[0]}); the steps "
@@ -207,14 +300,27 @@ def _decoded(fused, table, files: list, progress=None) -> SampleSet:
     if stacked:  # (tensors that cannot be stacked on axis 0)
         s = SampleSet(names, {k: _stack(v) for k, v in parts.items()}, np.zeros((0,)), 1, True, stacked=True)
     else:
-        fixed = [d[0] for d in (G.input_dims(i) for i in G.real_inputs(fused)) if d and isinstance(d[0], int)]
-        inputs = {k: np.concatenate(v) for k, v in parts.items()}
-        s = SampleSet(names, inputs, np.zeros((0,)), fixed[0] if fixed else _batch_for(inputs, fused), bool(fixed))
-    s = s.subset(range(len(names)))  # (a fixed batch: whole batches only)
+        inputs = {k: np.concatenate(v) if sizes is None else _padded(v) for k, v in parts.items()}
+        s = SampleSet(names, inputs, np.zeros((0,)), fixed[0] if fixed else _batch_for(inputs, fused), bool(fixed),
+                      sizes=sizes)
+    s = s.subset(range(len(names)))  # (a fixed batch: whole batches only; several sizes: each size together)
     if not len(s):
         warnings.warn(f"the model takes exactly {s.batch} samples at a time and only {len(names)} calibration "
                       f"samples are here; the steps that need them are skipped", stacklevel=3)
     return s
+
+
+def _all_sizes(by_shape: dict) -> tuple:
+    """(names, input name -> [arrays], each sample's size) of the samples of every size, in the order
+    the sizes come (the samples of a size in the order read)."""
+    names, parts, sizes = [], {}, []
+    for key in sorted(by_shape):
+        ns, ps = by_shape[key]
+        names.extend(ns)
+        sizes.extend([key] * len(ns))
+        for k, v in ps.items():
+            parts.setdefault(k, []).extend(v)
+    return names, parts, sizes
 
 
 def _with_reference(s: SampleSet, fused, table, threads: int, progress=None) -> SampleSet:
@@ -227,10 +333,10 @@ def _with_reference(s: SampleSet, fused, table, threads: int, progress=None) -> 
         s.axis, s.rows = _sample_axis(sess, out, s)
         ys = []
         t0 = time.perf_counter()
-        for a, f in zip(range(0, len(s), s.batch), s.feeds):
+        for (a, b), f in zip(s.spans(1 if s.stacked else s.batch), s.feeds):
             ys.append(sess.run([out], f)[0])
             if progress and not attempt:
-                progress(min(s.batch, len(s) - a))
+                progress(b - a)
         s.seconds_per_sample = (time.perf_counter() - t0) / len(s)
         if attempt or out == G.first_output(fused) or not all(_nowhere_finite(y) for y in ys):
             break
@@ -246,15 +352,9 @@ def _with_reference(s: SampleSet, fused, table, threads: int, progress=None) -> 
         _one_at_a_time(s)
         s.axis, s.rows = 0, 1
         ys = [sess.run([out], f)[0] for f in s.feeds]
-    if s.stacked and len({y.shape for y in ys}) > 1:
-        # outputs that differ in size (one value per frame) cannot be compared as one array: the samples
-        # whose output has the most common size are kept
-        common = max({y.shape for y in ys}, key=lambda sh: sum(y.shape == sh for y in ys))
-        keep = [i for i, y in enumerate(ys) if y.shape == common]
-        warnings.warn(f"the fp32 outputs of the calibration samples differ in size; the {len(keep)} of the most "
-                      f"common size {list(common)} are used for method choice, rounding, range tuning and "
-                      f"sensitivity", stacklevel=3)
-        s, ys = s.subset(keep), [ys[i] for i in keep]
+    each = _output_shapes(s, ys)
+    if len(set(each)) > 1:  # (one value per frame or token): compared zero-padded to the largest
+        s.out_shapes = each
     try:
         s.reference = s.join(ys)
     except ValueError:  # (outputs of the feeds that cannot be joined: sizes that follow the data)
@@ -267,6 +367,19 @@ def _with_reference(s: SampleSet, fused, table, threads: int, progress=None) -> 
                       stacklevel=3)
         return SampleSet.empty()
     return _finite_only(s)
+
+
+def _output_shapes(s: SampleSet, ys: list) -> list:
+    """Each sample's output shape (past the samples' axis), from the outputs of s.feeds."""
+    if s.stacked:
+        return [tuple(y.shape) for y in ys]
+    each = []
+    for y in ys:
+        if y.ndim <= s.axis:
+            return []
+        one = np.moveaxis(y, s.axis, 0).shape
+        each += [one[1:]] * one[0]
+    return each
 
 
 def _stack(arrays: list) -> np.ndarray:
@@ -292,8 +405,10 @@ def _sample_axis(sess, out: str, s: SampleSet) -> tuple:
     if s.fixed_batch or s.stacked or len(s) < 2:
         return 0, 1  # (one sample whose output holds no entry for it, a scalar: load_samples runs it alone)
     from qtool.errors import QtoolError
+    # (samples of several sizes: the first one twice for two, a batch of one size)
+    two = s.feed(0, 2) if s.sizes is None else {k: np.concatenate([v, v]) for k, v in s.feed(0, 1).items()}
     try:
-        one, two = (sess.run([out], s.feed(0, n))[0].shape for n in (1, 2))
+        one, two = (sess.run([out], f)[0].shape for f in (s.feed(0, 1), two))
     except QtoolError:
         # a batch dimension declared free that the graph does not honour (khmersm: a Reshape to one
         # sentence): every step runs the samples one at a time, each fed whole
@@ -308,6 +423,10 @@ def _sample_axis(sess, out: str, s: SampleSet) -> tuple:
         _one_at_a_time(s)
         return 0, 1
     if len(one) != len(two) or len(grown) != 1 or two[grown[0]] != 2 * one[grown[0]]:
+        return 0, 1
+    if one[grown[0]] > 1 and s.sizes is not None:
+        # a batch folded into rows whose number follows the size: one sample at a time, each output its own
+        _one_at_a_time(s)
         return 0, 1
     return grown[0], one[grown[0]]
 

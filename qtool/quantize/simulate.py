@@ -168,7 +168,7 @@ class Simulator:
             # (stacked: one, batch 1; at most the samples' batch, sized by what a run holds: 4 of waifu2x's CUNet
             # at 292 x 292 took 2 GB more than its experiments)
             n = samples.batch if samples.fixed_batch else min(4, len(samples), samples.batch)
-            self._share = self._costs(samples.feed(0, n))
+            self._share = self._costs(samples.feed(*samples.spans(n)[0]))
         return self._share
 
     def plan_cuts(self, firsts: list, share: np.ndarray, pass_seconds: float = 1.0) -> dict:
@@ -431,7 +431,7 @@ class Simulator:
         CUNet at 292 x 292 held 20-80x the bytes CACHE_BYTES allows (292 x 292 and 584 x 584 planes, not 64 x 64)."""
         if not len(samples):
             return self.shapes
-        feed = samples.feed(0, 1)
+        feed = samples.widest()  # (samples of several sizes: the largest, which bounds the others)
         key = tuple(sorted((k, tuple(np.shape(v))) for k, v in feed.items()))
         if key not in self._sized:
             self._sized[key] = G.inferred_shapes(self.base, {k: np.shape(v) for k, v in feed.items()}) or self.shapes
@@ -447,8 +447,8 @@ class Simulator:
             size = samples.batch  # (a model with a fixed batch takes exactly that many; the set holds whole batches)
         if samples.stacked:
             size = 1  # (each sample is a whole feed of its own)
-        for a in range(0, len(samples), size):
-            yield samples.feed(a, min(a + size, len(samples))), min(size, len(samples) - a)
+        for a, b in samples.spans(size):
+            yield samples.feed(a, b), b - a
 
 
 def _has_subgraph(node) -> bool:

@@ -34,6 +34,9 @@ def _expected_input_per_weight(w_shape, axis, mean_x, op_type, groups):
         idx = g[:, None] * cin_g + np.arange(cin_g)[None, :]  # [Cout, Cin_g]
         e = np.asarray(mean_x, np.float64)[idx]
         return e.reshape(e.shape + (1,) * (len(w_shape) - 2))
+    if op_type == "ConvTranspose":  # W [Cin, Cout, k...] (group 1: rules/conv.py)
+        e = np.asarray(mean_x, np.float64)
+        return e.reshape((len(e),) + (1,) * (len(w_shape) - 1))
     # Gemm/MatMul: W is [K, N] (axis 1 = output) or [N, K] (axis 0 = output)
     m = np.asarray(mean_x, np.float64)
     return m[:, None] if axis == 1 else m[None, :]
@@ -52,6 +55,9 @@ class WeightLayer:
     mean_x: object
     op_type: str
     groups: int = 1
+    # how many of W's taps (per input channel) one output value reads, as a share of all of them: 1, but
+    # 1 / prod(strides) on average for a ConvTranspose, whose output pixels each read one stride phase
+    taps_per_output: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -116,6 +122,6 @@ def _round_and_correct(layer: WeightLayer, scale, how: WeightRounding):
         dw = Q.dequantize_weight(q, scale, axis).astype(np.float64) - w.astype(np.float64)
         e = _expected_input_per_weight(w.shape, axis, mean_x, layer.op_type, layer.groups)
         if e.size and np.broadcast_shapes(e.shape, dw.shape) == dw.shape:
-            shift = np.sum(dw * e, axis=tuple(k for k in range(dw.ndim) if k != axis))
+            shift = np.sum(dw * e, axis=tuple(k for k in range(dw.ndim) if k != axis)) * layer.taps_per_output
             bias = (np.zeros(cout) if bias is None else bias.astype(np.float64)) - shift
     return q, None if bias is None else np.asarray(bias, np.float32).ravel()

@@ -416,11 +416,28 @@ def conv(ins, at):
     return [y.astype(np.float32)]
 
 
+def _as_2d(at: dict) -> dict:
+    """A 1-D ConvTranspose's attributes as those of the 2-D one over a height-1 input."""
+    two = dict(at)
+    for k, fill in (("strides", 1), ("dilations", 1), ("output_padding", 0), ("kernel_shape", 1)):
+        if at.get(k) is not None:
+            two[k] = [fill] + list(at[k])
+    if at.get("pads") is not None:
+        two["pads"] = [0, at["pads"][0], 0, at["pads"][1]]
+    if at.get("output_shape") is not None:
+        two["output_shape"] = [1] + list(at["output_shape"])[-1:]
+    return two
+
+
 @op("ConvTranspose")
 def conv_transpose(ins, at):
     """Each input pixel scatters its kernel into the output (stride apart), per group; then the pads are
-    cut off (or, with output_shape, the pads it implies: ONNX's rule, SAME_UPPER puts the odd one last)."""
+    cut off (or, with output_shape, the pads it implies: ONNX's rule, SAME_UPPER puts the odd one last).
+    1-D: the 2-D one over a height-1 input."""
     x, w = ins[0], ins[1]
+    if x.ndim == 3 and w.ndim == 3:
+        y = conv_transpose([x[:, :, None], w[:, :, None]] + list(ins[2:]), _as_2d(at))[0]
+        return [y[:, :, 0]]
     b = ins[2] if len(ins) > 2 else None
     if x.ndim != 4 or w.ndim != 4:
         raise NotImplementedError(f"ConvTranspose on rank {x.ndim} input")

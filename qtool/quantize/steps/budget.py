@@ -58,7 +58,7 @@ def afford(run, need: list) -> Afforded | None:
     n_tune, per_tune = len(split.tune), TARGET_COST_PASSES
     if rounding:
         names = sorted({x for x, _, _ in rounding_layers(fused)[0].values()})
-        per_tune += ROUNDING_PASSES * (len(fetch_groups(fused, names, probe.feed(0, 1))) if names else 0)
+        per_tune += ROUNDING_PASSES * (len(fetch_groups(fused, names, probe.widest())) if names else 0)
         n_tune = b.samples(per_tune, n_tune, MIN_BUDGET_TUNE_SAMPLES)
     n_verify = b.samples(VERIFY_PASSES, len(split.verify), MIN_VERIFY_SAMPLES) \
         if verify and split.verify and (auto or rounding) else len(split.verify)

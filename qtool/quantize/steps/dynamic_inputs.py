@@ -25,7 +25,7 @@ def samples(run) -> tuple:
 
 def choose(run) -> None:
     ctx, tune = run.ctx, _samples(run)
-    run.used["dynamic inputs"] = len(tune)
+    run.ctx.record_samples("dynamic inputs", tune)
     choices = measure(ctx, tune, ctx.threads)
     run.dynamic = {"gain_db": GAIN_DB, "layers": {c.layer: c.to_dict() for c in choices}}
     needed = frozenset(c.layer for c in choices if c.dynamic)

@@ -11,11 +11,11 @@ from qtool.quantize.step import Step
 
 def choose_encodings(ctx: QuantizeContext, samples: SampleSet, say=print) -> dict:
     """node -> why, for the layers whose weights are stored uint8 + 128 where the target's rule is
-    pair-safe (encoding.portable_u8_layers), measured on one sample's shapes."""
+    pair-safe (encoding.portable_u8_layers), measured at the largest sample's shapes."""
     if TARGETS[ctx.target].encoding != PAIR_SAFE:
         return {}
     if len(samples):
-        shapes = {k: list(v.shape) for k, v in samples.feed(0, 1).items()}
+        shapes = {k: list(v.shape) for k, v in samples.widest().items()}
     else:  # (no calibration images recorded: the inputs' own shapes, where static)
         shapes = {i.name: [1] + G.input_dims(i)[1:] for i in G.real_inputs(ctx.fused)}
         if any(not isinstance(d, int) for dims in shapes.values() for d in dims):

@@ -24,7 +24,7 @@ def pick(run) -> None:
                     f"{len(run.sens_samples) + MIN_HELD_BACK} or more for an independent check)")
         check, held = every, False
     run.check, run.check_held_back = check, held
-    run.used["exclusion check"] = len(check)
+    run.ctx.record_samples("exclusion check", check)
 
 
 STEP = Step("exclusion check", pick, when)

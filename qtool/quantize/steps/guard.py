@@ -15,7 +15,7 @@ def when(run) -> bool:
 
 
 def guard(run) -> None:
-    run.used["guard"] = len(_samples(run))
+    run.ctx.record_samples("guard", _samples(run))
     run.guarded = guard_layers(run.ctx, run.ranking, _samples(run), run.say)
 
 

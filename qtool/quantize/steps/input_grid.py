@@ -23,7 +23,7 @@ def choose(run) -> None:
 
 def verify(run) -> None:
     if run.input_grid is not None:
-        run.used["input grid"] = len(_samples(run))
+        run.ctx.record_samples("input grid", _samples(run))
     if run.ctx.input_grid and len(run.held_out):
         v = run.verify("input grid", "the inputs on their calibrated grid", input_grid=False)
         if v is not None and not v.kept:

@@ -18,7 +18,7 @@ def samples(run) -> tuple:
 
 def choose(run) -> None:
     chosen = run.samples.pick(run.split.auto)
-    run.used["method choice"] = len(chosen)
+    run.ctx.record_samples("method choice", chosen)
     run.ctx.method, run.method_scores_db, run.method_agreement = pick_method(run.ctx, chosen, run.say, run.progress)
 
 

@@ -20,7 +20,7 @@ def tune_activation_ranges(ctx: QuantizeContext, samples: SampleSet, res: Tuning
             pb.total = n
             pb.refresh()
         res.search = search_ranges(ctx, samples, whole(pb), exact)
-    ctx.samples_used["range tuning"] = len(samples)
+    ctx.record_samples("range tuning", samples)
     ctx.ranges = res.ranges = res.search.ranges or None
     s = res.search
     say(f"tuned ranges: {len(s.ranges)} tensors changed ({s.probes} probes), output SQNR on {len(samples)} "

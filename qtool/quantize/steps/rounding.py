@@ -44,7 +44,7 @@ def tune_rounding(ctx: QuantizeContext, samples: SampleSet, res: Tuning, steps: 
             ctx.hessians.pop(layer, None)
         res.unrounded[layer] = "its output-aware rounding failed"
 
-    ctx.samples_used["output-aware rounding"] = len(samples)
+    ctx.record_samples("output-aware rounding", samples)
     with bar(len(samples), "image", "covariances", show_progress) as pb:
         ctx.hessians = res.hessians = layer_hessians(ctx.fused, samples, progress=whole(pb), on_error=nearest,
                                                      skipped=res.unrounded)
@@ -52,7 +52,8 @@ def tune_rounding(ctx: QuantizeContext, samples: SampleSet, res: Tuning, steps: 
     round_all(ctx, say, show_progress)  # at the method's ranges; range tuning scores with these weights
     res.check = cross_check(ctx, samples, check, say, show_progress)
     if check is not None:
-        ctx.samples_used["rounding check"] = res.check.samples
+        ctx.record_samples("rounding check", check)  # (its sizes: those of the samples beyond the tuning ones)
+        ctx.samples_used["rounding check"] = res.check.samples  # judged with the tuning samples' halves
     if res.check.nearest:
         ctx.hessians = res.hessians = ctx.on_error = None
         res.unrounded.clear()

@@ -30,7 +30,7 @@ def samples(run) -> tuple:
 
 
 def measure(run) -> None:
-    run.used["sensitivity"] = len(run.sens_samples)
+    run.ctx.record_samples("sensitivity", run.sens_samples)
     run.sensitivity, run.ranking = run_sensitivity(run.ctx, run.sens_samples, run.say, run.progress)
 
 

@@ -45,7 +45,7 @@ def written_cost(model, samples: SampleSet, threads: int = 0) -> dict | None:
 def measure(run) -> None:
     tune = run.tune_samples
     if len(tune):
-        run.used["target cost"] = len(tune)
+        run.ctx.record_samples("target cost", tune)
     if run.branches:  # (ctx's experiments leave the branches fp32: the model written is measured instead)
         run.cost = written_cost(run.out.model, tune, run.ctx.threads)
     else:

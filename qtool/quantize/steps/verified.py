@@ -13,7 +13,7 @@ def when(run) -> bool:
 def record(run) -> None:
     ctx, plain, held_out = run.ctx, run.plain, run.held_out
     if len(held_out) and run.verdicts:
-        run.used["verification"] = len(held_out)
+        run.ctx.record_samples("verification", held_out)
     elif not len(held_out) and (run.on.rounding or ctx.method != plain.method or ctx.fused is not plain.fused) \
             and len(run.samples):
         if len(run.files) < MIN_VERIFY_SAMPLES * VERIFY_EVERY:
