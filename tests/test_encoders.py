@@ -274,3 +274,22 @@ def test_quantize_judges_an_encoder_by_its_pooled_vectors(tmp_path):
     assert judge.kind == ENCODER and np.allclose(judge.error(ref, noisy), want, rtol=1e-9, atol=1e-12)
     assert judge.counted(ref, noisy) is None
     assert judge_of(model, samples, "classifier").kind != ENCODER
+
+
+def test_padding_does_not_pull_the_rounding():
+    """Output-aware rounding fits each weight layer to the covariance of its input over the real tokens only:
+    what sits at a padded position (masked away downstream) leaves it unchanged, while the same ids read as
+    real tokens (a mask of ones) change it."""
+    from qtool.quantize.rounding import layer_hessians
+    model = encoder_model()
+    for node in model.graph.node:  # (named as calibrate's fused graph names its nodes)
+        node.name = node.output[0]
+    rng = np.random.default_rng(3)
+    feeds = _feeds(rng, 40)
+    real = feeds["attention_mask"] == 1
+    other = {**feeds, "input_ids": np.where(real, feeds["input_ids"], rng.integers(1, VOCAB, real.shape))}
+    a, b = layer_hessians(model, [feeds]), layer_hessians(model, [other])
+    assert set(a) == set(b) and "m1" in a  # (the token states' layer)
+    assert all(np.allclose(a[k], b[k], rtol=1e-6, atol=1e-9) for k in a)
+    unmasked = layer_hessians(model, [{**other, "attention_mask": np.ones_like(feeds["attention_mask"])}])
+    assert not np.allclose(unmasked[next(iter(a))], a[next(iter(a))], rtol=1e-3)

@@ -22,6 +22,7 @@ import numpy as np
 
 from qtool import qparams as Q
 from qtool.arithmetic import can_saturate
+from qtool.encoders import mask_input, real_tokens
 from qtool.quantize.encoding import project
 
 try:  # the descent in C (src/rounding.c); the numpy loops below are its reference and the fallback
@@ -387,6 +388,7 @@ def layer_hessians(fused, feeds, exclude: dict | None = None, threads: int = 0, 
         return {}
     names = sorted({x for x, _, _ in layers.values()})
     groups = fetch_groups(fused, names, next(_slices(feeds, 1))[0])
+    mask_name = mask_input(fused)
     rng = np.random.default_rng(SEED)
     failed = set()
     for gi, (group, per_run) in enumerate(groups):
@@ -399,7 +401,7 @@ def layer_hessians(fused, feeds, exclude: dict | None = None, threads: int = 0, 
                 if name in failed:
                     continue
                 try:
-                    _add(acc, outs[x_name], conv, rng)
+                    _add(acc, _real_tokens(outs[x_name], feed.get(mask_name), conv), conv, rng)
                 except Exception as e:
                     if on_error is None:
                         raise
@@ -412,6 +414,16 @@ def layer_hessians(fused, feeds, exclude: dict | None = None, threads: int = 0, 
     # fewer samples than inputs per channel: the estimate is mostly its diagonal, where nearest rounding is optimal
     return {name: acc.hessian() for name, (_, acc, _) in layers.items()
             if name not in failed and acc.n >= acc.mean.shape[1]}
+
+
+def _real_tokens(x: np.ndarray, mask, conv: dict | None) -> np.ndarray:
+    """A dense layer's token states [N, T, K] of the real tokens only [M, K], where the attention mask says
+    which they are: a padded position's output is masked away downstream, so its input must not pull the
+    rounding (sentences padded to a fixed 128 tokens are mostly padding: 12 real tokens of 128). Else x."""
+    if conv is not None or mask is None or x.ndim != 3:
+        return x
+    real = real_tokens(mask, x.shape)
+    return x if real is None or real.all() else x[real]
 
 
 def _add(acc: InputCovariance, x: np.ndarray, conv: dict | None, rng) -> None:
