@@ -137,3 +137,29 @@ def test_bias_correction_of_a_conv_transpose_counts_one_stride_phase_per_output(
     fixed = conv_transpose([x, wd, qw.bias], at)[0][..., 2:-2, 2:-2]
     mean_err = lambda y: np.abs((y - ref).mean(axis=(0, 2, 3))).mean()  # noqa: E731
     assert mean_err(fixed) < 0.2 * mean_err(raw)
+
+
+def test_an_input_on_a_shifted_lattice_is_not_shifted_for_a_conv_transpose(tmp_path):
+    """Images read by a ConvTranspose first: no Add moves them onto the 8-bit grid (a Conv's bias takes such
+    a shift back out; a ConvTranspose's output pixels each read another subset of its taps, so none can)."""
+    from helpers import write_config, write_images
+    from qtool.calibrate.options import CalibrateOptions, Sampling
+    from qtool.quantize.qdq import BuildOptions, quantize_graph
+    rng = np.random.default_rng(6)
+    nodes = [helper.make_node("ConvTranspose", ["x", "wt", "bt"], ["u"], name="up", strides=[2, 2], kernel_shape=[2, 2]),
+             helper.make_node("Relu", ["u"], ["r"], name="relu"),
+             helper.make_node("Conv", ["r", "w2", "b2"], ["y"], name="conv2")]
+    inits = [init("wt", rng.standard_normal((3, 8, 2, 2)) * 0.3), init("bt", rng.standard_normal(8) * 0.1),
+             init("w2", rng.standard_normal((4, 8, 1, 1)) * 0.3), init("b2", rng.standard_normal(4) * 0.1)]
+    model = make_model(nodes, inits, [("x", [None, 3, 16, 16])], [("y", [None, 4, 32, 32])])
+    write_images(tmp_path / "d", 8, h=16, w=16)
+    cfg = write_config(tmp_path / "cfg.toml")  # (p - 127.5) / 127.5: the points half a step off any grid
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = calibrate(save(model, tmp_path / "m.onnx"), str(tmp_path / "d"),
+                      CalibrateOptions(config=cfg, method="minmax", threads=1, sampling=Sampling(batch=4),
+                                       show_progress=False), workdir=str(tmp_path / "w"))
+    assert "x" in r.table.lattices
+    out = quantize_graph(r.fused, r.table, BuildOptions())
+    assert not out.input_shifts and not any(n.op_type == "Add" for n in out.model.graph.node)
+    assert {d.name: d.status for d in out.plan.decisions}["up"] == "int8"
