@@ -1,0 +1,85 @@
+"""A catalogue entry as the three command lines a user would type: `qtool calibrate`, `qtool quantize`,
+`qtool eval`, in the model's working folder. The options of a step are the command's own, named as on
+its command line (`exclude-sensitive = true`, `method = "minmax"`, `exclude = ["/fc/Gemm"]`), so the
+batch declares none of them again; each line is parsed by the command itself before any job starts,
+so a wrong name or value is one line naming the catalogue and the model, and nothing runs.
+"""
+from __future__ import annotations
+
+import os
+
+import click
+
+from qtool.batch.catalogue import Catalogue, Entry
+from qtool.errors import UsageError
+
+EVAL_JSON = "eval.json"  # in the working folder; quantize writes quantize.json there itself
+# parameters the batch sets itself (paths, the working folder, the output's verbosity): not a catalogue's
+RESERVED = {"calibrate": {"model", "data", "config", "workdir", "json_path", "quiet", "verbose", "debug"},
+            "quantize": {"workdir", "json_path", "output", "model", "table", "quiet", "verbose", "debug"},
+            "eval": {"workdir", "json_path", "data", "model", "int8_path", "quiet", "verbose", "debug"}}
+
+
+def commands() -> dict:
+    """step -> its click command (imported here: `qtool calibrate` alone need not import this)."""
+    from qtool.commands import calibrate, eval as eval_, quantize
+    return {"calibrate": calibrate.command, "quantize": quantize.command, "eval": eval_.command}
+
+
+def lines(entry: Entry, workdir: str) -> list:
+    """[(step, argv after `qtool`)] for the entry, its working folder `workdir`."""
+    cmds = commands()
+    opts = {step: option_args(cmds[step], step, entry.options.get(step, {})) for step in cmds}
+    calibrate = ["--model", entry.path, "--data", entry.data] + (["--config", entry.config] if entry.config else [])
+    evaluate = (["--data", entry.eval_data] if entry.eval_data else []) + ["--json", os.path.join(workdir, EVAL_JSON)]
+    return [("calibrate", ["calibrate"] + calibrate + opts["calibrate"] + ["-w", workdir, "-q"]),
+            ("quantize", ["quantize"] + opts["quantize"] + ["-w", workdir, "-q"]),
+            ("eval", ["eval"] + evaluate + opts["eval"] + ["-w", workdir, "-q"])]
+
+
+def check(catalogue: Catalogue, out: str) -> None:
+    """Every entry's command lines parsed by the commands themselves; the first problem, one UsageError."""
+    cmds = commands()
+    for e in catalogue.entries:
+        try:
+            for step, argv in lines(e, os.path.join(out, e.name)):
+                cmds[step].make_context(step, argv[1:], resilient_parsing=False)
+        except (click.UsageError, UsageError) as err:
+            msg = err.format_message() if isinstance(err, click.ClickException) else str(err)
+            raise UsageError(f"{catalogue.path}: model {e.name!r}: {' '.join(msg.split())}") from None
+
+
+def option_args(command: click.Command, step: str, options: dict) -> list:
+    """The command-line arguments of `options` ({long option name: value}) for `command`."""
+    params = {}
+    for p in command.params:
+        if isinstance(p, click.Option):
+            for opt in p.opts:
+                if opt.startswith("--"):
+                    params[opt[2:]] = p
+    args = []
+    for key, value in options.items():
+        p = params.get(str(key).replace("_", "-"))
+        if p is None or p.name in RESERVED[step]:
+            why = "set by qtool batch" if p is not None else "no such option"
+            raise UsageError(f"[{step}] {key!r}: {why} (the options of `qtool {step} --help`, without the dashes)")
+        args += _args(p, step, key, value)
+    return args
+
+
+def _args(p: click.Option, step: str, key: str, value) -> list:
+    flag = next(o for o in p.opts if o.startswith("--"))
+    if p.is_flag:
+        if not isinstance(value, bool):
+            raise UsageError(f"[{step}] {key!r} is a switch: true or false, not {value!r}")
+        if p.secondary_opts:
+            return [flag if value else p.secondary_opts[0]]
+        if not value and p.default:
+            raise UsageError(f"[{step}] {key!r} cannot be turned off")
+        return [flag] if value else []
+    values = value if isinstance(value, list) else [value]
+    if (len(values) != 1 and not p.multiple) or not all(
+            isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in values):
+        raise UsageError(f"[{step}] {key!r} takes {'values' if p.multiple else 'one value'} "
+                         f"(a string or a number), not {value!r}")
+    return [a for v in values for a in (flag, str(v))]
