@@ -162,3 +162,25 @@ def test_the_table_never_replaces_an_input(models, tmp_path, capsys):
     assert qtool("batch", cat, "--out", out) == 2
     assert "the table (markdown) is the catalogue" in capsys.readouterr().err
     assert cat.read_bytes() == before
+
+
+def test_the_zoo_catalogue_names_no_machine_path_and_qtool_batch_reads_it(tmp_path, monkeypatch):
+    import argparse
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import bench_zoo
+    from qtool.batch import catalogue as cat
+    from qtool.batch import steps
+    a = argparse.Namespace(mem_limit_gb=8, step_timeout=900)
+    text = bench_zoo.catalogue(a, ["mtcnn-pnet", "silero-vad"], strict=True)
+    assert str(tmp_path) not in text and "${QTOOL_ZOO}/mtcnn-pnet.onnx" in text
+    monkeypatch.setenv("QTOOL_ZOO", str(tmp_path / "models"))
+    monkeypatch.setenv("ZOO_DATA", str(tmp_path / "data"))
+    c = cat.load(str(catalogue(tmp_path, text, "zoo.toml")))
+    steps.check(c, str(tmp_path / "out"))
+    assert [e.name for e in c.entries] == ["mtcnn-pnet", "silero-vad"]
+    e = c.entries[1]
+    assert e.path == str(tmp_path / "models" / "silero-vad.onnx")
+    assert e.eval_data == str(tmp_path / "data" / "silero-vad" / "eval")
+    assert e.limits == cat.Limits(8192, 900) and e.options["quantize"] == {"strict": True}
+    argv = dict(steps.lines(e, "W"))
+    assert argv["quantize"] == ["quantize", "--strict", "-w", "W", "-q"]  # what bench_zoo ran before the batch

@@ -28,10 +28,15 @@ class Job:
     workdir: str
 
 
+def new_row(job: Job) -> dict:
+    """A row before its job runs: status ok until a step says otherwise."""
+    return {"name": job.entry.name, "status": "ok", "step": None, "reason": "", "workdir": job.workdir, "int8": None,
+            "memory_mb": job.entry.limits.memory_mb, "steps": {}, "size": None, "eval": None}
+
+
 def run_job(job: Job, cancel: threading.Event | None = None) -> dict:
     e = job.entry
-    row = {"name": e.name, "status": "ok", "step": None, "reason": "", "workdir": job.workdir, "int8": None,
-           "memory_mb": e.limits.memory_mb, "steps": {}, "size": None, "eval": None}
+    row = new_row(job)
     shutil.rmtree(job.workdir, ignore_errors=True)
     os.makedirs(job.workdir)
     bounds = Bounds(e.limits.memory_mb, e.limits.timeout_s, cancel)

@@ -1,0 +1,44 @@
+"""`qtool batch` on a local Ray cluster of 2 worker processes (started here): one task per model, the same
+table as the local run (every figure that does not depend on timing, a corrupt model's row included), the
+same int8 bytes; a model asking more memory than any node has is a row, not a wait without end."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import ray
+
+from qtool.batch.run import BatchOptions, run_batch
+from qtool.distributed.cluster import LOCAL
+from test_batch import FIGURES, MODEL, catalogue, models, three  # noqa: F401 - (models: the fixture)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    yield
+    ray.shutdown()
+
+
+def figures(rows):
+    return [{k: r[k] for k in FIGURES + ("reason",)} for r in rows]
+
+
+def test_ray_table_equals_the_local_one(models, tmp_path, cluster):
+    cat = three(models)
+    local = run_batch(str(cat), BatchOptions(str(tmp_path / "local")))
+    on_ray = run_batch(str(cat), BatchOptions(str(tmp_path / "ray"), ray=LOCAL))
+    assert figures(on_ray) == figures(local)
+    assert [r["status"] for r in on_ray] == ["ok", "failed", "ok"]
+    for a, b in zip(local, on_ray):
+        if a["int8"]:
+            assert open(a["int8"], "rb").read() == open(b["int8"], "rb").read()
+    with open(tmp_path / "ray" / "batch.json", encoding="utf-8") as f:
+        assert json.load(f)["ran"].startswith("ray")
+
+
+def test_a_model_larger_than_every_node_is_a_row(models, tmp_path, cluster):
+    cat = catalogue(tmp_path, MODEL.format(path=models / "net0.onnx", extra="memory_mb = 100000000")
+                    .replace('"calib"', f'"{models / "calib"}"').replace('"eval"', f'"{models / "eval"}"'))
+    (row,) = run_batch(str(cat), BatchOptions(str(tmp_path / "out"), ray=LOCAL))
+    assert row["status"] == "failed" and row["reason"].startswith("not run: memory_mb 1e+08 is above the largest node")
