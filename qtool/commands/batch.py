@@ -18,7 +18,7 @@ from qtool.errors import QtoolError
 @output_options
 def command(catalogue, out, jobs, only, quiet, verbose, debug):
     """Run `qtool calibrate`, `quantize` and `eval` for every model of CATALOGUE (a TOML file: see
-    docs/distributed.md, "Catalogues"), each step a process of its own under the model's memory limit,
+    docs/catalogue.md), each step a process of its own under the model's memory limit,
     and write one table: status, seconds and peak memory per step, int8 size against fp32, the eval
     figures. A model that fails is a row with its one-line reason; the batch goes on. Exit 0 when every
     model is ok, 1 when one is not (the table is written either way).
