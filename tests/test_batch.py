@@ -184,3 +184,14 @@ def test_the_zoo_catalogue_names_no_machine_path_and_qtool_batch_reads_it(tmp_pa
     assert e.limits == cat.Limits(8192, 900) and e.options["quantize"] == {"strict": True}
     argv = dict(steps.lines(e, "W"))
     assert argv["quantize"] == ["quantize", "--strict", "-w", "W", "-q"]  # what bench_zoo ran before the batch
+
+
+def test_a_folder_of_the_user_named_like_a_model_is_never_emptied(models, tmp_path, capsys):
+    out = tmp_path / "out"
+    (out / "net0").mkdir(parents=True)
+    (out / "net0" / "notes.txt").write_text("mine")
+    cat = catalogue(tmp_path, MODEL.format(path=models / "net0.onnx", extra="").replace('"calib"', f'"{models / "calib"}"')
+                    .replace('"eval"', f'"{models / "eval"}"'))
+    assert qtool("batch", cat, "--out", out) == 2
+    assert "not a qtool working folder" in capsys.readouterr().err
+    assert (out / "net0" / "notes.txt").read_text() == "mine"

@@ -11,6 +11,7 @@ from qtool.batch import steps, table
 from qtool.batch.job import Job
 from qtool.batch.local import run_local
 from qtool.errors import UsageError
+from qtool.workdir import MANIFEST
 
 TABLE = {"markdown": "batch.md", "json": "batch.json"}
 
@@ -42,14 +43,23 @@ def plan(path: str, options: BatchOptions) -> tuple:
         reads += outputs.model(f"model {e.name!r}", e.path) + outputs.data(f"data of {e.name!r}", e.data)
         reads += outputs.data(f"evaluation data of {e.name!r}", e.eval_data) if e.eval_data else []
     outputs.check([outputs.File(f"table ({k})", p) for k, p in paths.items()], reads)
-    for e in c.entries:  # a working folder is emptied first: it must hold no input
-        work = os.path.realpath(os.path.join(options.out, e.name))
-        for r in reads:
-            if r.path and os.path.commonpath([work, os.path.realpath(r.path)]) == work:
-                raise UsageError(f"{r.path}: the {r.what} is inside the working folder {work} that qtool batch "
-                                 f"empties first: choose another --out")
+    for e in c.entries:
+        emptied(os.path.join(options.out, e.name), reads)
     jobs = [Job(e, os.path.abspath(os.path.join(options.out, e.name))) for e in c.entries]
     return c, jobs, paths
+
+
+def emptied(work: str, reads: list) -> None:
+    """A job empties its working folder first: the folder must be new, empty or a qtool working folder
+    (one a user's own folder named like a model is not), and hold no input."""
+    if os.path.isdir(work) and os.listdir(work) and not os.path.isfile(os.path.join(work, MANIFEST)):
+        raise UsageError(f"{work}: a folder that is not a qtool working folder, which qtool batch would empty "
+                         f"first: choose another --out")
+    real = os.path.realpath(work)
+    for r in reads:
+        if r.path and os.path.commonpath([real, os.path.realpath(r.path)]) == real:
+            raise UsageError(f"{r.path}: the {r.what} is inside the working folder {work} that qtool batch "
+                             f"empties first: choose another --out")
 
 
 def run_batch(path: str, options: BatchOptions, done=lambda row: None) -> list:
