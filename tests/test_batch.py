@@ -7,24 +7,14 @@ import json
 import os
 import subprocess
 import sys
-import warnings
 
 import numpy as np
 import pytest
 
 from helpers import save, small_convnet, write_samples
-from qtool import cli
+from test_cli import qtool  # (the in-process runner)
 
 FIGURES = ("name", "status", "step", "size", "eval")  # a row's columns that do not depend on timing
-
-
-def qtool(*args):
-    with warnings.catch_warnings():
-        try:
-            cli.main([str(a) for a in args])
-        except SystemExit as e:
-            return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    return 0
 
 
 @pytest.fixture(scope="module")
