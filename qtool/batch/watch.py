@@ -10,6 +10,7 @@ zoo benchmark's parent process imports this without numpy or onnx.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -18,6 +19,12 @@ import threading
 import time
 from dataclasses import dataclass
 
+try:  # Linux: a child asks to be killed when the process that started it dies (a Ray worker killed
+    # mid-job, whose task Ray re-runs: the orphaned step must not go on writing in the folder the re-run empties)
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):
+    _prctl = None
+PR_SET_PDEATHSIG = 1
 POLL_S = 0.1
 PAGE = os.sysconf("SC_PAGE_SIZE")
 MB = 2 ** 20
@@ -100,13 +107,19 @@ def _watch(run: Run, pid: int, t0: float, bounds: Bounds, stop: threading.Event)
         return
 
 
+def _die_with_parent() -> None:
+    """In the child, between fork and exec: SIGKILL when the thread that started it ends (it waits for the
+    child, so only when its process dies)."""
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 def run_watched(cmd: list, bounds: Bounds = Bounds(), env: dict | None = None, cwd: str | None = None) -> Run:
     """Runs `cmd` to its end, or until `bounds` kill it; never raises for what the child does."""
     run = Run([str(c) for c in cmd])
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         t0 = time.monotonic()
         p = subprocess.Popen(run.cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, cwd=cwd,
-                             start_new_session=True)
+                             start_new_session=True, preexec_fn=_die_with_parent if _prctl else None)
         stop = threading.Event()
         w = threading.Thread(target=_watch, args=(run, p.pid, t0, bounds, stop), daemon=True)
         w.start()
