@@ -72,6 +72,17 @@ def gather(refs: list, what: str) -> list:
         raise cause from None
 
 
+def put(value) -> list:
+    """`value` into the object store, boxed in a list: passed to an actor's method so, it reaches the actor
+    as the reference, fetched once (`fetched`) and kept, not with every call; and a restarted actor
+    fetches it again (constructor arguments held in the object store are not safe across restarts)."""
+    return [import_ray().put(value)]
+
+
+def fetched(boxed: list):
+    return import_ray().get(boxed[0])
+
+
 def cpus() -> int:
     """The cluster's CPUs (at least 1): how many workers to start."""
     ray = import_ray()
