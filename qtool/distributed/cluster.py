@@ -12,6 +12,7 @@ could: actor restarts, task retries) ends the job with one line, never a partial
 from __future__ import annotations
 
 import os
+import re
 from contextlib import contextmanager
 
 from qtool.errors import QtoolError, UsageError
@@ -90,5 +91,5 @@ def cpus() -> int:
 
 
 def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip()  # (Ray colours the names in its messages)
     return text.splitlines()[0] if text else type(e).__name__
