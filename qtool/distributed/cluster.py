@@ -12,6 +12,7 @@ could: actor restarts, task retries) ends the job with one line, never a partial
 from __future__ import annotations
 
 import os
+import re
 from contextlib import contextmanager
 
 from qtool.errors import QtoolError, UsageError
@@ -72,6 +73,17 @@ def gather(refs: list, what: str) -> list:
         raise cause from None
 
 
+def put(value) -> list:
+    """`value` into the object store, boxed in a list: passed to an actor's method so, it reaches the actor
+    as the reference, fetched once (`fetched`) and kept, not with every call; and a restarted actor
+    fetches it again (constructor arguments held in the object store are not safe across restarts)."""
+    return [import_ray().put(value)]
+
+
+def fetched(boxed: list):
+    return import_ray().get(boxed[0])
+
+
 def cpus() -> int:
     """The cluster's CPUs (at least 1): how many workers to start."""
     ray = import_ray()
@@ -79,5 +91,5 @@ def cpus() -> int:
 
 
 def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip()  # (Ray colours the names in its messages)
     return text.splitlines()[0] if text else type(e).__name__
