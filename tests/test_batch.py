@@ -119,6 +119,7 @@ def test_parallel_jobs_give_the_same_table_in_the_same_order(models, tmp_path):
     ("[[model]]\npath = 'net0.onnx'\ndata = 'calib'\n[model.quantize]\nexclude-sensitiv = true\n",
      "model 'net0': [quantize] 'exclude-sensitiv': no such option"),
     ("[[model]]\npath = 'net0.onnx'\ndata = 'calib'\n[model.quantize]\nworkdir = 'x'\n", "set by qtool batch"),
+    ("[[model]]\npath = 'net0.onnx'\ndata = 'calib'\n[model.calibrate]\nray = 'auto'\n", "set by qtool batch"),
     ("[[model]]\npath = 'net0.onnx'\ndata = 'calib'\n[model.quantize]\ntarget = 'gpu'\n", "'gpu' is not one of"),
     ("[[model]]\npath = 'net0.onnx'\ndata = 'calib'\n[model.calibrate]\nbatch = 'four'\n", "'four' is not a valid integer"),
     ("[[model]]\npath = '${QTOOL_TEST_UNSET_DIR}/net0.onnx'\ndata = 'calib'\n", "$QTOOL_TEST_UNSET_DIR is not set"),

@@ -19,7 +19,7 @@ TABLE = {"markdown": "batch.md", "json": "batch.json"}
 @dataclass(frozen=True)
 class BatchOptions:
     """out: the folder of the working folders (OUT/NAME) and the table (OUT/batch.md, OUT/batch.json);
-    jobs: models run at once on this machine; ray: None (no Ray), "" (a local cluster), "auto" or an
+    jobs: models run at once on this machine; ray: None (no Ray), "local" (a local cluster), "auto" or an
     address; only: run these models of the catalogue (its order kept)."""
     out: str = "qtool_batch"
     jobs: int = 1
@@ -68,6 +68,6 @@ def run_batch(path: str, options: BatchOptions, done=lambda row: None) -> list:
         rows, where = run_local(jobs, options.jobs, done), f"local, {options.jobs} at a time"
     else:
         from qtool.batch.on_ray import run_on_ray  # (Ray imported only with --ray)
-        rows, where = run_on_ray(jobs, options.ray, done), f"ray {options.ray or '(local cluster)'}"
+        rows, where = run_on_ray(jobs, options.ray, done), f"ray {options.ray}"
     table.write(rows, c.path, where, paths)
     return rows

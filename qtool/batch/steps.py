@@ -14,10 +14,12 @@ from qtool.batch.catalogue import Catalogue, Entry
 from qtool.errors import UsageError
 
 EVAL_JSON = "eval.json"  # in the working folder; quantize writes quantize.json there itself
-# parameters the batch sets itself (paths, the working folder, the output's verbosity): not a catalogue's
-RESERVED = {"calibrate": {"model", "data", "config", "workdir", "json_path", "quiet", "verbose", "debug"},
-            "quantize": {"workdir", "json_path", "output", "model", "table", "quiet", "verbose", "debug"},
-            "eval": {"workdir", "json_path", "data", "model", "int8_path", "quiet", "verbose", "debug"}}
+# parameters the batch sets itself (paths, the working folder, the output's verbosity, where work runs):
+# not a catalogue's
+_ALWAYS = {"workdir", "json_path", "quiet", "verbose", "debug", "ray"}
+RESERVED = {"calibrate": _ALWAYS | {"model", "data", "config"},
+            "quantize": _ALWAYS | {"output", "model", "table"},
+            "eval": _ALWAYS | {"data", "model", "int8_path"}}
 
 
 def commands() -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from qtool.commands.common import output_options, say, setup_output
+from qtool.commands.common import output_options, ray_option, say, setup_output
 from qtool.errors import QtoolError
 
 
@@ -15,24 +15,27 @@ from qtool.errors import QtoolError
 @click.option("--jobs", "-j", default=1, show_default=True, type=click.IntRange(1, 1024),
               help="Models run at once on this machine (each under its own memory limit).")
 @click.option("--only", multiple=True, help="Run only this model of the catalogue (repeatable; its order kept).")
+@ray_option
 @output_options
-def command(catalogue, out, jobs, only, quiet, verbose, debug):
+def command(catalogue, out, jobs, only, ray, quiet, verbose, debug):
     """Run `qtool calibrate`, `quantize` and `eval` for every model of CATALOGUE (a TOML file: see
     docs/catalogue.md), each step a process of its own under the model's memory limit,
     and write one table: status, seconds and peak memory per step, int8 size against fp32, the eval
     figures. A model that fails is a row with its one-line reason; the batch goes on. Exit 0 when every
-    model is ok, 1 when one is not (the table is written either way).
+    model is ok, 1 when one is not (the table is written either way). With --ray, each model is one
+    Ray task asking for its memory limit (--jobs is then Ray's to decide).
 
     \b
     Example:
       qtool batch models.toml --out release/ --jobs 2
+      qtool batch models.toml --ray auto
     """
     setup_output(quiet, verbose)
     from qtool.batch.run import BatchOptions, run_batch
     from qtool.batch.table import HEAD, cells
 
     say(quiet, " | ".join(HEAD))
-    rows = run_batch(catalogue, BatchOptions(out, jobs, None, tuple(only)),
+    rows = run_batch(catalogue, BatchOptions(out, jobs, ray, tuple(only)),
                      done=lambda row: say(quiet, " | ".join(cells(row))))
     bad = [r["name"] for r in rows if r["status"] != "ok"]
     say(quiet, f"{len(rows) - len(bad)} of {len(rows)} models ok; table in {out}/batch.md and {out}/batch.json")
