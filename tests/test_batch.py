@@ -186,3 +186,13 @@ def test_a_folder_of_the_user_named_like_a_model_is_never_emptied(models, tmp_pa
     assert qtool("batch", cat, "--out", out) == 2
     assert "not a qtool working folder" in capsys.readouterr().err
     assert (out / "net0" / "notes.txt").read_text() == "mine"
+
+
+def test_a_working_folder_that_cannot_be_made_is_that_models_row(models, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "net0").write_text("a file where the working folder goes")
+    from qtool.batch.job import Job, run_job
+    from qtool.batch.catalogue import Entry
+    row = run_job(Job(Entry("net0", str(models / "net0.onnx"), str(models / "calib")), str(out / "net0")))
+    assert row["status"] == "failed" and "cannot make the working folder" in row["reason"] and not row["steps"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import sys
 import threading
@@ -37,19 +38,22 @@ def new_row(job: Job) -> dict:
 def run_job(job: Job, cancel: threading.Event | None = None) -> dict:
     e = job.entry
     row = new_row(job)
-    shutil.rmtree(job.workdir, ignore_errors=True)
-    os.makedirs(job.workdir)
+    try:
+        shutil.rmtree(job.workdir, ignore_errors=True)
+        os.makedirs(job.workdir)
+    except OSError as err:  # (a read-only --out, a full disk: this model's row, the next may fare better)
+        row.update(status="failed", reason=f"{job.workdir}: cannot make the working folder ({err.strerror or err})")
+        return row
     bounds = Bounds(e.limits.memory_mb, e.limits.timeout_s, cancel)
     for step, argv in lines(e, job.workdir):
         run = run_watched([sys.executable, "-m", "qtool"] + argv, bounds)
         row["steps"][step] = run.record()
-        row["steps"][step]["command"] = " ".join(["qtool"] + argv)  # what a user would type
+        row["steps"][step]["command"] = shlex.join(["qtool"] + argv)  # what a user would type
         if not run.ok:
             row.update(status="killed" if run.killed else "failed", step=step, reason=run.why())
             break
     row.update(size=size(job.workdir), eval=figures(job.workdir) if row["status"] == "ok" else None)
-    if os.path.isfile(os.path.join(job.workdir, INT8)) and "quantize" in row["steps"] and \
-            row["steps"]["quantize"]["rc"] == 0:
+    if row["steps"].get("quantize", {}).get("rc") == 0:
         row["int8"] = os.path.join(job.workdir, INT8)
     return row
 

@@ -27,7 +27,7 @@ def cells(row: dict) -> list:
     return ([row["name"], row["status"]] + [_step(row, s) for s in STEPS]
             + [f"{_bytes(size['int8'])} / {_bytes(size['fp32'])} ({100 * size['ratio']:.1f} %)" if size else "-",
                "-" if sqnr is None else f"{sqnr:.1f}", "-" if agree is None else f"{agree:.4f}",
-               f"{row['step']}: {row['reason']}" if row["reason"] else ""])
+               f"{row['step']}: {row['reason']}" if row["step"] else row["reason"]])
 
 
 def markdown(rows: list, catalogue: str) -> str:
