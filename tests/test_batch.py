@@ -160,20 +160,19 @@ def test_the_zoo_catalogue_names_no_machine_path_and_qtool_batch_reads_it(tmp_pa
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
     import bench_zoo
     from qtool.batch import catalogue as cat
-    from qtool.batch import steps
+    from qtool.commands import batch_steps
     a = argparse.Namespace(mem_limit_gb=8, step_timeout=900)
     text = bench_zoo.catalogue(a, ["mtcnn-pnet", "silero-vad"], strict=True)
     assert str(tmp_path) not in text and "${QTOOL_ZOO}/mtcnn-pnet.onnx" in text
     monkeypatch.setenv("QTOOL_ZOO", str(tmp_path / "models"))
     monkeypatch.setenv("ZOO_DATA", str(tmp_path / "data"))
     c = cat.load(str(catalogue(tmp_path, text, "zoo.toml")))
-    steps.check(c, str(tmp_path / "out"))
     assert [e.name for e in c.entries] == ["mtcnn-pnet", "silero-vad"]
     e = c.entries[1]
     assert e.path == str(tmp_path / "models" / "silero-vad.onnx")
     assert e.eval_data == str(tmp_path / "data" / "silero-vad" / "eval")
     assert e.limits == cat.Limits(8192, 900) and e.options["quantize"] == {"strict": True}
-    argv = dict(steps.lines(e, "W"))
+    argv = dict(batch_steps.lines(e, "W"))  # (parsed by each command)
     assert argv["quantize"] == ["quantize", "--strict", "-w", "W", "-q"]  # what bench_zoo ran before the batch
 
 
@@ -194,5 +193,5 @@ def test_a_working_folder_that_cannot_be_made_is_that_models_row(models, tmp_pat
     (out / "net0").write_text("a file where the working folder goes")
     from qtool.batch.job import Job, run_job
     from qtool.batch.catalogue import Entry
-    row = run_job(Job(Entry("net0", str(models / "net0.onnx"), str(models / "calib")), str(out / "net0")))
+    row = run_job(Job(Entry("net0", str(models / "net0.onnx"), str(models / "calib")), str(out / "net0"), ()))
     assert row["status"] == "failed" and "cannot make the working folder" in row["reason"] and not row["steps"]

@@ -12,7 +12,8 @@ import time
 import pytest
 import ray
 
-from qtool.batch.run import BatchOptions, run_batch
+from qtool.batch.run import BatchOptions
+from qtool.commands.batch import run_catalogue as run_batch
 from qtool.distributed.cluster import LOCAL
 from test_batch import FIGURES, MODEL, catalogue, models, three  # noqa: F401 - (models: the fixture)
 from test_cli import qtool

@@ -19,7 +19,7 @@
 Paths are relative to the catalogue's folder; `$NAME` or `${NAME}` in a path is the environment variable
 (one that is not set is an error), so a catalogue committed with a project names no machine's folders.
 Every problem is one line naming the file and what is wrong (a UsageError: exit 2); the step options
-are checked by steps.py against the commands themselves.
+are checked against the commands themselves (qtool.commands.batch_steps).
 """
 from __future__ import annotations
 

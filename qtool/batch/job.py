@@ -14,19 +14,20 @@ import threading
 from dataclasses import dataclass
 
 from qtool.batch.catalogue import Entry
-from qtool.batch.steps import EVAL_JSON, lines
 from qtool.batch.watch import Bounds, run_watched
 
 INT8 = "model.int8.onnx"  # quantize's default output in the working folder
+EVAL_JSON = "eval.json"  # what eval writes there with --json (quantize writes quantize.json itself)
 EVAL_FIGURES = ("output_sqnr_db", "top1_agreement", "max_abs_error")
 
 
 @dataclass(frozen=True)
 class Job:
-    """A catalogue entry and the working folder its steps share (emptied first: a row is never made
-    of an earlier run's files)."""
+    """A catalogue entry, the working folder its steps share (emptied first: a row is never made of an
+    earlier run's files) and its steps' command lines: ((step, argv after `qtool`), ...)."""
     entry: Entry
     workdir: str
+    lines: tuple
 
 
 def new_row(job: Job) -> dict:
@@ -45,7 +46,7 @@ def run_job(job: Job, cancel: threading.Event | None = None) -> dict:
         row.update(status="failed", reason=f"{job.workdir}: cannot make the working folder ({err.strerror or err})")
         return row
     bounds = Bounds(e.limits.memory_mb, e.limits.timeout_s, cancel)
-    for step, argv in lines(e, job.workdir):
+    for step, argv in job.lines:
         run = run_watched([sys.executable, "-m", "qtool"] + argv, bounds)
         row["steps"][step] = run.record()
         row["steps"][step]["command"] = shlex.join(["qtool"] + argv)  # what a user would type

@@ -1,5 +1,7 @@
 """`qtool batch` as a library function: read and check the catalogue, run every model's job (here or on
-Ray), write the table. Returns the rows; the caller decides the exit code (1 when a model failed)."""
+Ray), write the table. Returns the rows; the caller decides the exit code (1 when a model failed).
+`lines_of(entry, workdir)` makes an entry's command lines (qtool.commands.batch_steps.lines: the
+commands' own parsing, in the CLI's layer above this one)."""
 from __future__ import annotations
 
 import os
@@ -7,7 +9,7 @@ from dataclasses import dataclass
 
 from qtool import outputs
 from qtool.batch import catalogue as cat
-from qtool.batch import steps, table
+from qtool.batch import table
 from qtool.batch.job import Job
 from qtool.batch.local import run_local
 from qtool.errors import UsageError
@@ -27,7 +29,7 @@ class BatchOptions:
     only: tuple = ()
 
 
-def plan(path: str, options: BatchOptions) -> tuple:
+def plan(path: str, options: BatchOptions, lines_of) -> tuple:
     """(catalogue, jobs, table paths), everything checked: the catalogue, each step's options, and that
     no file the batch writes is one it reads (a model, a data file, the catalogue itself)."""
     c = cat.load(path)
@@ -36,7 +38,12 @@ def plan(path: str, options: BatchOptions) -> tuple:
         if missing:
             raise UsageError(f"{path}: no model named {missing[0]!r} (--only)")
         c = cat.Catalogue(c.path, tuple(e for e in c.entries if e.name in options.only))
-    steps.check(c, options.out)
+    lines = {}
+    for e in c.entries:  # (every line parsed now: a wrong option is found before any job runs)
+        try:
+            lines[e.name] = lines_of(e, os.path.abspath(os.path.join(options.out, e.name)))
+        except UsageError as err:
+            raise UsageError(f"{path}: {err}") from None
     paths = {k: os.path.join(options.out, v) for k, v in TABLE.items()}
     reads = [outputs.File("catalogue", path)]
     for e in c.entries:
@@ -45,7 +52,7 @@ def plan(path: str, options: BatchOptions) -> tuple:
     outputs.check([outputs.File(f"table ({k})", p) for k, p in paths.items()], reads)
     for e in c.entries:
         emptied(os.path.join(options.out, e.name), reads)
-    jobs = [Job(e, os.path.abspath(os.path.join(options.out, e.name))) for e in c.entries]
+    jobs = [Job(e, os.path.abspath(os.path.join(options.out, e.name)), lines[e.name]) for e in c.entries]
     return c, jobs, paths
 
 
@@ -62,8 +69,8 @@ def emptied(work: str, reads: list) -> None:
                              f"empties first: choose another --out")
 
 
-def run_batch(path: str, options: BatchOptions, done=lambda row: None) -> list:
-    c, jobs, paths = plan(path, options)
+def run_batch(path: str, options: BatchOptions, lines_of, done=lambda row: None) -> list:
+    c, jobs, paths = plan(path, options, lines_of)
     if options.ray is None:
         rows, where = run_local(jobs, options.jobs, done), f"local, {options.jobs} at a time"
     else:

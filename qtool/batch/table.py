@@ -3,8 +3,8 @@ a temporary file and renamed into place."""
 from __future__ import annotations
 
 import json
+from importlib.metadata import version
 
-from qtool import __version__
 from qtool.batch.catalogue import STEPS
 from qtool.modelio import atomic_write_text, json_safe
 
@@ -40,7 +40,7 @@ def markdown(rows: list, catalogue: str) -> str:
 
 def document(rows: list, catalogue: str, where: str) -> dict:
     """The JSON table: `where` says how the jobs ran (local, jobs N; or ray)."""
-    return {"qtool": __version__, "catalogue": catalogue, "ran": where,
+    return {"qtool": version("qtool"), "catalogue": catalogue, "ran": where,
             "ok": sum(r["status"] == "ok" for r in rows), "models": len(rows), "rows": rows}
 
 

@@ -31,13 +31,21 @@ def command(catalogue, out, jobs, only, ray, quiet, verbose, debug):
       qtool batch models.toml --ray auto
     """
     setup_output(quiet, verbose)
-    from qtool.batch.run import BatchOptions, run_batch
+    from qtool.batch.run import BatchOptions
     from qtool.batch.table import HEAD, cells
 
     say(quiet, " | ".join(HEAD))
-    rows = run_batch(catalogue, BatchOptions(out, jobs, ray, tuple(only)),
-                     done=lambda row: say(quiet, " | ".join(cells(row))))
+    rows = run_catalogue(catalogue, BatchOptions(out, jobs, ray, tuple(only)),
+                         done=lambda row: say(quiet, " | ".join(cells(row))))
     bad = [r["name"] for r in rows if r["status"] != "ok"]
     say(quiet, f"{len(rows) - len(bad)} of {len(rows)} models ok; table in {out}/batch.md and {out}/batch.json")
     if bad:
         raise QtoolError(f"{len(bad)} of {len(rows)} models failed ({', '.join(bad)}): their reasons are in the table")
+
+
+def run_catalogue(path: str, options, done=lambda row: None) -> list:
+    """`qtool batch` from Python -> the rows (options: qtool.batch.run.BatchOptions; `done(row)` as each
+    row is in, in the catalogue's order): qtool.batch.run.run_batch with the commands' own lines."""
+    from qtool.batch.run import run_batch
+    from qtool.commands.batch_steps import lines
+    return run_batch(path, options, lines, done)

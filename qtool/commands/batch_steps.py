@@ -1,8 +1,9 @@
 """A catalogue entry as the three command lines a user would type: `qtool calibrate`, `qtool quantize`,
 `qtool eval`, in the model's working folder. The options of a step are the command's own, named as on
 its command line (`exclude-sensitive = true`, `method = "minmax"`, `exclude = ["/fc/Gemm"]`), so the
-batch declares none of them again; each line is parsed by the command itself before any job starts,
-so a wrong name or value is one line naming the catalogue and the model, and nothing runs.
+batch declares none of them again; each line is parsed by the command itself when it is made (before
+any job starts), so a wrong name or value is one line naming the model, and nothing runs. (Here, in the
+CLI's layer, because it reads the commands; qtool.batch receives the lines as data.)
 """
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ import os
 
 import click
 
-from qtool.batch.catalogue import Catalogue, Entry
+from qtool.batch.catalogue import Entry
+from qtool.batch.job import EVAL_JSON
 from qtool.errors import UsageError
 
-EVAL_JSON = "eval.json"  # in the working folder; quantize writes quantize.json there itself
 # parameters the batch sets itself (paths, the working folder, the output's verbosity, where work runs):
 # not a catalogue's
 _ALWAYS = {"workdir", "json_path", "quiet", "verbose", "debug", "ray"}
@@ -28,27 +29,23 @@ def commands() -> dict:
     return {"calibrate": calibrate.command, "quantize": quantize.command, "eval": eval_.command}
 
 
-def lines(entry: Entry, workdir: str) -> list:
-    """[(step, argv after `qtool`)] for the entry, its working folder `workdir`."""
+def lines(entry: Entry, workdir: str) -> tuple:
+    """((step, argv after `qtool`), ...) for the entry, its working folder `workdir`, each argv parsed by
+    its command; a problem is one UsageError naming the model."""
     cmds = commands()
-    opts = {step: option_args(cmds[step], step, entry.options.get(step, {})) for step in cmds}
-    calibrate = ["--model", entry.path, "--data", entry.data] + (["--config", entry.config] if entry.config else [])
-    evaluate = (["--data", entry.eval_data] if entry.eval_data else []) + ["--json", os.path.join(workdir, EVAL_JSON)]
-    return [("calibrate", ["calibrate"] + calibrate + opts["calibrate"] + ["-w", workdir, "-q"]),
-            ("quantize", ["quantize"] + opts["quantize"] + ["-w", workdir, "-q"]),
-            ("eval", ["eval"] + evaluate + opts["eval"] + ["-w", workdir, "-q"])]
-
-
-def check(catalogue: Catalogue, out: str) -> None:
-    """Every entry's command lines parsed by the commands themselves; the first problem, one UsageError."""
-    cmds = commands()
-    for e in catalogue.entries:
-        try:
-            for step, argv in lines(e, os.path.join(out, e.name)):
-                cmds[step].make_context(step, argv[1:], resilient_parsing=False)
-        except (click.UsageError, UsageError) as err:
-            msg = err.format_message() if isinstance(err, click.ClickException) else str(err)
-            raise UsageError(f"{catalogue.path}: model {e.name!r}: {' '.join(msg.split())}") from None
+    try:
+        opts = {step: option_args(cmds[step], step, entry.options.get(step, {})) for step in cmds}
+        calibrate = ["--model", entry.path, "--data", entry.data] + (["--config", entry.config] if entry.config else [])
+        evaluate = (["--data", entry.eval_data] if entry.eval_data else []) + ["--json", os.path.join(workdir, EVAL_JSON)]
+        out = (("calibrate", ["calibrate"] + calibrate + opts["calibrate"] + ["-w", workdir, "-q"]),
+               ("quantize", ["quantize"] + opts["quantize"] + ["-w", workdir, "-q"]),
+               ("eval", ["eval"] + evaluate + opts["eval"] + ["-w", workdir, "-q"]))
+        for step, argv in out:
+            cmds[step].make_context(step, argv[1:], resilient_parsing=False)
+    except (click.UsageError, UsageError) as err:
+        msg = err.format_message() if isinstance(err, click.ClickException) else str(err)
+        raise UsageError(f"model {entry.name!r}: {' '.join(msg.split())}") from None
+    return out
 
 
 def option_args(command: click.Command, step: str, options: dict) -> list:
