@@ -63,7 +63,10 @@ bench: install
 	    --images $(SHARED)/imagenet-samples --shape 1,3,416,416 --out bench_out
 
 # Acceptance on real third-party models: the default quantize on every model of $(SHARED)/zoo, beside
-# ORT's quantizer (downloads the models into $QTOOL_ZOO or ~/.cache/qtool-zoo on first use).
+# ORT's quantizer (downloads the models into $QTOOL_ZOO or ~/.cache/qtool-zoo on first use). The three
+# qtool steps run as a catalogue: bench_zoo.py writes the zoo's (bench_out/zoo/zoo.toml, paths through
+# $QTOOL_ZOO and $ZOO_DATA) and runs `qtool batch` on it, then its own checks on each int8 model (ORT's
+# anchor, the task check, a second quantize compared byte for byte).
 zoo: install
 	$(PY) -m pip install -q --no-build-isolation -e '.[test,bench]'
 	$(PY) benchmarks/bench_zoo.py --shared $(SHARED) --out bench_out/zoo

@@ -2,10 +2,12 @@
 """Every real model: the default `qtool quantize` on third-party models it has never seen (../shared/zoo).
 
 For each zoo model (ZOO.json's order, or --models) it fetches the model and makes its inputs where they
-are missing, then runs `qtool calibrate`, `qtool quantize` (with --strict when this qtool has it) and
-`qtool eval --compare fp32`, each in its own process, timed, with its peak resident memory, under a
-timeout and a memory watchdog. ONNX Runtime's quantizer (quantize_static: QDQ, u8 activations, s8
-per-channel weights, MinMax, after quant_pre_process) is the anchor, on the same calibration files.
+are missing, then runs `qtool batch` on the zoo's catalogue (OUT/zoo.toml, written from ZOO.json's list:
+`qtool calibrate`, `qtool quantize --strict` and `qtool eval --compare fp32` per model, each step in its
+own process, timed, with its peak resident memory, under a timeout and a memory limit; its table is
+OUT/batch.md and OUT/batch.json), then judges each int8 model. ONNX Runtime's quantizer (quantize_static:
+QDQ, u8 activations, s8 per-channel weights, MinMax, after quant_pre_process) is the anchor, on the same
+calibration files.
 Both int8 models are scored by output SQNR against fp32 over every evaluation file, per float output
 (the headline is the worst output); ORT's model also "exact": its int8 weights stored as uint8 + 128,
 which ONNX Runtime computes exactly on every CPU. Then the zoo's task check (check.py) runs on fp32,
@@ -22,6 +24,7 @@ the two quantize runs wrote the same bytes.
 Exit 0 when every model passes. Results: OUT/zoo.json (every figure), OUT/zoo.md (the table).
 
   python benchmarks/bench_zoo.py --shared ../shared [--models a,b] [--zoo-dir DIR] [--data-dir DIR] [--out DIR]
+  python benchmarks/bench_zoo.py --shared ../shared --catalogue zoo.toml   (the catalogue alone, for `qtool batch`)
 """
 import argparse
 import datetime
@@ -29,21 +32,16 @@ import json
 import math
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUDGET_S = 180  # the issue's budget per step; --step-timeout only stops runaways
 QUANT_MB = 4096  # the issue's budget for quantize's peak resident memory
 # the same int8 arithmetic summed in another float order differs by ~1e-4 dB: below this it is a tie
 SQNR_TIE_DB = 0.01
-POLL_S = 0.2
-PAGE = os.sysconf("SC_PAGE_SIZE")
 STEPS = ("calibrate", "quantize", "eval")
 HEAD = ["model", "status", "calibrate s/MB", "quantize s/MB", "eval s/MB", "size", "qtool dB", "ORT dB here/exact",
         "check fp32/qtool/ORT", "ops int8/fp32", "2 runs", "reason"]
@@ -55,99 +53,12 @@ def one_line(text, limit=200):
     return (lines[0] if lines else "")[:limit]
 
 
-@dataclass
-class Step:
-    """One child process: exit code, wall time, peak resident memory, and what it printed."""
-    cmd: list
-    rc: int = None
-    seconds: float = 0.0
-    peak_mb: float = 0.0
-    killed: str = ""
-    stdout: str = ""
-    stderr: str = ""
-
-    @property
-    def ok(self):
-        return self.rc == 0 and not self.killed
-
-    def why(self):
-        """qtool and the zoo scripts print a one-line error last; blank lines and bar redraws are not it."""
-        if self.killed:
-            return f"killed: {self.killed}"
-        lines = [s.strip() for s in self.stderr.replace("\r", "\n").splitlines() if s.strip()]
-        return lines[-1][:300] if lines else f"exit {self.rc}"
-
-    def record(self):
-        return {"cmd": " ".join(self.cmd), "rc": self.rc, "seconds": round(self.seconds, 2),
-                "peak_mb": round(self.peak_mb, 1), "killed": self.killed, "stderr_tail": self.stderr[-2000:]}
-
-
-def session_rss(sid):
-    """Resident bytes of every process in session `sid`: the step and anything it spawned (the child
-    is started in a session of its own, so its whole tree carries that id)."""
-    total = 0
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # it exited while we looked
-        if int(fields[3]) == sid:
-            total += int(fields[21]) * PAGE
-    return total
-
-
-def watch(step, pid, t0, timeout, limit, stop):
-    """Samples the tree's memory; kills the whole session past `limit` bytes or `timeout` seconds, so a
-    runaway step cannot take the shared machine down."""
-    while not stop.wait(POLL_S):
-        rss = session_rss(pid)
-        step.peak_mb = max(step.peak_mb, rss / 2 ** 20)
-        if rss > limit:
-            step.killed = f"memory > {limit / 2 ** 30:g} GB"
-        elif time.monotonic() - t0 > timeout:
-            step.killed = f"timeout > {timeout:g} s"
-        else:
-            continue
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        return
-
-
 def run_step(cmd, a, env=None, cwd=None):
-    """Runs cmd to the end (or until the watchdog kills it) and measures it."""
-    step = Step([str(c) for c in cmd])
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        t0 = time.monotonic()
-        p = subprocess.Popen(step.cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env,
-                             cwd=cwd, start_new_session=True)
-        stop = threading.Event()
-        w = threading.Thread(target=watch, args=(step, p.pid, t0, a.step_timeout, a.mem_limit_gb * 2 ** 30, stop),
-                             daemon=True)
-        w.start()
-        try:
-            _, status, usage = os.wait4(p.pid, 0)
-        except BaseException:  # Ctrl-C: the child has its own session, so the terminal's signal missed it
-            os.killpg(p.pid, signal.SIGKILL)
-            os.waitpid(p.pid, 0)
-            raise
-        finally:
-            stop.set()
-            w.join()
-        step.seconds = time.monotonic() - t0
-        p.returncode = step.rc = os.waitstatus_to_exitcode(status)
-        # ru_maxrss (KB) also holds this parent's footprint at the fork, which is small: this process
-        # never imports numpy or onnx in its main mode.
-        step.peak_mb = max(step.peak_mb, usage.ru_maxrss / 1024)
-        out.seek(0)
-        err.seek(0)
-        step.stdout = out.read().decode(errors="replace")[-20000:]
-        step.stderr = err.read().decode(errors="replace")[-20000:]
-    return step
+    """Runs cmd to the end (or until the watchdog kills it past --mem-limit-gb or --step-timeout) and
+    measures it: qtool batch's watcher (qtool.batch.watch, standard library only: this process never
+    imports numpy or onnx in its main mode)."""
+    from qtool.batch.watch import Bounds, run_watched
+    return run_watched(cmd, Bounds(a.mem_limit_gb * 1024, a.step_timeout), env, cwd)
 
 
 # ---- the child side: ORT's quantizer and the SQNR measurement (run as `bench_zoo.py --_ort-anchor|--_sqnr`)
@@ -367,21 +278,44 @@ def prepare(a, name, paths, row):
     return True
 
 
-def run_qtool(a, paths, work, strict, row):
-    """calibrate, quantize, eval from an empty working folder; {"qtool": int8 path} when all three succeed."""
-    shutil.rmtree(work, ignore_errors=True)
-    os.makedirs(work)
-    steps = [("calibrate", ["calibrate", "--model", paths["model"], "--data", paths["calib"], "-w", work, "-q"]),
-             ("quantize", ["quantize", "-w", work, "-q"] + (["--strict"] if strict else [])
-              + ["--json", os.path.join(work, "quantize-summary.json")]),
-             ("eval", ["eval", "--compare", "fp32", "-w", work, "--data", paths["eval"],
-                       "--json", os.path.join(work, "eval.json"), "-q"])]
-    for step, cmd in steps:
-        s = run_step([a.qtool] + cmd, a)
-        if not s.ok:
-            failed(row, step, s)
-            break
-        row["steps"][step] = s.record()
+def catalogue(a, names, strict):
+    """The zoo as a `qtool batch` catalogue: each model's file and inputs named through the variables
+    QTOOL_ZOO and ZOO_DATA (so the file holds no machine's paths), the step limits this script's, quantize
+    --strict when asked."""
+    lines = ["# qtool batch catalogue of the zoo (benchmarks/bench_zoo.py --catalogue): run it with",
+             "# QTOOL_ZOO=<the models' folder> ZOO_DATA=<NAME/calib, NAME/eval inputs> qtool batch <this file>",
+             "[defaults]", f"memory_mb = {a.mem_limit_gb * 1024:g}", f"timeout_s = {a.step_timeout:g}"]
+    lines += ["[defaults.quantize]", "strict = true"] if strict else []
+    for name in names:
+        lines += ["", "[[model]]", f'name = "{name}"', f'path = "${{QTOOL_ZOO}}/{name}.onnx"',
+                  f'data = "${{ZOO_DATA}}/{name}/calib"', f'eval_data = "${{ZOO_DATA}}/{name}/eval"']
+    return "\n".join(lines) + "\n"
+
+
+def run_batch(a, names, strict):
+    """calibrate, quantize, eval of every model through `qtool batch` on the zoo's catalogue (OUT/zoo.toml),
+    its table printed as it goes -> {name: its row of OUT/batch.json}."""
+    if not names:
+        return {}
+    path = os.path.join(a.out, "zoo.toml")
+    write_atomic(path, catalogue(a, names, strict))
+    env = {**os.environ, "QTOOL_ZOO": a.zoo_dir, "ZOO_DATA": a.data_dir}
+    r = subprocess.run([a.qtool, "batch", path, "--out", a.out], env=env, stdin=subprocess.DEVNULL)
+    try:
+        with open(os.path.join(a.out, "batch.json"), encoding="utf-8") as f:
+            return {row["name"]: row for row in json.load(f)["rows"]}
+    except OSError:
+        raise SystemExit(f"qtool batch wrote no table (exit {r.returncode})") from None
+
+
+def from_batch(row, b, work):
+    """The row's qtool steps from the batch's row of the model; {"qtool": int8 path} when all three succeeded."""
+    for step, rec in b["steps"].items():
+        row["steps"][step] = rec
+    if b["status"] != "ok":
+        rc = (b["steps"].get(b["step"]) or {}).get("rc")
+        row.update(status=f"{b['step']} {'killed' if b['status'] == 'killed' else f'exit {rc}'}",
+                   error=b["reason"])
     if os.path.isfile(os.path.join(work, "quantize.json")):
         row["quantize"] = op_summary(os.path.join(work, "quantize.json"))
         if row["quantize"]["int8_ops"] == 0:
@@ -487,29 +421,29 @@ def task_check(a, name, data, model=None):
             "seconds": round(s.seconds, 1)}
 
 
-def bench_model(a, name, strict):
-    """One model end to end; every failure becomes part of the row, never an exception."""
-    paths = {"model": os.path.join(a.zoo_dir, f"{name}.onnx"), "calib": os.path.join(a.data_dir, name, "calib"),
-             "eval": os.path.join(a.data_dir, name, "eval")}
-    row = {"name": name, "status": "ok", "error": "", "steps": {}, "notes": []}
-    if prepare(a, name, paths, row):
-        work = os.path.join(a.out, name)
-        models = run_qtool(a, paths, work, strict, row)
-        if "qtool" in models:
-            quantize_again(a, work, strict, row)
-            if a.families.get(name) == "ocr-rec":
-                row["texts_changed"] = texts_changed(a, paths, work, models["qtool"])
-        if not a.no_ort:
-            models.update(run_ort(a, paths, work, row))
-        row["sqnr"] = measure_sqnr(a, paths, work, models)
-        if "error" in row["sqnr"].get("ort", {}):  # ORT wrote a model that it cannot run itself
-            row["ort_error"] = row["sqnr"]["ort"]["error"]
-        if row.get("ort_error"):
-            row["notes"].append(f"ORT n/a ({row['ort_error'][:160]})")
-        row["check"] = {"fp32": task_check(a, name, paths["eval"])}
-        row["check"].update({k: task_check(a, name, paths["eval"], models[k]) for k in ("qtool", "ort") if k in models})
-    row["misses"] = misses(row)
-    return row
+def zoo_paths(a, name):
+    return {"model": os.path.join(a.zoo_dir, f"{name}.onnx"), "calib": os.path.join(a.data_dir, name, "calib"),
+            "eval": os.path.join(a.data_dir, name, "eval")}
+
+
+def checks(a, row, b, strict):
+    """After the batch: a model's second quantize, ORT's anchor, the SQNR figures and the task checks;
+    every failure becomes part of the row, never an exception."""
+    name, paths, work = row["name"], zoo_paths(a, row["name"]), os.path.join(a.out, row["name"])
+    models = from_batch(row, b, work)
+    if "qtool" in models:
+        quantize_again(a, work, strict, row)
+        if a.families.get(name) == "ocr-rec":
+            row["texts_changed"] = texts_changed(a, paths, work, models["qtool"])
+    if not a.no_ort:
+        models.update(run_ort(a, paths, work, row))
+    row["sqnr"] = measure_sqnr(a, paths, work, models)
+    if "error" in row["sqnr"].get("ort", {}):  # ORT wrote a model that it cannot run itself
+        row["ort_error"] = row["sqnr"]["ort"]["error"]
+    if row.get("ort_error"):
+        row["notes"].append(f"ORT n/a ({row['ort_error'][:160]})")
+    row["check"] = {"fp32": task_check(a, name, paths["eval"])}
+    row["check"].update({k: task_check(a, name, paths["eval"], models[k]) for k in ("qtool", "ort") if k in models})
 
 
 def measure_sqnr(a, paths, work, models):
@@ -726,6 +660,8 @@ def parse(argv):
     p.add_argument("--quiet-second", dest="loaded_second", action="store_false",
                    help="run the second quantize without the busy loop on one core beside it")
     p.add_argument("--json", help="results (default: OUT/zoo.json)")
+    p.add_argument("--catalogue", metavar="PATH", help="only write the zoo's `qtool batch` catalogue (of --models) "
+                                                       "to PATH, paths through $QTOOL_ZOO and $ZOO_DATA")
     p.add_argument("--results", help="folder of the results files `make results` reads (default: benchmarks/results; "
                                      "written only when every model of ZOO.json ran)")
     p.add_argument("--_ort-anchor", nargs=3, help=argparse.SUPPRESS)  # MODEL CALIB_DIR OUT_DIR
@@ -770,6 +706,9 @@ def main(argv=None):
     a = parse(argv)
     if a._ort_anchor or a._sqnr or a._texts:
         return child(a)
+    if a.catalogue:
+        write_atomic(os.path.abspath(a.catalogue), catalogue(a, a.names, not a.no_strict))
+        return 0
     os.makedirs(a.out, exist_ok=True)
     os.makedirs(os.path.dirname(a.json), exist_ok=True)
     # --strict (contained failures fail the command) is being added to qtool; use it once it is there.
@@ -779,14 +718,20 @@ def main(argv=None):
     print(f"{len(a.names)} zoo models; qtool quantize {'--strict' if strict else 'without --strict'}"
           f"{'' if strict or a.no_strict else ' (this qtool has no --strict)'}; commit {info['commit'][:7]}"
           f"{' (dirty)' if info['dirty'] else ''}", flush=True)
-    print(text_row(HEAD), flush=True)
     settings = {k: getattr(a, k) for k in ("shared", "zoo_dir", "data_dir", "out", "calib_n", "eval_n", "step_timeout",
                                            "mem_limit_gb", "threads", "no_ort")}
     settings.update(strict=strict, budget_s=BUDGET_S, quantize_budget_mb=QUANT_MB)
     rows = []
-    for name in a.names:
-        rows.append(bench_model(a, name, strict))
-        print(text_row(cells(rows[-1])), flush=True)
+    for name in a.names:  # each model and its inputs, fetched or made where missing
+        rows.append({"name": name, "status": "ok", "error": "", "steps": {}, "notes": []})
+        prepare(a, name, zoo_paths(a, name), rows[-1])
+    batch = run_batch(a, [r["name"] for r in rows if r["status"] == "ok"], strict)
+    print("\n" + text_row(HEAD), flush=True)
+    for row in rows:
+        if row["status"] == "ok":
+            checks(a, row, batch[row["name"]], strict)
+        row["misses"] = misses(row)
+        print(text_row(cells(row)), flush=True)
         write_atomic(a.json, json.dumps(plain({"machine": info, "args": settings, "rows": rows}), indent=1))
     write_atomic(os.path.join(a.out, "zoo.md"), markdown(rows, info))
     print("\n" + "\n".join(text_row(c) for c in [HEAD] + [cells(r) for r in rows]))

@@ -16,7 +16,7 @@ REPORT = ("this is a bug in qtool: please report it on qtool's issue tracker wit
           "of the same command run with --debug")
 
 # one module per command in qtool/commands/, each exposing a click command named `command`
-COMMANDS = ["calibrate", "quantize", "eval", "inspect", "bench", "info"]
+COMMANDS = ["calibrate", "quantize", "eval", "inspect", "bench", "info", "batch"]
 
 
 class InternalError(Exception):

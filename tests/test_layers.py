@@ -21,6 +21,7 @@ LAYERS = [
     {"runtime", "calibrate"},  # the int8 executor; fused graph -> calibration table
     {"quantize"},  # table -> QDQ graph and its reports
     {"evaluate", "inspect", "zoo"},  # int8 against fp32; what qtool will do with a model; model builders
+    {"batch"},  # a catalogue's jobs: the three commands' lines (made by commands.batch_steps) run as processes
     {"commands", "cli", "__init__", "api"},  # the CLI and the Python API on top
     {"__main__"},  # the entry point: imports the CLI late, so that a Ctrl-C while importing exits 130
 ]

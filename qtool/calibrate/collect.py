@@ -41,6 +41,9 @@ class Observed:
     # NaN and inf are excluded from every statistic (min, max, histogram, channel means) and counted:
     nonfinite: dict = field(default_factory=dict)  # tensor -> number of NaN/inf values seen
     nonfinite_samples: dict = field(default_factory=dict)  # tensor -> sorted indices of the first samples holding them
+    # how the pass ran, for a sharded pass (distributed/) to cut and fold its shards as one process would:
+    per_sample_bytes: int | None = None  # observed bytes per sample, as the first run measured them
+    lanes: int = 1  # workers the samples were dealt to in turn (each sums its own channel sums: merge order)
 
     def channel_means(self) -> dict:
         return {t: (s / np.maximum(self.channel_counts[t], 1)).tolist() for t, s in self.channel_sums.items()}
@@ -76,6 +79,7 @@ class Observed:
         for t in other.channel_min:
             self.add_channel_range(t, other.channel_min[t], other.channel_max[t])
         self.n_samples += other.n_samples
+        self.per_sample_bytes = self.per_sample_bytes or other.per_sample_bytes
         if self.watch is not None and other.watch is not None:
             self.watch.merge(other.watch)
 
@@ -129,12 +133,20 @@ class Pass:
     """How the pass runs. `progress(k)` is told of k more samples; `threads`: 0 for all cores (up to 8);
     `where` names the model in errors; `cut`: axis 0 of the feeds holds samples, which may be run in
     slices; False: each feed is one sample, run whole (a model whose axis 0 is the sample's own, time or
-    nodes). `shapes`: the ShapesAt of the model, when the caller shares it."""
+    nodes). `shapes`: the ShapesAt of the model, when the caller shares it. A shard of a sharded pass
+    (distributed/) gives `first`, the index of its first sample in the whole stream (which blocks a
+    histogram samples, which samples the channel means cover), and `per_sample_bytes`, measured by the
+    pass's first run: its batches are then cut as the whole stream's were, without a lone first slice.
+    `keep`: a dict the caller keeps across passes over one model (a shard worker's many shards), where the
+    graph's plan and its sessions are kept, made once."""
     progress: object = None
     threads: int = 0
     where: str | None = None
     cut: bool = True
     shapes: ShapesAt | None = None
+    first: int = 0
+    per_sample_bytes: int | None = None
+    keep: dict | None = None
 
 
 def collect(model: onnx.ModelProto, targets: Targets, batches, run: Pass = Pass()) -> Observed:
@@ -158,12 +170,12 @@ def collect(model: onnx.ModelProto, targets: Targets, batches, run: Pass = Pass(
     graph_inputs = {i.name: (d[0] if d and isinstance(d[0], int) and d[0] > 0 else None)
                     for i in G.real_inputs(model) for d in [G.input_dims(i)]}
     stream = _Stream(iter(batches), graph_inputs, run.cut)
-    obs, first = None, 0
+    obs, first = None, run.first
     head = stream.next_head()
     while True:
         # the graph is planned (whole or in segments) at the largest sample met so far: a later
         # sample beyond it ends the phase and the rest runs under a plan made at its size
-        segments, per_sample = _segments(model, targets.wanted(), head, run)
+        segments, per_sample = _kept(run, ("plan", _shapes_key(run, head)), lambda: _segments(model, targets.wanted(), head, run))
         stream.plan(head, per_sample)
         workers = WORKERS if run.threads >= WORKERS and _level(per_sample) == 0 else 1
         phase = _Phase(targets, run, graph_inputs, segments, workers)
@@ -211,6 +223,19 @@ class _Stream:
             yield feeds
 
 
+def _kept(run: Pass, key: tuple, make):
+    """make(), or what it made for `key` before when the caller keeps it (Pass.keep)."""
+    if run.keep is None:
+        return make()
+    if key not in run.keep:
+        run.keep[key] = make()
+    return run.keep[key]
+
+
+def _shapes_key(run: Pass, feeds) -> tuple | None:
+    return None if feeds is None else tuple(sorted(run.shapes.inputs(feeds).items()))
+
+
 def _level(per_sample_bytes: int) -> int:
     """The plan for samples observing this many bytes each: 0 the whole graph, two workers (each holds
     its sample's tensors: a 640x640 YOLOv8x classifier's 769 MB twice took calibrate to 3.4 GB); 1 the
@@ -244,7 +269,13 @@ def _collect_phase(phase: _Phase, batches, first: int) -> tuple:
     obs = workers[0].obs
     for w in workers[1:]:
         obs.merge(w.obs)
+    obs.per_sample_bytes, obs.lanes = _measured(phase, workers), phase.n_workers
     return obs, first
+
+
+def _measured(phase: _Phase, workers: list):
+    """Observed bytes per sample: as a worker's first run measured them, else as the pass was told."""
+    return next((w.per_sample_bytes for w in workers if w.per_sample_bytes), None) or phase.run.per_sample_bytes
 
 
 def _start_workers(phase: _Phase) -> list:
@@ -253,7 +284,9 @@ def _start_workers(phase: _Phase) -> list:
     # segments run one after another: one arena for all holds one segment's peak, where an arena each
     # would pin every segment's peak at once (CRAFT at 960x1280: 6.9 GB)
     arena = True if len(phase.segments) == 1 else "shared"
-    sessions = [session(seg.model, per_worker, arena=arena, spin=False, where=phase.run.where) for seg in phase.segments]
+    sessions = _kept(phase.run, ("sessions", id(phase.segments), per_worker),
+                     lambda: [session(seg.model, per_worker, arena=arena, spin=False, where=phase.run.where)
+                              for seg in phase.segments])
     workers = [_Worker(list(zip(sessions, phase.segments)), phase.targets, per_worker, phase.run.progress)
                for _ in range(phase.n_workers)]
     for w in workers:
@@ -264,11 +297,11 @@ def _start_workers(phase: _Phase) -> list:
 def _deal(phase: _Phase, workers: list, batches, first: int) -> int:
     """The batches, in slices, to the workers in turn -> the index of the next sample."""
     n_workers, cut = phase.n_workers, phase.run.cut
-    per_sample = lambda: next((w.per_sample_bytes for w in workers if w.per_sample_bytes), None)
+    per_sample = lambda: _measured(phase, workers)
     slices = _slices(batches, phase.graph_inputs, per_sample, MAX_OUTPUT_BYTES // n_workers) if cut else \
         ({k: v for k, v in f.items() if k in phase.graph_inputs} for f in batches)
     for k in itertools.count():
-        if k == 1:
+        if k == 1 and phase.run.per_sample_bytes is None:
             # the first slice goes alone: its run measures the output size per sample,
             # which sizes every later slice
             workers[0].wait_idle()
@@ -547,10 +580,29 @@ def _slices(batches, graph_inputs: dict, per_sample, budget: int = MAX_OUTPUT_BY
             continue
         i = 0
         while i < n:
-            ps = per_sample()
-            step = 1 if not ps else n - i if (n - i) * ps <= budget else max(1, budget // ps)
+            step = _step(n - i, per_sample(), budget)
             yield {k: np.array(v[i:i + step]) for k, v in feeds.items()}
             i += step
+
+
+def _step(left: int, per_sample: int | None, budget: int) -> int:
+    """Samples in the next slice of a batch with `left` samples to go."""
+    return 1 if not per_sample else left if left * per_sample <= budget else max(1, budget // per_sample)
+
+
+def planned_slices(batch_sizes: list, per_sample: int, lanes: int, cut: bool) -> list:
+    """The slice sizes collect cuts batches of `batch_sizes` samples into (each batch's in turn), when its
+    first run measured `per_sample` bytes and it deals to `lanes` workers; `cut`: as Pass.cut, and no input
+    of a fixed batch. What a sharded pass (distributed/) plans its shards by, to fold them as collect would."""
+    sizes = []
+    for b, n in enumerate(batch_sizes):
+        i = 0
+        while i < n:
+            step = n - i if not cut or n <= 1 else 1 if b == 0 and i == 0 else _step(n - i, per_sample,
+                                                                                     MAX_OUTPUT_BYTES // lanes)
+            sizes.append(step)
+            i += step
+    return sizes
 
 
 def _observe(obs: Observed, values: dict, range_tensors: list, mean_tensors: list, n: int, first: int,

@@ -58,5 +58,13 @@ class DistinctValues:
         if self._values.size > MAX_DISTINCT:
             self.given_up = True
 
+    def merge(self, other: "DistinctValues") -> None:
+        """Add the values another share of the samples held (a shard's, distributed/): the same set as
+        if this one had seen them."""
+        if other.given_up:
+            self.given_up = True
+        elif not self.given_up and other.values.size:
+            self.add(other.values.astype(np.float32) if other._table is not None else other.values)
+
     def lattice(self) -> Lattice | None:
         return None if self.given_up else find_lattice(self.values)

@@ -26,12 +26,14 @@ class CalibrateOptions:
     """`config` (images only): a preset name, a TOML path, a dict or a Preprocess; None takes the model's
     metadata, else assumes the torchvision ImageNet preset for a 3-channel input, sized to the model
     (data/config.py). `method`: the default range method recorded for quantize (every method's ranges are
-    kept). `threads`: ONNX Runtime threads (0: all cores, up to 8)."""
+    kept). `threads`: ONNX Runtime threads (0: all cores, up to 8). `ray`: the pass sharded over a Ray
+    cluster (distributed/cluster.py: "local", "auto" or "ray://host:port"); the same table as one process."""
     config: object = None
     method: str = DEFAULT_METHOD
     threads: int = 0
     sampling: Sampling = field(default_factory=Sampling)
     show_progress: bool = True
+    ray: str | None = None
 
     def check(self) -> None:
         """One UsageError for the first option out of range (the command's click types check the same)."""

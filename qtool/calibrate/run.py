@@ -11,9 +11,10 @@ from tqdm import tqdm
 
 from qtool import graph as G
 from qtool import outputs
-from qtool.calibrate.budget import Spend, within_budget
+from qtool.calibrate.budget import Spend
 from qtool.calibrate.checks import stem_fit
-from qtool.calibrate.collect import Observed, Pass, ShapesAt, Targets, collect
+from qtool.calibrate.collect import Pass, ShapesAt, Targets, collect
+from qtool.calibrate.stream import Seen, noted_feeds
 from qtool.calibrate.options import CalibrateOptions
 from qtool.calibrate.table import FLAT, CalibrationTable, ranges_for_all_methods
 from qtool.data.config import config_from_any, config_name
@@ -22,7 +23,6 @@ from qtool.data.sources import ImageData
 from qtool.data.tensors import tensor_source
 from qtool.errors import LateWriteError, QtoolError, UsageError
 from qtool.fuse import fuse_model
-from qtool.calibrate.distinct import DistinctValues
 from qtool.modelio import ModelFile, read_model_file, save_model
 from qtool.plan import ModelFacts, balanced_tensors, calibration_targets
 from qtool.qparams import clip_to_flat
@@ -89,15 +89,6 @@ class _Input:
     source: object  # ImageData or a tensor source (data/)
     notes: list  # what was assumed or adapted about the model or the preprocessing
     alerts: list  # what may be wrong with the preprocessing (checks.py)
-
-
-@dataclass
-class _Seen:
-    """What the calibration pass observed."""
-    obs: Observed
-    names: list  # sample index -> file (or sample) name, for naming the samples that hold NaN/inf
-    distinct: dict  # model input -> its distinct values while few (lattice.py: an 8-bit image's grid)
-    spend: Spend
 
 
 def _calibrate(job: _Job, also_writes) -> CalibrateResult:
@@ -173,7 +164,7 @@ def _fuse(job: _Job, inp: _Input):
     return fused
 
 
-def _calibration_pass(job: _Job, source, model: onnx.ModelProto) -> _Seen:
+def _calibration_pass(job: _Job, source, model: onnx.ModelProto) -> Seen:
     """The calibration pass: the source's batches, thinned to the budget, streamed through the fused graph."""
     facts = ModelFacts.of(model)  # (what both plans below read of the graph, worked out once)
     ranges, means = calibration_targets(model, facts)
@@ -185,35 +176,28 @@ def _calibration_pass(job: _Job, source, model: onnx.ModelProto) -> _Seen:
     out = model.graph.output[0] if model.graph.output else None
     watch = out.name if out is not None and out.type.tensor_type.elem_type == onnx.TensorProto.FLOAT else None
     s = job.options.sampling
-    seen = _Seen(None, [], {}, Spend(s.budget_gmac, len(source)))
+    seen = Seen(None, [], {}, Spend(s.budget_gmac, len(source)), source.skipped)
     shapes = ShapesAt(model)  # (the budget and collect's plan both read the first batch's shapes)
     show = job.options.show_progress
+    macs = lambda f: G.total_macs(model, shapes.inputs(f), shapes(f))
+    targets = Targets(ranges, means, watch, balanced_tensors(model, facts))
     with tqdm(total=len(source) or None, unit="sample", desc="calibrate", disable=not show, leave=False) as bar:
         def planned(line):
             job.say(line)
             bar.total = seen.spend.planned
             bar.refresh()
 
-        batches = _feeds(source, seen, lambda f: G.total_macs(model, shapes.inputs(f), shapes(f)), planned,
-                         {i.name for i in G.real_inputs(model)})
-        seen.obs = collect(model, Targets(ranges, means, watch, balanced_tensors(model, facts)), batches,
-                           Pass(bar.update, job.options.threads, f"{job.model_path} (fused)",
-                                cut=source.kind == "images" or source.batch > 1, shapes=shapes))
+        run = Pass(bar.update, job.options.threads, f"{job.model_path} (fused)",
+                   cut=source.kind == "images" or source.batch > 1, shapes=shapes)
+        if job.options.ray is not None:  # (Ray is imported only then: distributed/cluster.py)
+            from qtool.distributed.calibrate import Sharded, sharded_pass
+            return sharded_pass(Sharded(model, source, targets, run, job.options), seen, macs, planned)
+        batches = noted_feeds(source, seen, macs, planned, {i.name for i in G.real_inputs(model)})
+        seen.obs = collect(model, targets, batches, run)
     return seen
 
 
-def _feeds(source, seen: _Seen, macs, planned, inputs: set):
-    """The source's feeds within the budget; each batch's sample names, and the inputs' distinct values, noted."""
-    s = seen.spend
-    for n, f in within_budget(source.batches(), len(source), macs, s.budget_gmac, planned, spend=s):
-        seen.names.extend(os.path.abspath(x) if source.kind != "iterable" else x for x in n)
-        for k, v in f.items():
-            if k in inputs:  # (an integer input gives up at once: DistinctValues keeps float values only)
-                seen.distinct.setdefault(k, DistinctValues()).add(v)
-        yield f
-
-
-def _checked(job: _Job, seen: _Seen, source, model: onnx.ModelProto, alerts: list) -> dict:
+def _checked(job: _Job, seen: Seen, source, model: onnx.ModelProto, alerts: list) -> dict:
     """Samples there were; NaN/inf said (-> the table's nonfinite); the first output's summary warned of."""
     obs, data = seen.obs, job.data
     if obs.n_samples == 0:
@@ -248,11 +232,11 @@ def _finished_ranges(model: onnx.ModelProto, histograms: dict) -> tuple:
     return ranges_all, aware
 
 
-def _table(job: _Job, inp: _Input, seen: _Seen, ranges: dict, nonfinite: dict) -> CalibrationTable:
+def _table(job: _Job, inp: _Input, seen: Seen, ranges: dict, nonfinite: dict) -> CalibrationTable:
     obs, source = seen.obs, inp.source
     return CalibrationTable(
         model_path=os.path.abspath(job.model_path), model_sha256=inp.model_sha256,
-        fused_sha256="", method=job.options.method, n_samples=obs.n_samples, skipped=list(source.skipped),
+        fused_sha256="", method=job.options.method, n_samples=obs.n_samples, skipped=list(seen.skipped),
         config=source.cfg.to_dict() if source.cfg is not None else {}, ranges=ranges,
         channel_means=obs.channel_means(), channel_ranges=obs.channel_ranges(),
         histograms={t: h.to_dict() for t, h in obs.histograms.items()},
@@ -260,7 +244,7 @@ def _table(job: _Job, inp: _Input, seen: _Seen, ranges: dict, nonfinite: dict) -
         lattices={k: lat.to_dict() for k, d in seen.distinct.items() if (lat := d.lattice()) is not None})
 
 
-def _record(job: _Job, table: CalibrationTable, inp: _Input, seen: _Seen, aware: dict) -> None:
+def _record(job: _Job, table: CalibrationTable, inp: _Input, seen: Seen, aware: dict) -> None:
     """The calibration into the manifest: a new calibration, so the previous int8 model and its evaluation
     no longer belong here."""
     wd, source, obs, spend = job.wd, inp.source, seen.obs, seen.spend
@@ -272,7 +256,7 @@ def _record(job: _Job, table: CalibrationTable, inp: _Input, seen: _Seen, aware:
                          "fp32_output": obs.watch.summary() if obs.watch is not None else None,
                          "data": _describe(job.data, absolute=True),
                          "data_kind": source.kind, "activation_aware_mse": aware, "n_samples": obs.n_samples,
-                         "skipped": len(source.skipped), "budget": spend.to_dict(),
+                         "skipped": len(seen.skipped), "budget": spend.to_dict(),
                          "files": seen.names if spend.capped else
                          [os.path.abspath(f) if source.kind != "iterable" else f for f in source.files]})
 

@@ -6,7 +6,7 @@ import click
 from qtool.calibrate.methods import AUTO, METHODS
 from qtool.calibrate.options import CalibrateOptions, Sampling
 from qtool.calibrate.run import calibrate
-from qtool.commands.common import common_options, say, setup_output, shown, write_json
+from qtool.commands.common import common_options, ray_option, say, setup_output, shown, write_json
 from qtool.limits import MAX_BATCH
 from qtool.outputs import File
 
@@ -33,8 +33,10 @@ from qtool.outputs import File
                    "it (at least 16 are kept) uses fewer, spread evenly over the data, and says so. 0: no budget.")
 @click.option("--threads", type=click.IntRange(0, 1024), default=CalibrateOptions.threads, help="ONNX Runtime threads (0 = all cores).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write a summary as JSON here.")
+@ray_option
 @common_options
-def command(model, data, config, method, batch, limit, every, budget_gmac, threads, json_path, workdir, quiet, verbose, debug):
+def command(model, data, config, method, batch, limit, every, budget_gmac, threads, json_path, ray, workdir, quiet, verbose,
+            debug):
     """Stream images or tensors through the fp32 model and record activation ranges.
 
     Folds BatchNorm and run-time shape arithmetic first, then keeps one fixed-size
@@ -69,7 +71,7 @@ def command(model, data, config, method, batch, limit, every, budget_gmac, threa
                                "phases": r.phases, "fuse_seconds": r.fuse_seconds})
 
     options = CalibrateOptions(config, method, threads, Sampling(batch, limit, every, budget_gmac),
-                               show_progress=not quiet)
+                               show_progress=not quiet, ray=ray)
     shown(lambda: calibrate(model, data, options, workdir, say=lambda t: say(quiet, t),
                             also_writes=[File("--json file", json_path)] if json_path else []),  # (checked first)
           show)

@@ -8,6 +8,7 @@ import warnings
 
 import click
 
+from qtool.distributed.cluster import LOCAL
 from qtool.errors import LateWriteError, QtoolError, printable
 from qtool.modelio import atomic_write_text, json_safe
 
@@ -22,6 +23,14 @@ def common_options(f):
     f = click.option("--workdir", "-w", default="qtool_work", show_default=True, type=click.Path(file_okay=False),
                      help="Working directory that joins calibrate -> quantize -> eval.")(f)
     return output_options(f)
+
+
+def ray_option(f):
+    """--ray [ADDRESS]: the command's work on a Ray cluster (qtool/distributed/; the extra qtool[ray])."""
+    return click.option("--ray", "ray", is_flag=False, flag_value=LOCAL, default=None, metavar="[ADDRESS]",
+                        help="Run on a Ray cluster (pip install 'qtool[ray]'), with the result one process writes: "
+                             "alone, a local cluster of this machine's cores; `auto`, the one `ray start` runs "
+                             "here; or ray://HOST:PORT.")(f)
 
 
 def output_options(f):

@@ -5,7 +5,7 @@ import click
 
 from qtool.calibrate.table import FLAT
 from qtool.calibrate.methods import AUTO, METHODS
-from qtool.commands.common import common_options, say, setup_output, shown, write_json
+from qtool.commands.common import common_options, ray_option, say, setup_output, shown, write_json
 from qtool.outputs import File
 from qtool.quantize.encoding import DEFAULT_TARGET, TARGETS
 from qtool.quantize.options import ExclusionOptions, QuantizeOptions, SensitivityOptions
@@ -75,10 +75,11 @@ def far_from_fp32(report: dict, excluded_sensitive: bool) -> str | None:
                    "'encoder' judges --exclude-sensitive's target by the vectors' cosine to fp32 and nearest "
                    "neighbours, not by top-1.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the quantize summary as JSON here.")
+@ray_option
 @common_options
 def command(output, model, table, method, exclude, no_bias_correction, exclude_sensitive, target_agreement, max_drop,
             max_excluded, labels, sensitivity_samples, no_sensitivity, rounding, tune_ranges, target, strict, verify, task,
-            json_path, workdir, quiet, verbose, debug):
+            json_path, ray, workdir, quiet, verbose, debug):
     """Write an INT8 ONNX model (QDQ: uint8 activations, int8 per-channel weights).
 
     Ops without an int8 rule stay fp32 and are listed. On a sample of the calibration
@@ -110,7 +111,7 @@ def command(output, model, table, method, exclude, no_bias_correction, exclude_s
         bias_correction=not no_bias_correction, rounding=None if rounding is None else rounding == "output",
         tune_ranges=tune_ranges, target=target, strict=strict, verify=verify, progress=not quiet, task=task,
         sensitivity=SensitivityOptions(not no_sensitivity, sensitivity_samples),
-        exclusion=ExclusionOptions(exclude_sensitive, target_agreement, max_drop, max_excluded, labels))
+        exclusion=ExclusionOptions(exclude_sensitive, target_agreement, max_drop, max_excluded, labels), ray=ray)
 
     def show(r):
         lines = []

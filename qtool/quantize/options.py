@@ -42,7 +42,8 @@ class QuantizeOptions:
     samples out of the fitting steps and keep each step only where it measures better on them.
     `progress`: progress bars. `task`: what the output quantize judges by means, where the guess is wrong
     (qtool.tasks; None: guessed): "encoder" judges --exclude-sensitive's target by the vectors' cosine and
-    nearest neighbours."""
+    nearest neighbours. `ray`: the simulated experiments (sensitivity, range tuning) on a Ray cluster
+    (distributed/cluster.py: "local", "auto" or "ray://host:port"); the same int8 model as one process."""
     model: str | None = None
     table: str | None = None
     output: str | None = None
@@ -58,6 +59,7 @@ class QuantizeOptions:
     task: str | None = None
     sensitivity: SensitivityOptions = field(default_factory=SensitivityOptions)
     exclusion: ExclusionOptions = field(default_factory=ExclusionOptions)
+    ray: str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "exclude", tuple(dict.fromkeys(self.exclude)))  # (a list given: a tuple, each once)

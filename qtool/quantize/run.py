@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 from qtool import graph as G
@@ -54,16 +55,29 @@ def quantize(workdir: str | Workdir | None = None, options: QuantizeOptions | No
     writable, once the inputs are known and before any long work (outputs.py)."""
     wd = workdir if isinstance(workdir, Workdir) else Workdir(workdir)
     options = BARE if options is None else options
-    with wd.lock(create=True), blas_threads(1):  # blas.py: why one thread
-        return _quantize(wd, options, say, also_writes)
+    with wd.lock(create=True), blas_threads(1), _experiments(options.ray) as where:  # blas.py: why one thread
+        return _quantize(wd, options, say, also_writes, where)
 
 
-def _quantize(wd: Workdir, options: QuantizeOptions, say, also_writes) -> QuantizeResult:
+@contextmanager
+def _experiments(address: str | None):
+    """Where the simulated experiments run (QuantizeContext.experiments): None here, else on the Ray
+    cluster at `address`, connected for the whole run (Ray is imported only then)."""
+    if address is None:
+        yield None
+        return
+    from qtool.distributed.experiments import on_cluster
+    with on_cluster(address) as where:
+        yield where
+
+
+def _quantize(wd: Workdir, options: QuantizeOptions, say, also_writes, where=None) -> QuantizeResult:
     t0 = time.time()
     manifest = wd.manifest()
     inputs = load_inputs(wd, options.model, options.table, manifest)
     _check_writes(wd, options, inputs, manifest, also_writes)
     run = _start(wd, options, inputs, manifest, say)
+    run.ctx.experiments = where
     run.quantize = quantize
     run_pipeline(run)
     if run.ctx.resized:

@@ -45,6 +45,15 @@ OUTPUTS_BYTES = 256 << 20  # outputs of variants run together and held until red
 SMALL = 1024  # initializers up to this size stay in each variant's graph; larger ones are shared OrtValues
 
 
+@dataclass(frozen=True)
+class Run:
+    """Variants run together: each from its cut (`cut_of`, one per variant), the fp32 prefix computing
+    what crosses `prefix_cuts` (None: the variants' own cuts)."""
+    variants: list
+    cut_of: list
+    prefix_cuts: tuple | None = None
+
+
 @dataclass
 class Variant:
     """One experiment: these layers' weights int8, these tensors quantized (to these parameters)."""
@@ -347,16 +356,26 @@ class Simulator:
             cut_at = self.plan_cuts([firsts[k] for k in live], self._share, self._sample_seconds * len(samples))
             cut_of = {k: cut_at[firsts[k]] for k in live}
             per_run = max(1, OUTPUTS_BYTES // max(samples.reference.nbytes, 1))
+            parts = []  # (variants run together: their sessions' weights fit SESSIONS_BYTES, outputs OUTPUTS_BYTES)
             for group in self._groups(sorted(set(cut_of.values()))):
                 mine = [k for k in live if cut_of[k] in group]
-                for a in range(0, len(mine), per_run):
-                    part = mine[a:a + per_run]
-                    outs = [[] for _ in part]
-                    self._run_group(samples, sorted({cut_of[k] for k in part}), [variants[k] for k in part],
-                                    [cut_of[k] for k in part], outs, progress)
-                    for k, o in zip(part, outs):
-                        results[k] = reduce(samples.join_like_reference(o)[0])
+                parts += [mine[a:a + per_run] for a in range(0, len(mine), per_run)]
+            runs = [Run([variants[k] for k in part], [cut_of[k] for k in part]) for part in parts]
+            where = self.ctx.experiments  # (None: here; distributed/experiments.py: over a Ray cluster)
+            got = where.run(self, samples, runs, reduce, progress) if where is not None else \
+                [self.run_part(samples, r, reduce, progress) for r in runs]
+            for part, ys in zip(parts, got):
+                for k, y in zip(part, ys):
+                    results[k] = y
         return results
+
+    def run_part(self, samples, r: "Run", reduce, progress=None) -> list:
+        """What `reduce` makes of each of the run's variants' outputs over `samples`. The variants
+        starting at one cut share a session: a part of a run holding some of its cuts (with every variant
+        starting there) computes what the whole run computes for them, from the same prefix."""
+        outs = [[] for _ in r.variants]
+        self._run_group(samples, r, outs, progress)
+        return [reduce(samples.join_like_reference(o)[0]) for o in outs]
 
     def _groups(self, cuts: list) -> list:
         """The cuts in groups whose sessions' weights (twice: ORT's copy and its packed form) fit
@@ -373,9 +392,10 @@ class Simulator:
             used += need
         return groups
 
-    def _run_group(self, samples, cuts, variants, cut_of, outs, progress):
+    def _run_group(self, samples, r: "Run", outs, progress):
+        variants, cut_of, cuts = r.variants, r.cut_of, sorted(set(r.cut_of))
         cross = []
-        for p in cuts:
+        for p in r.prefix_cuts or cuts:  # (the whole run's, for a part of it: the same prefix, the same values)
             for t in self._frontier(p):
                 if t not in cross and t not in samples.inputs:
                     cross.append(t)
