@@ -33,6 +33,7 @@ from qtool.runtime import saturating
 from qtool.runtime import steps as S
 from qtool.runtime.fp32_ops import FP32_OPS
 from qtool.runtime.lower import ELEMENTWISE, INT_RULES, rule_region
+from qtool.runtime.lower.fp32_fused import rule_fp32
 from qtool.runtime.program import Entry, Program, QConst, QView, Val, node_attrs
 
 
@@ -390,6 +391,8 @@ class Compiler:
         if op not in FP32_OPS:
             raise QtoolError(f"{self.where}: node '{node.name}' uses op {op}, which qtool's runtime cannot run "
                              f"(neither in int8 nor in fp32)")
+        if rule_fp32(self, node) is None:  # a native float32 kernel (LayerNorm, Softmax, GELU, ...)
+            return
         ins = [self.float_input(i) if i else None for i in node.input]
         outs = []
         r_in = self.ranks.get(node.input[0]) if node.input else None

@@ -442,7 +442,160 @@ static PyObject* py_lut(PyObject* self, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+/* ---- float32 transformer ops (operators-transformer.c); every buffer float32 C-contiguous */
+static int opt_buf(PyObject* o, buf_t* bt, Py_ssize_t need, const char* what) {
+  bt->ok = 0;
+  if (o == Py_None) return 0;
+  return get_buf(o, bt, 0, need, what);
+}
+
+/* layernorm(x, gamma|None, beta|None, y, rows, n, eps) */
+static PyObject* py_layernorm(PyObject* self, PyObject* args) {
+  (void)self;
+  PyObject *ox, *og, *ob, *oy;
+  Py_ssize_t rows, n;
+  float eps;
+  if (!PyArg_ParseTuple(args, "OOOOnnf", &ox, &og, &ob, &oy, &rows, &n, &eps)) return NULL;
+  if (rows < 0 || n < 1) {
+    PyErr_SetString(PyExc_ValueError, "layernorm: bad dimensions");
+    return NULL;
+  }
+  buf_t x, g, b, y;
+  x.ok = g.ok = b.ok = y.ok = 0;
+  int ok = 0;
+  if (get_buf(ox, &x, 0, rows * n * 4, "x") == 0 && opt_buf(og, &g, n * 4, "gamma") == 0 &&
+      opt_buf(ob, &b, n * 4, "beta") == 0 && get_buf(oy, &y, 1, rows * n * 4, "out") == 0) {
+    Py_BEGIN_ALLOW_THREADS
+    qt_f32_layernorm((const float*)x.b.buf, g.ok ? (const float*)g.b.buf : NULL, b.ok ? (const float*)b.b.buf : NULL,
+                     (float*)y.b.buf, rows, n, eps);
+    Py_END_ALLOW_THREADS
+    ok = 1;
+  }
+  rel(&x); rel(&g); rel(&b); rel(&y);
+  if (!ok) return NULL;
+  Py_RETURN_NONE;
+}
+
+/* softmax(x, y, rows, n) */
+static PyObject* py_softmax(PyObject* self, PyObject* args) {
+  (void)self;
+  PyObject *ox, *oy;
+  Py_ssize_t rows, n;
+  if (!PyArg_ParseTuple(args, "OOnn", &ox, &oy, &rows, &n)) return NULL;
+  if (rows < 0 || n < 1) {
+    PyErr_SetString(PyExc_ValueError, "softmax: bad dimensions");
+    return NULL;
+  }
+  buf_t x, y;
+  x.ok = y.ok = 0;
+  int ok = 0;
+  if (get_buf(ox, &x, 0, rows * n * 4, "x") == 0 && get_buf(oy, &y, 1, rows * n * 4, "out") == 0) {
+    Py_BEGIN_ALLOW_THREADS
+    qt_f32_softmax((const float*)x.b.buf, (float*)y.b.buf, rows, n);
+    Py_END_ALLOW_THREADS
+    ok = 1;
+  }
+  rel(&x); rel(&y);
+  if (!ok) return NULL;
+  Py_RETURN_NONE;
+}
+
+/* gelu(x, y, k_in, div, k_add, k_out); erf(x, y) */
+static PyObject* py_gelu(PyObject* self, PyObject* args) {
+  (void)self;
+  PyObject *ox, *oy;
+  float k_in, k_add, k_out;
+  int div;
+  if (!PyArg_ParseTuple(args, "OOfiff", &ox, &oy, &k_in, &div, &k_add, &k_out)) return NULL;
+  buf_t x, y;
+  x.ok = y.ok = 0;
+  int ok = 0;
+  if (get_buf(ox, &x, 0, -1, "x") == 0 && get_buf(oy, &y, 1, x.b.len, "out") == 0) {
+    Py_BEGIN_ALLOW_THREADS
+    qt_f32_gelu((const float*)x.b.buf, (float*)y.b.buf, (size_t)x.b.len / 4, k_in, div, k_add, k_out);
+    Py_END_ALLOW_THREADS
+    ok = 1;
+  }
+  rel(&x); rel(&y);
+  if (!ok) return NULL;
+  Py_RETURN_NONE;
+}
+
+static PyObject* py_erf(PyObject* self, PyObject* args) {
+  (void)self;
+  PyObject *ox, *oy;
+  if (!PyArg_ParseTuple(args, "OO", &ox, &oy)) return NULL;
+  buf_t x, y;
+  x.ok = y.ok = 0;
+  int ok = 0;
+  if (get_buf(ox, &x, 0, -1, "x") == 0 && get_buf(oy, &y, 1, x.b.len, "out") == 0) {
+    Py_BEGIN_ALLOW_THREADS
+    qt_f32_erf((const float*)x.b.buf, (float*)y.b.buf, (size_t)x.b.len / 4);
+    Py_END_ALLOW_THREADS
+    ok = 1;
+  }
+  rel(&x); rel(&y);
+  if (!ok) return NULL;
+  Py_RETURN_NONE;
+}
+
+/* dynamic_quantize(x_f32, y_u8, scale_f32[1], zp_u8[1]) */
+static PyObject* py_dynamic_quantize(PyObject* self, PyObject* args) {
+  (void)self;
+  PyObject *ox, *oy, *os, *oz;
+  if (!PyArg_ParseTuple(args, "OOOO", &ox, &oy, &os, &oz)) return NULL;
+  buf_t x, y, s, z;
+  x.ok = y.ok = s.ok = z.ok = 0;
+  int ok = 0;
+  if (get_buf(ox, &x, 0, -1, "x") == 0 && get_buf(oy, &y, 1, x.b.len / 4, "out") == 0 &&
+      get_buf(os, &s, 1, 4, "scale") == 0 && get_buf(oz, &z, 1, 1, "zero point") == 0) {
+    Py_BEGIN_ALLOW_THREADS
+    qt_dynamic_quantize((const float*)x.b.buf, (uint8_t*)y.b.buf, (size_t)x.b.len / 4, (float*)s.b.buf,
+                        (uint8_t*)z.b.buf);
+    Py_END_ALLOW_THREADS
+    ok = 1;
+  }
+  rel(&x); rel(&y); rel(&s); rel(&z);
+  if (!ok) return NULL;
+  Py_RETURN_NONE;
+}
+
+/* dynamic_epilogue(y_f32 [rows, n], rows, n, scale_f32[1], zp_u8[1], colsum_f32[n], w_scale_f32[n], bias|None) */
+static PyObject* py_dynamic_epilogue(PyObject* self, PyObject* args) {
+  (void)self;
+  PyObject *oy, *os, *oz, *oc, *ow, *ob;
+  Py_ssize_t rows, n;
+  if (!PyArg_ParseTuple(args, "OnnOOOOO", &oy, &rows, &n, &os, &oz, &oc, &ow, &ob)) return NULL;
+  if (rows < 0 || n < 1) {
+    PyErr_SetString(PyExc_ValueError, "dynamic_epilogue: bad dimensions");
+    return NULL;
+  }
+  buf_t y, s, z, c, w, b;
+  y.ok = s.ok = z.ok = c.ok = w.ok = b.ok = 0;
+  int rc = -2;
+  if (get_buf(oy, &y, 1, rows * n * 4, "out") == 0 && get_buf(os, &s, 0, 4, "scale") == 0 &&
+      get_buf(oz, &z, 0, 1, "zero point") == 0 && get_buf(oc, &c, 0, n * 4, "colsum") == 0 &&
+      get_buf(ow, &w, 0, n * 4, "w_scale") == 0 && opt_buf(ob, &b, n * 4, "bias") == 0) {
+    const float scale = *(const float*)s.b.buf;
+    const int32_t zp = *(const uint8_t*)z.b.buf;
+    Py_BEGIN_ALLOW_THREADS
+    rc = qt_dynamic_epilogue((float*)y.b.buf, rows, n, scale, zp, (const float*)c.b.buf, (const float*)w.b.buf,
+                             b.ok ? (const float*)b.b.buf : NULL);
+    Py_END_ALLOW_THREADS
+    if (rc == -1) PyErr_NoMemory();
+  }
+  rel(&y); rel(&s); rel(&z); rel(&c); rel(&w); rel(&b);
+  if (rc != 0) return NULL;
+  Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"layernorm", py_layernorm, METH_VARARGS, "float32 LayerNormalization over rows"},
+    {"softmax", py_softmax, METH_VARARGS, "float32 Softmax over rows"},
+    {"gelu", py_gelu, METH_VARARGS, "float32 erf GELU as exporters write it"},
+    {"erf", py_erf, METH_VARARGS, "float32 erf"},
+    {"dynamic_quantize", py_dynamic_quantize, METH_VARARGS, "DynamicQuantizeLinear (float32 -> uint8, scale, zp)"},
+    {"dynamic_epilogue", py_dynamic_epilogue, METH_VARARGS, "the dynamic MatMul's float32 epilogue"},
     {"mul", py_mul, METH_VARARGS, "quantized multiply (ORT QLinearMul rounding)"},
     {"lut", py_lut, METH_VARARGS, "uint8 table lookup"},
     {"quantize", py_quantize, METH_VARARGS, "float32 NCHW -> uint8 NHWC (QuantizeLinear)"},

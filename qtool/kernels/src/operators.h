@@ -90,4 +90,12 @@ void qt_quantize_nchw_to_nhwc(const float* x, uint8_t* y, size_t n, size_t c, si
                               float scale, int32_t zp);
 void qt_dequantize_nhwc_to_nchw(const uint8_t* x, float* y, size_t n, size_t c, size_t h, size_t w,
                                 float scale, int32_t zp);
+/* operators-transformer.c */
+void qt_f32_layernorm(const float* x, const float* g, const float* b, float* y, size_t rows, size_t n, float eps);
+void qt_f32_softmax(const float* x, float* y, size_t rows, size_t n);
+void qt_f32_gelu(const float* x, float* y, size_t count, float k_in, int div, float k_add, float k_out);
+void qt_f32_erf(const float* x, float* y, size_t count);
+void qt_dynamic_quantize(const float* x, uint8_t* y, size_t count, float* scale_out, uint8_t* zp_out);
+int qt_dynamic_epilogue(float* y, size_t rows, size_t n, float scale, int32_t zp, const float* colsum,
+                        const float* w_scale, const float* bias);
 #endif

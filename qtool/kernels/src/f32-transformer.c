@@ -1,0 +1,244 @@
+/* float32 row kernels of transformer graphs (LayerNorm, Softmax, erf GELU, the run-time quantize's
+ * range, the dynamic GEMM's epilogue). One C body per kernel, compiled for each ISA by inlining it
+ * into a function with that ISA's target attribute, as qu8-elementwise.c does. Float math is plain
+ * mul/add/div without contraction (-ffp-contract=off); reductions run in 16 fixed lanes combined in
+ * a fixed order, so every ISA gives the same bits. Numpy twins: qtool/kernels/reference.py. */
+#include "qtool_kernels.h"
+
+#define LANES 16
+
+/* 16 float lanes as a GCC vector (lowered to what the target has: the same lanes, the same bits) */
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+QT_INLINE v16f load16(const float* p) {
+  v16f v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+
+/* erf(x) = x P(x^2) / Q(x^2) on [-4, 4], the coefficients and the operation order of
+ * qtool.runtime.fp32_ops_transformer.erf32 (bit for bit with it). */
+QT_INLINE float erf_body(float x) {
+  x = x > -4.0f ? x : -4.0f;
+  x = x < 4.0f ? x : 4.0f;
+  const float x2 = x * x;
+  float p = (float)-2.72614225801306e-10;
+  p = p * x2 + (float)2.77068142495902e-08;
+  p = p * x2 + (float)-2.10102402082508e-06;
+  p = p * x2 + (float)-5.69250639462346e-05;
+  p = p * x2 + (float)-7.34990630326855e-04;
+  p = p * x2 + (float)-2.95459980854025e-03;
+  p = p * x2 + (float)-1.60960333262415e-02;
+  p = p * x;
+  float q = (float)-1.45660718464996e-05;
+  q = q * x2 + (float)-2.13374055278905e-04;
+  q = q * x2 + (float)-1.68282697438203e-03;
+  q = q * x2 + (float)-7.37332916720468e-03;
+  q = q * x2 + (float)-1.42647390514189e-02;
+  return p / q;
+}
+
+/* exp(x) for the softmax (x <= 0 after the row maximum is taken off): Cephes' expf, 2^n by the
+ * exponent bits; within 2 ulp of expf; 0 below -87.3 (where expf is subnormal or 0). */
+QT_INLINE float exp_body(float x0) {
+  float x = x0 > -87.3f ? x0 : -87.3f;
+  x = x < 88.0f ? x : 88.0f;
+  const float n = qt_rint_small(x * 1.44269504088896341f);
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r;
+  p = p + 1.0f;
+  const int32_t bits = ((int32_t)n + 127) << 23;
+  float s;
+  memcpy(&s, &bits, sizeof s);
+  const float y = p * s;
+  return x0 > -87.3f ? y : 0.0f;
+}
+
+QT_INLINE float hsum16(v16f v) {
+  float s = 0.0f;
+  for (size_t j = 0; j < LANES; j++) s += v[j];
+  return s;
+}
+
+QT_INLINE v16f vmin16(v16f a, v16f b) {
+  const v16i m = a < b;
+  return (v16f)((m & (v16i)a) | (~m & (v16i)b));
+}
+
+QT_INLINE v16f vmax16(v16f a, v16f b) {
+  const v16i m = a > b;
+  return (v16f)((m & (v16i)a) | (~m & (v16i)b));
+}
+
+/* exp_body on 16 lanes: the same operations lane by lane (the same bits) */
+QT_INLINE v16f exp16(v16f x0) {
+  const v16f lo = x0 * 0.0f - 87.3f, hi = x0 * 0.0f + 88.0f;
+  v16f x = vmax16(x0, lo);
+  x = vmin16(x, hi);
+  v16f n = x * 1.44269504088896341f;
+  n = (n + 12582912.0f) - 12582912.0f;
+  v16f r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  v16f p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r;
+  p = p + 1.0f;
+  const v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
+  const v16f y = p * (v16f)bits;
+  const v16i keep = x0 > lo;
+  return (v16f)(keep & (v16i)y);
+}
+
+/* the sum of n floats in LANES fixed lanes (the tail into lanes 0, 1, ...), the lanes added in order */
+QT_INLINE float lane_sum(size_t n, const float* x) {
+  v16f acc = {0};
+  size_t i = 0;
+  for (; i + LANES <= n; i += LANES) acc += load16(x + i);
+  for (size_t j = 0; i < n; i++, j++) acc[j] += x[i];
+  return hsum16(acc);
+}
+
+QT_INLINE void lane_minmax(size_t n, const float* x, float* mn_out, float* mx_out) {
+  const float x0 = n ? x[0] : 0.0f;
+  v16f mn = {x0, x0, x0, x0, x0, x0, x0, x0, x0, x0, x0, x0, x0, x0, x0, x0};
+  v16f mx = mn;
+  size_t i = 0;
+  for (; i + LANES <= n; i += LANES) {
+    const v16f v = load16(x + i);
+    mn = vmin16(v, mn);
+    mx = vmax16(v, mx);
+  }
+  float a = mn[0], b = mx[0];
+  for (size_t j = 1; j < LANES; j++) {
+    a = mn[j] < a ? mn[j] : a;
+    b = mx[j] > b ? mx[j] : b;
+  }
+  for (; i < n; i++) {
+    a = x[i] < a ? x[i] : a;
+    b = x[i] > b ? x[i] : b;
+  }
+  *mn_out = a;
+  *mx_out = b;
+}
+
+/* One row of LayerNormalization: mean, then the mean of the squared deviations (two passes),
+ * y = (x - mean) / sqrt(var + eps) * gamma + beta (gamma/beta NULL: 1/0). */
+QT_INLINE void layernorm_body(size_t n, const float* x, const float* g, const float* b, float eps,
+                              float* y) {
+  const float mean = lane_sum(n, x) / (float)n;
+  v16f acc = {0};
+  size_t i = 0;
+  for (; i + LANES <= n; i += LANES) {
+    const v16f d = load16(x + i) - mean;
+    acc += d * d;
+  }
+  for (size_t j = 0; i < n; i++, j++) {
+    const float d = x[i] - mean;
+    acc[j] += d * d;
+  }
+  const float ss = hsum16(acc);
+  const float sd = __builtin_sqrtf(ss / (float)n + eps);
+  for (i = 0; i < n; i++) {
+    float v = (x[i] - mean) / sd;
+    if (g) v = v * g[i];
+    if (b) v = v + b[i];
+    y[i] = v;
+  }
+}
+
+/* One row of Softmax: e = exp(x - max), y = e / sum(e). */
+QT_INLINE void softmax_body(size_t n, const float* x, float* y) {
+  float mn, mx;
+  lane_minmax(n, x, &mn, &mx);
+  size_t i = 0;
+  for (; i + LANES <= n; i += LANES) {
+    const v16f e = exp16(load16(x + i) - mx);
+    memcpy(y + i, &e, sizeof e);
+  }
+  for (; i < n; i++) y[i] = exp_body(x[i] - mx);
+  const float s = lane_sum(n, y);
+  for (i = 0; i < n; i++) y[i] = y[i] / s;
+}
+
+/* GELU as exporters write it: y = (x * (erf(x op k_in) + k_add)) * k_out, op = / (div) or *;
+ * the same float32 operations in the same order as the ONNX nodes (bit for bit with numpy's). */
+QT_INLINE void gelu_body(size_t n, const float* x, float* y, float k_in, int div, float k_add,
+                         float k_out) {
+  if (div) {
+    for (size_t i = 0; i < n; i++) y[i] = (x[i] * (erf_body(x[i] / k_in) + k_add)) * k_out;
+  } else {
+    for (size_t i = 0; i < n; i++) y[i] = (x[i] * (erf_body(x[i] * k_in) + k_add)) * k_out;
+  }
+}
+
+QT_INLINE void erf_row_body(size_t n, const float* x, float* y) {
+  for (size_t i = 0; i < n; i++) y[i] = erf_body(x[i]);
+}
+
+/* The dynamic MatMul's epilogue on one row of float32(sum(x_u8 * w)):
+ * y = (y - zpcs[j]) * m[j] (+ bias[j]); exact to ONNX Runtime's float32(acc) * m (dynamic_quant.py). */
+QT_INLINE void dyn_epilogue_body(size_t n, float* y, const float* zpcs, const float* m,
+                                 const float* bias) {
+  if (bias) {
+    for (size_t j = 0; j < n; j++) y[j] = (y[j] - zpcs[j]) * m[j] + bias[j];
+  } else {
+    for (size_t j = 0; j < n; j++) y[j] = (y[j] - zpcs[j]) * m[j];
+  }
+}
+
+#define QT_DEFINE_F32(SUFFIX, ATTR)                                                              \
+  ATTR void f32_layernorm_ukernel__##SUFFIX(size_t n, const float* x, const float* g,            \
+                                            const float* b, float eps, float* y) {               \
+    layernorm_body(n, x, g, b, eps, y);                                                          \
+  }                                                                                              \
+  ATTR void f32_softmax_ukernel__##SUFFIX(size_t n, const float* x, float* y) {                  \
+    softmax_body(n, x, y);                                                                       \
+  }                                                                                              \
+  ATTR void f32_gelu_erf_ukernel__##SUFFIX(size_t n, const float* x, float* y, float k_in,       \
+                                           int div, float k_add, float k_out) {                  \
+    gelu_body(n, x, y, k_in, div, k_add, k_out);                                                 \
+  }                                                                                              \
+  ATTR void f32_verf_ukernel__##SUFFIX(size_t n, const float* x, float* y) {                     \
+    erf_row_body(n, x, y);                                                                       \
+  }                                                                                              \
+  ATTR void f32_rminmax_ukernel__##SUFFIX(size_t n, const float* x, float* mn, float* mx) {      \
+    lane_minmax(n, x, mn, mx);                                                                   \
+  }                                                                                              \
+  ATTR void f32_dyn_epilogue_ukernel__##SUFFIX(size_t n, float* y, const float* zpcs,            \
+                                               const float* m, const float* bias) {              \
+    dyn_epilogue_body(n, y, zpcs, m, bias);                                                      \
+  }
+
+QT_DEFINE_F32(scalar, )
+#if QT_X86
+QT_DEFINE_F32(avx2, QT_TARGET_AVX2)
+QT_DEFINE_F32(avx512vnni, QT_TARGET_AVX512VNNI)
+#endif
+
+void qt_fill_transformer(qt_dispatch* d, int isa) {
+#define QT_FILL(SUFFIX)                                     \
+  d->f32_layernorm = f32_layernorm_ukernel__##SUFFIX;       \
+  d->f32_softmax = f32_softmax_ukernel__##SUFFIX;           \
+  d->f32_gelu = f32_gelu_erf_ukernel__##SUFFIX;             \
+  d->f32_erf = f32_verf_ukernel__##SUFFIX;                  \
+  d->f32_minmax = f32_rminmax_ukernel__##SUFFIX;            \
+  d->f32_dyn_epilogue = f32_dyn_epilogue_ukernel__##SUFFIX;
+#if QT_X86
+  if (isa == QT_ISA_AVX512VNNI) { QT_FILL(avx512vnni) return; }
+  if (isa == QT_ISA_AVX2) { QT_FILL(avx2) return; }
+#endif
+  (void)isa;
+  QT_FILL(scalar)
+#undef QT_FILL
+}

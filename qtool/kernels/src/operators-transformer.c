@@ -1,0 +1,164 @@
+/* float32 transformer operators over rows (LayerNorm, Softmax, GELU / erf), the run-time uint8
+ * quantize (DynamicQuantizeLinear) and the dynamic MatMul's epilogue, split over the pool by rows. */
+#include <stdlib.h>
+
+#include "operators.h"
+
+typedef struct {
+  const float* x;
+  float* y;
+  const float *g, *b;
+  size_t n;       /* row length (elementwise ops: a chunk's length) */
+  size_t count;   /* elementwise ops: all elements */
+  float eps, k_in, k_add, k_out;
+  int div;
+  const qt_dispatch* d;
+} f32_job;
+
+static void layernorm_task(void* ctx, size_t begin, size_t end) {
+  const f32_job* j = (const f32_job*)ctx;
+  for (size_t r = begin; r < end; r++) j->d->f32_layernorm(j->n, j->x + r * j->n, j->g, j->b, j->eps, j->y + r * j->n);
+}
+
+static void softmax_task(void* ctx, size_t begin, size_t end) {
+  const f32_job* j = (const f32_job*)ctx;
+  for (size_t r = begin; r < end; r++) j->d->f32_softmax(j->n, j->x + r * j->n, j->y + r * j->n);
+}
+
+#define CHUNK 4096
+static size_t chunk_len(const f32_job* j, size_t c) {
+  const size_t start = c * CHUNK;
+  return j->count - start < CHUNK ? j->count - start : CHUNK;
+}
+
+static void gelu_task(void* ctx, size_t begin, size_t end) {
+  const f32_job* j = (const f32_job*)ctx;
+  for (size_t c = begin; c < end; c++)
+    j->d->f32_gelu(chunk_len(j, c), j->x + c * CHUNK, j->y + c * CHUNK, j->k_in, j->div, j->k_add, j->k_out);
+}
+
+static void erf_task(void* ctx, size_t begin, size_t end) {
+  const f32_job* j = (const f32_job*)ctx;
+  for (size_t c = begin; c < end; c++) j->d->f32_erf(chunk_len(j, c), j->x + c * CHUNK, j->y + c * CHUNK);
+}
+
+void qt_f32_layernorm(const float* x, const float* g, const float* b, float* y, size_t rows, size_t n, float eps) {
+  f32_job j = {x, y, g, b, n, rows * n, eps, 0, 0, 0, 0, qt_get_dispatch()};
+  qt_parallel(rows, layernorm_task, &j, (double)(rows * n) * 1.0);
+}
+
+void qt_f32_softmax(const float* x, float* y, size_t rows, size_t n) {
+  f32_job j = {x, y, NULL, NULL, n, rows * n, 0, 0, 0, 0, 0, qt_get_dispatch()};
+  qt_parallel(rows, softmax_task, &j, (double)(rows * n) * 1.5);
+}
+
+void qt_f32_gelu(const float* x, float* y, size_t count, float k_in, int div, float k_add, float k_out) {
+  f32_job j = {x, y, NULL, NULL, CHUNK, count, 0, k_in, k_add, k_out, div, qt_get_dispatch()};
+  qt_parallel((count + CHUNK - 1) / CHUNK, gelu_task, &j, (double)count * 1.5);
+}
+
+void qt_f32_erf(const float* x, float* y, size_t count) {
+  f32_job j = {x, y, NULL, NULL, CHUNK, count, 0, 0, 0, 0, 0, qt_get_dispatch()};
+  qt_parallel((count + CHUNK - 1) / CHUNK, erf_task, &j, (double)count * 1.5);
+}
+
+/* ---- DynamicQuantizeLinear: the range, then ONNX Runtime's parameters (all float32):
+ * lo = min(min(x), 0), hi = max(max(x), 0); scale = (hi - lo) / 255 (1 when hi == lo);
+ * zp = rint(clamp(0 - lo / scale, 0, 255)); y = sat(rint(x / scale) + zp) (dynamic_quant.py). */
+typedef struct {
+  const float* x;
+  uint8_t* y;
+  size_t count;
+  float mn[64], mx[64];
+  float scale;
+  int32_t zp;
+  const qt_dispatch* d;
+} dq_job;
+
+static size_t dq_len(const dq_job* j, size_t c) {
+  const size_t start = c * CHUNK;
+  return j->count - start < CHUNK ? j->count - start : CHUNK;
+}
+
+static void range_task(void* ctx, size_t begin, size_t end) {
+  dq_job* j = (dq_job*)ctx;
+  /* chunks are grouped into at most 64 slots, each slot's chunks reduced in order */
+  const size_t chunks = (j->count + CHUNK - 1) / CHUNK;
+  for (size_t s = begin; s < end; s++) {
+    const size_t c0 = s * chunks / 64, c1 = (s + 1) * chunks / 64;
+    float a = 0.0f, b = 0.0f;
+    int any = 0;
+    for (size_t c = c0; c < c1; c++) {
+      float mn, mx;
+      j->d->f32_minmax(dq_len(j, c), j->x + c * CHUNK, &mn, &mx);
+      a = !any || mn < a ? mn : a;
+      b = !any || mx > b ? mx : b;
+      any = 1;
+    }
+    j->mn[s] = any ? a : 0.0f;
+    j->mx[s] = any ? b : 0.0f;
+  }
+}
+
+static void quant_task(void* ctx, size_t begin, size_t end) {
+  const dq_job* j = (const dq_job*)ctx;
+  for (size_t c = begin; c < end; c++)
+    j->d->quant_row(dq_len(j, c), j->x + c * CHUNK, j->scale, j->zp, j->y + c * CHUNK);
+}
+
+void qt_dynamic_quantize(const float* x, uint8_t* y, size_t count, float* scale_out, uint8_t* zp_out) {
+  dq_job j;
+  j.x = x;
+  j.y = y;
+  j.count = count;
+  j.d = qt_get_dispatch();
+  for (int s = 0; s < 64; s++) j.mn[s] = j.mx[s] = 0.0f;
+  qt_parallel(64, range_task, &j, (double)count * 0.25);
+  float lo = 0.0f, hi = 0.0f;  /* the range always holds 0 */
+  for (int s = 0; s < 64; s++) {
+    lo = j.mn[s] < lo ? j.mn[s] : lo;
+    hi = j.mx[s] > hi ? j.mx[s] : hi;
+  }
+  float scale = 1.0f;
+  int32_t zp = 0;
+  if (hi != lo) {
+    scale = (hi - lo) / 255.0f;
+    float z = 0.0f - lo / scale;
+    z = z < 0.0f ? 0.0f : z;
+    z = z > 255.0f ? 255.0f : z;
+    zp = (int32_t)qt_rint_small(z);
+  }
+  j.scale = scale;
+  j.zp = zp;
+  qt_parallel((count + CHUNK - 1) / CHUNK, quant_task, &j, (double)count * 0.5);
+  *scale_out = scale;
+  *zp_out = (uint8_t)zp;
+}
+
+/* ---- the dynamic MatMul's epilogue over [rows, n] */
+typedef struct {
+  float* y;
+  size_t n;
+  const float *zpcs, *m, *bias;
+  const qt_dispatch* d;
+} epi_job;
+
+static void epilogue_task(void* ctx, size_t begin, size_t end) {
+  const epi_job* j = (const epi_job*)ctx;
+  for (size_t r = begin; r < end; r++) j->d->f32_dyn_epilogue(j->n, j->y + r * j->n, j->zpcs, j->m, j->bias);
+}
+
+int qt_dynamic_epilogue(float* y, size_t rows, size_t n, float scale, int32_t zp, const float* colsum,
+                        const float* w_scale, const float* bias) {
+  float* t = (float*)malloc(2 * n * sizeof(float) + 1);
+  if (!t) return -1;
+  const float zpf = (float)zp;
+  for (size_t c = 0; c < n; c++) {
+    t[c] = zpf * colsum[c];
+    t[n + c] = scale * w_scale[c];
+  }
+  epi_job j = {y, n, t, t + n, bias, qt_get_dispatch()};
+  qt_parallel(rows, epilogue_task, &j, (double)(rows * n) * 0.3);
+  free(t);
+  return 0;
+}
