@@ -46,20 +46,32 @@ def bind_layernorm(x, gamma, beta, eps, out):
     return _bind(_plan_layernorm(x, gamma, beta, eps, out))
 
 
-def _plan_softmax(x, out):
+def _plan_softmax(x, out, scale=None, mask=None):
     _f32(x, "x")
     y = _out(out, x.shape, np.float32)
     n = x.shape[-1] if x.ndim else 1
-    return y, _native.softmax, (x, y, x.size // max(n, 1), n)
+    rows = x.size // max(n, 1)
+    k, div = (1.0, -1) if scale is None else (float(np.float32(scale[0])), int(bool(scale[1])))
+    mrows = 1
+    if mask is not None:
+        _f32(mask, "mask")
+        mrows = mask.size // max(n, 1)
+        if mask.size % max(n, 1) or not mrows or rows % mrows:
+            raise ValueError(f"mask: {mask.shape} does not give whole rows of {n} for {rows} rows")
+        if div < 0:
+            k, div = 1.0, 0
+    return y, _native.softmax, (x, y, rows, n, k, div, mask, mrows)
 
 
-def softmax(x, out=None):
-    """Over the last axis: exp(x - max) / sum (out may be x)."""
-    return _call(_plan_softmax(x, out))
+def softmax(x, out=None, scale=None, mask=None):
+    """Over the last axis: exp(s - max) / sum(...) of s = x, or of s = (x * k or x / k) + mask with
+    scale = (k, divide) and mask rows of n (row r takes mask row r // (rows / mask rows)), computed in
+    that float32 order (out may be x)."""
+    return _call(_plan_softmax(x, out, scale, mask))
 
 
-def bind_softmax(x, out):
-    return _bind(_plan_softmax(x, out))
+def bind_softmax(x, out, scale=None, mask=None):
+    return _bind(_plan_softmax(x, out, scale, mask))
 
 
 def _plan_gelu(x, k_in, div, k_add, k_out, out):

@@ -69,6 +69,7 @@ class Compiler:
         self.done: set = set()
         self.graph_outputs = {o.name for o in g.output}
         self.consumers: dict[str, list] = {}
+        self.producers = {o: n for n in g.node for o in n.output if o}
         self.shifted: dict[str, tuple] = {}  # Add output -> (its float input, the constant), see _grid_shift
         for n in g.node:
             for i in n.input:

@@ -89,6 +89,70 @@ class SoftmaxStep(F32Step):
         return self.F.bind_softmax(x, out)
 
 
+class ScaledSoftmaxStep(Step):
+    """Softmax over the last axis of (x / k or x * k) + mask (either part optional): the scores of an
+    attention, scaled and masked, in one pass. ins: [x, mask or None]; scale: (k, divide) or None. A
+    mask that broadcasts other than over whole rows (its leading dims x's, then 1s) is added by numpy
+    first (the same float32 sums)."""
+    mode = "fp32"
+    uses_out = True
+
+    def __init__(self, name, F, x, mask, y, scale, reason):
+        super().__init__(name, "Softmax", [x, mask], [y])
+        self.F, self.scale, self.reason = F, scale, reason
+        self.kernel = "native f32"
+
+    def _args(self, env):
+        x, m = env[self.ins[0]], None if self.ins[1] is None else env[self.ins[1]]
+        if m is not None and self.scale is None and m.size > x.size:  # Add(mask, scores): the same sum
+            x, m = m, x
+        return x, m
+
+    @staticmethod
+    def _rows_mask(x, m):
+        """m as whole rows for x (the kernel's broadcast), or None."""
+        if m is None or m.dtype != np.float32 or m.ndim > x.ndim or m.shape[-1] != x.shape[-1]:
+            return None
+        ms = (1,) * (x.ndim - m.ndim) + m.shape
+        j = 0
+        while j < x.ndim - 1 and ms[j] == x.shape[j]:
+            j += 1
+        if any(d != 1 for d in ms[j:-1]):
+            return None
+        return np.ascontiguousarray(m)
+
+    def run(self, env, out):
+        x, m = self._args(env)
+        x = np.ascontiguousarray(x, np.float32)
+        rows = self._rows_mask(x, m) if m is not None else None
+        shape = np.broadcast_shapes(x.shape, m.shape) if m is not None else x.shape
+        y = out[0] if out else np.empty(shape, np.float32)
+        if m is None or rows is not None:
+            self.F.softmax(x, out=y, scale=self.scale, mask=rows)
+        else:
+            k, div = self.scale or (None, False)
+            s = x if k is None else (x / np.float32(k) if div else x * np.float32(k))
+            self.F.softmax(np.ascontiguousarray(s + m, np.float32), out=y)
+        env[self.outs[0]] = y
+
+    def bind(self, env, out):
+        if out is None:
+            return super().bind(env, out)
+        x0, m0 = self._args(env)
+        rows = self._rows_mask(x0, m0) if m0 is not None else None
+        fast = None
+        if x0.dtype == np.float32 and x0.flags.c_contiguous and (m0 is None or rows is m0):
+            fast = self.F.bind_softmax(x0, out[0], self.scale, rows)
+        slow = super().bind(env, out)
+
+        def step():
+            if fast is not None and env[self.ins[0]] is x0 and (self.ins[1] is None or env[self.ins[1]] is m0):
+                fast()
+            else:
+                slow()
+        return step
+
+
 @dataclass(frozen=True)
 class GeluConsts:
     """y = (x * (erf(x / k_in or x * k_in) + k_add)) * k_out."""

@@ -171,6 +171,17 @@ QT_INLINE void softmax_body(size_t n, const float* x, float* y) {
   for (i = 0; i < n; i++) y[i] = y[i] / s;
 }
 
+/* The scores before a Softmax: y = (x / k or x * k) + m (m NULL: no mask), the nodes' float32 order. */
+QT_INLINE void scale_add_body(size_t n, const float* x, float k, int div, const float* m, float* y) {
+  if (div) {
+    for (size_t i = 0; i < n; i++) y[i] = x[i] / k;
+  } else {
+    for (size_t i = 0; i < n; i++) y[i] = x[i] * k;
+  }
+  if (m)
+    for (size_t i = 0; i < n; i++) y[i] = y[i] + m[i];
+}
+
 /* GELU as exporters write it: y = (x * (erf(x op k_in) + k_add)) * k_out, op = / (div) or *;
  * the same float32 operations in the same order as the ONNX nodes (bit for bit with numpy's). */
 QT_INLINE void gelu_body(size_t n, const float* x, float* y, float k_in, int div, float k_add,
@@ -205,6 +216,10 @@ QT_INLINE void dyn_epilogue_body(size_t n, float* y, const float* zpcs, const fl
   ATTR void f32_softmax_ukernel__##SUFFIX(size_t n, const float* x, float* y) {                  \
     softmax_body(n, x, y);                                                                       \
   }                                                                                              \
+  ATTR void f32_vscaleadd_ukernel__##SUFFIX(size_t n, const float* x, float k, int div,           \
+                                            const float* m, float* y) {                          \
+    scale_add_body(n, x, k, div, m, y);                                                          \
+  }                                                                                              \
   ATTR void f32_gelu_erf_ukernel__##SUFFIX(size_t n, const float* x, float* y, float k_in,       \
                                            int div, float k_add, float k_out) {                  \
     gelu_body(n, x, y, k_in, div, k_add, k_out);                                                 \
@@ -231,6 +246,7 @@ void qt_fill_transformer(qt_dispatch* d, int isa) {
   d->f32_layernorm = f32_layernorm_ukernel__##SUFFIX;       \
   d->f32_softmax = f32_softmax_ukernel__##SUFFIX;           \
   d->f32_gelu = f32_gelu_erf_ukernel__##SUFFIX;             \
+  d->f32_scale_add = f32_vscaleadd_ukernel__##SUFFIX;       \
   d->f32_erf = f32_verf_ukernel__##SUFFIX;                  \
   d->f32_minmax = f32_rminmax_ukernel__##SUFFIX;            \
   d->f32_dyn_epilogue = f32_dyn_epilogue_ukernel__##SUFFIX;

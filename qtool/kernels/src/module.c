@@ -476,26 +476,31 @@ static PyObject* py_layernorm(PyObject* self, PyObject* args) {
   Py_RETURN_NONE;
 }
 
-/* softmax(x, y, rows, n) */
+/* softmax(x, y, rows, n, k, div, mask|None, mask_rows): div -1 plain; 0/1: of x * k or x / k, plus
+ * the mask's row r / (rows / mask_rows) when given */
 static PyObject* py_softmax(PyObject* self, PyObject* args) {
   (void)self;
-  PyObject *ox, *oy;
-  Py_ssize_t rows, n;
-  if (!PyArg_ParseTuple(args, "OOnn", &ox, &oy, &rows, &n)) return NULL;
-  if (rows < 0 || n < 1) {
+  PyObject *ox, *oy, *om;
+  Py_ssize_t rows, n, mrows;
+  float k;
+  int div;
+  if (!PyArg_ParseTuple(args, "OOnnfiOn", &ox, &oy, &rows, &n, &k, &div, &om, &mrows)) return NULL;
+  if (rows < 0 || n < 1 || mrows < 1 || rows % mrows) {
     PyErr_SetString(PyExc_ValueError, "softmax: bad dimensions");
     return NULL;
   }
-  buf_t x, y;
-  x.ok = y.ok = 0;
+  buf_t x, y, m;
+  x.ok = y.ok = m.ok = 0;
   int ok = 0;
-  if (get_buf(ox, &x, 0, rows * n * 4, "x") == 0 && get_buf(oy, &y, 1, rows * n * 4, "out") == 0) {
+  if (get_buf(ox, &x, 0, rows * n * 4, "x") == 0 && get_buf(oy, &y, 1, rows * n * 4, "out") == 0 &&
+      opt_buf(om, &m, mrows * n * 4, "mask") == 0) {
     Py_BEGIN_ALLOW_THREADS
-    qt_f32_softmax((const float*)x.b.buf, (float*)y.b.buf, rows, n);
+    qt_f32_softmax((const float*)x.b.buf, (float*)y.b.buf, rows, n, k, div, m.ok ? (const float*)m.b.buf : NULL,
+                   (size_t)(rows / mrows));
     Py_END_ALLOW_THREADS
     ok = 1;
   }
-  rel(&x); rel(&y);
+  rel(&x); rel(&y); rel(&m);
   if (!ok) return NULL;
   Py_RETURN_NONE;
 }

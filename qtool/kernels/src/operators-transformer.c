@@ -13,6 +13,8 @@ typedef struct {
   float eps, k_in, k_add, k_out;
   int div;
   const qt_dispatch* d;
+  const float* mask;  /* softmax: added to row r: mask + (r / mask_every) * n (NULL: none) */
+  size_t mask_every;
 } f32_job;
 
 static void layernorm_task(void* ctx, size_t begin, size_t end) {
@@ -22,7 +24,15 @@ static void layernorm_task(void* ctx, size_t begin, size_t end) {
 
 static void softmax_task(void* ctx, size_t begin, size_t end) {
   const f32_job* j = (const f32_job*)ctx;
-  for (size_t r = begin; r < end; r++) j->d->f32_softmax(j->n, j->x + r * j->n, j->y + r * j->n);
+  for (size_t r = begin; r < end; r++) {
+    const float* x = j->x + r * j->n;
+    float* y = j->y + r * j->n;
+    if (j->div >= 0) {  /* scaled (and masked) scores first, then the softmax in place */
+      j->d->f32_scale_add(j->n, x, j->k_in, j->div, j->mask ? j->mask + (r / j->mask_every) * j->n : NULL, y);
+      x = y;
+    }
+    j->d->f32_softmax(j->n, x, y);
+  }
 }
 
 #define CHUNK 4096
@@ -43,22 +53,23 @@ static void erf_task(void* ctx, size_t begin, size_t end) {
 }
 
 void qt_f32_layernorm(const float* x, const float* g, const float* b, float* y, size_t rows, size_t n, float eps) {
-  f32_job j = {x, y, g, b, n, rows * n, eps, 0, 0, 0, 0, qt_get_dispatch()};
+  f32_job j = {x, y, g, b, n, rows * n, eps, 0, 0, 0, 0, qt_get_dispatch(), NULL, 1};
   qt_parallel(rows, layernorm_task, &j, (double)(rows * n) * 1.0);
 }
 
-void qt_f32_softmax(const float* x, float* y, size_t rows, size_t n) {
-  f32_job j = {x, y, NULL, NULL, n, rows * n, 0, 0, 0, 0, 0, qt_get_dispatch()};
+void qt_f32_softmax(const float* x, float* y, size_t rows, size_t n, float k, int div, const float* mask,
+                    size_t mask_every) {
+  f32_job j = {x, y, NULL, NULL, n, rows * n, 0, k, 0, 0, div, qt_get_dispatch(), mask, mask_every ? mask_every : 1};
   qt_parallel(rows, softmax_task, &j, (double)(rows * n) * 1.5);
 }
 
 void qt_f32_gelu(const float* x, float* y, size_t count, float k_in, int div, float k_add, float k_out) {
-  f32_job j = {x, y, NULL, NULL, CHUNK, count, 0, k_in, k_add, k_out, div, qt_get_dispatch()};
+  f32_job j = {x, y, NULL, NULL, CHUNK, count, 0, k_in, k_add, k_out, div, qt_get_dispatch(), NULL, 1};
   qt_parallel((count + CHUNK - 1) / CHUNK, gelu_task, &j, (double)count * 1.5);
 }
 
 void qt_f32_erf(const float* x, float* y, size_t count) {
-  f32_job j = {x, y, NULL, NULL, CHUNK, count, 0, 0, 0, 0, 0, qt_get_dispatch()};
+  f32_job j = {x, y, NULL, NULL, CHUNK, count, 0, 0, 0, 0, 0, qt_get_dispatch(), NULL, 1};
   qt_parallel((count + CHUNK - 1) / CHUNK, erf_task, &j, (double)count * 1.5);
 }
 

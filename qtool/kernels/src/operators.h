@@ -92,7 +92,9 @@ void qt_dequantize_nhwc_to_nchw(const uint8_t* x, float* y, size_t n, size_t c, 
                                 float scale, int32_t zp);
 /* operators-transformer.c */
 void qt_f32_layernorm(const float* x, const float* g, const float* b, float* y, size_t rows, size_t n, float eps);
-void qt_f32_softmax(const float* x, float* y, size_t rows, size_t n);
+/* softmax over rows of n; div >= 0: of (x / k or x * k) + mask row r / mask_every (mask may be NULL) */
+void qt_f32_softmax(const float* x, float* y, size_t rows, size_t n, float k, int div, const float* mask,
+                    size_t mask_every);
 void qt_f32_gelu(const float* x, float* y, size_t count, float k_in, int div, float k_add, float k_out);
 void qt_f32_erf(const float* x, float* y, size_t count);
 void qt_dynamic_quantize(const float* x, uint8_t* y, size_t count, float* scale_out, uint8_t* zp_out);

@@ -160,6 +160,7 @@ typedef void (*qt_f32_layernorm_fn)(size_t n, const float* x, const float* g, co
 typedef void (*qt_f32_row_fn)(size_t n, const float* x, float* y);
 typedef void (*qt_f32_gelu_fn)(size_t n, const float* x, float* y, float k_in, int div, float k_add,
                                float k_out);
+typedef void (*qt_f32_scale_add_fn)(size_t n, const float* x, float k, int div, const float* m, float* y);
 typedef void (*qt_f32_minmax_fn)(size_t n, const float* x, float* mn, float* mx);
 typedef void (*qt_f32_dyn_epilogue_fn)(size_t n, float* y, const float* zpcs, const float* m,
                                        const float* bias);
@@ -188,6 +189,7 @@ typedef struct {
   qt_f32_layernorm_fn f32_layernorm;
   qt_f32_row_fn f32_softmax, f32_erf;
   qt_f32_gelu_fn f32_gelu;
+  qt_f32_scale_add_fn f32_scale_add;
   qt_f32_minmax_fn f32_minmax;
   qt_f32_dyn_epilogue_fn f32_dyn_epilogue;
 } qt_dispatch;

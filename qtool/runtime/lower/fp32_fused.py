@@ -6,6 +6,7 @@ nodes of a fused chain marked done), or the reason it does not apply.
   ReduceMean -> Sub -> Pow 2 -> ReduceMean -> Add eps -> Sqrt -> Div [-> Mul gamma [-> Add beta]]
       (a LayerNorm as torch exports it at opset < 17, over the last axis)   -> LayerNormStep
   Softmax over the last axis                               -> SoftmaxStep
+  [Div(x, k) | Mul(x, k) ->] [Add(., mask) ->] Softmax, x from a MatMul (attention) -> ScaledSoftmaxStep
   Div(x, k) | Mul(x, k) -> Erf -> Add c -> Mul x -> Mul h   (the erf GELU)   -> GeluStep
   Erf                                                      -> ErfStep
 Every intermediate of a chain must have exactly one reader (Sub's output: Pow and Div) and not be a
@@ -16,7 +17,8 @@ from __future__ import annotations
 import numpy as np
 
 from qtool.runtime.program import Entry, node_attrs
-from qtool.runtime.steps_f32 import Affine, ErfStep, GeluConsts, GeluStep, LayerNormStep, SoftmaxStep
+from qtool.runtime.steps_f32 import (Affine, ErfStep, GeluConsts, GeluStep, LayerNormStep, ScaledSoftmaxStep,
+                                     SoftmaxStep)
 
 
 def _scalar(c, name):
@@ -142,11 +144,15 @@ def rule_decomposed_layernorm(c, node, F):
                  f"{len(nodes)} nodes of a LayerNorm as one native kernel")
 
 
-def rule_softmax(c, node, F):
+def _softmax_last(c, node) -> bool:
     at = node_attrs(node)
     axis = int(at.get("axis", -1 if c.opset >= 13 else 1))
     rank = c.ranks.get(node.input[0])
-    if not (axis == -1 and c.opset >= 13) and (rank is None or axis % rank != rank - 1):
+    return (axis == -1 and c.opset >= 13) or (rank is not None and axis % rank == rank - 1)
+
+
+def rule_softmax(c, node, F):
+    if not _softmax_last(c, node):
         return "not over the last axis"
     return _emit(c, node.input[0], [node], lambda name, x, y: SoftmaxStep(name, F, x, y, "native float32 kernel"),
                  "native Softmax kernel")
@@ -182,13 +188,53 @@ def rule_gelu(c, node, F):
                  "erf GELU (5 nodes) as one native kernel")
 
 
+def _scaled_softmax_chain(c, node):
+    """[Div(x, k) | Mul(x, k) ->] [Add(., mask) ->] Softmax over the last axis, from `node`:
+    (x, mask, scale, nodes) or None."""
+    x, mask, scale, nodes, nxt = node.input[0], None, None, [node], node
+    if node.op_type in ("Div", "Mul"):
+        k = _scalar(c, node.input[1]) if len(node.input) > 1 else None
+        if node.op_type == "Mul" and k is None:
+            x, k = node.input[1], _scalar(c, node.input[0])
+        src = c.producers.get(x)
+        if k is None or src is None or src.op_type != "MatMul":  # the scores of an attention
+            return None
+        scale = (k, node.op_type == "Div")
+        nxt = _reader(c, node.output[0])
+    if nxt is not None and nxt.op_type == "Add":
+        mask = _other(nxt, nxt.input[0] if nxt is node else node.output[0])
+        if mask is None:
+            return None
+        if nxt is not node:
+            nodes.append(nxt)
+        nxt = _reader(c, nxt.output[0])
+    if nxt is None or nxt.op_type != "Softmax" or not _softmax_last(c, nxt):
+        return None
+    return x, mask, scale, nodes + [nxt]
+
+
+def rule_scaled_softmax(c, node, F):
+    r = _scaled_softmax_chain(c, node)
+    if r is None:
+        return "not the scores of a Softmax"
+    x, mask, scale, nodes = r
+    if x in c.consts:
+        return "constant scores"
+    if mask and not (mask in c.consts or mask in c.vals or mask in c.views):
+        return "the mask is computed after the scores' first node"
+    m = c.float_input(mask) if mask else None
+    return _emit(c, x, nodes, lambda name, xs, y: ScaledSoftmaxStep(name, F, xs, m, y, scale, "native float32 kernel"),
+                 f"{'scaled ' if scale else ''}{'masked ' if mask else ''}Softmax ({len(nodes)} nodes) as one native kernel")
+
+
 def rule_erf(c, node, F):
     return _emit(c, node.input[0], [node], lambda name, x, y: ErfStep(name, F, x, y, "native float32 kernel"),
                  "native erf kernel")
 
 
 RULES = {"LayerNormalization": (rule_layernorm,), "ReduceMean": (rule_decomposed_layernorm,),
-         "Softmax": (rule_softmax,), "Div": (rule_gelu,), "Mul": (rule_gelu,), "Erf": (rule_erf,)}
+         "Softmax": (rule_softmax,), "Div": (rule_gelu, rule_scaled_softmax), "Mul": (rule_gelu, rule_scaled_softmax),
+         "Add": (rule_scaled_softmax,), "Erf": (rule_erf,)}
 
 
 def rule_fp32(c, node):
