@@ -155,3 +155,30 @@ def test_views_made_once_follow_new_inputs(tmp_path):
     (plan,) = sess._plans.values()
     views = [st.op for st, _ in plan.steps_calls if st.op in ("Reshape", "Transpose") and st.mode == "fp32"]
     assert sorted(views) == ["Reshape", "Transpose"], views  # q, k, v's made once; the context's follow a numpy MatMul
+
+
+def test_bench_times_another_ort_model_in_the_same_rounds(tmp_path):
+    """`qtool bench --ort-model` (BenchOptions.others): another file with the same inputs, e.g. ONNX
+    Runtime's quantize_dynamic output, gets its own ratio; a file with other inputs is refused."""
+    from qtool.errors import QtoolError
+    from qtool.runtime.bench import BenchOptions, bench, format_batch
+    path, other = str(tmp_path / "enc.int8.onnx"), str(tmp_path / "other.onnx")
+
+    def static(m):  # 6 tokens
+        for i in m.graph.input:
+            i.type.tensor_type.shape.dim[1].dim_value = 6
+        return m
+    onnx.save(static(encoder(False)), path)
+    onnx.save(static(encoder(True)), other)
+    opts = BenchOptions(batches=(1,), threads=1, repeats=1, rounds=2, round_s=0.0, settle_s=0.0, max_rounds=2,
+                        others=(other,))
+    r = bench(path, None, opts, log=None)["batches"][1]
+    assert set(r["ratios"]) == {"ort_int8", "ort:other.onnx"} and r["ort:other.onnx_ms"] > 0
+    assert "ORT other.onnx" in format_batch(1, r)
+    m = static(encoder(False))
+    m.graph.input[1].name = "attention"
+    for n in m.graph.node:
+        n.input[:] = ["attention" if i == "mask" else i for i in n.input]
+    onnx.save(m, other)
+    with pytest.raises(QtoolError, match="inputs"):
+        bench(path, None, opts, log=None)

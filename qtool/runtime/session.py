@@ -346,7 +346,7 @@ class NativeSession:
             lines.append("  int8: " + ", ".join(f"{n} {op}" for op, n in int_ops.most_common()))
         fused = Counter(x.op for x in e if x.mode == "fused")
         if fused:
-            lines.append("  fused into int8 ops: " + ", ".join(f"{n} {op}" for op, n in fused.most_common()))
+            lines.append("  fused into the step of another node: " + ", ".join(f"{n} {op}" for op, n in fused.most_common()))
         fp = [x for x in e if x.mode == "fp32"]
         if fp:
             lines.append(f"  fp32 fallback ({len(fp)} nodes):")
