@@ -29,21 +29,26 @@ def _row(v, n, name):
     return v
 
 
-def _plan_layernorm(x, gamma, beta, eps, out):
+def _plan_layernorm(x, gamma, beta, eps, out, residual=None, sum_out=None):
     _f32(x, "x")
     n = x.shape[-1] if x.ndim else 1
     y = _out(out, x.shape, np.float32)
-    return y, _native.layernorm, (x, _row(gamma, n, "gamma"), _row(beta, n, "beta"), y, x.size // max(n, 1), n,
-                                  float(eps))
+    if residual is not None and _f32(residual, "residual").shape != x.shape:
+        raise ValueError(f"residual: shape {residual.shape}, not x's {x.shape}")
+    if sum_out is not None:
+        _out(sum_out, x.shape, np.float32)
+    return y, _native.layernorm, (x, residual, sum_out, _row(gamma, n, "gamma"), _row(beta, n, "beta"), y,
+                                  x.size // max(n, 1), n, float(eps))
 
 
-def layernorm(x, gamma=None, beta=None, eps=1e-5, out=None):
-    """Over the last axis: y = (x - mean) / sqrt(var + eps) * gamma + beta (float32, two passes)."""
-    return _call(_plan_layernorm(x, gamma, beta, eps, out))
+def layernorm(x, gamma=None, beta=None, eps=1e-5, out=None, residual=None, sum_out=None):
+    """Over the last axis: y = (x - mean) / sqrt(var + eps) * gamma + beta (float32, two passes); with
+    `residual`, of s = x + residual (one float32 add, as an Add node), s also written to `sum_out` if given."""
+    return _call(_plan_layernorm(x, gamma, beta, eps, out, residual, sum_out))
 
 
-def bind_layernorm(x, gamma, beta, eps, out):
-    return _bind(_plan_layernorm(x, gamma, beta, eps, out))
+def bind_layernorm(x, gamma, beta, eps, out, residual=None, sum_out=None):
+    return _bind(_plan_layernorm(x, gamma, beta, eps, out, residual, sum_out))
 
 
 def _plan_softmax(x, out, scale=None, mask=None):

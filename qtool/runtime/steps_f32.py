@@ -78,6 +78,49 @@ class LayerNormStep(F32Step):
         return self.F.bind_layernorm(x, self.a.gamma, self.a.beta, self.a.eps, out)
 
 
+class AddLayerNormStep(Step):
+    """LayerNorm of a + b (the residual sum, one float32 add as the Add node), the sum kept in a second
+    output when read elsewhere. Operands of different shapes (a broadcast) are added by numpy first."""
+    mode = "fp32"
+    uses_out = True
+
+    def __init__(self, name, F, ins, outs, affine: Affine, reason):
+        super().__init__(name, "LayerNormalization", list(ins), [o for o in outs if o is not None])
+        self.F, self.a, self.reason = F, affine, reason
+        self.kernel = "native f32 (+ residual)"
+
+    def run(self, env, out):
+        a, b = (np.ascontiguousarray(env[i], np.float32) for i in self.ins)
+        shape = np.broadcast_shapes(a.shape, b.shape)
+        y = out[0] if out else np.empty(shape, np.float32)
+        s = (out[1] if out else np.empty(shape, np.float32)) if len(self.outs) > 1 else None
+        if a.shape == b.shape:
+            self.F.layernorm(a, self.a.gamma, self.a.beta, self.a.eps, out=y, residual=b, sum_out=s)
+        else:
+            t = np.add(a, b, out=s)
+            self.F.layernorm(np.ascontiguousarray(t), self.a.gamma, self.a.beta, self.a.eps, out=y)
+        env[self.outs[0]] = y
+        if s is not None:
+            env[self.outs[1]] = s
+
+    def bind(self, env, out):
+        if out is None:
+            return super().bind(env, out)
+        a0, b0 = (env[i] for i in self.ins)
+        ok = all(v.dtype == np.float32 and v.flags.c_contiguous for v in (a0, b0)) and a0.shape == b0.shape
+        fast = self.F.bind_layernorm(a0, self.a.gamma, self.a.beta, self.a.eps, out[0], residual=b0,
+                                     sum_out=out[1] if len(out) > 1 else None) if ok else None
+        slow = super().bind(env, out)
+        ia, ib = self.ins
+
+        def step():
+            if fast is not None and env[ia] is a0 and env[ib] is b0:
+                fast()
+            else:
+                slow()
+        return step
+
+
 class SoftmaxStep(F32Step):
     def __init__(self, name, F, x, y, reason):
         super().__init__(name, "Softmax", F, x, y, reason)

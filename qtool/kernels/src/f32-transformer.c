@@ -62,12 +62,6 @@ QT_INLINE float exp_body(float x0) {
   return x0 > -87.3f ? y : 0.0f;
 }
 
-QT_INLINE float hsum16(v16f v) {
-  float s = 0.0f;
-  for (size_t j = 0; j < LANES; j++) s += v[j];
-  return s;
-}
-
 QT_INLINE v16f vmin16(v16f a, v16f b) {
   const v16i m = a < b;
   return (v16f)((m & (v16i)a) | (~m & (v16i)b));
@@ -100,6 +94,44 @@ QT_INLINE v16f exp16(v16f x0) {
   return (v16f)(keep & (v16i)y);
 }
 
+/* lanes folded in halves (8 + 8, 4 + 4, 2 + 2, 1 + 1): 4 dependent steps, not 15 */
+QT_INLINE float hsum16(v16f v) {
+  float t[8];
+  for (size_t j = 0; j < 8; j++) t[j] = v[j] + v[j + 8];
+  for (size_t j = 0; j < 4; j++) t[j] = t[j] + t[j + 4];
+  for (size_t j = 0; j < 2; j++) t[j] = t[j] + t[j + 2];
+  return t[0] + t[1];
+}
+
+QT_INLINE float hmax16(v16f v) {
+  float t[8];
+  for (size_t j = 0; j < 8; j++) t[j] = v[j] > v[j + 8] ? v[j] : v[j + 8];
+  for (size_t j = 0; j < 4; j++) t[j] = t[j] > t[j + 4] ? t[j] : t[j + 4];
+  for (size_t j = 0; j < 2; j++) t[j] = t[j] > t[j + 2] ? t[j] : t[j + 2];
+  return t[0] > t[1] ? t[0] : t[1];
+}
+
+QT_INLINE float hmin16(v16f v) {
+  float t[8];
+  for (size_t j = 0; j < 8; j++) t[j] = v[j] < v[j + 8] ? v[j] : v[j + 8];
+  for (size_t j = 0; j < 4; j++) t[j] = t[j] < t[j + 4] ? t[j] : t[j + 4];
+  for (size_t j = 0; j < 2; j++) t[j] = t[j] < t[j + 2] ? t[j] : t[j + 2];
+  return t[0] < t[1] ? t[0] : t[1];
+}
+
+/* the maximum of n floats (n >= 1) */
+QT_INLINE float lane_max(size_t n, const float* x) {
+  float b = x[0];
+  size_t i = 0;
+  if (n >= LANES) {
+    v16f mx = load16(x);
+    for (i = LANES; i + LANES <= n; i += LANES) mx = vmax16(load16(x + i), mx);
+    b = hmax16(mx);
+  }
+  for (; i < n; i++) b = x[i] > b ? x[i] : b;
+  return b;
+}
+
 /* the sum of n floats in LANES fixed lanes (the tail into lanes 0, 1, ...), the lanes added in order */
 QT_INLINE float lane_sum(size_t n, const float* x) {
   v16f acc = {0};
@@ -119,11 +151,7 @@ QT_INLINE void lane_minmax(size_t n, const float* x, float* mn_out, float* mx_ou
     mn = vmin16(v, mn);
     mx = vmax16(v, mx);
   }
-  float a = mn[0], b = mx[0];
-  for (size_t j = 1; j < LANES; j++) {
-    a = mn[j] < a ? mn[j] : a;
-    b = mx[j] > b ? mx[j] : b;
-  }
+  float a = hmin16(mn), b = hmax16(mx);
   for (; i < n; i++) {
     a = x[i] < a ? x[i] : a;
     b = x[i] > b ? x[i] : b;
@@ -159,8 +187,7 @@ QT_INLINE void layernorm_body(size_t n, const float* x, const float* g, const fl
 
 /* One row of Softmax: e = exp(x - max), y = e / sum(e). */
 QT_INLINE void softmax_body(size_t n, const float* x, float* y) {
-  float mn, mx;
-  lane_minmax(n, x, &mn, &mx);
+  const float mx = lane_max(n, x);
   size_t i = 0;
   for (; i + LANES <= n; i += LANES) {
     const v16f e = exp16(load16(x + i) - mx);

@@ -449,29 +449,31 @@ static int opt_buf(PyObject* o, buf_t* bt, Py_ssize_t need, const char* what) {
   return get_buf(o, bt, 0, need, what);
 }
 
-/* layernorm(x, gamma|None, beta|None, y, rows, n, eps) */
+/* layernorm(x, x2|None, s|None, gamma|None, beta|None, y, rows, n, eps): of x (+ x2, kept in s) */
 static PyObject* py_layernorm(PyObject* self, PyObject* args) {
   (void)self;
-  PyObject *ox, *og, *ob, *oy;
+  PyObject *ox, *ox2, *os, *og, *ob, *oy;
   Py_ssize_t rows, n;
   float eps;
-  if (!PyArg_ParseTuple(args, "OOOOnnf", &ox, &og, &ob, &oy, &rows, &n, &eps)) return NULL;
+  if (!PyArg_ParseTuple(args, "OOOOOOnnf", &ox, &ox2, &os, &og, &ob, &oy, &rows, &n, &eps)) return NULL;
   if (rows < 0 || n < 1) {
     PyErr_SetString(PyExc_ValueError, "layernorm: bad dimensions");
     return NULL;
   }
-  buf_t x, g, b, y;
-  x.ok = g.ok = b.ok = y.ok = 0;
+  buf_t x, x2, s, g, b, y;
+  x.ok = x2.ok = s.ok = g.ok = b.ok = y.ok = 0;
   int ok = 0;
-  if (get_buf(ox, &x, 0, rows * n * 4, "x") == 0 && opt_buf(og, &g, n * 4, "gamma") == 0 &&
+  if (get_buf(ox, &x, 0, rows * n * 4, "x") == 0 && opt_buf(ox2, &x2, rows * n * 4, "residual") == 0 &&
+      (os == Py_None || get_buf(os, &s, 1, rows * n * 4, "sum") == 0) && opt_buf(og, &g, n * 4, "gamma") == 0 &&
       opt_buf(ob, &b, n * 4, "beta") == 0 && get_buf(oy, &y, 1, rows * n * 4, "out") == 0) {
     Py_BEGIN_ALLOW_THREADS
-    qt_f32_layernorm((const float*)x.b.buf, g.ok ? (const float*)g.b.buf : NULL, b.ok ? (const float*)b.b.buf : NULL,
-                     (float*)y.b.buf, rows, n, eps);
+    qt_f32_layernorm((const float*)x.b.buf, x2.ok ? (const float*)x2.b.buf : NULL, s.ok ? (float*)s.b.buf : NULL,
+                     g.ok ? (const float*)g.b.buf : NULL, b.ok ? (const float*)b.b.buf : NULL, (float*)y.b.buf, rows, n,
+                     eps);
     Py_END_ALLOW_THREADS
     ok = 1;
   }
-  rel(&x); rel(&g); rel(&b); rel(&y);
+  rel(&x); rel(&x2); rel(&s); rel(&g); rel(&b); rel(&y);
   if (!ok) return NULL;
   Py_RETURN_NONE;
 }

@@ -8,6 +8,8 @@ typedef struct {
   const float* x;
   float* y;
   const float *g, *b;
+  const float* x2;  /* layernorm: a second addend (the residual), NULL: none */
+  float* s;         /* layernorm: where x + x2 is kept (NULL: only in y, then normalized in place) */
   size_t n;       /* row length (elementwise ops: a chunk's length) */
   size_t count;   /* elementwise ops: all elements */
   float eps, k_in, k_add, k_out;
@@ -19,7 +21,18 @@ typedef struct {
 
 static void layernorm_task(void* ctx, size_t begin, size_t end) {
   const f32_job* j = (const f32_job*)ctx;
-  for (size_t r = begin; r < end; r++) j->d->f32_layernorm(j->n, j->x + r * j->n, j->g, j->b, j->eps, j->y + r * j->n);
+  const size_t n = j->n;
+  for (size_t r = begin; r < end; r++) {
+    const float* x = j->x + r * n;
+    float* y = j->y + r * n;
+    if (j->x2) {  /* the residual sum first (float32, as the Add node), kept in s or in y */
+      float* dst = j->s ? j->s + r * n : y;
+      const float* x2 = j->x2 + r * n;
+      for (size_t i = 0; i < n; i++) dst[i] = x[i] + x2[i];
+      x = dst;
+    }
+    j->d->f32_layernorm(n, x, j->g, j->b, j->eps, y);
+  }
 }
 
 static void softmax_task(void* ctx, size_t begin, size_t end) {
@@ -52,24 +65,25 @@ static void erf_task(void* ctx, size_t begin, size_t end) {
   for (size_t c = begin; c < end; c++) j->d->f32_erf(chunk_len(j, c), j->x + c * CHUNK, j->y + c * CHUNK);
 }
 
-void qt_f32_layernorm(const float* x, const float* g, const float* b, float* y, size_t rows, size_t n, float eps) {
-  f32_job j = {x, y, g, b, n, rows * n, eps, 0, 0, 0, 0, qt_get_dispatch(), NULL, 1};
+void qt_f32_layernorm(const float* x, const float* x2, float* s, const float* g, const float* b, float* y, size_t rows,
+                      size_t n, float eps) {
+  f32_job j = {x, y, g, b, x2, s, n, rows * n, eps, 0, 0, 0, 0, qt_get_dispatch(), NULL, 1};
   qt_parallel(rows, layernorm_task, &j, (double)(rows * n) * 1.0);
 }
 
 void qt_f32_softmax(const float* x, float* y, size_t rows, size_t n, float k, int div, const float* mask,
                     size_t mask_every) {
-  f32_job j = {x, y, NULL, NULL, n, rows * n, 0, k, 0, 0, div, qt_get_dispatch(), mask, mask_every ? mask_every : 1};
+  f32_job j = {x, y, NULL, NULL, NULL, NULL, n, rows * n, 0, k, 0, 0, div, qt_get_dispatch(), mask, mask_every ? mask_every : 1};
   qt_parallel(rows, softmax_task, &j, (double)(rows * n) * 1.5);
 }
 
 void qt_f32_gelu(const float* x, float* y, size_t count, float k_in, int div, float k_add, float k_out) {
-  f32_job j = {x, y, NULL, NULL, CHUNK, count, 0, k_in, k_add, k_out, div, qt_get_dispatch(), NULL, 1};
+  f32_job j = {x, y, NULL, NULL, NULL, NULL, CHUNK, count, 0, k_in, k_add, k_out, div, qt_get_dispatch(), NULL, 1};
   qt_parallel((count + CHUNK - 1) / CHUNK, gelu_task, &j, (double)count * 1.5);
 }
 
 void qt_f32_erf(const float* x, float* y, size_t count) {
-  f32_job j = {x, y, NULL, NULL, CHUNK, count, 0, 0, 0, 0, 0, qt_get_dispatch(), NULL, 1};
+  f32_job j = {x, y, NULL, NULL, NULL, NULL, CHUNK, count, 0, 0, 0, 0, 0, qt_get_dispatch(), NULL, 1};
   qt_parallel((count + CHUNK - 1) / CHUNK, erf_task, &j, (double)count * 1.5);
 }
 

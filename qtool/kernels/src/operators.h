@@ -91,7 +91,9 @@ void qt_quantize_nchw_to_nhwc(const float* x, uint8_t* y, size_t n, size_t c, si
 void qt_dequantize_nhwc_to_nchw(const uint8_t* x, float* y, size_t n, size_t c, size_t h, size_t w,
                                 float scale, int32_t zp);
 /* operators-transformer.c */
-void qt_f32_layernorm(const float* x, const float* g, const float* b, float* y, size_t rows, size_t n, float eps);
+/* layernorm of x (+ x2 when given, the sum kept in s when given) over rows of n */
+void qt_f32_layernorm(const float* x, const float* x2, float* s, const float* g, const float* b, float* y, size_t rows,
+                      size_t n, float eps);
 /* softmax over rows of n; div >= 0: of (x / k or x * k) + mask row r / mask_every (mask may be NULL) */
 void qt_f32_softmax(const float* x, float* y, size_t rows, size_t n, float k, int div, const float* mask,
                     size_t mask_every);

@@ -5,6 +5,7 @@ nodes of a fused chain marked done), or the reason it does not apply.
   LayerNormalization over the last axis                    -> LayerNormStep
   ReduceMean -> Sub -> Pow 2 -> ReduceMean -> Add eps -> Sqrt -> Div [-> Mul gamma [-> Add beta]]
       (a LayerNorm as torch exports it at opset < 17, over the last axis)   -> LayerNormStep
+  Add(a, b) -> either LayerNorm (a residual sum; kept too when read elsewhere) -> AddLayerNormStep
   Softmax over the last axis                               -> SoftmaxStep
   [Div(x, k) | Mul(x, k) ->] [Add(., mask) ->] Softmax, x from a MatMul (attention) -> ScaledSoftmaxStep
   Div(x, k) | Mul(x, k) -> Erf -> Add c -> Mul x -> Mul h   (the erf GELU)   -> GeluStep
@@ -17,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from qtool.runtime.program import Entry, node_attrs
-from qtool.runtime.steps_f32 import (Affine, ErfStep, GeluConsts, GeluStep, LayerNormStep, ScaledSoftmaxStep,
+from qtool.runtime.steps_f32 import (Affine, AddLayerNormStep, ErfStep, GeluConsts, GeluStep, LayerNormStep, ScaledSoftmaxStep,
                                      SoftmaxStep)
 
 
@@ -77,7 +78,8 @@ def _emit(c, x, nodes, step_of, detail):
     return None
 
 
-def rule_layernorm(c, node, F):
+def _layernorm_affine(c, node):
+    """The Affine of a LayerNormalization node the kernel can run, or the reason."""
     at = node_attrs(node)
     if any(o and (o in c.graph_outputs or c.consumers.get(o)) for o in node.output[1:]):
         return "its Mean / InvStdDev outputs are read"
@@ -87,7 +89,13 @@ def rule_layernorm(c, node, F):
     b = _row(c, node.input[2]) if len(node.input) > 2 and node.input[2] else None
     if g is None or (len(node.input) > 2 and node.input[2] and b is None):
         return "scale or bias is not a float32 row"
-    a = Affine(float(at.get("epsilon", 1e-5)), g, b)
+    return Affine(float(at.get("epsilon", 1e-5)), g, b)
+
+
+def rule_layernorm(c, node, F):
+    a = _layernorm_affine(c, node)
+    if isinstance(a, str):
+        return a
     return _emit(c, node.input[0], [node], lambda name, x, y: LayerNormStep(name, F, x, y, a, "native float32 kernel"),
                  "native LayerNorm kernel")
 
@@ -142,6 +150,40 @@ def rule_decomposed_layernorm(c, node, F):
     nodes, a = r
     return _emit(c, node.input[0], nodes, lambda name, x, y: LayerNormStep(name, F, x, y, a, "native float32 kernel"),
                  f"{len(nodes)} nodes of a LayerNorm as one native kernel")
+
+
+def rule_add_layernorm(c, node, F):
+    """Add(a, b) -> LayerNorm (the op, or the decomposed chain): the residual sum and the normalization in
+    one pass; the sum is kept as well when something else reads it (a pre-LN block's next residual)."""
+    a, b = node.input[0], node.input[1] if len(node.input) > 1 else ""
+    if not b or a == b or a in c.consts or b in c.consts:
+        return "not a sum of two activations"
+    s = node.output[0]
+    readers = c.consumers.get(s, [])
+    ln = next((n for n in readers if n.op_type == "LayerNormalization" and n.input[0] == s), None)
+    r1 = next((n for n in readers if n.op_type == "ReduceMean" and n.input[0] == s), None)
+    if ln is not None:
+        nodes, affine = [ln], _layernorm_affine(c, ln)
+    elif r1 is not None:
+        r = _decomposed_chain(c, r1)
+        nodes, affine = (None, r) if isinstance(r, str) else r
+    else:
+        return "not read by a LayerNorm"
+    if isinstance(affine, str):
+        return affine
+    chain = {id(n) for n in nodes}
+    keep = s in c.graph_outputs or any(id(n) not in chain for n in readers)
+    out = nodes[-1].output[0]
+    xa, xb = c.float_input(a), c.float_input(b)
+    y = c.add_val(out, "f", rank=c.ranks.get(out, c.ranks.get(s)))
+    sv = c.add_val(s, "f", rank=c.ranks.get(s)).slot if keep else None
+    name = node.name or node.op_type
+    c.steps.append(AddLayerNormStep(name, F, (xa, xb), (y.slot, sv), affine, "native float32 kernel"))
+    for n in nodes:
+        c.done.add(id(n))
+        c.entries.append(Entry(n.name or n.op_type, n.op_type, "fused", f"into {name}"))
+    c.entries.append(Entry(name, "Add", "fp32", f"residual Add and LayerNorm ({len(nodes)} nodes) as one native kernel"))
+    return None
 
 
 def _softmax_last(c, node) -> bool:
@@ -234,7 +276,7 @@ def rule_erf(c, node, F):
 
 RULES = {"LayerNormalization": (rule_layernorm,), "ReduceMean": (rule_decomposed_layernorm,),
          "Softmax": (rule_softmax,), "Div": (rule_gelu, rule_scaled_softmax), "Mul": (rule_gelu, rule_scaled_softmax),
-         "Add": (rule_scaled_softmax,), "Erf": (rule_erf,)}
+         "Add": (rule_scaled_softmax, rule_add_layernorm), "Erf": (rule_erf,)}
 
 
 def rule_fp32(c, node):
