@@ -47,6 +47,22 @@ class Step:
         return functools.partial(self.run, env, out)
 
 
+def guarded(env, slots, bound_to, fast, slow):
+    """A call running `fast` (a kernel pre-bound to the arrays `bound_to`) while every slot still holds
+    its array (a producer writing a plan buffer), else `slow` (a numpy producer's new array each run)."""
+    if fast is None:
+        return slow
+    pairs = [(i, a) for i, a in zip(slots, bound_to) if i is not None]
+
+    def step():
+        for i, a in pairs:
+            if env[i] is not a:
+                slow()
+                return
+        fast()
+    return step
+
+
 # ---------------------------------------------------------------- boundaries and layout
 
 class QuantizeStep(Step):

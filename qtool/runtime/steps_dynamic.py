@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from qtool.runtime.dynamic_quant import dynamic_qparams, quantize_u8
-from qtool.runtime.steps import Step
+from qtool.runtime.steps import Step, guarded
 
 
 class DynamicQuantizeStep(Step):
@@ -46,14 +46,7 @@ class DynamicQuantizeStep(Step):
         x0 = env[self.ins[0]]
         if self.F is None or out is None or x0.dtype != np.float32 or not x0.flags.c_contiguous or not x0.size:
             return super().bind(env, out)
-        i, fast, run = self.ins[0], self.F.bind_dynamic_quantize(x0, *out), self.run
-
-        def step():  # pre-bound while the input is the buffer it was bound to (see steps_f32.F32Step)
-            if env[i] is x0:
-                fast()
-            else:
-                run(env, out)
-        return step
+        return guarded(env, self.ins, [x0], self.F.bind_dynamic_quantize(x0, *out), super().bind(env, out))
 
 
 class DynamicGemmStep(Step):

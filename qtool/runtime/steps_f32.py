@@ -14,7 +14,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from qtool.runtime.steps import Step
+from qtool.runtime.steps import Step, guarded
+
+
+def _plain(*arrays) -> bool:
+    return all(a is None or (a.dtype == np.float32 and a.flags.c_contiguous) for a in arrays)
 
 
 class F32Step(Step):
@@ -43,19 +47,8 @@ class F32Step(Step):
     def bind(self, env, out):
         if out is None:
             return super().bind(env, out)
-        i, y, x0 = self.ins[0], out[0], env[self.ins[0]]
-        fast = self.bound(x0, y) if x0.dtype == np.float32 and x0.flags.c_contiguous else None
-        call = self.call
-
-        def step():
-            x = env[i]
-            if x is x0 and fast is not None:
-                fast()
-                return
-            if x.dtype != np.float32 or not x.flags.c_contiguous:
-                x = np.ascontiguousarray(x, np.float32)
-            call(x, y)
-        return step
+        x0 = env[self.ins[0]]
+        return guarded(env, self.ins, [x0], self.bound(x0, out[0]) if _plain(x0) else None, super().bind(env, out))
 
 
 @dataclass(frozen=True)
@@ -107,18 +100,10 @@ class AddLayerNormStep(Step):
         if out is None:
             return super().bind(env, out)
         a0, b0 = (env[i] for i in self.ins)
-        ok = all(v.dtype == np.float32 and v.flags.c_contiguous for v in (a0, b0)) and a0.shape == b0.shape
         fast = self.F.bind_layernorm(a0, self.a.gamma, self.a.beta, self.a.eps, out[0], residual=b0,
-                                     sum_out=out[1] if len(out) > 1 else None) if ok else None
-        slow = super().bind(env, out)
-        ia, ib = self.ins
-
-        def step():
-            if fast is not None and env[ia] is a0 and env[ib] is b0:
-                fast()
-            else:
-                slow()
-        return step
+                                     sum_out=out[1] if len(out) > 1 else None) \
+            if _plain(a0, b0) and a0.shape == b0.shape else None
+        return guarded(env, self.ins, [a0, b0], fast, super().bind(env, out))
 
 
 class SoftmaxStep(F32Step):
@@ -183,17 +168,8 @@ class ScaledSoftmaxStep(Step):
             return super().bind(env, out)
         x0, m0 = self._args(env)
         rows = self._rows_mask(x0, m0) if m0 is not None else None
-        fast = None
-        if x0.dtype == np.float32 and x0.flags.c_contiguous and (m0 is None or rows is m0):
-            fast = self.F.bind_softmax(x0, out[0], self.scale, rows)
-        slow = super().bind(env, out)
-
-        def step():
-            if fast is not None and env[self.ins[0]] is x0 and (self.ins[1] is None or env[self.ins[1]] is m0):
-                fast()
-            else:
-                slow()
-        return step
+        fast = self.F.bind_softmax(x0, out[0], self.scale, rows) if _plain(x0) and (m0 is None or rows is m0) else None
+        return guarded(env, self.ins, [env[i] if i is not None else None for i in self.ins], fast, super().bind(env, out))
 
 
 @dataclass(frozen=True)

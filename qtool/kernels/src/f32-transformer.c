@@ -39,29 +39,6 @@ QT_INLINE float erf_body(float x) {
   return p / q;
 }
 
-/* exp(x) for the softmax (x <= 0 after the row maximum is taken off): Cephes' expf, 2^n by the
- * exponent bits; within 2 ulp of expf; 0 below -87.3 (where expf is subnormal or 0). */
-QT_INLINE float exp_body(float x0) {
-  float x = x0 > -87.3f ? x0 : -87.3f;
-  x = x < 88.0f ? x : 88.0f;
-  const float n = qt_rint_small(x * 1.44269504088896341f);
-  float r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + r;
-  p = p + 1.0f;
-  const int32_t bits = ((int32_t)n + 127) << 23;
-  float s;
-  memcpy(&s, &bits, sizeof s);
-  const float y = p * s;
-  return x0 > -87.3f ? y : 0.0f;
-}
-
 QT_INLINE v16f vmin16(v16f a, v16f b) {
   const v16i m = a < b;
   return (v16f)((m & (v16i)a) | (~m & (v16i)b));
@@ -72,7 +49,8 @@ QT_INLINE v16f vmax16(v16f a, v16f b) {
   return (v16f)((m & (v16i)a) | (~m & (v16i)b));
 }
 
-/* exp_body on 16 lanes: the same operations lane by lane (the same bits) */
+/* exp(x) on 16 lanes for the softmax (x <= 0 once the row maximum is taken off): Cephes' expf, 2^n by
+ * the exponent bits; within 2 ulp of expf; 0 below -87.3 (where expf is subnormal or 0). */
 QT_INLINE v16f exp16(v16f x0) {
   const v16f lo = x0 * 0.0f - 87.3f, hi = x0 * 0.0f + 88.0f;
   v16f x = vmax16(x0, lo);
@@ -193,7 +171,12 @@ QT_INLINE void softmax_body(size_t n, const float* x, float* y) {
     const v16f e = exp16(load16(x + i) - mx);
     memcpy(y + i, &e, sizeof e);
   }
-  for (; i < n; i++) y[i] = exp_body(x[i] - mx);
+  if (i < n) {  /* the tail through the same 16 lanes (padding lanes computed and dropped) */
+    float t[LANES] = {0};
+    for (size_t j = 0; i + j < n; j++) t[j] = x[i + j] - mx;
+    const v16f e = exp16(load16(t));
+    memcpy(y + i, &e, (n - i) * sizeof(float));
+  }
   const float s = lane_sum(n, y);
   for (i = 0; i < n; i++) y[i] = y[i] / s;
 }
