@@ -130,3 +130,27 @@ def test_bad_buffers_are_errors_not_crashes():
         F.softmax(x, out=np.empty((2, 9), np.float32))
     with pytest.raises(ValueError, match="float32"):
         F.erf(x.astype(np.float64))
+
+
+@pytest.mark.parametrize("shapes", [((1, 12, 33, 32), (1, 12, 32, 33)), ((2, 3, 17, 64), (2, 3, 64, 41)),
+                                    ((5, 7), (7, 70)), ((3, 1, 9, 5), (4, 5, 8)), ((1, 6, 1, 64), (1, 6, 64, 257))])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_matmul_within_float32_of_the_exact_products(tier, shapes, transposed):
+    """numpy's matmul semantics (broadcast batch dims), row/column tails of the 8 x 32 tile, a transposed
+    view of b read in place (packed per task); error within K float32 roundings of sum |a||b|."""
+    rng = np.random.default_rng(len(shapes[0]) + shapes[1][-1])
+    a = rng.standard_normal(shapes[0]).astype(np.float32)
+    bs = shapes[1]
+    b = rng.standard_normal(bs[:-2] + (bs[-1], bs[-2])).astype(np.float32).swapaxes(-1, -2) if transposed \
+        else rng.standard_normal(bs).astype(np.float32)
+    y = F.matmul(a, b, out=_canary(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1])))
+    want = np.matmul(a.astype(np.float64), b.astype(np.float64))
+    bound = np.matmul(np.abs(a).astype(np.float64), np.abs(b).astype(np.float64)) * a.shape[-1] * 2.0 ** -23
+    assert y.shape == want.shape and np.all(np.abs(y - want) <= bound + 1e-30)
+
+
+def test_matmul_refuses_what_it_cannot_read():
+    with pytest.raises(ValueError, match="chain"):
+        F.matmul(np.ones((2, 3), np.float32), np.ones((4, 5), np.float32))
+    with pytest.raises(ValueError, match="float32"):
+        F.matmul(np.ones((2, 3)), np.ones((3, 5), np.float32))

@@ -9,7 +9,7 @@ import numpy as np
 
 from . import _bind, _call, _native, _out
 
-__all__ = ["layernorm", "softmax", "gelu_erf", "erf", "dynamic_quantize", "dynamic_epilogue", "bind_layernorm",
+__all__ = ["matmul", "bind_matmul", "layernorm", "softmax", "gelu_erf", "erf", "dynamic_quantize", "dynamic_epilogue", "bind_layernorm",
            "bind_softmax", "bind_gelu_erf", "bind_erf", "bind_dynamic_quantize", "bind_dynamic_epilogue"]
 
 
@@ -27,6 +27,28 @@ def _row(v, n, name):
     if v.size != n:
         raise ValueError(f"{name}: expected {n} values (the last axis), got shape {v.shape}")
     return v
+
+
+def _plan_matmul(a, b, out):
+    for v, name in ((a, "a"), (b, "b")):
+        if not isinstance(v, np.ndarray) or v.dtype != np.float32 or v.ndim < 2:
+            raise ValueError(f"{name}: expected a float32 array of rank 2 or more, got {getattr(v, 'dtype', type(v))} "
+                             f"{getattr(v, 'shape', '')}")
+    if a.shape[-1] != b.shape[-2]:
+        raise ValueError(f"matmul: a {a.shape} and b {b.shape} do not chain")
+    shape = np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1])
+    y = _out(out, shape, np.float32)
+    return y, _native.matmul, (a, b, y)
+
+
+def matmul(a, b, out=None):
+    """numpy's matmul for float32 arrays of rank >= 2 (the leading dims broadcast), any strides (transposed
+    views are read in place): sums in k order, with FMA where the ISA has it (not a BLAS's bits)."""
+    return _call(_plan_matmul(a, b, out))
+
+
+def bind_matmul(a, b, out):
+    return _bind(_plan_matmul(a, b, out))
 
 
 def _plan_layernorm(x, gamma, beta, eps, out, residual=None, sum_out=None):

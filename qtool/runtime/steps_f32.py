@@ -106,6 +106,41 @@ class AddLayerNormStep(Step):
         return guarded(env, self.ins, [a0, b0], fast, super().bind(env, out))
 
 
+class MatMulStep(Step):
+    """MatMul of two float32 activations of rank >= 2 (attention's scores and context) on the native
+    kernel, transposed views read in place, rows split over the pool; anything else (rank 1, other
+    dtypes) by numpy."""
+    mode = "fp32"
+    uses_out = True
+
+    def __init__(self, name, F, a, b, y, reason):
+        super().__init__(name, "MatMul", [a, b], [y])
+        self.F, self.reason = F, reason
+        self.kernel = "native f32"
+
+    @staticmethod
+    def _ok(a, b):
+        return a.dtype == np.float32 and b.dtype == np.float32 and a.ndim >= 2 and b.ndim >= 2
+
+    def run(self, env, out):
+        a, b = (env[i] for i in self.ins)
+        if not self._ok(a, b):
+            y = np.matmul(a, b)
+            if out:
+                np.copyto(out[0], y)
+                y = out[0]
+        else:
+            y = self.F.matmul(a, b, out=out[0] if out else None)
+        env[self.outs[0]] = y
+
+    def bind(self, env, out):
+        if out is None:
+            return super().bind(env, out)
+        a0, b0 = (env[i] for i in self.ins)
+        fast = self.F.bind_matmul(a0, b0, out[0]) if self._ok(a0, b0) else None
+        return guarded(env, self.ins, [a0, b0], fast, super().bind(env, out))
+
+
 class SoftmaxStep(F32Step):
     def __init__(self, name, F, x, y, reason):
         super().__init__(name, "Softmax", F, x, y, reason)

@@ -251,7 +251,10 @@ QT_DEFINE_F32(avx2, QT_TARGET_AVX2)
 QT_DEFINE_F32(avx512vnni, QT_TARGET_AVX512VNNI)
 #endif
 
+void qt_fill_sgemm(qt_dispatch* d, int isa);  /* below, with the GEMM */
+
 void qt_fill_transformer(qt_dispatch* d, int isa) {
+  qt_fill_sgemm(d, isa);
 #define QT_FILL(SUFFIX)                                     \
   d->f32_layernorm = f32_layernorm_ukernel__##SUFFIX;       \
   d->f32_softmax = f32_softmax_ukernel__##SUFFIX;           \
@@ -267,4 +270,76 @@ void qt_fill_transformer(qt_dispatch* d, int isa) {
   (void)isa;
   QT_FILL(scalar)
 #undef QT_FILL
+}
+
+/* ---- float32 GEMM of attention (scores = Q K^T, context = P V): C[MR x 32] += A[MR x K] B[K x 32],
+ * B rows contiguous (ldb floats apart), A read with any strides; FMA where the ISA has it (sums in k
+ * order per element; not bit for bit with a BLAS: within float32 rounding of the exact products). */
+#define GEMM_MR 8
+#define GEMM_NR 32
+
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")
+QT_INLINE void sgemm_tile_body(size_t mr, size_t kc, const float* a, ptrdiff_t a_rs, ptrdiff_t a_cs,
+                               const float* b, size_t ldb, float* c, size_t ldc) {
+  v16f acc[GEMM_MR][2];
+  for (size_t r = 0; r < GEMM_MR; r++) acc[r][0] = acc[r][1] = (v16f){0};
+  if (mr == GEMM_MR) {  /* (no per-row test: the broadcasts fold into the multiply-adds) */
+    for (size_t k = 0; k < kc; k++) {
+      const v16f b0 = load16(b + k * ldb), b1 = load16(b + k * ldb + 16);
+      for (size_t r = 0; r < GEMM_MR; r++) {
+        const float av = a[(ptrdiff_t)r * a_rs + (ptrdiff_t)k * a_cs];
+        acc[r][0] += av * b0;
+        acc[r][1] += av * b1;
+      }
+    }
+  } else {
+    for (size_t k = 0; k < kc; k++) {
+      const v16f b0 = load16(b + k * ldb), b1 = load16(b + k * ldb + 16);
+      for (size_t r = 0; r < mr; r++) {
+        const float av = a[(ptrdiff_t)r * a_rs + (ptrdiff_t)k * a_cs];
+        acc[r][0] += av * b0;
+        acc[r][1] += av * b1;
+      }
+    }
+  }
+  for (size_t r = 0; r < mr; r++) {
+    memcpy(c + r * ldc, &acc[r][0], sizeof(v16f));
+    memcpy(c + r * ldc + 16, &acc[r][1], sizeof(v16f));
+  }
+}
+
+/* the columns past the last full tile: plain sums in k order */
+QT_INLINE void sgemm_edge_body(size_t mr, size_t nc, size_t kc, const float* a, ptrdiff_t a_rs, ptrdiff_t a_cs,
+                               const float* b, size_t ldb, float* c, size_t ldc) {
+  for (size_t r = 0; r < mr; r++)
+    for (size_t j = 0; j < nc; j++) {
+      float s = 0.0f;
+      for (size_t k = 0; k < kc; k++) s += a[(ptrdiff_t)r * a_rs + (ptrdiff_t)k * a_cs] * b[k * ldb + j];
+      c[r * ldc + j] = s;
+    }
+}
+
+#define QT_DEFINE_SGEMM(SUFFIX, ATTR)                                                            \
+  ATTR void f32_gemm_ukernel_8x32__##SUFFIX(size_t mr, size_t nc, size_t kc, const float* a,      \
+                                            ptrdiff_t a_rs, ptrdiff_t a_cs, const float* b,       \
+                                            size_t ldb, float* c, size_t ldc) {                   \
+    size_t j = 0;                                                                                \
+    for (; j + GEMM_NR <= nc; j += GEMM_NR) sgemm_tile_body(mr, kc, a, a_rs, a_cs, b + j, ldb, c + j, ldc); \
+    if (j < nc) sgemm_edge_body(mr, nc - j, kc, a, a_rs, a_cs, b + j, ldb, c + j, ldc);         \
+  }
+QT_DEFINE_SGEMM(scalar, )
+#if QT_X86
+QT_DEFINE_SGEMM(avx2, QT_TARGET_AVX2)
+QT_DEFINE_SGEMM(avx512vnni, QT_TARGET_AVX512VNNI)
+#endif
+#pragma GCC pop_options
+
+void qt_fill_sgemm(qt_dispatch* d, int isa) {
+#if QT_X86
+  if (isa == QT_ISA_AVX512VNNI) { d->f32_gemm = f32_gemm_ukernel_8x32__avx512vnni; return; }
+  if (isa == QT_ISA_AVX2) { d->f32_gemm = f32_gemm_ukernel_8x32__avx2; return; }
+#endif
+  (void)isa;
+  d->f32_gemm = f32_gemm_ukernel_8x32__scalar;
 }

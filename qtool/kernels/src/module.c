@@ -596,7 +596,76 @@ static PyObject* py_dynamic_epilogue(PyObject* self, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+/* matmul(a, b, y): float32 y[..., M, N] (C-contiguous) = a[..., M, K] @ b[..., K, N], a and b any
+ * strided float32 arrays whose leading dims broadcast to y's (numpy's matmul) */
+static int batch_offsets(const Py_buffer* v, const Py_buffer* y, size_t batch, ptrdiff_t* off) {
+  const int yl = y->ndim - 2, vl = v->ndim - 2;
+  if (vl > yl) return -1;
+  for (int d = 0; d < vl; d++) {
+    const Py_ssize_t vs = v->shape[d], ys = y->shape[yl - vl + d];
+    if (vs != 1 && vs != ys) return -1;
+    if (v->strides[d] % 4) return -1;
+  }
+  for (size_t i = 0; i < batch; i++) {
+    size_t rest = i;
+    ptrdiff_t o = 0;
+    for (int d = yl - 1; d >= 0; d--) {
+      const size_t idx = rest % (size_t)y->shape[d];
+      rest /= (size_t)y->shape[d];
+      const int vd = d - (yl - vl);
+      if (vd >= 0 && v->shape[vd] != 1) o += (ptrdiff_t)idx * (v->strides[vd] / 4);
+    }
+    off[i] = o;
+  }
+  return 0;
+}
+
+static PyObject* py_matmul(PyObject* self, PyObject* args) {
+  (void)self;
+  PyObject *oa, *ob, *oy;
+  if (!PyArg_ParseTuple(args, "OOO", &oa, &ob, &oy)) return NULL;
+  Py_buffer a, b;
+  buf_t y;
+  y.ok = 0;
+  if (PyObject_GetBuffer(oa, &a, PyBUF_RECORDS_RO) != 0) return NULL;
+  if (PyObject_GetBuffer(ob, &b, PyBUF_RECORDS_RO) != 0) {
+    PyBuffer_Release(&a);
+    return NULL;
+  }
+  int rc = -2;
+  ptrdiff_t* off = NULL;
+  if (get_buf(oy, &y, 1, -1, "out") == 0) {
+    const int ok_types = a.itemsize == 4 && b.itemsize == 4 && a.format && b.format && !strcmp(a.format, "f") &&
+                         !strcmp(b.format, "f") && a.ndim >= 2 && b.ndim >= 2 && y.b.ndim >= 2;
+    size_t batch = 1;
+    for (int d = 0; ok_types && d < y.b.ndim - 2; d++) batch *= (size_t)y.b.shape[d];
+    const Py_ssize_t m = ok_types ? a.shape[a.ndim - 2] : 0, k = ok_types ? a.shape[a.ndim - 1] : 0;
+    const Py_ssize_t n = ok_types ? b.shape[b.ndim - 1] : 0;
+    off = ok_types ? (ptrdiff_t*)malloc(2 * batch * sizeof(ptrdiff_t) + 1) : NULL;
+    if (!ok_types || !off || b.shape[b.ndim - 2] != k || y.b.shape[y.b.ndim - 2] != m ||
+        y.b.shape[y.b.ndim - 1] != n || y.b.len != (Py_ssize_t)(batch * m * n * 4) ||
+        a.strides[a.ndim - 1] % 4 || a.strides[a.ndim - 2] % 4 || b.strides[b.ndim - 1] % 4 ||
+        b.strides[b.ndim - 2] % 4 || batch_offsets(&a, &y.b, batch, off) || batch_offsets(&b, &y.b, batch, off + batch)) {
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "matmul: float32 a [..., M, K], b [..., K, N] and out [..., M, N] expected");
+    } else {
+      Py_BEGIN_ALLOW_THREADS
+      rc = qt_f32_matmul((const float*)a.buf, (const float*)b.buf, (float*)y.b.buf, batch, off, off + batch,
+                         (size_t)m, (size_t)n, (size_t)k, a.strides[a.ndim - 2] / 4, a.strides[a.ndim - 1] / 4,
+                         b.strides[b.ndim - 2] / 4, b.strides[b.ndim - 1] / 4);
+      Py_END_ALLOW_THREADS
+      if (rc == -1) PyErr_NoMemory();
+    }
+  }
+  free(off);
+  PyBuffer_Release(&a);
+  PyBuffer_Release(&b);
+  rel(&y);
+  if (rc != 0) return NULL;
+  Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"matmul", py_matmul, METH_VARARGS, "float32 batched MatMul of strided arrays"},
     {"layernorm", py_layernorm, METH_VARARGS, "float32 LayerNormalization over rows"},
     {"softmax", py_softmax, METH_VARARGS, "float32 Softmax over rows"},
     {"gelu", py_gelu, METH_VARARGS, "float32 erf GELU as exporters write it"},

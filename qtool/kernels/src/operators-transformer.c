@@ -187,3 +187,63 @@ int qt_dynamic_epilogue(float* y, size_t rows, size_t n, float scale, int32_t zp
   free(t);
   return 0;
 }
+
+/* ---- float32 batched MatMul (attention): C[i] = A[i] @ B[i] over `batch` matrices, A and B read at
+ * per-batch offsets with any row/column strides (floats), C contiguous. Tasks: one matrix (a head), or
+ * a block of its rows when there are fewer matrices than threads x 4; a B whose rows are not contiguous
+ * is packed once per task into [K][N]. */
+typedef struct {
+  const float *a, *b;
+  float* c;
+  const ptrdiff_t *a_off, *b_off;
+  size_t m, n, k, mtasks;
+  ptrdiff_t a_rs, a_cs, b_rs, b_cs;
+  const qt_dispatch* d;
+  int failed;
+} mm_job;
+
+static void matmul_task(void* ctx, size_t begin, size_t end) {
+  mm_job* j = (mm_job*)ctx;
+  const size_t n = j->n, k = j->k;
+  float* pack = j->b_cs != 1 ? (float*)malloc(k * n * sizeof(float) + 64) : NULL;
+  if (j->b_cs != 1 && !pack) {
+    j->failed = 1;
+    return;
+  }
+  const size_t rows = ((j->m + j->mtasks - 1) / j->mtasks + 7) / 8 * 8;
+  for (size_t t = begin; t < end; t++) {
+    const size_t bi = t / j->mtasks, r0 = (t % j->mtasks) * rows;
+    const size_t r1 = r0 + rows < j->m ? r0 + rows : j->m;
+    const float* bp = j->b + j->b_off[bi];
+    size_t ldb = (size_t)j->b_rs;
+    if (pack) {  /* column by column: a transposed B's columns are its contiguous rows */
+      for (size_t c = 0; c < n; c++)
+        for (size_t kk = 0; kk < k; kk++) pack[kk * n + c] = bp[(ptrdiff_t)kk * j->b_rs + (ptrdiff_t)c * j->b_cs];
+      bp = pack;
+      ldb = n;
+    }
+    const float* a = j->a + j->a_off[bi];
+    float* cbase = j->c + bi * j->m * n;
+    for (size_t r = r0; r < r1; r += 8)
+      j->d->f32_gemm(r1 - r < 8 ? r1 - r : 8, n, k, a + (ptrdiff_t)r * j->a_rs, j->a_rs, j->a_cs, bp, ldb,
+                     cbase + r * n, n);
+  }
+  free(pack);
+}
+
+int qt_f32_matmul(const float* a, const float* b, float* c, size_t batch, const ptrdiff_t* a_off,
+                  const ptrdiff_t* b_off, size_t m, size_t n, size_t k, ptrdiff_t a_rs, ptrdiff_t a_cs,
+                  ptrdiff_t b_rs, ptrdiff_t b_cs) {
+  /* row blocks of a multiple of 8 rows only when the matrices alone are too few to share */
+  const size_t want = (size_t)qt_get_num_threads() * 4, blocks8 = (m + 7) / 8;
+  size_t split = batch >= want ? 1 : (want + batch - 1) / batch;
+  split = split < blocks8 ? split : blocks8;
+  mm_job j = {a, b, c, a_off, b_off, m, n, k, split, a_rs, a_cs, b_rs, b_cs, qt_get_dispatch(), 0};
+  if (m == 0 || n == 0 || batch == 0) return 0;
+  if (k == 0) {
+    memset(c, 0, batch * m * n * sizeof(float));
+    return 0;
+  }
+  qt_parallel(batch * j.mtasks, matmul_task, &j, (double)(batch * m * n * k) / 16.0);
+  return j.failed ? -1 : 0;
+}

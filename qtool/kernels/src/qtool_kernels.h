@@ -161,6 +161,9 @@ typedef void (*qt_f32_row_fn)(size_t n, const float* x, float* y);
 typedef void (*qt_f32_gelu_fn)(size_t n, const float* x, float* y, float k_in, int div, float k_add,
                                float k_out);
 typedef void (*qt_f32_scale_add_fn)(size_t n, const float* x, float k, int div, const float* m, float* y);
+/* C[mr x nc] = A[mr x kc] (strides a_rs, a_cs floats) B[kc x nc] (rows ldb floats apart), mr <= 8 */
+typedef void (*qt_f32_gemm_fn)(size_t mr, size_t nc, size_t kc, const float* a, ptrdiff_t a_rs, ptrdiff_t a_cs,
+                               const float* b, size_t ldb, float* c, size_t ldc);
 typedef void (*qt_f32_minmax_fn)(size_t n, const float* x, float* mn, float* mx);
 typedef void (*qt_f32_dyn_epilogue_fn)(size_t n, float* y, const float* zpcs, const float* m,
                                        const float* bias);
@@ -190,6 +193,7 @@ typedef struct {
   qt_f32_row_fn f32_softmax, f32_erf;
   qt_f32_gelu_fn f32_gelu;
   qt_f32_scale_add_fn f32_scale_add;
+  qt_f32_gemm_fn f32_gemm;
   qt_f32_minmax_fn f32_minmax;
   qt_f32_dyn_epilogue_fn f32_dyn_epilogue;
 } qt_dispatch;

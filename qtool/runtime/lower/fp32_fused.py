@@ -10,6 +10,7 @@ nodes of a fused chain marked done), or the reason it does not apply.
   [Div(x, k) | Mul(x, k) ->] [Add(., mask) ->] Softmax, x from a MatMul (attention) -> ScaledSoftmaxStep
   Div(x, k) | Mul(x, k) -> Erf -> Add c -> Mul x -> Mul h   (the erf GELU)   -> GeluStep
   Erf                                                      -> ErfStep
+  MatMul of two activations of rank >= 2 (attention)      -> MatMulStep
 Every intermediate of a chain must have exactly one reader (Sub's output: Pow and Div) and not be a
 graph output; otherwise the nodes run one by one. Backends without the float kernels (the numpy
 reference) keep the numpy ops."""
@@ -18,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from qtool.runtime.program import Entry, node_attrs
-from qtool.runtime.steps_f32 import (Affine, AddLayerNormStep, ErfStep, GeluConsts, GeluStep, LayerNormStep, ScaledSoftmaxStep,
+from qtool.runtime.steps_f32 import (Affine, AddLayerNormStep, ErfStep, MatMulStep, GeluConsts, GeluStep, LayerNormStep, ScaledSoftmaxStep,
                                      SoftmaxStep)
 
 
@@ -269,6 +270,22 @@ def rule_scaled_softmax(c, node, F):
                  f"{'scaled ' if scale else ''}{'masked ' if mask else ''}Softmax ({len(nodes)} nodes) as one native kernel")
 
 
+def rule_matmul(c, node, F):
+    """A MatMul of two activations (no constant: a weight stays with numpy's BLAS, which blocks for cache)."""
+    a, b = node.input[0], node.input[1]
+    if a in c.consts or b in c.consts:
+        return "a constant operand"
+    if (c.ranks.get(a) or 0) < 2 or (c.ranks.get(b) or 0) < 2:
+        return "an operand of rank 1 or unknown rank"
+    out = node.output[0]
+    xa, xb = c.float_input(a), c.float_input(b)
+    v = c.add_val(out, "f", rank=c.ranks.get(out))
+    name = node.name or node.op_type
+    c.steps.append(MatMulStep(name, F, xa, xb, v.slot, "native float32 kernel"))
+    c.entries.append(Entry(name, node.op_type, "fp32", "native float32 MatMul of two activations"))
+    return None
+
+
 def rule_erf(c, node, F):
     return _emit(c, node.input[0], [node], lambda name, x, y: ErfStep(name, F, x, y, "native float32 kernel"),
                  "native erf kernel")
@@ -276,7 +293,8 @@ def rule_erf(c, node, F):
 
 RULES = {"LayerNormalization": (rule_layernorm,), "ReduceMean": (rule_decomposed_layernorm,),
          "Softmax": (rule_softmax,), "Div": (rule_gelu, rule_scaled_softmax), "Mul": (rule_gelu, rule_scaled_softmax),
-         "Add": (rule_scaled_softmax, rule_add_layernorm), "Erf": (rule_erf,)}
+         "Add": (rule_scaled_softmax, rule_add_layernorm), "Erf": (rule_erf,),
+         "MatMul": (rule_matmul,)}
 
 
 def rule_fp32(c, node):
