@@ -575,3 +575,14 @@ class FP32Step(Step):
         for o, y in zip(self.outs, ys):
             if o is not None:
                 env[o] = y if isinstance(y, np.ndarray) else np.asarray(y)
+
+    def bind(self, env, out):
+        """One input and one output (most fp32 ops): a closure with the slots and the op looked up once."""
+        if len(self.ins) != 1 or len(self.outs) != 1 or self.ins[0] is None or self.outs[0] is None:
+            return super().bind(env, out)
+        fn, at, i, o = self.fn, self.at, self.ins[0], self.outs[0]
+
+        def step():
+            y = fn([env[i]], at)[0]
+            env[o] = y if isinstance(y, np.ndarray) else np.asarray(y)
+        return step
