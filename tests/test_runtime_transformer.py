@@ -211,3 +211,20 @@ def test_residual_sum_read_elsewhere_is_kept(decomposed, tmp_path):
     assert np.abs(y - ry).max() <= 1e-5 * float(np.abs(ry).max())
     assert [e.detail for e in sess.report_entries() if e.mode == "fp32"] == [
         f"residual Add and LayerNorm ({9 if decomposed else 1} nodes) as one native kernel"]
+
+
+def test_float16_ops_keep_numpy_and_their_type(tmp_path):
+    """The float32 kernels take float32 only: a float16 Softmax/Erf runs as numpy's op, float16 out."""
+    g = helper.make_graph([helper.make_node("Softmax", ["x"], ["s"], axis=-1), helper.make_node("Erf", ["s"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [2, 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT16, None)])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    path = str(tmp_path / "h.onnx")
+    onnx.save(m, path)
+    x = R.random((2, 8)).astype(np.float16)
+    sess = NativeSession(path, threads=1)
+    y = sess.run(None, {"x": x})[0]
+    ref = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    assert y.dtype == np.float16 and np.abs(y.astype(np.float32) - ref).max() <= 2e-3
+    assert not any("native" in e.detail for e in sess.report_entries())

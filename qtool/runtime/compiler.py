@@ -38,7 +38,8 @@ from qtool.runtime.program import Entry, Program, QConst, QView, Val, node_attrs
 
 
 def _static_value_ranks(model):
-    ranks = {}
+    """(tensor name -> rank, tensor name -> ONNX element type) where shape inference knows them."""
+    ranks, types = {}, {}
     try:
         inferred = onnx.shape_inference.infer_shapes(model)
     except Exception:
@@ -48,7 +49,9 @@ def _static_value_ranks(model):
         t = vi.type.tensor_type
         if t.HasField("shape"):
             ranks[vi.name] = len(t.shape.dim)
-    return ranks
+        if t.elem_type:
+            types[vi.name] = t.elem_type
+    return ranks, types
 
 
 class Compiler:
@@ -75,7 +78,7 @@ class Compiler:
             for i in n.input:
                 if i:
                     self.consumers.setdefault(i, []).append(n)
-        self.ranks = _static_value_ranks(model)
+        self.ranks, self.elem_types = _static_value_ranks(model)
         self.opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 13)
         self.pads: dict = {}  # uint8 output of an int8 Pad -> (input name, (t, l, b, r), fill, step)
         self.dynamic: dict = {}  # uint8 output of a DynamicQuantizeLinear -> (its scale, its zero point)

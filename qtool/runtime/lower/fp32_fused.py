@@ -17,10 +17,14 @@ reference) keep the numpy ops."""
 from __future__ import annotations
 
 import numpy as np
+from onnx import TensorProto
 
 from qtool.runtime.program import Entry, node_attrs
 from qtool.runtime.steps_f32 import (Affine, AddLayerNormStep, ErfStep, MatMulStep, GeluConsts, GeluStep, LayerNormStep, ScaledSoftmaxStep,
                                      SoftmaxStep)
+
+
+FLOAT = TensorProto.FLOAT
 
 
 def _scalar(c, name):
@@ -303,6 +307,9 @@ def rule_fp32(c, node):
     rules = RULES.get(node.op_type, ())
     if F is None or not rules:
         return "no native float32 kernel"
+    if any(c.elem_types.get(i, FLOAT) != FLOAT for i in node.input[:1]) or \
+            any(c.elem_types.get(o, FLOAT) != FLOAT for o in node.output[:1]):
+        return "not float32 (the kernels are float32 only)"
     reason = None
     for rule in rules:
         reason = rule(c, node, F)
