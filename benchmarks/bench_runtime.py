@@ -2,7 +2,8 @@
 """qtool's native int8 runtime against ONNX Runtime on the same int8 file: fidelity and speed.
 
   python benchmarks/bench_runtime.py --model M.int8.onnx [--fp32 M.onnx] [--images DIR] [--limit N]
-                                     [--threads 2] [--batch 1 --batch 8] [--profile] [--no-speed]
+                                     [--threads 2] [--batch 1 --batch 8] [--shape 1,128] [--ort-model M2.onnx]
+                                     [--profile] [--no-speed]
 
 Fidelity (needs --images; ImageNet-style files <synset>_<name>.JPEG, sorted by name, the
 evaluation split is index % 10 != 0): top-1 agreement of qtool's runtime with ORT on the int8
@@ -11,9 +12,13 @@ DequantizeLinear that writes the output), and top-1 accuracy of both (and of ORT
 Acceptance: agreement >= 0.998 and >= 99.9 % of logits within one step.
 Preprocessing (EfficientNet-Lite): shorter side to 256 bicubic, centre crop 224, (x - 127) / 128.
 
-Speed: median ms/image of qtool native, ORT int8 (same file) and ORT fp32 (--fp32) on random
-input, per batch size, measured side by side in one process. --profile adds a per-op-type table:
-time share, GMAC, GMAC/s and the fraction of the VNNI peak (about 233 GMAC/s per core).
+Speed (as `qtool bench` measures it: the engines in alternation, each ratio the median of the rounds'
+with its interval): median ms/image of qtool native, ORT int8 (same file), ORT fp32 (--fp32) and any
+--ort-model (e.g. ONNX Runtime's quantize_dynamic output of the same model) on random input, per batch
+size; an encoder's token ids and masks too (--shape 1,L). --profile adds a per-op-type table: time
+share, GMAC, GMAC/s and the fraction of the VNNI peak (about 233 GMAC/s per core).
+  python benchmarks/bench_runtime.py --model enc.int8.onnx --fp32 enc.onnx --ort-model enc.dynamic.onnx \
+      --shape 1,128 --batch 1 --threads 1
 """
 from __future__ import annotations
 
@@ -28,7 +33,8 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from qtool.runtime import NativeSession  # noqa: E402
-from qtool.runtime.profile import op_type_table, format_table, VNNI_GMACS_PER_CORE  # noqa: E402
+from qtool.runtime.bench import BenchOptions, bench, make_feeds  # noqa: E402
+from qtool.runtime.profile import VNNI_GMACS_PER_CORE, format_table, format_top, op_type_table, top_steps  # noqa: E402
 
 import onnx  # noqa: E402
 import onnxruntime as ort  # noqa: E402
@@ -103,37 +109,13 @@ def fidelity(a, native, oq, of):
     return res
 
 
-def median_ms(fn, bs, min_reps, budget=3.0):
-    fn()
-    ts = []
-    t_end = time.perf_counter() + budget
-    while len(ts) < min_reps or (time.perf_counter() < t_end and len(ts) < 200):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-        if len(ts) >= min_reps and time.perf_counter() > t_end:
-            break
-    return float(np.median(ts)) * 1000 / bs
-
-
-def speed(a, native, oq, of, batches, reps=20):
-    name = native.get_inputs()[0].name
-    dims = native.get_inputs()[0].shape
-    rng = np.random.default_rng(0)
-    res = {}
-    for bs in batches:
-        shape = [bs if not isinstance(d, int) else d for d in dims]
-        shape[0] = bs
-        x = rng.standard_normal(shape).astype(np.float32)
-        r = {"native_ms": median_ms(lambda: native.run(None, {name: x}), bs, reps if bs == 1 else max(4, reps // 4)),
-             "ort_int8_ms": median_ms(lambda: oq.run(None, {name: x}), bs, reps if bs == 1 else max(4, reps // 4))}
-        r["ort_fp32_ms"] = median_ms(lambda: of.run(None, {name: x}), bs, reps if bs == 1 else max(4, reps // 4)) if of else None
-        res[bs] = r
-        print(f"speed {os.path.basename(a.model)} batch {bs}, {a.threads} threads: native {r['native_ms']:.2f} ms/image, "
-              f"ORT int8 {r['ort_int8_ms']:.2f}, " + (f"ORT fp32 {r['ort_fp32_ms']:.2f} | " if of else "| ")
-              + f"native vs ORT int8 {r['ort_int8_ms'] / r['native_ms']:.2f}x"
-              + (f", vs ORT fp32 {r['ort_fp32_ms'] / r['native_ms']:.2f}x" if of else ""))
-    return res
+def speed(a, batches):
+    """qtool bench's timing (qtool.runtime.bench): the engines in alternation, per-round ratios with
+    their interval; any inputs (token ids and masks for an encoder, with --shape 1,L)."""
+    opts = BenchOptions(tuple(batches), a.threads, shape=tuple(a.shape) if a.shape else None,
+                        others=tuple(a.ort_model or ()), rounds=a.rounds)
+    r = bench(a.model, a.fp32, opts, log=print)
+    return {bs: {k: v for k, v in x.items() if k != "rounds"} for bs, x in r["batches"].items()}
 
 
 def main(argv=None):
@@ -145,6 +127,11 @@ def main(argv=None):
     p.add_argument("--size", type=int, default=224)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--batch", type=int, action="append", help="batch sizes for speed (default 1 and 8)")
+    p.add_argument("--shape", type=lambda v: [int(d) for d in v.split(",")],
+                   help="input shape where the model's is dynamic, e.g. 1,128 (tokens) or 1,3,224,224")
+    p.add_argument("--ort-model", action="append",
+                   help="another ONNX file with the same inputs timed in ONNX Runtime beside (e.g. quantize_dynamic's)")
+    p.add_argument("--rounds", type=int, default=10, help="interleaved rounds at least (more while a range is wide)")
     p.add_argument("--profile", action="store_true", help="per-op-type time and GMAC/s of the native runtime")
     p.add_argument("--no-speed", action="store_true")
     p.add_argument("--report", action="store_true", help="print which nodes run in int8 / fp32")
@@ -154,23 +141,18 @@ def main(argv=None):
     native = NativeSession(a.model, threads=a.threads)
     print(native.report() if a.report else native.report().splitlines()[0] + "\n" + "\n".join(
         native.report().splitlines()[1:4]))
-    oq = ort_session(a.model, a.threads)
-    of = ort_session(a.fp32, a.threads) if a.fp32 else None
     if a.images:
-        out["fidelity"] = fidelity(a, native, oq, of)
+        of = ort_session(a.fp32, a.threads) if a.fp32 else None
+        out["fidelity"] = fidelity(a, native, ort_session(a.model, a.threads), of)
     if not a.no_speed:
-        out["speed"] = speed(a, native, oq, of, a.batch or [1, 8])
+        out["speed"] = speed(a, a.batch or [1, 8])
     if a.profile:
-        name = native.get_inputs()[0].name
-        dims = native.get_inputs()[0].shape
         for bs in a.batch or [1]:
-            shape = [d if isinstance(d, int) else bs for d in dims]
-            shape[0] = bs
-            x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
-            rows = native.profile({name: x}, repeats=10)
+            rows = native.profile(make_feeds(native, bs, a.shape), repeats=10)
             print(f"profile batch {bs} ({a.threads} threads, peak {VNNI_GMACS_PER_CORE:.0f} GMAC/s/core):")
             table = op_type_table(rows, a.threads)
             print(format_table(table))
+            print(format_top(top_steps(rows, a.threads)))
             out.setdefault("profile", {})[bs] = table
     if a.json:
         import json

@@ -30,9 +30,13 @@ from qtool.limits import MAX_BATCH
 @click.option("--shape", help="Input shape when the model's is dynamic beyond the batch, e.g. 1,3,224,224.")
 @click.option("--profile", is_flag=True,
               help="Per-op-type time, GMAC/s and share of the active tier's peak, measured here (native runtime).")
+@click.option("--ort-model", "others", type=click.Path(dir_okay=False), multiple=True,
+              help="Another ONNX file with the same inputs (e.g. ONNX Runtime's quantize_dynamic output) timed in "
+                   "ONNX Runtime in the same rounds; repeat for several.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write all figures as JSON here.")
 @common_options
-def command(model, fp32, batches, threads, rounds, max_rounds, round_ms, repeats, shape, profile, json_path, workdir, quiet, verbose, debug):
+def command(model, fp32, batches, threads, rounds, max_rounds, round_ms, repeats, shape, profile, others, json_path, workdir, quiet,
+            verbose, debug):
     """Time qtool's native int8 runtime, ONNX Runtime int8 (same file) and ONNX Runtime fp32.
 
     Prints the median ms/image of each engine per batch size and each ratio (other engine's time /
@@ -51,6 +55,7 @@ def command(model, fp32, batches, threads, rounds, max_rounds, round_ms, repeats
       qtool bench --model qtool_work/model.int8.onnx --fp32 model.onnx --batch 1 --batch 8 --json bench.json
       qtool bench -m model.int8.onnx --rounds 20      (a narrower interval, twice the time)
       qtool bench -m resnet50.int8.onnx --threads 2 --profile
+      qtool bench -m enc.int8.onnx --ort-model enc.dynamic.onnx --shape 1,128 --batch 1 --threads 1
     """
     setup_output(quiet, verbose)
     from qtool.runtime.bench import BenchOptions, bench, find_fp32
@@ -78,7 +83,8 @@ def command(model, fp32, batches, threads, rounds, max_rounds, round_ms, repeats
         except QtoolError:  # (a damaged manifest: bench writes nothing there, and find_fp32 passes it by)
             recorded = []
         outputs.check(writes=[outputs.File("--json file", json_path)],
-                      reads=outputs.model("int8 model", model) + outputs.model("fp32 model", fp32) + recorded)
+                      reads=outputs.model("int8 model", model) + outputs.model("fp32 model", fp32) + recorded
+                      + [f for o in others for f in outputs.model("--ort-model", o)])
     dims = None
     if shape:
         try:
@@ -89,7 +95,7 @@ def command(model, fp32, batches, threads, rounds, max_rounds, round_ms, repeats
             raise QtoolError(f"--shape {shape}: every dimension must be 1 or more")
     log = None if quiet else echo
     opts = BenchOptions(tuple(batches) or (1, 8), threads, repeats, dims, profile, rounds=rounds,
-                        round_s=round_ms / 1000.0, max_rounds=max_rounds)
+                        round_s=round_ms / 1000.0, max_rounds=max_rounds, others=tuple(others))
     r = bench(model, fp32, opts, log=log)
     if profile and not quiet:
         from qtool.runtime.profile import format_table, format_top

@@ -566,3 +566,5 @@ def _init_from_env():
 
 
 _init_from_env()
+
+from . import f32  # noqa: E402  (float32 transformer kernels; uses the helpers above)

@@ -261,6 +261,7 @@ def format_batch(bs: int, r: dict) -> str:
         return Ratio(**{f: r["ratios"][k][f] for f in ("ratio", "lo", "hi", "level", "rounds")}).text()
     return (f"batch {bs:>2}: native {r['native_ms']:7.2f} ms/image | ORT int8 {r['ort_int8_ms']:7.2f} ({ratio('ort_int8')})"
             + (f" | ORT fp32 {r['ort_fp32_ms']:7.2f} ({ratio('ort_fp32')})" if r["ort_fp32_ms"] else "")
+            + "".join(f" | ORT {k[len(OTHER):]} {r[k + '_ms']:7.2f} ({ratio(k)})" for k in r["ratios"] if k.startswith(OTHER))
             + f"   [{rounds_note(r)}]"
             + (f"\n          native: {r['peak']['gmacs_per_s']:.1f} GMAC/s of the model's "
                f"{r['peak']['gmacs_per_image']:.3g} GMAC/image, {100 * r['peak']['share']:.1f} % of the peak"
@@ -278,13 +279,17 @@ def rounds_note(r: dict) -> str:
     return f"{n} rounds, {r['runs']} native runs{wide}"
 
 
+OTHER = "ort:"  # engine name prefix of another model timed in ONNX Runtime (BenchOptions.others)
+
+
 @dataclass(frozen=True)
 class BenchOptions:
     """What `qtool bench` measures: the batch sizes, threads, input shape (for a model dynamic beyond
     the batch), whether to profile, and how long: at least `rounds` rounds (more, up to
     `max_rounds`, while a range is wider than +-WIDTH), each at least `repeats` runs of each engine at
     batch 1 (a quarter, at least one, at larger batches) and at least `round_s` seconds per engine,
-    after a `settle_s` pause."""
+    after a `settle_s` pause. `others`: more ONNX files (the same inputs, e.g. ONNX Runtime's
+    quantize_dynamic output of the same model) timed in ONNX Runtime in the same rounds."""
     batches: tuple = (1, 8)
     threads: int = 2
     repeats: int = 5
@@ -294,6 +299,22 @@ class BenchOptions:
     round_s: float = 0.1
     settle_s: float = 0.02
     max_rounds: int = MAX_ROUNDS
+    others: tuple = ()
+
+
+def other_engines(native: NativeSession, paths, threads: int) -> dict:
+    """ONNX Runtime sessions of `paths`, named OTHER + file name; each must take the native model's inputs."""
+    want = sorted(i.name for i in native.get_inputs())
+    out = {}
+    for p in paths:
+        if not os.path.exists(p):
+            raise QtoolError(f"{p}: no such file")
+        sess = ort_session(p, threads)
+        got = sorted(i.name for i in sess.get_inputs())
+        if got != want:
+            raise QtoolError(f"{p}: its inputs {got} are not the int8 model's {want}")
+        out[OTHER + os.path.basename(p)] = sess
+    return out
 
 
 def bench(model: str, fp32: str | None = None, opts: BenchOptions = BenchOptions(), log=print) -> dict:
@@ -314,6 +335,7 @@ def bench(model: str, fp32: str | None = None, opts: BenchOptions = BenchOptions
     engines = {"native": native, "ort_int8": ort_session(model, threads)}
     if fp32:
         engines["ort_fp32"] = ort_session(fp32, threads)
+    engines.update(other_engines(native, opts.others, threads))
     from qtool.runtime.backend import kernel_info
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     cpus = os.cpu_count() or 1

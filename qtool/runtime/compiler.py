@@ -33,11 +33,13 @@ from qtool.runtime import saturating
 from qtool.runtime import steps as S
 from qtool.runtime.fp32_ops import FP32_OPS
 from qtool.runtime.lower import ELEMENTWISE, INT_RULES, rule_region
+from qtool.runtime.lower.fp32_fused import rule_fp32
 from qtool.runtime.program import Entry, Program, QConst, QView, Val, node_attrs
 
 
 def _static_value_ranks(model):
-    ranks = {}
+    """(tensor name -> rank, tensor name -> ONNX element type) where shape inference knows them."""
+    ranks, types = {}, {}
     try:
         inferred = onnx.shape_inference.infer_shapes(model)
     except Exception:
@@ -47,7 +49,9 @@ def _static_value_ranks(model):
         t = vi.type.tensor_type
         if t.HasField("shape"):
             ranks[vi.name] = len(t.shape.dim)
-    return ranks
+        if t.elem_type:
+            types[vi.name] = t.elem_type
+    return ranks, types
 
 
 class Compiler:
@@ -68,12 +72,13 @@ class Compiler:
         self.done: set = set()
         self.graph_outputs = {o.name for o in g.output}
         self.consumers: dict[str, list] = {}
+        self.producers = {o: n for n in g.node for o in n.output if o}
         self.shifted: dict[str, tuple] = {}  # Add output -> (its float input, the constant), see _grid_shift
         for n in g.node:
             for i in n.input:
                 if i:
                     self.consumers.setdefault(i, []).append(n)
-        self.ranks = _static_value_ranks(model)
+        self.ranks, self.elem_types = _static_value_ranks(model)
         self.opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 13)
         self.pads: dict = {}  # uint8 output of an int8 Pad -> (input name, (t, l, b, r), fill, step)
         self.dynamic: dict = {}  # uint8 output of a DynamicQuantizeLinear -> (its scale, its zero point)
@@ -390,6 +395,8 @@ class Compiler:
         if op not in FP32_OPS:
             raise QtoolError(f"{self.where}: node '{node.name}' uses op {op}, which qtool's runtime cannot run "
                              f"(neither in int8 nor in fp32)")
+        if rule_fp32(self, node) is None:  # a native float32 kernel (LayerNorm, Softmax, GELU, ...)
+            return
         ins = [self.float_input(i) if i else None for i in node.input]
         outs = []
         r_in = self.ranks.get(node.input[0]) if node.input else None

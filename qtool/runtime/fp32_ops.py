@@ -9,6 +9,7 @@ which the loader turns into a QtoolError.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -114,10 +115,15 @@ def hard_swish(ins, at):
     return [(x * np.clip(x * np.float32(1 / 6) + np.float32(0.5), 0, 1)).astype(x.dtype)]
 
 
+@functools.lru_cache(maxsize=None)
+def _np_dtype(onnx_type: int):
+    from onnx.helper import tensor_dtype_to_np_dtype
+    return tensor_dtype_to_np_dtype(onnx_type)
+
+
 @op("Cast")
 def cast(ins, at):
-    from onnx.helper import tensor_dtype_to_np_dtype
-    return [ins[0].astype(tensor_dtype_to_np_dtype(at["to"]))]
+    return [ins[0].astype(_np_dtype(int(at["to"])))]
 
 
 @op("Shape")

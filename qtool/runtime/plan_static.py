@@ -26,7 +26,7 @@ def static_steps(steps, fixed_slots: set, const_slots: set) -> set:
     out = set()
     for k, st in enumerate(steps):
         ins = [i for i in st.ins if i is not None]
-        if st.mode != "fp32":
+        if st.mode != "fp32" or st.uses_out:  # (a plan buffer is written on every run, never once)
             fixed.update(o for o in st.outs if o is not None)
             continue
         if st.op in SHAPE_OPS and ins and ins[0] in fixed:

@@ -117,6 +117,27 @@ def _assign_buffers(env, steps, views, live):
     return bufs, (total, no_reuse, n_buffers)
 
 
+VIEW_OPS = ("Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity")
+
+
+def _fixed_views(steps, aliases, views, bufs, static):
+    """fp32 shape ops (numpy views) of a plan buffer, or of such a view, whose other inputs are constants
+    or values made once per plan (`static`: slots): the same view on every run, so made once at binding
+    like the int8 views (the Reshape/Transpose pairs around every attention cost no call)."""
+    fixed = set(bufs)
+    made = set()
+    for k, st in enumerate(steps):
+        if k in views:
+            if st.ins and st.ins[0] in fixed:
+                fixed.update(o for o in st.outs if o is not None)
+            continue
+        if st.mode == "fp32" and not st.uses_out and st.op in VIEW_OPS and k in aliases and st.ins \
+                and st.ins[0] in fixed and all(i is None or i in static for i in st.ins[1:]):
+            made.add(k)
+            fixed.update(o for o in st.outs if o is not None)
+    return made
+
+
 def _bound_indices(steps, views):
     """The step index of each call _bind_steps returns (views are made at binding, not called)."""
     return [k for k in range(len(steps)) if k not in views]
@@ -266,6 +287,8 @@ class NativeSession:
         plan.env = env
         bufs, (plan.bytes, plan.bytes_no_reuse, plan.n_buffers) = _assign_buffers(env, steps, views, (root, last, forever))
         once = static_steps(steps, {slot for slot, _ in arrs}, set(prog.consts))
+        static = set(prog.consts) | {o for k in once for o in steps[k].outs if o is not None}
+        views |= _fixed_views(steps, aliases, views, bufs, static)
         plan.steps_calls = [sc for k, sc in zip(_bound_indices(steps, views), _bind_steps(env, steps, views, bufs))
                             if k not in once]
         plan.calls = [f for _, f in plan.steps_calls]
@@ -323,7 +346,7 @@ class NativeSession:
             lines.append("  int8: " + ", ".join(f"{n} {op}" for op, n in int_ops.most_common()))
         fused = Counter(x.op for x in e if x.mode == "fused")
         if fused:
-            lines.append("  fused into int8 ops: " + ", ".join(f"{n} {op}" for op, n in fused.most_common()))
+            lines.append("  fused into the step of another node: " + ", ".join(f"{n} {op}" for op, n in fused.most_common()))
         fp = [x for x in e if x.mode == "fp32"]
         if fp:
             lines.append(f"  fp32 fallback ({len(fp)} nodes):")

@@ -47,6 +47,22 @@ class Step:
         return functools.partial(self.run, env, out)
 
 
+def guarded(env, slots, bound_to, fast, slow):
+    """A call running `fast` (a kernel pre-bound to the arrays `bound_to`) while every slot still holds
+    its array (a producer writing a plan buffer), else `slow` (a numpy producer's new array each run)."""
+    if fast is None:
+        return slow
+    pairs = [(i, a) for i, a in zip(slots, bound_to) if i is not None]
+
+    def step():
+        for i, a in pairs:
+            if env[i] is not a:
+                slow()
+                return
+        fast()
+    return step
+
+
 # ---------------------------------------------------------------- boundaries and layout
 
 class QuantizeStep(Step):
@@ -559,3 +575,14 @@ class FP32Step(Step):
         for o, y in zip(self.outs, ys):
             if o is not None:
                 env[o] = y if isinstance(y, np.ndarray) else np.asarray(y)
+
+    def bind(self, env, out):
+        """One input and one output (most fp32 ops): a closure with the slots and the op looked up once."""
+        if len(self.ins) != 1 or len(self.outs) != 1 or self.ins[0] is None or self.outs[0] is None:
+            return super().bind(env, out)
+        fn, at, i, o = self.fn, self.at, self.ins[0], self.outs[0]
+
+        def step():
+            y = fn([env[i]], at)[0]
+            env[o] = y if isinstance(y, np.ndarray) else np.asarray(y)
+        return step

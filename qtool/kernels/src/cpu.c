@@ -107,6 +107,7 @@ static void qt_init_tables(void) {
     d->dwconv = vec == QT_ISA_AVX512VNNI ? qt_dwconv_avx512vnni
               : vec == QT_ISA_AVX2 ? qt_dwconv_avx2_maddubs : qt_dwconv_scalar;
     qt_fill_elementwise(d, vec);
+    qt_fill_transformer(d, vec);
     d->lut = qu8_lut_ukernel__scalar;
     d->lut_name = "qu8_lut_ukernel__scalar";
     d->interleave3 = qu8_interleave3_ukernel__scalar;

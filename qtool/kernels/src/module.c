@@ -442,7 +442,236 @@ static PyObject* py_lut(PyObject* self, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+/* ---- float32 transformer ops (operators-transformer.c); every buffer float32 C-contiguous */
+static int opt_buf(PyObject* o, buf_t* bt, Py_ssize_t need, const char* what) {
+  bt->ok = 0;
+  if (o == Py_None) return 0;
+  return get_buf(o, bt, 0, need, what);
+}
+
+/* layernorm(x, x2|None, s|None, gamma|None, beta|None, y, rows, n, eps): of x (+ x2, kept in s) */
+static PyObject* py_layernorm(PyObject* self, PyObject* args) {
+  (void)self;
+  PyObject *ox, *ox2, *os, *og, *ob, *oy;
+  Py_ssize_t rows, n;
+  float eps;
+  if (!PyArg_ParseTuple(args, "OOOOOOnnf", &ox, &ox2, &os, &og, &ob, &oy, &rows, &n, &eps)) return NULL;
+  if (rows < 0 || n < 1) {
+    PyErr_SetString(PyExc_ValueError, "layernorm: bad dimensions");
+    return NULL;
+  }
+  buf_t x, x2, s, g, b, y;
+  x.ok = x2.ok = s.ok = g.ok = b.ok = y.ok = 0;
+  int ok = 0;
+  if (get_buf(ox, &x, 0, rows * n * 4, "x") == 0 && opt_buf(ox2, &x2, rows * n * 4, "residual") == 0 &&
+      (os == Py_None || get_buf(os, &s, 1, rows * n * 4, "sum") == 0) && opt_buf(og, &g, n * 4, "gamma") == 0 &&
+      opt_buf(ob, &b, n * 4, "beta") == 0 && get_buf(oy, &y, 1, rows * n * 4, "out") == 0) {
+    Py_BEGIN_ALLOW_THREADS
+    qt_f32_layernorm((const float*)x.b.buf, x2.ok ? (const float*)x2.b.buf : NULL, s.ok ? (float*)s.b.buf : NULL,
+                     g.ok ? (const float*)g.b.buf : NULL, b.ok ? (const float*)b.b.buf : NULL, (float*)y.b.buf, rows, n,
+                     eps);
+    Py_END_ALLOW_THREADS
+    ok = 1;
+  }
+  rel(&x); rel(&x2); rel(&s); rel(&g); rel(&b); rel(&y);
+  if (!ok) return NULL;
+  Py_RETURN_NONE;
+}
+
+/* softmax(x, y, rows, n, k, div, mask|None, mask_rows): div -1 plain; 0/1: of x * k or x / k, plus
+ * the mask's row r / (rows / mask_rows) when given */
+static PyObject* py_softmax(PyObject* self, PyObject* args) {
+  (void)self;
+  PyObject *ox, *oy, *om;
+  Py_ssize_t rows, n, mrows;
+  float k;
+  int div;
+  if (!PyArg_ParseTuple(args, "OOnnfiOn", &ox, &oy, &rows, &n, &k, &div, &om, &mrows)) return NULL;
+  if (rows < 0 || n < 1 || mrows < 1 || rows % mrows) {
+    PyErr_SetString(PyExc_ValueError, "softmax: bad dimensions");
+    return NULL;
+  }
+  buf_t x, y, m;
+  x.ok = y.ok = m.ok = 0;
+  int ok = 0;
+  if (get_buf(ox, &x, 0, rows * n * 4, "x") == 0 && get_buf(oy, &y, 1, rows * n * 4, "out") == 0 &&
+      opt_buf(om, &m, mrows * n * 4, "mask") == 0) {
+    Py_BEGIN_ALLOW_THREADS
+    qt_f32_softmax((const float*)x.b.buf, (float*)y.b.buf, rows, n, k, div, m.ok ? (const float*)m.b.buf : NULL,
+                   (size_t)(rows / mrows));
+    Py_END_ALLOW_THREADS
+    ok = 1;
+  }
+  rel(&x); rel(&y); rel(&m);
+  if (!ok) return NULL;
+  Py_RETURN_NONE;
+}
+
+/* gelu(x, y, k_in, div, k_add, k_out); erf(x, y) */
+static PyObject* py_gelu(PyObject* self, PyObject* args) {
+  (void)self;
+  PyObject *ox, *oy;
+  float k_in, k_add, k_out;
+  int div;
+  if (!PyArg_ParseTuple(args, "OOfiff", &ox, &oy, &k_in, &div, &k_add, &k_out)) return NULL;
+  buf_t x, y;
+  x.ok = y.ok = 0;
+  int ok = 0;
+  if (get_buf(ox, &x, 0, -1, "x") == 0 && get_buf(oy, &y, 1, x.b.len, "out") == 0) {
+    Py_BEGIN_ALLOW_THREADS
+    qt_f32_gelu((const float*)x.b.buf, (float*)y.b.buf, (size_t)x.b.len / 4, k_in, div, k_add, k_out);
+    Py_END_ALLOW_THREADS
+    ok = 1;
+  }
+  rel(&x); rel(&y);
+  if (!ok) return NULL;
+  Py_RETURN_NONE;
+}
+
+static PyObject* py_erf(PyObject* self, PyObject* args) {
+  (void)self;
+  PyObject *ox, *oy;
+  if (!PyArg_ParseTuple(args, "OO", &ox, &oy)) return NULL;
+  buf_t x, y;
+  x.ok = y.ok = 0;
+  int ok = 0;
+  if (get_buf(ox, &x, 0, -1, "x") == 0 && get_buf(oy, &y, 1, x.b.len, "out") == 0) {
+    Py_BEGIN_ALLOW_THREADS
+    qt_f32_erf((const float*)x.b.buf, (float*)y.b.buf, (size_t)x.b.len / 4);
+    Py_END_ALLOW_THREADS
+    ok = 1;
+  }
+  rel(&x); rel(&y);
+  if (!ok) return NULL;
+  Py_RETURN_NONE;
+}
+
+/* dynamic_quantize(x_f32, y_u8, scale_f32[1], zp_u8[1]) */
+static PyObject* py_dynamic_quantize(PyObject* self, PyObject* args) {
+  (void)self;
+  PyObject *ox, *oy, *os, *oz;
+  if (!PyArg_ParseTuple(args, "OOOO", &ox, &oy, &os, &oz)) return NULL;
+  buf_t x, y, s, z;
+  x.ok = y.ok = s.ok = z.ok = 0;
+  int ok = 0;
+  if (get_buf(ox, &x, 0, -1, "x") == 0 && get_buf(oy, &y, 1, x.b.len / 4, "out") == 0 &&
+      get_buf(os, &s, 1, 4, "scale") == 0 && get_buf(oz, &z, 1, 1, "zero point") == 0) {
+    Py_BEGIN_ALLOW_THREADS
+    qt_dynamic_quantize((const float*)x.b.buf, (uint8_t*)y.b.buf, (size_t)x.b.len / 4, (float*)s.b.buf,
+                        (uint8_t*)z.b.buf);
+    Py_END_ALLOW_THREADS
+    ok = 1;
+  }
+  rel(&x); rel(&y); rel(&s); rel(&z);
+  if (!ok) return NULL;
+  Py_RETURN_NONE;
+}
+
+/* dynamic_epilogue(y_f32 [rows, n], rows, n, scale_f32[1], zp_u8[1], colsum_f32[n], w_scale_f32[n], bias|None) */
+static PyObject* py_dynamic_epilogue(PyObject* self, PyObject* args) {
+  (void)self;
+  PyObject *oy, *os, *oz, *oc, *ow, *ob;
+  Py_ssize_t rows, n;
+  if (!PyArg_ParseTuple(args, "OnnOOOOO", &oy, &rows, &n, &os, &oz, &oc, &ow, &ob)) return NULL;
+  if (rows < 0 || n < 1) {
+    PyErr_SetString(PyExc_ValueError, "dynamic_epilogue: bad dimensions");
+    return NULL;
+  }
+  buf_t y, s, z, c, w, b;
+  y.ok = s.ok = z.ok = c.ok = w.ok = b.ok = 0;
+  int rc = -2;
+  if (get_buf(oy, &y, 1, rows * n * 4, "out") == 0 && get_buf(os, &s, 0, 4, "scale") == 0 &&
+      get_buf(oz, &z, 0, 1, "zero point") == 0 && get_buf(oc, &c, 0, n * 4, "colsum") == 0 &&
+      get_buf(ow, &w, 0, n * 4, "w_scale") == 0 && opt_buf(ob, &b, n * 4, "bias") == 0) {
+    const float scale = *(const float*)s.b.buf;
+    const int32_t zp = *(const uint8_t*)z.b.buf;
+    Py_BEGIN_ALLOW_THREADS
+    rc = qt_dynamic_epilogue((float*)y.b.buf, rows, n, scale, zp, (const float*)c.b.buf, (const float*)w.b.buf,
+                             b.ok ? (const float*)b.b.buf : NULL);
+    Py_END_ALLOW_THREADS
+    if (rc == -1) PyErr_NoMemory();
+  }
+  rel(&y); rel(&s); rel(&z); rel(&c); rel(&w); rel(&b);
+  if (rc != 0) return NULL;
+  Py_RETURN_NONE;
+}
+
+/* matmul(a, b, y): float32 y[..., M, N] (C-contiguous) = a[..., M, K] @ b[..., K, N], a and b any
+ * strided float32 arrays whose leading dims broadcast to y's (numpy's matmul) */
+static int batch_offsets(const Py_buffer* v, const Py_buffer* y, size_t batch, ptrdiff_t* off) {
+  const int yl = y->ndim - 2, vl = v->ndim - 2;
+  if (vl > yl) return -1;
+  for (int d = 0; d < vl; d++) {
+    const Py_ssize_t vs = v->shape[d], ys = y->shape[yl - vl + d];
+    if (vs != 1 && vs != ys) return -1;
+    if (v->strides[d] % 4) return -1;
+  }
+  for (size_t i = 0; i < batch; i++) {
+    size_t rest = i;
+    ptrdiff_t o = 0;
+    for (int d = yl - 1; d >= 0; d--) {
+      const size_t idx = rest % (size_t)y->shape[d];
+      rest /= (size_t)y->shape[d];
+      const int vd = d - (yl - vl);
+      if (vd >= 0 && v->shape[vd] != 1) o += (ptrdiff_t)idx * (v->strides[vd] / 4);
+    }
+    off[i] = o;
+  }
+  return 0;
+}
+
+static PyObject* py_matmul(PyObject* self, PyObject* args) {
+  (void)self;
+  PyObject *oa, *ob, *oy;
+  if (!PyArg_ParseTuple(args, "OOO", &oa, &ob, &oy)) return NULL;
+  Py_buffer a, b;
+  buf_t y;
+  y.ok = 0;
+  if (PyObject_GetBuffer(oa, &a, PyBUF_RECORDS_RO) != 0) return NULL;
+  if (PyObject_GetBuffer(ob, &b, PyBUF_RECORDS_RO) != 0) {
+    PyBuffer_Release(&a);
+    return NULL;
+  }
+  int rc = -2;
+  ptrdiff_t* off = NULL;
+  if (get_buf(oy, &y, 1, -1, "out") == 0) {
+    const int ok_types = a.itemsize == 4 && b.itemsize == 4 && a.format && b.format && !strcmp(a.format, "f") &&
+                         !strcmp(b.format, "f") && a.ndim >= 2 && b.ndim >= 2 && y.b.ndim >= 2;
+    size_t batch = 1;
+    for (int d = 0; ok_types && d < y.b.ndim - 2; d++) batch *= (size_t)y.b.shape[d];
+    const Py_ssize_t m = ok_types ? a.shape[a.ndim - 2] : 0, k = ok_types ? a.shape[a.ndim - 1] : 0;
+    const Py_ssize_t n = ok_types ? b.shape[b.ndim - 1] : 0;
+    off = ok_types ? (ptrdiff_t*)malloc(2 * batch * sizeof(ptrdiff_t) + 1) : NULL;
+    if (!ok_types || !off || b.shape[b.ndim - 2] != k || y.b.shape[y.b.ndim - 2] != m ||
+        y.b.shape[y.b.ndim - 1] != n || y.b.len != (Py_ssize_t)(batch * m * n * 4) ||
+        a.strides[a.ndim - 1] % 4 || a.strides[a.ndim - 2] % 4 || b.strides[b.ndim - 1] % 4 ||
+        b.strides[b.ndim - 2] % 4 || batch_offsets(&a, &y.b, batch, off) || batch_offsets(&b, &y.b, batch, off + batch)) {
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "matmul: float32 a [..., M, K], b [..., K, N] and out [..., M, N] expected");
+    } else {
+      Py_BEGIN_ALLOW_THREADS
+      rc = qt_f32_matmul((const float*)a.buf, (const float*)b.buf, (float*)y.b.buf, batch, off, off + batch,
+                         (size_t)m, (size_t)n, (size_t)k, a.strides[a.ndim - 2] / 4, a.strides[a.ndim - 1] / 4,
+                         b.strides[b.ndim - 2] / 4, b.strides[b.ndim - 1] / 4);
+      Py_END_ALLOW_THREADS
+      if (rc == -1) PyErr_NoMemory();
+    }
+  }
+  free(off);
+  PyBuffer_Release(&a);
+  PyBuffer_Release(&b);
+  rel(&y);
+  if (rc != 0) return NULL;
+  Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"matmul", py_matmul, METH_VARARGS, "float32 batched MatMul of strided arrays"},
+    {"layernorm", py_layernorm, METH_VARARGS, "float32 LayerNormalization over rows"},
+    {"softmax", py_softmax, METH_VARARGS, "float32 Softmax over rows"},
+    {"gelu", py_gelu, METH_VARARGS, "float32 erf GELU as exporters write it"},
+    {"erf", py_erf, METH_VARARGS, "float32 erf"},
+    {"dynamic_quantize", py_dynamic_quantize, METH_VARARGS, "DynamicQuantizeLinear (float32 -> uint8, scale, zp)"},
+    {"dynamic_epilogue", py_dynamic_epilogue, METH_VARARGS, "the dynamic MatMul's float32 epilogue"},
     {"mul", py_mul, METH_VARARGS, "quantized multiply (ORT QLinearMul rounding)"},
     {"lut", py_lut, METH_VARARGS, "uint8 table lookup"},
     {"quantize", py_quantize, METH_VARARGS, "float32 NCHW -> uint8 NHWC (QuantizeLinear)"},

@@ -90,4 +90,20 @@ void qt_quantize_nchw_to_nhwc(const float* x, uint8_t* y, size_t n, size_t c, si
                               float scale, int32_t zp);
 void qt_dequantize_nhwc_to_nchw(const uint8_t* x, float* y, size_t n, size_t c, size_t h, size_t w,
                                 float scale, int32_t zp);
+/* operators-transformer.c */
+/* layernorm of x (+ x2 when given, the sum kept in s when given) over rows of n */
+void qt_f32_layernorm(const float* x, const float* x2, float* s, const float* g, const float* b, float* y, size_t rows,
+                      size_t n, float eps);
+/* softmax over rows of n; div >= 0: of (x / k or x * k) + mask row r / mask_every (mask may be NULL) */
+void qt_f32_softmax(const float* x, float* y, size_t rows, size_t n, float k, int div, const float* mask,
+                    size_t mask_every);
+void qt_f32_gelu(const float* x, float* y, size_t count, float k_in, int div, float k_add, float k_out);
+void qt_f32_erf(const float* x, float* y, size_t count);
+void qt_dynamic_quantize(const float* x, uint8_t* y, size_t count, float* scale_out, uint8_t* zp_out);
+/* float32 batched MatMul (operators-transformer.c): -1 when out of memory */
+int qt_f32_matmul(const float* a, const float* b, float* c, size_t batch, const ptrdiff_t* a_off,
+                  const ptrdiff_t* b_off, size_t m, size_t n, size_t k, ptrdiff_t a_rs, ptrdiff_t a_cs,
+                  ptrdiff_t b_rs, ptrdiff_t b_cs);
+int qt_dynamic_epilogue(float* y, size_t rows, size_t n, float scale, int32_t zp, const float* colsum,
+                        const float* w_scale, const float* bias);
 #endif

@@ -154,6 +154,19 @@ typedef void (*qt_mul_fn)(size_t n, const uint8_t* a, const uint8_t* b, uint8_t*
                           int32_t za, int32_t zb, const qt_requant* rq);
 typedef void (*qt_quant_row_fn)(size_t n, const float* x, float scale, int32_t zp, uint8_t* y);
 typedef void (*qt_lut_fn)(size_t n, const uint8_t* x, const uint8_t* table, uint8_t* y);
+/* float32 row kernels of transformer graphs (f32-transformer.c) */
+typedef void (*qt_f32_layernorm_fn)(size_t n, const float* x, const float* g, const float* b, float eps,
+                                    float* y);
+typedef void (*qt_f32_row_fn)(size_t n, const float* x, float* y);
+typedef void (*qt_f32_gelu_fn)(size_t n, const float* x, float* y, float k_in, int div, float k_add,
+                               float k_out);
+typedef void (*qt_f32_scale_add_fn)(size_t n, const float* x, float k, int div, const float* m, float* y);
+/* C[mr x nc] = A[mr x kc] (strides a_rs, a_cs floats) B[kc x nc] (rows ldb floats apart), mr <= 8 */
+typedef void (*qt_f32_gemm_fn)(size_t mr, size_t nc, size_t kc, const float* a, ptrdiff_t a_rs, ptrdiff_t a_cs,
+                               const float* b, size_t ldb, float* c, size_t ldc);
+typedef void (*qt_f32_minmax_fn)(size_t n, const float* x, float* mn, float* mx);
+typedef void (*qt_f32_dyn_epilogue_fn)(size_t n, float* y, const float* zpcs, const float* m,
+                                       const float* bias);
 
 typedef struct {
   int isa;
@@ -176,6 +189,13 @@ typedef struct {
   qt_quant_row_fn quant_row;
   qt_lut_fn lut; const char* lut_name;
   void (*interleave3)(size_t n, const uint8_t* p0, const uint8_t* p1, const uint8_t* p2, uint8_t* y);
+  qt_f32_layernorm_fn f32_layernorm;
+  qt_f32_row_fn f32_softmax, f32_erf;
+  qt_f32_gelu_fn f32_gelu;
+  qt_f32_scale_add_fn f32_scale_add;
+  qt_f32_gemm_fn f32_gemm;
+  qt_f32_minmax_fn f32_minmax;
+  qt_f32_dyn_epilogue_fn f32_dyn_epilogue;
 } qt_dispatch;
 
 /* cpu.c */
@@ -221,6 +241,7 @@ double qt_peak_gmacs(int kind, double seconds);
 void qt_set_exact_only(int on);   /* 1: pack later objects with igemm_exact/dwconv_exact if any */
 int qt_get_exact_only(void);
 void qt_fill_elementwise(qt_dispatch* d, int isa);
+void qt_fill_transformer(qt_dispatch* d, int isa);
 void qu8_lut_ukernel__scalar(size_t n, const uint8_t* x, const uint8_t* t, uint8_t* y);
 void qu8_lut_ukernel__avx512vbmi(size_t n, const uint8_t* x, const uint8_t* t, uint8_t* y);
 void qu8_interleave3_ukernel__scalar(size_t n, const uint8_t* p0, const uint8_t* p1,
