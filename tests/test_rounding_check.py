@@ -65,7 +65,7 @@ def test_where_kept_the_model_is_the_unchecked_rounding_byte_for_byte(tmp_path, 
     assert any("kept (nearest" in s for s in said)
     # the same run with the check made blind: the rounding as it was before the check
     monkeypatch.setattr(rounding_step, "check_rounding",
-                        lambda ctx, samples, extra=None, progress=None: RC.RoundingCheck(len(samples), why_not="blind"))
+                        lambda ctx, samples, progress=None: RC.RoundingCheck(len(samples), why_not="blind"))
     _, unchecked, _ = _quantize(work, str(tmp_path / "unchecked.onnx"))
     assert checked == unchecked
 
@@ -82,30 +82,3 @@ def test_too_few_tuning_samples_leave_the_rounding_unchecked_and_say_so(tmp_path
     assert rep["rounding_check"]["decision"] == "unchecked" and rep["rounding"] == "output-aware"
     assert any(s.startswith("output-aware rounding not cross-checked") for s in said)
 
-
-def test_samples_no_step_fitted_on_are_judged_beside_the_halves(tmp_path):
-    """Beyond the tuning samples, calibration samples no step fits on are run by the model rounded on every
-    tuning sample (the one written) against nearest rounding, judged together with the halves."""
-    rep, _, said = _quantize(_calibrated(tmp_path, n=60), str(tmp_path / "a.onnx"))
-    c, used = rep["rounding_check"], rep["samples_used"]["steps"]
-    assert c["tuning_samples_by_halves"] == used["output-aware rounding"]
-    others = c["samples"] - c["tuning_samples_by_halves"]
-    assert others > 0 and c["verdict"]["samples"] == c["samples"] == used["rounding check"]
-    assert any(s.startswith("verified output-aware rounding on") and f"and {others} others" in s for s in said)
-
-
-def test_nearest_reads_more_beyond_one_standard_deviation_of_the_count():
-    """The count decides at COUNT_SIGNIFICANCE (1 SD of the sign test): nearest alone reads 8 samples, the
-    fitted rounding alone 4 (PP-OCRv4's calibration crops), though the continuous proxy favours the fitted
-    one; at 2 SD the count would not decide and the proxy would keep the fitted rounding."""
-    from qtool.quantize.verify import Figures, decide
-    n = 100
-    near, fit = np.ones(n, bool), np.ones(n, bool)
-    near[:4], fit[4:12] = False, False  # fitted alone reads 0..3, nearest alone reads 4..11
-    e_near, e_fit = np.full(n, 2.0), np.full(n, 1.0)
-    args = (RC.STEP, "texts (greedy CTC)", Figures(near, e_near), Figures(fit, e_fit), "output-aware rounding",
-            RC.HARM_SIGNIFICANCE)
-    v = decide(*args, count_significance=RC.COUNT_SIGNIFICANCE)
-    assert v.kept and v.decided_by == "count" and (v.read_with, v.read_without) == (96, 92)
-    v2 = decide(*args, count_significance=2.0)
-    assert not v2.kept and v2.decided_by == "continuous"

@@ -108,7 +108,7 @@ def test_rounding_that_measures_worse_where_it_was_not_fitted_falls_back_to_near
     monkeypatch.setattr(weights, "round_weights", harmful)
     # (the layer by layer check that runs by default catches this rounding first: test_rounding_check.py;
     # here it is made blind, so the rounding reaches the held-out model)
-    monkeypatch.setattr(rounding_step, "check_rounding", lambda ctx, samples, extra=None, progress=None:
+    monkeypatch.setattr(rounding_step, "check_rounding", lambda ctx, samples, progress=None:
                         RoundingCheck(len(samples), why_not="made blind"))
     work = _calibrated(tmp_path)
     lines = []
@@ -200,3 +200,26 @@ def test_the_default_writes_the_model_verification_never_touches(tmp_path, monke
     assert "verification" not in rep["optional_steps"]["seconds"]
     assert rep["rounding"] == "output-aware" and rep["samples_used"]["steps"].get("target cost") == 30
     assert verified.report["verified"] and "verification" in verified.report["samples_used"]["steps"]
+
+
+def test_a_recognizer_on_crops_of_several_widths_is_judged_by_its_texts():
+    """Crops of several widths come out as sequences of several lengths, joined zero-padded to the longest
+    (samples.py): the padded rows are no distribution, yet the output is still a recognizer's, judged by its
+    texts, each sample read over its own positions only."""
+    from qtool.quantize.verify import judge_for
+    rng = np.random.default_rng(3)
+    lengths, T, C = [12, 20, 16, 20, 8, 20], 20, 30
+    ref = np.zeros((len(lengths), T, C), np.float32)
+    for k, n in enumerate(lengths):
+        path = np.where(rng.random(n) < 0.7, 0, rng.integers(1, C, n))  # blank 0 most of the time
+        ref[k, np.arange(n), path] = 0.9
+        ref[k, :n] += 0.1 / C
+        ref[k, :n] /= ref[k, :n].sum(-1, keepdims=True)
+    judge = judge_for(ref)
+    assert judge.kind == "texts (greedy CTC)" and judge.blank == 0
+    y = ref.copy()
+    near = set(ref[1, 2:5].argmax(-1).tolist())
+    c = next(c for c in range(1, C) if c not in near)
+    y[1, 3] = 0.0
+    y[1, 3, c] = 1.0  # one position of sample 1 reads a letter fp32 does not: one more letter in its text
+    assert judge.counted(ref, y).tolist() == [k != 1 for k in range(len(lengths))]

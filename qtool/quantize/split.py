@@ -60,11 +60,6 @@ class SampleSplit:
     auto: list
     tune: list
     verify: list = field(default_factory=list)
-    # samples no fitting step sees, on which the rounding check judges the model rounded on every tuning
-    # sample (rounding_check.py): the halves of the tuning samples alone are too few to see a recognizer read
-    # a few crops in a hundred fewer (PP-OCRv4's: 8 of 286 calibration crops read only with nearest rounding,
-    # 4 only with the fitted one; the 30 tuning samples' halves showed 28 and 27)
-    check: list = field(default_factory=list)
 
     @classmethod
     def of(cls, files: list, sensitivity_samples: int, tune: int | None = None,
@@ -91,9 +86,7 @@ class SampleSplit:
             tuning = [f for f in tuning if f not in kept]
         else:  # too few to judge a step on: the steps stay unverified (and say so)
             verify = []
-        fitted = set(tuning) | set(choosing) | set(verify)
-        check = _evenly([f for f in files if f not in fitted], CHECK_SAMPLES)
-        return cls(sens, held, choosing, tuning, verify, check)
+        return cls(sens, held, choosing, tuning, verify)
 
     def files(self, parts) -> list:
         """The files of the parts named (fields of this split), each once, in PARTS order: the order the
@@ -103,7 +96,7 @@ class SampleSplit:
 
 
 # the parts of a split a step may read, in the order they are decoded
-PARTS = ("auto", "tune", "sensitivity", "held_back", "verify", "check")
+PARTS = ("auto", "tune", "sensitivity", "held_back", "verify")
 
 
 MAX_HELD_BACK = 512  # held-back samples decoded for the exclusion check, at most
@@ -112,7 +105,6 @@ MAX_HELD_BACK = 512  # held-back samples decoded for the exclusion check, at mos
 # of them tuning samples), one in VERIFY_EVERY is held out from those steps (32 -> 22 tuning, 10 verify);
 # fewer than MIN_VERIFY_SAMPLES * VERIFY_EVERY samples in all: no verification
 VERIFY_SAMPLES = 32
-CHECK_SAMPLES = 256  # samples the rounding check judges on beyond the tuning ones, at most (the budget may cut)
 MIN_VERIFY_SAMPLES = 8
 VERIFY_EVERY = 3
 

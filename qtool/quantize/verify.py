@@ -46,8 +46,10 @@ class Judge:
     def counted(self, ref: np.ndarray, y: np.ndarray) -> np.ndarray | None:
         """Each sample read as fp32 reads it (bool [N]), or None where the figure is no count."""
         if self.kind == "texts (greedy CTC)":
+            real = _real_rows(ref)  # (a sample shorter than others: its padding read by neither)
             pr, py = ref.argmax(-1), y.argmax(-1)
-            return np.array([ctc_collapse(a, self.blank) == ctc_collapse(b, self.blank) for a, b in zip(pr, py)])
+            return np.array([ctc_collapse(a[k], self.blank) == ctc_collapse(b[k], self.blank)
+                             for a, b, k in zip(pr, py, real)])
         if self.kind in ("top-1", "top-1 at every position"):
             eq = ref.argmax(-1) == y.argmax(-1)
             return eq.reshape(len(eq), -1).all(axis=1)
@@ -94,15 +96,31 @@ def judge_for(reference: np.ndarray) -> Judge:
     norms = np.linalg.norm(r64.reshape(-1, ref.shape[-1]), axis=1)
     if ref.shape[-1] >= UNIT_ROWS_MIN and np.abs(norms - 1).max() <= 1e-2 and not is_distribution(r64):
         return Judge("cosine")
-    kind, layout = output_kind(r64)
+    real = _real_rows(r64) if r64.ndim == 3 else None
+    if real is not None and not all(k.all() for k in real):
+        # samples of several lengths, joined zero-padded to the longest (samples.py): the kind is that of
+        # their real positions (a padded row is no distribution), laid end to end as one sequence
+        rows = np.concatenate([r[k] for r, k in zip(r64, real)])
+        kind, layout = output_kind(rows[None]) if len(rows) else (None, None)
+        paths = [r[k].argmax(-1) for r, k in zip(r64, real)]
+    else:
+        kind, layout = output_kind(r64)
+        paths = list(ref.argmax(-1)) if ref.ndim >= 2 else []
     if kind is None or layout is not None:
         return Judge("SQNR")
     if kind == "position":
-        blank = ctc_blank(list(ref.argmax(-1)))
+        blank = ctc_blank(paths)
         if blank is not None:
             return Judge("texts (greedy CTC)", blank)
         return Judge("top-1 at every position")
     return Judge("top-1")
+
+
+def _real_rows(ref: np.ndarray) -> list:
+    """Per sample of a [N, T, C] output, its positions that are not all zero (bool [T]): a sample shorter than
+    the longest is joined zero-padded (samples.py), and a real score row (a distribution, logits) never is."""
+    r = np.asarray(ref)
+    return [np.abs(x.reshape(len(x), -1)).sum(1) > 0 for x in r] if r.ndim == 3 else [slice(None)] * len(r)
 
 
 @dataclass
@@ -160,15 +178,15 @@ def verdict(step: str, judge: Judge, ref: np.ndarray, y_with: np.ndarray, y_with
 
 
 def decide(step: str, kind: str, with_: Figures, without: Figures, fallback: str,
-           significance: float = SIGNIFICANCE, count_significance: float | None = None) -> Verdict:
+           significance: float = SIGNIFICANCE) -> Verdict:
     """Whether the model with `step` measures better than without it, on the same samples judged by `kind`: a
     count first (sign test), then the continuous figure (paired), each beyond `significance` standard
-    deviations (the count's; `count_significance` where it differs) or standard errors (the mean's)."""
+    deviations (the count's) or standard errors (the mean's)."""
     a, b = with_.read, without.read
     kept, by, margin = None, "continuous", 0.0
     if a is not None and b is not None:
         wins, losses = int((a & ~b).sum()), int((b & ~a).sum())
-        bar = (significance if count_significance is None else count_significance) * np.sqrt(wins + losses)
+        bar = significance * np.sqrt(wins + losses)
         margin = (wins - losses) / max(np.sqrt(wins + losses), 1.0)
         if wins - losses > bar:
             kept, by = True, "count"

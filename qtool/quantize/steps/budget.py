@@ -16,9 +16,6 @@ from qtool.quantize.step import Step
 MIN_BUDGET_TUNE_SAMPLES = 4  # covariances on fewer are mostly their diagonal: nearest rounding instead
 # fp32 passes per held-out sample verification takes: the model with and without a step, for about three steps
 VERIFY_PASSES = 6.0
-# per sample the rounding check judges beyond the tuning ones: its decoding, the rounded and the nearest model
-CHECK_PASSES = 3.0
-CHECK_OUTPUT_BYTES = 128 << 20  # their fp32 outputs held at once, at most (a recognizer's: 1 MB a crop)
 
 
 @dataclass
@@ -62,16 +59,13 @@ def afford(run, need: list) -> Afforded | None:
         n_tune = b.samples(per_tune, n_tune, MIN_BUDGET_TUNE_SAMPLES)
     n_verify = b.samples(VERIFY_PASSES, len(split.verify), MIN_VERIFY_SAMPLES) \
         if verify and split.verify and (auto or rounding) else len(split.verify)
-    n_check = _check_samples(b, probe, len(split.check)) if rounding else 0
     if (n_auto, n_sens, n_tune, n_verify) == (len(split.auto), len(split.sensitivity), len(split.tune),
                                               len(split.verify)):
-        split.check = _evenly(split.check, n_check)
         return Afforded(split, auto, rounding, sensitivity, b, fp32_seconds_per_sample=probe.seconds_per_sample)
     sens_wanted = run.options.sensitivity.samples or sensitivity_samples(fused)
     new = SampleSplit.of(run.files, n_sens if n_sens < len(split.sensitivity) else sens_wanted,
                          n_tune if rounding else None, n_auto if auto else None, verify=verify)
     new.verify = _evenly(new.verify, n_verify)
-    new.check = _evenly(new.check, _check_samples(b, probe, len(new.check)) if rounding and n_tune else 0)
     notes = []
     for step, wanted, old, now, passes, least in (
             ("method choice", auto, split.auto, new.auto, METHOD_CHOICE_PASSES * len(range_candidates(table)), 1),
@@ -86,14 +80,6 @@ def afford(run, need: list) -> Afforded | None:
             f"{b.seconds_per_sample:.2f} s): " + "; ".join(notes))
     return Afforded(new, auto and n_auto > 0, rounding and n_tune > 0, sensitivity and n_sens > 0, b, notes,
                     probe.seconds_per_sample)
-
-
-def _check_samples(b: Budget, probe, wanted: int) -> int:
-    """The rounding check's samples beyond the tuning ones (split.check) the budget affords, their outputs
-    within CHECK_OUTPUT_BYTES; none where it cannot afford MIN_VERIFY_SAMPLES."""
-    per = max(int(probe.reference.nbytes) // max(len(probe), 1), 1)
-    n = min(b.samples(CHECK_PASSES, wanted, MIN_VERIFY_SAMPLES), CHECK_OUTPUT_BYTES // per)
-    return n if n >= MIN_VERIFY_SAMPLES else 0
 
 
 def when(run) -> bool:

@@ -30,11 +30,10 @@ def round_all(ctx: QuantizeContext, say=print, show_progress: bool = True) -> No
 
 
 def tune_rounding(ctx: QuantizeContext, samples: SampleSet, res: Tuning, steps: OptionalSteps, say=print,
-                  show_progress: bool = True, check: SampleSet | None = None) -> None:
+                  show_progress: bool = True) -> None:
     """Output-aware rounding from calibration `samples`: sets ctx.hessians (and res.hessians, the
     layers left to nearest rounding in res.unrounded) and rounds every such layer once. A layer whose
-    covariance or rounding fails is told to `steps` and rounded to nearest. Then checked (rounding_check.py)
-    on the halves of `samples` and on `check`; where nearest rounding measured better, no layer is rounded."""
+    covariance or rounding fails is told to `steps` and rounded to nearest."""
     say(f"output-aware rounding: input covariances of every layer on {len(samples)} calibration images")
     fail = steps.on_layer_error("output-aware rounding")
 
@@ -45,27 +44,24 @@ def tune_rounding(ctx: QuantizeContext, samples: SampleSet, res: Tuning, steps: 
         res.unrounded[layer] = "its output-aware rounding failed"
 
     ctx.record_samples("output-aware rounding", samples)
+    check = cross_check(ctx, samples, say, show_progress)
+    res.check = check
+    if check.nearest:
+        ctx.hessians = res.hessians = None
+        return
     with bar(len(samples), "image", "covariances", show_progress) as pb:
         ctx.hessians = res.hessians = layer_hessians(ctx.fused, samples, progress=whole(pb), on_error=nearest,
                                                      skipped=res.unrounded)
     ctx.on_error = nearest
     round_all(ctx, say, show_progress)  # at the method's ranges; range tuning scores with these weights
-    res.check = cross_check(ctx, samples, check, say, show_progress)
-    if check is not None:
-        ctx.record_samples("rounding check", check)  # (its sizes: those of the samples beyond the tuning ones)
-        ctx.samples_used["rounding check"] = res.check.samples  # judged with the tuning samples' halves
-    if res.check.nearest:
-        ctx.hessians = res.hessians = ctx.on_error = None
-        res.unrounded.clear()
 
 
-def cross_check(ctx: QuantizeContext, samples: SampleSet, check: SampleSet | None, say=print,
-                show_progress: bool = True) -> RoundingCheck:
+def cross_check(ctx: QuantizeContext, samples: SampleSet, say=print, show_progress: bool = True) -> RoundingCheck:
     """rounding_check.check_rounding, said in one line."""
     with bar(len(samples), "image", "covariances by halves", show_progress) as pb:
-        found = check_rounding(ctx, samples, check, progress=whole(pb))
-    say(found.line())
-    return found
+        check = check_rounding(ctx, samples, progress=whole(pb))
+    say(check.line())
+    return check
 
 
 def when(run) -> bool:
@@ -74,15 +70,14 @@ def when(run) -> bool:
 
 
 def samples(run) -> tuple:
-    """the tuning samples (checked: fitted on each half, judged on the other), others it is checked on; --verify's"""
-    return ("tune", "check", "verify") if run.on.rounding else ()
+    """the tuning samples (cross-checked: fitted on each half, judged on the other); held-out ones with --verify"""
+    return ("tune", "verify") if run.on.rounding else ()
 
 
 def rounding(run) -> None:
     t0 = time.time()
     try:
-        tune_rounding(run.ctx, run.tune_samples, run.tuning, run.steps, run.say, run.progress,
-                      run.samples.pick(run.split.check))
+        tune_rounding(run.ctx, run.tune_samples, run.tuning, run.steps, run.say, run.progress)
     finally:
         run.tuning.seconds += time.time() - t0
 
