@@ -122,6 +122,7 @@ def _calibrate(job: _Job, also_writes) -> CalibrateResult:
         result.phases = phases.stop()
         raise LateWriteError(str(e), result) from None
     result.seconds, result.phases = time.time() - t0, phases.stop()
+    result.phases.update({f"calibration pass: {k}": v for k, v in seen.phases.items()})  # (sharded: distributed/)
     return result
 
 

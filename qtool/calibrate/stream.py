@@ -19,6 +19,7 @@ class Seen:
     distinct: dict  # model input -> its distinct values while few (lattice.py: an 8-bit image's grid)
     spend: Spend
     skipped: list = field(default_factory=list)  # unreadable files, in the data's order
+    phases: dict = field(default_factory=dict)  # a sharded pass: seconds the driver spent per phase of it
 
     def merge(self, other: "Seen") -> None:
         """Add a later shard's names, distinct values and skipped files (its Observed is folded apart:

@@ -31,6 +31,7 @@ from qtool.data.sources import ImageData
 from qtool.data.tensors import tensor_source
 from qtool.distributed.cluster import RETRIES, cpus, fetched, gather, put, ray_cluster
 from qtool.errors import UsageError
+from qtool.timing import Phases
 
 SHARDS_PER_WORKER = 4  # shards beyond the channel-means region: a few per worker, so the last ones even out
 
@@ -110,16 +111,25 @@ def sharded_pass(job: Sharded, seen: Seen, macs, planned) -> Seen:
                       job.options.sampling.batch, threads, run.cut, run.where)
     if not batches:
         return seen
+    laps = Phases()  # (seen.phases: where the driver waited, for -v, --json and benchmarks/bench_ray.py)
+    laps.lap("ray start")
     with ray_cluster(job.options.ray) as ray:
         actor = ray.remote(num_cpus=1, max_restarts=RETRIES, max_task_retries=RETRIES)(ShardWorker)
         model = put(job.model.SerializeToString())
         workers = [actor.remote(opening, job.targets) for _ in range(cpus())]
+        ray.get([w.pid.remote() for w in workers])  # (started: the first slice is timed apart)
+        laps.lap("first slice")
         head = Shard(tuple(batches[0][:1] if run.cut and len(batches[0]) > 1 else batches[0]), 0)
         first = gather([workers[0].observe.remote(model, head)], "calibrate")[0]
         _progress(run, first)
+        laps.lap("shards")
         folded, rest = _plan(batches, first.obs, run.cut, len(workers))
         got = _run_shards(ray, workers, [(model, s) for s in folded + rest], run)
-    return _fold(seen, [first] + got[:len(folded)], got[len(folded):])
+        laps.lap("ray stop")
+    laps.lap("merge")
+    seen = _fold(seen, [first] + got[:len(folded)], got[len(folded):])
+    seen.phases = laps.stop()
+    return seen
 
 
 def _folder(source) -> str:
@@ -131,7 +141,7 @@ def _kept_batches(source, seen: Seen, macs, planned) -> list:
     """The files of each batch one process would read, thinned to the budget as it would be (budget.py,
     told the first batch's MACs: that batch is read here)."""
     size = source.stream.batch if source.kind == "images" else source.batch
-    files = list(source.files)
+    files = [os.path.abspath(f) for f in source.files]  # (a worker on another node has another working directory)
     chunks = [files[i:i + size] for i in range(0, len(files), size)]
     head = next(iter(source.batches()), None)
     if head is None:
@@ -141,8 +151,8 @@ def _kept_batches(source, seen: Seen, macs, planned) -> list:
         yield head
         yield from ((c, None) for c in chunks[1:])
 
-    return [list(c) if k else chunks[0] for k, (c, _) in
-            enumerate(within_budget(stream(), len(files), macs, seen.spend.budget_gmac, planned, spend=seen.spend))]
+    return [[os.path.abspath(f) for f in c] for c, _ in
+            within_budget(stream(), len(files), macs, seen.spend.budget_gmac, planned, spend=seen.spend)]
 
 
 def _plan(batches: list, head, cut: bool, workers: int) -> tuple:
