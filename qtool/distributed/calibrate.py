@@ -24,7 +24,7 @@ import onnx
 
 from qtool import graph as G
 from qtool.calibrate.budget import Spend, within_budget
-from qtool.calibrate.collect import MEAN_SAMPLES, Pass, ShapesAt, Targets, collect, planned_slices
+from qtool.calibrate.collect import MEAN_SAMPLES, Pass, ShapesAt, Targets, Within, collect, planned_slices, slice_budget
 from qtool.calibrate.options import CalibrateOptions
 from qtool.calibrate.stream import Seen, noted_feeds
 from qtool.data.sources import ImageData
@@ -54,7 +54,7 @@ class Opening:
     kind: str  # "images", else a tensor folder
     cfg: object  # the preprocessing fitted to the model (images)
     batch: int
-    threads: int  # collect's threads, as one process on the driver's machine resolves them
+    threads: int  # collect's threads, as one process on the driver's machine resolves them: the first slice's
     cut: bool
     where: str
 
@@ -62,8 +62,7 @@ class Opening:
 @dataclass(frozen=True)
 class Shard:
     files: tuple
-    first: int  # the index of its first sample among all the samples read
-    per_sample_bytes: int | None = None  # as the first slice measured them (None: the first slice itself)
+    within: Within  # its place in the stream (None of per_sample_bytes: the first slice itself)
 
 
 class ShardWorker:
@@ -90,7 +89,10 @@ class ShardWorker:
         source = (ImageData(o.folder, o.cfg, self.model, o.where, o.batch, files=files) if o.kind == "images"
                   else tensor_source(o.folder, self.model, o.where, o.batch, files=files))
         seen = Seen(None, [], {}, Spend(0, len(source)), source.skipped)
-        run = Pass(None, o.threads, o.where, o.cut, self.shapes, shard.first, shard.per_sample_bytes, self.keep)
+        # (the first slice runs as one process would, telling how many workers it deals to; every other shard
+        # on the worker's one CPU, cut as the whole stream is)
+        threads = o.threads if shard.within.per_sample_bytes is None else 1
+        run = Pass(None, threads, o.where, o.cut, self.shapes, shard.within, self.keep)
         seen.obs = collect(self.model, self.targets, noted_feeds(source, seen, None, None, self.inputs), run)
         return seen
 
@@ -119,7 +121,7 @@ def sharded_pass(job: Sharded, seen: Seen, macs, planned) -> Seen:
         workers = [actor.remote(opening, job.targets) for _ in range(cpus())]
         ray.get([w.pid.remote() for w in workers])  # (started: the first slice is timed apart)
         laps.lap("first slice")
-        head = Shard(tuple(batches[0][:1] if run.cut and len(batches[0]) > 1 else batches[0]), 0)
+        head = Shard(tuple(batches[0][:1] if run.cut and len(batches[0]) > 1 else batches[0]), Within())
         first = gather([workers[0].observe.remote(model, head)], "calibrate")[0]
         _progress(run, first)
         laps.lap("shards")
@@ -159,13 +161,14 @@ def _plan(batches: list, head, cut: bool, workers: int) -> tuple:
     """(the shards of the channel-means region, one slice each, after the first; the other shards, whole
     batches, a few per worker)."""
     sizes = iter(planned_slices([len(b) for b in batches], head.per_sample_bytes, head.lanes, cut))
+    at = lambda first: Within(first, head.per_sample_bytes, slice_budget(head.lanes))
     folded, rest, first = [], [], 0
     for b in batches:
         if first < MEAN_SAMPLES:
             i = 0
             while i < len(b):
                 n = next(sizes)
-                folded.append(Shard(tuple(b[i:i + n]), first + i, head.per_sample_bytes))
+                folded.append(Shard(tuple(b[i:i + n]), at(first + i)))
                 i += n
         else:
             rest.append(b)
@@ -176,7 +179,7 @@ def _plan(batches: list, head, cut: bool, workers: int) -> tuple:
     shards = []
     for k in range(0, len(rest), per):
         group = rest[k:k + per]
-        shards.append(Shard(tuple(f for b in group for f in b), start, head.per_sample_bytes))
+        shards.append(Shard(tuple(f for b in group for f in b), at(start)))
         start += sum(len(b) for b in group)
     return folded, shards
 
