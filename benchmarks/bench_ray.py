@@ -54,6 +54,18 @@ def _titled(prefix: str) -> list:
     return pids
 
 
+def _ancestors(pid: int) -> set:
+    seen = set()
+    while pid > 1 and pid not in seen:
+        seen.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return seen
+
+
 def _marked(value: str) -> list:
     """The processes whose environment holds MARK=value: the Ray nodes this benchmark started."""
     pids = []
@@ -69,28 +81,31 @@ def _marked(value: str) -> list:
 
 
 class Peaks(threading.Thread):
-    """Polls the peak resident memory (VmHWM) of the driver and of every Ray shard worker while a run lasts."""
+    """Polls the peak resident memory (VmHWM) of the driver and of the run's Ray shard workers while it lasts:
+    those the driver started (a local cluster) or the benchmark's nodes did (`ours`: their pids)."""
 
-    def __init__(self, driver: int):
+    def __init__(self, driver: int, ours):
         super().__init__(daemon=True)
-        self.driver, self.workers, self.done = driver, {}, False
+        self.driver, self.ours, self.workers, self.done = driver, ours, {}, False
         self.driver_kb = 0
 
     def run(self):
         while not self.done:
             self.driver_kb = max(self.driver_kb, _peak_kb(self.driver))
+            mine = set(self.ours())
             for pid in _titled("ray::ShardWorker"):
-                self.workers[pid] = max(self.workers.get(pid, 0), _peak_kb(pid))
+                if pid in mine or self.driver in _ancestors(pid):
+                    self.workers[pid] = max(self.workers.get(pid, 0), _peak_kb(pid))
             time.sleep(0.1)
 
 
-def calibrate(model: str, data: str, work: str, ray: str | None) -> dict:
+def calibrate(model: str, data: str, work: str, ray: str | None, ours=list) -> dict:
     shutil.rmtree(work, ignore_errors=True)
     cmd = QTOOL + ["calibrate", "-m", model, "-d", data, "--config", "imagenet-torchvision", "-w", work, "-q",
                    "--json", os.path.join(work + ".json")] + (["--ray", ray] if ray else [])
     t = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **AUTH})
-    peaks = Peaks(proc.pid)
+    peaks = Peaks(proc.pid, ours)
     peaks.start()
     out, err = proc.communicate()
     wall = time.perf_counter() - t
@@ -170,7 +185,8 @@ def main() -> int:
         for m in order:
             address = None if m == "one" else "local" if m == "local" else (two or start_two_nodes(a.port, os.path.join(tmp, "ray")))
             two = address if m == "two-node" else two
-            runs[m].append(calibrate(model, data, os.path.join(tmp, f"work-{m}"), address))
+            runs[m].append(calibrate(model, data, os.path.join(tmp, f"work-{m}"), address,
+                                     lambda: _marked(str(a.port))))
             print(f"  {m}: {runs[m][-1]['wall']:.1f} s", flush=True)
     finally:
         if "two-node" in modes:  # (also after a failed start: whatever of it runs)

@@ -41,7 +41,7 @@ class Observed:
     # NaN and inf are excluded from every statistic (min, max, histogram, channel means) and counted:
     nonfinite: dict = field(default_factory=dict)  # tensor -> number of NaN/inf values seen
     nonfinite_samples: dict = field(default_factory=dict)  # tensor -> sorted indices of the first samples holding them
-    # how the pass ran, for a sharded pass (distributed/) to cut and fold its shards as one process would:
+    # how the pass ran, for a sharded pass (sharded.py) to cut and fold its shards as one process would:
     per_sample_bytes: int | None = None  # observed bytes per sample, as the first run measured them
     lanes: int = 1  # workers the samples were dealt to in turn (each sums its own channel sums: merge order)
 
@@ -130,7 +130,7 @@ class ShapesAt:
 
 @dataclass(frozen=True)
 class Within:
-    """A shard's place in the whole stream of a sharded pass (distributed/): `first`, the index of its first
+    """A shard's place in the whole stream of a sharded pass (sharded.py): `first`, the index of its first
     sample (which blocks a histogram samples, which samples the channel means cover); `per_sample_bytes`, as
     the stream's first run measured them, and `slice_bytes`, the stream's budget of a slice (slice_budget):
     the shard's batches are then cut as the whole stream's were, without a lone first slice, whatever the
@@ -146,7 +146,7 @@ class Pass:
     `where` names the model in errors; `cut`: axis 0 of the feeds holds samples, which may be run in
     slices; False: each feed is one sample, run whole (a model whose axis 0 is the sample's own, time or
     nodes). `shapes`: the ShapesAt of the model, when the caller shares it. `within`: a shard's place in
-    the whole stream of a sharded pass (distributed/). `keep`: a dict the caller keeps across passes over one model (a shard worker's many shards), where the
+    the whole stream of a sharded pass (sharded.py). `keep`: a dict the caller keeps across passes over one model (a shard worker's many shards), where the
     graph's plan and its sessions are kept, made once."""
     progress: object = None
     threads: int = 0
@@ -241,7 +241,11 @@ def _kept(run: Pass, key: tuple, make):
 
 
 def _shapes_key(run: Pass, feeds) -> tuple | None:
-    return None if feeds is None else tuple(sorted(run.shapes.inputs(feeds).items()))
+    """What a kept plan is made for: the inputs' shapes per sample (a shard of one slice and a shard of
+    whole batches share the plan, and its sessions), or whole where axis 0 is not the samples'."""
+    if feeds is None:
+        return None
+    return tuple(sorted((k, v[1:] if run.cut else v) for k, v in run.shapes.inputs(feeds).items()))
 
 
 def _level(per_sample_bytes: int) -> int:
@@ -607,7 +611,7 @@ def _step(left: int, per_sample: int | None, budget: int) -> int:
 def planned_slices(batch_sizes: list, per_sample: int, lanes: int, cut: bool) -> list:
     """The slice sizes collect cuts batches of `batch_sizes` samples into (each batch's in turn), when its
     first run measured `per_sample` bytes and it deals to `lanes` workers; `cut`: as Pass.cut, and no input
-    of a fixed batch. What a sharded pass (distributed/) plans its shards by, to fold them as collect would."""
+    of a fixed batch. What a sharded pass (sharded.py) plans its shards by, to fold them as collect would."""
     sizes = []
     for b, n in enumerate(batch_sizes):
         i = 0

@@ -1,5 +1,5 @@
 """One stream of calibration batches observed: what run.py's pass does with the whole data, and a shard
-worker (distributed/) with its share. The feeds are noted on the way (the samples' names, the inputs'
+worker (sharded.py) with its share. The feeds are noted on the way (the samples' names, the inputs'
 distinct values) and thinned to the compute budget; collect.py observes them."""
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ class Seen:
 
     def merge(self, other: "Seen") -> None:
         """Add a later shard's names, distinct values and skipped files (its Observed is folded apart:
-        distributed/calibrate.py)."""
+        sharded.py)."""
         self.names.extend(other.names)
         for k, d in other.distinct.items():
             self.distinct.setdefault(k, DistinctValues()).merge(d)

@@ -63,7 +63,7 @@ class QuantizeContext:
     input_grid: bool = False  # shift a lattice input onto its grid (input_grid.py chooses; off: as calibrated)
     resized: float = 0.0  # the largest share of samples an experiment's int8 output changed the size of
     samples_used: dict = field(default_factory=dict)  # step -> calibration samples it measured on (quantize.json)
-    experiments: object = None  # where simulated experiments run: None here, else distributed/experiments.py
+    experiments: object = None  # where simulated experiments run: None here, else sharded.py
 
     def __post_init__(self):
         if self.target not in TARGETS:

@@ -29,7 +29,7 @@ from qtool.calibrate.options import CalibrateOptions
 from qtool.calibrate.stream import Seen, noted_feeds
 from qtool.data.sources import ImageData
 from qtool.data.tensors import tensor_source
-from qtool.distributed.cluster import RETRIES, cpus, fetched, gather, put, ray_cluster
+from qtool.distributed.cluster import RETRIES, cpus, fetched, gather, next_done, node_id, put, ray_cluster
 from qtool.errors import UsageError
 from qtool.timing import Phases
 
@@ -75,6 +75,9 @@ class ShardWorker:
     def pid(self) -> int:
         return os.getpid()
 
+    def node(self) -> str:
+        return node_id()
+
     def _load(self, model: list) -> None:
         if self.model is None:
             self.model = onnx.load_from_string(fetched(model))
@@ -119,14 +122,14 @@ def sharded_pass(job: Sharded, seen: Seen, macs, planned) -> Seen:
         actor = ray.remote(num_cpus=1, max_restarts=RETRIES, max_task_retries=RETRIES)(ShardWorker)
         model = put(job.model.SerializeToString())
         workers = [actor.remote(opening, job.targets) for _ in range(cpus())]
-        ray.get([w.pid.remote() for w in workers])  # (started: the first slice is timed apart)
+        nodes = set(gather([w.node.remote() for w in workers], "calibrate"))  # (started: the first slice timed apart)
         laps.lap("first slice")
         head = Shard(tuple(batches[0][:1] if run.cut and len(batches[0]) > 1 else batches[0]), Within())
-        first = gather([workers[0].observe.remote(model, head)], "calibrate")[0]
+        first = gather([workers[0].observe.remote(model, head)], "calibrate", nodes)[0]
         _progress(run, first)
         laps.lap("shards")
         folded, rest = _plan(batches, first.obs, run.cut, len(workers))
-        got = _run_shards(ray, workers, [(model, s) for s in folded + rest], run)
+        got = _run_shards(workers, nodes, [(model, s) for s in folded + rest], run)
         laps.lap("ray stop")
     laps.lap("merge")
     seen = _fold(seen, [first] + got[:len(folded)], got[len(folded):])
@@ -184,7 +187,7 @@ def _plan(batches: list, head, cut: bool, workers: int) -> tuple:
     return folded, shards
 
 
-def _run_shards(ray, workers: list, shards: list, run: Pass) -> list:
+def _run_shards(workers: list, nodes: set, shards: list, run: Pass) -> list:
     """Each shard's Seen, in the order of `shards`; handed to whichever worker is free (two queued each)."""
     order = dispatch_order(list(range(len(shards))))
     results, pending, free = {}, {}, [w for w in workers for _ in range(2)]
@@ -193,9 +196,9 @@ def _run_shards(ray, workers: list, shards: list, run: Pass) -> list:
         while todo and free:
             w, k = free.pop(0), todo.pop(0)
             pending[w.observe.remote(*shards[k])] = (k, w)
-        done, _ = ray.wait(list(pending), num_returns=1)
+        done, _ = next_done(list(pending), nodes, "calibrate")
         k, w = pending.pop(done[0])
-        results[k] = gather(done, "calibrate")[0]
+        results[k] = gather(done, "calibrate", nodes)[0]
         _progress(run, results[k])
         free.append(w)
     return [results[k] for k in range(len(shards))]
