@@ -13,7 +13,7 @@ QTOOL = os.path.join(os.path.dirname(__file__), "..", "qtool")
 LAYERS = [
     # shared: plain services and data types every step may use, themselves layered
     {"errors", "qparams", "arithmetic", "metrics", "blas", "lattice", "windows", "timing", "kernel_params", "tasks"},
-    {"graph", "labels", "ortsession", "ort_arithmetic", "report", "limits", "tempfiles"},
+    {"graph", "labels", "ortsession", "ort_arithmetic", "report", "limits", "tempfiles", "distributed"},
     {"modelio", "data", "rules", "ortcheck", "encoders"},
     {"workdir", "plan", "outputs"},
     # the steps, in pipeline order

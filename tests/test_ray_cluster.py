@@ -1,4 +1,4 @@
-"""calibrate and quantize on a local Ray cluster of two worker processes (qtool/distributed/): the same
+"""calibrate and quantize on a local Ray cluster of two worker processes (qtool/calibrate/sharded.py, qtool/quantize/sharded.py): the same
 calibration table and int8 model as one process, also when a worker is killed mid-shard."""
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ ray = pytest.importorskip("ray")  # (the test extra installs it: `make test` run
 import deep_chain  # noqa: E402
 from qtool.calibrate.options import CalibrateOptions  # noqa: E402
 from qtool.calibrate.run import calibrate  # noqa: E402
-from qtool.distributed import calibrate as sharded  # noqa: E402
-from qtool.distributed import experiments  # noqa: E402
+from qtool.calibrate import sharded  # noqa: E402
+from qtool.quantize import sharded as experiments  # noqa: E402
 from qtool.distributed.cluster import ClusterError, gather  # noqa: E402
 from qtool.quantize.options import ExclusionOptions, QuantizeOptions, SensitivityOptions  # noqa: E402
 from qtool.quantize.run import quantize  # noqa: E402
@@ -65,8 +65,8 @@ def test_calibration_table_identical_to_one_process(cluster, images, tmp_path, m
     one = _table(model, data, cfg, tmp_path / "one")
     handed = []
     run_shards = sharded._run_shards
-    monkeypatch.setattr(sharded, "_run_shards", lambda ray, w, shards, run: handed.append(len(shards))
-                        or run_shards(ray, w, shards, run))
+    monkeypatch.setattr(sharded, "_run_shards", lambda workers, nodes, shards, run: handed.append(len(shards))
+                        or run_shards(workers, nodes, shards, run))
     assert _table(model, data, cfg, tmp_path / "ray", "local") == one
     monkeypatch.setattr(sharded, "dispatch_order", lambda order: order[::-1])
     assert _table(model, data, cfg, tmp_path / "reversed", "local") == one
@@ -123,13 +123,15 @@ def test_a_lost_worker_ends_with_one_line(cluster):
 
 
 def test_int8_identical_with_sensitivity_and_rounding(cluster, tmp_path, monkeypatch):
+    """Output-aware rounding (the default), range tuning and --exclude-sensitive, whose experiments run on
+    the workers: the sensitivity figures and the int8 model are the same as in one process."""
     model, _ = deep_chain.deep_chain(60, c=32, hw=48, residual_every=10)
     xs = deep_chain.sample_inputs(16, 32, 48)
     work = calibrate_samples(model, [{"x": x[None]} for x in xs], tmp_path, method="minmax")
     parts = []
     split = experiments.split
     monkeypatch.setattr(experiments, "split", lambda run, n: parts.append(len(split(run, n))) or split(run, n))
-    options = QuantizeOptions(progress=False, sensitivity=SensitivityOptions(True),
+    options = QuantizeOptions(progress=False, tune_ranges=True, sensitivity=SensitivityOptions(True),
                               exclusion=ExclusionOptions(True, target_agreement=1.0, max_excluded=2))
     results = {}
     for name, address in (("one", None), ("ray", "local")):

@@ -41,7 +41,7 @@ class Observed:
     # NaN and inf are excluded from every statistic (min, max, histogram, channel means) and counted:
     nonfinite: dict = field(default_factory=dict)  # tensor -> number of NaN/inf values seen
     nonfinite_samples: dict = field(default_factory=dict)  # tensor -> sorted indices of the first samples holding them
-    # how the pass ran, for a sharded pass (distributed/) to cut and fold its shards as one process would:
+    # how the pass ran, for a sharded pass (sharded.py) to cut and fold its shards as one process would:
     per_sample_bytes: int | None = None  # observed bytes per sample, as the first run measured them
     lanes: int = 1  # workers the samples were dealt to in turn (each sums its own channel sums: merge order)
 
@@ -129,23 +129,31 @@ class ShapesAt:
 
 
 @dataclass(frozen=True)
+class Within:
+    """A shard's place in the whole stream of a sharded pass (sharded.py): `first`, the index of its first
+    sample (which blocks a histogram samples, which samples the channel means cover); `per_sample_bytes`, as
+    the stream's first run measured them, and `slice_bytes`, the stream's budget of a slice (slice_budget):
+    the shard's batches are then cut as the whole stream's were, without a lone first slice, whatever the
+    shard's own workers."""
+    first: int = 0
+    per_sample_bytes: int | None = None
+    slice_bytes: int | None = None
+
+
+@dataclass(frozen=True)
 class Pass:
     """How the pass runs. `progress(k)` is told of k more samples; `threads`: 0 for all cores (up to 8);
     `where` names the model in errors; `cut`: axis 0 of the feeds holds samples, which may be run in
     slices; False: each feed is one sample, run whole (a model whose axis 0 is the sample's own, time or
-    nodes). `shapes`: the ShapesAt of the model, when the caller shares it. A shard of a sharded pass
-    (distributed/) gives `first`, the index of its first sample in the whole stream (which blocks a
-    histogram samples, which samples the channel means cover), and `per_sample_bytes`, measured by the
-    pass's first run: its batches are then cut as the whole stream's were, without a lone first slice.
-    `keep`: a dict the caller keeps across passes over one model (a shard worker's many shards), where the
+    nodes). `shapes`: the ShapesAt of the model, when the caller shares it. `within`: a shard's place in
+    the whole stream of a sharded pass (sharded.py). `keep`: a dict the caller keeps across passes over one model (a shard worker's many shards), where the
     graph's plan and its sessions are kept, made once."""
     progress: object = None
     threads: int = 0
     where: str | None = None
     cut: bool = True
     shapes: ShapesAt | None = None
-    first: int = 0
-    per_sample_bytes: int | None = None
+    within: Within = Within()
     keep: dict | None = None
 
 
@@ -170,7 +178,7 @@ def collect(model: onnx.ModelProto, targets: Targets, batches, run: Pass = Pass(
     graph_inputs = {i.name: (d[0] if d and isinstance(d[0], int) and d[0] > 0 else None)
                     for i in G.real_inputs(model) for d in [G.input_dims(i)]}
     stream = _Stream(iter(batches), graph_inputs, run.cut)
-    obs, first = None, run.first
+    obs, first = None, run.within.first
     head = stream.next_head()
     while True:
         # the graph is planned (whole or in segments) at the largest sample met so far: a later
@@ -233,7 +241,11 @@ def _kept(run: Pass, key: tuple, make):
 
 
 def _shapes_key(run: Pass, feeds) -> tuple | None:
-    return None if feeds is None else tuple(sorted(run.shapes.inputs(feeds).items()))
+    """What a kept plan is made for: the inputs' shapes per sample (a shard of one slice and a shard of
+    whole batches share the plan, and its sessions), or whole where axis 0 is not the samples'."""
+    if feeds is None:
+        return None
+    return tuple(sorted((k, v[1:] if run.cut else v) for k, v in run.shapes.inputs(feeds).items()))
 
 
 def _level(per_sample_bytes: int) -> int:
@@ -275,7 +287,7 @@ def _collect_phase(phase: _Phase, batches, first: int) -> tuple:
 
 def _measured(phase: _Phase, workers: list):
     """Observed bytes per sample: as a worker's first run measured them, else as the pass was told."""
-    return next((w.per_sample_bytes for w in workers if w.per_sample_bytes), None) or phase.run.per_sample_bytes
+    return next((w.per_sample_bytes for w in workers if w.per_sample_bytes), None) or phase.run.within.per_sample_bytes
 
 
 def _start_workers(phase: _Phase) -> list:
@@ -298,10 +310,11 @@ def _deal(phase: _Phase, workers: list, batches, first: int) -> int:
     """The batches, in slices, to the workers in turn -> the index of the next sample."""
     n_workers, cut = phase.n_workers, phase.run.cut
     per_sample = lambda: _measured(phase, workers)
-    slices = _slices(batches, phase.graph_inputs, per_sample, MAX_OUTPUT_BYTES // n_workers) if cut else \
+    slices = _slices(batches, phase.graph_inputs, per_sample, phase.run.within.slice_bytes or slice_budget(n_workers)) \
+        if cut else \
         ({k: v for k, v in f.items() if k in phase.graph_inputs} for f in batches)
     for k in itertools.count():
-        if k == 1 and phase.run.per_sample_bytes is None:
+        if k == 1 and phase.run.within.per_sample_bytes is None:
             # the first slice goes alone: its run measures the output size per sample,
             # which sizes every later slice
             workers[0].wait_idle()
@@ -585,6 +598,11 @@ def _slices(batches, graph_inputs: dict, per_sample, budget: int = MAX_OUTPUT_BY
             i += step
 
 
+def slice_budget(workers: int) -> int:
+    """The bytes a slice may read out when `workers` run slices at once."""
+    return MAX_OUTPUT_BYTES // workers
+
+
 def _step(left: int, per_sample: int | None, budget: int) -> int:
     """Samples in the next slice of a batch with `left` samples to go."""
     return 1 if not per_sample else left if left * per_sample <= budget else max(1, budget // per_sample)
@@ -593,13 +611,13 @@ def _step(left: int, per_sample: int | None, budget: int) -> int:
 def planned_slices(batch_sizes: list, per_sample: int, lanes: int, cut: bool) -> list:
     """The slice sizes collect cuts batches of `batch_sizes` samples into (each batch's in turn), when its
     first run measured `per_sample` bytes and it deals to `lanes` workers; `cut`: as Pass.cut, and no input
-    of a fixed batch. What a sharded pass (distributed/) plans its shards by, to fold them as collect would."""
+    of a fixed batch. What a sharded pass (sharded.py) plans its shards by, to fold them as collect would."""
     sizes = []
     for b, n in enumerate(batch_sizes):
         i = 0
         while i < n:
             step = n - i if not cut or n <= 1 else 1 if b == 0 and i == 0 else _step(n - i, per_sample,
-                                                                                     MAX_OUTPUT_BYTES // lanes)
+                                                                                     slice_budget(lanes))
             sizes.append(step)
             i += step
     return sizes

@@ -59,7 +59,7 @@ class DistinctValues:
             self.given_up = True
 
     def merge(self, other: "DistinctValues") -> None:
-        """Add the values another share of the samples held (a shard's, distributed/): the same set as
+        """Add the values another share of the samples held (a shard's, sharded.py): the same set as
         if this one had seen them."""
         if other.given_up:
             self.given_up = True

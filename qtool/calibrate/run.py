@@ -122,6 +122,7 @@ def _calibrate(job: _Job, also_writes) -> CalibrateResult:
         result.phases = phases.stop()
         raise LateWriteError(str(e), result) from None
     result.seconds, result.phases = time.time() - t0, phases.stop()
+    result.phases.update({f"calibration pass: {k}": v for k, v in seen.phases.items()})  # (sharded: sharded.py)
     return result
 
 
@@ -190,7 +191,7 @@ def _calibration_pass(job: _Job, source, model: onnx.ModelProto) -> Seen:
         run = Pass(bar.update, job.options.threads, f"{job.model_path} (fused)",
                    cut=source.kind == "images" or source.batch > 1, shapes=shapes)
         if job.options.ray is not None:  # (Ray is imported only then: distributed/cluster.py)
-            from qtool.distributed.calibrate import Sharded, sharded_pass
+            from qtool.calibrate.sharded import Sharded, sharded_pass
             return sharded_pass(Sharded(model, source, targets, run, job.options), seen, macs, planned)
         batches = noted_feeds(source, seen, macs, planned, {i.name for i in G.real_inputs(model)})
         seen.obs = collect(model, targets, batches, run)

@@ -1,5 +1,5 @@
 """One stream of calibration batches observed: what run.py's pass does with the whole data, and a shard
-worker (distributed/) with its share. The feeds are noted on the way (the samples' names, the inputs'
+worker (sharded.py) with its share. The feeds are noted on the way (the samples' names, the inputs'
 distinct values) and thinned to the compute budget; collect.py observes them."""
 from __future__ import annotations
 
@@ -19,10 +19,11 @@ class Seen:
     distinct: dict  # model input -> its distinct values while few (lattice.py: an 8-bit image's grid)
     spend: Spend
     skipped: list = field(default_factory=list)  # unreadable files, in the data's order
+    phases: dict = field(default_factory=dict)  # a sharded pass: seconds the driver spent per phase of it
 
     def merge(self, other: "Seen") -> None:
         """Add a later shard's names, distinct values and skipped files (its Observed is folded apart:
-        distributed/calibrate.py)."""
+        sharded.py)."""
         self.names.extend(other.names)
         for k, d in other.distinct.items():
             self.distinct.setdefault(k, DistinctValues()).merge(d)

@@ -26,7 +26,7 @@ def common_options(f):
 
 
 def ray_option(f):
-    """--ray [ADDRESS]: the command's work on a Ray cluster (qtool/distributed/; the extra qtool[ray])."""
+    """--ray [ADDRESS]: the command's work on a Ray cluster (distributed/cluster.py; the extra qtool[ray])."""
     return click.option("--ray", "ray", is_flag=False, flag_value=LOCAL, default=None, metavar="[ADDRESS]",
                         help="Run on a Ray cluster (pip install 'qtool[ray]'), with the result one process writes: "
                              "alone, a local cluster of this machine's cores; `auto`, the one `ray start` runs "

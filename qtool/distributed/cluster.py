@@ -4,11 +4,12 @@
 address None (or LOCAL) starts a local cluster on this machine's cores, `auto` joins the cluster
 already running here (`ray start --head`), `ray://host:port` a remote one through Ray Client.
 A cluster the process is already connected to (a test's, a notebook's) is used as it is and left
-running. Ray is an optional extra (`pip install 'qtool[ray]'`): nothing imports this module unless
---ray was given, and without the extra the option is one error saying how to install it.
+running. Ray is an optional extra (`pip install 'qtool[ray]'`), imported (here, lazily) only when --ray is
+given; without the extra the option is one error saying how to install it.
 
-`gather(refs, what)` waits for remote results; a node or worker lost for good (Ray retried what it
-could: actor restarts, task retries) ends the job with one line, never a partial result."""
+`gather(refs, what, nodes)` waits for remote results: a worker process that dies is restarted and its
+call retried by Ray (RETRIES); a worker lost for good, or a node of `nodes` (where the workers live) gone
+from the cluster, ends the job with one line (ClusterError, exit 1), never a partial result."""
 from __future__ import annotations
 
 import os
@@ -19,6 +20,7 @@ from qtool.errors import QtoolError, UsageError
 
 LOCAL = "local"  # --ray given without an address: a cluster of this machine's cores, started here
 RETRIES = 3  # restarts of an actor, and re-runs of a task, after its worker process died
+NODE_CHECK_SECONDS = 2.0  # while waiting for results, how often the workers' nodes are checked
 
 
 class ClusterError(QtoolError):
@@ -56,11 +58,15 @@ def ray_cluster(address: str | None = None, num_cpus: int | None = None):
         ray.shutdown()
 
 
-def gather(refs: list, what: str) -> list:
-    """ray.get of `refs`, in their order; a loss Ray could not retry is one ClusterError naming `what`."""
+def gather(refs: list, what: str, nodes: frozenset = frozenset()) -> list:
+    """ray.get of `refs`, in their order, waiting as next_done does (a node of `nodes` gone ends the job);
+    a loss Ray could not retry is one ClusterError naming `what`."""
     ray = import_ray()
     lost = (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError,
             ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError)
+    pending = list(refs)
+    while pending:
+        _, pending = next_done(pending, nodes, what)
     try:
         return ray.get(list(refs))
     except lost as e:
@@ -71,6 +77,25 @@ def gather(refs: list, what: str) -> list:
         if isinstance(getattr(e, "cause", None), QtoolError):
             raise e.cause from None  # the user's input was at fault: its own one line
         raise cause from None
+
+
+def node_id() -> str:
+    """The node this process runs on (an actor's method answers it: where that worker lives)."""
+    return import_ray().get_runtime_context().get_node_id()
+
+
+def next_done(pending: list, nodes: set, what: str) -> tuple:
+    """(the first of `pending` to finish, the others). Ray restarts a dead worker where it can; a node of
+    `nodes` (the workers') gone from the cluster ends the job here, with one line, rather than waiting
+    for a restart that may never find room."""
+    ray = import_ray()
+    while True:
+        done, rest = ray.wait(pending, num_returns=1, timeout=NODE_CHECK_SECONDS)
+        if done:
+            return done, rest
+        gone = [n.get("NodeManagerAddress", "?") for n in ray.nodes() if n["NodeID"] in nodes and not n["Alive"]]
+        if gone:
+            raise ClusterError(f"{what}: the Ray node at {gone[0]} left the cluster; nothing was written")
 
 
 def put(value) -> list:

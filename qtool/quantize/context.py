@@ -65,7 +65,7 @@ class QuantizeContext:
     samples_used: dict = field(default_factory=dict)  # step -> calibration samples it measured on (quantize.json)
     task: str | None = None  # what the output means, where the user said (qtool.tasks): the judges read it
     sizes_used: dict = field(default_factory=dict)  # step -> how many input sizes those samples come in
-    experiments: object = None  # where simulated experiments run: None here, else distributed/experiments.py
+    experiments: object = None  # where simulated experiments run: None here, else sharded.py
 
     def record_samples(self, step: str, samples) -> None:
         """Step `step` measured on `samples` (a SampleSet): how many, of how many input sizes (quantize.json)."""

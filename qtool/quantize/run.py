@@ -66,7 +66,7 @@ def _experiments(address: str | None):
     if address is None:
         yield None
         return
-    from qtool.distributed.experiments import on_cluster
+    from qtool.quantize.sharded import on_cluster
     with on_cluster(address) as where:
         yield where
 

@@ -361,7 +361,7 @@ class Simulator:
                 mine = [k for k in live if cut_of[k] in group]
                 parts += [mine[a:a + per_run] for a in range(0, len(mine), per_run)]
             runs = [Run([variants[k] for k in part], [cut_of[k] for k in part]) for part in parts]
-            where = self.ctx.experiments  # (None: here; distributed/experiments.py: over a Ray cluster)
+            where = self.ctx.experiments  # (None: here; sharded.py: over a Ray cluster)
             got = where.run(self, samples, runs, reduce, progress) if where is not None else \
                 [self.run_part(samples, r, reduce, progress) for r in runs]
             for part, ys in zip(parts, got):

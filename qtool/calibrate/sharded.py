@@ -24,13 +24,14 @@ import onnx
 
 from qtool import graph as G
 from qtool.calibrate.budget import Spend, within_budget
-from qtool.calibrate.collect import MEAN_SAMPLES, Pass, ShapesAt, Targets, collect, planned_slices
+from qtool.calibrate.collect import MEAN_SAMPLES, Pass, ShapesAt, Targets, Within, collect, planned_slices, slice_budget
 from qtool.calibrate.options import CalibrateOptions
 from qtool.calibrate.stream import Seen, noted_feeds
 from qtool.data.sources import ImageData
 from qtool.data.tensors import tensor_source
-from qtool.distributed.cluster import RETRIES, cpus, fetched, gather, put, ray_cluster
+from qtool.distributed.cluster import RETRIES, cpus, fetched, gather, next_done, node_id, put, ray_cluster
 from qtool.errors import UsageError
+from qtool.timing import Phases
 
 SHARDS_PER_WORKER = 4  # shards beyond the channel-means region: a few per worker, so the last ones even out
 
@@ -53,7 +54,7 @@ class Opening:
     kind: str  # "images", else a tensor folder
     cfg: object  # the preprocessing fitted to the model (images)
     batch: int
-    threads: int  # collect's threads, as one process on the driver's machine resolves them
+    threads: int  # collect's threads, as one process on the driver's machine resolves them: the first slice's
     cut: bool
     where: str
 
@@ -61,8 +62,7 @@ class Opening:
 @dataclass(frozen=True)
 class Shard:
     files: tuple
-    first: int  # the index of its first sample among all the samples read
-    per_sample_bytes: int | None = None  # as the first slice measured them (None: the first slice itself)
+    within: Within  # its place in the stream (None of per_sample_bytes: the first slice itself)
 
 
 class ShardWorker:
@@ -74,6 +74,9 @@ class ShardWorker:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def node(self) -> str:
+        return node_id()
 
     def _load(self, model: list) -> None:
         if self.model is None:
@@ -89,7 +92,10 @@ class ShardWorker:
         source = (ImageData(o.folder, o.cfg, self.model, o.where, o.batch, files=files) if o.kind == "images"
                   else tensor_source(o.folder, self.model, o.where, o.batch, files=files))
         seen = Seen(None, [], {}, Spend(0, len(source)), source.skipped)
-        run = Pass(None, o.threads, o.where, o.cut, self.shapes, shard.first, shard.per_sample_bytes, self.keep)
+        # (the first slice runs as one process would, telling how many workers it deals to; every other shard
+        # on the worker's one CPU, cut as the whole stream is)
+        threads = o.threads if shard.within.per_sample_bytes is None else 1
+        run = Pass(None, threads, o.where, o.cut, self.shapes, shard.within, self.keep)
         seen.obs = collect(self.model, self.targets, noted_feeds(source, seen, None, None, self.inputs), run)
         return seen
 
@@ -110,16 +116,25 @@ def sharded_pass(job: Sharded, seen: Seen, macs, planned) -> Seen:
                       job.options.sampling.batch, threads, run.cut, run.where)
     if not batches:
         return seen
+    laps = Phases()  # (seen.phases: where the driver waited, for -v, --json and benchmarks/bench_ray.py)
+    laps.lap("ray start")
     with ray_cluster(job.options.ray) as ray:
         actor = ray.remote(num_cpus=1, max_restarts=RETRIES, max_task_retries=RETRIES)(ShardWorker)
         model = put(job.model.SerializeToString())
         workers = [actor.remote(opening, job.targets) for _ in range(cpus())]
-        head = Shard(tuple(batches[0][:1] if run.cut and len(batches[0]) > 1 else batches[0]), 0)
-        first = gather([workers[0].observe.remote(model, head)], "calibrate")[0]
+        nodes = set(gather([w.node.remote() for w in workers], "calibrate"))  # (started: the first slice timed apart)
+        laps.lap("first slice")
+        head = Shard(tuple(batches[0][:1] if run.cut and len(batches[0]) > 1 else batches[0]), Within())
+        first = gather([workers[0].observe.remote(model, head)], "calibrate", nodes)[0]
         _progress(run, first)
+        laps.lap("shards")
         folded, rest = _plan(batches, first.obs, run.cut, len(workers))
-        got = _run_shards(ray, workers, [(model, s) for s in folded + rest], run)
-    return _fold(seen, [first] + got[:len(folded)], got[len(folded):])
+        got = _run_shards(workers, nodes, [(model, s) for s in folded + rest], run)
+        laps.lap("ray stop")
+    laps.lap("merge")
+    seen = _fold(seen, [first] + got[:len(folded)], got[len(folded):])
+    seen.phases = laps.stop()
+    return seen
 
 
 def _folder(source) -> str:
@@ -131,7 +146,7 @@ def _kept_batches(source, seen: Seen, macs, planned) -> list:
     """The files of each batch one process would read, thinned to the budget as it would be (budget.py,
     told the first batch's MACs: that batch is read here)."""
     size = source.stream.batch if source.kind == "images" else source.batch
-    files = list(source.files)
+    files = [os.path.abspath(f) for f in source.files]  # (a worker on another node has another working directory)
     chunks = [files[i:i + size] for i in range(0, len(files), size)]
     head = next(iter(source.batches()), None)
     if head is None:
@@ -141,21 +156,22 @@ def _kept_batches(source, seen: Seen, macs, planned) -> list:
         yield head
         yield from ((c, None) for c in chunks[1:])
 
-    return [list(c) if k else chunks[0] for k, (c, _) in
-            enumerate(within_budget(stream(), len(files), macs, seen.spend.budget_gmac, planned, spend=seen.spend))]
+    return [[os.path.abspath(f) for f in c] for c, _ in
+            within_budget(stream(), len(files), macs, seen.spend.budget_gmac, planned, spend=seen.spend)]
 
 
 def _plan(batches: list, head, cut: bool, workers: int) -> tuple:
     """(the shards of the channel-means region, one slice each, after the first; the other shards, whole
     batches, a few per worker)."""
     sizes = iter(planned_slices([len(b) for b in batches], head.per_sample_bytes, head.lanes, cut))
+    at = lambda first: Within(first, head.per_sample_bytes, slice_budget(head.lanes))
     folded, rest, first = [], [], 0
     for b in batches:
         if first < MEAN_SAMPLES:
             i = 0
             while i < len(b):
                 n = next(sizes)
-                folded.append(Shard(tuple(b[i:i + n]), first + i, head.per_sample_bytes))
+                folded.append(Shard(tuple(b[i:i + n]), at(first + i)))
                 i += n
         else:
             rest.append(b)
@@ -166,12 +182,12 @@ def _plan(batches: list, head, cut: bool, workers: int) -> tuple:
     shards = []
     for k in range(0, len(rest), per):
         group = rest[k:k + per]
-        shards.append(Shard(tuple(f for b in group for f in b), start, head.per_sample_bytes))
+        shards.append(Shard(tuple(f for b in group for f in b), at(start)))
         start += sum(len(b) for b in group)
     return folded, shards
 
 
-def _run_shards(ray, workers: list, shards: list, run: Pass) -> list:
+def _run_shards(workers: list, nodes: set, shards: list, run: Pass) -> list:
     """Each shard's Seen, in the order of `shards`; handed to whichever worker is free (two queued each)."""
     order = dispatch_order(list(range(len(shards))))
     results, pending, free = {}, {}, [w for w in workers for _ in range(2)]
@@ -180,9 +196,9 @@ def _run_shards(ray, workers: list, shards: list, run: Pass) -> list:
         while todo and free:
             w, k = free.pop(0), todo.pop(0)
             pending[w.observe.remote(*shards[k])] = (k, w)
-        done, _ = ray.wait(list(pending), num_returns=1)
+        done, _ = next_done(list(pending), nodes, "calibrate")
         k, w = pending.pop(done[0])
-        results[k] = gather(done, "calibrate")[0]
+        results[k] = gather(done, "calibrate", nodes)[0]
         _progress(run, results[k])
         free.append(w)
     return [results[k] for k in range(len(shards))]

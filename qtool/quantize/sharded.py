@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 
 from qtool.blas import blas_threads
-from qtool.distributed.cluster import RETRIES, cpus, fetched, gather, put, ray_cluster
+from qtool.distributed.cluster import RETRIES, cpus, fetched, gather, next_done, node_id, put, ray_cluster
 from qtool.quantize.simulate import Run, Simulator
 
 PARTS_PER_WORKER = 2  # parts of a run per worker: the larger ones first, the small ones even out the end
@@ -27,11 +27,14 @@ class ExperimentWorker:
     def __init__(self):
         self.key, self.sim, self.samples = None, None, None
 
+    def node(self) -> str:
+        return node_id()
+
     def run(self, ctx: list, samples: list, reduce: list, part: Run, output) -> list:
         """`ctx`, `samples`, `reduce`: boxed (cluster.put) -> what reduce makes of each variant's output."""
         key = (ctx[0].hex(), samples[0].hex(), reduce[0].hex(), output)
         if key != self.key:
-            self.key, self.sim = None, None  # (the previous ones go before the next come)
+            self.key, self.sim, self.samples = None, None, None  # (the previous ones go before the next come)
             self.samples, self.reduce = fetched(samples), fetched(reduce)
             self.sim = Simulator(fetched(ctx), output)
             self.key = key
@@ -50,9 +53,9 @@ class Experiments:
     """QuantizeContext.experiments for a run of quantize on a Ray cluster (connected: cluster.ray_cluster)."""
 
     def __init__(self, ray):
-        self.ray = ray
         actor = ray.remote(num_cpus=1, max_restarts=RETRIES, max_task_retries=RETRIES)(ExperimentWorker)
         self.workers = [actor.remote() for _ in range(cpus())]
+        self.nodes = set(gather([w.node.remote() for w in self.workers], "quantize's experiments"))
 
     def run(self, sim: Simulator, samples, runs: list, reduce, progress=None) -> list:
         """Simulator.run's runs over the workers -> for each run, what `reduce` makes of each variant's output."""
@@ -64,9 +67,9 @@ class Experiments:
         out = [[None] * len(run.variants) for run in runs]
         pending = list(refs)
         while pending:
-            done, pending = self.ray.wait(pending, num_returns=1)
+            done, pending = next_done(pending, self.nodes, "quantize's experiments")
             r, ks, part = parts[refs[done[0]]]
-            for k, y in zip(ks, gather(done, "quantize's experiments")[0]):
+            for k, y in zip(ks, gather(done, "quantize's experiments", self.nodes)[0]):
                 out[r][k] = y
             if progress:
                 progress(float(len(ks)))
