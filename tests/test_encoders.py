@@ -293,3 +293,23 @@ def test_padding_does_not_pull_the_rounding():
     assert all(np.allclose(a[k], b[k], rtol=1e-6, atol=1e-9) for k in a)
     unmasked = layer_hessians(model, [{**other, "attention_mask": np.ones_like(feeds["attention_mask"])}])
     assert not np.allclose(unmasked[next(iter(a))], a[next(iter(a))], rtol=1e-3)
+
+
+def test_dynamic_inputs_measure_an_encoder_by_its_vectors():
+    """The dynamic-input choice takes the model's SQNR on what the encoder judge reads: noise at padded
+    positions (masked away downstream) costs nothing there, while the raw states count it; another task's
+    output is taken as it is."""
+    from qtool.metrics import sqnr_db
+    from qtool.quantize.samples import SampleSet
+    from qtool.quantize.steps.dynamic_inputs import judged_view
+    model = encoder_model()
+    feeds = _feeds(np.random.default_rng(5), 6)
+    ref = run(model, feeds)[0]
+    samples = SampleSet([str(k) for k in range(6)], feeds, ref, output="tokens")
+    padded = feeds["attention_mask"] == 0
+    assert padded.any()
+    noisy = ref + np.where(padded[..., None], 5.0, 0.0).astype(np.float32)
+    view = judged_view(SimpleNamespace(fused=model, task=None), samples)
+    assert sqnr_db(view(ref), view(noisy)) == float("inf") and np.isfinite(sqnr_db(ref, noisy))
+    other = judged_view(SimpleNamespace(fused=model, task="classifier"), samples)
+    assert np.isfinite(sqnr_db(other(ref), other(noisy)))

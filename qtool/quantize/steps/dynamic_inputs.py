@@ -6,6 +6,7 @@ import numpy as np
 
 from qtool.metrics import sqnr_db
 from qtool.quantize.dynamic import GAIN_DB, measure
+from qtool.quantize.encoder_judge import encoder_judge
 from qtool.quantize.step import Step
 
 
@@ -23,6 +24,15 @@ def samples(run) -> tuple:
     return ("tune",) if run.main_int8 else ()
 
 
+def judged_view(ctx, tune):
+    """What of the output the model's SQNR is taken on: an encoder's sentence vectors as its judge reads them
+    (token states mean-pooled over the mask: a padded position's state is masked away downstream; all-mpnet
+    padded to 128 tokens measured all static -1.5 -> 2.8 dB on its raw states, 7.6 dB on its vectors), else
+    the output as it is."""
+    enc = encoder_judge(ctx.fused, tune, ctx.task)
+    return enc.vectors if enc is not None else np.asarray
+
+
 def choose(run) -> None:
     ctx, tune = run.ctx, _samples(run)
     run.ctx.record_samples("dynamic inputs", tune)
@@ -34,7 +44,8 @@ def choose(run) -> None:
     trials = {k: v for k, v in (("needed", needed), ("gaining", gaining), ("every", every)) if v}
     if not trials:
         return
-    score = lambda layers: sqnr_db(tune.reference, ctx.score(tune, dynamic=layers)[0])  # noqa: E731
+    view = judged_view(ctx, tune)
+    score = lambda layers: sqnr_db(view(tune.reference), view(ctx.score(tune, dynamic=layers)[0]))  # noqa: E731
     figures = {"static": score(frozenset())}
     tried = {}
     for name, layers in trials.items():  # (each distinct set once, in this order)
