@@ -195,3 +195,13 @@ def test_a_working_folder_that_cannot_be_made_is_that_models_row(models, tmp_pat
     from qtool.batch.catalogue import Entry
     row = run_job(Job(Entry("net0", str(models / "net0.onnx"), str(models / "calib")), str(out / "net0"), ()))
     assert row["status"] == "failed" and "cannot make the working folder" in row["reason"] and not row["steps"]
+
+
+def test_an_exact_model_reads_exact_in_the_table_not_a_huge_number():
+    """eval.json holds an infinite SQNR (int8 equals fp32: no op in int8) as 1e308; the table says "exact"."""
+    from qtool.batch.table import cells
+    row = {"name": "m", "status": "ok", "steps": {}, "size": None, "step": "", "reason": "",
+           "eval": {"output_sqnr_db": 1e308, "top1_agreement": None}}
+    assert "exact" in cells(row) and not any("e+" in c or len(c) > 40 for c in cells(row))
+    row["eval"]["output_sqnr_db"] = 21.37
+    assert "21.4" in cells(row)

@@ -21,12 +21,20 @@ def _bytes(n: int) -> str:
     return f"{n / 1e6:.2f} MB" if n >= 1e6 else f"{n / 1e3:.1f} kB"
 
 
+def _db(sqnr) -> str:
+    """eval's SQNR as the table shows it: "exact" where int8 equals fp32 (eval.json holds +inf as 1e308,
+    modelio.json_safe)."""
+    if sqnr is None:
+        return "-"
+    return "exact" if sqnr >= 1e300 else f"{sqnr:.1f}"
+
+
 def cells(row: dict) -> list:
     size, ev = row.get("size"), row.get("eval") or {}
     sqnr, agree = ev.get("output_sqnr_db"), ev.get("top1_agreement")
     return ([row["name"], row["status"]] + [_step(row, s) for s in STEPS]
             + [f"{_bytes(size['int8'])} / {_bytes(size['fp32'])} ({100 * size['ratio']:.1f} %)" if size else "-",
-               "-" if sqnr is None else f"{sqnr:.1f}", "-" if agree is None else f"{agree:.4f}",
+               _db(sqnr), "-" if agree is None else f"{agree:.4f}",
                f"{row['step']}: {row['reason']}" if row["step"] else row["reason"]])
 
 
