@@ -97,19 +97,25 @@ def consumers(model: onnx.ModelProto) -> dict:
     return c
 
 
+def holds_op(graphs: list, ops) -> bool:
+    """Whether a node of a type in `ops` sits in `graphs` (GraphProtos), their If/Loop/Scan bodies included,
+    at any depth (iterative)."""
+    todo = list(graphs)
+    while todo:
+        g = todo.pop()
+        for n in g.node:
+            if n.op_type in ops:
+                return True
+            todo.extend(_subgraphs(n))
+    return False
+
+
 def samples_interact(model: onnx.ModelProto) -> bool:
     """Whether a sample's output depends on the other samples run in the same batch: a DynamicQuantizeLinear
     takes its range from the whole tensor it reads, so batched, every sample's int8 rounding would follow the
     others' values. Such a model's samples run one at a time wherever its output is judged (eval, and
     quantize's measurements), each giving what the model gives it alone. If/Loop bodies included."""
-    graphs = [model.graph]
-    while graphs:
-        g = graphs.pop()
-        for n in g.node:
-            if n.op_type == "DynamicQuantizeLinear":
-                return True
-            graphs.extend(_subgraphs(n))
-    return False
+    return holds_op([model.graph], ("DynamicQuantizeLinear",))
 
 
 def _subgraphs(node: onnx.NodeProto) -> list:

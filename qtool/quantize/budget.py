@@ -119,15 +119,8 @@ def counted_work(fused, shapes: dict, feed: dict | None = None) -> int | None:
 
 
 def _holds_products(node) -> bool:
-    """Whether a product (PRODUCTS) sits in node's subgraphs, at any depth (iterative)."""
-    todo = list(G._subgraphs(node))
-    while todo:
-        g = todo.pop()
-        for n in g.node:
-            if n.op_type in PRODUCTS:
-                return True
-            todo.extend(G._subgraphs(n))
-    return False
+    """Whether a product (PRODUCTS) sits in node's subgraphs, at any depth."""
+    return G.holds_op(G._subgraphs(node), PRODUCTS)
 
 
 def _run_shapes(fused, names: list, feed: dict) -> dict:
