@@ -170,11 +170,10 @@ class Figures:
 
 
 def verdict(step: str, judge: Judge, ref: np.ndarray, y_with: np.ndarray, y_without: np.ndarray,
-            fallback: str, significance: float = SIGNIFICANCE) -> Verdict:
+            fallback: str) -> Verdict:
     """Whether the model with `step` (its output y_with over the held-out samples) measures better than
     without it (y_without), by `judge` (decide())."""
-    return decide(step, judge.kind, Figures.of(judge, ref, y_with), Figures.of(judge, ref, y_without), fallback,
-                  significance)
+    return decide(step, judge.kind, Figures.of(judge, ref, y_with), Figures.of(judge, ref, y_without), fallback)
 
 
 def decide(step: str, kind: str, with_: Figures, without: Figures, fallback: str,
