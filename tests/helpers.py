@@ -254,6 +254,16 @@ def calibrate_samples(model, samples: list, folder, method: str = "auto") -> str
     return work
 
 
+def calibrated_convnet(folder, n: int) -> str:
+    """small_convnet(seed=4) calibrated (minmax) on n random 16x16 samples in `folder` -> the working directory:
+    the small model the rounding check and the held-out verification are exercised on."""
+    rng = np.random.default_rng(4)
+    model = small_convnet(seed=4)
+    x = model.graph.input[0].name
+    samples = [{x: rng.standard_normal((1, 3, 16, 16)).astype(np.float32)} for _ in range(n)]
+    return calibrate_samples(model, samples, folder, method="minmax")
+
+
 def calibrate_options(**options):
     """CalibrateOptions from the command's flat option names (batch, limit, every and budget_gmac go
     to its Sampling)."""

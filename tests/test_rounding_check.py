@@ -7,7 +7,7 @@ import warnings
 
 import numpy as np
 
-from helpers import calibrate_samples, small_convnet
+from helpers import calibrated_convnet
 from qtool.quantize import rounding_check as RC
 from qtool.quantize.options import QuantizeOptions, SensitivityOptions
 from qtool.quantize.run import quantize
@@ -17,11 +17,7 @@ OPTIONS = QuantizeOptions(strict=True, progress=False, sensitivity=SensitivityOp
 
 
 def _calibrated(tmp_path, n=24):
-    rng = np.random.default_rng(4)
-    model = small_convnet(seed=4)
-    x = model.graph.input[0].name
-    samples = [{x: rng.standard_normal((1, 3, 16, 16)).astype(np.float32)} for _ in range(n)]
-    return calibrate_samples(model, samples, tmp_path, method="minmax")
+    return calibrated_convnet(tmp_path, n)
 
 
 def _quantize(work, out):

@@ -11,7 +11,7 @@ import warnings
 import numpy as np
 import pytest
 
-from helpers import calibrate_samples, save, small_convnet
+from helpers import calibrated_convnet, save, small_convnet
 from qtool.api import calibrate, quantize
 from qtool.quantize import verify as V
 from qtool.quantize.split import MIN_VERIFY_SAMPLES, PARTS, VERIFY_EVERY, SampleSplit
@@ -86,11 +86,7 @@ def test_the_split_holds_samples_out_of_every_fitting_step():
 
 
 def _calibrated(tmp_path, n=30):
-    rng = np.random.default_rng(4)
-    model = small_convnet(seed=4)
-    x = model.graph.input[0].name
-    samples = [{x: rng.standard_normal((1, 3, 16, 16)).astype(np.float32)} for _ in range(n)]
-    return calibrate_samples(model, samples, tmp_path, method="minmax")
+    return calibrated_convnet(tmp_path, n)
 
 
 def test_rounding_that_measures_worse_where_it_was_not_fitted_falls_back_to_nearest(tmp_path, monkeypatch):
