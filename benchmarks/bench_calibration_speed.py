@@ -14,7 +14,7 @@ ResNet-50 is built from seeded weights by resnet50_builder.py (never a downloade
 models are paths given with their preprocessing preset.
 
   python benchmarks/bench_calibration_speed.py --images DIR [--sizes 20,100,1000]
-      [--model PATH:PRESET ...] [--no-resnet50] [--repeat 2] [--out bench_out]
+      [--model PATH:PRESET ...] [--no-resnet50] [--repeat 2] [--parts 40] [--out bench_out]
 """
 import argparse
 import json
@@ -41,6 +41,62 @@ def child_fp32(model: str, images: str, n: int, preset: str, batch: int) -> dict
         s.run(None, {name: x})
         count += len(x)
     return {"images": count}
+
+
+def child_parts(model: str, images: str, n: int, preset: str, batch: int) -> dict:
+    """Where calibrate's time per image goes beside the fp32 pass's, in CPU milliseconds per image (one
+    thread each, so other load on the machine disturbs it little): decoding; the fused graph in ONNX Runtime
+    alone, and with the tensors calibrate observes as outputs bound to buffers (as collect.py runs it: the
+    output copies ONNX Runtime makes, and the fusions it cannot do, e.g. a Conv into the residual Add that
+    reads it); folding those outputs into the statistics (with the channel sums of the first samples, and
+    without them). What calibrate observes is what a calibration of `n` images wrote."""
+    import numpy as np
+    import onnx
+    from qtool.calibrate import collect as C
+    from qtool.calibrate.histogram import Histogram
+    from qtool.calibrate.table import load_table
+    from qtool.data.config import config_from_any
+    from qtool.data.images import ImageStream, list_images
+    from qtool.ortsession import session, with_outputs
+    work = tempfile.mkdtemp(prefix="qtool-calparts-")
+    qtool = os.path.join(os.path.dirname(sys.executable), "qtool")
+    subprocess.run([qtool, "calibrate", "--model", model, "--data", images, "--config", preset, "--limit", str(n),
+                    "-w", work, "-q"], check=True)
+    fused = onnx.load(os.path.join(work, "fused.onnx"))
+    table = load_table(os.path.join(work, "calibration.json"))
+    inputs = {i.name for i in fused.graph.input}
+    observed = [t for t in table.histograms if t not in inputs]
+    means = [t for t in table.channel_means if t in observed]
+    name = next(iter(inputs))
+    cpu = time.process_time
+    t0 = cpu()
+    xs = [x[i:i + 1].copy() for _, x in ImageStream(list_images(images)[:n], config_from_any(preset), batch=batch)
+          for i in range(len(x))]
+    out = {"images": len(xs), "decode_ms": 1000 * (cpu() - t0) / len(xs), "tensors": len(observed),
+           "mean_samples": C.MEAN_SAMPLES}
+    plain = session(os.path.join(work, "fused.onnx"), 1, spin=False)
+    bound = C._BoundRunner(session(with_outputs(fused, observed), 1, spin=False), observed)
+    bound.run({name: np.concatenate(xs[:2])})  # (the first runs size the bound buffers)
+    bound.run({name: xs[0]})
+    plain.run(None, {name: xs[0]})
+
+    def per_image(f):
+        best = None
+        for _ in range(2):
+            t = cpu()
+            for k, x in enumerate(xs):
+                f(k, x)
+            best = min(best or 1e9, 1000 * (cpu() - t) / len(xs))
+        return best
+
+    out["fused_run_ms"] = per_image(lambda k, x: plain.run(None, {name: x}))
+    out["observed_run_ms"] = per_image(lambda k, x: bound.run({name: x}))
+    outs = [list(bound.run({name: x})) for x in xs[:8]]
+    for label, m, first in (("observe_with_means_ms", means, 0), ("observe_ms", [], C.MEAN_SAMPLES)):
+        obs = C.Observed({t: Histogram() for t in observed})
+        out[label] = per_image(lambda k, x: C._observe(obs, dict(zip(observed, outs[k % len(outs)])), observed, m, 1,
+                                                       first + k))
+    return out
 
 
 def run_side(side: str, model: str, preset: str, images: str, n: int, batch: int, qtool: str) -> dict:
@@ -79,12 +135,18 @@ def main():
     ap.add_argument("--repeat", type=int, default=2, help="runs of each side per size, in mirrored order")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--out", default="bench_out")
+    ap.add_argument("--parts", type=int, default=40, metavar="N",
+                    help="then where the time per image goes, on N images (CPU ms, one thread each); 0: skip")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--parts-child", help=argparse.SUPPRESS)
     ap.add_argument("--n", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--preset", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         print(json.dumps(child_fp32(a.child, a.images, a.n, a.preset, a.batch)))
+        return 0
+    if a.parts_child:
+        print(json.dumps(child_parts(a.parts_child, a.images, a.n, a.preset, a.batch)))
         return 0
     qtool = os.path.join(os.path.dirname(sys.executable), "qtool")
     sizes = [int(s) for s in a.sizes.split(",")]
@@ -133,6 +195,18 @@ def main():
         print(f"{label}: fixed cost (calibrate minus fp32 pass at {first['images']} images) {fixed:.1f} s; "
               f"ratios {ratios}; load average at the end {os.getloadavg()[0]:.1f}", flush=True)
         results["models"][label] = {"rows": rows, "fixed_cost_seconds": fixed}
+        if a.parts:
+            got = subprocess.run([sys.executable, __file__, "--parts-child", path, "--images", a.images, "--n",
+                                  str(a.parts), "--preset", preset, "--batch", str(a.batch)],
+                                 check=True, capture_output=True, text=True)
+            p = json.loads(got.stdout.strip().splitlines()[-1])
+            extra = p["observed_run_ms"] - p["fused_run_ms"]
+            print(f"{label}: per image, CPU ms on one thread ({p['images']} images): decode {p['decode_ms']:.1f}; fused "
+                  f"graph {p['fused_run_ms']:.1f}, with its {p['tensors']} observed tensors as outputs "
+                  f"{p['observed_run_ms']:.1f} (+{extra:.1f}, +{100 * extra / p['fused_run_ms']:.0f} %); observing "
+                  f"them {p['observe_ms']:.1f} (+{100 * p['observe_ms'] / p['fused_run_ms']:.0f} %), "
+                  f"{p['observe_with_means_ms']:.1f} with the channel sums of the first {p['mean_samples']} samples", flush=True)
+            results["models"][label]["per_image_cpu_ms"] = p
     with open(os.path.join(a.out, "calibration_speed.json"), "w") as f:
         json.dump(results, f, indent=2)
     return 0
