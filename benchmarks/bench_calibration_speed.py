@@ -52,7 +52,8 @@ def child_parts(model: str, images: str, n: int, preset: str, batch: int) -> dic
     without them). What calibrate observes is what a calibration of `n` images wrote."""
     import numpy as np
     import onnx
-    from qtool.calibrate import collect as C
+    from qtool.calibrate.bound_runner import BoundRunner
+    from qtool.calibrate.observed import MEAN_SAMPLES, Observed, observe
     from qtool.calibrate.histogram import Histogram
     from qtool.calibrate.table import load_table
     from qtool.data.config import config_from_any
@@ -73,9 +74,9 @@ def child_parts(model: str, images: str, n: int, preset: str, batch: int) -> dic
     xs = [x[i:i + 1].copy() for _, x in ImageStream(list_images(images)[:n], config_from_any(preset), batch=batch)
           for i in range(len(x))]
     out = {"images": len(xs), "decode_ms": 1000 * (cpu() - t0) / len(xs), "tensors": len(observed),
-           "mean_samples": C.MEAN_SAMPLES}
+           "mean_samples": MEAN_SAMPLES}
     plain = session(os.path.join(work, "fused.onnx"), 1, spin=False)
-    bound = C._BoundRunner(session(with_outputs(fused, observed), 1, spin=False), observed)
+    bound = BoundRunner(session(with_outputs(fused, observed), 1, spin=False), observed)
     bound.run({name: np.concatenate(xs[:2])})  # (the first runs size the bound buffers)
     bound.run({name: xs[0]})
     plain.run(None, {name: xs[0]})
@@ -92,9 +93,9 @@ def child_parts(model: str, images: str, n: int, preset: str, batch: int) -> dic
     out["fused_run_ms"] = per_image(lambda k, x: plain.run(None, {name: x}))
     out["observed_run_ms"] = per_image(lambda k, x: bound.run({name: x}))
     outs = [list(bound.run({name: x})) for x in xs[:8]]
-    for label, m, first in (("observe_with_means_ms", means, 0), ("observe_ms", [], C.MEAN_SAMPLES)):
-        obs = C.Observed({t: Histogram() for t in observed})
-        out[label] = per_image(lambda k, x: C._observe(obs, dict(zip(observed, outs[k % len(outs)])), observed, m, 1,
+    for label, m, first in (("observe_with_means_ms", means, 0), ("observe_ms", [], MEAN_SAMPLES)):
+        obs = Observed({t: Histogram() for t in observed})
+        out[label] = per_image(lambda k, x: observe(obs, dict(zip(observed, outs[k % len(outs)])), observed, m, 1,
                                                        first + k))
     return out
 

@@ -357,17 +357,17 @@ def test_a_model_run_in_segments_gives_the_same_table(tmp_path, net, monkeypatch
     """Observed tensors too large for one run (GROUPED_ABOVE, here 0) are observed segment by segment of
     the graph, each node run once: the same table, up to float rounding (a segment's session optimizes
     its part of the graph alone: a pooled value may differ in the last bit)."""
-    from qtool.calibrate import collect
+    from qtool.calibrate import segments
     d = tmp_path / "d"
     write_images(d, 7, seed=4)
     (tmp_path / "1").mkdir()
     (tmp_path / "2").mkdir()
     whole = _calibrate(net, d, tmp_path / "1", threads=1).table
     seen = []
-    real = collect._segments
-    monkeypatch.setattr(collect, "GROUPED_ABOVE", 0)
-    monkeypatch.setattr(collect, "GROUP_BYTES", 1)  # (a segment per observed tensor)
-    monkeypatch.setattr(collect, "_segments", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    real = segments.plan
+    monkeypatch.setattr(segments, "GROUPED_ABOVE", 0)
+    monkeypatch.setattr(segments, "GROUP_BYTES", 1)  # (a segment per observed tensor)
+    monkeypatch.setattr(segments, "plan", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
     cut = _calibrate(net, d, tmp_path / "2", threads=2).table
     assert len(seen[0][0]) > 3  # (cut, for real)
     assert cut.n_samples == whole.n_samples == 7
@@ -389,7 +389,7 @@ def test_a_larger_sample_later_is_planned_at_its_own_size(tmp_path, monkeypatch)
     activations would take that plan past GROUPED_ABOVE gets a plan of its own (here: segments),
     where it ran whole before (5.4 GB on 1024x1024 after a 256x256 first sample). Same table."""
     from helpers import make_model, weight
-    from qtool.calibrate import collect
+    from qtool.calibrate import segments
     rng = np.random.default_rng(0)
     nodes, inits, x = [], [weight(rng, "W0", 4, 3, 3, 3)], "x"
     nodes.append(onnx.helper.make_node("Conv", ["x", "W0"], ["c0"], pads=[1, 1, 1, 1]))
@@ -407,11 +407,11 @@ def test_a_larger_sample_later_is_planned_at_its_own_size(tmp_path, monkeypatch)
     (tmp_path / "2").mkdir()
     whole = _calibrate(model, d, tmp_path / "1", threads=1, config=None).table
     seen = []
-    real = collect._segments
+    real = segments.plan
     # 8x8 observes about 4 KB per sample, 32x32 16x more: only the larger samples exceed the bound
-    monkeypatch.setattr(collect, "GROUPED_ABOVE", 20_000)
-    monkeypatch.setattr(collect, "GROUP_BYTES", 1)
-    monkeypatch.setattr(collect, "_segments", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    monkeypatch.setattr(segments, "GROUPED_ABOVE", 20_000)
+    monkeypatch.setattr(segments, "GROUP_BYTES", 1)
+    monkeypatch.setattr(segments, "plan", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
     planned = _calibrate(model, d, tmp_path / "2", threads=2, config=None).table
     # whole at 8x8, then cut at 32x32 (and not planned again at 16x16)
     assert len(seen) == 2 and len(seen[0][0]) == 1 and len(seen[1][0]) > 2
@@ -428,17 +428,17 @@ def test_a_larger_sample_later_is_planned_at_its_own_size(tmp_path, monkeypatch)
 def test_two_workers_only_while_two_samples_tensors_fit(tmp_path, net, monkeypatch):
     """Two workers each hold one sample's observed tensors: beyond half of GROUPED_ABOVE one worker runs the
     whole graph (a 640x640 YOLOv8x classifier's 769 MB per sample took calibrate to 3.4 GB with two)."""
-    from qtool.calibrate import collect
+    from qtool.calibrate import collect, segments
     d = tmp_path / "d"
     write_images(d, 5, seed=4)
     used, sizes = [], []
-    real, plan = collect._collect_phase, collect._segments
+    real, plan = collect._collect_phase, segments.plan
     monkeypatch.setattr(collect, "_collect_phase",
                         lambda phase, *a: used.append((len(phase.segments), phase.n_workers)) or real(phase, *a))
-    monkeypatch.setattr(collect, "_segments", lambda *a, **k: sizes.append(plan(*a, **k)[1]) or plan(*a, **k))
+    monkeypatch.setattr(segments, "plan", lambda *a, **k: sizes.append(plan(*a, **k)[1]) or plan(*a, **k))
     (tmp_path / "0").mkdir()
     assert _calibrate(net, d, tmp_path / "0", threads=2).table.n_samples == 5
-    monkeypatch.setattr(collect, "GROUPED_ABOVE", int(sizes[0] * 1.5))  # (one sample's tensors fit, two do not)
+    monkeypatch.setattr(segments, "GROUPED_ABOVE", int(sizes[0] * 1.5))  # (one sample's tensors fit, two do not)
     (tmp_path / "1").mkdir()
     assert _calibrate(net, d, tmp_path / "1", threads=2).table.n_samples == 5
     assert used == [(1, 2), (1, 1)]  # (the whole graph both times)

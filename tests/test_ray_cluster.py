@@ -27,7 +27,7 @@ from qtool.distributed.cluster import ClusterError, gather  # noqa: E402
 from qtool.quantize.options import ExclusionOptions, QuantizeOptions, SensitivityOptions  # noqa: E402
 from qtool.quantize.run import quantize  # noqa: E402
 
-IMAGES = 150  # more than collect.MEAN_SAMPLES: one-slice shards below it, shards of whole batches above
+IMAGES = 150  # more than observed.MEAN_SAMPLES: one-slice shards below it, shards of whole batches above
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ from qtool import graph as G
 from qtool import outputs
 from qtool.calibrate.budget import Spend
 from qtool.calibrate.checks import stem_fit
-from qtool.calibrate.collect import Pass, ShapesAt, Targets, collect
+from qtool.calibrate.collect import Pass, Targets, collect
+from qtool.calibrate.segments import ShapesAt
 from qtool.calibrate.stream import Seen, noted_feeds
 from qtool.calibrate.options import CalibrateOptions
 from qtool.calibrate.table import FLAT, CalibrationTable, ranges_for_all_methods
@@ -263,7 +264,7 @@ def _record(job: _Job, table: CalibrationTable, inp: _Input, seen: Seen, aware: 
 
 
 def check_nonfinite(obs, names: list, where: str) -> dict:
-    """NaN and inf were left out of every statistic (collect.py); say where they were, once.
+    """NaN and inf were left out of every statistic (observed.py); say where they were, once.
     A tensor with no finite value at all has no range: that is an error naming its samples.
     -> tensor -> {"count", "samples"} for the table."""
     if not obs.nonfinite:

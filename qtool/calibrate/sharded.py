@@ -24,8 +24,10 @@ import onnx
 
 from qtool import graph as G
 from qtool.calibrate.budget import Spend, within_budget
-from qtool.calibrate.collect import MEAN_SAMPLES, Pass, ShapesAt, Targets, Within, collect, planned_slices, slice_budget
+from qtool.calibrate.collect import Pass, Targets, Within, collect, planned_slices, slice_budget
+from qtool.calibrate.observed import MEAN_SAMPLES
 from qtool.calibrate.options import CalibrateOptions
+from qtool.calibrate.segments import ShapesAt
 from qtool.calibrate.stream import Seen, noted_feeds
 from qtool.data.sources import ImageData
 from qtool.data.tensors import tensor_source

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 
 from qtool.calibrate.budget import Spend, within_budget
-from qtool.calibrate.collect import Observed
+from qtool.calibrate.observed import Observed
 from qtool.calibrate.distinct import DistinctValues
 
 
