@@ -42,7 +42,9 @@ def test_ray_table_equals_the_local_one(models, tmp_path, cluster):
         if a["int8"]:
             assert open(a["int8"], "rb").read() == open(b["int8"], "rb").read()
     with open(tmp_path / "ray" / "batch.json", encoding="utf-8") as f:
-        assert json.load(f)["ran"] == "ray local"
+        doc = json.load(f)
+    assert doc["ran"] == "ray local"
+    assert list(doc["phases"]) == ["plan", "ray start", "jobs", "ray stop"]  # (the driver's time: bench_ray.py reads it)
 
 
 def test_a_model_larger_than_every_node_is_a_row(models, tmp_path, cluster):

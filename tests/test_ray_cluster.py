@@ -3,6 +3,7 @@ calibration table and int8 model as one process, also when a worker is killed mi
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import signal
@@ -14,7 +15,7 @@ import warnings
 
 import pytest
 
-from helpers import calibrate_samples, save, small_convnet, write_config, write_images
+from helpers import calibrate_samples, calibrated_convnet, save, small_convnet, write_config, write_images
 
 ray = pytest.importorskip("ray")  # (the test extra installs it: `make test` runs these)
 
@@ -147,3 +148,33 @@ def test_int8_identical_with_sensitivity_and_rounding(cluster, tmp_path, monkeyp
     assert max(parts) > 1  # (the experiments were split over the workers)
     assert results["ray"][0] == results["one"][0]
     assert results["ray"][1] == results["one"][1]
+
+
+def _figures(r: dict) -> str:
+    """eval's figures but the latency (timed on the driver: one machine's speed, never the same twice)."""
+    from qtool.modelio import json_safe
+    return json.dumps(json_safe({k: v for k, v in r.items() if k != "latency_ms"}), sort_keys=True)
+
+
+def test_eval_figures_identical_to_one_process(cluster, images, tmp_path, monkeypatch):
+    """eval's runs over the samples on two workers: images (the native runtime beside ORT, the exact check)
+    and tensors give every figure one process gives."""
+    from qtool.evaluate import EvalOptions, evaluate_workdir
+    from qtool.evaluate import sharded as eval_sharded
+    model, data, cfg = images
+    _table(model, data, cfg, tmp_path / "img")
+    small = calibrated_convnet(tmp_path / "npy", 40)
+    handed = []
+    outputs = eval_sharded.Workers.outputs
+    monkeypatch.setattr(eval_sharded.Workers, "outputs",
+                        lambda self, batches: handed.append(len(self.workers)) or outputs(self, batches))
+    for work, ev in ((str(tmp_path / "img"), data), (small, os.path.join(os.path.dirname(small), "data"))):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            quantize(work, QuantizeOptions(progress=False), say=lambda s: None)
+            got = [_figures(evaluate_workdir(work, ev, options=EvalOptions(threads=1, runtime="both", ray=address),
+                                             show_progress=False, say=lambda s: None))
+                   for address in (None, "local")]
+        assert got[0] == got[1]
+        assert json.loads(got[1])["runtime_check"]["checked"] > 0  # (the exact check's runs were the workers' too)
+    assert handed == [2, 2]

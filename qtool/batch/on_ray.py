@@ -11,6 +11,7 @@ from __future__ import annotations
 from qtool.batch.job import new_row, run_job
 from qtool.batch.watch import MB
 from qtool.distributed.cluster import RETRIES, gather, ray_cluster
+from qtool.timing import Phases
 
 
 def _job(job):
@@ -29,11 +30,15 @@ def too_big(job, largest: float) -> dict:
     return row
 
 
-def run_on_ray(jobs: list, address: str, done=lambda row: None) -> list:
-    """Each job's row, in the jobs' order (`done` called in that order too)."""
+def run_on_ray(jobs: list, address: str, done=lambda row: None, laps: Phases | None = None) -> list:
+    """Each job's row, in the jobs' order (`done` called in that order too); `laps` (timing.Phases) told of
+    the cluster's start ("ray start"), the jobs and its stop ("ray stop")."""
+    laps = laps or Phases()
+    laps.lap("ray start")
     with ray_cluster(address) as ray:
         task = ray.remote(_job)
         largest = largest_node_mb(ray)
+        laps.lap("jobs")
         refs = [None if job.entry.limits.memory_mb > largest else
                 task.options(memory=int(job.entry.limits.memory_mb * MB), max_retries=RETRIES).remote(job)
                 for job in jobs]
@@ -42,4 +47,5 @@ def run_on_ray(jobs: list, address: str, done=lambda row: None) -> list:
             rows.append(too_big(job, largest) if ref is None else
                         gather([ref], f"qtool batch: model {job.entry.name!r}")[0])
             done(rows[-1])
+        laps.lap("ray stop")
     return rows

@@ -13,6 +13,7 @@ from qtool.batch import table
 from qtool.batch.job import Job
 from qtool.batch.local import run_local
 from qtool.errors import UsageError
+from qtool.timing import Phases
 from qtool.workdir import MANIFEST
 
 TABLE = {"markdown": "batch.md", "json": "batch.json"}
@@ -70,11 +71,14 @@ def emptied(work: str, reads: list) -> None:
 
 
 def run_batch(path: str, options: BatchOptions, lines_of, done=lambda row: None) -> list:
+    laps = Phases()  # (the table's "phases": where the driver's time went, for benchmarks/bench_ray.py)
+    laps.lap("plan")
     c, jobs, paths = plan(path, options, lines_of)
     if options.ray is None:
+        laps.lap("jobs")
         rows, where = run_local(jobs, options.jobs, done), f"local, {options.jobs} at a time"
     else:
         from qtool.batch.on_ray import run_on_ray  # (Ray imported only with --ray)
-        rows, where = run_on_ray(jobs, options.ray, done), f"ray {options.ray}"
-    table.write(rows, c.path, where, paths)
+        rows, where = run_on_ray(jobs, options.ray, done, laps), f"ray {options.ray}"
+    table.write(rows, c.path, where, paths, laps.stop())
     return rows

@@ -46,13 +46,14 @@ def markdown(rows: list, catalogue: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def document(rows: list, catalogue: str, where: str) -> dict:
-    """The JSON table: `where` says how the jobs ran (local, jobs N; or ray)."""
+def document(rows: list, catalogue: str, where: str, phases: dict | None = None) -> dict:
+    """The JSON table: `where` says how the jobs ran (local, jobs N; or ray); `phases`: the driver's seconds
+    per phase (plan, ray start, jobs, ray stop)."""
     return {"qtool": version("qtool"), "catalogue": catalogue, "ran": where,
-            "ok": sum(r["status"] == "ok" for r in rows), "models": len(rows), "rows": rows}
+            "ok": sum(r["status"] == "ok" for r in rows), "models": len(rows), "phases": phases or {}, "rows": rows}
 
 
-def write(rows: list, catalogue: str, where: str, paths: dict) -> None:
+def write(rows: list, catalogue: str, where: str, paths: dict, phases: dict | None = None) -> None:
     """paths: {"markdown": path, "json": path}."""
-    atomic_write_text(paths["json"], json.dumps(json_safe(document(rows, catalogue, where)), indent=1) + "\n")
+    atomic_write_text(paths["json"], json.dumps(json_safe(document(rows, catalogue, where, phases)), indent=1) + "\n")
     atomic_write_text(paths["markdown"], markdown(rows, catalogue))

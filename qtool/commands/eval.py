@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import click
 
-from qtool.commands.common import common_options, say, setup_output, shown, write_json
+from qtool.commands.common import common_options, ray_option, say, setup_output, shown, write_json
 from qtool.outputs import File
 from qtool.tasks import NAMES, TASKS, parse_tasks
 
@@ -33,9 +33,10 @@ def _tasks(ctx, param, value):
               help=f"What the outputs (or OUTPUT) mean, where the guess printed is wrong: {', '.join(TASKS)} "
                    f"(also {', '.join(n for n in NAMES if n not in TASKS)}). Repeatable.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write all figures as JSON here.")
+@ray_option
 @common_options
-def command(compare, data, labels, model, int8_path, config, limit, runtime, threads, task, json_path, workdir, quiet,
-            verbose, debug):
+def command(compare, data, labels, model, int8_path, config, limit, runtime, threads, task, json_path, ray, workdir,
+            quiet, verbose, debug):
     """Accuracy, top-1 agreement, output SQNR, size and latency of int8 vs fp32.
 
     \b
@@ -43,6 +44,7 @@ def command(compare, data, labels, model, int8_path, config, limit, runtime, thr
       qtool eval --compare fp32
       qtool eval --data ../shared/imagenet-samples --labels ../shared/imagenet-samples/synsets.txt --json eval.json
       qtool eval --data sentences/ --task encoder
+      qtool eval --ray auto         (the runs over the samples on a Ray cluster; the latency timed here)
     """
     setup_output(quiet, verbose)
 
@@ -53,7 +55,8 @@ def command(compare, data, labels, model, int8_path, config, limit, runtime, thr
 
     from qtool.evaluate import EvalOptions, evaluate_workdir  # (here: the other commands need not import eval)
 
-    options = EvalOptions(labels=labels, config=config, limit=limit, threads=threads, runtime=runtime, task=task)
+    options = EvalOptions(labels=labels, config=config, limit=limit, threads=threads, runtime=runtime, task=task,
+                          ray=ray)
     shown(lambda: evaluate_workdir(workdir, data, model, int8_path, options, show_progress=not quiet,
                                    say=lambda t: say(quiet, t),
                                    also_writes=[File("--json file", json_path)] if json_path else []),  # (checked first)

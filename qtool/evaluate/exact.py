@@ -50,13 +50,28 @@ class ExactCheck:
 
     def add(self, feeds: dict, ort_out: list, samples: int | None = None) -> None:
         """A whole batch (a model may take its batch whole only) of `samples` samples (None: axis 0 of
-        the feed), until n samples are in."""
+        the feed), until n samples are in: its exact output computed here."""
+        if self.wants(feeds, samples):
+            self.take(exact_output(self.session, feeds), ort_out)
+
+    def wants(self, feeds: dict, samples: int | None = None) -> bool:
+        """Whether the check takes this batch, the next one in order, which is then counted as taken: asked
+        once per batch in the batches' order, its exact output (exact_output: computed here, or by a worker
+        holding the same model, evaluate/sharded.py) then given to `take` in that order."""
         if self.session is None or self.samples >= self.n or self._spent():
+            return False
+        # (axis 0 of the feed is not always samples: a tagger's [chars, 1] counted 49 for one sentence)
+        self.samples += samples if samples is not None else len(next(iter(feeds.values()))) if feeds else 1
+        macs = self._batch_macs(feeds)
+        self.gmacs = float("nan") if macs is None or self.gmacs != self.gmacs else self.gmacs + macs / 1e9
+        return True
+
+    def take(self, exact, ort_out: list) -> None:
+        """The exact output of a batch `wants` took (or the exception that stopped it) beside ORT's."""
+        if self.session is None:  # (given up on an earlier batch)
             return
-        try:
-            exact = self.session.run(None, feeds)[0]
-        except Exception as e:  # the runtime fails on this model: no check, eval goes on
-            self._give_up(e)
+        if isinstance(exact, Exception):  # the runtime fails on this model: no check, eval goes on
+            self._give_up(exact)
             return
         if np.shape(exact) != np.shape(ort_out[0]):  # (a runtime bug to report, not a reason to stop eval)
             self._give_up(ValueError(f"the native runtime wrote shape {list(np.shape(exact))} where ONNX Runtime "
@@ -65,10 +80,6 @@ class ExactCheck:
         # each batch kept in its own shape: samples of a model with free input sizes differ in length
         self.rows["exact"].append(np.asarray(exact, np.float64))
         self.rows["ort"].append(np.asarray(ort_out[0], np.float64))
-        # (axis 0 of the feed is not always samples: a tagger's [chars, 1] counted 49 for one sentence)
-        self.samples += samples if samples is not None else len(next(iter(feeds.values()))) if feeds else 1
-        macs = self._batch_macs(feeds)
-        self.gmacs = float("nan") if macs is None or self.gmacs != self.gmacs else self.gmacs + macs / 1e9
 
     def _spent(self) -> bool:
         """Whether the samples taken hold the check's budget: CHECK_GMACS, or where the work is not counted
@@ -112,6 +123,15 @@ class ExactCheck:
                     for x, y in zip(self.rows["exact"], self.rows["ort"])]
             r["top1_agreement_ort_vs_exact"] = float(np.concatenate(same).mean())
         return r
+
+
+def exact_output(session, feeds: dict):
+    """The exact int8 arithmetic's first output for `feeds` (`session`: qtool's runtime on the int8 model),
+    or the exception that stopped it."""
+    try:
+        return session.run(None, feeds)[0]
+    except Exception as e:  # (ExactCheck.take gives the check up on it; eval goes on)
+        return e
 
 
 PAIR_EXACT = ("portable", "u8-weights", "7bit")  # targets exact under the x86-without-VNNI arithmetic

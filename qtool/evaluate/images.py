@@ -17,8 +17,10 @@ from qtool.evaluate.exact import ExactCheck
 from qtool.evaluate.kinds import classifier
 from qtool.evaluate.options import EvalOptions
 from qtool.evaluate.meaning import output_meanings
+from qtool.evaluate.runs import Engines, Outputs
 from qtool.evaluate.stats import OutputStats, headline
 from qtool.evaluate.timing import latency_ms, ort_latency
+from qtool.evaluate.where import engines_at
 from qtool.labels import labels_from_file, labels_from_folders
 from qtool.modelio import check_pair, load_model, model_bytes
 from qtool.ortsession import session
@@ -50,9 +52,13 @@ def evaluate(fp32_path: str, int8_path: str, data: str, options: EvalOptions = E
     run = _Pass(sf, sq, output_meanings(fp32, [o.name for o in sf.get_outputs()], options.task), native, exact)
     label_of = dict(zip(src.files, y_true)) if y_true is not None else {}
     fixed = getattr(src, "fixed_batch", None)
-    with tqdm(total=len(src), unit="img", desc="eval", disable=not show_progress, leave=False) as bar:
-        for names, feeds in src.batches():
-            run.add(names, feeds, label_of, fixed)
+    engines = Engines(os.path.abspath(fp32_path), os.path.abspath(int8_path), options.threads, not varied,
+                      tuple(run.out_names), native=native is not None)
+    batches = ((names, feeds, exact is not None and exact.wants(feeds, len(names))) for names, feeds in src.batches())
+    with tqdm(total=len(src), unit="img", desc="eval", disable=not show_progress, leave=False) as bar, \
+            engines_at(options.ray, engines, (sf, sq, native, exact.session if exact else None)) as where:
+        for names, feeds, outs in where.outputs(batches):
+            run.add(names, feeds, outs, label_of, fixed)
             bar.update(len(names))
     if not run.truth and fixed:
         from qtool.errors import QtoolError
@@ -100,18 +106,18 @@ class _Pass:
         self.truth: list = []
         self.sample = None
 
-    def add(self, names: list, feeds: dict, label_of: dict, fixed_batch) -> None:
-        outs_f, outs_q = self.sf.run(self.out_names, feeds), self.sq.run(self.out_names, feeds)
-        for name, u, v in zip(self.out_names, outs_f, outs_q):
+    def add(self, names: list, feeds: dict, outs: Outputs, label_of: dict, fixed_batch) -> None:
+        """One batch's outputs (runs.py: computed here or by a worker), in the batches' order."""
+        for name, u, v in zip(self.out_names, outs.fp32, outs.int8):
             self.stats[name].add(u, v, len(names))
-        a, b = outs_f[0], outs_q[0]
-        if self.exact is not None:
-            self.exact.add(feeds, [b], len(names))
+        a, b = outs.fp32[0], outs.int8[0]
+        if self.exact is not None and outs.exact is not None:
+            self.exact.take(outs.exact, [b])
         if self._classes():
             self.rows["fp32"].append(a)
             self.rows["int8"].append(b)
         if self.native is not None:
-            c = self.native.run([self.out_name], feeds)[0]
+            c = outs.native
             self.native_stats["fp32"].add(a, c, len(names))
             self.native_stats["int8"].add(b, c, len(names))
         self.truth.extend(label_of.get(n) for n in names)

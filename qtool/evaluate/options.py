@@ -11,7 +11,9 @@ class EvalOptions:
     `limit`: at most this many samples. `runtime`: "ort", or "native"/"both" to run the int8 model on qtool's
     runtime too (images). `latency`: time both models on one sample. `check`: compare ONNX Runtime's int8
     output with the exact int8 arithmetic (exact.ExactCheck). `task`: what outputs mean where the guess is
-    wrong, entries "TASK" (every output) or "OUTPUT=TASK" (qtool.tasks; the guess is printed)."""
+    wrong, entries "TASK" (every output) or "OUTPUT=TASK" (qtool.tasks; the guess is printed). `ray`: the
+    models' runs over the samples on a Ray cluster (None: here; "local", "auto" or an address:
+    distributed/cluster.py), with the figures one process gets; the latency is timed here."""
     labels: str | None = None
     config: object = None
     limit: int | None = None
@@ -20,3 +22,4 @@ class EvalOptions:
     latency: bool = True
     check: bool = True
     task: tuple = ()
+    ray: str | None = None

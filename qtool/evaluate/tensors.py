@@ -9,8 +9,10 @@ from qtool.evaluate.batching import eval_batch
 from qtool.evaluate.exact import ExactCheck
 from qtool.evaluate.options import EvalOptions
 from qtool.evaluate.meaning import output_meanings
+from qtool.evaluate.runs import Engines
 from qtool.evaluate.stats import OutputStats, headline
 from qtool.evaluate.timing import RunTimes, ort_latency
+from qtool.evaluate.where import engines_at
 from qtool.modelio import check_pair, load_model, model_bytes
 from qtool.ortsession import session
 
@@ -44,18 +46,20 @@ def evaluate_tensors(fp32_path: str, int8_path: str, data, options: EvalOptions 
     mask = next((m.mask for m in meanings.values() if m.mask), None)  # (the attention mask, an encoder pools over)
     exact = ExactCheck(int8_path, options.threads) if options.check and int8_ops else None
     sample, n_samples = None, 0
-    times = RunTimes()
-    for batch_names, feeds in src.batches():
-        outs_q = times.run("ort_int8", sq, names, feeds)
-        outs_f = times.run("ort_fp32", sf, names, feeds)
-        # (a file is one sample, whatever its axis 0 holds; an iterable's item may be a batch)
-        n_batch = len(batch_names) if src.kind in ("npy", "npz") else len(next(iter(feeds.values())))
-        if exact is not None:
-            exact.add(feeds, outs_q, n_batch)
-        for name, a, b in zip(names, outs_f, outs_q):
-            stats[name].add(a, b, n_batch, feeds.get(mask) if mask else None)
-        n_samples += n_batch
-        sample = sample or feeds
+    times = RunTimes()  # (with --ray the runs are the workers': the latency is timed here afterwards)
+    engines = Engines(os.path.abspath(fp32_path), os.path.abspath(int8_path), options.threads, True, tuple(names),
+                      int8_first=True)
+    batches = ((batch_names, feeds, exact is not None and exact.wants(feeds, _samples_in(src, batch_names, feeds)))
+               for batch_names, feeds in src.batches())
+    with engines_at(options.ray, engines, (sf, sq, None, exact.session if exact else None), times) as where:
+        for batch_names, feeds, outs in where.outputs(batches):
+            n_batch = _samples_in(src, batch_names, feeds)
+            if exact is not None and outs.exact is not None:
+                exact.take(outs.exact, outs.int8)
+            for name, a, b in zip(names, outs.fp32, outs.int8):
+                stats[name].add(a, b, n_batch, feeds.get(mask) if mask else None)
+            n_samples += n_batch
+            sample = sample or feeds
     if n_samples == 0:
         raise QtoolError("no evaluation samples")
     outs = {n: s.result() for n, s in stats.items()}
@@ -75,3 +79,8 @@ def evaluate_tensors(fp32_path: str, int8_path: str, data, options: EvalOptions 
         # the runs above, the first one (warm-up) left out
         res["latency_ms"] = times.latency_ms() if src.batch == 1 and times.enough() else ort_latency(sf, sq, one)
     return res
+
+
+def _samples_in(src, batch_names: list, feeds: dict) -> int:
+    """A file is one sample, whatever its axis 0 holds; an iterable's item may be a batch."""
+    return len(batch_names) if src.kind in ("npy", "npz") else len(next(iter(feeds.values())))
