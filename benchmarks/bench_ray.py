@@ -155,6 +155,36 @@ def stop_nodes(port: int) -> None:
         time.sleep(2)
 
 
+def print_table(best: dict, parallel: str) -> None:
+    """Each mode's best run side by side: wall, serial, the parallel part (named `parallel`), Ray's start,
+    the driver's and each worker's peak memory."""
+    print(f"  {'mode':10} {'wall s':>7} {'serial s':>9} {parallel:>9} {'ray start s':>12} "
+          f"{'driver MB':>10} {'worker peak MB':>16}")
+    for m, r in best.items():
+        wp = ", ".join(f"{x:.0f}" for x in r["worker_peak_mb"]) or "-"
+        print(f"  {m:10} {r['wall']:7.1f} {r['serial']:9.1f} {r['parallel']:9.1f} {r['ray_startup']:12.1f} "
+              f"{r['driver_peak_mb']:10.0f} {wp:>16}")
+
+
+def run_modes(modes: list, repeat: int, port: int, tmp: str, run) -> tuple:
+    """(the order the modes ran in, {mode: [each repeat's run(mode, address, ours)]}): "one" (no Ray), "local"
+    (a local cluster) or "two-node" (start_two_nodes on `port`, started once and stopped at the end; `ours()`:
+    its processes), in turn, mirrored on every other repeat. A run is a dict with its "wall" seconds."""
+    order = [m for r in range(repeat) for m in (modes if r % 2 == 0 else modes[::-1])]
+    runs = {m: [] for m in modes}
+    two = None
+    try:
+        for m in order:
+            address = None if m == "one" else "local" if m == "local" else (two or start_two_nodes(port, os.path.join(tmp, "ray")))
+            two = address if m == "two-node" else two
+            runs[m].append(run(m, address, lambda: _marked(str(port))))
+            print(f"  {m}: {runs[m][-1]['wall']:.1f} s", flush=True)
+    finally:
+        if "two-node" in modes:  # (also after a failed start: whatever of it runs)
+            stop_nodes(port)
+    return order, runs
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--images", required=True)
@@ -177,31 +207,14 @@ def main() -> int:
     files = sorted(f for f in os.listdir(a.images) if f.lower().endswith((".jpeg", ".jpg", ".png")))[:a.n]
     for f in files:
         os.symlink(os.path.abspath(os.path.join(a.images, f)), os.path.join(data, f))
-    modes = a.modes.split(",")
-    order = [m for r in range(a.repeat) for m in (modes if r % 2 == 0 else modes[::-1])]
-    runs = {m: [] for m in modes}
-    two = None
-    try:
-        for m in order:
-            address = None if m == "one" else "local" if m == "local" else (two or start_two_nodes(a.port, os.path.join(tmp, "ray")))
-            two = address if m == "two-node" else two
-            runs[m].append(calibrate(model, data, os.path.join(tmp, f"work-{m}"), address,
-                                     lambda: _marked(str(a.port))))
-            print(f"  {m}: {runs[m][-1]['wall']:.1f} s", flush=True)
-    finally:
-        if "two-node" in modes:  # (also after a failed start: whatever of it runs)
-            stop_nodes(a.port)
+    order, runs = run_modes(a.modes.split(","), a.repeat, a.port, tmp,
+                            lambda m, address, ours: calibrate(model, data, os.path.join(tmp, f"work-{m}"), address, ours))
     res = {"images": len(files), "order": order, "runs": runs, "load_average": os.getloadavg(),
            "tables_identical": len({r["table_sha256"] for rs in runs.values() for r in rs}) == 1}
     best = {m: min(rs, key=lambda r: r["wall"]) for m, rs in runs.items()}
     print(f"ResNet-50 calibration, {len(files)} images, modes in order {', '.join(order)} "
           f"(load average {res['load_average'][0]:.1f} on {os.cpu_count()} cores):")
-    print(f"  {'mode':10} {'wall s':>7} {'serial s':>9} {'shards s':>9} {'ray start s':>12} "
-          f"{'driver MB':>10} {'worker peak MB':>16}")
-    for m, r in best.items():
-        wp = ", ".join(f"{x:.0f}" for x in r["worker_peak_mb"]) or "-"
-        print(f"  {m:10} {r['wall']:7.1f} {r['serial']:9.1f} {r['parallel']:9.1f} {r['ray_startup']:12.1f} "
-              f"{r['driver_peak_mb']:10.0f} {wp:>16}")
+    print_table(best, "shards s")
     print(f"  calibration tables identical across every run: {res['tables_identical']}")
     res["projection"] = {}
     for m in [m for m in best if m != "one"]:

@@ -30,7 +30,7 @@ import tempfile
 import threading
 import time
 
-from bench_ray import AUTH, _ancestors, _marked, _peak_kb, _titled, start_two_nodes, stop_nodes
+from bench_ray import AUTH, _ancestors, _peak_kb, _titled, print_table, run_modes
 
 QTOOL = [sys.executable, "-m", "qtool"]
 JOB_TITLE = "ray::_job"  # a Ray worker process while it runs a catalogue's job (qtool/batch/on_ray.py)
@@ -103,6 +103,8 @@ def run_batch(catalogue: str, models: list, out: str, ray: str | None, ours=list
     jobs = [sum(s["seconds"] for s in r["steps"].values()) for r in doc["rows"]]
     phases = doc.get("phases", {})
     parallel = phases.get("jobs", 0.0)
+    if proc.returncode not in (0, 1):  # (1: a model failed, its row says why; the table is compared all the same)
+        print(f"  {' '.join(cmd)}: exit {proc.returncode}: {err.strip()[-500:]}", flush=True)
     return {"wall": wall, "rc": proc.returncode, "phases": phases, "parallel": parallel, "serial": wall - parallel,
             "ray_startup": phases.get("ray start", 0.0), "jobs_s": jobs,
             "driver_peak_mb": peaks.driver_kb / 1024,
@@ -132,20 +134,8 @@ def main() -> int:
     tmp = tempfile.mkdtemp(prefix="qtool-bench-ray-catalogue-")
     catalogue = os.path.abspath(a.catalogue)
     models = [m.strip() for m in a.models.split(",") if m.strip()]
-    modes = a.modes.split(",")
-    order = [m for r in range(a.repeat) for m in (modes if r % 2 == 0 else modes[::-1])]
-    runs = {m: [] for m in modes}
-    two = None
-    try:
-        for m in order:
-            address = None if m == "one" else "local" if m == "local" else (two or start_two_nodes(a.port, os.path.join(tmp, "ray")))
-            two = address if m == "two-node" else two
-            runs[m].append(run_batch(catalogue, models, os.path.join(tmp, f"out-{m}"), address,
-                                     lambda: _marked(str(a.port))))
-            print(f"  {m}: {runs[m][-1]['wall']:.1f} s (exit {runs[m][-1]['rc']})", flush=True)
-    finally:
-        if "two-node" in modes:
-            stop_nodes(a.port)
+    order, runs = run_modes(a.modes.split(","), a.repeat, a.port, tmp, lambda m, address, ours: run_batch(
+        catalogue, models, os.path.join(tmp, f"out-{m}"), address, ours))
     results = [json.dumps(r["results"], sort_keys=True) for rs in runs.values() for r in rs]
     res = {"catalogue": catalogue, "models": models, "order": order, "runs": runs, "load_average": os.getloadavg(),
            "results_identical": len(set(results)) == 1}
@@ -153,12 +143,7 @@ def main() -> int:
     n = len(next(iter(best.values()))["results"])
     print(f"qtool batch, {n} models ({', '.join(models) or 'the whole catalogue'}), modes in order {', '.join(order)} "
           f"(load average {res['load_average'][0]:.1f} on {os.cpu_count()} cores):")
-    print(f"  {'mode':10} {'wall s':>7} {'serial s':>9} {'jobs s':>7} {'ray start s':>12} {'driver MB':>10} "
-          f"{'worker peak MB':>16}")
-    for m, r in best.items():
-        wp = ", ".join(f"{x:.0f}" for x in r["worker_peak_mb"]) or "-"
-        print(f"  {m:10} {r['wall']:7.1f} {r['serial']:9.1f} {r['parallel']:7.1f} {r['ray_startup']:12.1f} "
-              f"{r['driver_peak_mb']:10.0f} {wp:>16}")
+    print_table(best, "jobs s")
     print(f"  int8 models, statuses and eval figures identical across every run: {res['results_identical']}")
     res["projection"] = {}
     for m, r in best.items():

@@ -70,7 +70,7 @@ def quantize(workdir: str = DEFAULT_WORKDIR, options: QuantizeOptions | None = N
 def evaluate(workdir: str = DEFAULT_WORKDIR, data=None, *, model: str | None = None, int8: str | None = None,
              options: EvalOptions = EvalOptions(), verbose: bool = True) -> dict:
     """The int8 model against its fp32 original on `data` (default: the calibration folder, without
-    the calibration images). `options`: EvalOptions(labels=, config=, limit=, threads=, runtime=), the
+    the calibration images). `options`: EvalOptions(labels=, config=, limit=, threads=, runtime=, ray=), the
     command's options. Returns every figure `qtool eval --json` writes: output_sqnr_db, top1_agreement
     (classifiers), fp32/int8 top-1 and top-5 with labels, size_bytes, latency_ms."""
     return evaluate_workdir(workdir, data, model, int8, options, show_progress=verbose, say=_say(verbose))

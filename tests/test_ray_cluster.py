@@ -124,14 +124,19 @@ def test_a_lost_worker_ends_with_one_line(cluster):
 
 
 def test_int8_identical_with_sensitivity_and_rounding(cluster, tmp_path, monkeypatch):
-    """Output-aware rounding (the default), range tuning and --exclude-sensitive, whose experiments run on
-    the workers: the sensitivity figures and the int8 model are the same as in one process."""
+    """Output-aware rounding (the default: its layers' fits), range tuning, sensitivity and --exclude-sensitive
+    (its models), whose experiments run on the workers: the sensitivity figures and the int8 model are the
+    same as in one process."""
     model, _ = deep_chain.deep_chain(60, c=32, hw=48, residual_every=10)
     xs = deep_chain.sample_inputs(16, 32, 48)
     work = calibrate_samples(model, [{"x": x[None]} for x in xs], tmp_path, method="minmax")
-    parts = []
-    split = experiments.split
+    parts, fits, scored = [], [], []
+    split, fit_parts, score_all = experiments.split, experiments.fit_parts, experiments.Scorer.score_all
     monkeypatch.setattr(experiments, "split", lambda run, n: parts.append(len(split(run, n))) or split(run, n))
+    monkeypatch.setattr(experiments, "fit_parts", lambda h, layers, n: fits.append(fit_parts(h, layers, n))
+                        or fits[-1])
+    monkeypatch.setattr(experiments.Scorer, "score_all", lambda self, excls, threads: scored.append(len(excls))
+                        or score_all(self, excls, threads))
     options = QuantizeOptions(progress=False, tune_ranges=True, sensitivity=SensitivityOptions(True),
                               exclusion=ExclusionOptions(True, target_agreement=1.0, max_excluded=2))
     results = {}
@@ -146,8 +151,26 @@ def test_int8_identical_with_sensitivity_and_rounding(cluster, tmp_path, monkeyp
             r = quantize(str(wd), dataclasses.replace(options, ray=address), say=lambda s: None)
         results[name] = (r.sensitivity["layers"], (wd / "model.int8.onnx").read_bytes())
     assert max(parts) > 1  # (the experiments were split over the workers)
+    assert fits and all(len(p) == 2 and p[0] and p[1] for p in fits)  # (the rounding fits: on both workers)
+    assert scored and max(scored) > 1  # (the exclusion search's models: built and run by the workers)
     assert results["ray"][0] == results["one"][0]
     assert results["ray"][1] == results["one"][1]
+
+
+def test_covariances_identical_on_workers(cluster, monkeypatch):
+    """Output-aware rounding's input covariances, each worker summing its share of the layers (the others'
+    positions drawn all the same): every covariance the bits one process computes."""
+    import numpy as np
+    from qtool.quantize.rounding import layer_hessians
+    model, _ = deep_chain.deep_chain(40, c=32, hw=48, residual_every=10)
+    feeds = [{"x": x[None]} for x in deep_chain.sample_inputs(6, 32, 48)]
+    here = layer_hessians(model, feeds)
+    fell_back = []
+    monkeypatch.setattr(experiments, "layer_hessians", lambda *a, **k: fell_back.append(1) or layer_hessians(*a, **k))
+    with experiments.on_cluster(None) as there:
+        got = there.hessians(model, feeds)
+    assert not fell_back and list(got) == list(here) and len(here) > 2
+    assert all(np.array_equal(got[k], here[k]) for k in here)
 
 
 def _figures(r: dict) -> str:

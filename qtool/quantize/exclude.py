@@ -184,10 +184,13 @@ class _Search:
         self.decisions = not self.dist and ref.ndim >= 2 and ref.shape[-1] == 1 and ref[0].size > 1
         self.errors = {}  # id(TradeoffPoint) -> its error on each image (KL, or squared error for other outputs)
         self.res = None
+        self.there = None  # the models' scorer on a Ray cluster (ctx.experiments.scorer), made on first use
 
-    def evaluate(self, excl: dict, threads: int | None = None):
+    def evaluate(self, excl: dict, threads: int | None = None, scored: tuple | None = None):
+        """(the QuantizeOutput, its TradeoffPoint) of the model with `excl` kept fp32; `scored`: its
+        ctx.score, computed already (on a Ray cluster: evaluate_all)."""
         reference, y_true, dist = self.reference, self.y_true, self.dist
-        y, q = self.ctx.score(self.samples, excl, threads)
+        y, q = scored or self.ctx.score(self.samples, excl, threads)
         drop = None
         if y_true is not None:
             m = y_true >= 0
@@ -217,12 +220,30 @@ class _Search:
 
     def evaluate_all(self, excls: list) -> list:
         """evaluate() of each, side by side with one ORT thread each: one model's graph is built (Python)
-        while another runs, and one thread per session beats two on a model this size (simulate.py)."""
+        while another runs, and one thread per session beats two on a model this size (simulate.py). With
+        ctx.experiments (a Ray cluster: sharded.py) the models are built and run by its workers, each as here."""
         workers = min(len(excls), self.ctx.workers)
-        if workers <= 1 or self.reference.nbytes > SIDE_BY_SIDE_BYTES:
+        alone = workers <= 1 or self.reference.nbytes > SIDE_BY_SIDE_BYTES
+        if self.ctx.experiments is not None and len(excls) > 1:
+            return [self.evaluate(e, scored=s) for e, s in zip(excls, self._scored_there(excls, self.ctx.workers if alone else 1))]
+        if alone:
             return [self.evaluate(e) for e in excls]
         with ThreadPoolExecutor(workers) as pool:
             return list(pool.map(lambda e: self.evaluate(e, 1), excls))
+
+    def _scored_there(self, excls: list, threads) -> list:
+        """ctx.score of each on the cluster's workers -> [(output, QuantizeOutput)]; what a build there
+        told its QuantizeContext.on_error (a layer's rounding failed) is told to this one, in order."""
+        if self.there is None:
+            self.there = self.ctx.experiments.scorer(self.ctx, self.samples)
+        out = []
+        for y, resized, q, failed in self.there.score_all(excls, threads):
+            self.ctx.resized = max(self.ctx.resized, resized)
+            for layer, e in failed:
+                if self.ctx.on_error is not None:
+                    self.ctx.on_error(layer, e)
+            out.append((y, q))
+        return out
 
     def not_worse(self, pt: TradeoffPoint) -> bool:
         """Never give up a layer for a model whose agreement or SQNR is below the all-int8 one's."""

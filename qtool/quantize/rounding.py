@@ -371,14 +371,16 @@ CHUNK = 4  # samples per run, at most
 
 
 def layer_hessians(fused, feeds, exclude: dict | None = None, threads: int = 0, progress=None, on_error=None,
-                   skipped: dict | None = None) -> dict:
+                   skipped: dict | None = None, only: frozenset | None = None) -> dict:
     """node name -> [G, K, K] input covariance of every int8 layer with a weight, from the fp32
     graph run on calibration `feeds` (a SampleSet, or a list of input dicts), at most CHUNK samples at a time (fewer
     where the layer inputs are large: ACTIVATIONS_BYTES; a model whose layer inputs do not fit
     it at once runs once per group of them); `progress(k)` is told of k more samples.
     `on_error(layer, exception)`: a layer whose covariance fails is told and left out (nearest
     rounding); without it the exception propagates. `skipped` gets the layers left to nearest
-    rounding by the bounds (rounding_layers)."""
+    rounding by the bounds (rounding_layers). `only`: the covariances of these layers alone (a Ray worker's
+    share, quantize/sharded.py); every other convolution's positions are drawn all the same, so that each
+    covariance is the one the whole run makes."""
     from qtool.ortsession import session, with_outputs
 
     layers, too_big = rounding_layers(fused, exclude)
@@ -401,7 +403,10 @@ def layer_hessians(fused, feeds, exclude: dict | None = None, threads: int = 0, 
                 if name in failed:
                     continue
                 try:
-                    _add(acc, _real_tokens(outs[x_name], feed.get(mask_name), conv), conv, rng)
+                    if only is None or name in only:
+                        _add(acc, _real_tokens(outs[x_name], feed.get(mask_name), conv), conv, rng)
+                    elif conv is not None and outs[x_name].ndim == 4:  # (its draws, without its sums)
+                        conv_patches(outs[x_name], rng=rng, **conv)
                 except Exception as e:
                     if on_error is None:
                         raise
@@ -413,7 +418,7 @@ def layer_hessians(fused, feeds, exclude: dict | None = None, threads: int = 0, 
         del sess
     # fewer samples than inputs per channel: the estimate is mostly its diagonal, where nearest rounding is optimal
     return {name: acc.hessian() for name, (_, acc, _) in layers.items()
-            if name not in failed and acc.n >= acc.mean.shape[1]}
+            if name not in failed and (only is None or name in only) and acc.n >= acc.mean.shape[1]}
 
 
 def _real_tokens(x: np.ndarray, mask, conv: dict | None) -> np.ndarray:

@@ -24,6 +24,8 @@ def round_all(ctx: QuantizeContext, say=print, show_progress: bool = True) -> No
     with bar(len(todo), "layer", "round weights", show_progress) as pb:
         ctx.weight_cache.progress = lambda name: pb.update(1) if name in todo else None
         try:
+            if ctx.experiments is not None:  # (the layers' fits on a Ray cluster's workers, into ctx.weight_cache)
+                ctx.experiments.fit(ctx, sorted(todo))
             ctx.build()
         finally:
             ctx.weight_cache.progress = None
@@ -49,9 +51,10 @@ def tune_rounding(ctx: QuantizeContext, samples: SampleSet, res: Tuning, steps: 
     if check.nearest:
         ctx.hessians = res.hessians = None
         return
+    covariances = layer_hessians if ctx.experiments is None else ctx.experiments.hessians  # (Ray: sharded.py)
     with bar(len(samples), "image", "covariances", show_progress) as pb:
-        ctx.hessians = res.hessians = layer_hessians(ctx.fused, samples, progress=whole(pb), on_error=nearest,
-                                                     skipped=res.unrounded)
+        ctx.hessians = res.hessians = covariances(ctx.fused, samples, progress=whole(pb), on_error=nearest,
+                                                  skipped=res.unrounded)
     ctx.on_error = nearest
     round_all(ctx, say, show_progress)  # at the method's ranges; range tuning scores with these weights
 
