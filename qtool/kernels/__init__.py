@@ -255,13 +255,18 @@ def pack_conv2d(w, bias, *, x_zp, multiplier, y_zp, lo=0, hi=255,
                       ci["kernel"], ci["isa"], cap)
 
 
-def _plan_conv2d(p: PackedConv, x, out):
+def _nhwc_in_out(p, x, out):
+    """A convolution's (or ConvTranspose's) uint8 NHWC input checked against p.cin -> (n, h, w, out shape, y)."""
     _u8(x, "x")
     if x.ndim != 4 or x.shape[3] != p.cin:
         raise ValueError(f"x: expected NHWC [N, H, W, {p.cin}], got {x.shape}")
     n, h, w, _ = x.shape
     shape = p.out_shape(n, h, w)
-    y = _out(out, shape)
+    return n, h, w, shape, _out(out, shape)
+
+
+def _plan_conv2d(p: PackedConv, x, out):
+    n, h, w, shape, y = _nhwc_in_out(p, x, out)
     return y, _native.conv_run, (p._cap, x, n, h, w, y, shape[1], shape[2])
 
 
@@ -339,12 +344,7 @@ def pack_deconv2d(w, bias, *, x_zp, multiplier, y_zp, lo=0, hi=255,
 
 
 def _plan_deconv2d(p: PackedDeconv, x, out):
-    _u8(x, "x")
-    if x.ndim != 4 or x.shape[3] != p.cin:
-        raise ValueError(f"x: expected NHWC [N, H, W, {p.cin}], got {x.shape}")
-    n, h, w, _ = x.shape
-    shape = p.out_shape(n, h, w)
-    y = _out(out, shape)
+    n, h, w, shape, y = _nhwc_in_out(p, x, out)
     sh, sw = p.strides
     scratch = np.empty(n * -(-shape[1] // sh) * -(-shape[2] // sw) * p.cout if (sh, sw) != (1, 1) else 1, np.uint8)
     return y, _native.deconv_run, (p._arg, x, n, h, w, y, shape[1], shape[2], sh, sw, scratch)

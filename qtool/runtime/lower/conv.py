@@ -30,16 +30,24 @@ def _fold_pad(c, node, x, pads):
     return QView(src, x.scale, x.zp), pads
 
 
-def rule_conv(c, node):
-    x = image_input(c, node, "convolution")
+def _image_and_weight(c, node, axis: int, what: str):
+    """(dq view of the image, int8 weight, its scales along `axis`) of a 2-D convolution-like node, or the reason."""
+    x = image_input(c, node, what)
     if isinstance(x, str):
         return x
-    w = c.weight(node.input[1], 0)
+    w = c.weight(node.input[1], axis)
     if isinstance(w, str):
         return w
-    wq, sw = w
-    if wq.ndim != 4:
-        return f"{wq.ndim - 2}-D convolution (only 2-D has an int8 kernel)"
+    if w[0].ndim != 4:
+        return f"{w[0].ndim - 2}-D {what} (only 2-D has an int8 kernel)"
+    return x, w[0], w[1]
+
+
+def rule_conv(c, node):
+    xw = _image_and_weight(c, node, 0, "convolution")
+    if isinstance(xw, str):
+        return xw
+    x, wq, sw = xw
     wa = window_attrs(node)
     if isinstance(wa, str):
         return wa
@@ -78,15 +86,10 @@ def rule_conv_transpose(c, node):
     sum rounds across a half."""
     if not hasattr(c.K, "pack_deconv2d"):
         return "the kernel backend has no ConvTranspose"
-    x = image_input(c, node, "ConvTranspose")
-    if isinstance(x, str):
-        return x
-    w = c.weight(node.input[1], 1)
-    if isinstance(w, str):
-        return w
-    wq, sw = w
-    if wq.ndim != 4:
-        return f"{wq.ndim - 2}-D ConvTranspose (only 2-D has an int8 kernel)"
+    xw = _image_and_weight(c, node, 1, "ConvTranspose")
+    if isinstance(xw, str):
+        return xw
+    x, wq, sw = xw
     if wq.size and wq.min() < -127:
         return "its weight holds -128 (the kernels take symmetric int8)"
     group = node_attrs(node).get("group", 1)
