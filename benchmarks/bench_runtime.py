@@ -33,8 +33,8 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from qtool.runtime import NativeSession  # noqa: E402
-from qtool.runtime.bench import BenchOptions, bench, make_feeds  # noqa: E402
-from qtool.runtime.profile import VNNI_GMACS_PER_CORE, format_table, format_top, op_type_table, top_steps  # noqa: E402
+from qtool.runtime.bench import BenchOptions, bench, make_feeds, profile_steps  # noqa: E402
+from qtool.runtime.profile import VNNI_GMACS_PER_CORE, format_table, format_top  # noqa: E402
 
 import onnx  # noqa: E402
 import onnxruntime as ort  # noqa: E402
@@ -148,12 +148,13 @@ def main(argv=None):
         out["speed"] = speed(a, a.batch or [1, 8])
     if a.profile:
         for bs in a.batch or [1]:
-            rows = native.profile(make_feeds(native, bs, a.shape), repeats=10)
+            p = profile_steps(native, make_feeds(native, bs, a.shape), 10, VNNI_GMACS_PER_CORE * a.threads)
             print(f"profile batch {bs} ({a.threads} threads, peak {VNNI_GMACS_PER_CORE:.0f} GMAC/s/core):")
-            table = op_type_table(rows, a.threads)
-            print(format_table(table))
-            print(format_top(top_steps(rows, a.threads)))
-            out.setdefault("profile", {})[bs] = table
+            print(format_table(p["by_op"]))
+            if p.get("worker_share") is not None:
+                print(f"  (1T ms: on one thread; the other threads ran {100 * p['worker_share']:.0f} % of the parallel chunks)")
+            print(format_top(p["top"]))
+            out.setdefault("profile", {})[bs] = p["by_op"]
     if a.json:
         import json
         with open(a.json, "w") as f:

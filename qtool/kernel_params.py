@@ -18,6 +18,16 @@ class ConvGeometry:
 
 
 @dataclass(frozen=True)
+class DeconvGeometry:
+    """Strides, pads (top, left, bottom, right; or (h, w) for both sides), output_padding (h, w) and
+    groups of a 2-D ConvTranspose (dilations 1): OH = (H - 1) * sh + KH - top - bottom + output_padding."""
+    strides: tuple = (1, 1)
+    pads: tuple = (0, 0, 0, 0)
+    output_padding: tuple = (0, 0)
+    group: int = 1
+
+
+@dataclass(frozen=True)
 class PoolWindow:
     """A pooling window: kernel (kh, kw), strides, pads (top, left, bottom, right), dilations, ONNX's
     ceil_mode, and whether an average counts the padding."""

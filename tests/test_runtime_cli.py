@@ -48,6 +48,12 @@ def test_bench_json(tmp_path):
         assert 0 < p["share"] == pytest.approx(p["gmacs_per_s"] / d["peak_gmacs"])
     assert "% of the peak" in r.output
     assert d["profile"]["1"]["by_op"][-1]["op"] == "total"
+    # on 2 threads (the default) each op type's one-thread time sits beside it, and the workers' share
+    prof = d["profile"]["1"]
+    total = prof["by_op"][-1]
+    assert total["ms_1t"] > 0 and total["scaling"] == pytest.approx(total["ms_1t"] / total["ms"])
+    assert prof["worker_share"] is None or 0 <= prof["worker_share"] <= 1
+    assert "1T ms" in r.output and ("of the parallel chunks" in r.output or "large enough to split" in r.output)
 
 
 def test_bench_missing_model_is_one_line_error(tmp_path, capsys, monkeypatch):

@@ -102,6 +102,12 @@ def command(model, fp32, batches, threads, rounds, max_rounds, round_ms, repeats
         for bs, p in r["profile"].items():
             echo(f"\nprofile, batch {bs} ({threads} threads; % of {p['peak_gmacs']:.0f} GMAC/s = {p['peak']}):")
             echo(format_table(p["by_op"]))
+            if threads > 1:
+                share = p.get("worker_share")
+                echo("  ('1T ms': the same steps on one thread, 'x' its ratio; " + (
+                     "no op was large enough to split over the threads)" if share is None else
+                     f"the other threads ran {100 * share:.0f} % of the parallel chunks, "
+                     f"{100 * (threads - 1) / threads:.0f} % if they always had a CPU)"))
             echo(format_top(p["top"]))
     write_json(json_path, {**r, "batches": {str(k): v for k, v in r["batches"].items()},
                            **({"profile": {str(k): v for k, v in r["profile"].items()}} if profile else {})})

@@ -11,11 +11,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from qtool.kernel_params import BinaryQuant, ConvGeometry, PoolWindow
+from qtool.kernel_params import BinaryQuant, ConvGeometry, DeconvGeometry, PoolWindow
 from qtool.qparams import U8_MAX, U8_MIN
 from qtool.windows import out_size
 
 from . import _native
+from .deconv_phases import axis_phases, deconv_out_hw, phase_weights, unsupported
 
 ISAS = ("scalar", "avx2", "avx512vnni", "amx")
 
@@ -23,6 +24,7 @@ __all__ = ["ConvGeometry", "PoolWindow", "BinaryQuant", "info", "set_isa", "get_
            "conv_multiplier", "PackedConv", "pack_conv2d", "conv2d", "pack_gemm", "gemm", "add",
            "maxpool2d", "avgpool2d", "global_avgpool", "concat", "conv_out_hw",
            "quantize_nchw_to_nhwc", "dequantize_nhwc_to_nchw", "bind_conv2d", "bind_gemm",
+           "DeconvGeometry", "PackedDeconv", "pack_deconv2d", "deconv2d", "bind_deconv2d",
            "bind_add", "bind_maxpool2d", "bind_avgpool2d", "bind_global_avgpool", "bind_concat",
            "bind_quantize_nchw_to_nhwc", "bind_dequantize_nhwc_to_nchw", "mul", "bind_mul", "lut",
            "bind_lut", "peak_gmacs", "set_exact_only", "set_spin_us", "get_spin_us", "pool_wakeup",
@@ -253,13 +255,18 @@ def pack_conv2d(w, bias, *, x_zp, multiplier, y_zp, lo=0, hi=255,
                       ci["kernel"], ci["isa"], cap)
 
 
-def _plan_conv2d(p: PackedConv, x, out):
+def _nhwc_in_out(p, x, out):
+    """A convolution's (or ConvTranspose's) uint8 NHWC input checked against p.cin -> (n, h, w, out shape, y)."""
     _u8(x, "x")
     if x.ndim != 4 or x.shape[3] != p.cin:
         raise ValueError(f"x: expected NHWC [N, H, W, {p.cin}], got {x.shape}")
     n, h, w, _ = x.shape
     shape = p.out_shape(n, h, w)
-    y = _out(out, shape)
+    return n, h, w, shape, _out(out, shape)
+
+
+def _plan_conv2d(p: PackedConv, x, out):
+    n, h, w, shape, y = _nhwc_in_out(p, x, out)
     return y, _native.conv_run, (p._cap, x, n, h, w, y, shape[1], shape[2])
 
 
@@ -283,6 +290,73 @@ def conv2d(p: PackedConv, x: np.ndarray, out=None) -> np.ndarray:
 
 def bind_conv2d(p: PackedConv, x: np.ndarray, out: np.ndarray):
     return _bind(_plan_conv2d(p, x, out))
+
+
+@dataclass
+class PackedDeconv:
+    """A ConvTranspose packed as one convolution per output phase (deconv_phases.py)."""
+
+    cin: int
+    cout: int
+    kh: int
+    kw: int
+    strides: tuple
+    pads: tuple
+    output_padding: tuple
+    group: int
+    kernel: str
+    isa: str
+    phases: tuple = field(repr=False)   # ((PackedConv, py, px), ...)
+    _arg: tuple = field(repr=False)     # ((capsule, py, px), ...), what deconv_run takes
+
+    def out_shape(self, n, h, w):
+        oh, ow = deconv_out_hw(h, w, (self.kh, self.kw), self.strides, self.pads, self.output_padding)
+        return (n, oh, ow, self.cout)
+
+
+def pack_deconv2d(w, bias, *, x_zp, multiplier, y_zp, lo=0, hi=255,
+                  geometry: DeconvGeometry = DeconvGeometry()) -> PackedDeconv:
+    """Pack an ONNX ConvTranspose int8 weight [Cin, Cout/group, KH, KW] (see API.md): the exact int32
+    sums of the transposed convolution, requantized as a convolution's."""
+    w = np.asarray(w)
+    if w.dtype != np.int8 or w.ndim != 4:
+        raise ValueError(f"weights: expected int8 [Cin, Cout/group, KH, KW], got {w.dtype} {w.shape}")
+    group = int(geometry.group)
+    if group < 1 or w.shape[0] % group:
+        raise ValueError(f"group={group} does not divide Cin={w.shape[0]}")
+    strides, pads, opad = _pair(geometry.strides, "strides"), _pads(geometry.pads), _pair(geometry.output_padding, "output_padding")
+    kh, kw = int(w.shape[2]), int(w.shape[3])
+    if min(strides) < 1 or min(opad) < 0:
+        raise ValueError(f"strides {strides} must be >= 1 and output_padding {opad} >= 0")
+    why = unsupported((kh, kw), strides, pads)
+    if why:
+        raise ValueError(f"ConvTranspose: {why}")
+    phases = []
+    for ph in axis_phases(kh, strides[0], pads[0]):
+        for pw in axis_phases(kw, strides[1], pads[1]):
+            sub = phase_weights(w, group, ph, pw, strides)
+            pc = pack_conv2d(sub, bias, x_zp=x_zp, multiplier=multiplier, y_zp=y_zp, lo=lo, hi=hi,
+                             geometry=ConvGeometry((1, 1), (ph.pad, pw.pad, 0, 0), (1, 1), group))
+            phases.append((pc, ph.phase, pw.phase))
+    first = phases[0][0]
+    return PackedDeconv(first.cin, first.cout, kh, kw, strides, pads, opad, group, first.kernel, first.isa,
+                        tuple(phases), tuple((pc._cap, py, px) for pc, py, px in phases))
+
+
+def _plan_deconv2d(p: PackedDeconv, x, out):
+    n, h, w, shape, y = _nhwc_in_out(p, x, out)
+    sh, sw = p.strides
+    scratch = np.empty(n * -(-shape[1] // sh) * -(-shape[2] // sw) * p.cout if (sh, sw) != (1, 1) else 1, np.uint8)
+    return y, _native.deconv_run, (p._arg, x, n, h, w, y, shape[1], shape[2], sh, sw, scratch)
+
+
+def deconv2d(p: PackedDeconv, x: np.ndarray, out=None) -> np.ndarray:
+    """uint8 NHWC [N, H, W, Cin] -> uint8 NHWC [N, OH, OW, Cout], OH = (H - 1) * sh + KH - pads + output_padding."""
+    return _call(_plan_deconv2d(p, x, out))
+
+
+def bind_deconv2d(p: PackedDeconv, x: np.ndarray, out: np.ndarray):
+    return _bind(_plan_deconv2d(p, x, out))
 
 
 def pack_gemm(w, bias, *, x_zp, multiplier, y_zp=0, lo=0, hi=255, out_dtype="uint8") -> PackedConv:

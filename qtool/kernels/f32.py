@@ -1,15 +1,21 @@
 """float32 kernels of transformer graphs, on the native dispatch (AVX-512, AVX2, portable C; the
 same bits on every tier): LayerNormalization and Softmax over the last axis, the erf GELU as
-exporters write it, erf, ONNX Runtime's DynamicQuantizeLinear, and the dynamic MatMul's epilogue.
+exporters write it, erf, ONNX Runtime's DynamicQuantizeLinear, and the dynamic MatMul's epilogue; and
+ConvTranspose (NCHW, a GEMM then col2im, the GEMM's FMA sums differing by tier).
 Each has a `bind_*` twin (arguments checked once, a zero-argument callable). Numpy references:
 qtool.kernels.reference (`layernorm`, `softmax`, `gelu_erf`, ...); see API.md for the tolerances."""
 from __future__ import annotations
 
 import numpy as np
 
-from . import _bind, _call, _native, _out
+from dataclasses import dataclass, field
 
-__all__ = ["matmul", "bind_matmul", "layernorm", "softmax", "gelu_erf", "erf", "dynamic_quantize", "dynamic_epilogue", "bind_layernorm",
+from qtool.kernel_params import DeconvGeometry
+
+from . import _bind, _call, _native, _out, _pads
+from .deconv_phases import deconv_out_hw
+
+__all__ = ["pack_conv_transpose", "conv_transpose", "bind_conv_transpose", "matmul", "bind_matmul", "layernorm", "softmax", "gelu_erf", "erf", "dynamic_quantize", "dynamic_epilogue", "bind_layernorm",
            "bind_softmax", "bind_gelu_erf", "bind_erf", "bind_dynamic_quantize", "bind_dynamic_epilogue"]
 
 
@@ -27,6 +33,64 @@ def _row(v, n, name):
     if v.size != n:
         raise ValueError(f"{name}: expected {n} values (the last axis), got shape {v.shape}")
     return v
+
+
+@dataclass
+class PackedDeconvF32:
+    """A float32 ConvTranspose's weights as the kernel reads them: per group, W's transpose
+    [Cout/g * KH * KW, Cin/g], packed once."""
+    cin: int
+    cout: int
+    kh: int
+    kw: int
+    geometry: DeconvGeometry
+    wt: np.ndarray = field(repr=False)
+    bias: np.ndarray | None = field(repr=False)
+
+    def out_shape(self, n, h, w):
+        g = self.geometry
+        return (n, self.cout) + deconv_out_hw(h, w, (self.kh, self.kw), tuple(g.strides), _pads(g.pads),
+                                              tuple(g.output_padding))
+
+
+def pack_conv_transpose(w, bias=None, geometry: DeconvGeometry = DeconvGeometry()) -> PackedDeconvF32:
+    """w: float32 [Cin, Cout/group, KH, KW] (ONNX's ConvTranspose weight), bias [Cout] or None."""
+    w = np.asarray(w, np.float32)
+    g = int(geometry.group)
+    if w.ndim != 4 or g < 1 or w.shape[0] % g:
+        raise ValueError(f"ConvTranspose weight {w.shape} with group {g}: expected [Cin, Cout/group, KH, KW]")
+    cin, og, kh, kw = (int(d) for d in w.shape)
+    if len(tuple(geometry.strides)) != 2 or min(geometry.strides) < 1 or min(geometry.output_padding) < 0:
+        raise ValueError(f"strides {geometry.strides} / output_padding {geometry.output_padding}")
+    wt = np.ascontiguousarray(w.reshape(g, cin // g, og * kh * kw).transpose(0, 2, 1))
+    b = None if bias is None else np.ascontiguousarray(np.asarray(bias, np.float32).reshape(-1))
+    if b is not None and b.size != g * og:
+        raise ValueError(f"bias: expected {g * og} values, got {b.size}")
+    return PackedDeconvF32(cin, g * og, kh, kw, geometry, wt, b)
+
+
+def _plan_conv_transpose(p: PackedDeconvF32, x, out):
+    _f32(x, "x")
+    if x.ndim != 4 or x.shape[1] != p.cin:
+        raise ValueError(f"x: expected NCHW [N, {p.cin}, H, W], got {x.shape}")
+    n, _, h, w = x.shape
+    shape = p.out_shape(n, h, w)
+    y = _out(out, shape, np.float32)
+    g = p.geometry
+    cols = np.empty(n * p.cout * p.kh * p.kw * h * w, np.float32)
+    pads = _pads(g.pads)
+    dims = (n, p.cin, h, w, int(g.group), p.cout // int(g.group), p.kh, p.kw, int(g.strides[0]), int(g.strides[1]),
+            pads[0], pads[1], shape[2], shape[3])
+    return y, _native.f32_deconv, (x, p.wt, p.bias, y, cols, dims)
+
+
+def conv_transpose(p: PackedDeconvF32, x, out=None):
+    """float32 NCHW ConvTranspose (dilations 1): ONNX's, with pads and output_padding from the geometry."""
+    return _call(_plan_conv_transpose(p, x, out))
+
+
+def bind_conv_transpose(p: PackedDeconvF32, x, out):
+    return _bind(_plan_conv_transpose(p, x, out))
 
 
 def _plan_matmul(a, b, out):

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from qtool.kernel_params import BinaryQuant, ConvGeometry, PoolWindow
+from qtool.kernel_params import BinaryQuant, ConvGeometry, DeconvGeometry, PoolWindow
 from qtool.qparams import ActQParams, dequantize, quantize, requantize
 
 from . import conv_out_hw
+from .deconv_phases import deconv_out_hw
 
 
 def _pads(p):
@@ -56,6 +57,59 @@ def conv2d_acc(w, bias, x, x_zp, strides=(1, 1), pads=(0, 0, 0, 0), dilations=(1
         acc += np.asarray(bias, np.int64)
     assert np.abs(acc).max(initial=0) < 2 ** 31
     return acc.astype(np.int32)
+
+
+def deconv2d_acc(w, bias, x, x_zp, geometry: DeconvGeometry = DeconvGeometry()):
+    """int32 accumulators [N, OH, OW, Cout] of a ConvTranspose (w [Cin, Cout/group, KH, KW]): every
+    input pixel (x - x_zp) scatters its kernel into the output, stride apart; then the pads are cut."""
+    w = np.asarray(w, np.int64)
+    cin, cout_g, kh, kw = w.shape
+    (sh, sw), (pt, pl, pb, pr), g = _pair(geometry.strides), _pads(geometry.pads), int(geometry.group)
+    n, h, wd, _ = x.shape
+    oh, ow = deconv_out_hw(h, wd, (kh, kw), (sh, sw), (pt, pl, pb, pr), _pair(geometry.output_padding))
+    full = np.zeros((n, max(oh + pt, (h - 1) * sh + kh), max(ow + pl, (wd - 1) * sw + kw), cout_g * g), np.int64)
+    xc = x.astype(np.int64) - int(x_zp)
+    cin_g = cin // g
+    for gi in range(g):
+        xg = xc[..., gi * cin_g:(gi + 1) * cin_g]
+        for ky in range(kh):
+            for kx in range(kw):
+                full[:, ky:ky + (h - 1) * sh + 1:sh, kx:kx + (wd - 1) * sw + 1:sw, gi * cout_g:(gi + 1) * cout_g] += \
+                    xg @ w[gi * cin_g:(gi + 1) * cin_g, :, ky, kx]
+    acc = full[:, pt:pt + oh, pl:pl + ow, :]
+    if bias is not None:
+        acc = acc + np.asarray(bias, np.int64)
+    assert np.abs(acc).max(initial=0) < 2 ** 31
+    return acc.astype(np.int32)
+
+
+class RefPackedDeconv:
+    """Raw ConvTranspose weights and quantization parameters, standing in for a native PackedDeconv."""
+
+    def __init__(self, w, bias, **q):
+        self.w, self.bias, self.q = np.asarray(w), bias, q
+        g = q.get("geometry", DeconvGeometry())
+        self.cin, self.cout = int(self.w.shape[0]), int(self.w.shape[1]) * int(g.group)
+        self.kernel, self.isa, self.kind = "numpy-reference", "numpy", "deconv"
+
+    def out_shape(self, n, h, w):
+        g = self.q.get("geometry", DeconvGeometry())
+        return (n,) + deconv_out_hw(h, w, self.w.shape[2:], _pair(g.strides), _pads(g.pads), _pair(g.output_padding)) \
+            + (self.cout,)
+
+
+def pack_deconv2d(w, bias, **q):
+    return RefPackedDeconv(w, bias, **q)
+
+
+def deconv2d(w, bias=None, x=None, *, out=None, **q):
+    """ConvTranspose, uint8 NHWC: requantize(deconv2d_acc) (also deconv2d(packed, x, out=None))."""
+    if isinstance(w, RefPackedDeconv):
+        p, x = w, bias
+        return _ret(deconv2d(p.w, p.bias, x, **p.q), out)
+    acc = deconv2d_acc(w, bias, x, q["x_zp"], q.get("geometry", DeconvGeometry()))
+    return _ret(requantize(acc, np.asarray(q["multiplier"], np.float32), q["y_zp"], q.get("lo", 0),
+                           q.get("hi", 255)), out)
 
 
 class RefPacked:

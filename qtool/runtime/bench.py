@@ -21,7 +21,7 @@ import numpy as np
 from qtool.errors import QtoolError
 from qtool.limits import MAX_FEED_BYTES, elems, human_bytes
 from qtool.modelio import check_pair
-from qtool.runtime.backend import cpu_name, pool_spin_us
+from qtool.runtime.backend import cpu_name, kernel_info, pool_spin_us
 from qtool.runtime.bench_stats import (
     BETWEEN_RUNS,
     BUSY_LIMIT,
@@ -36,7 +36,7 @@ from qtool.runtime.bench_stats import (
     round_order,
     rounds_to_use,
 )
-from qtool.runtime.profile import measured_peak, op_type_table, top_steps
+from qtool.runtime.profile import add_one_thread, measured_peak, op_type_table, top_steps
 from qtool.runtime.session import NativeSession
 
 
@@ -336,7 +336,6 @@ def bench(model: str, fp32: str | None = None, opts: BenchOptions = BenchOptions
     if fp32:
         engines["ort_fp32"] = ort_session(fp32, threads)
     engines.update(other_engines(native, opts.others, threads))
-    from qtool.runtime.backend import kernel_info
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     cpus = os.cpu_count() or 1
     busy = busy_cpus()
@@ -379,9 +378,24 @@ def bench(model: str, fp32: str | None = None, opts: BenchOptions = BenchOptions
     res["load_average_after"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     res["busy_cpus_after"] = busy_cpus()
     if profile:
-        res["profile"] = {}
-        for bs in batches:
-            rows = native.profile(make_feeds(native, bs, shape), repeats=max(5, repeats // 2))
-            res["profile"][bs] = {"steps": rows, "by_op": op_type_table(rows, threads, peak),
-                                  "top": top_steps(rows, threads, peak=peak), "peak_gmacs": peak, "peak": peak_label}
+        res["profile"] = {bs: dict(profile_steps(native, make_feeds(native, bs, shape), max(5, repeats // 2), peak),
+                                   peak_gmacs=peak, peak=peak_label) for bs in batches}
     return res
+
+
+def profile_steps(native: NativeSession, feeds, repeats: int, peak: float) -> dict:
+    """Per step and per op type on the session's threads; with more than one, each op type's time on one
+    thread beside it ('ms_1t', 'scaling') and the share of the parallel chunks the other threads ran
+    ('worker_share': near 0, they were off the CPU and the caller did the work)."""
+    threads = native.threads
+    pool = lambda: kernel_info(native.K).get("pool", {})  # noqa: E731
+    p0 = pool()
+    rows = native.profile(feeds, repeats=repeats)
+    p1 = pool()
+    out = {"steps": rows, "by_op": op_type_table(rows, threads, peak), "top": top_steps(rows, threads, peak=peak)}
+    if threads > 1:
+        add_one_thread(out["by_op"], op_type_table(native.profile(feeds, repeats=repeats, threads=1), 1, peak))
+        chunks = p1.get("chunks", 0) - p0.get("chunks", 0)
+        out["worker_share"] = (p1.get("chunks_run_by_workers", 0) - p0.get("chunks_run_by_workers", 0)) / chunks \
+            if chunks > 0 else None
+    return out

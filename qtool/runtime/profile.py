@@ -46,11 +46,24 @@ def op_type_table(rows, threads: int, peak: float | None = None):
     return out
 
 
+def add_one_thread(table, table_1t) -> None:
+    """Put each op type's time on one thread (a table of the same steps) beside its time here: 'ms_1t',
+    and 'scaling' = ms_1t / ms (2.0 on two threads: the op split perfectly; 1.0: not at all)."""
+    one = {a["op"]: a["ms"] for a in table_1t}
+    for a in table:
+        if a["op"] in one:
+            a["ms_1t"] = one[a["op"]]
+            a["scaling"] = one[a["op"]] / a["ms"] if a["ms"] > 0 else 0.0
+
+
 def format_table(table):
-    lines = [f"  {'op':<24}{'n':>4}{'ms':>9}{'share':>8}{'GMAC':>9}{'GMAC/s':>9}{'% peak':>8}"]
+    more = any("ms_1t" in a for a in table)
+    lines = [f"  {'op':<24}{'n':>4}{'ms':>9}{'share':>8}{'GMAC':>9}{'GMAC/s':>9}{'% peak':>8}"
+             + (f"{'1T ms':>9}{'x':>6}" if more else "")]
     for a in table:
         lines.append(f"  {a['op']:<24}{a['n']:>4}{a['ms']:>9.3f}{100 * a['share']:>7.1f}%{a['gmac']:>9.4f}"
-                     f"{a['gmacs_per_s']:>9.1f}{100 * a['peak_frac']:>7.1f}%")
+                     f"{a['gmacs_per_s']:>9.1f}{100 * a['peak_frac']:>7.1f}%"
+                     + (f"{a['ms_1t']:>9.3f}{a['scaling']:>6.2f}" if "ms_1t" in a else ""))
     return "\n".join(lines)
 
 

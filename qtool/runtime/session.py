@@ -365,20 +365,23 @@ class NativeSession:
     def fallback_nodes(self):
         return [(x.node, x.op, x.detail) for x in self.program.entries if x.mode == "fp32"]
 
-    def profile(self, feeds, repeats: int = 10):
-        """Time every step: -> list of dicts (name, op, mode, kernel, ms (median), macs)."""
-        times = None
+    def profile(self, feeds, repeats: int = 10, threads: int | None = None):
+        """Time every step: -> list of dicts (name, op, mode, kernel, ms (median), macs); on `threads`
+        threads when given (the session's own afterwards)."""
         pc = time.perf_counter
-        with blas_threads(1):  # as run() does
-            plan = self._plan_for(feeds)
-            times = [[] for _ in plan.steps_calls]
-            for _ in range(repeats):
-                for j, (st, f) in enumerate(plan.steps_calls):
-                    t = pc()
-                    f()
-                    times[j].append(pc() - t)
-        out = []
-        for (st, _), ts in zip(plan.steps_calls, times):
-            out.append({"name": st.name, "op": st.op, "mode": st.mode, "kernel": st.kernel,
-                        "ms": float(np.median(ts)) * 1000, "macs": st.macs(plan.env)})
-        return out
+        keep, self.threads = self.threads, int(threads or self.threads)
+        try:
+            with blas_threads(1):  # as run() does
+                plan = self._plan_for(feeds)
+                times = [[] for _ in plan.steps_calls]
+                for _ in range(repeats):
+                    for j, (st, f) in enumerate(plan.steps_calls):
+                        t = pc()
+                        f()
+                        times[j].append(pc() - t)
+        finally:
+            self.threads = keep
+            self._set_threads()
+        return [{"name": st.name, "op": st.op, "mode": st.mode, "kernel": st.kernel,
+                 "ms": float(np.median(ts)) * 1000, "macs": st.macs(plan.env)}
+                for (st, _), ts in zip(plan.steps_calls, times)]

@@ -210,6 +210,27 @@ class ConvStep(Step):
         return int(env[self.outs[0]].size) * self.cig * self.kh * self.kw
 
 
+class DeconvStep(ConvStep):
+    """ConvTranspose on the kernels' pack_deconv2d (one convolution per output phase)."""
+
+    def __init__(self, name, K, packed, x, y, cin_per_group, kh, kw):
+        super().__init__(name, K, packed, x, y, cin_per_group, kh, kw)
+        self.op, self.kernel = "ConvTranspose", f"deconv:{getattr(packed, 'kernel', '')}"
+        self.taps_per_output = kh * kw / float(np.prod(getattr(packed, "strides", (1, 1))))
+
+    def run(self, env, out):
+        env[self.outs[0]] = self.K.deconv2d(self.p, env[self.ins[0]], out=out[0] if out else None)
+
+    def bind(self, env, out):
+        f = getattr(self.K, "bind_deconv2d", None)
+        if f is None or out is None:
+            return Step.bind(self, env, out)
+        return f(self.p, env[self.ins[0]], out[0])
+
+    def macs(self, env):
+        return int(env[self.outs[0]].size * self.cig * self.taps_per_output)
+
+
 class GemmStep(Step):
     def __init__(self, name, op, K, packed, x, y):
         super().__init__(name, op, [x], [y])

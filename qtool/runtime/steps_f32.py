@@ -1,6 +1,7 @@
 """float32 steps on the native transformer kernels (qtool.kernels.f32): LayerNormalization (the op, or
 its decomposed ReduceMean/Sub/Pow/Sqrt/Div chain fused at compile time, lower/fp32_fused.py), Softmax
-over the last axis, and the erf GELU chain (Div/Mul -> Erf -> Add -> Mul -> Mul) or a lone Erf.
+over the last axis, and the erf GELU chain (Div/Mul -> Erf -> Add -> Mul -> Mul) or a lone Erf; a
+ConvTranspose with constant weights (NCHW, packed at load).
 
 They write into the plan's buffers. The bound call runs the kernel pre-bound to the input buffer
 when the input is still the array it was bound to (a producer with a plan buffer); a numpy producer
@@ -139,6 +140,32 @@ class MatMulStep(Step):
         a0, b0 = (env[i] for i in self.ins)
         fast = self.F.bind_matmul(a0, b0, out[0]) if self._ok(a0, b0) else None
         return guarded(env, self.ins, [a0, b0], fast, super().bind(env, out))
+
+
+class ConvTransposeStep(Step):
+    """float32 ConvTranspose (rank 4, NCHW) on the native kernel, weights packed at load."""
+    mode = "fp32"
+    uses_out = True
+
+    def __init__(self, name, F, packed, x, y, reason):
+        super().__init__(name, "ConvTranspose", [x], [y])
+        self.F, self.p, self.reason = F, packed, reason
+        self.kernel = "native f32"
+
+    def run(self, env, out):
+        x = np.ascontiguousarray(env[self.ins[0]], np.float32)
+        env[self.outs[0]] = self.F.conv_transpose(self.p, x, out=out[0] if out else None)
+
+    def bind(self, env, out):
+        if out is None:
+            return super().bind(env, out)
+        x0 = env[self.ins[0]]
+        fast = self.F.bind_conv_transpose(self.p, x0, out[0]) if _plain(x0) else None
+        return guarded(env, self.ins, [x0], fast, super().bind(env, out))
+
+    def macs(self, env):
+        p = self.p
+        return int(env[self.ins[0]].size) * (p.cout // int(p.geometry.group)) * p.kh * p.kw
 
 
 class SoftmaxStep(F32Step):

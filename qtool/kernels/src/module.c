@@ -252,6 +252,95 @@ static PyObject* py_conv_run(PyObject* self, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+/* deconv_run(phases, x, n, h, w, y, oh, ow, sh, sw, tmp): phases a tuple of (conv capsule, py, px),
+ * every capsule with the same cin and cout (qtool/kernels/deconv.py packs them) */
+#define QT_MAX_PHASES 64
+static PyObject* py_deconv_run(PyObject* self, PyObject* args) {
+  (void)self;
+  PyObject *phases, *ox, *oy, *ot;
+  Py_ssize_t n, h, w, oh, ow, sh, sw;
+  if (!PyArg_ParseTuple(args, "O!OnnnOnnnnO", &PyTuple_Type, &phases, &ox, &n, &h, &w, &oy, &oh, &ow,
+                        &sh, &sw, &ot))
+    return NULL;
+  const Py_ssize_t nph = PyTuple_GET_SIZE(phases);
+  if (nph < 1 || nph > QT_MAX_PHASES || n < 0 || h < 0 || w < 0 || oh < 0 || ow < 0 || sh < 1 || sw < 1) {
+    PyErr_SetString(PyExc_ValueError, "deconv_run: bad phases or dimensions");
+    return NULL;
+  }
+  qt_deconv_phase ph[QT_MAX_PHASES];
+  for (Py_ssize_t k = 0; k < nph; k++) {
+    PyObject* cap;
+    Py_ssize_t py, px;
+    if (!PyArg_ParseTuple(PyTuple_GET_ITEM(phases, k), "Onn", &cap, &py, &px)) return NULL;
+    ph[k].cv = (qt_conv*)PyCapsule_GetPointer(cap, CAPSULE_NAME);
+    if (!ph[k].cv) return NULL;
+    if (py < 0 || px < 0 || py >= sh || px >= sw || ph[k].cv->cin != ph[0].cv->cin ||
+        ph[k].cv->cout != ph[0].cv->cout || ph[k].cv->rq.out_f32) {
+      PyErr_SetString(PyExc_ValueError, "deconv_run: a phase does not fit the others");
+      return NULL;
+    }
+    ph[k].py = (size_t)py; ph[k].px = (size_t)px;
+  }
+  const Py_ssize_t cin = (Py_ssize_t)ph[0].cv->cin, cout = (Py_ssize_t)ph[0].cv->cout;
+  buf_t bx, by, bt;
+  bx.ok = by.ok = bt.ok = 0;
+  int rc = -2;
+  if (get_buf(ox, &bx, 0, n * h * w * cin, "x") == 0 && get_buf(oy, &by, 1, n * oh * ow * cout, "out") == 0 &&
+      get_buf(ot, &bt, 1, -1, "scratch") == 0) {
+    if (sh * sw > 1 && bt.b.len < n * ((oh + sh - 1) / sh) * ((ow + sw - 1) / sw) * cout) {  /* (stride 1: unused) */
+      PyErr_SetString(PyExc_ValueError, "deconv_run: scratch buffer too small");
+    } else {
+      Py_BEGIN_ALLOW_THREADS
+      rc = qt_deconv_run(ph, (size_t)nph, (const uint8_t*)bx.b.buf, n, h, w, (uint8_t*)by.b.buf, oh, ow, sh,
+                         sw, (uint8_t*)bt.b.buf);
+      Py_END_ALLOW_THREADS
+      if (rc == -1) PyErr_NoMemory();
+    }
+  }
+  rel(&bx); rel(&by); rel(&bt);
+  if (rc != 0) return NULL;
+  Py_RETURN_NONE;
+}
+
+/* f32_deconv(x, wt, bias, y, cols, (n, cin, h, w, groups, og, kh, kw, sh, sw, pt, pl, oh, ow)): float32
+ * ConvTranspose, NCHW; bias None or [groups * og] */
+static PyObject* py_f32_deconv(PyObject* self, PyObject* args) {
+  (void)self;
+  PyObject *ox, *ow_, *ob, *oy, *oc;
+  Py_ssize_t v[14];
+  if (!PyArg_ParseTuple(args, "OOOOO(nnnnnnnnnnnnnn)", &ox, &ow_, &ob, &oy, &oc, &v[0], &v[1], &v[2], &v[3], &v[4],
+                        &v[5], &v[6], &v[7], &v[8], &v[9], &v[10], &v[11], &v[12], &v[13]))
+    return NULL;
+  for (int i = 0; i < 14; i++)
+    if (v[i] < 0 || ((i == 4 || i == 8 || i == 9) && v[i] < 1)) {
+      PyErr_SetString(PyExc_ValueError, "f32_deconv: bad dimensions");
+      return NULL;
+    }
+  qt_f32_deconv_shape s = {v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9], v[10], v[11], v[12], v[13]};
+  if (s.cin % s.groups) {
+    PyErr_SetString(PyExc_ValueError, "f32_deconv: groups do not divide the input channels");
+    return NULL;
+  }
+  const Py_ssize_t cout = v[4] * v[5], m = v[5] * v[6] * v[7];
+  buf_t bx, bw, bb, by, bc;
+  bx.ok = bw.ok = bb.ok = by.ok = bc.ok = 0;
+  int rc = -2;
+  if (get_buf(ox, &bx, 0, v[0] * v[1] * v[2] * v[3] * 4, "x") == 0 &&
+      get_buf(ow_, &bw, 0, v[4] * m * (v[1] / v[4]) * 4, "packed weights") == 0 &&
+      (ob == Py_None || get_buf(ob, &bb, 0, cout * 4, "bias") == 0) &&
+      get_buf(oy, &by, 1, v[0] * cout * v[12] * v[13] * 4, "out") == 0 &&
+      get_buf(oc, &bc, 1, v[0] * v[4] * m * v[2] * v[3] * 4, "cols") == 0) {
+    Py_BEGIN_ALLOW_THREADS
+    rc = qt_f32_deconv((const float*)bx.b.buf, (const float*)bw.b.buf, bb.ok ? (const float*)bb.b.buf : NULL,
+                       (float*)by.b.buf, (float*)bc.b.buf, &s);
+    Py_END_ALLOW_THREADS
+    if (rc == -1) PyErr_NoMemory();
+  }
+  rel(&bx); rel(&bw); rel(&bb); rel(&by); rel(&bc);
+  if (rc != 0) return NULL;
+  Py_RETURN_NONE;
+}
+
 /* add(a, b, y, ma, za, mb, zb, y_zp, lo, hi) */
 static PyObject* py_add(PyObject* self, PyObject* args) {
   (void)self;
@@ -700,6 +789,8 @@ static PyMethodDef methods[] = {
     {"conv_create", py_conv_create, METH_VARARGS, "pack a convolution / GEMM"},
     {"conv_info", py_conv_info, METH_VARARGS, "kernel of a packed convolution"},
     {"conv_run", py_conv_run, METH_VARARGS, "run a packed convolution"},
+    {"f32_deconv", py_f32_deconv, METH_VARARGS, "float32 ConvTranspose, NCHW"},
+    {"deconv_run", py_deconv_run, METH_VARARGS, "run a ConvTranspose packed as one convolution per phase"},
     {"add", py_add, METH_VARARGS, "quantized add"},
     {"pool", py_pool, METH_VARARGS, "max / average pooling"},
     {"concat", py_concat, METH_VARARGS, "requantizing concat"},

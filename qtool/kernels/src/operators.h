@@ -63,6 +63,23 @@ void qt_conv_free(qt_conv* cv);
 void qt_set_kblock(int on);
 int qt_conv_run(qt_conv* cv, const uint8_t* x, size_t n, size_t h, size_t w, void* y, size_t oh,
                 size_t ow);
+/* operators-deconv.c: one phase of a ConvTranspose, the convolution writing outputs (py, px)
+ * modulo the strides */
+typedef struct {
+  qt_conv* cv;
+  size_t py, px;
+} qt_deconv_phase;
+/* tmp: n * ceil(oh / sh) * ceil(ow / sw) * cout bytes of scratch; -1 when out of memory */
+int qt_deconv_run(const qt_deconv_phase* ph, size_t nph, const uint8_t* x, size_t n, size_t h,
+                  size_t w, uint8_t* y, size_t oh, size_t ow, size_t sh, size_t sw, uint8_t* tmp);
+/* float32 ConvTranspose (NCHW): x [n][cin][h][w], wt [groups][og * kh * kw][cin / groups] (W's
+ * per-group transpose, packed once), y [n][groups * og][oh][ow], cols scratch of n * groups * og * kh
+ * * kw * h * w floats; -1 when out of memory */
+typedef struct {
+  size_t n, cin, h, w, groups, og, kh, kw, sh, sw, pt, pl, oh, ow;
+} qt_f32_deconv_shape;
+int qt_f32_deconv(const float* x, const float* wt, const float* bias, float* y, float* cols,
+                  const qt_f32_deconv_shape* s);
 /* operators-pool.c */
 void qt_pool(const uint8_t* x, uint8_t* y, size_t n, size_t h, size_t w, size_t c, size_t oh,
              size_t ow, size_t kh, size_t kw, size_t sh, size_t sw, size_t pt, size_t pl, size_t pb,

@@ -2,6 +2,7 @@
 string: the reason the rule does not apply (the node then runs in fp32, and report() shows it)."""
 from __future__ import annotations
 
+from qtool.kernel_params import DeconvGeometry
 from qtool.runtime.program import node_attrs
 
 NOT_UINT8 = "its input is not a dequantized uint8 tensor"
@@ -49,3 +50,25 @@ def plain_output(c, node):
     if lo != 0 or hi != 255:
         return f"{node.op_type} followed by Relu/Clip"
     return oq
+
+
+def deconv_geometry(node, kernel, group, phases=True):
+    """DeconvGeometry of a 2-D ConvTranspose, or the reason the kernels do not take it (`phases`: the
+    int8 kernel's split into output phases must work too)."""
+    at = node_attrs(node)
+    if at.get("output_shape") is not None:
+        return "ConvTranspose with output_shape"
+    ap = at.get("auto_pad", b"NOTSET")
+    ap = ap.decode() if isinstance(ap, bytes) else ap
+    if ap not in ("NOTSET", "", "VALID"):
+        return f"ConvTranspose with auto_pad={ap}"
+    if any(d != 1 for d in at.get("dilations", [1, 1])):
+        return "dilated ConvTranspose"
+    strides = tuple(at.get("strides", [1, 1]))
+    pads = tuple(at.get("pads", [0, 0, 0, 0])) if ap != "VALID" else (0, 0, 0, 0)
+    geometry = DeconvGeometry(strides, pads, tuple(at.get("output_padding", [0, 0])), group)
+    if not phases:
+        return geometry
+    from qtool.kernels.deconv_phases import unsupported
+    why = unsupported(kernel, strides, pads)
+    return f"ConvTranspose: {why}" if why else geometry

@@ -11,6 +11,7 @@ nodes of a fused chain marked done), or the reason it does not apply.
   Div(x, k) | Mul(x, k) -> Erf -> Add c -> Mul x -> Mul h   (the erf GELU)   -> GeluStep
   Erf                                                      -> ErfStep
   MatMul of two activations of rank >= 2 (attention)      -> MatMulStep
+  ConvTranspose of rank 4 with constant weights (and bias)  -> ConvTransposeStep
 Every intermediate of a chain must have exactly one reader (Sub's output: Pow and Div) and not be a
 graph output; otherwise the nodes run one by one. Backends without the float kernels (the numpy
 reference) keep the numpy ops."""
@@ -19,8 +20,9 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto
 
+from qtool.runtime.lower.common import deconv_geometry
 from qtool.runtime.program import Entry, node_attrs
-from qtool.runtime.steps_f32 import (Affine, AddLayerNormStep, ErfStep, MatMulStep, GeluConsts, GeluStep, LayerNormStep, ScaledSoftmaxStep,
+from qtool.runtime.steps_f32 import (Affine, AddLayerNormStep, ConvTransposeStep, ErfStep, MatMulStep, GeluConsts, GeluStep, LayerNormStep, ScaledSoftmaxStep,
                                      SoftmaxStep)
 
 
@@ -295,10 +297,29 @@ def rule_erf(c, node, F):
                  "native erf kernel")
 
 
+def rule_conv_transpose(c, node, F):
+    w = c.consts.get(node.input[1])
+    b = node.input[2] if len(node.input) > 2 and node.input[2] else None
+    if w is None or w.dtype != np.float32 or w.ndim != 4 or (b is not None and b not in c.consts):
+        return "weights (or bias) not float32 constants of a 2-D ConvTranspose"
+    if c.ranks.get(node.input[0]) not in (4, None):
+        return "input not of rank 4"
+    geometry = deconv_geometry(node, w.shape[2:], node_attrs(node).get("group", 1), phases=False)
+    if isinstance(geometry, str):
+        return geometry
+    packed = F.pack_conv_transpose(w, c.consts[b] if b else None, geometry)
+    xs = c.float_input(node.input[0])
+    v = c.add_val(node.output[0], "f", rank=4)
+    name = node.name or node.op_type
+    c.steps.append(ConvTransposeStep(name, F, packed, xs, v.slot, "native float32 kernel"))
+    c.entries.append(Entry(name, node.op_type, "fp32", "native float32 ConvTranspose"))
+    return None
+
+
 RULES = {"LayerNormalization": (rule_layernorm,), "ReduceMean": (rule_decomposed_layernorm,),
          "Softmax": (rule_softmax,), "Div": (rule_gelu, rule_scaled_softmax), "Mul": (rule_gelu, rule_scaled_softmax),
          "Add": (rule_scaled_softmax, rule_add_layernorm), "Erf": (rule_erf,),
-         "MatMul": (rule_matmul,)}
+         "MatMul": (rule_matmul,), "ConvTranspose": (rule_conv_transpose,)}
 
 
 def rule_fp32(c, node):
