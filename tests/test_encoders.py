@@ -211,6 +211,7 @@ class EncoderContext:
     exclude: dict = {}
     workers = 1
     exact_storage = False
+    experiments = None  # (its models scored here, not on a Ray cluster)
 
     def __init__(self, n: int = 40):
         rng = np.random.default_rng(2)

@@ -18,6 +18,7 @@ class FakeContext:
     exclude: dict = {}
     workers = 1
     exact_storage = False
+    experiments = None  # (its models scored here, not on a Ray cluster)
     fused = onnx.ModelProto()  # (no graph: its output is no distribution)
 
     def __init__(self, small_scale):

@@ -63,6 +63,7 @@ class ExperimentWorker:
         with blas_threads(1):
             y, q = c.score(self._get("score samples", samples), exclude, threads)
         return y, c.resized, q, failed
+
     def covariances(self, fused: list, samples: list, only: frozenset, threads: int) -> tuple:
         """rounding.layer_hessians of the layers `only` (`fused`, `samples`: boxed) -> (their covariances,
         the layers whose covariance failed: [(layer, exception)])."""
