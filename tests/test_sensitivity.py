@@ -107,13 +107,17 @@ def test_default_sensitivity_samples_follow_the_output_size():
     assert sensitivity_samples(model([1, 3, "h", "w"])) == 64  # unknown size: the classifier's count
 
 
-def test_tuning_takes_the_first_sensitivity_images_and_at_least_eight():
-    """Rounding and range tuning read the first 32 sensitivity images; a detector ranks on 4 but its
-    covariances take 8, evenly spread over the calibration images."""
+def test_tuning_takes_sensitivity_images_spread_over_them_and_at_least_eight():
+    """Rounding and range tuning read 32 of the sensitivity images, spread over all of them (not their first
+    half: a folder in order, a recognizer's crops image by image, gave the fit half the images); a detector
+    ranks on 4 but its covariances take 8, evenly spread over the calibration images."""
     from qtool.quantize.split import SampleSplit
     files = [f"f{k:03d}" for k in range(100)]
     big = SampleSplit.of(files, 64)
-    assert big.tune == big.sensitivity[:32]
+    assert len(big.tune) == 32 and set(big.tune) <= set(big.sensitivity)
+    assert big.tune[0] == big.sensitivity[0] and big.tune[-1] in big.sensitivity[-2:]  # both ends, not the first half
+    assert SampleSplit.of(files[:32], 32).tune == files[:32]  # as many as it takes: all, in order
+    assert SampleSplit.of(files[:32], 18, tune=18).tune == files[:18]  # as many sensitivity images: the same ones
     small = SampleSplit.of(files, 4)
     assert len(small.sensitivity) == 4 and len(small.tune) == 8 and len(set(small.tune)) == 8
     assert set(small.files({"tune", "sensitivity"})) == set(small.tune) | set(

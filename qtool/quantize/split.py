@@ -9,8 +9,8 @@ import numpy as np
 from qtool import graph as G
 
 MIN_HELD_BACK = 64  # fewer held-back images than this: check exclusions on every calibration image
-TUNE_SAMPLES = 32  # calibration images for output-aware rounding and range tuning, at most: the first of
-# the sensitivity images, and at least MIN_TUNE_SAMPLES (a detector ranks its layers on 4 images; its
+TUNE_SAMPLES = 32  # calibration images for output-aware rounding and range tuning, at most: of the sensitivity
+# images, spread over all of them, and at least MIN_TUNE_SAMPLES (a detector ranks its layers on 4 images; its
 # covariances want more)
 MIN_TUNE_SAMPLES = 8
 
@@ -40,6 +40,15 @@ def samples_for_values(per_image: int) -> int:
     return int(min(SENSITIVITY_SAMPLES, max(MIN_SENSITIVITY_SAMPLES, -(-SENSITIVITY_VALUES // max(per_image, 1)))))
 
 
+def _spread(items: list, n: int) -> list:
+    """n of `items` spread over all of them (the first, then every len/n-th, rounded down); all where fewer.
+    _evenly's whole step stops short: 32 of 62 sensitivity images at step 1 were their first half, and with a
+    folder in order (a recognizer's crops image by image) the first half of the calibration images."""
+    if len(items) <= n:
+        return list(items)
+    return [items[k * len(items) // n] for k in range(n)]
+
+
 def _evenly(files: list, n: int) -> list:
     """At most n of `files`, evenly spaced."""
     if n <= 0:
@@ -50,8 +59,8 @@ def _evenly(files: list, n: int) -> list:
 
 @dataclass
 class SampleSplit:
-    """Which calibration samples each step uses: sensitivity, tuning (the first TUNE_SAMPLES of the
-    sensitivity images, or MIN_TUNE_SAMPLES where those are fewer), the held-back rest for checking
+    """Which calibration samples each step uses: sensitivity, tuning (TUNE_SAMPLES of the sensitivity
+    images spread over them, or MIN_TUNE_SAMPLES where those are fewer), the held-back rest for checking
     exclusions, a few for --method auto, and, with `verify` (--verify; off by default), those that verify
     the steps fitted on the others (verify.py): never among the tuning or method-choice samples. Without
     it no sample is held out and the tuning samples are all of them. Decoded once together."""
@@ -71,7 +80,7 @@ class SampleSplit:
         held = _evenly([f for f in files if f not in taken], MAX_HELD_BACK)
         n_tune = min(TUNE_SAMPLES, max(sensitivity_samples, MIN_TUNE_SAMPLES), TUNE_SAMPLES if tune is None else tune)
         n_auto = AUTO_SAMPLES if auto is None else auto
-        tuning, choosing = _evenly(files, max(sensitivity_samples, n_tune))[:n_tune], _evenly(files, n_auto)
+        tuning, choosing = _spread(_evenly(files, max(sensitivity_samples, n_tune)), n_tune), _evenly(files, n_auto)
         fitted = set(tuning) | set(choosing)
         rest = [f for f in files if f not in fitted]
         if not verify:  # (the default: every step fitted on the samples it always was)
