@@ -204,7 +204,9 @@ def bench(a):
     feeds_list = list(samples(a.eval))
     ref_v, ref_o = run_all(paths["fp32"], feeds_list, a.pooled)
     fp32_size = os.path.getsize(paths["fp32"])
+    load = [round(v, 1) for v in os.getloadavg()]
     lat = latency(paths, feeds_list[0], a.rounds) if a.rounds else {}
+    load = load + [round(v, 1) for v in os.getloadavg()]
     rows = []
     for name in SYSTEMS:
         v, o = (ref_v, ref_o) if name == "fp32" else run_all(paths[name], feeds_list, a.pooled)
@@ -215,7 +217,8 @@ def bench(a):
     for r in rows:
         for key in [k for k in r if k.endswith("_ms")]:
             r[key.replace("_ms", "_vs_ortdyn")] = round(r[key] / base[key], 2)
-    return {"model": a.name, "sentences": len(feeds_list), "rows": rows}
+    return {"model": a.name, "sentences": len(feeds_list), "rows": rows,
+            "load_average": f"{load[0]} before, {load[3]} after (1-minute)" if a.rounds else None}
 
 
 def table(result):
@@ -226,6 +229,24 @@ def table(result):
     for r in result["rows"]:
         lines.append(" | ".join(str(r.get(k)) for k in keys + lat + [k.replace('_ms', '_vs_ortdyn') for k in lat]))
     return "\n".join(lines)
+
+
+def latency_ratios(result, system="qtool"):
+    """One line per (tokens, threads): `system`'s median ms over ORT dynamic per-channel's, and the load average
+    the timing ran under (the ratio is what to read on a shared machine)."""
+    row = next((r for r in result["rows"] if r["system"] == system), None)
+    if row is None or not any(k.endswith("_vs_ortdyn") for k in row):
+        return []
+    lines = [f"{system} latency / ORT dynamic per-channel (ONNX Runtime, batch 1, systems in alternation; load average "
+             f"{result.get('load_average', '?')}):"]
+    for tokens in LATENCY_TOKENS:
+        for threads in LATENCY_THREADS:
+            k = f"{tokens}tok_{threads}t"
+            if f"{k}_vs_ortdyn" in row:
+                base = next(r for r in result["rows"] if r["system"] == "ort-dyn-channel")
+                lines.append(f"  {tokens:>3} tokens, {threads} thread{'s' if threads > 1 else ''}: {row[k + '_vs_ortdyn']:.2f}"
+                             f"  ({row[k + '_ms']:.2f} ms vs {base[k + '_ms']:.2f} ms)")
+    return lines
 
 
 def zoo_paths(a):
@@ -279,6 +300,7 @@ def main(argv=None):
     a = parse(argv)
     result = bench(a)
     print(table(result))
+    print("\n".join(latency_ratios(result)))
     text = json.dumps(result, indent=1)
     with open(os.path.join(a.out, f"text-{a.name}.json"), "w", encoding="utf-8") as f:
         f.write(text + "\n")
