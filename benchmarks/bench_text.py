@@ -16,7 +16,9 @@ its cosine to fp32's (mean and worst), whether each sentence's nearest other sen
 (top-1 neighbour agreement), the Spearman rank correlation of all pair similarities against fp32's, the
 worst output SQNR, and the file's size against fp32's. Latency is ONNX Runtime's, batch 1, at 32 and 128
 tokens, 1 and 2 threads, the systems timed in alternation so that the machine's load falls on all alike;
-the ratio column is each system's median over ORT dynamic per-channel's.
+the ratio column is each system's median over ORT dynamic per-channel's (on 1 thread also of the CPU time
+per run, which other jobs on the machine move far less than the wall time), printed one line per cell
+with the load average.
 
   python benchmarks/bench_text.py --model ENC.onnx --calib DIR --eval DIR --out DIR [--name NAME]
   python benchmarks/bench_text.py --zoo minilm-l3-paraphrase --shared ../shared   (the zoo's encoder,
@@ -184,14 +186,18 @@ def latency(paths, example, rounds, warmup=3):
         for threads in LATENCY_THREADS:
             sessions = {n: ort_session(p, threads) for n, p in paths.items()}
             times = {n: [] for n in sessions}
+            cpu = {n: [] for n in sessions}
             for r in range(warmup + rounds):
                 for n, s in sessions.items():
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     s.run(None, feeds)
                     if r >= warmup:
                         times[n].append(time.perf_counter() - t0)
+                        cpu[n].append(time.process_time() - c0)
             for n, t in times.items():
                 table.setdefault(n, {})[f"{tokens}tok_{threads}t_ms"] = round(1000 * statistics.median(t), 3)
+                if threads == 1:  # (one thread: its CPU time is its latency without the other jobs' share of the cores)
+                    table[n][f"{tokens}tok_1t_cpu_ms"] = round(1000 * statistics.median(cpu[n]), 3)
     return table
 
 
@@ -244,8 +250,12 @@ def latency_ratios(result, system="qtool"):
             k = f"{tokens}tok_{threads}t"
             if f"{k}_vs_ortdyn" in row:
                 base = next(r for r in result["rows"] if r["system"] == "ort-dyn-channel")
-                lines.append(f"  {tokens:>3} tokens, {threads} thread{'s' if threads > 1 else ''}: {row[k + '_vs_ortdyn']:.2f}"
-                             f"  ({row[k + '_ms']:.2f} ms vs {base[k + '_ms']:.2f} ms)")
+                line = (f"  {tokens:>3} tokens, {threads} thread{'s' if threads > 1 else ''}: {row[k + '_vs_ortdyn']:.2f}"
+                        f"  ({row[k + '_ms']:.2f} ms vs {base[k + '_ms']:.2f} ms)")
+                if f"{k}_cpu_vs_ortdyn" in row:
+                    line += (f"; CPU time {row[k + '_cpu_vs_ortdyn']:.2f} ({row[k + '_cpu_ms']:.2f} ms vs "
+                             f"{base[k + '_cpu_ms']:.2f} ms)")
+                lines.append(line)
     return lines
 
 

@@ -14,6 +14,7 @@ def _result():
         for tokens in bench_text.LATENCY_TOKENS:
             for threads in bench_text.LATENCY_THREADS:
                 row[f"{tokens}tok_{threads}t_ms"] = ms * tokens / threads
+            row[f"{tokens}tok_1t_cpu_ms"] = 0.9 * ms * tokens
         rows.append(row)
     for r in rows:
         for k in [k for k in r if k.endswith("_ms")]:
@@ -25,8 +26,10 @@ def test_one_ratio_line_per_token_length_and_thread_count():
     lines = bench_text.latency_ratios(_result())
     assert "load average 3.0 before, 4.0 after" in lines[0]
     assert len(lines) == 1 + len(bench_text.LATENCY_TOKENS) * len(bench_text.LATENCY_THREADS)
-    assert lines[1].split() == ["32", "tokens,", "1", "thread:", "0.50", "(32.00", "ms", "vs", "64.00", "ms)"]
-    assert lines[-1].split()[:5] == ["128", "tokens,", "2", "threads:", "0.50"]
+    assert lines[1].split()[:10] == ["32", "tokens,", "1", "thread:", "0.50", "(32.00", "ms", "vs", "64.00", "ms);"]
+    # one thread: its CPU time too, the figure another job's load does not move
+    assert lines[1].split()[10:14] == ["CPU", "time", "0.50", "(28.80"]
+    assert lines[-1].split()[:5] == ["128", "tokens,", "2", "threads:", "0.50"] and "CPU" not in lines[-1]
 
 
 def test_no_lines_without_latency():
