@@ -16,7 +16,9 @@ its cosine to fp32's (mean and worst), whether each sentence's nearest other sen
 (top-1 neighbour agreement), the Spearman rank correlation of all pair similarities against fp32's, the
 worst output SQNR, and the file's size against fp32's. Latency is ONNX Runtime's, batch 1, at 32 and 128
 tokens, 1 and 2 threads, the systems timed in alternation so that the machine's load falls on all alike;
-the ratio column is each system's median over ORT dynamic per-channel's.
+the ratio column is each system's median over ORT dynamic per-channel's (on 1 thread also of the CPU time
+per run, which other jobs on the machine move far less than the wall time), printed one line per cell
+with the load average.
 
   python benchmarks/bench_text.py --model ENC.onnx --calib DIR --eval DIR --out DIR [--name NAME]
   python benchmarks/bench_text.py --zoo minilm-l3-paraphrase --shared ../shared   (the zoo's encoder,
@@ -184,14 +186,18 @@ def latency(paths, example, rounds, warmup=3):
         for threads in LATENCY_THREADS:
             sessions = {n: ort_session(p, threads) for n, p in paths.items()}
             times = {n: [] for n in sessions}
+            cpu = {n: [] for n in sessions}
             for r in range(warmup + rounds):
                 for n, s in sessions.items():
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     s.run(None, feeds)
                     if r >= warmup:
                         times[n].append(time.perf_counter() - t0)
+                        cpu[n].append(time.process_time() - c0)
             for n, t in times.items():
                 table.setdefault(n, {})[f"{tokens}tok_{threads}t_ms"] = round(1000 * statistics.median(t), 3)
+                if threads == 1:  # (one thread: its CPU time is its latency without the other jobs' share of the cores)
+                    table[n][f"{tokens}tok_1t_cpu_ms"] = round(1000 * statistics.median(cpu[n]), 3)
     return table
 
 
@@ -204,7 +210,9 @@ def bench(a):
     feeds_list = list(samples(a.eval))
     ref_v, ref_o = run_all(paths["fp32"], feeds_list, a.pooled)
     fp32_size = os.path.getsize(paths["fp32"])
+    load = [round(v, 1) for v in os.getloadavg()]
     lat = latency(paths, feeds_list[0], a.rounds) if a.rounds else {}
+    load = load + [round(v, 1) for v in os.getloadavg()]
     rows = []
     for name in SYSTEMS:
         v, o = (ref_v, ref_o) if name == "fp32" else run_all(paths[name], feeds_list, a.pooled)
@@ -215,7 +223,8 @@ def bench(a):
     for r in rows:
         for key in [k for k in r if k.endswith("_ms")]:
             r[key.replace("_ms", "_vs_ortdyn")] = round(r[key] / base[key], 2)
-    return {"model": a.name, "sentences": len(feeds_list), "rows": rows}
+    return {"model": a.name, "sentences": len(feeds_list), "rows": rows,
+            "load_average": f"{load[0]} before, {load[3]} after (1-minute)" if a.rounds else None}
 
 
 def table(result):
@@ -226,6 +235,28 @@ def table(result):
     for r in result["rows"]:
         lines.append(" | ".join(str(r.get(k)) for k in keys + lat + [k.replace('_ms', '_vs_ortdyn') for k in lat]))
     return "\n".join(lines)
+
+
+def latency_ratios(result, system="qtool"):
+    """One line per (tokens, threads): `system`'s median ms over ORT dynamic per-channel's, and the load average
+    the timing ran under (the ratio is what to read on a shared machine)."""
+    row = next((r for r in result["rows"] if r["system"] == system), None)
+    if row is None or not any(k.endswith("_vs_ortdyn") for k in row):
+        return []
+    lines = [f"{system} latency / ORT dynamic per-channel (ONNX Runtime, batch 1, systems in alternation; load average "
+             f"{result.get('load_average', '?')}):"]
+    for tokens in LATENCY_TOKENS:
+        for threads in LATENCY_THREADS:
+            k = f"{tokens}tok_{threads}t"
+            if f"{k}_vs_ortdyn" in row:
+                base = next(r for r in result["rows"] if r["system"] == "ort-dyn-channel")
+                line = (f"  {tokens:>3} tokens, {threads} thread{'s' if threads > 1 else ''}: {row[k + '_vs_ortdyn']:.2f}"
+                        f"  ({row[k + '_ms']:.2f} ms vs {base[k + '_ms']:.2f} ms)")
+                if f"{k}_cpu_vs_ortdyn" in row:
+                    line += (f"; CPU time {row[k + '_cpu_vs_ortdyn']:.2f} ({row[k + '_cpu_ms']:.2f} ms vs "
+                             f"{base[k + '_cpu_ms']:.2f} ms)")
+                lines.append(line)
+    return lines
 
 
 def zoo_paths(a):
@@ -279,6 +310,7 @@ def main(argv=None):
     a = parse(argv)
     result = bench(a)
     print(table(result))
+    print("\n".join(latency_ratios(result)))
     text = json.dumps(result, indent=1)
     with open(os.path.join(a.out, f"text-{a.name}.json"), "w", encoding="utf-8") as f:
         f.write(text + "\n")

@@ -65,3 +65,12 @@ def _unit_rows(ref: np.ndarray) -> bool:
     v = ref.reshape(-1, ref.shape[-1]).astype(np.float64)
     return ref.shape[-1] >= UNIT_ROWS_MIN and bool(np.abs(np.linalg.norm(v, axis=1) - 1).max() <= 1e-2) \
         and not is_distribution(ref)
+
+
+def judged_view(ctx, tune):
+    """What of the output the model's SQNR is taken on: an encoder's sentence vectors as its judge reads them
+    (token states mean-pooled over the mask: a padded position's state is masked away downstream; all-mpnet
+    padded to 128 tokens measured all static -1.5 -> 2.8 dB on its raw states, 7.6 dB on its vectors), else
+    the output as it is."""
+    enc = encoder_judge(ctx.fused, tune, ctx.task)
+    return enc.vectors if enc is not None else np.asarray

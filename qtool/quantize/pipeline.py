@@ -13,8 +13,9 @@ import sys
 
 from qtool.quantize.step import first_line
 from qtool.quantize.steps import (budget, build, decode, dynamic_inputs, encoding_choice, equalization, exclusion,
-                                  exclusion_check, guard, input_grid, method_choice, quantizer_noise, range_tuning,
-                                  rounding, sensitivity, subgraphs, target_cost, verified, verify_choice, write)
+                                  exclusion_check, guard, input_grid, method_choice, migration, quantizer_noise,
+                                  range_tuning, rounding, sensitivity, subgraphs, target_cost, verified, verify_choice,
+                                  write)
 
 PIPELINE = (
     budget.STEP,
@@ -23,6 +24,7 @@ PIPELINE = (
     equalization.STEP,
     verify_choice.STEP,
     dynamic_inputs.STEP,
+    migration.STEP,
     input_grid.STEP,
     encoding_choice.STEP,
     rounding.STEP,
