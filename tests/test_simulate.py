@@ -212,3 +212,57 @@ def test_the_profiling_run_takes_the_samples_batch(setup, monkeypatch):
     sim.shares(small)
     assert seen == [2]
     assert all(n <= 2 for _, n in sim._chunks(small, []))
+
+
+def _run_time_quantized(tmp_path):
+    """LayerNorm -> MatMul m1 -> residual Add -> MatMul m2, batch free, calibrated on samples whose scales
+    differ 30-fold: the two MatMuls quantize their inputs at run time (ctx.dynamic)."""
+    from onnx import TensorProto, helper, numpy_helper
+    from helpers import calibrate_samples
+    from qtool.calibrate.table import load_table
+    from qtool.quantize.samples import load_samples as load
+    T, D, N = 8, 16, 24
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.uniform(0.5, 2.0, D).astype(np.float32), "gamma"),
+             numpy_helper.from_array(np.zeros(D, np.float32), "beta"),
+             numpy_helper.from_array(rng.standard_normal((D, D)).astype(np.float32), "w1"),
+             numpy_helper.from_array(rng.standard_normal((D, N)).astype(np.float32), "w2")]
+    nodes = [helper.make_node("Mul", ["x", "x"], ["sq"], name="sq"),
+             helper.make_node("MatMul", ["sq", "w1"], ["a"], name="m1"),
+             helper.make_node("Add", ["a", "x"], ["r"], name="residual"),
+             helper.make_node("LayerNormalization", ["r", "gamma", "beta"], ["n"], name="ln", axis=-1),
+             helper.make_node("MatMul", ["n", "w2"], ["y"], name="m2")]
+    g = helper.make_graph(nodes, "rt", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", T, D])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", T, N])], initializer=inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    samples = [{"x": (rng.standard_normal((1, T, D)) * s).astype(np.float32)} for s in np.geomspace(0.1, 3, 8)]
+    work = calibrate_samples(m, samples, tmp_path, method="minmax")
+    import onnx
+    fused = onnx.load(f"{work}/fused.onnx")
+    table = load_table(f"{work}/calibration.json")
+    ctx = QuantizeContext(fused, table, "minmax", threads=1, dynamic=frozenset({"m1", "m2"}))
+    return ctx, load(fused, table, sorted(str(p) for p in (tmp_path / "data").iterdir()))
+
+
+def test_a_layer_quantizing_its_input_at_run_time_is_simulated_so(tmp_path):
+    """sensitivity measures a run-time quantized layer as the build writes it (DynamicQuantizeLinear, one
+    range per sample), not with a static range: alone and switched among others, one sample a run."""
+    ctx, samples = _run_time_quantized(tmp_path)
+    sim = Simulator(ctx)
+    names = [d.name for d in quantizable_layers(ctx.fused)]
+    assert {"m1", "m2"} <= set(names)
+    excl = [{n: "x" for n in names if n != name} for name in names]
+    variants = [sim.variant(e, prune_excluded=False) for e in excl]
+    assert [v.dynamic for v in variants if v.dynamic] == [{"m1": "sq"}, {"m2": "n"}]
+    together = sim.run(samples, variants)
+    alone = [sim.run(samples, [v])[0] for v in variants]
+    for name, e, y, y1 in zip(names, excl, together, alone):
+        q = ctx.build(e, prune_excluded=False).model
+        assert any(n.op_type == "DynamicQuantizeLinear" for n in q.graph.node) == (name in ("m1", "m2"))
+        want = np.concatenate([session(q, 1, basic=True).run(None, f)[0] for f in samples.single_feeds()])
+        assert sqnr_db(want, y) > 60 and sqnr_db(want, y1) > 60, name
+    # a static range in its place (what the simulation did before): far from the model the build writes
+    static = ctx.build(excl[names.index("m1")], prune_excluded=False, dynamic=frozenset()).model
+    y_static = np.concatenate([session(static, 1, basic=True).run(None, f)[0] for f in samples.single_feeds()])
+    assert sqnr_db(samples.reference, together[names.index("m1")]) > sqnr_db(samples.reference, y_static) + 3

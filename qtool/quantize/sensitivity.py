@@ -11,6 +11,10 @@ Where the output is a distribution over its last axis (samples.distribution_outp
 recognizer's [N, T, C], a tagger's), agreement and KL are per position, and the ranking is by KL
 (highest first): SQNR of probabilities is set by the few positions whose winner flips, so on
 PP-OCRv5's recognizer 11 of 73 layers tied at 16.2 dB and the order among them was arbitrary.
+Where the output is an encoder's (encoder_judge.py), each layer is measured on the sentence vectors the
+output is read as, as the guard's whole-model check and the steps before it are: all-mpnet-base-v2's raw
+token states, whose few massive channels carry most of their energy, ranked four FFN output MatMuls
+"alone below 10 dB" and the guard kept them fp32 (a file 0.32 of fp32 instead of 0.25).
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import onnx
 
 from qtool.metrics import kl_each, kl_softmax, position_top1_agreement, sqnr_db, top1_agreement
 from qtool.quantize.context import QuantizeContext
+from qtool.quantize.encoder_judge import encoder_judge
 from qtool.plan import make_plan
 from qtool.quantize.samples import SampleSet, distribution_output
 from qtool.quantize.simulate import Simulator
@@ -90,11 +95,15 @@ def layer_sensitivity(ctx: QuantizeContext, samples: SampleSet, progress=None, o
     picked, variants = layer_variants(sim, only)
     ref = samples.reference
     dist = distribution_output(ctx.fused, samples)
+    enc = None if dist else encoder_judge(ctx.fused, samples, ctx.task)
 
     def measured(y):  # (each variant's output reduced as soon as it is there: outputs can be large)
         if dist:  # what each position means is its class
             return (sqnr_db(ref, y), position_top1_agreement(ref, y),
                     float(kl_each(ref, y, log=dist == "LogSoftmax").mean()))
+        if enc is not None:  # sentence vectors: no class, no distribution
+            v = enc.vectors(y)
+            return sqnr_db(enc.reference, v), top1_agreement(enc.reference, v), 0.0
         return sqnr_db(ref, y), top1_agreement(ref, y), kl_softmax(ref, y) if y.ndim == 2 else 0.0
 
     out = []

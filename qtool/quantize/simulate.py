@@ -60,6 +60,7 @@ class Variant:
     weights: set = field(default_factory=set)  # node names
     tensors: dict = field(default_factory=dict)  # tensor -> ActQParams
     nodes: set = field(default_factory=set)  # the int8 nodes (fp32 readers of a graph input read it raw)
+    dynamic: dict = field(default_factory=dict)  # layer -> the fp32 input it quantizes at run time (plan.dynamic)
 
 
 class Simulator:
@@ -99,7 +100,11 @@ class Simulator:
     def plan_for(self, exclude: dict, prune_excluded: bool = True):
         ctx = self.ctx
         ranges = {**ctx.table.ranges.get(ctx.method, {}), **(ctx.ranges or {})}
-        return make_plan(self.base, {**ctx.exclude, **exclude}, ranges, prune_excluded, facts=self.facts)
+        # (with the layers whose input is quantized at run time, as the build plans them: simulated with a
+        # static range instead, all-mpnet-base-v2's FFN output MatMuls measured 6-9 dB alone in a model at 21 dB
+        # whole, and the guard kept them fp32)
+        return make_plan(self.base, {**ctx.exclude, **exclude}, ranges, prune_excluded, facts=self.facts,
+                         dynamic=ctx.dynamic)
 
     def variant(self, exclude: dict, prune_excluded: bool = True) -> Variant:
         """The variant ctx.build(exclude, prune_excluded=...) writes: its plan's quantizers, with the
@@ -107,7 +112,8 @@ class Simulator:
         ctx = self.ctx
         plan = self.plan_for(exclude, prune_excluded)
         tensors = activation_qparams(self.base, plan, ctx.table, ctx.method, ctx.ranges)
-        return Variant({n for n in plan.int8_nodes if n in plan.weight_inputs}, tensors, set(plan.int8_nodes))
+        return Variant({n for n in plan.int8_nodes if n in plan.weight_inputs}, tensors, set(plan.int8_nodes),
+                       {n: x for n, x in plan.dynamic.items() if n in plan.int8_nodes})
 
     def output_tensor(self, name: str) -> str:
         """The tensor layer `name` writes: its own output, or that of the Relu/Clip fused into it."""
@@ -132,7 +138,8 @@ class Simulator:
             rule = RULES[node.op_type]
             widx, axis = rule.weight(node, m)
             x = self.plan.weight_inputs[name]
-            qw, _, _ = layer_weights(m, node, G.initializers(m), self.qparams[x].scale, ctx.table.channel_means.get(x),
+            s_in = self.qparams[x].scale if x in self.qparams else None  # (None: quantized at run time, as the build)
+            qw, _, _ = layer_weights(m, node, G.initializers(m), s_in, ctx.table.channel_means.get(x),
                                      (ctx.hessians or {}).get(name), ctx.options(on_error=None))
             self._sqnr[name] = qw.weight_sqnr_db
             out = [(widx, Q.dequantize_weight(qw.q, qw.scale, axis))]
@@ -213,7 +220,7 @@ class Simulator:
     def first(self, v: Variant) -> int:
         """The first node position that reads anything the variant changes."""
         at = [self.first_read.get(t, len(self.nodes)) for t in v.tensors] \
-            + [self.pos[n] for n in v.weights if n in self.feeds_output]
+            + [self.pos[n] for n in (*v.weights, *v.dynamic) if n in self.feeds_output]
         return min(at, default=len(self.nodes))
 
     # ------------------------------------------------------------------ one variant's graph and session
@@ -273,6 +280,30 @@ class Simulator:
                 helper.make_node("If", [f"sim:t:{t}"], [f"sim:y:{t}"], then_branch=on, else_branch=off))
         return after, consts
 
+    @staticmethod
+    def _dynamic_quantizers(nodes: list, layers: dict, fixed) -> dict:
+        """Each layer of `layers` (name -> its fp32 input) among `nodes` (copies, changed in place) reads that
+        input through DynamicQuantizeLinear -> DequantizeLinear, as the build writes it (qdq._write_dynamic):
+        fixed for one variant (`fixed`), else inside an If on the layer's switch.
+        -> {layer: the nodes placed right before it}."""
+        before = {}
+        for n in nodes:
+            x = layers.get(n.name)
+            if x is None:
+                continue
+            q, s, z, y = (f"sim:{kind}:{n.name}" for kind in ("rq", "rs", "rz", "ry"))
+            quant = [helper.make_node("DynamicQuantizeLinear", [x], [q, s, z]),
+                     helper.make_node("DequantizeLinear", [q, s, z], [y])]
+            if fixed is None:
+                on = helper.make_graph(quant, "on", [], [helper.make_tensor_value_info(y, TensorProto.FLOAT, None)])
+                off = helper.make_graph([helper.make_node("Identity", [x], [f"sim:rk:{n.name}"])], "off", [],
+                                        [helper.make_tensor_value_info(f"sim:rk:{n.name}", TensorProto.FLOAT, None)])
+                y = f"sim:ro:{n.name}"
+                quant = [helper.make_node("If", [f"sim:r:{n.name}"], [y], then_branch=on, else_branch=off)]
+            before[n.name] = quant
+            n.input[0] = y
+        return before
+
     def session(self, p: int, variants: list):
         """A session for the graph from cut p on, with a switch on everything `variants` change:
         T -> If(on_T, DQ(Q(T, s_T, z_T)), T) and W -> Where(on_N, W_int8, W), the switches, scales
@@ -284,6 +315,7 @@ class Simulator:
         # (what no node of the output's reads changes nothing: it gets no switch)
         tensors = sorted({t for v in variants for t in v.tensors if t in self.first_read})
         weights = sorted({n for v in variants for n in v.weights if n in self.feeds_output})
+        dynamic = {n: x for v in variants for n, x in v.dynamic.items() if n in self.feeds_output}
         graph_inputs = {i.name for i in G.real_inputs(self.base)}
         int8 = set().union(*(v.nodes for v in variants)) if variants else set()
         nodes = [_copy(n) for n in self.nodes[p:] if n.name in self.feeds_output]
@@ -295,15 +327,18 @@ class Simulator:
                 # branch reading a tensor by name reads it unquantized)
                 if i in rename and (i not in graph_inputs or n.name in int8):
                     n.input[k] = rename[i]
+        run_time = self._dynamic_quantizers(nodes, dynamic, fixed)  # (after the renaming: they read the fp32 input)
         after, consts = self._quantizers(nodes, tensors, fixed)
         ordered = list(after.get(None, []))
         for n in nodes:
-            ordered.extend(before.get(n.name, []) + [n] + after.get(n.name, []))
+            ordered.extend(before.get(n.name, []) + run_time.get(n.name, []) + [n] + after.get(n.name, []))
+        dynamic = sorted(dynamic)
         if fixed is not None:
-            weights, tensors = [], []
+            weights, tensors, dynamic = [], [], []
         # (every name made here is sim:KIND:NAME, KIND without a colon: none can equal another, though
         # tf2onnx names nodes after their outputs and a tensor may be called "z")
         switches = [helper.make_tensor_value_info(f"sim:w:{n}", TensorProto.BOOL, []) for n in weights]
+        switches += [helper.make_tensor_value_info(f"sim:r:{n}", TensorProto.BOOL, []) for n in dynamic]
         for t in tensors:
             switches += [helper.make_tensor_value_info(f"sim:t:{t}", TensorProto.BOOL, []),
                          helper.make_tensor_value_info(f"sim:s:{t}", TensorProto.FLOAT, []),
@@ -324,11 +359,12 @@ class Simulator:
         # one thread each: variants run side by side instead (_run_group); a suffix at batch 1 is too
         # small to split well (YOLOX's sensitivity: 138 s wall on 2 threads per session, 113 s on one)
         sess = session(m, 1, arena="shared", external=big, where="a quantize experiment", float_weights=True)
-        return sess, frontier, (weights, tensors)
+        return sess, frontier, (weights, tensors, dynamic)
 
     def _switch_feed(self, v: Variant, switches) -> dict:
-        weights, tensors = switches
+        weights, tensors, dynamic = switches
         f = {f"sim:w:{n}": np.array(n in v.weights) for n in weights}
+        f.update({f"sim:r:{n}": np.array(n in v.dynamic) for n in dynamic})
         for t in tensors:
             qp = v.tensors.get(t) or self.qparams.get(t) or Q.ActQParams(1.0, 0)
             f.update({f"sim:t:{t}": np.array(t in v.tensors),
@@ -410,7 +446,7 @@ class Simulator:
             return sess.run([self.output], {**{t: cache[t] for t in frontier}, **feeds[k]})[0]
 
         with ThreadPoolExecutor(self.ctx.workers) as pool:  # ORT lets the GIL go while it runs
-            for batch, n in self._chunks(samples, cross):
+            for batch, n in self._chunks(samples, cross, single=any(v.dynamic for v in variants)):
                 cache = dict(zip(cross, prefix.run(cross, batch))) if prefix is not None else {}
                 cache.update(batch)
                 for k, y in enumerate(pool.map(lambda k: one(k, cache), range(len(cut_of)))):
@@ -457,15 +493,17 @@ class Simulator:
             self._sized[key] = G.inferred_shapes(self.base, {k: np.shape(v) for k, v in feed.items()}) or self.shapes
         return self._sized[key]
 
-    def _chunks(self, samples, cross: list):
-        """Batches of samples small enough that the fp32 tensors crossing the cuts fit CACHE_BYTES."""
+    def _chunks(self, samples, cross: list, single: bool = False):
+        """Batches of samples small enough that the fp32 tensors crossing the cuts fit CACHE_BYTES; one sample
+        each where `single` (a range computed at run time is the whole batch's: each sample is judged by what
+        the model gives it alone, as SampleSet.feeds_for runs the int8 model)."""
         shapes = self.shapes_of(samples)
         per_sample = 4 * sum(_numel(shapes.get(t)) for t in cross) or 1
         # (and no larger than the samples' own batch, sized by what a run holds: samples.py's ACT_BYTES)
         size = max(1, min(len(samples), CACHE_BYTES // per_sample, samples.batch))
         if samples.fixed_batch:
             size = samples.batch  # (a model with a fixed batch takes exactly that many; the set holds whole batches)
-        if samples.stacked:
+        if samples.stacked or (single and not samples.fixed_batch):
             size = 1  # (each sample is a whole feed of its own)
         for a, b in samples.spans(size):
             yield samples.feed(a, b), b - a
