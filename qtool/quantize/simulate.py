@@ -4,7 +4,8 @@ Sensitivity asks "the model with only this layer int8", range tuning "this tenso
 range": dozens to hundreds of variants of one graph. Building, checking and loading each as a full
 QDQ model, and running it from the input, costs far more than what the variant changes. Here a
 variant is the fp32 graph with only its own quantizers (QuantizeLinear -> DequantizeLinear on its
-tensors) and its layers' int8 weights (dequantized) put in, run in float by ONNX Runtime (no int8
+tensors, DynamicQuantizeLinear -> DequantizeLinear before a layer whose input is quantized at run time)
+and its layers' int8 weights (dequantized) put in, run in float by ONNX Runtime (no int8
 kernel, and no weight quantized by ORT itself), which is the target's exact int8 result up to fp32 rounding of the
 sums (a value within float rounding of a rounding boundary may land one step away). Its session
 shares every weight with the others (no copy) and loads in a few milliseconds.
