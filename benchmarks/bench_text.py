@@ -40,6 +40,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_zoo import ort_quantize, ort_session, samples  # noqa: E402  (the zoo bench's ORT anchor, one copy)
 import results_io  # noqa: E402
+from qtool.runtime.bench import ort_session as bench_session  # noqa: E402  (ORT without spinning workers)
 
 SYSTEMS = ("fp32", "qtool", "ort-dyn-tensor", "ort-dyn-channel", "ort-static")
 LATENCY_TOKENS = (32, 128)
@@ -184,7 +185,10 @@ def latency(paths, example, rounds, warmup=3):
     for tokens in LATENCY_TOKENS:
         feeds = latency_feeds(paths["fp32"], example, tokens)
         for threads in LATENCY_THREADS:
-            sessions = {n: ort_session(p, threads) for n, p in paths.items()}
+            # (idle workers sleep, as in `qtool bench`: with ORT's default spinning, the sessions timed in turn
+            # each ran beside the previous one's spinning workers, and on 2 threads every system measured slower
+            # than on one: the zoo MiniLM's fp32 15.7 -> 22-27 ms at 128 tokens)
+            sessions = {n: bench_session(p, threads) for n, p in paths.items()}
             times = {n: [] for n in sessions}
             cpu = {n: [] for n in sessions}
             for r in range(warmup + rounds):
