@@ -247,13 +247,13 @@ def latency_ratios(result, system="qtool"):
     row = next((r for r in result["rows"] if r["system"] == system), None)
     if row is None or not any(k.endswith("_vs_ortdyn") for k in row):
         return []
+    base = next(r for r in result["rows"] if r["system"] == "ort-dyn-channel")
     lines = [f"{system} latency / ORT dynamic per-channel (ONNX Runtime, batch 1, systems in alternation; load average "
              f"{result.get('load_average', '?')}):"]
     for tokens in LATENCY_TOKENS:
         for threads in LATENCY_THREADS:
             k = f"{tokens}tok_{threads}t"
             if f"{k}_vs_ortdyn" in row:
-                base = next(r for r in result["rows"] if r["system"] == "ort-dyn-channel")
                 line = (f"  {tokens:>3} tokens, {threads} thread{'s' if threads > 1 else ''}: {row[k + '_vs_ortdyn']:.2f}"
                         f"  ({row[k + '_ms']:.2f} ms vs {base[k + '_ms']:.2f} ms)")
                 if f"{k}_cpu_vs_ortdyn" in row:

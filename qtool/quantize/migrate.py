@@ -110,14 +110,14 @@ def measure(ctx, samples, threads: int = 0) -> list:
         sums[x] = {a: np.zeros(2) for a in scales[x]}
         for layer, w in layers:
             enc = ctx.encodings.get(layer, TARGETS[ctx.target].encoding)
-            for a, s in scales[x].items():
-                wq = _weights_q(w if s is None else w * s[:, None], enc)
-                for v in acts[x]:
-                    v = v.astype(np.float32)
-                    y = v @ w
+            wqs = {a: _weights_q(w if s is None else w * s[:, None], enc) for a, s in scales[x].items()}
+            for v in acts[x]:
+                v = v.astype(np.float32)
+                y = v @ w  # (the fp32 output, once per sample: every a is judged against it)
+                signal = float((y.astype(np.float64) ** 2).sum())
+                for a, s in scales[x].items():
                     xq = _dynamic_q(v if s is None else v / s)
-                    sums[x][a] += (float((y.astype(np.float64) ** 2).sum()),
-                                   float(((xq @ wq - y).astype(np.float64) ** 2).sum()))
+                    sums[x][a] += (signal, float(((xq @ wqs[a] - y).astype(np.float64) ** 2).sum()))
         del acts[x]
     out = []
     for x in names:

@@ -114,7 +114,7 @@ class Simulator:
         plan = self.plan_for(exclude, prune_excluded)
         tensors = activation_qparams(self.base, plan, ctx.table, ctx.method, ctx.ranges)
         return Variant({n for n in plan.int8_nodes if n in plan.weight_inputs}, tensors, set(plan.int8_nodes),
-                       {n: x for n, x in plan.dynamic.items() if n in plan.int8_nodes})
+                       dict(plan.dynamic))
 
     def output_tensor(self, name: str) -> str:
         """The tensor layer `name` writes: its own output, or that of the Relu/Clip fused into it."""
@@ -221,7 +221,7 @@ class Simulator:
     def first(self, v: Variant) -> int:
         """The first node position that reads anything the variant changes."""
         at = [self.first_read.get(t, len(self.nodes)) for t in v.tensors] \
-            + [self.pos[n] for n in (*v.weights, *v.dynamic) if n in self.feeds_output]
+            + [self.pos[n] for n in v.weights if n in self.feeds_output]  # (a run-time quantized layer is one of them)
         return min(at, default=len(self.nodes))
 
     # ------------------------------------------------------------------ one variant's graph and session
