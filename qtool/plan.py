@@ -302,19 +302,28 @@ def _drop_float_ended(model: onnx.ModelProto, plan: Plan, facts: ModelFacts) -> 
 
 
 def _drop_idle_passthrough(model: onnx.ModelProto, plan: Plan, facts: ModelFacts) -> None:
-    """Data movement that carries int8 from an fp32 tensor (a graph input, an fp32 op's output) to fp32
-    ops only does no int8 work: the quantizer at its root only rounds. wespeaker's fbank front end, its
-    mel MatMul kept fp32 by the guard, still quantized the waveform for the Slice and Reshape that frame
-    it (output 14.9 dB, nothing int8). Such a chain runs fp32 and its root loses its pair. A chain rooted
-    at an int8 op's output is left as it is (that op's output quantizer is _drop_unread_outputs' to take)."""
+    """Data movement that carries int8 to fp32 ops only does no int8 work: the quantizer at its root only
+    rounds. Such a chain runs fp32, and its root loses its pair where no int8 layer reads it either:
+    - rooted at an fp32 tensor (a graph input, an fp32 op's output): wespeaker's fbank front end, its mel
+      MatMul kept fp32 by the guard, still quantized the waveform for the Slice and Reshape that frame it
+      (output 14.9 dB, nothing int8);
+    - rooted at an int8 MatMul's output, which is then left fp32 (ONNX Runtime runs the MatMul on int8
+      inputs with a float output, MatMulIntegerToFloat): an attention's key and value projections, their
+      bias folded away (fuse/fold_attention_bias), are reshaped and transposed into MatMuls of two
+      activations that stay fp32; their pairs (three a projection) only rounded and cost ONNX Runtime a
+      node each.
+    A chain rooted at another int8 op's output is left as it is (a Conv's output quantizer is what lets ONNX
+    Runtime run it as an int8 Conv; _drop_unread_outputs takes it where nothing int8 follows)."""
     readers = facts.consumers
-    produced_int8 = {o for n in model.graph.node if n.name in plan.int8_nodes
-                     and RULES[n.op_type].kind == "compute" for o in n.output} | set(plan.clamp)  # (a fused Relu's)
+    produced = {o: n for n in model.graph.node if n.name in plan.int8_nodes
+                and RULES[n.op_type].kind == "compute" for o in n.output}
+    produced_int8 = set(produced) | set(plan.clamp)  # (a fused Relu's)
     # tensors from which int8 data movement alone reaches an int8 layer (a walk through int8 nodes only)
     int8_order = [n for n in facts.order if n.name in plan.int8_nodes]
     compute = {n.name for n in int8_order if RULES[n.op_type].kind == "compute"}
     feeds_compute = G.tensors_reaching(model, compute, int8_order)
-    roots = [t for t in plan.tensors if t not in produced_int8 and t not in plan.shared]
+    roots = [t for t in plan.tensors if t not in plan.shared and (
+        t not in produced_int8 or (t not in plan.clamp and produced[t].op_type == "MatMul"))]
     for t in roots:
         users = [u for u in readers.get(t, []) if u.name in plan.int8_nodes]
         idle = [u for u in users if RULES[u.op_type].kind != "compute" and not any(o in feeds_compute for o in u.output if o)]
@@ -333,8 +342,11 @@ def _drop_idle_passthrough(model: onnx.ModelProto, plan: Plan, facts: ModelFacts
                 if o in plan.tensors:
                     _unquantize(model, plan, o, "activation runs fp32: no int8 op reads it")
                 todo += [v for v in readers.get(o, []) if v.name in plan.int8_nodes]
-        if len(idle) == len(users):
+        if len(idle) == len(users) and t not in G.graph_output_names(model):
             _unquantize(model, plan, t, "activation runs fp32: no int8 op reads it")
+            if t in produced:
+                plan.decision(produced[t].name).reason = ("output left fp32: it only passes through data movement "
+                                                          "to fp32 ops")
 
 
 def _output_quantized(node, plan: Plan, readers: dict) -> bool:

@@ -292,3 +292,48 @@ def kernel_set(name: str):
             K.set_isa(prev)
     return chosen()
 
+
+def attention_block(softmax_axis=-1, dynamic_key_shape=True, key_read_elsewhere=False, value_from="softmax"):
+    """One self-attention block as torch exports BERT: x [batch, seq, D] -> q, k, v projections with biases,
+    heads split by Reshape (the key's shape computed from its own Shape, as a dynamic export does), scores
+    scaled and masked, Softmax, context merged back, output projection with its bias."""
+    D, H = 16, 2
+    rng = np.random.default_rng(0)
+    dh = D // H
+    inits = [init(f"w{n}", rng.standard_normal((D, D)) * 0.3) for n in "qkvo"]
+    inits += [init(f"b{n}", rng.standard_normal(D) * 2.0) for n in "qkvo"]
+    inits += [init("split", [0, 0, H, dh], np.int64), init("merge", [0, 0, D], np.int64),
+              init("heads", [H, dh], np.int64), init("i0", [0], np.int64), init("i1", [1], np.int64),
+              init("scale", np.sqrt(dh))]
+    nodes = []
+    for n in "qkv":
+        nodes += [helper.make_node("MatMul", ["x", f"w{n}"], [f"{n}m"], name=f"{n}_mm"),
+                  helper.make_node("Add", [f"b{n}", f"{n}m"], [f"{n}a"], name=f"{n}_add")]
+    if dynamic_key_shape:
+        nodes += [helper.make_node("Shape", ["ka"], ["ks"]),
+                  helper.make_node("Gather", ["ks", "i0"], ["k0"], axis=0),
+                  helper.make_node("Gather", ["ks", "i1"], ["k1"], axis=0),
+                  helper.make_node("Concat", ["k0", "k1", "heads"], ["kshape"], axis=0)]
+    nodes += [helper.make_node("Reshape", ["qa", "split"], ["qr"]),
+              helper.make_node("Reshape", ["ka", "kshape" if dynamic_key_shape else "split"], ["kr"]),
+              helper.make_node("Reshape", ["va", "split"], ["vr"]),
+              helper.make_node("Transpose", ["qr"], ["qt"], perm=[0, 2, 1, 3]),
+              helper.make_node("Transpose", ["kr"], ["kt"], perm=[0, 2, 3, 1]),
+              helper.make_node("Transpose", ["vr"], ["vt"], perm=[0, 2, 1, 3]),
+              helper.make_node("MatMul", ["qt", "kt"], ["s"], name="scores"),
+              helper.make_node("Div", ["s", "scale"], ["sd"]),
+              helper.make_node("Add", ["sd", "mask"], ["sm"], name="masked"),
+              helper.make_node("Softmax", ["sm"], ["p"], axis=softmax_axis)]
+    if value_from == "sigmoid":  # weights whose rows do not sum to 1
+        nodes.append(helper.make_node("Sigmoid", ["sm"], ["p2"]))
+    nodes += [helper.make_node("MatMul", ["p2" if value_from == "sigmoid" else "p", "vt"], ["c"], name="context"),
+              helper.make_node("Transpose", ["c"], ["ct"], perm=[0, 2, 1, 3]),
+              helper.make_node("Reshape", ["ct", "merge"], ["cm"]),
+              helper.make_node("MatMul", ["cm", "wo"], ["om"], name="o_mm"),
+              helper.make_node("Add", ["om", "bo"], ["y"], name="o_add")]
+    outputs = [("y", ["batch", "seq", D])]
+    if value_from == "sigmoid":
+        outputs.append(("p", ["batch", H, "seq", "seq"]))
+    if key_read_elsewhere:
+        outputs.append(("ka", ["batch", "seq", D]))
+    return make_model(nodes, inits, [("x", ["batch", "seq", D]), ("mask", ["batch", 1, 1, "seq"])], outputs)

@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from helpers import calibrate_samples, run
+from helpers import attention_block, calibrate_samples, run
 from qtool.api import quantize
 from qtool.calibrate.table import CalibrationTable
 from qtool.quantize.migrate import Migration, apply
@@ -18,14 +18,15 @@ from qtool.quantize.options import QuantizeOptions
 T, D, N = 16, 32, 48
 
 
-def _two_readers():
-    """x -> LayerNorm (n: read by a MatMul and a residual Add) and x -> Mul by a constant (g: read by one MatMul)."""
+def _two_readers(half=np.float32(0.5)):
+    """x -> LayerNorm (n: read by a MatMul and a residual Add) and x -> Mul by a constant `half` (g: read by one
+    MatMul)."""
     rng = np.random.default_rng(0)
     inits = [numpy_helper.from_array(np.ones(D, np.float32), "gamma"),
              numpy_helper.from_array(np.zeros(D, np.float32), "beta"),
              numpy_helper.from_array(rng.standard_normal((D, D)).astype(np.float32), "w1"),
              numpy_helper.from_array(rng.standard_normal((D, N)).astype(np.float32), "w2"),
-             numpy_helper.from_array(np.float32(0.5), "half")]
+             numpy_helper.from_array(np.asarray(half, np.float32), "half")]
     nodes = [helper.make_node("LayerNormalization", ["x", "gamma", "beta"], ["n"], name="ln", axis=-1),
              helper.make_node("MatMul", ["n", "w1"], ["a"], name="m1"),
              helper.make_node("Add", ["a", "n"], ["r"], name="residual"),
@@ -39,7 +40,7 @@ def _two_readers():
 
 
 def test_the_moved_graph_computes_the_same_and_folds_into_a_constant_where_it_can():
-    m = _two_readers()
+    m = _two_readers(np.linspace(0.5, 1.5, D))
     rng = np.random.default_rng(1)
     s1, s2 = (np.exp(rng.uniform(-2, 2, k)).astype(np.float32) for k in (D, D))
     moves = [Migration("n", ("m1",), 0.75, {}, 10.0, s1), Migration("g", ("m2",), 0.75, {}, 10.0, s2)]
@@ -47,8 +48,8 @@ def test_the_moved_graph_computes_the_same_and_folds_into_a_constant_where_it_ca
     moved, new_table, how = apply(m, table, moves)
     x = {"x": rng.standard_normal((1, T, D)).astype(np.float32)}
     np.testing.assert_allclose(run(moved, x)[0], run(m, x)[0], rtol=1e-4, atol=1e-4)
-    # n has another reader (the residual): a Mul by 1/s before m1 alone; g's producer is a Mul by a constant
-    # that only m2 reads after: 1/s goes into that constant, no node added
+    # n has another reader (the residual): a Mul by 1/s before m1 alone; g's producer is a Mul by a per-channel
+    # constant that only m2 reads after: 1/s goes into that constant, no node added
     assert how["n"].startswith("a Mul") and how["g"].startswith("into")
     nodes = {n.name: n for n in moved.graph.node}
     assert len(moved.graph.node) == len(m.graph.node) + 1
@@ -58,6 +59,40 @@ def test_the_moved_graph_computes_the_same_and_folds_into_a_constant_where_it_ca
     assert len(m.graph.node) == 5 and table.ranges["minmax"].keys() == {"n", "g"}
     lo, hi = new_table.ranges["minmax"][nodes["m1"].input[0]]
     assert lo <= -3.0 / s1.min() + 1e-6 and hi >= 3.0 / s1.min() - 1e-6
+
+
+def test_a_scalar_constant_stays_a_scalar():
+    """A Mul by one number (the erf GELU's closing 0.5) keeps it: runtimes fuse the GELU only with scalars
+    (ONNX Runtime's BiasGelu, qtool's GeluStep); the scale is a Mul of its own."""
+    m = _two_readers()
+    rng = np.random.default_rng(1)
+    s2 = np.exp(rng.uniform(-2, 2, D)).astype(np.float32)
+    table = CalibrationTable("", "", "", "minmax", 1, ranges={"minmax": {"n": [-3.0, 3.0], "g": [-4.0, 5.0]}})
+    moved, _, how = apply(m, table, [Migration("g", ("m2",), 0.75, {}, 10.0, s2)])
+    assert how["g"].startswith("a Mul")
+    assert numpy_helper.to_array(next(t for t in moved.graph.initializer if t.name == "half")).size == 1
+    x = {"x": rng.standard_normal((1, T, D)).astype(np.float32)}
+    np.testing.assert_allclose(run(moved, x)[0], run(m, x)[0], rtol=1e-4, atol=1e-4)
+
+
+def test_an_attention_context_moves_into_the_value_weights():
+    """The context (P @ V, heads merged back) read by the output projection alone: 1/s goes into the value
+    projection's weight columns and bias, each to the channel it makes (attention.value_channels proves which),
+    no node added; the tensors between them carry 1/s in the table too."""
+    from qtool.fuse import fuse_model
+    m = fuse_model(attention_block(), {}).model  # (the key's bias dropped, the value's moved: a bare V MatMul)
+    m_bias = attention_block(dynamic_key_shape=False)  # (as built: the value bias Add there, scaled too)
+    rng = np.random.default_rng(3)
+    x = {"x": rng.standard_normal((2, 5, 16)).astype(np.float32), "mask": np.zeros((2, 1, 1, 5), np.float32)}
+    for model in (m, m_bias):
+        s = np.exp(rng.uniform(-2, 2, 16))
+        table = CalibrationTable("", "", "", "minmax", 1, ranges={"minmax": {"cm": [-2.0, 2.0], "ct": [-2.0, 2.0]}})
+        moved, new_table, how = apply(model, table, [Migration("cm", ("o_mm",), 0.5, {}, 10.0, s)])
+        assert how["cm"].startswith("into v_mm's weights"), how
+        assert len(moved.graph.node) == len(model.graph.node)
+        # the context now holds cm / s per channel; the output projection's rows took s: the same function
+        np.testing.assert_allclose(run(moved, x)[0], run(model, x)[0], rtol=1e-4, atol=1e-4)
+        assert new_table.ranges["minmax"]["ct"][1] >= 2.0 / s.min() - 1e-6
 
 
 T2, D2, N2 = 64, 128, 160

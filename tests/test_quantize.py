@@ -668,6 +668,30 @@ def test_data_movement_that_leads_only_to_fp32_ops_carries_no_int8():
     assert make_plan(m2).tensors == [] and make_plan(m2, prune_excluded=False).tensors == []
 
 
+def test_an_int8_matmul_whose_output_only_moves_to_fp32_ops_writes_float():
+    """An attention's key projection, its bias folded away: MatMul -> Reshape -> Transpose -> a MatMul of two
+    activations, fp32. Its output was quantized and the Reshape and Transpose passed int8 on (three pairs
+    that only rounded, and a node each in ONNX Runtime); the MatMul now reads int8 and writes float, and
+    a second MatMul reading the same output keeps it int8 where an int8 layer reads it."""
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("MatMul", ["x", "wk"], ["k"], name="key"),
+             helper.make_node("Reshape", ["k", "shp"], ["kr"], name="split"),
+             helper.make_node("Transpose", ["kr"], ["kt"], name="to_heads", perm=[1, 0]),
+             helper.make_node("MatMul", ["q", "kt"], ["s"], name="scores")]
+    inits = [init("wk", rng.standard_normal((8, 8))), init("shp", [4, 8], np.int64)]
+    m = make_model(nodes, inits, [("x", [4, 8]), ("q", [4, 8])], [("s", [4, 4])])
+    p = make_plan(m)
+    d = {x.name: x for x in p.decisions}
+    assert d["key"].status == "int8" and "left fp32" in d["key"].reason
+    assert d["split"].status == "fp32" and d["to_heads"].status == "fp32"
+    assert "k" not in p.tensors and "kr" not in p.tensors and "x" in p.tensors
+    # the same chain feeding an int8 layer keeps its pairs
+    nodes2 = nodes[:3] + [helper.make_node("MatMul", ["kt", "wo"], ["s"], name="dense")]
+    m2 = make_model(nodes2, inits + [init("wo", rng.standard_normal((4, 4)))], [("x", [4, 8])], [("s", [8, 4])])
+    d2 = {x.name: x for x in make_plan(m2).decisions}
+    assert d2["split"].status == "passthrough" and d2["to_heads"].status == "passthrough"
+
+
 def test_balancing_trials_are_said_as_trials(monkeypatch):
     """balance_and_choose balances under two methods and chooses again on each: what those trials print is
     marked as a trial, and the choice is said once (hx8 read a trial's "balanced ... 13.5 -> 20.5 dB" and

@@ -6,8 +6,9 @@ model is widened to compute in float32 (upcast_float16).
 
 Each pass is one small module with a `run(model, ctx) -> changed` function, listed in
 PASSES in the order they are tried; the list is applied until no pass changes anything.
-FINAL_PASSES then run once on the simplified graph: they choose among equivalent graphs
-(pair_channels reorders channels for ONNX Runtime's int16 pairs) instead of simplifying one.
+FINAL_PASSES then run once on the simplified graph: fold_attention_bias, which proves its rewrite on the
+whole graph's inferred shapes, and pair_channels, which chooses among equivalent graphs (it reorders
+channels for ONNX Runtime's int16 pairs) instead of simplifying one.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 import onnx
 
 from qtool import graph as G
-from qtool.fuse import (fold_batchnorm, fold_constants, fold_mul_add, fold_pad, fold_reshape_shape, inline_functions,
+from qtool.fuse import (fold_attention_bias, fold_batchnorm, fold_constants, fold_mul_add, fold_pad, fold_reshape_shape, inline_functions,
                         pair_channels, remove_dead, remove_identity, upcast_float16, upgrade_opset)
 from qtool.errors import QtoolError
 from qtool.timing import Phases
@@ -30,8 +31,10 @@ PASSES = [
     ("fold_mul_add", fold_mul_add.run),
     ("remove_dead", remove_dead.run),
 ]
-# once the graph is final: passes that choose among equivalent graphs rather than simplify one
+# once the graph is final: passes that read the whole simplified graph's shapes (one shape inference, not
+# one a round) or choose among equivalent graphs rather than simplify one
 FINAL_PASSES = [
+    ("fold_attention_bias", fold_attention_bias.run),
     ("pair_channels", pair_channels.run),
 ]
 

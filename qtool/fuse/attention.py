@@ -1,0 +1,204 @@
+"""How a per-channel quantity travels through an attention block, proven on the graph's inferred shapes: a
+bias (constant along the token axes) or a channel index is followed as a small tensor (1 along the axes it
+is constant on, the true sizes along the others) through Reshape, Transpose and Mul/Div by a scalar, to the
+MatMul that reads it. Used by fuse/fold_attention_bias.py (biases Softmax cancels or passes through) and
+quantize/migrate.py (a smoothing scale moved through the attention into the value projection's weights).
+
+A Reshape is followed only where ONNX shape inference (with data propagation) shows it keeps the leading
+axes (the same dims, known or the same symbol) and splits or merges only axes the tensor varies along.
+Every tensor on the way has no reader but the next op (and Shape ops, whose result does not change).
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+
+from qtool import graph as G
+
+LAYOUT = ("Reshape", "Transpose")
+SCALE = ("Mul", "Div")
+
+
+def symbolic_dims(model: onnx.ModelProto) -> dict:
+    """tensor -> dims (int, a symbol's name, or None) from shape inference with data propagation on the
+    weightless skeleton; {} where it fails."""
+    try:
+        inf = G.infer_shapes_guarded(G.skeleton(model), strict_mode=False, data_prop=True)
+    except Exception:  # (no shapes: nothing is proven, nothing moves)
+        return {}
+    out = {}
+    for vi in list(inf.graph.value_info) + list(inf.graph.input) + list(inf.graph.output):
+        t = vi.type.tensor_type
+        if vi.type.HasField("tensor_type") and t.HasField("shape"):
+            out[vi.name] = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0
+                            else (d.dim_param or None) for d in t.shape.dim]
+    return out
+
+
+class Walk:
+    """The graph's indexes and inferred shapes, and the steps and checks of a path through an attention."""
+
+    def __init__(self, model):
+        self.model = model
+        self.inits = G.initializers(model)
+        self.prod, self.cons = G.producers(model), G.consumers(model)
+        self.outputs = G.graph_output_names(model)
+        self.dims = symbolic_dims(model)
+
+    def only_reader(self, tensor: str, node) -> bool:
+        """`node` is the one reader of `tensor` that uses its values (Shape readers only use its shape)."""
+        if tensor in self.outputs:
+            return False
+        readers = [n for n in self.cons.get(tensor, []) if n.op_type != "Shape"]
+        return len(readers) == 1 and readers[0] is node
+
+    def next_op(self, tensor: str):
+        readers = [n for n in self.cons.get(tensor, []) if n.op_type != "Shape"]
+        return readers[0] if len(readers) == 1 and self.only_reader(tensor, readers[0]) else None
+
+    def scalar(self, name: str):
+        v = G.const_value(self.model, name, self.inits)
+        if v is None or v.size != 1 or not np.issubdtype(v.dtype, np.floating):
+            return None
+        return float(v.reshape(()))
+
+    def follow(self, node, small: np.ndarray, tensor: str):
+        """The bias tensor `small` after `node` (which reads `tensor`), or None where not proven."""
+        if node.op_type == "Transpose":
+            perm = G.attr(node, "perm")
+            perm = list(perm) if perm is not None else list(range(small.ndim))[::-1]
+            return small.transpose(perm) if len(perm) == small.ndim else None
+        if node.op_type in SCALE:
+            if node.input[0] != tensor or (k := self.scalar(node.input[1])) is None or k == 0:
+                return None
+            return small * k if node.op_type == "Mul" else small / k
+        if node.op_type == "Reshape":
+            if node.input[0] != tensor:
+                return None
+            a, b = self.dims.get(tensor), self.dims.get(node.output[0])
+            if a is None or b is None or len(a) != small.ndim:
+                return None
+            p = 0
+            while p < min(len(a), len(b)) and a[p] is not None and a[p] == b[p]:
+                p += 1
+            # below the kept leading axes: only axes the bias varies along, of known sizes, on both sides
+            if any(small.shape[k] != a[k] or not isinstance(a[k], int) for k in range(p, len(a))):
+                return None
+            tail = b[p:]
+            if not all(isinstance(d, int) for d in tail) or int(np.prod(tail)) != int(np.prod(small.shape[p:])):
+                return None
+            return small.reshape(small.shape[:p] + tuple(tail))
+        return None
+
+    def to_matmul(self, tensor: str, small: np.ndarray):
+        """Follow the bias from `tensor` through layout and scalar ops to the MatMul that reads it:
+        (that MatMul, the tensor it reads, the bias there) or None."""
+        for _ in range(16):
+            node = self.next_op(tensor)
+            if node is None:
+                return None
+            if node.op_type == "MatMul":
+                return node, tensor, small
+            if node.op_type not in LAYOUT + SCALE:
+                return None
+            small = self.follow(node, small, tensor)
+            if small is None:
+                return None
+            tensor = node.output[0]
+        return None
+
+    def softmax_after(self, matmul):
+        """The Softmax over the last axis that the scores of `matmul` reach through [Mul/Div k] [Add], each
+        the one reader of the one before; None otherwise."""
+        tensor = matmul.output[0]
+        rank = len(self.dims.get(tensor) or [])
+        for _ in range(4):
+            node = self.next_op(tensor)
+            if node is None:
+                return None
+            if node.op_type == "Softmax":
+                axis = G.attr(node, "axis", -1)
+                return node if rank and axis in (-1, rank - 1) else None
+            if node.op_type in SCALE and (node.input[0] != tensor or self.scalar(node.input[1]) in (None, 0.0)):
+                return None
+            if node.op_type not in SCALE + ("Add",):
+                return None
+            tensor = node.output[0]
+        return None
+
+    def projection(self, add):
+        """Add(MatMul(X, W), b) with W and b constants, b varying only along the last axis: (matmul, b's name,
+        b, rank of the output) or None."""
+        for k in (0, 1):
+            src = self.prod.get(add.input[k])
+            b = G.const_value(self.model, add.input[1 - k], self.inits)
+            if src is not None and src.op_type == "MatMul" and b is not None:
+                break
+        else:
+            return None
+        w = G.const_value(self.model, src.input[1], self.inits)
+        dims = self.dims.get(add.output[0])
+        if w is None or w.ndim != 2 or not dims or len(dims) < 2 or not np.issubdtype(b.dtype, np.floating):
+            return None
+        if b.ndim > len(dims) or any(s != 1 for s in b.shape[:-1]) or b.shape[-1] != w.shape[1]:
+            return None
+        if not self.only_reader(src.output[0], add):
+            return None
+        return src, add.input[1 - k], b.reshape(-1), len(dims)
+
+
+def value_channels(walk: Walk, x: str, layer: str):
+    """Where `x`, read by the MatMul `layer` alone, is an attention's context (P @ V' with P a Softmax over the
+    last axis, merged back by layout ops) and V' comes by layout ops from a value projection MatMul(X, Wv)
+    [+ a bias]: (that MatMul, its bias Add or None, perm: x's channel c is column perm[c] of Wv, the tensors
+    from the projection's output to x); else None. Scaling Wv's column perm[c] (and its bias) scales x's
+    channel c and nothing else: P @ V' is linear in V'."""
+    chain = [x]
+    p = walk.prod.get(x)
+    while p is not None and p.op_type in LAYOUT:
+        chain.append(p.input[0])
+        p = walk.prod.get(p.input[0])
+    if p is None or p.op_type != "MatMul":
+        return None
+    context = p
+    sm = walk.prod.get(context.input[0])
+    rank = len(walk.dims.get(context.input[0]) or [])
+    if sm is None or sm.op_type != "Softmax" or not rank or G.attr(sm, "axis", -1) not in (-1, rank - 1):
+        return None
+    t = context.input[1]
+    chain.append(t)
+    p = walk.prod.get(t)
+    while p is not None and p.op_type in LAYOUT:
+        chain.append(p.input[0])
+        p = walk.prod.get(p.input[0])
+    add = None
+    if p is not None and p.op_type == "Add":
+        proj = walk.projection(p)
+        if proj is None:
+            return None
+        add, p = p, proj[0]
+        chain.append(p.output[0])
+    if p is None or p.op_type != "MatMul":
+        return None
+    w = G.const_value(walk.model, p.input[1])  # (not walk.inits: a weight may have been renamed since)
+    start = (add or p).output[0]
+    dims = walk.dims.get(start)
+    if w is None or w.ndim != 2 or not dims or len(dims) < 2:
+        return None
+    width = w.shape[1]
+    # channel indices 1..width followed to x (a scalar Mul on the way scales them all alike)
+    small = np.arange(1, width + 1, dtype=np.float64).reshape((1,) * (len(dims) - 1) + (width,))
+    found = walk.to_matmul(start, small)
+    if found is None or found[0] is not context or found[1] != context.input[1] or found[2].ndim < 2 \
+            or found[2].shape[-2] != 1:
+        return None
+    out = walk.to_matmul(context.output[0], found[2])
+    if out is None or out[0].name != layer or out[1] != x or any(d != 1 for d in out[2].shape[:-1]) \
+            or out[2].shape[-1] != width:
+        return None
+    v = out[2].reshape(-1)
+    k = v[np.argmin(np.abs(v))]
+    perm = np.rint(v / k).astype(np.int64) - 1
+    if not np.array_equal(np.sort(perm), np.arange(width)):
+        return None
+    return p, add, perm, chain
