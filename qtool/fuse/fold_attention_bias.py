@@ -41,12 +41,15 @@ def _out_bias(walk: Walk, matmul):
 
 
 def run(model: onnx.ModelProto, ctx) -> bool:
+    """One walk over the graph's bias Adds (one shape inference): those proven are dropped or moved."""
     if not any(n.op_type == "Softmax" for n in model.graph.node):
         return False
     walk = Walk(model)
     if not walk.dims:
         return False
-    drop, new_bias = [], {}  # (Add nodes, tensor they write, tensor they read); output Add -> new bias
+    # drop: (a bias Add, the tensor its readers read instead); new_bias: id(an output projection's Add) -> (that
+    # Add, its bias input, the bias with the value's moved in)
+    drop, new_bias = [], {}
     for add in list(model.graph.node):
         if add.op_type != "Add" or (proj := walk.projection(add)) is None:
             continue

@@ -9,17 +9,12 @@ recognizer it ranked minmax last of four on calibration crops, where minmax read
 """
 from __future__ import annotations
 
-import math
-
-import numpy as np
-
 from qtool.calibrate.methods import METHODS
 from qtool.calibrate.table import range_candidates
 from qtool.metrics import position_agreement, sqnr_db
 from qtool.quantize.context import QuantizeContext
 from qtool.quantize.progress import bar
 from qtool.quantize.samples import SampleSet, distribution_output
-from qtool.quantize.verify import Figures, Judge, decide
 
 AGREEMENT_TIE = 0.0005  # predicted agreement (per position) within this of the best: a tie, SQNR decides
 # An output SQNR above this is float32 arithmetic's own noise (ORT's kernels against the fp32 graph), not
@@ -29,12 +24,11 @@ AGREEMENT_TIE = 0.0005  # predicted agreement (per position) within this of the 
 EXACT_DB = 90.0
 
 
-def method_scores(ctx: QuantizeContext, samples: SampleSet, methods=None, progress=None, agreement: dict | None = None,
-                  errors: dict | None = None) -> dict:
+def method_scores(ctx: QuantizeContext, samples: SampleSet, methods=None, progress=None, agreement: dict | None = None
+                  ) -> dict:
     """Output SQNR (dB, first output, over `samples`) of the int8 model each range method gives,
     against the fused fp32 graph ("pick what measures best", per model); `progress(1)` after each.
-    `agreement` (a dict) gets each method's position_agreement where the output is a distribution;
-    `errors` (a dict) each method's Figures: every sample's relative squared error."""
+    `agreement` (a dict) gets each method's position_agreement where the output is a distribution."""
     scores = {}
     classes = distribution_output(ctx.fused, samples)
     for m in methods or METHODS:
@@ -42,26 +36,17 @@ def method_scores(ctx: QuantizeContext, samples: SampleSet, methods=None, progre
         scores[m] = sqnr_db(samples.reference, y)
         if classes and agreement is not None:
             agreement[m] = position_agreement(samples.reference, y)
-        if errors is not None:
-            errors[m] = Figures.of(Judge("SQNR"), samples.reference, y)
         if progress:
             progress(1)
     return scores
 
 
-def choose(scores: dict, agreement: dict, plain: str, clip_gain_db: float, errors: dict | None = None,
-           widths: dict | None = None) -> str:
-    """The method to use: the best SQNR among those tied on agreement (all where it was not measured), or of
-    those that clip less (`widths`: each method's mean log range width) the one that clips least among those
-    it does not beat beyond the noise (`errors`: each method's Figures); but the unclipped `plain` method
-    unless a clipping one beats it by clip_gain_db."""
+def choose(scores: dict, agreement: dict, plain: str, clip_gain_db: float) -> str:
+    """The method to use: the best SQNR among those tied on agreement (all where it was not measured),
+    but the unclipped `plain` method unless a clipping one beats it by clip_gain_db."""
     names = list(scores)
     tied = [names[i] for i in _tied([agreement.get(m) if agreement else None for m in names])]
     best = max(tied, key=scores.get)
-    if errors and widths and best != plain:
-        level = [m for m in tied if m != plain and m in errors and widths.get(m, -math.inf) > widths[best]
-                 and not decide("clip", "SQNR", errors[best], errors[m], m).kept]
-        best = max(level + [best], key=lambda m: widths[m])
     plain = plain if plain in tied else best
     if scores[plain] >= EXACT_DB:
         return plain
@@ -69,18 +54,6 @@ def choose(scores: dict, agreement: dict, plain: str, clip_gain_db: float, error
     # the calibration's: FSMN-VAD's streaming chunks, mse 0.3 dB ahead on 8 calibration samples, 3.5 dB
     # behind minmax on the evaluation ones)
     return plain if scores[best] < scores[plain] + clip_gain_db else best
-
-
-def range_widths(table, methods: list, plain: str) -> dict:
-    """Each method's mean over the tensors of log(its range's width / the `plain` method's): how much it clips
-    (0 for the unclipped method, below 0 the more it clips)."""
-    base = table.ranges.get(plain, {})
-    out = {}
-    for m in methods:
-        logs = [math.log((hi - lo) / (base[t][1] - base[t][0])) for t, (lo, hi) in table.ranges.get(m, {}).items()
-                if t in base and hi > lo and base[t][1] > base[t][0]]
-        out[m] = float(np.mean(logs)) if logs else 0.0
-    return out
 
 
 def best_option(options: list) -> int:
@@ -105,11 +78,10 @@ def pick_method(ctx: QuantizeContext, samples: SampleSet, say=print, show_progre
             f"samples among those quantize could run together: see the warnings above); using {ctx.table.range_method}")
         return ctx.table.range_method, None, None
     candidates = range_candidates(ctx.table)
-    agreement, errors = {}, {}
+    agreement = {}
     with bar(len(candidates), "method", "method choice", show_progress) as pb:
-        scores = method_scores(ctx, samples, candidates, progress=pb.update, agreement=agreement, errors=errors)
-    best = choose(scores, agreement, ctx.table.range_method, CLIP_GAIN_DB, errors,
-                  range_widths(ctx.table, candidates, ctx.table.range_method))
+        scores = method_scores(ctx, samples, candidates, progress=pb.update, agreement=agreement)
+    best = choose(scores, agreement, ctx.table.range_method, CLIP_GAIN_DB)
     if len(samples) < MIN_CHOICE_SAMPLES and best != ctx.table.range_method:
         say(f"note: {best} measured best on only {len(samples)} calibration sample{'s' if len(samples) > 1 else ''}; "
             f"too few to trust a clip measured on the samples that set it: "
