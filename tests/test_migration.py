@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from helpers import attention_block, calibrate_samples, run
+from helpers import calibrate_samples, run
 from qtool.api import quantize
 from qtool.calibrate.table import CalibrationTable
 from qtool.quantize.migrate import Migration, apply
@@ -73,26 +73,6 @@ def test_a_scalar_constant_stays_a_scalar():
     assert numpy_helper.to_array(next(t for t in moved.graph.initializer if t.name == "half")).size == 1
     x = {"x": rng.standard_normal((1, T, D)).astype(np.float32)}
     np.testing.assert_allclose(run(moved, x)[0], run(m, x)[0], rtol=1e-4, atol=1e-4)
-
-
-def test_an_attention_context_moves_into_the_value_weights():
-    """The context (P @ V, heads merged back) read by the output projection alone: 1/s goes into the value
-    projection's weight columns and bias, each to the channel it makes (attention.value_channels proves which),
-    no node added; the tensors between them carry 1/s in the table too."""
-    from qtool.fuse import fuse_model
-    m = fuse_model(attention_block(), {}).model  # (the key's bias dropped, the value's moved: a bare V MatMul)
-    m_bias = attention_block(dynamic_key_shape=False)  # (as built: the value bias Add there, scaled too)
-    rng = np.random.default_rng(3)
-    x = {"x": rng.standard_normal((2, 5, 16)).astype(np.float32), "mask": np.zeros((2, 1, 1, 5), np.float32)}
-    for model in (m, m_bias):
-        s = np.exp(rng.uniform(-2, 2, 16))
-        table = CalibrationTable("", "", "", "minmax", 1, ranges={"minmax": {"cm": [-2.0, 2.0], "ct": [-2.0, 2.0]}})
-        moved, new_table, how = apply(model, table, [Migration("cm", ("o_mm",), 0.5, {}, 10.0, s)])
-        assert how["cm"].startswith("into v_mm's weights"), how
-        assert len(moved.graph.node) == len(model.graph.node)
-        # the context now holds cm / s per channel; the output projection's rows took s: the same function
-        np.testing.assert_allclose(run(moved, x)[0], run(model, x)[0], rtol=1e-4, atol=1e-4)
-        assert new_table.ranges["minmax"]["ct"][1] >= 2.0 / s.min() - 1e-6
 
 
 T2, D2, N2 = 64, 128, 160

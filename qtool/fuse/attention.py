@@ -1,8 +1,7 @@
 """How a per-channel quantity travels through an attention block, proven on the graph's inferred shapes: a
-bias (constant along the token axes) or a channel index is followed as a small tensor (1 along the axes it
+bias (constant along the token axes) is followed as a small tensor (1 along the axes it
 is constant on, the true sizes along the others) through Reshape, Transpose and Mul/Div by a scalar, to the
-MatMul that reads it. Used by fuse/fold_attention_bias.py (biases Softmax cancels or passes through) and
-quantize/migrate.py (a smoothing scale moved through the attention into the value projection's weights).
+MatMul that reads it. Used by fuse/fold_attention_bias.py (biases Softmax cancels or passes through).
 
 A Reshape is followed only where ONNX shape inference (with data propagation) shows it keeps the leading
 axes (the same dims, known or the same symbol) and splits or merges only axes the tensor varies along.
@@ -146,59 +145,3 @@ class Walk:
             return None
         return src, add.input[1 - k], b.reshape(-1), len(dims)
 
-
-def value_channels(walk: Walk, x: str, layer: str):
-    """Where `x`, read by the MatMul `layer` alone, is an attention's context (P @ V' with P a Softmax over the
-    last axis, merged back by layout ops) and V' comes by layout ops from a value projection MatMul(X, Wv)
-    [+ a bias]: (that MatMul, its bias Add or None, perm: x's channel c is column perm[c] of Wv, the tensors
-    from the projection's output to x); else None. Scaling Wv's column perm[c] (and its bias) scales x's
-    channel c and nothing else: P @ V' is linear in V'."""
-    chain = [x]
-    p = walk.prod.get(x)
-    while p is not None and p.op_type in LAYOUT:
-        chain.append(p.input[0])
-        p = walk.prod.get(p.input[0])
-    if p is None or p.op_type != "MatMul":
-        return None
-    context = p
-    sm = walk.prod.get(context.input[0])
-    rank = len(walk.dims.get(context.input[0]) or [])
-    if sm is None or sm.op_type != "Softmax" or not rank or G.attr(sm, "axis", -1) not in (-1, rank - 1):
-        return None
-    t = context.input[1]
-    chain.append(t)
-    p = walk.prod.get(t)
-    while p is not None and p.op_type in LAYOUT:
-        chain.append(p.input[0])
-        p = walk.prod.get(p.input[0])
-    add = None
-    if p is not None and p.op_type == "Add":
-        proj = walk.projection(p)
-        if proj is None:
-            return None
-        add, p = p, proj[0]
-        chain.append(p.output[0])
-    if p is None or p.op_type != "MatMul":
-        return None
-    w = G.const_value(walk.model, p.input[1])  # (not walk.inits: a weight may have been renamed since)
-    start = (add or p).output[0]
-    dims = walk.dims.get(start)
-    if w is None or w.ndim != 2 or not dims or len(dims) < 2:
-        return None
-    width = w.shape[1]
-    # channel indices 1..width followed to x (a scalar Mul on the way scales them all alike)
-    small = np.arange(1, width + 1, dtype=np.float64).reshape((1,) * (len(dims) - 1) + (width,))
-    found = walk.to_matmul(start, small)
-    if found is None or found[0] is not context or found[1] != context.input[1] or found[2].ndim < 2 \
-            or found[2].shape[-2] != 1:
-        return None
-    out = walk.to_matmul(context.output[0], found[2])
-    if out is None or out[0].name != layer or out[1] != x or any(d != 1 for d in out[2].shape[:-1]) \
-            or out[2].shape[-1] != width:
-        return None
-    v = out[2].reshape(-1)
-    k = v[np.argmin(np.abs(v))]
-    perm = np.rint(v / k).astype(np.int64) - 1
-    if not np.array_equal(np.sort(perm), np.arange(width)):
-        return None
-    return p, add, perm, chain

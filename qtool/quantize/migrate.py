@@ -16,9 +16,7 @@ input quantized with each run's own range and the weights per output channel, ag
 one tensor (an attention block's q, k and v) share its s, each with its own weight rows scaled.
 
 Where the tensor's producer is a Mul by a per-channel constant that only these layers read after, 1/s
-goes into that constant; where the tensor is an attention's context (P @ V, merged back), into the value
-projection's weight columns (fuse/attention.py proves which column makes which channel; P @ V is linear in
-V); otherwise a Mul by 1/s is added before the layers (the tensor's other readers,
+goes into that constant; otherwise a Mul by 1/s is added before the layers (the tensor's other readers,
 a residual Add, still read it unscaled). Never into a one-element constant: a scalar is part of a pattern
 runtimes fuse, the erf GELU's closing 0.5 (ONNX Runtime makes Div, Erf, Add, Mul, Mul and the bias Add
 before them one BiasGelu, and qtool's runtime one GeluStep, only with scalars); made a vector, it left
@@ -36,7 +34,6 @@ from onnx import helper
 
 from qtool import graph as G
 from qtool import qparams as Q
-from qtool.fuse.attention import Walk, value_channels
 from qtool.quantize.encoding import PAIR_SAFE, TARGETS, W_MAX_OF, pair_partners
 from qtool.quantize.weights import WeightLayer, WeightRounding, quantize_weight
 
@@ -160,24 +157,14 @@ def apply(fused: onnx.ModelProto, table, moves: list) -> tuple:
     table = copy.copy(table)
     table.ranges = {k: dict(v) for k, v in table.ranges.items()}
     how = {}
-    # the graph's shapes, inferred once before any move adds a Mul (appended, out of order for inference);
-    # no move changes a shape, nor the readers of another move's tensor
-    walk = Walk(m) if any(len(mv.layers) == 1 for mv in moves) else None
     for mv in moves:
         prods, cons, inits = G.producers(m), G.consumers(m), G.initializers(m)
         nodes = {n.name: n for n in m.graph.node}
         s = mv.scale.astype(np.float64)
         const = _foldable(m, mv.tensor, set(mv.layers), prods, cons, inits, len(s))
-        value = None
-        if const is None and len(mv.layers) == 1:
-            value = value_channels(walk, mv.tensor, mv.layers[0])
         if const is not None:
             G.set_initializer(m, const, (G.const_value(m, const, inits).astype(np.float64) / s).astype(np.float32))
             into, how[mv.tensor] = mv.tensor, f"into {prods[mv.tensor].name}'s constant"
-        elif value is not None:
-            into, how[mv.tensor] = mv.tensor, _into_values(m, inits, value, s)
-            for t in value[3][1:]:  # (the value projection's tensors up to the context now carry 1/s too)
-                _scaled_ranges(table, t, t, s)
         else:
             into = G.unique_name(m, mv.tensor + "_smoothed")
             k = G.unique_name(m, mv.tensor + "_smoothing")
@@ -196,23 +183,6 @@ def apply(fused: onnx.ModelProto, table, moves: list) -> tuple:
         _scaled_ranges(table, mv.tensor, into, s)
     G.toposort(m)
     return m, table, how
-
-
-def _into_values(m: onnx.ModelProto, inits: dict, value: tuple, s: np.ndarray) -> str:
-    """1/s into the value projection's weight columns (and bias) that make each channel of the attention's
-    context (attention.value_channels): what the move's Mul would do, with no node."""
-    matmul, add, perm, _ = value
-    inv = np.empty(len(perm))
-    inv[perm] = 1.0 / s
-    w = G.const_value(m, matmul.input[1], inits).astype(np.float64) * inv[None, :]
-    matmul.input[1] = G.unique_name(m, matmul.input[1] + "_smoothed")
-    G.set_initializer(m, matmul.input[1], w.astype(np.float32))
-    if add is not None:
-        k = 0 if G.const_value(m, add.input[0], inits) is not None else 1
-        b = G.const_value(m, add.input[k], inits)
-        add.input[k] = G.unique_name(m, add.input[k] + "_smoothed")
-        G.set_initializer(m, add.input[k], (b.astype(np.float64) * inv.reshape(b.shape)).astype(np.float32))
-    return f"into {matmul.name}'s weights, through the attention"
 
 
 def _scaled_ranges(table, src: str, into: str, s: np.ndarray) -> None:
