@@ -621,10 +621,11 @@ def infer_shapes_guarded(model: onnx.ModelProto, **kwargs) -> onnx.ModelProto:
     return out
 
 
-def inferred_shapes(model: onnx.ModelProto, inputs: dict | None = None) -> dict:
+def inferred_shapes(model: onnx.ModelProto, inputs: dict | None = None, symbols: bool = False) -> dict:
     """tensor -> its dims from ONNX shape inference (on the weightless skeleton): ints where known,
     None where symbolic or unknown ({} when inference fails). `inputs` (input name -> shape): infer
-    for inputs of these shapes (a dynamic model's sizes for one batch of samples)."""
+    for inputs of these shapes (a dynamic model's sizes for one batch of samples). `symbols`: a symbolic
+    dim as its name (two dims of one name are equal: what fuse/attention.py proves a Reshape with)."""
     try:
         sk = skeleton(model)
         for i in sk.graph.input:
@@ -640,5 +641,6 @@ def inferred_shapes(model: onnx.ModelProto, inputs: dict | None = None) -> dict:
     for vi in list(inf.graph.value_info) + list(inf.graph.input) + list(inf.graph.output):
         t = vi.type.tensor_type
         if t.HasField("shape"):
-            out[vi.name] = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None for d in t.shape.dim]
+            out[vi.name] = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0
+                            else (d.dim_param or None if symbols else None) for d in t.shape.dim]
     return out

@@ -342,7 +342,7 @@ def _drop_idle_passthrough(model: onnx.ModelProto, plan: Plan, facts: ModelFacts
                 if o in plan.tensors:
                     _unquantize(model, plan, o, "activation runs fp32: no int8 op reads it")
                 todo += [v for v in readers.get(o, []) if v.name in plan.int8_nodes]
-        if len(idle) == len(users) and t not in G.graph_output_names(model):
+        if len(idle) == len(users):
             _unquantize(model, plan, t, "activation runs fp32: no int8 op reads it")
             if t in produced:
                 plan.decision(produced[t].name).reason = ("output left fp32: it only passes through data movement "

@@ -10,28 +10,11 @@ Every tensor on the way has no reader but the next op (and Shape ops, whose resu
 from __future__ import annotations
 
 import numpy as np
-import onnx
 
 from qtool import graph as G
 
 LAYOUT = ("Reshape", "Transpose")
 SCALE = ("Mul", "Div")
-
-
-def symbolic_dims(model: onnx.ModelProto) -> dict:
-    """tensor -> dims (int, a symbol's name, or None) from shape inference with data propagation on the
-    weightless skeleton; {} where it fails."""
-    try:
-        inf = G.infer_shapes_guarded(G.skeleton(model), strict_mode=False, data_prop=True)
-    except Exception:  # (no shapes: nothing is proven, nothing moves)
-        return {}
-    out = {}
-    for vi in list(inf.graph.value_info) + list(inf.graph.input) + list(inf.graph.output):
-        t = vi.type.tensor_type
-        if vi.type.HasField("tensor_type") and t.HasField("shape"):
-            out[vi.name] = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0
-                            else (d.dim_param or None) for d in t.shape.dim]
-    return out
 
 
 class Walk:
@@ -42,18 +25,21 @@ class Walk:
         self.inits = G.initializers(model)
         self.prod, self.cons = G.producers(model), G.consumers(model)
         self.outputs = G.graph_output_names(model)
-        self.dims = symbolic_dims(model)
-
-    def only_reader(self, tensor: str, node) -> bool:
-        """`node` is the one reader of `tensor` that uses its values (Shape readers only use its shape)."""
-        if tensor in self.outputs:
-            return False
-        readers = [n for n in self.cons.get(tensor, []) if n.op_type != "Shape"]
-        return len(readers) == 1 and readers[0] is node
+        self.dims = G.inferred_shapes(model, symbols=True)  # ({}: nothing is proven, nothing moves)
 
     def next_op(self, tensor: str):
+        """The one reader of `tensor` that uses its values (Shape readers only use its shape), where it is no
+        graph output; else None."""
         readers = [n for n in self.cons.get(tensor, []) if n.op_type != "Shape"]
-        return readers[0] if len(readers) == 1 and self.only_reader(tensor, readers[0]) else None
+        return readers[0] if len(readers) == 1 and tensor not in self.outputs else None
+
+    def only_reader(self, tensor: str, node) -> bool:
+        return self.next_op(tensor) is node
+
+    def softmax_last(self, node) -> bool:
+        """`node` is a Softmax over its output's last axis (of a known rank)."""
+        rank = len(self.dims.get(node.output[0]) or [])
+        return node.op_type == "Softmax" and rank > 0 and G.attr(node, "axis", -1) in (-1, rank - 1)
 
     def scalar(self, name: str):
         v = G.const_value(self.model, name, self.inits)
@@ -110,14 +96,12 @@ class Walk:
         """The Softmax over the last axis that the scores of `matmul` reach through [Mul/Div k] [Add], each
         the one reader of the one before; None otherwise."""
         tensor = matmul.output[0]
-        rank = len(self.dims.get(tensor) or [])
         for _ in range(4):
             node = self.next_op(tensor)
             if node is None:
                 return None
             if node.op_type == "Softmax":
-                axis = G.attr(node, "axis", -1)
-                return node if rank and axis in (-1, rank - 1) else None
+                return node if self.softmax_last(node) else None
             if node.op_type in SCALE and (node.input[0] != tensor or self.scalar(node.input[1]) in (None, 0.0)):
                 return None
             if node.op_type not in SCALE + ("Add",):
@@ -126,8 +110,8 @@ class Walk:
         return None
 
     def projection(self, add):
-        """Add(MatMul(X, W), b) with W and b constants, b varying only along the last axis: (matmul, b's name,
-        b, rank of the output) or None."""
+        """Add(MatMul(X, W), b) with W and b constants, b varying only along the last axis: (matmul, b, rank of
+        the output) or None."""
         for k in (0, 1):
             src = self.prod.get(add.input[k])
             b = G.const_value(self.model, add.input[1 - k], self.inits)
@@ -143,5 +127,5 @@ class Walk:
             return None
         if not self.only_reader(src.output[0], add):
             return None
-        return src, add.input[1 - k], b.reshape(-1), len(dims)
+        return src, b.reshape(-1), len(dims)
 

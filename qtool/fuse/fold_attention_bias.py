@@ -53,7 +53,7 @@ def run(model: onnx.ModelProto, ctx) -> bool:
     for add in list(model.graph.node):
         if add.op_type != "Add" or (proj := walk.projection(add)) is None:
             continue
-        src, _, b, rank = proj
+        src, b, rank = proj
         small = b.reshape((1,) * (rank - 1) + (b.size,)).astype(np.float64)
         found = walk.to_matmul(add.output[0], small)
         if found is None:
@@ -65,8 +65,7 @@ def run(model: onnx.ModelProto, ctx) -> bool:
             continue
         p = walk.prod.get(mm.input[0])
         if not (mm.input[1] == read and mm.input[0] != read and small.ndim >= 2 and small.shape[-2] == 1
-                and p is not None and p.op_type == "Softmax" and walk.only_reader(p.output[0], mm)
-                and G.attr(p, "axis", -1) in (-1, len(walk.dims.get(p.output[0]) or []) - 1)):
+                and p is not None and walk.softmax_last(p) and walk.only_reader(p.output[0], mm)):
             continue
         # the value's bias, now after the attention: follow it to the output projection
         out = walk.to_matmul(mm.output[0], small)
