@@ -105,6 +105,24 @@ def test_dynamic_quantize_is_ort_arithmetic(tier, case, n):
     np.testing.assert_array_equal(y, quantize_u8(x, s0, z0))
 
 
+@pytest.mark.parametrize("case", ["mixed", "positive", "negative", "zeros", "big"])
+@pytest.mark.parametrize("rows,n", [(1, 1), (3, 17), (70, 384), (2, 1300)])
+def test_dynamic_quantize_of_a_row_product_is_the_mul_then_the_quantize(tier, case, rows, n):
+    """dynamic_quantize_scaled(x, m) = DynamicQuantizeLinear(x * m): the float32 products as numpy makes them
+    (rows longer than the kernel's 512-column segments and more than its 64 range slots included)."""
+    x = _x(rows, n, 2.0).reshape(rows, n)
+    x = {"mixed": x, "positive": np.abs(x) + 0.5, "negative": -np.abs(x), "zeros": x * 0, "big": x * 1e4}[case]
+    x = x.astype(np.float32)
+    m = (np.random.default_rng(n).random(n) * 4 + 1e-3).astype(np.float32)
+    y, s, z = F.dynamic_quantize_scaled(x, m, out=_canary(x.shape, np.uint8))
+    xm = x * m
+    s0, z0 = dynamic_qparams(xm)
+    assert np.float32(s) == np.float32(s0) and int(z) == z0
+    np.testing.assert_array_equal(y, quantize_u8(xm, s0, z0))
+    with pytest.raises(ValueError):
+        F.dynamic_quantize_scaled(x, m[:-1] if n > 1 else np.ones(2, np.float32))
+
+
 @pytest.mark.parametrize("n", [1, 16, 33, 384])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_dynamic_epilogue_is_the_numpy_form(tier, n, with_bias):

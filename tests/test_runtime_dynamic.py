@@ -32,16 +32,28 @@ def _weights(rng, k, n, per_column=True, big=False):
     return w, s
 
 
-def dyn_model(x_shape, w, s, *, bias=None, extra_reader=False, second_matmul=None, opset=17):
-    """x -> DynamicQuantizeLinear -> DequantizeLinear -> MatMul(., DQ(w, s, axis=1)) [+ bias] -> y
-    (a second MatMul on the same DQ, or a Relu reading the DQ, when asked)."""
+def dyn_model(x_shape, w, s, *, bias=None, extra_reader=False, second_matmul=None, opset=17, form="qdq", u8=False):
+    """x -> DynamicQuantizeLinear -> DequantizeLinear -> MatMul(., DQ(w, s, axis=1)) [+ bias] -> y, or with
+    form="integer": x -> DynamicQuantizeLinear -> MatMulInteger(., w) -> Cast -> Mul(., qs * sw) [+ bias] -> y
+    (the weight stored as uint8 + 128 with u8; a second MatMul on the same DQ, or a Relu reading the DQ,
+    when asked)."""
     k, n = w.shape
+    zero = np.zeros(n if s.size > 1 else (), np.int8)
+    if u8:
+        w, zero = (w.astype(np.int16) + 128).astype(np.uint8), np.full(zero.shape, 128, np.uint8)
     inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(s.reshape(-1) if s.size > 1 else s.reshape(()), "sw"),
-             numpy_helper.from_array(np.zeros(n if s.size > 1 else (), np.int8) if s.size > 1 else np.array(0, np.int8), "zw")]
-    nodes = [helper.make_node("DequantizeLinear", ["w", "sw", "zw"], ["wd"], axis=1),
-             helper.make_node("DynamicQuantizeLinear", ["x"], ["q", "qs", "qz"]),
-             helper.make_node("DequantizeLinear", ["q", "qs", "qz"], ["xd"]),
-             helper.make_node("MatMul", ["xd", "wd"], ["mm"])]
+             numpy_helper.from_array(zero, "zw")]
+    if form == "integer":
+        nodes = [helper.make_node("DynamicQuantizeLinear", ["x"], ["q", "qs", "qz"]),
+                 helper.make_node("Mul", ["qs", "sw"], ["mult"]),  # (before the MatMulInteger, as quantize_dynamic writes it)
+                 helper.make_node("MatMulInteger", ["q", "w", "qz", "zw"], ["acc"]),
+                 helper.make_node("Cast", ["acc"], ["accf"], to=TensorProto.FLOAT),
+                 helper.make_node("Mul", ["accf", "mult"], ["mm"])]
+    else:
+        nodes = [helper.make_node("DequantizeLinear", ["w", "sw", "zw"], ["wd"], axis=1),
+                 helper.make_node("DynamicQuantizeLinear", ["x"], ["q", "qs", "qz"]),
+                 helper.make_node("DequantizeLinear", ["q", "qs", "qz"], ["xd"]),
+                 helper.make_node("MatMul", ["xd", "wd"], ["mm"])]
     outs = ["y"]
     if bias is not None:
         inits.append(numpy_helper.from_array(bias, "b"))
@@ -89,21 +101,27 @@ CASES = [  # (x shape, K, N, per column, bias, x offset)
 ]
 
 
+FORMS = [("qdq", False), ("integer", False), ("integer", True)]
+
+
+@pytest.mark.parametrize("form", FORMS, ids=["qdq", "integer", "integer-u8"])
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}x{c[2]}" for c in CASES])
-def test_dynamic_matmul_matches_ort_bit_for_bit(case, isa, tmp_path):
+def test_dynamic_matmul_matches_ort_bit_for_bit(case, form, isa, tmp_path):
     shape, k, n, per_col, with_bias, off = case
     rng = np.random.default_rng(k * 7 + n)
     w, s = _weights(rng, k, n, per_col)
     x = (rng.standard_normal(shape) * 2 + off).astype(np.float32)
     bias = (rng.standard_normal(n) * 0.1).astype(np.float32) if with_bias else None
-    m = dyn_model(shape, w, s, bias=bias)
+    m = dyn_model(shape, w, s, bias=bias, form=form[0], u8=form[1])
     (y,), sess = _native(m, x, tmp_path / "m.onnx")
     (ref,) = _ort(m, x)
     kinds = {e.op: e.mode for e in sess.report_entries()} if hasattr(sess, "report_entries") else None
-    assert "DynamicGemmStep" in {type(st).__name__ for st in sess.program.steps}, kinds
-    if with_bias:  # the bias Add runs in the GEMM's step
-        assert "Add" not in {st.op for st in sess.program.steps}
-    if with_bias and len(shape) == 2:  # ORT folds a 2-D MatMul + Add into a float Gemm on the dequantized values
+    steps = [type(st).__name__ for st in sess.program.steps]
+    assert steps.count("DynamicGemmStep") == 1, kinds
+    # one step each for the quantize and the GEMM: the Cast, the scales' Muls and a bias Add run inside
+    assert len(steps) == 2 + (bias is None), steps  # (+ the Identity)
+    if with_bias and len(shape) == 2 and form[0] == "qdq":
+        # ORT folds a 2-D MatMul + Add into a float Gemm on the dequantized values (the integer form it runs in int8)
         np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4)
     else:  # its DynamicQuantizeMatMul / MatMulIntegerToFloat
         np.testing.assert_array_equal(y, ref)
@@ -162,3 +180,57 @@ def test_dynamic_quantize_step_matches_ort(tmp_path):
         got, _ = _native(m, x, tmp_path / "q.onnx")
         for a, b in zip(got, _ort(m, x)):
             np.testing.assert_array_equal(np.asarray(a), b)
+
+
+def test_both_forms_emulate_ort_without_vnni_alike(tmp_path):
+    """Under ORT's x86 arithmetic without VNNI (u8 x s8 pairs summed in a saturating int16) a dynamic
+    layer with int8 weights whose pairs can leave int16 runs the saturating kernels in either form, and
+    the same weights stored as uint8 + 128 (ORT's exact u8 x u8 kernels there) do not."""
+    import onnx
+    from qtool.arithmetic import EXACT, ORT_X86_NOVNNI
+    rng = np.random.default_rng(4)
+    w, s = _weights(rng, 64, 8, big=True)
+    x = np.abs(rng.standard_normal((1, 3, 64))).astype(np.float32) + 5  # every code near 255
+    x[0, 0, 0] = -0.01
+
+    def run(arithmetic, **kw):
+        path = tmp_path / "m.onnx"
+        onnx.save(dyn_model(x.shape, w, s, **kw), path)
+        return NativeSession(str(path), threads=1, arithmetic=arithmetic).run(None, {"x": x})[0]
+
+    exact = run(EXACT)
+    sat = {form: run(ORT_X86_NOVNNI, form=form) for form in ("qdq", "integer")}
+    assert not np.array_equal(sat["qdq"], exact)
+    np.testing.assert_array_equal(sat["integer"], sat["qdq"])
+    np.testing.assert_array_equal(run(ORT_X86_NOVNNI, form="integer", u8=True), exact)
+    np.testing.assert_array_equal(run(EXACT, form="integer"), exact)
+
+
+@pytest.mark.parametrize("form", ["qdq", "integer"])
+def test_a_mul_by_a_row_before_the_quantize_runs_inside_it(form, isa, tmp_path):
+    """x -> Mul(x, row [K]) -> DynamicQuantizeLinear (a migration's 1/s) is one DynamicQuantizeStep with the
+    row as its multiplier: ORT's output bit for bit. A Mul by a scalar, or one whose product another op
+    reads too, stays a Mul."""
+    import onnx
+    rng = np.random.default_rng(11)
+    w, s = _weights(rng, 48, 24)
+    x = rng.standard_normal((1, 9, 48)).astype(np.float32) * 3
+    for row, also_read, fused in ((rng.random(48).astype(np.float32) * 5 + 0.1, False, True),
+                                  (np.array([0.37], np.float32), False, False),
+                                  (rng.random(48).astype(np.float32) + 0.5, True, False)):
+        m = dyn_model(x.shape, w, s, form=form)
+        g = m.graph
+        g.initializer.append(numpy_helper.from_array(row, "row"))
+        g.node.insert(0, helper.make_node("Mul", ["x", "row"], ["xs"], name="smooth"))
+        for n in g.node:
+            if n.op_type == "DynamicQuantizeLinear":
+                n.input[0] = "xs"
+        if also_read:
+            g.node.append(helper.make_node("Relu", ["xs"], ["r"]))
+            g.output.append(helper.make_tensor_value_info("r", TensorProto.FLOAT, None))
+        ys, sess = _native(m, x, tmp_path / "m.onnx")
+        ops = [st.op for st in sess.program.steps]
+        assert ("Mul" not in ops) == fused, ops
+        assert [type(st).__name__ for st in sess.program.steps].count("DynamicGemmStep") == 1
+        for y, r in zip(ys, _ort(m, x)):
+            np.testing.assert_array_equal(y, r)

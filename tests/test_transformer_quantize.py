@@ -18,7 +18,7 @@ from qtool.quantize.options import QuantizeOptions
 T, D, N, V = 64, 128, 160, 200  # (over 1 MMAC: portable keeps pair-safe int8 weights, not uint8)
 
 
-def _block(batch=1):
+def _block(batch=1, bias=False):
     rng = np.random.default_rng(0)
     gamma = np.ones(D, np.float32)
     gamma[3] = 30.0  # the outlier channel every LayerNorm output of a real encoder carries
@@ -29,7 +29,10 @@ def _block(batch=1):
              helper.make_node("Add", ["e", "x"], ["h"], name="add"),
              helper.make_node("LayerNormalization", ["h", "gamma", "beta"], ["n"], name="ln", axis=-1),
              helper.make_node("Mul", ["n", "s"], ["z"], name="scale"),  # a scale that changes per sample
-             helper.make_node("MatMul", ["z", "w"], ["y"], name="dense")]
+             helper.make_node("MatMul", ["z", "w"], ["y0" if bias else "y"], name="dense")]
+    if bias:  # (first, as torch exports it)
+        inits.append(numpy_helper.from_array(rng.standard_normal(N).astype(np.float32), "bias"))
+        nodes.append(helper.make_node("Add", ["bias", "y0"], ["y"], name="dense_bias"))
     b = batch
     g = helper.make_graph(nodes, "block", [helper.make_tensor_value_info("ids", TensorProto.INT64, [b, T]),
                                            helper.make_tensor_value_info("x", TensorProto.FLOAT, [b, T, D]),
@@ -65,21 +68,19 @@ def test_embedding_int8_per_row_and_dynamic_input_by_measurement(tmp_path):
     assert sorted(inits[n.input[0]].dtype.str for n in gathers) == ["<f4", "|i1"]
     assert report["embeddings"]["embed"]["rows"] == V and report["embeddings"]["embed"]["weight_sqnr_db"] > 35
 
-    # the MatMul reads its input through DynamicQuantizeLinear, and quantize.json says why
+    # the MatMul reads its input through DynamicQuantizeLinear, as an integer MatMul, and quantize.json says why
     choice = report["dynamic_inputs"]["layers"]["dense"]
     assert choice["dynamic"] and choice["needs_dynamic"] and choice["dynamic_sqnr_db"] >= choice["static_sqnr_db"] + 6
     dense = next(n for n in m.graph.node if n.name == "dense")
-    dq = next(n for n in m.graph.node if n.output[0] == dense.input[0])
-    assert dq.op_type == "DequantizeLinear"
-    assert next(n for n in m.graph.node if n.output[0] == dq.input[0]).op_type == "DynamicQuantizeLinear"
+    assert dense.op_type == "MatMulInteger"
+    assert next(n for n in m.graph.node if n.output[0] == dense.input[0]).op_type == "DynamicQuantizeLinear"
 
     # the Mul before it has no int8 reader left: it runs fp32, and nothing rounds its input statically
     assert next(d for d in report["nodes"] if d["name"] == "scale")["status"] == "fp32"
     assert not any(n.op_type == "QuantizeLinear" and n.input[0] in ("n", "z") for n in m.graph.node)
 
     # its weights follow the portable target: no pair ORT's AVX2 kernel sums in int16 can saturate
-    wdq = next(n for n in m.graph.node if n.output[0] == dense.input[1])
-    w = inits[wdq.input[0]]
+    w = inits[dense.input[1]]
     assert w.dtype == np.int8 and not len(saturating_pairs(w.T.astype(np.int64))[0])
 
     # ONNX Runtime runs it on held-out samples; on the calibration samples the model measured far better
@@ -94,6 +95,27 @@ def test_embedding_int8_per_row_and_dynamic_input_by_measurement(tmp_path):
     # and the choice is deterministic: a second quantize writes the same bytes
     again = quantize(work, QuantizeOptions(strict=True, output=str(tmp_path / "again.onnx")), verbose=False)
     assert open(again.path, "rb").read() == open(q.path, "rb").read()
+
+
+def test_a_dynamic_layer_is_one_int8_op_with_its_bias_in_onnx_runtime_and_the_native_runtime(tmp_path):
+    """The dynamic layer is written as quantize_dynamic writes one (MatMulInteger, Cast, Mul): ONNX Runtime
+    makes it one DynamicQuantizeMatMul that adds the bias too, and qtool's runtime one step
+    (test_runtime_dynamic: ORT's output bit for bit)."""
+    import onnxruntime as ort
+
+    from qtool.runtime import NativeSession
+    work = calibrate_samples(_block(bias=True), _samples(24, 1), tmp_path)
+    q = quantize(work, QuantizeOptions(strict=True), verbose=False)
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    sess = ort.InferenceSession(q.path, so, providers=["CPUExecutionProvider"])
+    ops = [n.op_type for n in onnx.load(so.optimized_model_filepath).graph.node]
+    assert ops.count("DynamicQuantizeMatMul") == 1 and "Add" not in ops[ops.index("DynamicQuantizeMatMul"):], ops
+    native = NativeSession(q.path, threads=2)
+    steps = [type(st).__name__ for st in native.program.steps]
+    assert steps.count("DynamicGemmStep") == 1 and "Add" not in {st.op for st in native.program.steps}, steps
+    for feed in _samples(3, 5):  # (the LayerNorm before it is float arithmetic, computed in another order)
+        np.testing.assert_allclose(native.run(None, feed)[0], sess.run(None, feed)[0], rtol=1e-5, atol=1e-5)
 
 
 def test_a_constant_index_gather_and_a_static_friendly_layer_stay_as_they_were(tmp_path):

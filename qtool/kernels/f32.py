@@ -15,8 +15,9 @@ from qtool.kernel_params import DeconvGeometry
 from . import _bind, _call, _native, _out, _pads
 from .deconv_phases import deconv_out_hw
 
-__all__ = ["pack_conv_transpose", "conv_transpose", "bind_conv_transpose", "matmul", "bind_matmul", "layernorm", "softmax", "gelu_erf", "erf", "dynamic_quantize", "dynamic_epilogue", "bind_layernorm",
-           "bind_softmax", "bind_gelu_erf", "bind_erf", "bind_dynamic_quantize", "bind_dynamic_epilogue"]
+__all__ = ["pack_conv_transpose", "conv_transpose", "bind_conv_transpose", "matmul", "bind_matmul", "layernorm", "softmax", "gelu_erf", "erf", "dynamic_quantize", "dynamic_quantize_scaled", "dynamic_epilogue", "bind_layernorm",
+           "bind_softmax", "bind_gelu_erf", "bind_erf", "bind_dynamic_quantize", "bind_dynamic_quantize_scaled",
+           "bind_dynamic_epilogue"]
 
 
 def _f32(x, name):
@@ -211,6 +212,25 @@ def dynamic_quantize(x, out=None, scale=None, zp=None):
 
 def bind_dynamic_quantize(x, out, scale, zp):
     return _bind(_plan_dynamic_quantize(x, out, scale, zp))
+
+
+def _plan_dynamic_quantize_scaled(x, m, out, scale, zp):
+    _f32(x, "x")
+    m = _row(m, x.shape[-1] if x.ndim else 0, "multiplier")
+    y = _out(out, x.shape, np.uint8)
+    scale = _out(scale, (), np.float32)
+    zp = _out(zp, (), np.uint8)
+    return (y, scale, zp), _native.dynamic_quantize_scaled, (x, m, y, scale, zp)
+
+
+def dynamic_quantize_scaled(x, m, out=None, scale=None, zp=None):
+    """dynamic_quantize of x * m, m float32 [n] over x's last axis: the float32 products as a Mul by
+    that row computes them, quantized without being written."""
+    return _call(_plan_dynamic_quantize_scaled(x, m, out, scale, zp))
+
+
+def bind_dynamic_quantize_scaled(x, m, out, scale, zp):
+    return _bind(_plan_dynamic_quantize_scaled(x, m, out, scale, zp))
 
 
 def _plan_epilogue(y, scale, zp, colsum, w_scale, bias):

@@ -38,20 +38,26 @@ from qtool.runtime.program import Entry, Program, QConst, QView, Val, node_attrs
 
 
 def _static_value_ranks(model):
-    """(tensor name -> rank, tensor name -> ONNX element type) where shape inference knows them."""
-    ranks, types = {}, {}
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model)
-    except Exception:
-        inferred = model
+    """(tensor name -> rank, tensor name -> ONNX element type, tensor name -> its last dimension) where
+    shape inference knows them."""
+    ranks, types, last = {}, {}, {}
+    inferred = model
+    for data_prop in (True, False):  # (with the shape values propagated: a Reshape to a computed shape's dims)
+        try:
+            inferred = onnx.shape_inference.infer_shapes(model, data_prop=data_prop)
+            break
+        except Exception:
+            continue
     g = inferred.graph
     for vi in list(g.value_info) + list(g.input) + list(g.output):
         t = vi.type.tensor_type
         if t.HasField("shape"):
             ranks[vi.name] = len(t.shape.dim)
+            if t.shape.dim and t.shape.dim[-1].HasField("dim_value") and t.shape.dim[-1].dim_value > 0:
+                last[vi.name] = t.shape.dim[-1].dim_value
         if t.elem_type:
             types[vi.name] = t.elem_type
-    return ranks, types
+    return ranks, types, last
 
 
 class Compiler:
@@ -78,11 +84,12 @@ class Compiler:
             for i in n.input:
                 if i:
                     self.consumers.setdefault(i, []).append(n)
-        self.ranks, self.elem_types = _static_value_ranks(model)
+        self.ranks, self.elem_types, self.last_dims = _static_value_ranks(model)
         self.opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 13)
         self.pads: dict = {}  # uint8 output of an int8 Pad -> (input name, (t, l, b, r), fill, step)
         self.dynamic: dict = {}  # uint8 output of a DynamicQuantizeLinear -> (its scale, its zero point)
         self.dynamic_views: dict = {}  # DequantizeLinear of one, read only by int8 MatMuls -> the uint8 name
+        self.integer_chains: dict = {}  # id(MatMulInteger) on one -> what lower/dynamic.py found after it
         self.luts: dict = {}  # uint8 output of a per-tensor LutStep -> (input name, table, step)
 
     # ------------------------------------------------------------ helpers
@@ -231,8 +238,11 @@ class Compiler:
         """Whether this layer's sums differ under the chosen arithmetic from the exact ones:
         ORT-x86-novnni with int8 weights (uint8 weights take ORT's exact u8 x u8 kernels) and a
         pair that can leave int16. `rows()` -> [Cout, K] in the kernel's K order, asked only then."""
-        return (self.arithmetic == ORT_X86_NOVNNI and self.qconst[name].q.dtype == np.int8
-                and saturating.has_saturating_pairs(rows(), group))
+        return self.saturates_stored(self.qconst[name].q.dtype, rows, group)
+
+    def saturates_stored(self, dtype, rows, group=1) -> bool:
+        """saturates() of a weight stored as `dtype`."""
+        return self.arithmetic == ORT_X86_NOVNNI and dtype == np.int8 and saturating.has_saturating_pairs(rows(), group)
 
     def bias(self, name, sx, sw, w=None, x_zp=0):
         """int32 bias with scale sx*sw (the int32 initializer as is when its scale agrees).

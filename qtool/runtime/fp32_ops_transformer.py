@@ -242,6 +242,18 @@ def dynamic_quantize_linear(ins, at):
     return [quantize_u8(x, s, z), np.float32(s), np.uint8(z)]
 
 
+@op("MatMulInteger")
+def matmul_integer(ins, at):
+    """(a - a_zero_point) @ (b - b_zero_point) in int32, numpy's broadcasting; a zero point one, or one per
+    row of a 2-D a / per column of a 2-D b, as ONNX defines it."""
+    a, b = ins[0], ins[1]
+    za = ins[2] if len(ins) > 2 and ins[2] is not None else np.zeros((), a.dtype)
+    zb = ins[3] if len(ins) > 3 and ins[3] is not None else np.zeros((), b.dtype)
+    za = np.asarray(za, np.int64)
+    za = za.reshape(-1, 1) if za.size > 1 else za.reshape(())  # (one per row of a 2-D a)
+    return [np.matmul(a.astype(np.int64) - za, b.astype(np.int64) - np.asarray(zb, np.int64)).astype(np.int32)]
+
+
 # ---- cubic resampling (mode='cubic' of Resize) -------------------------------------------------
 def cubic_weights(frac, a):
     """The 4 taps' weights at offsets -1, 0, 1, 2 for fractional positions `frac` (Keys' kernel)."""

@@ -17,22 +17,31 @@ from qtool.runtime.steps import Step, guarded
 
 class DynamicQuantizeStep(Step):
     """float32 x -> (uint8 y, float32 scale, uint8 zero point), any rank. On the native kernels one
-    call does the range and the quantize (qtool.kernels.f32.dynamic_quantize, the same arithmetic)."""
+    call does the range and the quantize (qtool.kernels.f32.dynamic_quantize, the same arithmetic).
+    With `multiplier` (float32 [n], x's last axis) the tensor quantized is x * multiplier, the float32
+    products a Mul before the DynamicQuantizeLinear makes (lower/dynamic.py), not written."""
     mode = "int8"
     uses_out = True
 
-    def __init__(self, name, K, x, y, s, z):
+    def __init__(self, name, K, x, y, s, z, multiplier=None):
         super().__init__(name, "DynamicQuantizeLinear", [x], [y, s, z])
         self.F = getattr(K, "f32", None)
         self.native = getattr(K, "quantize_nchw_to_nhwc", None)
-        self.kernel = "dynamic_quantize" if self.F else "quantize" if self.native else "numpy"
+        self.m = None if multiplier is None else np.ascontiguousarray(multiplier, np.float32).reshape(-1)
+        self.kernel = ("dynamic_quantize" if self.F else "quantize" if self.native else "numpy") \
+            + (" (x a Mul by a row)" if self.m is not None else "")
 
     def run(self, env, out):
         x = env[self.ins[0]]
         y, s, z = out if out else (np.empty(x.shape, np.uint8), np.empty((), np.float32), np.empty((), np.uint8))
         if self.F is not None and x.dtype == np.float32 and x.size:
-            self.F.dynamic_quantize(np.ascontiguousarray(x), y, s, z)
+            if self.m is None:
+                self.F.dynamic_quantize(np.ascontiguousarray(x), y, s, z)
+            else:
+                self.F.dynamic_quantize_scaled(np.ascontiguousarray(x), self.m, y, s, z)
         else:
+            if self.m is not None:
+                x = (x * self.m).astype(np.float32)
             sc, zp = dynamic_qparams(x)
             s[...], z[...] = sc, zp
             if self.native is not None and x.ndim >= 1 and x.size and x.dtype == np.float32:
@@ -46,7 +55,9 @@ class DynamicQuantizeStep(Step):
         x0 = env[self.ins[0]]
         if self.F is None or out is None or x0.dtype != np.float32 or not x0.flags.c_contiguous or not x0.size:
             return super().bind(env, out)
-        return guarded(env, self.ins, [x0], self.F.bind_dynamic_quantize(x0, *out), super().bind(env, out))
+        fast = (self.F.bind_dynamic_quantize(x0, *out) if self.m is None
+                else self.F.bind_dynamic_quantize_scaled(x0, self.m, *out))
+        return guarded(env, self.ins, [x0], fast, super().bind(env, out))
 
 
 class DynamicGemmStep(Step):

@@ -656,6 +656,33 @@ static PyObject* py_dynamic_quantize(PyObject* self, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+/* dynamic_quantize_scaled(x_f32 [rows, n], m_f32 [n], y_u8, scale_f32[1], zp_u8[1]): of x * m */
+static PyObject* py_dynamic_quantize_scaled(PyObject* self, PyObject* args) {
+  (void)self;
+  PyObject *ox, *om, *oy, *os, *oz;
+  if (!PyArg_ParseTuple(args, "OOOOO", &ox, &om, &oy, &os, &oz)) return NULL;
+  buf_t x, m, y, s, z;
+  x.ok = m.ok = y.ok = s.ok = z.ok = 0;
+  int ok = 0;
+  if (get_buf(ox, &x, 0, -1, "x") == 0 && get_buf(om, &m, 0, -1, "multiplier") == 0 &&
+      get_buf(oy, &y, 1, x.b.len / 4, "out") == 0 && get_buf(os, &s, 1, 4, "scale") == 0 &&
+      get_buf(oz, &z, 1, 1, "zero point") == 0) {
+    const size_t n = (size_t)m.b.len / 4, count = (size_t)x.b.len / 4;
+    if (n == 0 || count % n) {
+      PyErr_Format(PyExc_ValueError, "x of %zu values is not rows of the multiplier's %zu", count, n);
+    } else {
+      Py_BEGIN_ALLOW_THREADS
+      qt_dynamic_quantize_scaled((const float*)x.b.buf, (const float*)m.b.buf, count / n, n, (uint8_t*)y.b.buf,
+                                 (float*)s.b.buf, (uint8_t*)z.b.buf);
+      Py_END_ALLOW_THREADS
+      ok = 1;
+    }
+  }
+  rel(&x); rel(&m); rel(&y); rel(&s); rel(&z);
+  if (!ok) return NULL;
+  Py_RETURN_NONE;
+}
+
 /* dynamic_epilogue(y_f32 [rows, n], rows, n, scale_f32[1], zp_u8[1], colsum_f32[n], w_scale_f32[n], bias|None) */
 static PyObject* py_dynamic_epilogue(PyObject* self, PyObject* args) {
   (void)self;
@@ -760,6 +787,7 @@ static PyMethodDef methods[] = {
     {"gelu", py_gelu, METH_VARARGS, "float32 erf GELU as exporters write it"},
     {"erf", py_erf, METH_VARARGS, "float32 erf"},
     {"dynamic_quantize", py_dynamic_quantize, METH_VARARGS, "DynamicQuantizeLinear (float32 -> uint8, scale, zp)"},
+    {"dynamic_quantize_scaled", py_dynamic_quantize_scaled, METH_VARARGS, "DynamicQuantizeLinear of x * m, m a row [n]"},
     {"dynamic_epilogue", py_dynamic_epilogue, METH_VARARGS, "the dynamic MatMul's float32 epilogue"},
     {"mul", py_mul, METH_VARARGS, "quantized multiply (ORT QLinearMul rounding)"},
     {"lut", py_lut, METH_VARARGS, "uint8 table lookup"},

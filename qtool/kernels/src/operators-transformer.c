@@ -160,6 +160,89 @@ void qt_dynamic_quantize(const float* x, uint8_t* y, size_t count, float* scale_
   *zp_out = (uint8_t)zp;
 }
 
+/* ---- the same of x * m, m a float32 row [n] over x [rows, n]'s last axis: what a Mul by a per-channel
+ * constant before the DynamicQuantizeLinear gives (the float32 products, bit for bit), without writing
+ * them: each row's products are made again for the range and for the quantize, SEG columns at a time. */
+#define SEG 512
+typedef struct {
+  const float *x, *m;
+  uint8_t* y;
+  size_t rows, n;
+  float mn[64], mx[64];
+  float scale;
+  int32_t zp;
+  const qt_dispatch* d;
+} dqs_job;
+
+static void scaled_seg(const float* x, const float* m, size_t n, float* z) {
+  for (size_t i = 0; i < n; i++) z[i] = x[i] * m[i];
+}
+
+static void range_scaled_task(void* ctx, size_t begin, size_t end) {
+  dqs_job* j = (dqs_job*)ctx;
+  float z[SEG];
+  for (size_t s = begin; s < end; s++) {
+    const size_t r0 = s * j->rows / 64, r1 = (s + 1) * j->rows / 64;
+    float a = 0.0f, b = 0.0f;
+    int any = 0;
+    for (size_t r = r0; r < r1; r++)
+      for (size_t c0 = 0; c0 < j->n; c0 += SEG) {
+        const size_t len = j->n - c0 < SEG ? j->n - c0 : SEG;
+        float mn, mx;
+        scaled_seg(j->x + r * j->n + c0, j->m + c0, len, z);
+        j->d->f32_minmax(len, z, &mn, &mx);
+        a = !any || mn < a ? mn : a;
+        b = !any || mx > b ? mx : b;
+        any = 1;
+      }
+    j->mn[s] = any ? a : 0.0f;
+    j->mx[s] = any ? b : 0.0f;
+  }
+}
+
+static void quant_scaled_task(void* ctx, size_t begin, size_t end) {
+  const dqs_job* j = (const dqs_job*)ctx;
+  float z[SEG];
+  for (size_t r = begin; r < end; r++)
+    for (size_t c0 = 0; c0 < j->n; c0 += SEG) {
+      const size_t len = j->n - c0 < SEG ? j->n - c0 : SEG;
+      scaled_seg(j->x + r * j->n + c0, j->m + c0, len, z);
+      j->d->quant_row(len, z, j->scale, j->zp, j->y + r * j->n + c0);
+    }
+}
+
+void qt_dynamic_quantize_scaled(const float* x, const float* m, size_t rows, size_t n, uint8_t* y,
+                                float* scale_out, uint8_t* zp_out) {
+  dqs_job j;
+  j.x = x;
+  j.m = m;
+  j.y = y;
+  j.rows = rows;
+  j.n = n;
+  j.d = qt_get_dispatch();
+  for (int s = 0; s < 64; s++) j.mn[s] = j.mx[s] = 0.0f;
+  qt_parallel(64, range_scaled_task, &j, (double)(rows * n) * 0.4);
+  float lo = 0.0f, hi = 0.0f;  /* the range always holds 0 */
+  for (int s = 0; s < 64; s++) {
+    lo = j.mn[s] < lo ? j.mn[s] : lo;
+    hi = j.mx[s] > hi ? j.mx[s] : hi;
+  }
+  float scale = 1.0f;
+  int32_t zp = 0;
+  if (hi != lo) {
+    scale = (hi - lo) / 255.0f;
+    float z = 0.0f - lo / scale;
+    z = z < 0.0f ? 0.0f : z;
+    z = z > 255.0f ? 255.0f : z;
+    zp = (int32_t)qt_rint_small(z);
+  }
+  j.scale = scale;
+  j.zp = zp;
+  qt_parallel(rows, quant_scaled_task, &j, (double)(rows * n) * 0.6);
+  *scale_out = scale;
+  *zp_out = (uint8_t)zp;
+}
+
 /* ---- the dynamic MatMul's epilogue over [rows, n] */
 typedef struct {
   float* y;

@@ -117,6 +117,8 @@ void qt_f32_softmax(const float* x, float* y, size_t rows, size_t n, float k, in
 void qt_f32_gelu(const float* x, float* y, size_t count, float k_in, int div, float k_add, float k_out);
 void qt_f32_erf(const float* x, float* y, size_t count);
 void qt_dynamic_quantize(const float* x, uint8_t* y, size_t count, float* scale_out, uint8_t* zp_out);
+void qt_dynamic_quantize_scaled(const float* x, const float* m, size_t rows, size_t n, uint8_t* y,
+                                float* scale_out, uint8_t* zp_out);
 /* float32 batched MatMul (operators-transformer.c): -1 when out of memory */
 int qt_f32_matmul(const float* a, const float* b, float* c, size_t batch, const ptrdiff_t* a_off,
                   const ptrdiff_t* b_off, size_t m, size_t n, size_t k, ptrdiff_t a_rs, ptrdiff_t a_cs,

@@ -10,6 +10,8 @@ nodes of a fused chain marked done), or the reason it does not apply.
   [Div(x, k) | Mul(x, k) ->] [Add(., mask) ->] Softmax, x from a MatMul (attention) -> ScaledSoftmaxStep
   Div(x, k) | Mul(x, k) -> Erf -> Add c -> Mul x -> Mul h   (the erf GELU)   -> GeluStep
   Erf                                                      -> ErfStep
+  Mul(x, row [n]) read only by a DynamicQuantizeLinear      -> DynamicQuantizeStep of x times the row
+      (lower/dynamic.py: a migration's 1/s before a dynamic layer)
   MatMul of two activations of rank >= 2 (attention)      -> MatMulStep
   ConvTranspose of rank 4 with constant weights (and bias)  -> ConvTransposeStep
 Every intermediate of a chain must have exactly one reader (Sub's output: Pow and Div) and not be a
@@ -20,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto
 
+from qtool.runtime.lower import dynamic
 from qtool.runtime.lower.common import deconv_geometry
 from qtool.runtime.program import Entry, node_attrs
 from qtool.runtime.steps_f32 import (Affine, AddLayerNormStep, ConvTransposeStep, ErfStep, MatMulStep, GeluConsts, GeluStep, LayerNormStep, ScaledSoftmaxStep,
@@ -317,7 +320,8 @@ def rule_conv_transpose(c, node, F):
 
 
 RULES = {"LayerNormalization": (rule_layernorm,), "ReduceMean": (rule_decomposed_layernorm,),
-         "Softmax": (rule_softmax,), "Div": (rule_gelu, rule_scaled_softmax), "Mul": (rule_gelu, rule_scaled_softmax),
+         "Softmax": (rule_softmax,), "Div": (rule_gelu, rule_scaled_softmax),
+         "Mul": (rule_gelu, rule_scaled_softmax, dynamic.rule_scaled_quantize),
          "Add": (rule_scaled_softmax, rule_add_layernorm), "Erf": (rule_erf,),
          "MatMul": (rule_matmul,), "ConvTranspose": (rule_conv_transpose,)}
 
