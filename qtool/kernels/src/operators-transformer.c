@@ -37,14 +37,20 @@ static void layernorm_task(void* ctx, size_t begin, size_t end) {
 
 static void softmax_task(void* ctx, size_t begin, size_t end) {
   const f32_job* j = (const f32_job*)ctx;
+  /* the mask row and how far into its run of rows r is, kept as r goes (not a division per row) */
+  size_t mrow = begin / j->mask_every, into = begin % j->mask_every;
   for (size_t r = begin; r < end; r++) {
     const float* x = j->x + r * j->n;
     float* y = j->y + r * j->n;
     if (j->div >= 0) {  /* scaled (and masked) scores first, then the softmax in place */
-      j->d->f32_scale_add(j->n, x, j->k_in, j->div, j->mask ? j->mask + (r / j->mask_every) * j->n : NULL, y);
+      j->d->f32_scale_add(j->n, x, j->k_in, j->div, j->mask ? j->mask + mrow * j->n : NULL, y);
       x = y;
     }
     j->d->f32_softmax(j->n, x, y);
+    if (++into == j->mask_every) {
+      into = 0;
+      mrow++;
+    }
   }
 }
 
