@@ -137,18 +137,12 @@ static void quant_task(void* ctx, size_t begin, size_t end) {
     j->d->quant_row(dq_len(j, c), j->x + c * CHUNK, j->scale, j->zp, j->y + c * CHUNK);
 }
 
-void qt_dynamic_quantize(const float* x, uint8_t* y, size_t count, float* scale_out, uint8_t* zp_out) {
-  dq_job j;
-  j.x = x;
-  j.y = y;
-  j.count = count;
-  j.d = qt_get_dispatch();
-  for (int s = 0; s < 64; s++) j.mn[s] = j.mx[s] = 0.0f;
-  qt_parallel(64, range_task, &j, (double)count * 0.25);
+/* ONNX Runtime's parameters from the 64 slots' minima and maxima (a slot with no values holds 0, 0). */
+static void dq_params(const float* mn, const float* mx, float* scale_out, int32_t* zp_out) {
   float lo = 0.0f, hi = 0.0f;  /* the range always holds 0 */
   for (int s = 0; s < 64; s++) {
-    lo = j.mn[s] < lo ? j.mn[s] : lo;
-    hi = j.mx[s] > hi ? j.mx[s] : hi;
+    lo = mn[s] < lo ? mn[s] : lo;
+    hi = mx[s] > hi ? mx[s] : hi;
   }
   float scale = 1.0f;
   int32_t zp = 0;
@@ -159,11 +153,22 @@ void qt_dynamic_quantize(const float* x, uint8_t* y, size_t count, float* scale_
     z = z > 255.0f ? 255.0f : z;
     zp = (int32_t)qt_rint_small(z);
   }
-  j.scale = scale;
-  j.zp = zp;
-  qt_parallel((count + CHUNK - 1) / CHUNK, quant_task, &j, (double)count * 0.5);
   *scale_out = scale;
-  *zp_out = (uint8_t)zp;
+  *zp_out = zp;
+}
+
+void qt_dynamic_quantize(const float* x, uint8_t* y, size_t count, float* scale_out, uint8_t* zp_out) {
+  dq_job j;
+  j.x = x;
+  j.y = y;
+  j.count = count;
+  j.d = qt_get_dispatch();
+  for (int s = 0; s < 64; s++) j.mn[s] = j.mx[s] = 0.0f;
+  qt_parallel(64, range_task, &j, (double)count * 0.25);
+  dq_params(j.mn, j.mx, &j.scale, &j.zp);
+  qt_parallel((count + CHUNK - 1) / CHUNK, quant_task, &j, (double)count * 0.5);
+  *scale_out = j.scale;
+  *zp_out = (uint8_t)j.zp;
 }
 
 /* ---- the same of x * m, m a float32 row [n] over x [rows, n]'s last axis: what a Mul by a per-channel
@@ -228,25 +233,10 @@ void qt_dynamic_quantize_scaled(const float* x, const float* m, size_t rows, siz
   j.d = qt_get_dispatch();
   for (int s = 0; s < 64; s++) j.mn[s] = j.mx[s] = 0.0f;
   qt_parallel(64, range_scaled_task, &j, (double)(rows * n) * 0.4);
-  float lo = 0.0f, hi = 0.0f;  /* the range always holds 0 */
-  for (int s = 0; s < 64; s++) {
-    lo = j.mn[s] < lo ? j.mn[s] : lo;
-    hi = j.mx[s] > hi ? j.mx[s] : hi;
-  }
-  float scale = 1.0f;
-  int32_t zp = 0;
-  if (hi != lo) {
-    scale = (hi - lo) / 255.0f;
-    float z = 0.0f - lo / scale;
-    z = z < 0.0f ? 0.0f : z;
-    z = z > 255.0f ? 255.0f : z;
-    zp = (int32_t)qt_rint_small(z);
-  }
-  j.scale = scale;
-  j.zp = zp;
+  dq_params(j.mn, j.mx, &j.scale, &j.zp);
   qt_parallel(rows, quant_scaled_task, &j, (double)(rows * n) * 0.6);
-  *scale_out = scale;
-  *zp_out = (uint8_t)zp;
+  *scale_out = j.scale;
+  *zp_out = (uint8_t)j.zp;
 }
 
 /* ---- the dynamic MatMul's epilogue over [rows, n] */
