@@ -22,7 +22,7 @@ def f32(*shape, scale=1.0):
 def _dtype(a):
     return {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.int64): TensorProto.INT64,
             np.dtype(np.bool_): TensorProto.BOOL, np.dtype(np.int32): TensorProto.INT32,
-            np.dtype(np.uint8): TensorProto.UINT8}[a.dtype]
+            np.dtype(np.uint8): TensorProto.UINT8, np.dtype(np.int8): TensorProto.INT8}[a.dtype]
 
 
 def run_both(op, inputs, attrs, opset, n_out=1, const=()):
@@ -184,3 +184,17 @@ def test_dynamic_quantize_linear_exact():
         for r, y in zip(ref, got):
             np.testing.assert_array_equal(np.asarray(y), r)
             assert np.asarray(y).dtype == r.dtype
+
+
+@pytest.mark.parametrize("b_type", [np.int8, np.uint8])
+def test_matmul_integer(b_type):
+    """MatMulInteger (a MatMulInteger no int8 rule takes runs as this op): zero points one, or per column
+    of a 2-D b; a batched a. (ONNX also allows one per row of a 2-D a; ONNX Runtime does not.)"""
+    lo, hi = (-128, 128) if b_type == np.int8 else (0, 256)
+    for a_shape, b_shape, za, zb in (((3, 5), (5, 4), np.uint8(7), None), ((2, 3, 5), (5, 4), np.uint8(200), "col"),
+                                    ((1, 7, 5), (5, 4), np.uint8(0), "col")):
+        a = R.integers(0, 256, a_shape).astype(np.uint8)
+        b = R.integers(lo, hi, b_shape).astype(b_type)
+        za = R.integers(0, 256, a_shape[0]).astype(np.uint8) if isinstance(za, str) else np.array(za, np.uint8)
+        zb = R.integers(lo, hi, b_shape[1]).astype(b_type) if zb == "col" else np.array(3, b_type)
+        check("MatMulInteger", [a, b, za, zb], {}, 13, const=(1, 2, 3))
