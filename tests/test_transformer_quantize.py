@@ -100,7 +100,7 @@ def test_embedding_int8_per_row_and_dynamic_input_by_measurement(tmp_path):
 def test_a_dynamic_layer_is_one_int8_op_with_its_bias_in_onnx_runtime_and_the_native_runtime(tmp_path):
     """The dynamic layer is written as quantize_dynamic writes one (MatMulInteger, Cast, Mul): ONNX Runtime
     makes it one DynamicQuantizeMatMul that adds the bias too, and qtool's runtime one step
-    (test_runtime_dynamic: ORT's output bit for bit)."""
+    (test_runtime_dynamic: ORT's output bit for bit); the int8 embedding lookup is one step too."""
     import onnxruntime as ort
 
     from qtool.runtime import NativeSession
@@ -114,6 +114,8 @@ def test_a_dynamic_layer_is_one_int8_op_with_its_bias_in_onnx_runtime_and_the_na
     native = NativeSession(q.path, threads=2)
     steps = [type(st).__name__ for st in native.program.steps]
     assert steps.count("DynamicGemmStep") == 1 and "Add" not in {st.op for st in native.program.steps}, steps
+    # and the int8 embedding table's five lookup nodes are one step
+    assert steps.count("EmbeddingStep") == 1 and not {"Cast", "Unsqueeze"} & {st.op for st in native.program.steps}
     for feed in _samples(3, 5):  # (the LayerNorm before it is float arithmetic, computed in another order)
         np.testing.assert_allclose(native.run(None, feed)[0], sess.run(None, feed)[0], rtol=1e-5, atol=1e-5)
 

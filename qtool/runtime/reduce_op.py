@@ -15,5 +15,5 @@ def reducer(f):
             axes = None
         else:
             axes = tuple(int(a) for a in axes)
-        return [np.asarray(f(x, axis=axes, keepdims=bool(at.get("keepdims", 1)))).astype(x.dtype)]
+        return [np.asarray(f(x, axis=axes, keepdims=bool(at.get("keepdims", 1)))).astype(x.dtype, copy=False)]
     return fn

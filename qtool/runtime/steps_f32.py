@@ -266,3 +266,19 @@ class ErfStep(F32Step):
 
     def bound(self, x, out):
         return self.F.bind_erf(x, out)
+
+
+class EmbeddingStep(Step):
+    """ids -> float32(table[ids]) * scale[ids][..., None]: an int8 embedding table's rows (lower/embedding.py),
+    the Cast and the Mul of the nodes it replaces (numpy; negative ids count from the end, as Gather's)."""
+    mode = "fp32"
+    uses_out = False
+
+    def __init__(self, name, ids, y, table, scale):
+        super().__init__(name, "Gather", [ids], [y])
+        self.table, self.scale = table, scale.astype(np.float32)
+        self.kernel = "numpy"
+
+    def run(self, env, out):
+        ids = env[self.ins[0]]
+        env[self.outs[0]] = self.table[ids].astype(np.float32) * self.scale[ids][..., None]

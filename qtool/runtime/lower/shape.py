@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from qtool.runtime import steps as S
+from qtool.runtime.lower import embedding
 from qtool.runtime.lower.common import plain_output, uint8_input
 from qtool.runtime.program import Entry, node_attrs
 
@@ -104,7 +105,14 @@ def rule_pad(c, node):
     return None
 
 
-SHAPE_OPS = ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Slice", "Resize", "Upsample", "Gather",
+def rule_gather(c, node):
+    """A Gather of an int8 embedding lookup (lower/embedding.py), else a shape op on uint8 data."""
+    if embedding.rule_embedding(c, node) is None:
+        return None
+    return rule_shape_op(c, node)
+
+
+SHAPE_OPS = ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Slice", "Resize", "Upsample",
              "GatherElements", "Expand", "Tile", "DepthToSpace", "SpaceToDepth", "ReduceMax", "ReduceMin")
 
-RULES = {"Concat": rule_concat, "Pad": rule_pad, **{op: rule_shape_op for op in SHAPE_OPS}}
+RULES = {"Concat": rule_concat, "Pad": rule_pad, "Gather": rule_gather, **{op: rule_shape_op for op in SHAPE_OPS}}
