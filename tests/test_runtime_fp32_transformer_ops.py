@@ -198,3 +198,14 @@ def test_matmul_integer(b_type):
         za = R.integers(0, 256, a_shape[0]).astype(np.uint8) if isinstance(za, str) else np.array(za, np.uint8)
         zb = R.integers(lo, hi, b_shape[1]).astype(b_type) if zb == "col" else np.array(3, b_type)
         check("MatMulInteger", [a, b, za, zb], {}, 13, const=(1, 2, 3))
+
+
+def test_arithmetic_writes_c_order_whatever_the_inputs_layout():
+    """A transposed view plus a row (MPNet's position bias plus the mask) gives a C-ordered sum, which the
+    native Softmax after it reads in place; the values are numpy's."""
+    bias = f32(1, 4, 5, 3).transpose(0, 3, 1, 2)  # [1, 3, 4, 5], strided
+    row = f32(1, 1, 1, 5)
+    for op, ref in (("Add", np.add), ("Sub", np.subtract), ("Mul", np.multiply), ("Div", np.divide)):
+        (y,) = FP32_OPS[op]([bias, row], {})
+        assert y.flags.c_contiguous, op
+        np.testing.assert_array_equal(y, ref(bias, row))

@@ -34,8 +34,12 @@ def _elementwise(f):
     return lambda ins, at: [f(*ins)]
 
 
+# the arithmetic writes C order whatever its inputs' (numpy's default follows a transposed input's memory
+# order): the kernels after it read rows in place (MPNet's position bias + mask, a transposed view plus a
+# row, reached the native Softmax strided and was copied there on every run)
 for _name, _f in {
-    "Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Pow": lambda a, b: np.power(a, b).astype(a.dtype, copy=False),
+    "Add": functools.partial(np.add, order="C"), "Sub": functools.partial(np.subtract, order="C"),
+    "Mul": functools.partial(np.multiply, order="C"), "Pow": lambda a, b: np.power(a, b).astype(a.dtype, copy=False),
     "Sqrt": np.sqrt, "Exp": np.exp, "Log": np.log, "Neg": np.negative, "Abs": np.abs,
     "Floor": np.floor, "Ceil": np.ceil, "Reciprocal": np.reciprocal, "Tanh": np.tanh,
     "Equal": np.equal, "Less": np.less, "Greater": np.greater, "Not": np.logical_not,
@@ -50,7 +54,7 @@ def div(ins, at):
     a, b = ins
     if np.issubdtype(a.dtype, np.integer) and np.issubdtype(b.dtype, np.integer):
         return [(np.trunc(a / b)).astype(a.dtype)]
-    return [np.divide(a, b).astype(np.result_type(a, b), copy=False)]
+    return [np.divide(a, b, order="C").astype(np.result_type(a, b), copy=False)]
 
 
 def _reduce_variadic(f):
