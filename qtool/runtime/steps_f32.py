@@ -282,27 +282,3 @@ class EmbeddingStep(Step):
     def run(self, env, out):
         ids = env[self.ins[0]]
         env[self.outs[0]] = self.table[ids].astype(np.float32) * self.scale[ids][..., None]
-
-
-class MaskedMeanStep(Step):
-    """(h, m, shape) -> ReduceSum(h * c, axes) / Clip(ReduceSum(c, axes), lo, hi) of c = float32(Expand(m,
-    shape)), c made as a broadcast view of float32(m) (lower/pooling.py); the reductions, the clip and the
-    division are the fp32 ops'."""
-    mode = "fp32"
-    uses_out = False
-
-    def __init__(self, name, ins, y, axes, keepdims, bounds):
-        super().__init__(name, "MaskedMean", ins, [y])
-        self.at = {"keepdims": keepdims}
-        self.axes = np.array(axes, np.int64)
-        self.bounds = bounds
-        self.kernel = "numpy"
-
-    def run(self, env, out):
-        from qtool.runtime.fp32_ops import FP32_OPS
-        h, m, shape = (env[i] for i in self.ins)
-        c = np.broadcast_to(m.astype(np.float32), np.broadcast_shapes(m.shape, tuple(int(d) for d in shape)))
-        (num,) = FP32_OPS["ReduceSum"]([FP32_OPS["Mul"]([h, c], {})[0], self.axes], self.at)
-        (den,) = FP32_OPS["ReduceSum"]([c, self.axes], self.at)
-        (den,) = FP32_OPS["Clip"]([den, *self.bounds], {})
-        env[self.outs[0]] = FP32_OPS["Div"]([num, den], {})[0]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from qtool.runtime import steps as S
-from qtool.runtime.lower import embedding, pooling
+from qtool.runtime.lower import embedding
 from qtool.runtime.lower.common import plain_output, uint8_input
 from qtool.runtime.program import Entry, node_attrs
 
@@ -105,13 +105,6 @@ def rule_pad(c, node):
     return None
 
 
-def rule_expand(c, node):
-    """An Expand opening a masked mean (lower/pooling.py), else a shape op on uint8 data."""
-    if pooling.rule_masked_mean(c, node) is None:
-        return None
-    return rule_shape_op(c, node)
-
-
 def rule_gather(c, node):
     """A Gather of an int8 embedding lookup (lower/embedding.py), else a shape op on uint8 data."""
     if embedding.rule_embedding(c, node) is None:
@@ -120,6 +113,6 @@ def rule_gather(c, node):
 
 
 SHAPE_OPS = ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Slice", "Resize", "Upsample",
-             "GatherElements", "Tile", "DepthToSpace", "SpaceToDepth", "ReduceMax", "ReduceMin")
+             "GatherElements", "Expand", "Tile", "DepthToSpace", "SpaceToDepth", "ReduceMax", "ReduceMin")
 
-RULES = {"Concat": rule_concat, "Pad": rule_pad, "Gather": rule_gather, "Expand": rule_expand, **{op: rule_shape_op for op in SHAPE_OPS}}
+RULES = {"Concat": rule_concat, "Pad": rule_pad, "Gather": rule_gather, **{op: rule_shape_op for op in SHAPE_OPS}}
