@@ -369,7 +369,7 @@ def _write_dynamic(g: _Writer, plan: Plan) -> None:
     128 tokens on 1 and 2 threads 0.91-0.96 of ORT dynamic's time, where the QDQ form took 0.96-1.03), and a 2-D input's
     QDQ form with a bias it runs as a float Gemm on weights dequantized each run. A layer whose weight stays fp32
     (weights=False) reads DynamicQuantizeLinear -> DequantizeLinear instead."""
-    made, dequantized = {}, {}
+    made, dequantized, bypassed = {}, {}, []
     prods = G.producers(g.m)
     written = {t.name: t for t in g.new_inits if t.data_type in (TensorProto.INT8, TensorProto.UINT8)}
     for node in list(g.m.graph.node):
@@ -391,6 +391,7 @@ def _write_dynamic(g: _Writer, plan: Plan) -> None:
             node.input[0] = dequantized[x]
             continue
         wq, ws, wz = wdq.input[:3]
+        bypassed.append(wdq)
         acc, accf, mult = (g.name(node.name + suffix) for suffix in ("_int32", "_float", "_multiplier"))
         g.m.graph.node.remove(node)
         g.m.graph.node.extend([
@@ -399,8 +400,8 @@ def _write_dynamic(g: _Writer, plan: Plan) -> None:
             helper.make_node("Mul", [s, ws], [mult], name=mult),
             helper.make_node("Mul", [accf, mult], [node.output[0]], name=g.name(node.name + "_scaled"))])
     read, outputs = G.consumers(g.m), G.graph_output_names(g.m)
-    for n in list(g.m.graph.node):  # the weights' DequantizeLinear no layer reads now
-        if n.op_type == "DequantizeLinear" and not read.get(n.output[0]) and n.output[0] not in outputs:
+    for n in bypassed:  # the weights' DequantizeLinear no layer reads now
+        if not read.get(n.output[0]) and n.output[0] not in outputs:
             g.m.graph.node.remove(n)
 
 

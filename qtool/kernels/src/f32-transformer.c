@@ -191,10 +191,7 @@ QT_INLINE void softmax_body(size_t n, const float* x, float* y) {
  * as x * (1 / k), one rounding more (a relative 1e-7 in the scores, within the Softmax's float32 error), as
  * a division per score took a quarter of the whole (the zoo MiniLM at 128 tokens). */
 QT_INLINE void scale_add_body(size_t n, const float* x, float k, int div, const float* m, float* y) {
-  if (div) {
-    k = 1.0f / k;
-    div = 0;
-  }
+  if (div) k = 1.0f / k;
   if (m) {
     for (size_t i = 0; i < n; i++) y[i] = x[i] * k + m[i];
   } else {

@@ -111,6 +111,13 @@ static size_t dq_len(const dq_job* j, size_t c) {
   return j->count - start < CHUNK ? j->count - start : CHUNK;
 }
 
+/* a slot's range so far (a, b; `any` once it has one) taking in a chunk's minimum and maximum */
+static inline void fold_range(float mn, float mx, float* a, float* b, int* any) {
+  *a = !*any || mn < *a ? mn : *a;
+  *b = !*any || mx > *b ? mx : *b;
+  *any = 1;
+}
+
 static void range_task(void* ctx, size_t begin, size_t end) {
   dq_job* j = (dq_job*)ctx;
   /* chunks are grouped into at most 64 slots, each slot's chunks reduced in order */
@@ -122,9 +129,7 @@ static void range_task(void* ctx, size_t begin, size_t end) {
     for (size_t c = c0; c < c1; c++) {
       float mn, mx;
       j->d->f32_minmax(dq_len(j, c), j->x + c * CHUNK, &mn, &mx);
-      a = !any || mn < a ? mn : a;
-      b = !any || mx > b ? mx : b;
-      any = 1;
+      fold_range(mn, mx, &a, &b, &any);
     }
     j->mn[s] = any ? a : 0.0f;
     j->mx[s] = any ? b : 0.0f;
@@ -202,9 +207,7 @@ static void range_scaled_task(void* ctx, size_t begin, size_t end) {
         float mn, mx;
         scaled_seg(j->x + r * j->n + c0, j->m + c0, len, z);
         j->d->f32_minmax(len, z, &mn, &mx);
-        a = !any || mn < a ? mn : a;
-        b = !any || mx > b ? mx : b;
-        any = 1;
+        fold_range(mn, mx, &a, &b, &any);
       }
     j->mn[s] = any ? a : 0.0f;
     j->mx[s] = any ? b : 0.0f;

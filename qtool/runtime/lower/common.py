@@ -9,6 +9,14 @@ NOT_UINT8 = "its input is not a dequantized uint8 tensor"
 AUTO_PADS = ("NOTSET", "VALID", "", "SAME_UPPER", "SAME_LOWER")
 
 
+def only_reader(c, name, op=None):
+    """The one node reading `name` (of type `op` if given), when `name` is not a graph output; else None."""
+    cons = c.consumers.get(name, [])
+    if name in c.graph_outputs or len(cons) != 1 or (op is not None and cons[0].op_type != op):
+        return None
+    return cons[0]
+
+
 def uint8_input(c, node):
     """The dq view (DequantizeLinear of a uint8 tensor) the node's first input is."""
     x = c.views.get(node.input[0])

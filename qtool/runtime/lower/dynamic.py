@@ -19,6 +19,7 @@ import onnx
 from qtool.runtime import saturating
 from qtool.runtime import steps as S
 from qtool.runtime.dynamic_quant import k_chunks
+from qtool.runtime.lower.common import only_reader
 from qtool.runtime.program import Entry, node_attrs
 from qtool.runtime.steps_dynamic import DynamicGemmStep, DynamicQuantizeStep
 
@@ -61,8 +62,8 @@ def rule_scaled_quantize(c, node, F):
     1/s, quantize/migrate.py) -> one DynamicQuantizeStep of x with the row as its multiplier."""
     if F is None or node.op_type != "Mul" or len(node.input) != 2:
         return "not a Mul"
-    readers = c.consumers.get(node.output[0], [])
-    if node.output[0] in c.graph_outputs or len(readers) != 1 or readers[0].op_type != "DynamicQuantizeLinear":
+    dql = only_reader(c, node.output[0], "DynamicQuantizeLinear")
+    if dql is None:
         return "not read by one DynamicQuantizeLinear alone"
     for x, k in ((node.input[0], node.input[1]), (node.input[1], node.input[0])):
         m = c.consts.get(k)
@@ -73,7 +74,7 @@ def rule_scaled_quantize(c, node, F):
             continue
         if m.shape[-1] == 1 or c.last_dims.get(x) != m.shape[-1]:
             continue  # (a scalar, or a row x's last axis would broadcast over: the Mul as it is)
-        return quantize(c, readers[0], x, m.reshape(-1), fused=(node,))
+        return quantize(c, dql, x, m.reshape(-1), fused=(node,))
     return "not a Mul by a float32 row over the last axis"
 
 
@@ -139,14 +140,10 @@ def _integer_chain(c, node, s, z):
     if zw is None or zw.dtype != wq.dtype or zw.size not in (1, wq.shape[1]) \
             or np.any(zw != (128 if wq.dtype == np.uint8 else 0)):
         return "its weight's zero point is not 0 (int8) or 128 (uint8)"
-
-    def only_reader(t, op):
-        r = c.consumers.get(t, [])
-        return r[0] if len(r) == 1 and r[0].op_type == op and t not in c.graph_outputs else None
-    cast = only_reader(node.output[0], "Cast")
+    cast = only_reader(c, node.output[0], "Cast")
     if cast is None or node_attrs(cast).get("to") != onnx.TensorProto.FLOAT:
         return "its int32 output is not only cast to float"
-    mul = only_reader(cast.output[0], "Mul")
+    mul = only_reader(c, cast.output[0], "Mul")
     if mul is None or mul.input[0] == mul.input[1]:
         return "its float output is not only multiplied by the scales"
     scale_mul = c.producers.get(mul.input[1] if mul.input[0] == cast.output[0] else mul.input[0])
@@ -199,10 +196,9 @@ def _bias_add(c, node, n, rank):
     (Add node, bias) to add in the same step (after the float32 product, one more rounding, as the
     separate Add gives), else (None, None)."""
     out = node.output[0]
-    readers = c.consumers.get(out, [])
-    if out in c.graph_outputs or len(readers) != 1 or readers[0].op_type != "Add":
+    add = only_reader(c, out, "Add")
+    if add is None:
         return None, None
-    add = readers[0]
     other = add.input[1] if add.input[0] == out else add.input[0]
     b = c.consts.get(other)
     if b is None or add.input[0] == add.input[1] or b.dtype != np.float32 or b.size != n or b.shape[-1] != n \

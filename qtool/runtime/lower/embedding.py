@@ -13,13 +13,9 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto
 
+from qtool.runtime.lower.common import only_reader
 from qtool.runtime.program import Entry, node_attrs
 from qtool.runtime.steps_f32 import EmbeddingStep
-
-
-def _only_reader(c, name, op):
-    r = c.consumers.get(name, [])
-    return r[0] if len(r) == 1 and r[0].op_type == op and name not in c.graph_outputs else None
 
 
 def _axis0(node) -> bool:
@@ -36,17 +32,17 @@ def lookup(c, node):
                and g.input[1] == ids and _axis0(g) and g.input[0] in c.consts]
     rows = [g for g in gathers if c.consts[g.input[0]].dtype == np.int8 and c.consts[g.input[0]].ndim == 2]
     for rg in rows:
-        cast = _only_reader(c, rg.output[0], "Cast")
-        mul = cast is not None and node_attrs(cast).get("to") == TensorProto.FLOAT and _only_reader(c, cast.output[0], "Mul")
+        cast = only_reader(c, rg.output[0], "Cast")
+        mul = cast is not None and node_attrs(cast).get("to") == TensorProto.FLOAT and only_reader(c, cast.output[0], "Mul")
         if not mul:
             continue
         other = mul.input[1] if mul.input[0] == cast.output[0] else mul.input[0]
         unsq = c.producers.get(other)
-        if unsq is None or unsq.op_type != "Unsqueeze" or _only_reader(c, unsq.output[0], "Mul") is not mul:
+        if unsq is None or unsq.op_type != "Unsqueeze" or only_reader(c, unsq.output[0], "Mul") is not mul:
             continue
         axes = c.consts.get(unsq.input[1]) if len(unsq.input) > 1 and unsq.input[1] else node_attrs(unsq).get("axes")
         sg = c.producers.get(unsq.input[0])
-        if sg is None or not any(sg is g for g in gathers) or _only_reader(c, sg.output[0], "Unsqueeze") is not unsq:
+        if sg is None or not any(sg is g for g in gathers) or only_reader(c, sg.output[0], "Unsqueeze") is not unsq:
             continue
         table, scale = c.consts[rg.input[0]], c.consts[sg.input[0]]
         rank = c.ranks.get(ids)

@@ -23,7 +23,7 @@ import numpy as np
 from onnx import TensorProto
 
 from qtool.runtime.lower import dynamic
-from qtool.runtime.lower.common import deconv_geometry
+from qtool.runtime.lower.common import deconv_geometry, only_reader
 from qtool.runtime.program import Entry, node_attrs
 from qtool.runtime.steps_f32 import (Affine, AddLayerNormStep, ConvTransposeStep, ErfStep, MatMulStep, GeluConsts, GeluStep, LayerNormStep, ScaledSoftmaxStep,
                                      SoftmaxStep)
@@ -46,14 +46,6 @@ def _row(c, name):
     if v is None or v.dtype != np.float32 or v.ndim < 1 or any(d != 1 for d in v.shape[:-1]):
         return None
     return np.ascontiguousarray(v.reshape(-1))
-
-
-def _reader(c, name, op=None):
-    """The one node reading `name` (of type `op` if given), when `name` is not a graph output."""
-    cons = c.consumers.get(name, [])
-    if name in c.graph_outputs or len(cons) != 1 or (op is not None and cons[0].op_type != op):
-        return None
-    return cons[0]
 
 
 def _other(node, name):
@@ -124,7 +116,7 @@ def _reduce_last(c, node) -> bool:
 def _decomposed_chain(c, r1):
     """The nodes of a decomposed LayerNorm starting at ReduceMean r1 and its (eps, gamma, beta), or a reason."""
     x = r1.input[0]
-    sub = _reader(c, r1.output[0], "Sub")
+    sub = only_reader(c, r1.output[0], "Sub")
     if not _reduce_last(c, r1) or sub is None or list(sub.input) != [x, r1.output[0]]:
         return "not a ReduceMean over the last axis read by Sub(x, mean)"
     d = sub.output[0]
@@ -134,19 +126,19 @@ def _decomposed_chain(c, r1):
     if d in c.graph_outputs or len(readers) != 2 or pw is None or dv is None or pw.input[0] != d \
             or _scalar(c, pw.input[1]) != 2.0 or dv.input[0] != d:
         return "x - mean is not read by Pow(., 2) and Div(., std) alone"
-    r2 = _reader(c, pw.output[0], "ReduceMean")
-    add = r2 and _reader(c, r2.output[0], "Add")
+    r2 = only_reader(c, pw.output[0], "ReduceMean")
+    add = r2 and only_reader(c, r2.output[0], "Add")
     eps = add and _scalar(c, _other(add, r2.output[0]) or "")
-    sq = add and _reader(c, add.output[0], "Sqrt")
-    if r2 is None or not _reduce_last(c, r2) or eps is None or sq is None or _reader(c, sq.output[0], "Div") is not dv \
+    sq = add and only_reader(c, add.output[0], "Sqrt")
+    if r2 is None or not _reduce_last(c, r2) or eps is None or sq is None or only_reader(c, sq.output[0], "Div") is not dv \
             or dv.input[1] != sq.output[0]:
         return "the variance is not ReduceMean -> Add eps -> Sqrt -> Div"
     nodes, gamma, beta = [r1, sub, pw, r2, add, sq, dv], None, None
-    mul = _reader(c, dv.output[0], "Mul")
+    mul = only_reader(c, dv.output[0], "Mul")
     if mul is not None and _row(c, _other(mul, dv.output[0]) or "") is not None:
         gamma = _row(c, _other(mul, dv.output[0]))
         nodes.append(mul)
-        ab = _reader(c, mul.output[0], "Add")
+        ab = only_reader(c, mul.output[0], "Add")
         if ab is not None and _row(c, _other(ab, mul.output[0]) or "") is not None:
             beta = _row(c, _other(ab, mul.output[0]))
             nodes.append(ab)
@@ -218,13 +210,13 @@ def _gelu_chain(c, node):
         x, k = node.input[1], _scalar(c, node.input[0])
     if k is None or x in c.consts:
         return None
-    erf = _reader(c, node.output[0], "Erf")
-    add = erf and _reader(c, erf.output[0], "Add")
+    erf = only_reader(c, node.output[0], "Erf")
+    add = erf and only_reader(c, erf.output[0], "Add")
     k_add = add and _scalar(c, _other(add, erf.output[0]) or "")
-    mx = add and _reader(c, add.output[0], "Mul")
+    mx = add and only_reader(c, add.output[0], "Mul")
     if k_add is None or mx is None or _other(mx, add.output[0]) != x:
         return None
-    half = _reader(c, mx.output[0], "Mul")
+    half = only_reader(c, mx.output[0], "Mul")
     k_out = half and _scalar(c, _other(half, mx.output[0]) or "")
     if k_out is None:
         return None
@@ -252,14 +244,14 @@ def _scaled_softmax_chain(c, node):
         if k is None or src is None or src.op_type != "MatMul":  # the scores of an attention
             return None
         scale = (k, node.op_type == "Div")
-        nxt = _reader(c, node.output[0])
+        nxt = only_reader(c, node.output[0])
     if nxt is not None and nxt.op_type == "Add":
         mask = _other(nxt, nxt.input[0] if nxt is node else node.output[0])
         if mask is None:
             return None
         if nxt is not node:
             nodes.append(nxt)
-        nxt = _reader(c, nxt.output[0])
+        nxt = only_reader(c, nxt.output[0])
     if nxt is None or nxt.op_type != "Softmax" or not _softmax_last(c, nxt):
         return None
     return x, mask, scale, nodes + [nxt]
