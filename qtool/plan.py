@@ -254,8 +254,12 @@ def _drop_dynamic_only(model: onnx.ModelProto, plan: Plan, facts: ModelFacts) ->
     an op without weights that then writes fp32 only, runs fp32 (_drop_float_ended)."""
     readers = facts.consumers
     while True:  # (an op made fp32 here frees its inputs' pairs in turn)
-        made_int8 = {o for n in model.graph.node if n.name in plan.int8_nodes
-                     and RULES[n.op_type].kind == "compute" for o in n.output}
+        # outputs whose pair goes where no int8 op reads them: not a Conv's or Gemm's, whose output pair is
+        # what lets ONNX Runtime run it int8 (QLinearConv; without it a float Conv on weights dequantized
+        # each run, still reported int8): eeg-spindle-seg's 25 convolutions into fp32 GELUs all lost theirs
+        # once its MatMuls went dynamic. A MatMul runs int8 with a float output (MatMulIntegerToFloat).
+        made_int8 = {o for n in model.graph.node if n.name in plan.int8_nodes and RULES[n.op_type].kind == "compute"
+                     and not (facts.weighted.get(n.name) and n.op_type != "MatMul") for o in n.output}
         before = len(plan.tensors)
         for t in list(plan.tensors):
             if t in plan.shared or t in plan.shared.values() or t in plan.clamp:
