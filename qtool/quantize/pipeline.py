@@ -13,9 +13,9 @@ import sys
 
 from qtool.quantize.step import first_line
 from qtool.quantize.steps import (budget, build, decode, dynamic_inputs, encoding_choice, equalization, exclusion,
-                                  exclusion_check, guard, input_grid, method_choice, migration, quantizer_noise,
-                                  range_tuning, rounding, sensitivity, subgraphs, target_cost, verified, verify_choice,
-                                  write)
+                                  exclusion_check, guard, input_grid, method_choice, migration, ort_graph,
+                                  quantizer_noise, range_tuning, rounding, sensitivity, subgraphs, target_cost,
+                                  verified, verify_choice, write)
 
 PIPELINE = (
     budget.STEP,
@@ -38,6 +38,7 @@ PIPELINE = (
     build.STEP,
     subgraphs.STEP,
     write.STEP,
+    ort_graph.STEP,
     target_cost.STEP,
 )
 # step -> what the model gets when it fails (a step's verification, run.verify, is the verification step's)

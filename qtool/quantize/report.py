@@ -78,6 +78,7 @@ def quantize_report(run) -> dict:
         "notes": out.notes,
         "layers": {k: v.__dict__ for k, v in out.layers.items()},
         "size_bytes": {"fp32": model_bytes(model_path), "int8": model_bytes(run.path)},
+        "ort_float_layers": run.ort_float,
     }
     if o.verify:  # (--verify: each step that changes the model, measured with and without it on held-out samples)
         report["verified"] = {k: v.to_dict() for k, v in run.verdicts.items()}

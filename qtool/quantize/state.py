@@ -78,6 +78,7 @@ class QuantizeRun:
     path: str | None = None
     saved: object = None
     cost: dict | None = None
+    ort_float: dict | None = None  # layers reported int8 that ONNX Runtime runs in float (steps/ort_graph.py)
     pipeline: tuple = ()  # the steps (pipeline.PIPELINE)
     quantize: object = None  # run.quantize: what the If branches are quantized with (steps/subgraphs.py)
     guarded: dict = field(default_factory=dict)  # layer -> why the guard keeps it fp32
