@@ -67,7 +67,7 @@ def onnx_type(ort_type: str) -> int | None:
 
 def session(model: onnx.ModelProto | str | bytes, threads: int = 0, arena: bool | str = True, spin: bool = True,
             basic: bool = False, where: str | None = None, external: dict | None = None,
-            float_weights: bool = False, optimized_to: str | None = None) -> ort.InferenceSession:
+            float_weights: bool = False) -> ort.InferenceSession:
     """`spin=False`: idle ORT workers sleep instead of spinning (they would take the core another
     thread of ours needs). `arena=False`: large outputs go back to the system after each run instead
     of pinning the peak. `arena="shared"`: one arena for every such session of the process, for many
@@ -80,13 +80,8 @@ def session(model: onnx.ModelProto | str | bytes, threads: int = 0, arena: bool 
     QuantizeLinear computes with that weight as given. Without it ORT (WeightBiasQuantization, at
     every optimization level) quantizes such a weight to int8 per tensor: the simulated int8 layers
     carry their per-channel int8 weights dequantized, and a per-tensor scale rounds a depthwise
-    convolution's small channels to zero.
-    `optimized_to`: the graph ORT runs, after its own fusions (extended level: its int8 kernels, not its
-    CPU-specific layouts), written to this path (quantize/ort_graph.py reads which layers it left float)."""
+    convolution's small channels to zero."""
     so = ort.SessionOptions()
-    if optimized_to:
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
-        so.optimized_model_filepath = optimized_to
     if external:
         so.add_external_initializers(list(external), list(external.values()))
     if not spin:
@@ -110,6 +105,22 @@ def session(model: onnx.ModelProto | str | bytes, threads: int = 0, arena: bool 
         raise QtoolError(f"{where}: ONNX Runtime cannot load it ({_one_line(e)[:LOAD_ERROR_CHARS]})") from None
     s.where = where
     return s
+
+
+def write_optimized(path: str, out: str) -> None:
+    """The graph ONNX Runtime runs for the model at `path`, after its own fusions, written to `out`: the
+    extended level (its int8 kernels: QLinearConv, MatMulIntegerToFloat, ...), not its CPU-specific layouts
+    (quantize/ort_graph.py reads which layers it left float)."""
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    so.optimized_model_filepath = out
+    so.intra_op_num_threads = 1
+    so.enable_cpu_mem_arena = False
+    so.log_severity_level = 4
+    try:
+        Session(path, so, providers=["CPUExecutionProvider"])
+    except Exception as e:  # ORT's own errors are long multi-line C++ messages
+        raise QtoolError(f"{path}: ONNX Runtime cannot load it ({_one_line(e)[:LOAD_ERROR_CHARS]})") from None
 
 
 def with_outputs(model: onnx.ModelProto, names: list) -> bytes:

@@ -18,7 +18,8 @@ from qtool.quantize.optional import OptionalSteps, StepError
 from qtool.quantize.options import ExclusionOptions, QuantizeOptions
 from qtool.quantize.pipeline import FALLBACKS, LAYER_FALLBACKS
 from qtool.quantize.steps import (budget, dynamic_inputs, encoding_choice, equalization, exclusion, guard, input_grid,
-                                  method_choice, quantizer_noise, range_tuning, rounding, sensitivity, target_cost)
+                                  method_choice, ort_graph, quantizer_noise, range_tuning, rounding, sensitivity,
+                                  target_cost)
 
 
 def _boom(*args, **kwargs):
@@ -42,6 +43,7 @@ INJECT = {
     "quantizer noise": (quantizer_noise, "quantizer_noise", EXCLUDING),
     "exclusion": (exclusion, "run_exclusion", EXCLUDING),
     "target cost": (target_cost, "target_cost", QuantizeOptions()),
+    "ORT graph check": (ort_graph, "float_layers", QuantizeOptions()),
 }
 
 

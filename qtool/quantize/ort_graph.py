@@ -16,7 +16,7 @@ import tempfile
 import onnx
 
 from qtool.modelio import external_files
-from qtool.ortsession import session
+from qtool.ortsession import write_optimized
 
 # ops that hold a weight and run float in ORT's graph (a fused float Conv keeps the layer's name)
 FLOAT_WEIGHTED = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul", "FusedConv", "FusedGemm", "FusedMatMul"})
@@ -32,6 +32,6 @@ def float_layers(path: str, layers) -> dict | None:
     names = set(layers)
     with tempfile.TemporaryDirectory(prefix="qtool-ortgraph-") as tmp:
         out = os.path.join(tmp, "optimized.onnx")
-        session(path, threads=1, arena=False, optimized_to=out)
+        write_optimized(path, out)
         graph = onnx.load(out, load_external_data=False).graph
     return {n.name: n.op_type for n in graph.node if n.op_type in FLOAT_WEIGHTED and n.name in names}
