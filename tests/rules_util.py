@@ -18,8 +18,9 @@ def sqnr(ref, out):
     return 10 * np.log10((ref ** 2).sum() / max(((ref - out) ** 2).sum(), 1e-30))
 
 
-def quantize_tiny(model, tmp_path, shapes, n=4, seed=0, method="minmax"):
-    """(QuantizeOutput, decisions by node name, feeds of one held-out sample)."""
+def quantize_tiny(model, tmp_path, shapes, n=4, seed=0, method="minmax", dynamic=frozenset()):
+    """(QuantizeOutput, decisions by node name, feeds of one held-out sample); `dynamic`: layers reading their
+    input at run time."""
     rng = np.random.default_rng(seed)
     tmp_path.mkdir(parents=True, exist_ok=True)
     data = [{k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()} for _ in range(n + 1)]
@@ -27,7 +28,7 @@ def quantize_tiny(model, tmp_path, shapes, n=4, seed=0, method="minmax"):
         warnings.simplefilter("ignore")
         r = calibrate(save(model, tmp_path / "m.onnx"), data[:n],
                       CalibrateOptions(method=method, threads=1, show_progress=False), workdir=str(tmp_path / "w"))
-    out = quantize_graph(r.fused, r.table, BuildOptions(method=method))
+    out = quantize_graph(r.fused, r.table, BuildOptions(method=method, dynamic=frozenset(dynamic)))
     onnx.checker.check_model(out.model)
     return out, {d.name: d for d in out.plan.decisions}, data[n]
 

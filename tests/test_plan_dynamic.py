@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 
 import numpy as np
-import onnxruntime as ort
 from onnx import helper
 
 from helpers import init, make_model, weight
@@ -56,28 +55,16 @@ def test_a_dynamic_layer_leaves_the_convolutions_their_output_pairs():
 def test_ort_runs_those_convolutions_int8(tmp_path):
     """The QDQ graph with the dense layer dynamic, as ONNX Runtime optimizes it: both convolutions become
     QLinearConv, none stays a float Conv."""
-    import warnings
-
     import onnx
 
-    from helpers import save
-    from qtool.calibrate.options import CalibrateOptions
-    from qtool.calibrate.run import calibrate
-    from qtool.quantize.qdq import BuildOptions, quantize_graph
+    from qtool.ortsession import write_optimized
+    from rules_util import quantize_tiny
 
-    m = _conv_gelu_then_dense(np.random.default_rng(0))
-    rng = np.random.default_rng(1)
-    data = [{"x": rng.standard_normal((1, 2, 16)).astype(np.float32)} for _ in range(4)]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        r = calibrate(save(m, tmp_path / "m.onnx"), data, CalibrateOptions(method="minmax", threads=1,
-                                                                            show_progress=False),
-                      workdir=str(tmp_path / "w"))
-    q = quantize_graph(r.fused, r.table, BuildOptions(method="minmax", dynamic=frozenset({"dense"})))
+    q, _, _ = quantize_tiny(_conv_gelu_then_dense(np.random.default_rng(0)), tmp_path, {"x": (1, 2, 16)},
+                            dynamic={"dense"})
     assert any(n.op_type == "DynamicQuantizeLinear" for n in q.model.graph.node)
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
-    so.optimized_model_filepath = str(tmp_path / "opt.onnx")
-    ort.InferenceSession(q.model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    counts = collections.Counter(n.op_type for n in onnx.load(str(tmp_path / "opt.onnx")).graph.node)
+    written, optimized = str(tmp_path / "int8.onnx"), str(tmp_path / "opt.onnx")
+    onnx.save(q.model, written)
+    write_optimized(written, optimized)
+    counts = collections.Counter(n.op_type for n in onnx.load(optimized).graph.node)
     assert counts["QLinearConv"] == 2 and counts["Conv"] == 0, counts
