@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 from types import SimpleNamespace
+from unittest.mock import patch
 
 import numpy as np
 import onnx
-from qtool.metrics import kl_softmax_each
+from onnx import TensorProto, helper
+from qtool.metrics import kl_softmax_each, position_top1_agreement
+from qtool.quantize import exclude
 from qtool.quantize.exclude import Target, exclude_sensitive
 from qtool.quantize.samples import SampleSet
 
@@ -38,7 +41,9 @@ def _run(small_scale):
     ctx = FakeContext(small_scale)
     samples = SampleSet([f"{k}" for k in range(N)], {"x": np.zeros((N, 1), np.float32)}, ctx.ref)
     ranking = [SimpleNamespace(name="big", rank=1), SimpleNamespace(name="small", rank=2)]
-    return exclude_sensitive(ctx, ranking, samples, Target(1.01, max_excluded=2), measure_latency=False)
+    # (the rule for one layer at a time: the block of both, tried whole, would stand in for the two steps)
+    with patch.object(exclude, "BLOCKS", ()):
+        return exclude_sensitive(ctx, ranking, samples, Target(1.01, max_excluded=2), measure_latency=False)
 
 
 def test_an_exclusion_whose_gain_is_within_the_noise_is_undone():
@@ -139,3 +144,93 @@ def test_an_undone_step_says_why():
     steps = {p.added: p for p in r.curve if p.added}
     assert steps["small"].undone == "no better than the best so far" and not steps["small"].kept
     assert steps["big"].undone == "" and steps["big"].kept
+
+
+class BlockContext(FakeContext):
+    """Layers a and b (the first two in graph order) cut the noise only together; either alone adds to it
+    (PP-OCRv2's recognizer: each of its first eight convolutions kept fp32 alone read fewer crops, the eight
+    together as many as fp32); c, the most sensitive alone, changes nothing."""
+
+    def score(self, feeds, excl, threads=None):
+        both, one = "a" in excl and "b" in excl, ("a" in excl) != ("b" in excl)
+        return self.ref + self.noise * (0.3 if both else 1.3 if one else 1.0), SimpleNamespace(model=None)
+
+
+def _block_run():
+    ctx = BlockContext(None)
+    samples = SampleSet([f"{k}" for k in range(N)], {"x": np.zeros((N, 1), np.float32)}, ctx.ref)
+    ranking = [SimpleNamespace(name="c", rank=1, order=2), SimpleNamespace(name="a", rank=2, order=0),
+               SimpleNamespace(name="b", rank=3, order=1)]
+    return exclude_sensitive(ctx, ranking, samples, Target(1.01, max_excluded=2), measure_latency=False)
+
+
+def test_a_block_of_layers_is_tried_whole():
+    r = _block_run()
+    assert set(r.excluded) == {"a", "b"}
+    assert "first 2 int8 layers" in r.excluded["a"]
+    assert r.leave_one_out["a"]["kl"] > r.curve[0].kl  # alone, a made it worse
+    with patch.object(exclude, "BLOCKS", ()):  # one layer at a time, none helps: nothing stays
+        assert _block_run().excluded == {}
+
+
+def test_a_block_counts_each_of_its_layers_against_the_cap():
+    ctx = BlockContext(None)
+    samples = SampleSet([f"{k}" for k in range(N)], {"x": np.zeros((N, 1), np.float32)}, ctx.ref)
+    ranking = [SimpleNamespace(name=n, rank=k, order=k) for k, n in enumerate("ab", 1)]
+    r = exclude_sensitive(ctx, ranking, samples, Target(1.01, max_excluded=1), measure_latency=False)
+    assert r.excluded == {} and all(len(p.excluded) <= 1 for p in r.curve)
+
+
+def _softmax_graph() -> onnx.ModelProto:
+    node = helper.make_node("Softmax", ["z"], ["p"], axis=-1)
+    g = helper.make_graph([node], "rec", [helper.make_tensor_value_info("z", TensorProto.FLOAT, [1, 10, 6])],
+                          [helper.make_tensor_value_info("p", TensorProto.FLOAT, [1, 10, 6])])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+
+
+def _probs(paths: np.ndarray, classes: int = 6) -> np.ndarray:
+    z = 4.0 * np.eye(classes)[paths]
+    e = np.exp(z - z.max(-1, keepdims=True))
+    return (e / e.sum(-1, keepdims=True)).astype(np.float32)
+
+
+class RecognizerContext(FakeContext):
+    """A CTC recognizer's [N, T, classes] (blank 0, a character at every third position). All int8, 30 samples
+    read one character wrong; with L fp32 every text is fp32's, though 60 samples read a blank after a
+    character as that character again (the same text once repeats merge): per position, worse."""
+    fused = _softmax_graph()
+
+    def __init__(self):
+        rng = np.random.default_rng(2)
+        paths = np.zeros((N, 10), np.int64)
+        paths[:, 1::3] = rng.integers(1, 6, (N, 3))
+        self.ref = _probs(paths)
+        wrong, again = paths.copy(), paths.copy()
+        wrong[:30, 1] = wrong[:30, 1] % 5 + 1
+        again[:60, 2] = again[:60, 1]
+        self.int8, self.fixed = _probs(wrong), _probs(again)
+
+    def score(self, feeds, excl, threads=None):
+        return (self.fixed if "L" in excl else self.int8), SimpleNamespace(model=None)
+
+
+def test_a_recognizer_is_judged_by_the_texts_it_reads():
+    ctx = RecognizerContext()
+    samples = SampleSet([f"{k}" for k in range(N)], {"z": np.zeros((N, 1), np.float32)}, ctx.ref)
+    # per position, keeping L fp32 looks worse: the judge that kept nothing on PP-OCRv2's recognizer
+    assert position_top1_agreement(ctx.ref, ctx.fixed) < position_top1_agreement(ctx.ref, ctx.int8)
+    r = exclude_sensitive(ctx, [SimpleNamespace(name="L", rank=1)], samples, Target(max_excluded=2),
+                          measure_latency=False)
+    assert r.figures == ("texts", "positions") and r.error == "gap err" and r.target.startswith("texts read")
+    assert [p.agreement for p in r.curve] == [0.7, 1.0]  # the share of samples whose text is fp32's
+    assert set(r.excluded) == {"L"} and r.curve[1].kept and r.curve[1].gain_se > 5  # 30 wins, no loss
+
+
+def test_the_report_names_a_recognizers_figures():
+    from qtool.report.sensitivity_html import render
+    ctx = RecognizerContext()
+    samples = SampleSet([f"{k}" for k in range(N)], {"z": np.zeros((N, 1), np.float32)}, ctx.ref)
+    r = exclude_sensitive(ctx, [SimpleNamespace(name="L", rank=1)], samples, Target(max_excluded=2),
+                          measure_latency=False)
+    page = render({"layers": [], "exclusion": r.to_dict(), "meta": {}})
+    assert "<th>texts</th><th>positions</th>" in page and ">agreement<" not in page

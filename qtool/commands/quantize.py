@@ -46,7 +46,8 @@ def far_from_fp32(report: dict, excluded_sensitive: bool) -> str | None:
                    "(an encoder's: mean cosine to fp32 and nearest-neighbour agreement).")
 @click.option("--max-drop", type=click.FloatRange(0, 100), default=None, help="With --exclude-sensitive and labels: largest accuracy "
               "drop in points to accept (instead of --target-agreement).")
-@click.option("--max-excluded", type=click.IntRange(min=0), default=5, show_default=True, help="At most this many layers kept in fp32.")
+@click.option("--max-excluded", type=click.IntRange(min=0), default=ExclusionOptions.max_excluded, show_default=True,
+              help="At most this many layers kept in fp32 (a block tried whole counts each of its layers).")
 @click.option("--labels", type=click.Path(dir_okay=False), help="Labels file for --max-drop (else class folders).")
 @click.option("--sensitivity-samples", type=click.IntRange(min=1), default=None,
               help="Calibration images used for the per-layer sensitivity report (default: 64; for a model with "

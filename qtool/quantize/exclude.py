@@ -15,6 +15,17 @@ the error on the few classes that carry the probability, where output SQNR weigh
 logits alike; unlike a count of flips it is smooth on a few dozen images. Top-1 agreement
 is judged both as counted and as predicted from the logit margins (metrics.predicted_
 agreement): a count over a few dozen images cannot tell 99.5 % from 100 %.
+A CTC recognizer's output (verify.judge_for: top-1 paths that look like CTC) is judged by what it reads
+instead: the agreement is the share of samples whose text after greedy decoding is fp32's, the error each
+sample's squared int8 error on the gap between fp32's top two classes (verify.Judge.error), and a step stays
+by verify.decide (texts first, by a sign test; that error where they tie). Per-position agreement and KL,
+with almost every position a blank, called 0.990 agreement on PP-OCRv2's recognizer where 91 crops of 255
+read otherwise than fp32 (issue 45).
+Beside single layers, blocks are tried whole: the first k int8 layers in graph order and the k most
+sensitive ones (BLOCKS). The noise of int8 layers does not add up: on PP-OCRv2's recognizer each of its
+first eight convolutions kept fp32 alone made the all-int8 model worse (117-163 held-out crops read of 255,
+against 166 all int8), the first eight together read 206 (fp32 208). A layer kept fp32 still receives the
+noise of the int8 layers before it.
 An encoder's output (encoder_judge.py: token states or pooled vectors) is judged as vectors instead: the
 agreement is the nearest-neighbour agreement over the check samples, the second figure each sample's cosine
 to fp32 (mean), the error 1 - cosine; the target holds where both reach it.
@@ -37,6 +48,7 @@ from qtool.metrics import (kl_each, kl_softmax_each, position_agreement, positio
 from qtool.quantize.context import QuantizeContext
 from qtool.quantize.encoder_judge import encoder_judge
 from qtool.quantize.samples import SampleSet, distribution_output
+from qtool.quantize.verify import TEXTS, Figures, Judge, decide, judge_for
 
 CANDIDATES_PER_STEP = 2
 POOL = 8  # layers from the top of the sensitivity ranking whose leave-one-out gain is measured
@@ -57,6 +69,8 @@ MAX_MISSES = 2
 # models are scored one after another (on every thread) where each output over the check images is
 # larger than this: side by side, two of them were held at once (PP-OCRv5's recognizer: 634 MB each)
 SIDE_BY_SIDE_BYTES = 256 << 20
+# sizes of the blocks tried whole (the first k int8 layers, the k most sensitive), up to --max-excluded
+BLOCKS = (2, 4, 8)
 
 
 @dataclass
@@ -144,6 +158,27 @@ def noisy_groups(noisy: list, rank: dict, excl: dict, pool: list, max_excluded: 
     return out
 
 
+def blocks(ranking: list, excl: dict, max_excluded: int) -> list:
+    """[(group, reason)]: the first k int8 layers of the ranking in graph order, and its k most sensitive, for
+    each k of BLOCKS up to max_excluded, each set once (a block the other already is, or a single layer, not
+    again)."""
+    def names(key):
+        return [s.name for s in sorted(ranking, key=key) if s.name not in excl]
+    first, top = names(lambda s: getattr(s, "order", s.rank)), names(lambda s: s.rank)
+    out, seen = [], set()
+    for k in (k for k in BLOCKS if k <= max_excluded):
+        for g, what in ((first[:k], f"one of the first {k} int8 layers"), (top[:k], f"one of the {k} most sensitive")):
+            if len(g) == k and frozenset(g) not in seen:
+                seen.add(frozenset(g))
+                out.append((tuple(g), f"kept fp32 by --exclude-sensitive ({what}, kept fp32 together)"))
+    return out
+
+
+def new_layers(group: tuple, excl: dict) -> int:
+    """How many of `group`'s layers `excl` does not hold yet (what keeping it fp32 adds)."""
+    return sum(1 for n in group if n not in excl)
+
+
 @dataclass(frozen=True)
 class Target:
     """When the search stops: top-1 agreement with fp32 of at least `agreement` (counted and predicted),
@@ -157,10 +192,21 @@ class Target:
     task: str | None = None
 
 
-def target_words(target: Target, encoder: bool, labelled: bool) -> str:
+def texts_judge(fused, samples: SampleSet, encoder) -> Judge | None:
+    """A CTC recognizer's judge (verify.judge_for: a distribution at each position whose top-1 paths look like
+    CTC), else None (an `encoder`, from encoder_judge, is judged as one)."""
+    if encoder is not None or not distribution_output(fused, samples):
+        return None
+    judge = judge_for(samples.reference)
+    return judge if judge.kind == TEXTS else None
+
+
+def target_words(target: Target, encoder: bool, labelled: bool, texts: bool = False) -> str:
     """The target as the command says it."""
     if encoder:
         return f"cosine to fp32 and nearest-neighbour agreement >= {target.agreement}"
+    if texts:
+        return f"texts read as fp32 reads them, and top-1 at every position, >= {target.agreement}"
     if target.max_drop is not None and labelled:
         return f"accuracy drop <= {target.max_drop} pt"
     return f"top-1 agreement >= {target.agreement}"
@@ -182,7 +228,9 @@ class _Search:
         # argmax over a sample's positions, as for a classifier's classes, means nothing there)
         ref = self.reference
         self.decisions = not self.dist and ref.ndim >= 2 and ref.shape[-1] == 1 and ref[0].size > 1
+        self.texts = texts_judge(ctx.fused, samples, self.encoder)  # a CTC recognizer: by its texts
         self.errors = {}  # id(TradeoffPoint) -> its error on each image (KL, or squared error for other outputs)
+        self.reads = {}  # id(TradeoffPoint) -> each sample read as fp32 reads it (texts), where judged by texts
         self.res = None
         self.there = None  # the models' scorer on a Ray cluster (ctx.experiments.scorer), made on first use
 
@@ -200,6 +248,11 @@ class _Search:
             agree, cos = self.encoder.measure(y)
             count, predicted, err = len(cos), float(cos.mean()), 1 - cos
             kl = float(err.mean())
+        elif self.texts is not None:  # what it reads: each sample's text as fp32's, and the top-2 gap's error
+            read = self.texts.counted(reference, y)
+            agree, count, predicted = float(read.mean()), len(read), position_agreement(reference, y)
+            err = self.texts.error(reference, y)
+            kl = float(err.mean())
         elif dist:  # what each position means is its class: agreement and KL per position
             agree, count = position_top1_agreement(reference, y), reference.size // reference.shape[-1]
             predicted = position_agreement(reference, y)
@@ -214,6 +267,8 @@ class _Search:
         pt = TradeoffPoint(sorted(n for n in excl if n not in self.base_exclude), agree, predicted, db, drop, None,
                            kl=kl, agreement_95=wilson(round(agree * count), count), images=len(y))
         self.errors[id(pt)] = err
+        if self.texts is not None:
+            self.reads[id(pt)] = read
         if self.progress:
             self.progress(1)
         return q, pt
@@ -246,9 +301,10 @@ class _Search:
         return out
 
     def not_worse(self, pt: TradeoffPoint) -> bool:
-        """Never give up a layer for a model whose agreement or SQNR is below the all-int8 one's."""
+        """Never give up a layer for a model whose agreement or SQNR is below the all-int8 one's (a recognizer:
+        its texts; SQNR on its probabilities misleads, method_choice.py)."""
         base = self.res.curve[0]
-        return pt.agreement >= base.agreement and pt.sqnr_db >= base.sqnr_db
+        return pt.agreement >= base.agreement and (self.texts is not None or pt.sqnr_db >= base.sqnr_db)
 
     def good(self, pt: TradeoffPoint) -> bool:
         if self.target.max_drop is not None and pt.accuracy_drop_pt is not None:
@@ -260,12 +316,21 @@ class _Search:
         # moves in steps of 1/N: it picks the candidate, the target decides when to stop
         if self.target.max_drop is not None and pt.accuracy_drop_pt is not None:
             return (-pt.accuracy_drop_pt, -pt.kl)
+        if self.texts is not None:  # the error that flips texts (smooth), then the texts read
+            return (-pt.kl, pt.agreement)
         return (-pt.kl, pt.sqnr_db)
 
     def why_undone(self, pt: TradeoffPoint, best_pt: TradeoffPoint) -> str:
         """Why a step's exclusion does not stay ("" where it does): it helps only with a better score than
         the best so far, no worse than the all-int8 model in agreement and SQNR on the held-back images,
-        and by more than the images' own noise."""
+        and by more than the images' own noise. A recognizer's: verify.decide against the best so far (its
+        texts by a sign test, else the gap error), and no fewer texts read than all int8."""
+        if self.texts is not None:  # verify.decide: the texts (sign test), then the error where they tie
+            v = decide("exclusion", TEXTS, Figures(self.reads[id(pt)], self.errors[id(pt)]),
+                       Figures(self.reads[id(best_pt)], self.errors[id(best_pt)]), "", SIGNIFICANCE)
+            pt.gain_se = v.margin
+            return ("texts read below the all-int8 model's" if not self.not_worse(pt) else "" if v.kept else
+                    "no better than the best so far" if v.margin <= 0 else "no gain beyond noise")
         d = self.errors[id(best_pt)] - self.errors[id(pt)]
         pt.gain_se = float(d.mean() / max(d.std(ddof=1) / np.sqrt(len(d)), 1e-30)) if len(d) > 1 else 0.0
         return ("no better than the best so far" if not self.score(pt) > self.score(best_pt) else
@@ -284,7 +349,9 @@ def _candidates(search: _Search, ranking: list, excl: dict, noisy: list | None) 
         # leave-one-out from the fully quantized model, for the top of the ranking and the readers of
         # the noisiest quantizers (quantizer_noise.py: what the ranking of layers alone misses)
         pool = order[:POOL]
-        for g, why in noisy_groups(noisy or [], rank, excl, pool, max_excluded):
+        for g, why in noisy_groups(noisy or [], rank, excl, pool, max_excluded) + blocks(ranking, excl, max_excluded):
+            if g in pool:
+                continue
             pool.append(g)
             reason[g] = why
             if g in order:
@@ -299,6 +366,8 @@ def _candidates(search: _Search, ranking: list, excl: dict, noisy: list | None) 
 def _error_name(search: _Search) -> str:
     if search.encoder is not None:
         return "1-cosine"
+    if search.texts is not None:
+        return "gap err"
     return "KL" if search.dist or search.reference.ndim == 2 else "-SQNR"
 
 
@@ -311,7 +380,7 @@ def exclude_sensitive(ctx: QuantizeContext, ranking: list, samples: SampleSet, t
     candidates too, each group kept fp32 together."""
     search = _Search(ctx, samples, target, progress)
     one = samples.feed(0, samples.batch if samples.fixed_batch else 1)  # (latency at batch 1)
-    label = target_words(target, search.encoder is not None, search.y_true is not None)
+    label = target_words(target, search.encoder is not None, search.y_true is not None, search.texts is not None)
     excl = dict(search.base_exclude)
     q, pt = search.evaluate(excl)
     if measure_latency:
@@ -320,6 +389,8 @@ def exclude_sensitive(ctx: QuantizeContext, ranking: list, samples: SampleSet, t
                                        error=_error_name(search))
     if search.encoder is not None:
         res.figures = ("neighbours", "cosine")
+    elif search.texts is not None:
+        res.figures = ("texts", "positions")
     if partial is not None:
         partial.append(res)
     best_q, best_pt = q, pt
@@ -327,7 +398,8 @@ def exclude_sensitive(ctx: QuantizeContext, ranking: list, samples: SampleSet, t
     misses = 0  # steps in a row whose exclusion did not stay
     while not res.reached and order and misses < MAX_MISSES:
         room = target.max_excluded - (len(excl) - len(search.base_exclude))
-        groups = [g for g in order if len(g) <= room][:CANDIDATES_PER_STEP]
+        order = [g for g in order if new_layers(g, excl)]  # (a block the model holds already: nothing to try)
+        groups = [g for g in order if new_layers(g, excl) <= room][:CANDIDATES_PER_STEP]
         if not groups:
             break
         cands = [with_group(excl, g, reason[g]) for g in groups]

@@ -27,7 +27,7 @@ class ExclusionOptions:
     enabled: bool = False
     target_agreement: float = 0.995
     max_drop: float | None = None  # accuracy drop in points to accept instead, where labels are known
-    max_excluded: int = 5
+    max_excluded: int = 8  # layers kept fp32 at most (a block counts each of its layers: exclude.BLOCKS)
     labels: str | None = None  # labels file for max_drop (else the calibration folder's class folders, if any)
 
 

@@ -35,17 +35,18 @@ from qtool.quantize.encoder_judge import encoder_judge
 
 SIGNIFICANCE = 1.0  # standard deviations (a count's) or standard errors (a mean's) a gain must exceed
 ENCODER = "cosine of the pooled vectors"
+TEXTS = "texts (greedy CTC)"  # a CTC recognizer's figure: each sample's text after greedy decoding
 
 
 @dataclass
 class Judge:
-    kind: str  # "texts (greedy CTC)", "top-1", "top-1 at every position", ENCODER, "cosine", "SQNR"
+    kind: str  # TEXTS, "top-1", "top-1 at every position", ENCODER, "cosine", "SQNR"
     blank: int | None = None  # the CTC blank
     encoder: object = None  # an ENCODER's encoder_judge.EncoderJudge: how its output becomes a vector per sample
 
     def counted(self, ref: np.ndarray, y: np.ndarray) -> np.ndarray | None:
         """Each sample read as fp32 reads it (bool [N]), or None where the figure is no count."""
-        if self.kind == "texts (greedy CTC)":
+        if self.kind == TEXTS:
             real = _real_rows(ref)  # (a sample shorter than others: its padding read by neither)
             pr, py = ref.argmax(-1), y.argmax(-1)
             return np.array([ctc_collapse(a[k], self.blank) == ctc_collapse(b[k], self.blank)
@@ -60,7 +61,7 @@ class Judge:
         each position) the squared int8 error on the gap between fp32's winner and runner-up, the noise that
         flips a top-1 (metrics.predicted_agreement's model), averaged over the positions; 1 - cosine for an
         embedding; else the squared error relative to the reference's mean energy."""
-        if self.kind in ("texts (greedy CTC)", "top-1", "top-1 at every position"):
+        if self.kind in (TEXTS, "top-1", "top-1 at every position"):
             c = ref.shape[-1]
             r, o = ref.reshape(-1, c), y.reshape(-1, c)
             i1, i2 = _top2(r)
@@ -111,7 +112,7 @@ def judge_for(reference: np.ndarray) -> Judge:
     if kind == "position":
         blank = ctc_blank(paths)
         if blank is not None:
-            return Judge("texts (greedy CTC)", blank)
+            return Judge(TEXTS, blank)
         return Judge("top-1 at every position")
     return Judge("top-1")
 

@@ -60,7 +60,9 @@ def _bar_chart(layers: list, excluded: set) -> str:
     return "".join(parts)
 
 
-def _curve_chart(curve: list) -> str:
+def _curve_chart(curve: list, figures=("agreement", "predicted")) -> str:
+    """The trade-off: each step's two figures (exclude.ExclusionResult.figures: a recognizer's texts read and
+    positions, an encoder's neighbours and cosine) against the layers kept fp32."""
     if not curve:
         return ""
     w, h, pad = 520, 220, 50
@@ -75,7 +77,7 @@ def _curve_chart(curve: list) -> str:
              f'<line x1="{pad}" y1="{h - 30}" x2="{w - 10}" y2="{h - 30}" stroke="#999"/>',
              f'<line x1="{pad}" y1="10" x2="{pad}" y2="{h - 30}" stroke="#999"/>',
              f'<text x="{pad}" y="{h - 8}">layers kept in fp32</text>',
-             '<text x="2" y="12">agreement</text>']
+             f'<text x="2" y="12">{escape(figures[0])}</text>']
     for key, color in (("agreement", "#1565c0"), ("predicted_agreement", "#2e7d32")):
         pts = " ".join(f"{x:.1f},{y:.1f}" for x, y in (xy(k, p[key]) for k, p in enumerate(curve)))
         parts.append(f'<polyline points="{pts}" fill="none" stroke="{color}" stroke-width="2"/>')
@@ -83,11 +85,13 @@ def _curve_chart(curve: list) -> str:
         x, y = xy(k, p["agreement"])
         lat = f', {p["ort_int8_ms"]:.2f} ms' if p.get("ort_int8_ms") else ""
         parts.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="#1565c0"><title>{len(p["excluded"])} fp32: '
-                     f'agreement {p["agreement"]:.4f}, predicted {p["predicted_agreement"]:.4f}{escape(lat)}</title></circle>')
+                     f'{escape(figures[0])} {p["agreement"]:.4f}, {escape(figures[1])} {p["predicted_agreement"]:.4f}'
+                     f'{escape(lat)}</title></circle>')
         parts.append(f'<text x="{x - 3:.1f}" y="{h - 18}">{len(p["excluded"])}</text>')
     for v in (lo, (lo + hi) / 2, 1.0):
         parts.append(f'<text x="4" y="{xy(0, v)[1] + 4:.1f}">{v:.3f}</text>')
-    parts.append('<text x="300" y="24" fill="#1565c0">counted</text><text x="370" y="24" fill="#2e7d32">predicted</text></svg>')
+    parts.append(f'<text x="300" y="24" fill="#1565c0">{escape(figures[0])}</text>'
+                 f'<text x="370" y="24" fill="#2e7d32">{escape(figures[1])}</text></svg>')
     return "".join(parts)
 
 
@@ -113,6 +117,7 @@ def render(report: dict) -> str:
             f'<td>{_fmt(l["weight_sqnr_db"])}</td><td>{_fmt(100 * l["clip_fraction"], 4)}</td><td class="l">{why}</td></tr>')
     ex = report.get("exclusion") or {}
     curve = ex.get("curve", [])
+    figures = tuple(ex.get("figures") or ("agreement", "predicted"))
     trade = "".join(
         f'<tr><td>{len(p["excluded"])}</td><td class="l">{escape(p.get("added") or "(all int8)")}</td>'
         f'<td>{p["agreement"]:.4f}</td><td>{p["predicted_agreement"]:.4f}</td><td>{_fmt(p["sqnr_db"])}</td>'
@@ -135,9 +140,10 @@ lowest first. Computed in {meta.get("seconds", 0):.1f} s.</p>
 <p>{"".join(f"<b>{escape(n)}</b>: {escape(r)}<br>" for n, r in excluded.items()) or "None: every quantizable layer is int8."}</p>
 {"<p>" + escape(("Target reached: " if ex.get("reached") else "Target NOT reached; the best model found was written: ") + ex.get("target", "")) + "</p>" if ex else ""}
 <h2>Trade-off: layers kept in fp32 -> agreement -> ONNX Runtime int8 latency</h2>
-{_curve_chart(curve) if curve else "<p>Run <code>qtool quantize --exclude-sensitive</code> to compute the trade-off.</p>"}
-{('<table><thead><tr><th>fp32 layers</th><th class="l">added</th><th>agreement</th><th>predicted</th><th>SQNR dB</th>'
-  '<th>acc. drop pt</th><th>ORT int8 ms</th></tr></thead><tbody>' + trade + '</tbody></table>') if curve else ''}
+{_curve_chart(curve, figures) if curve else "<p>Run <code>qtool quantize --exclude-sensitive</code> to compute the trade-off.</p>"}
+{('<table><thead><tr><th>fp32 layers</th><th class="l">added</th>'
+  f'<th>{escape(figures[0])}</th><th>{escape(figures[1])}</th><th>SQNR dB</th><th>acc. drop pt</th>'
+  '<th>ORT int8 ms</th></tr></thead><tbody>' + trade + '</tbody></table>') if curve else ''}
 <h2>All layers</h2>
 <table class="sortable"><thead><tr><th>#</th><th class="l">layer</th><th class="l">op</th><th>rank</th>
 <th>output SQNR dB</th><th>top-1 agreement</th><th>KL</th><th>weight SQNR dB</th><th>clipped %</th><th class="l">kept fp32 because</th>
