@@ -81,46 +81,51 @@ def session(model: onnx.ModelProto | str | bytes, threads: int = 0, arena: bool 
     every optimization level) quantizes such a weight to int8 per tensor: the simulated int8 layers
     carry their per-channel int8 weights dequantized, and a per-tensor scale rounds a depthwise
     convolution's small channels to zero."""
-    so = ort.SessionOptions()
+    so = _options(threads, arena)
     if external:
         so.add_external_initializers(list(external), list(external.values()))
     if not spin:
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if basic:
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    where = where or (model if isinstance(model, str) else "the model")
+    if isinstance(model, str) and os.path.exists(model) and not stat.S_ISREG(os.stat(model).st_mode):
+        raise QtoolError(f"{model}: not a regular file; refusing to read it as a model")
+    src = model if isinstance(model, (str, bytes)) else model.SerializeToString()
+    s = _load(src, so, where, ["WeightBiasQuantization"] if float_weights else None)
+    s.where = where
+    return s
+
+
+def _options(threads: int, arena: bool | str) -> ort.SessionOptions:
+    """Session options every qtool session takes: its threads (0: the cores, up to 8), its arena (session()),
+    and no log lines of ORT's own."""
+    so = ort.SessionOptions()
     if arena == "shared":
         _shared_arena()
         so.add_session_config_entry("session.use_env_allocators", "1")
     so.enable_cpu_mem_arena = bool(arena)
     so.intra_op_num_threads = threads or min(os.cpu_count() or 1, 8)
     so.log_severity_level = 4  # errors come back as one QtoolError, not also as ORT's own log lines
-    if basic:
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    where = where or (model if isinstance(model, str) else "the model")
-    if isinstance(model, str) and os.path.exists(model) and not stat.S_ISREG(os.stat(model).st_mode):
-        raise QtoolError(f"{model}: not a regular file; refusing to read it as a model")
+    return so
+
+
+def _load(src, so: ort.SessionOptions, where: str, disabled: list | None = None) -> ort.InferenceSession:
+    """The session of `src` (a path or the model's bytes), ORT's error as one QtoolError naming `where`."""
     try:
-        src = model if isinstance(model, (str, bytes)) else model.SerializeToString()
-        s = Session(src, so, providers=["CPUExecutionProvider"],
-                    disabled_optimizers=["WeightBiasQuantization"] if float_weights else None)
+        return Session(src, so, providers=["CPUExecutionProvider"], disabled_optimizers=disabled)
     except Exception as e:  # ORT's own errors are long multi-line C++ messages
         raise QtoolError(f"{where}: ONNX Runtime cannot load it ({_one_line(e)[:LOAD_ERROR_CHARS]})") from None
-    s.where = where
-    return s
 
 
 def write_optimized(path: str, out: str) -> None:
     """The graph ONNX Runtime runs for the model at `path`, after its own fusions, written to `out`: the
     extended level (its int8 kernels: QLinearConv, MatMulIntegerToFloat, ...), not its CPU-specific layouts
     (quantize/ort_graph.py reads which layers it left float)."""
-    so = ort.SessionOptions()
+    so = _options(1, False)
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
     so.optimized_model_filepath = out
-    so.intra_op_num_threads = 1
-    so.enable_cpu_mem_arena = False
-    so.log_severity_level = 4
-    try:
-        Session(path, so, providers=["CPUExecutionProvider"])
-    except Exception as e:  # ORT's own errors are long multi-line C++ messages
-        raise QtoolError(f"{path}: ONNX Runtime cannot load it ({_one_line(e)[:LOAD_ERROR_CHARS]})") from None
+    _load(path, so, path)
 
 
 def with_outputs(model: onnx.ModelProto, names: list) -> bytes:

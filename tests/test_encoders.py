@@ -231,7 +231,7 @@ def _exclusion(target):
     from qtool.quantize.samples import SampleSet
     ctx = EncoderContext()
     samples = SampleSet([str(k) for k in range(len(ctx.ref))], ctx.feeds, ctx.ref, output="tokens")
-    ranking = [SimpleNamespace(name="big", rank=1)]
+    ranking = [SimpleNamespace(name="big", rank=1, order=0)]
     return ctx, exclude_sensitive(ctx, ranking, samples, target, measure_latency=False)
 
 

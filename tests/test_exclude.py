@@ -40,7 +40,7 @@ class FakeContext:
 def _run(small_scale):
     ctx = FakeContext(small_scale)
     samples = SampleSet([f"{k}" for k in range(N)], {"x": np.zeros((N, 1), np.float32)}, ctx.ref)
-    ranking = [SimpleNamespace(name="big", rank=1), SimpleNamespace(name="small", rank=2)]
+    ranking = [SimpleNamespace(name="big", rank=1, order=0), SimpleNamespace(name="small", rank=2, order=1)]
     # (the rule for one layer at a time: the block of both, tried whole, would stand in for the two steps)
     with patch.object(exclude, "BLOCKS", ()):
         return exclude_sensitive(ctx, ranking, samples, Target(1.01, max_excluded=2), measure_latency=False)
@@ -85,7 +85,7 @@ class PairContext(FakeContext):
 def _pair_run(noisy):
     ctx = PairContext(None)
     samples = SampleSet([f"{k}" for k in range(N)], {"x": np.zeros((N, 1), np.float32)}, ctx.ref)
-    ranking = [SimpleNamespace(name=n, rank=k) for k, n in enumerate(("a", "r1", "r2"), 1)]
+    ranking = [SimpleNamespace(name=n, rank=k, order=k) for k, n in enumerate(("a", "r1", "r2"), 1)]
     return exclude_sensitive(ctx, ranking, samples, Target(1.01, max_excluded=3), measure_latency=False, noisy=noisy)
 
 
@@ -131,7 +131,7 @@ def test_one_value_per_position_is_a_decision_at_each_position():
     whatever was kept, and 5 layers were kept fp32 for a model whose every decision already agreed."""
     ctx = DecisionContext()
     samples = SampleSet([f"{k}" for k in range(N)], {"x": np.zeros((N, 1), np.float32)}, ctx.ref)
-    r = exclude_sensitive(ctx, [SimpleNamespace(name="big", rank=1)], samples, Target(max_excluded=2),
+    r = exclude_sensitive(ctx, [SimpleNamespace(name="big", rank=1, order=0)], samples, Target(max_excluded=2),
                           measure_latency=False)
     first = r.curve[0]
     assert first.agreement == 1.0 and first.predicted_agreement > 0.999 and first.images == N
@@ -219,7 +219,7 @@ def test_a_recognizer_is_judged_by_the_texts_it_reads():
     samples = SampleSet([f"{k}" for k in range(N)], {"z": np.zeros((N, 1), np.float32)}, ctx.ref)
     # per position, keeping L fp32 looks worse: the judge that kept nothing on PP-OCRv2's recognizer
     assert position_top1_agreement(ctx.ref, ctx.fixed) < position_top1_agreement(ctx.ref, ctx.int8)
-    r = exclude_sensitive(ctx, [SimpleNamespace(name="L", rank=1)], samples, Target(max_excluded=2),
+    r = exclude_sensitive(ctx, [SimpleNamespace(name="L", rank=1, order=0)], samples, Target(max_excluded=2),
                           measure_latency=False)
     assert r.figures == ("texts", "positions") and r.error == "gap err" and r.target.startswith("texts read")
     assert [p.agreement for p in r.curve] == [0.7, 1.0]  # the share of samples whose text is fp32's
@@ -230,7 +230,13 @@ def test_the_report_names_a_recognizers_figures():
     from qtool.report.sensitivity_html import render
     ctx = RecognizerContext()
     samples = SampleSet([f"{k}" for k in range(N)], {"z": np.zeros((N, 1), np.float32)}, ctx.ref)
-    r = exclude_sensitive(ctx, [SimpleNamespace(name="L", rank=1)], samples, Target(max_excluded=2),
+    r = exclude_sensitive(ctx, [SimpleNamespace(name="L", rank=1, order=0)], samples, Target(max_excluded=2),
                           measure_latency=False)
     page = render({"layers": [], "exclusion": r.to_dict(), "meta": {}})
     assert "<th>texts</th><th>positions</th>" in page and ">agreement<" not in page
+
+
+def test_a_block_over_a_layer_kept_already_leaves_its_reason():
+    from qtool.quantize.exclude import with_group
+    kept = {"a": "kept fp32 by --exclude-sensitive (sensitivity rank 1)"}
+    assert with_group(kept, ("a", "b"), "a block") == {"a": kept["a"], "b": "a block"}

@@ -135,7 +135,9 @@ def _deployed(ctx: QuantizeContext, scored, excl: dict):
 
 
 def with_group(excl: dict, group: tuple, why: str = "leave-one-out") -> dict:
-    return dict(excl, **{n: why for n in group})
+    """`excl` and the layers of `group` it does not hold yet, kept fp32 for `why` (a block or a quantizer's
+    readers may overlap what an earlier step kept: those keep their own reason)."""
+    return dict(excl, **{n: why for n in group if n not in excl})
 
 
 def noisy_groups(noisy: list, rank: dict, excl: dict, pool: list, max_excluded: int) -> list:
@@ -164,7 +166,7 @@ def blocks(ranking: list, excl: dict, max_excluded: int) -> list:
     again)."""
     def names(key):
         return [s.name for s in sorted(ranking, key=key) if s.name not in excl]
-    first, top = names(lambda s: getattr(s, "order", s.rank)), names(lambda s: s.rank)
+    first, top = names(lambda s: s.order), names(lambda s: s.rank)
     out, seen = [], set()
     for k in (k for k in BLOCKS if k <= max_excluded):
         for g, what in ((first[:k], f"one of the first {k} int8 layers"), (top[:k], f"one of the {k} most sensitive")):
