@@ -175,13 +175,14 @@ def main(argv=None):
                   f"passthrough {s.get('passthrough', 0)}, fused {s.get('fused', 0)}, fp32 {s.get('fp32', 0)}"
                   + (f" | {notes[0]}" if notes else "") + (f" | {_agree(ex)}" if ex else ""))
     from qtool.quantize.context import QuantizeContext
-    from qtool.quantize.method_choice import method_scores
+    from qtool.quantize.method_choice import method_measures
     from qtool.quantize.samples import load_samples
     picks = [os.path.join(npy, f) for f in sorted(os.listdir(npy))[::4]]  # 8 calibration tensors
     t = time.time()
     named = [m for m in a.methods.split(",") if m != "auto"]
-    scores = method_scores(QuantizeContext(cal.fused, cal.table, cal.table.range_method, targets[0]),
-                           load_samples(cal.fused, cal.table, picks), named or None)
+    measured = method_measures(QuantizeContext(cal.fused, cal.table, cal.table.range_method, targets[0]),
+                               load_samples(cal.fused, cal.table, picks), named or None)
+    scores = {m: v.db for m, v in measured.items()}
     auto = max(scores, key=scores.get)
     print(f"qtool auto: picks '{auto}' on {len(picks)} calibration tensors ({time.time() - t:.1f}s; "
           + ", ".join(f"{m} {v:.1f}" for m, v in scores.items()) + " dB there)")

@@ -254,12 +254,11 @@ def _drop_dynamic_only(model: onnx.ModelProto, plan: Plan, facts: ModelFacts) ->
     an op without weights that then writes fp32 only, runs fp32 (_drop_float_ended)."""
     readers = facts.consumers
     while True:  # (an op made fp32 here frees its inputs' pairs in turn)
-        # outputs whose pair goes where no int8 op reads them: not a Conv's or Gemm's, whose output pair is
-        # what lets ONNX Runtime run it int8 (QLinearConv; without it a float Conv on weights dequantized
-        # each run, still reported int8): eeg-spindle-seg's 25 convolutions into fp32 GELUs all lost theirs
-        # once its MatMuls went dynamic. A MatMul runs int8 with a float output (MatMulIntegerToFloat).
+        # outputs whose pair goes where no int8 op reads them: not those of a weighted op that needs its output
+        # pair to run int8 (_int8_with_float_output): eeg-spindle-seg's 25 convolutions into fp32 GELUs all
+        # lost theirs once its MatMuls went dynamic
         made_int8 = {o for n in model.graph.node if n.name in plan.int8_nodes and RULES[n.op_type].kind == "compute"
-                     and not (facts.weighted.get(n.name) and n.op_type != "MatMul") for o in n.output}
+                     and not (facts.weighted.get(n.name) and not _int8_with_float_output(n)) for o in n.output}
         before = len(plan.tensors)
         for t in list(plan.tensors):
             if t in plan.shared or t in plan.shared.values() or t in plan.clamp:
@@ -272,6 +271,13 @@ def _drop_dynamic_only(model: onnx.ModelProto, plan: Plan, facts: ModelFacts) ->
         _drop_float_ended(model, plan, facts)
         if len(plan.tensors) == before:
             return
+
+
+def _int8_with_float_output(node: onnx.NodeProto) -> bool:
+    """Whether ONNX Runtime runs this weighted op int8 with no quantizer on its output: a MatMul on int8 inputs
+    writes float (MatMulIntegerToFloat); a Conv or Gemm runs int8 only with its output pair (QLinearConv;
+    without it a float Conv on weights dequantized each run, still reported int8)."""
+    return node.op_type == "MatMul"
 
 
 def _drop_float_ended(model: onnx.ModelProto, plan: Plan, facts: ModelFacts) -> None:
@@ -311,13 +317,12 @@ def _drop_idle_passthrough(model: onnx.ModelProto, plan: Plan, facts: ModelFacts
     - rooted at an fp32 tensor (a graph input, an fp32 op's output): wespeaker's fbank front end, its mel
       MatMul kept fp32 by the guard, still quantized the waveform for the Slice and Reshape that frame it
       (output 14.9 dB, nothing int8);
-    - rooted at an int8 MatMul's output, which is then left fp32 (ONNX Runtime runs the MatMul on int8
-      inputs with a float output, MatMulIntegerToFloat): an attention's key and value projections, their
-      bias folded away (fuse/fold_attention_bias), are reshaped and transposed into MatMuls of two
-      activations that stay fp32; their pairs (three a projection) only rounded and cost ONNX Runtime a
-      node each.
+    - rooted at an int8 MatMul's output, which is then left fp32 (_int8_with_float_output): an attention's
+      key and value projections, their bias folded away (fuse/fold_attention_bias), are reshaped and
+      transposed into MatMuls of two activations that stay fp32; their pairs (three a projection) only
+      rounded and cost ONNX Runtime a node each.
     A chain rooted at another int8 op's output is left as it is (a Conv's output quantizer is what lets ONNX
-    Runtime run it as an int8 Conv; _drop_unread_outputs takes it where nothing int8 follows)."""
+    Runtime run it int8; _drop_unread_outputs takes it where nothing int8 follows)."""
     readers = facts.consumers
     produced = {o: n for n in model.graph.node if n.name in plan.int8_nodes
                 and RULES[n.op_type].kind == "compute" for o in n.output}
@@ -327,7 +332,7 @@ def _drop_idle_passthrough(model: onnx.ModelProto, plan: Plan, facts: ModelFacts
     compute = {n.name for n in int8_order if RULES[n.op_type].kind == "compute"}
     feeds_compute = G.tensors_reaching(model, compute, int8_order)
     roots = [t for t in plan.tensors if t not in plan.shared and (
-        t not in produced_int8 or (t not in plan.clamp and produced[t].op_type == "MatMul"))]
+        t not in produced_int8 or (t not in plan.clamp and _int8_with_float_output(produced[t])))]
     for t in roots:
         users = [u for u in readers.get(t, []) if u.name in plan.int8_nodes]
         idle = [u for u in users if RULES[u.op_type].kind != "compute" and not any(o in feeds_compute for o in u.output if o)]

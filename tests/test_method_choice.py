@@ -1,5 +1,6 @@
-"""Range method choice (method_choice.py): where the output is a distribution, the class each
-position keeps decides, SQNR breaks ties; elsewhere SQNR with the clipping method earning its clip."""
+"""Range method choice (method_choice.py): a CTC recognizer's texts decide first, beyond their noise; where
+the output is a distribution, the class each position keeps decides, SQNR breaks ties; elsewhere SQNR with
+the clipping method earning its clip."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,37 +8,75 @@ from helpers import init, make_model
 from onnx import helper
 
 from qtool.metrics import position_agreement
-from qtool.quantize.method_choice import AGREEMENT_TIE, EXACT_DB, choose
+from qtool.quantize.method_choice import AGREEMENT_TIE, EXACT_DB, Measure, best_option, choose, measurer
 from qtool.quantize.samples import SampleSet, distribution_output
 
 CLIP = 0.5
 
 
+def _m(scores: dict, agreement: dict | None = None, read: dict | None = None) -> dict:
+    return {k: Measure(v, (agreement or {}).get(k), None if read is None else np.array(read[k], bool))
+            for k, v in scores.items()}
+
+
 def test_sqnr_decides_where_no_agreement_was_measured():
     scores = {"minmax": 20.0, "mse": 22.0, "entropy": 20.3}
-    assert choose(scores, {}, "minmax", CLIP) == "mse"
-    assert choose({"minmax": 20.0, "mse": 20.3}, {}, "minmax", CLIP) == "minmax"  # the clip not earned
+    assert choose(_m(scores), "minmax", CLIP) == "mse"
+    assert choose(_m({"minmax": 20.0, "mse": 20.3}), "minmax", CLIP) == "minmax"  # the clip not earned
 
 
 def test_samples_the_grid_does_not_touch_cannot_earn_a_clip():
     """Above EXACT_DB the differences are float32 noise: the unclipped method stays."""
-    assert choose({"minmax": EXACT_DB + 27.4, "mse": EXACT_DB + 28.6}, {}, "minmax", CLIP) == "minmax"
-    assert choose({"minmax": EXACT_DB - 30.0, "mse": EXACT_DB + 28.6}, {}, "minmax", CLIP) == "mse"
+    assert choose(_m({"minmax": EXACT_DB + 27.4, "mse": EXACT_DB + 28.6}), "minmax", CLIP) == "minmax"
+    assert choose(_m({"minmax": EXACT_DB - 30.0, "mse": EXACT_DB + 28.6}), "minmax", CLIP) == "mse"
 
 
 def test_agreement_outranks_sqnr_and_ties_go_to_sqnr():
     scores = {"minmax": 8.0, "mse": 12.0, "entropy": 11.0}
-    assert choose(scores, {"minmax": 0.990, "mse": 0.980, "entropy": 0.985}, "minmax", CLIP) == "minmax"
+    assert choose(_m(scores, {"minmax": 0.990, "mse": 0.980, "entropy": 0.985}), "minmax", CLIP) == "minmax"
     tied = {"minmax": 0.990, "mse": 0.990 - AGREEMENT_TIE / 2, "entropy": 0.9}
-    assert choose(scores, tied, "minmax", CLIP) == "mse"
+    assert choose(_m(scores, tied), "minmax", CLIP) == "mse"
     # the plain method out of the running: the best SQNR of those left
-    assert choose(scores, {"minmax": 0.90, "mse": 0.99, "entropy": 0.99}, "minmax", CLIP) == "mse"
+    assert choose(_m(scores, {"minmax": 0.90, "mse": 0.99, "entropy": 0.99}), "minmax", CLIP) == "mse"
 
 
-def _softmax_model(axis, opset=13):
+def test_a_recognizer_is_ranked_by_its_texts_beyond_their_noise():
+    """A CTC recognizer's texts outrank per-position agreement: PP-OCRv2's LSTM agreed at 0.990 per position
+    while 91 of 255 crops read otherwise. A method that reads fewer texts beyond one standard deviation of
+    the sign test is out, whatever its agreement; one within that noise stays in the running."""
+    scores = {"minmax": 20.0, "mse": 9.0}
+    agree = {"minmax": 0.9980, "mse": 0.9995}  # mse ahead per position, beyond AGREEMENT_TIE
+    reads = {"minmax": [1, 1, 1, 1, 1, 0, 0, 0], "mse": [1, 1, 1, 0, 0, 0, 0, 0]}  # minmax 2 texts ahead, 2 - 0
+    assert choose(_m(scores, agree, reads), "minmax", CLIP) == "minmax"
+    assert choose(_m(scores, agree), "minmax", CLIP) == "mse"  # the same, judged per position
+    close = {"minmax": [1, 1, 1, 1, 0, 0, 0, 0], "mse": [1, 1, 1, 0, 0, 0, 0, 0]}  # one text: within noise
+    assert choose(_m(scores, agree, close), "minmax", CLIP) == "mse"
+    # the same rule ranks any choice's options (balancing, the input grid)
+    opts = list(_m(scores, agree, reads).values())
+    assert best_option(opts) == 0 and best_option(list(_m(scores, agree).values())) == 1
+
+
+def test_a_recognizers_measure_counts_its_texts():
+    """measurer() counts the texts greedy CTC reads where the output is a Softmax over classes whose top-1
+    paths look like CTC (blank-dominated), and none for other distributions."""
+    blank, t, c = 0, 12, 5
+    ref = np.full((4, t, c), 0.02, np.float32)
+    ref[:, :, blank] = 0.92
+    ref[:, 3, :] = [0.02, 0.92, 0.02, 0.02, 0.02]  # each sample reads one letter
+    y = ref.copy()
+    y[0, 3] = [0.92, 0.02, 0.02, 0.02, 0.02]  # sample 0 loses its letter
+    m = measurer(_softmax_model(-1, shape=(1, t, c)), _samples(ref))(y)
+    assert m.texts == 3 and m.read.tolist() == [False, True, True, True]
+    assert m.agreement is not None and m.agreement < 1.0
+    cls = measurer(_softmax_model(-1), _samples(np.eye(5, dtype=np.float32)[None].repeat(2, 0)[:, :4]))
+    assert cls(np.eye(5, dtype=np.float32)[None].repeat(2, 0)[:, :4]).read is None
+
+
+def _softmax_model(axis, opset=13, shape=(1, 4, 5)):
     nodes = [helper.make_node("MatMul", ["x", "w"], ["l"], name="mm"),
              helper.make_node("Softmax", ["l"], ["p"], name="sm", axis=axis)]
-    return make_model(nodes, [init("w", np.ones((8, 5)))], [("x", [1, 4, 8])], [("p", [1, 4, 5])], opset=opset)
+    return make_model(nodes, [init("w", np.ones((8, shape[-1])))], [("x", [1, shape[1], 8])], [("p", list(shape))],
+                      opset=opset)
 
 
 def _samples(ref, **kw):
@@ -70,8 +109,8 @@ def test_a_clip_needs_more_than_a_few_samples(monkeypatch):
     27.8) and read worse than minmax on 16 other tables. Below MIN_CHOICE_SAMPLES the unclipped method stays."""
     from types import SimpleNamespace
     from qtool.quantize import method_choice as run
-    monkeypatch.setattr(run, "method_scores", lambda ctx, samples, candidates, progress=None, agreement=None:
-                        {"minmax": 27.8, "mse": 39.2})
+    monkeypatch.setattr(run, "method_measures", lambda ctx, samples, candidates, progress=None:
+                        {"minmax": Measure(27.8), "mse": Measure(39.2)})
     ctx = SimpleNamespace(table=SimpleNamespace(range_method="minmax", ranges={"minmax": {}, "mse": {}}))
     said = []
     assert run.MIN_CHOICE_SAMPLES == 2

@@ -698,6 +698,7 @@ def test_balancing_trials_are_said_as_trials(monkeypatch):
     "method auto: minmax" as what the model got, while the unbalanced mse model was kept)."""
     from dataclasses import dataclass
     from types import SimpleNamespace
+    from qtool.quantize.method_choice import Measure
     from qtool.quantize.steps import equalization as qrun
 
     @dataclass
@@ -713,13 +714,13 @@ def test_balancing_trials_are_said_as_trials(monkeypatch):
 
     def pick(v, auto, say, show_progress):
         say("method auto: minmax (minmax 19.8 dB)")
-        return "minmax", {"minmax": 19.8, "mse": 7.8}, None
+        return "minmax", {"minmax": Measure(19.8), "mse": Measure(7.8)}
 
     monkeypatch.setattr(qrun, "balance", balance)
     monkeypatch.setattr(qrun, "pick_method", pick)
     ctx = Ctx(object(), SimpleNamespace(range_method="minmax"), None, "mse")
     fused, said = ctx.fused, []
-    qrun.balance_and_choose(ctx, None, None, ({"mse": 20.9, "minmax": 13.5}, None), said.append, False)
+    qrun.balance_and_choose(ctx, None, None, {"mse": Measure(20.9), "minmax": Measure(13.5)}, said.append, False)
     assert ctx.fused is fused and ctx.method == "mse"  # the unbalanced mse model stays
     trials = [s for s in said if "balanced the channels" in s or s.startswith("method auto: minmax")
               or "method auto: minmax" in s]

@@ -49,6 +49,24 @@ def test_the_judge_reads_what_the_output_means():
     assert V.judge_for(rng.standard_normal((20, 1, 16, 16)).astype(np.float32)).kind == "SQNR"
 
 
+def test_the_judge_reads_a_large_output_without_a_float64_copy_of_it():
+    """judge_for runs on the default path (the rounding check) and on --exclude-sensitive's check samples (PP-OCRv5's
+    228 crops: 240 MB of probabilities): a whole float64 copy of them doubled that, and the row lengths squared it
+    again. It now reads the output in its own precision, a bounded chunk at a time."""
+    import tracemalloc
+    ref = np.full((24, 40, 6625), 0.1 / 6624, np.float32)
+    ref[:, :, 0] = 0.9
+    ref[:, 5, [0, 7]] = ref[:, 5, [7, 0]]  # one letter each
+    tracemalloc.start()
+    try:
+        kind = V.judge_for(ref).kind
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert kind == V.TEXTS
+    assert peak < ref.nbytes, (peak, ref.nbytes)  # (a float64 copy alone is twice the output)
+
+
 def test_texts_read_decide_before_any_continuous_figure():
     rng = np.random.default_rng(1)
     ref = _ctc(rng)

@@ -214,7 +214,7 @@ def target_words(target: Target, encoder: bool, labelled: bool, texts: bool = Fa
     return f"top-1 agreement >= {target.agreement}"
 
 
-class _Search:
+class Search:
     """The models measured on the check samples: each point of the trade-off, its per-image error, and
     whether it reaches the target."""
 
@@ -340,7 +340,7 @@ class _Search:
                 "no gain beyond noise" if not pt.gain_se > SIGNIFICANCE else "")
 
 
-def _candidates(search: _Search, ranking: list, excl: dict, noisy: list | None) -> tuple:
+def _candidates(search: Search, ranking: list, excl: dict, noisy: list | None) -> tuple:
     """(the candidate groups in the order they are tried, {group: why it is kept fp32}). A candidate is a
     group of layers kept fp32 together: one layer, or every reader of a noisy quantizer."""
     res, max_excluded = search.res, search.target.max_excluded
@@ -365,7 +365,7 @@ def _candidates(search: _Search, ranking: list, excl: dict, noisy: list | None) 
     return order, reason
 
 
-def _error_name(search: _Search) -> str:
+def _error_name(search: Search) -> str:
     if search.encoder is not None:
         return "1-cosine"
     if search.texts is not None:
@@ -376,11 +376,17 @@ def _error_name(search: _Search) -> str:
 def exclude_sensitive(ctx: QuantizeContext, ranking: list, samples: SampleSet, target: Target = Target(),
                       progress=None, measure_latency: bool = True, partial: list | None = None,
                       noisy: list | None = None) -> ExclusionResult:
-    """Layers kept fp32 on top of the user's (ctx.exclude), judged on `samples` (held back).
+    """Layers kept fp32 on top of the user's (ctx.exclude), judged on `samples` (held back): search()."""
+    return search_exclusions(Search(ctx, samples, target, progress), ranking, measure_latency, partial, noisy)
+
+
+def search_exclusions(search: Search, ranking: list, measure_latency: bool = True, partial: list | None = None,
+                      noisy: list | None = None) -> ExclusionResult:
+    """The layers `search` keeps fp32 (a Search: its model, check samples and target, each judged once).
     `partial` gets the result as soon as it exists: what was kept so far, should a later step fail.
     `noisy` ([QuantizerNoise], quantizer_noise.py): the readers of the noisiest quantizers are
     candidates too, each group kept fp32 together."""
-    search = _Search(ctx, samples, target, progress)
+    ctx, samples, target = search.ctx, search.samples, search.target
     one = samples.feed(0, samples.batch if samples.fixed_batch else 1)  # (latency at batch 1)
     label = target_words(target, search.encoder is not None, search.y_true is not None, search.texts is not None)
     excl = dict(search.base_exclude)

@@ -14,10 +14,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from qtool.lattice import Lattice
-from qtool.metrics import position_agreement, sqnr_db
 from qtool.quantize.context import QuantizeContext
-from qtool.quantize.method_choice import best_option
-from qtool.quantize.samples import SampleSet, distribution_output
+from qtool.quantize.method_choice import best_option, measurer
+from qtool.quantize.samples import SampleSet
 
 
 def shifted_inputs(ctx: QuantizeContext) -> list:
@@ -36,19 +35,18 @@ def choose_input_grid(ctx: QuantizeContext, samples: SampleSet, say=print) -> di
     inputs = shifted_inputs(ctx)
     if not inputs or not len(samples):
         return None
-    dist = distribution_output(ctx.fused, samples)
-    options = []
+    measure, options = measurer(ctx.fused, samples), []
     for on in (False, True):
         v = replace(ctx, input_grid=on)
         y, q = v.score(samples)
         if on and not q.input_shifts:
             return None  # the shift did not apply (an input read by a layer without a bias)
-        options.append((sqnr_db(samples.reference, y), position_agreement(samples.reference, y) if dist else None))
+        options.append(measure(y))
     k = best_option(options)
     ctx.input_grid = bool(k)
     names = ("as calibrated", "shifted onto its grid")
     say(f"input grid: {', '.join(inputs)} {names[k]} (output SQNR on {len(samples)} calibration samples: "
-        + ", ".join(f"{n} {db:.1f} dB" + (f" / {100 * a:.2f} % agreed" if a is not None else "")
-                    for n, (db, a) in zip(names, options)) + ")")
-    return {"inputs": inputs, "chosen": names[k], "scores_db": {n: o[0] for n, o in zip(names, options)},
-            "agreement": {n: o[1] for n, o in zip(names, options)}}
+        + ", ".join(f"{n} {o.label()}" for n, o in zip(names, options)) + ")")
+    return {"inputs": inputs, "chosen": names[k], "scores_db": {n: o.db for n, o in zip(names, options)},
+            "agreement": {n: o.agreement for n, o in zip(names, options)},
+            "texts": {n: o.texts for n, o in zip(names, options)}}

@@ -6,8 +6,16 @@ or a tagger's per position), what it means is the class it picks: methods are ra
 each position keeps fp32's class (predicted, so a few samples still rank them), and SQNR decides
 among those within AGREEMENT_TIE of the best. SQNR on probabilities misleads there: on PP-OCRv5's
 recognizer it ranked minmax last of four on calibration crops, where minmax read the most words.
+A CTC recognizer (verify.judge_for) is judged first by its texts, as eval reads it (issue 45): a
+method whose samples read as fp32 reads them fall short of the best's beyond the noise of that count
+(verify.count_gain) is out of the running; per position, with nearly every position a blank, a model
+may agree at 0.99 while most of its texts change.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
 
 from qtool.calibrate.methods import METHODS
 from qtool.calibrate.table import range_candidates
@@ -15,6 +23,7 @@ from qtool.metrics import position_agreement, sqnr_db
 from qtool.quantize.context import QuantizeContext
 from qtool.quantize.progress import bar
 from qtool.quantize.samples import SampleSet, distribution_output
+from qtool.quantize.verify import SIGNIFICANCE, TEXTS, count_gain, judge_for
 
 AGREEMENT_TIE = 0.0005  # predicted agreement (per position) within this of the best: a tie, SQNR decides
 # An output SQNR above this is float32 arithmetic's own noise (ORT's kernels against the fp32 graph), not
@@ -24,73 +33,108 @@ AGREEMENT_TIE = 0.0005  # predicted agreement (per position) within this of the 
 EXACT_DB = 90.0
 
 
-def method_scores(ctx: QuantizeContext, samples: SampleSet, methods=None, progress=None, agreement: dict | None = None
-                  ) -> dict:
-    """Output SQNR (dB, first output, over `samples`) of the int8 model each range method gives,
-    against the fused fp32 graph ("pick what measures best", per model); `progress(1)` after each.
-    `agreement` (a dict) gets each method's position_agreement where the output is a distribution."""
-    scores = {}
-    classes = distribution_output(ctx.fused, samples)
+@dataclass(frozen=True)
+class Measure:
+    """One int8 model against fp32 on a choice's samples: output SQNR (dB); where the output is a
+    distribution, its predicted per-position agreement; for a CTC recognizer, which samples' texts
+    read as fp32's (bool [N])."""
+    db: float
+    agreement: float | None = None
+    read: np.ndarray | None = None
+
+    @property
+    def texts(self) -> int | None:
+        return None if self.read is None else int(self.read.sum())
+
+    def label(self) -> str:
+        return (f"{self.db:.1f} dB" + (f" / {100 * self.agreement:.2f} % agreed" if self.agreement is not None else "")
+                + (f" / {self.texts} of {len(self.read)} texts" if self.read is not None else ""))
+
+
+def measurer(fused, samples: SampleSet):
+    """A function of an int8 output over `samples` (first output) -> its Measure against their reference."""
+    ref = samples.reference
+    dist = distribution_output(fused, samples) is not None
+    judge = judge_for(ref) if dist else None
+    texts = judge is not None and judge.kind == TEXTS
+    return lambda y: Measure(sqnr_db(ref, y), position_agreement(ref, y) if dist else None,
+                             judge.counted(ref, y) if texts else None)
+
+
+def method_measures(ctx: QuantizeContext, samples: SampleSet, methods=None, progress=None) -> dict:
+    """{method: Measure} of the int8 model each range method gives, against the fused fp32 graph, over
+    `samples` ("pick what measures best", per model); `progress(1)` after each."""
+    measure, out = measurer(ctx.fused, samples), {}
     for m in methods or METHODS:
-        y = ctx.score(samples, method=m, ranges=None)[0]
-        scores[m] = sqnr_db(samples.reference, y)
-        if classes and agreement is not None:
-            agreement[m] = position_agreement(samples.reference, y)
+        out[m] = measure(ctx.score(samples, method=m, ranges=None)[0])
         if progress:
             progress(1)
-    return scores
+    return out
 
 
-def choose(scores: dict, agreement: dict, plain: str, clip_gain_db: float) -> str:
-    """The method to use: the best SQNR among those tied on agreement (all where it was not measured),
-    but the unclipped `plain` method unless a clipping one beats it by clip_gain_db."""
-    names = list(scores)
-    tied = [names[i] for i in _tied([agreement.get(m) if agreement else None for m in names])]
-    best = max(tied, key=scores.get)
+def choose(measures: dict, plain: str, clip_gain_db: float) -> str:
+    """The method to use: the best SQNR among those tied on texts and agreement (tied(); all where neither
+    was measured), but the unclipped `plain` method unless a clipping one beats it by clip_gain_db."""
+    names = list(measures)
+    tied = [names[i] for i in _tied([measures[m] for m in names])]
+    best = max(tied, key=lambda m: measures[m].db)
     plain = plain if plain in tied else best
-    if scores[plain] >= EXACT_DB:
+    if measures[plain].db >= EXACT_DB:
         return plain
     # (a clipping method must earn its clip: within noise, the unclipped ranges hold better on data unlike
     # the calibration's: FSMN-VAD's streaming chunks, mse 0.3 dB ahead on 8 calibration samples, 3.5 dB
     # behind minmax on the evaluation ones)
-    return plain if scores[best] < scores[plain] + clip_gain_db else best
+    return plain if measures[best].db < measures[plain].db + clip_gain_db else best
 
 
 def best_option(options: list) -> int:
-    """The index of the best of (SQNR dB, agreement or None) pairs: by agreement where every one has
-    it (within AGREEMENT_TIE: a tie), then by SQNR."""
-    return max(_tied([a for _, a in options]), key=lambda i: options[i][0])
+    """The index of the best of a list of Measures: by texts and agreement where every one has them
+    (_tied), then by SQNR."""
+    return max(_tied(options), key=lambda i: options[i].db)
 
 
-def _tied(agreements: list) -> list:
-    """Indices within AGREEMENT_TIE of the best agreement, where every one was measured (else all)."""
-    if not agreements or any(a is None for a in agreements):
-        return list(range(len(agreements)))
-    top = max(agreements)
-    return [i for i, a in enumerate(agreements) if a >= top - AGREEMENT_TIE]
+def _tied(measures: list) -> list:
+    """Indices of the measures still in the running: where every one counted texts, those that read no
+    fewer than the most-read one beyond SIGNIFICANCE standard deviations (a sign test on the samples
+    they read apart); of those, where every one has an agreement, those within AGREEMENT_TIE of the best."""
+    idx = list(range(len(measures)))
+    if idx and all(m.read is not None for m in measures):
+        top = max(idx, key=lambda i: measures[i].texts)
+        idx = [i for i in idx if count_gain(measures[top].read, measures[i].read) <= SIGNIFICANCE]
+    if idx and all(measures[i].agreement is not None for i in idx):
+        best = max(measures[i].agreement for i in idx)
+        idx = [i for i in idx if measures[i].agreement >= best - AGREEMENT_TIE]
+    return idx
 
 
 def pick_method(ctx: QuantizeContext, samples: SampleSet, say=print, show_progress: bool = True):
     """The range method whose int8 model measures best on a few calibration samples (never the
-    evaluation data): (method, {method: dB}, {method: agreement} or None)."""
+    evaluation data): (method, {method: Measure} or None)."""
     if not len(samples):
         say(f"note: --method auto has no calibration sample to compare the methods on (none recorded, or none of its "
             f"samples among those quantize could run together: see the warnings above); using {ctx.table.range_method}")
-        return ctx.table.range_method, None, None
+        return ctx.table.range_method, None
     candidates = range_candidates(ctx.table)
-    agreement = {}
     with bar(len(candidates), "method", "method choice", show_progress) as pb:
-        scores = method_scores(ctx, samples, candidates, progress=pb.update, agreement=agreement)
-    best = choose(scores, agreement, ctx.table.range_method, CLIP_GAIN_DB)
+        measures = method_measures(ctx, samples, candidates, progress=pb.update)
+    best = choose(measures, ctx.table.range_method, CLIP_GAIN_DB)
     if len(samples) < MIN_CHOICE_SAMPLES and best != ctx.table.range_method:
         say(f"note: {best} measured best on only {len(samples)} calibration sample{'s' if len(samples) > 1 else ''}; "
             f"too few to trust a clip measured on the samples that set it: "
             f"{ctx.table.range_method} instead")
         best = ctx.table.range_method
     say(f"method auto: {best} (output SQNR on {len(samples)} calibration samples: "
-        + ", ".join(f"{m} {v:.1f} dB" + (f" / {100 * agreement[m]:.2f} % agreed" if m in agreement else "")
-                    for m, v in scores.items()) + ")")
-    return best, scores, agreement or None
+        + ", ".join(f"{m} {v.label()}" for m, v in measures.items()) + ")")
+    return best, measures
+
+
+def report(measures: dict | None) -> dict:
+    """quantize.json's figures of a method choice: method_scores_db, method_agreement, method_texts (None
+    where not measured)."""
+    m = measures or {}
+    return {"method_scores_db": {k: v.db for k, v in m.items()} or None,
+            "method_agreement": {k: v.agreement for k, v in m.items() if v.agreement is not None} or None,
+            "method_texts": {k: v.texts for k, v in m.items() if v.texts is not None} or None}
 
 
 CLIP_GAIN_DB = 0.5  # what a clipping range method must gain over minmax, on the calibration samples

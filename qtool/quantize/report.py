@@ -9,6 +9,7 @@ import re
 from qtool import outputs
 from qtool.modelio import atomic_write_text, json_safe, model_bytes
 from qtool.quantize.encoding import TARGETS
+from qtool.quantize.method_choice import report as method_report
 from qtool.quantize.qdq import QuantizeOutput
 from qtool.quantize.steps.write import INT8
 from qtool.report.sensitivity_html import render as render_sensitivity
@@ -59,7 +60,7 @@ def quantize_report(run) -> dict:
     out, o, model_path = run.out, run.options, run.inputs.model_path
     report = {
         "model": model_path, "int8_model": os.path.abspath(run.path), "method": run.ctx.method,
-        "method_scores_db": run.method_scores_db, "method_agreement": run.method_agreement, "target": o.target,
+        **method_report(run.method_measures), "target": o.target,
         "target_description": TARGETS[o.target].description, "target_cost": run.cost,
         "encodings": encoding_counts(out), "encoding_choice": run.encoding_reasons, "input_grid": run.input_grid,
         "dynamic_inputs": run.dynamic,

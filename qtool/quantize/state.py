@@ -59,8 +59,7 @@ class QuantizeRun:
     labels: dict | None = None  # {file: class} for --exclude-sensitive
     samples: SampleSet = field(default_factory=SampleSet.empty)
     verdicts: dict = field(default_factory=dict)  # step -> verify.Verdict
-    method_scores_db: dict | None = None
-    method_agreement: dict | None = None
+    method_measures: dict | None = None  # method -> method_choice.Measure, where --method auto measured them
     input_grid: dict | None = None
     encoding_reasons: dict = field(default_factory=dict)
     dynamic: dict | None = None  # the dynamic-input choice per layer, with its figures (steps/dynamic_inputs.py)

@@ -12,17 +12,17 @@ from qtool.quantize.samples import SampleSet
 from qtool.quantize.step import Step
 
 
-def balance_and_choose(ctx: QuantizeContext, tune: SampleSet, auto: SampleSet, first: tuple, say=print,
+def balance_and_choose(ctx: QuantizeContext, tune: SampleSet, auto: SampleSet, first: dict, say=print,
                        show_progress: bool = True) -> tuple:
     """Channel balancing (equalize.py) where the range method is chosen by measurement: the graph is
     balanced under the method chosen on it as it is and under the unclipped one, the methods compared
     again on each balanced graph, and the best of those and of the unbalanced choice (`first`: its
-    scores) kept in ctx. Balancing moves the methods apart: on PP-OCRv5's recognizer entropy measured
+    measures) kept in ctx. Balancing moves the methods apart: on PP-OCRv5's recognizer entropy measured
     best as it is (81.6 % of the evaluation crops' words read), and balanced under entropy only 1 of
     23 tensors gained (percentile then, 78.0 %), where under minmax all 23 did and minmax then measured
     best by far (91.4 %); on a synthetic block, balancing under minmax gained nothing and under
-    entropy 2 dB. -> the kept choice's (scores, agreement)."""
-    options = [(ctx, ctx.method) + tuple(first)]
+    entropy 2 dB. -> the kept choice's {method: Measure}."""
+    options = [(ctx, ctx.method, first)]
     for m in dict.fromkeys([ctx.method, ctx.table.range_method]):
         v = replace(ctx, method=m)  # (the same weight cache: its keys hold the activation scale)
         # (what a trial prints is a trial's: the choice among them is said below; hx8 read a trial's
@@ -31,14 +31,14 @@ def balance_and_choose(ctx: QuantizeContext, tune: SampleSet, auto: SampleSet, f
         balance(v, tune, trial)
         if v.fused is not ctx.fused:
             options.append((v,) + pick_method(v, auto, trial, show_progress))
-    k = best_option([(scores[m], (agreement or {}).get(m)) for _, m, scores, agreement in options])
-    v, m, scores, agreement = options[k]
+    k = best_option([measures[m] for _, m, measures in options])
+    v, m, measures = options[k]
     if k:
         say(f"method auto, balanced: {m}")
     elif len(options) > 1:
         say(f"method auto: {m}, channels not balanced (no balanced trial measured better)")
     ctx.fused, ctx.table, ctx.weight_cache, ctx.method = v.fused, v.table, v.weight_cache, m
-    return scores, agreement
+    return measures
 
 
 def when(run) -> bool:
@@ -49,10 +49,9 @@ def when(run) -> bool:
 def equalize(run) -> None:
     samples, split = run.samples, run.split
     tune = samples.pick(split.tune) if split.tune else samples
-    if run.method_scores_db is not None:  # (ctx.fused and ctx.table become the balanced ones)
-        run.method_scores_db, run.method_agreement = balance_and_choose(
-            run.ctx, tune, samples.pick(split.auto), (run.method_scores_db, run.method_agreement), run.say,
-            run.progress)
+    if run.method_measures is not None:  # (ctx.fused and ctx.table become the balanced ones)
+        run.method_measures = balance_and_choose(run.ctx, tune, samples.pick(split.auto), run.method_measures,
+                                                 run.say, run.progress)
     else:
         balance(run.ctx, tune, run.say)
 

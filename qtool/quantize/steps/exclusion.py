@@ -2,9 +2,8 @@
 (exclude.py)."""
 from __future__ import annotations
 
-from qtool.quantize.encoder_judge import encoder_judge
-from qtool.quantize.exclude import (BLOCKS, CANDIDATES_PER_STEP, NOISY_GROUPS, POOL, Target, exclude_sensitive,
-                                    target_words, texts_judge)
+from qtool.quantize.exclude import (BLOCKS, CANDIDATES_PER_STEP, NOISY_GROUPS, POOL, Search, Target,
+                                    search_exclusions, target_words)
 from qtool.quantize.progress import bar
 from qtool.quantize.step import Step
 
@@ -16,16 +15,16 @@ def run_exclusion(run):
     opts, check, say = run.options.exclusion, run.check, run.say
     labels = None if run.labels is None else [run.labels.get(n, -1) for n in check.names]
     target = Target(opts.target_agreement, opts.max_drop, opts.max_excluded, labels, run.options.task)
-    encoder = encoder_judge(run.ctx.fused, check, target.task)
-    texts = texts_judge(run.ctx.fused, check, encoder) is not None
+    search = Search(run.ctx, check, target)  # (how the check samples are judged, found once: said, then used)
+    encoder = search.encoder
     say(f"exclude-sensitive: keeping layers fp32 (at most {opts.max_excluded}) until "
-        f"{target_words(target, encoder is not None, labels is not None, texts)} on {len(check)} "
-        + ("held-back calibration images" if run.check_held_back else "calibration images")
+        f"{target_words(target, encoder is not None, search.y_true is not None, search.texts is not None)} on "
+        f"{len(check)} " + ("held-back calibration images" if run.check_held_back else "calibration images")
         + (f"; judged as an encoder's vectors ({encoder.why})" if encoder is not None else ""))
     with bar(1 + POOL + NOISY_GROUPS + 2 * len(BLOCKS) + opts.max_excluded * CANDIDATES_PER_STEP, "model",
              "exclude-sensitive (at most)", run.progress) as pb:
-        exclusion = exclude_sensitive(run.ctx, run.ranking, check, target, pb.update, partial=run.partial,
-                                      noisy=run.noisy)
+        search.progress = pb.update
+        exclusion = search_exclusions(search, run.ranking, partial=run.partial, noisy=run.noisy)
         pb.total = pb.n  # the target held early: done
         pb.refresh()
     exclusion.check_images = len(check)

@@ -19,7 +19,7 @@ def samples(run) -> tuple:
 def choose(run) -> None:
     chosen = run.samples.pick(run.split.auto)
     run.ctx.record_samples("method choice", chosen)
-    run.ctx.method, run.method_scores_db, run.method_agreement = pick_method(run.ctx, chosen, run.say, run.progress)
+    run.ctx.method, run.method_measures = pick_method(run.ctx, chosen, run.say, run.progress)
 
 
 STEP = Step("method choice", choose, when, samples, fallback="the calibrated range method")
