@@ -66,6 +66,12 @@ def measurer(fused, samples: SampleSet):
                              judge.counted(ref, y) if texts else None)
 
 
+def counts_texts(fused, samples: SampleSet) -> bool:
+    """Whether a choice judges `samples` by their texts: a distribution output whose top-1 paths look like CTC."""
+    return bool(len(samples)) and distribution_output(fused, samples) is not None \
+        and judge_for(samples.reference).kind == TEXTS
+
+
 def method_measures(ctx: QuantizeContext, samples: SampleSet, methods=None, progress=None) -> dict:
     """{method: Measure} of the int8 model each range method gives, against the fused fp32 graph, over
     `samples` ("pick what measures best", per model); `progress(1)` after each."""
