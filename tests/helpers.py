@@ -20,6 +20,16 @@ def weight(rng, name, *shape, scale=0.5):
     return init(name, rng.standard_normal(shape) * scale)
 
 
+def ctc_probabilities(rng, n=12, t=20, c=6):
+    """fp32's probabilities [n, t, c] of a CTC recognizer: blank (0) at most steps, a symbol every 4th."""
+    logits = rng.standard_normal((n, t, c)) * 0.1
+    logits[:, :, 0] += 3.0
+    for k in range(0, t, 4):
+        logits[np.arange(n), k, rng.integers(1, c, n)] += 6.0
+    e = np.exp(logits - logits.max(-1, keepdims=True))
+    return (e / e.sum(-1, keepdims=True)).astype(np.float32)
+
+
 def make_model(nodes, inits, inputs, outputs, opset=OPSET, ir_version=8):
     """inputs/outputs: (name, shape) pairs (float32; None/str dims are dynamic; shape None = rank 4, all unknown)."""
     g = helper.make_graph(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import init, make_model
+from helpers import ctc_probabilities, init, make_model
 from onnx import helper
 
 from qtool.metrics import position_agreement
@@ -160,15 +160,6 @@ def test_a_clip_needs_more_than_a_few_samples(monkeypatch):
     assert any("too few" in line for line in said)
 
 
-def _ctc(rng, n, t=20, c=5):
-    """fp32's probabilities [n, t, c] of a CTC recognizer: blank (0) at most steps, a symbol every 4th."""
-    logits = rng.standard_normal((n, t, c)) * 0.1
-    logits[:, :, 0] += 3.0
-    for k in range(0, t, 4):
-        logits[np.arange(n), k, rng.integers(1, c, n)] += 6.0
-    e = np.exp(logits - logits.max(-1, keepdims=True))
-    return (e / e.sum(-1, keepdims=True)).astype(np.float32)
-
 
 def test_a_recognizers_choices_read_the_tuning_samples_too():
     """A text is read or not, one count per sample: 8 samples could not tell PP-OCRv5's two balancing choices apart
@@ -182,7 +173,7 @@ def test_a_recognizers_choices_read_the_tuning_samples_too():
     nodes = [helper.make_node("MatMul", ["x", "w"], ["l"], name="mm"), helper.make_node("Softmax", ["l"], ["p"], name="sm")]
     classifier = make_model(nodes, [init("w", np.ones((8, 5)))], [("x", [1, 8])], [("p", [1, 5])])
     e = np.exp(rng.standard_normal((12, 5)))
-    for ref, model, want in ((_ctc(rng, 12), _softmax_model(-1, shape=(1, 20, 5)), names[:10]),
+    for ref, model, want in ((ctc_probabilities(rng, 12, c=5), _softmax_model(-1, shape=(1, 20, 5)), names[:10]),
                              ((e / e.sum(1, keepdims=True)).astype(np.float32), classifier, names[:4])):
         run = SimpleNamespace(samples=SampleSet(names, {}, ref, output="p"), split=split,
                               ctx=SimpleNamespace(fused=model))

@@ -11,22 +11,12 @@ import warnings
 import numpy as np
 import pytest
 
-from helpers import calibrated_convnet, save, small_convnet
+from helpers import calibrated_convnet, ctc_probabilities, save, small_convnet
 from qtool.api import calibrate, quantize
 from qtool.quantize import verify as V
 from qtool.quantize.split import MIN_VERIFY_SAMPLES, PARTS, VERIFY_EVERY, SampleSplit
 from qtool.quantize.steps import verify_choice
 from qtool.quantize.options import QuantizeOptions, SensitivityOptions
-
-
-def _ctc(rng, n=12, t=20, c=6):
-    """fp32's probabilities [n, t, c] of a CTC recognizer: blank (0) at most steps, a symbol every 4th."""
-    logits = rng.standard_normal((n, t, c)) * 0.1
-    logits[:, :, 0] += 3.0
-    for k in range(0, t, 4):
-        logits[np.arange(n), k, rng.integers(1, c, n)] += 6.0
-    e = np.exp(logits - logits.max(-1, keepdims=True))
-    return (e / e.sum(-1, keepdims=True)).astype(np.float32)
 
 
 def _misread(p, samples):
@@ -40,7 +30,7 @@ def _misread(p, samples):
 
 def test_the_judge_reads_what_the_output_means():
     rng = np.random.default_rng(0)
-    ctc = V.judge_for(_ctc(rng))
+    ctc = V.judge_for(ctc_probabilities(rng))
     assert ctc.kind == "texts (greedy CTC)" and ctc.blank == 0
     logits = rng.standard_normal((20, 10)).astype(np.float32)
     assert V.judge_for(logits).kind == "top-1"
@@ -69,7 +59,7 @@ def test_the_judge_reads_a_large_output_without_a_float64_copy_of_it():
 
 def test_texts_read_decide_before_any_continuous_figure():
     rng = np.random.default_rng(1)
-    ref = _ctc(rng)
+    ref = ctc_probabilities(rng)
     judge = V.judge_for(ref)
     close = ref + 1e-4  # (nearer fp32 in KL at every position than `far` ...)
     far = ref * 0.9 + 0.1 / ref.shape[-1]
@@ -82,7 +72,7 @@ def test_texts_read_decide_before_any_continuous_figure():
 
 def test_a_tie_in_texts_needs_a_gain_beyond_the_noise():
     rng = np.random.default_rng(2)
-    ref = _ctc(rng)
+    ref = ctc_probabilities(rng)
     judge = V.judge_for(ref)
     mild, rough = ref * 0.98 + 0.02 / ref.shape[-1], ref * 0.8 + 0.2 / ref.shape[-1]
     assert V.verdict("s", judge, ref, mild, rough, "f").kept  # every sample nearer fp32
