@@ -166,7 +166,7 @@ def test_a_recognizers_choices_read_the_tuning_samples_too():
     (7 of 8 each) that its 286 calibration crops did (62 texts changed against 12; 213 against 239 of 255 held-out
     crops read). A recognizer's choices measure on the tuning samples too; a classifier's on method choice's few."""
     from types import SimpleNamespace
-    from qtool.quantize.steps.method_choice import choice_samples
+    from qtool.quantize.state import QuantizeRun
     rng = np.random.default_rng(0)
     names = [f"s{i}" for i in range(12)]
     split = SimpleNamespace(auto=names[:4], tune=names[2:10])
@@ -177,4 +177,4 @@ def test_a_recognizers_choices_read_the_tuning_samples_too():
                              ((e / e.sum(1, keepdims=True)).astype(np.float32), classifier, names[:4])):
         run = SimpleNamespace(samples=SampleSet(names, {}, ref, output="p"), split=split,
                               ctx=SimpleNamespace(fused=model))
-        assert choice_samples(run).names == want
+        assert QuantizeRun.choice_samples.func(run).names == want

@@ -9,6 +9,7 @@ import numpy as np
 
 from qtool.quantize import verify
 from qtool.quantize.context import QuantizeContext
+from qtool.quantize.method_choice import counts_texts
 from qtool.quantize.optional import OptionalSteps
 from qtool.quantize.options import QuantizeOptions
 from qtool.quantize.samples import SampleSet
@@ -99,6 +100,18 @@ class QuantizeRun:
     @cached_property
     def tune_samples(self) -> SampleSet:
         return self.samples.pick(self.split.tune)
+
+    @cached_property
+    def choice_samples(self) -> SampleSet:
+        """The samples --method auto, and the balancing and input-grid choices after it, measure on: method
+        choice's few; for a CTC recognizer the tuning samples too. A text is read as fp32 reads it or not, one
+        count per sample, and 8 cannot tell models apart that 286 do: PP-OCRv5's recognizer calibrated on
+        text-samples crops chose a model that changes 62 of those 286 crops' texts over one that changes 12,
+        each reading 7 of the 8 (and 213 against 239 of 255 held-out crops)."""
+        auto = self.samples.pick(self.split.auto)
+        if not counts_texts(self.ctx.fused, auto):
+            return auto
+        return self.samples.pick(list(dict.fromkeys(list(self.split.auto) + list(self.split.tune))))
 
     @cached_property
     def sens_samples(self) -> SampleSet:

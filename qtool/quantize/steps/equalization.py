@@ -10,7 +10,6 @@ from qtool.quantize.equalize import balance
 from qtool.quantize.method_choice import best_option, pick_method
 from qtool.quantize.samples import SampleSet
 from qtool.quantize.step import Step
-from qtool.quantize.steps.method_choice import choice_samples
 
 
 def balance_and_choose(ctx: QuantizeContext, tune: SampleSet, auto: SampleSet, first: dict, say=print,
@@ -51,7 +50,7 @@ def equalize(run) -> None:
     samples, split = run.samples, run.split
     tune = samples.pick(split.tune) if split.tune else samples
     if run.method_measures is not None:  # (ctx.fused and ctx.table become the balanced ones)
-        run.method_measures = balance_and_choose(run.ctx, tune, choice_samples(run), run.method_measures, run.say,
+        run.method_measures = balance_and_choose(run.ctx, tune, run.choice_samples, run.method_measures, run.say,
                                                  run.progress)
     else:
         balance(run.ctx, tune, run.say)

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from qtool.quantize.input_grid import choose_input_grid
 from qtool.quantize.step import Step
-from qtool.quantize.steps.method_choice import choice_samples
 
 
 def _samples(run):
     if run.on.auto and run.split.auto:
-        return choice_samples(run)
+        return run.choice_samples
     return run.samples.pick(run.split.tune)
 
 
