@@ -47,8 +47,9 @@ from qtool.metrics import (kl_each, kl_softmax_each, position_agreement, positio
                            sqnr_db, top1_agreement, wilson)
 from qtool.quantize.context import QuantizeContext
 from qtool.quantize.encoder_judge import encoder_judge
+from qtool.quantize.method_choice import texts_judge as recognizer_judge
 from qtool.quantize.samples import SampleSet, distribution_output
-from qtool.quantize.verify import TEXTS, Figures, Judge, decide, judge_for
+from qtool.quantize.verify import TEXTS, Figures, Judge, decide
 
 CANDIDATES_PER_STEP = 2
 POOL = 8  # layers from the top of the sensitivity ranking whose leave-one-out gain is measured
@@ -195,12 +196,9 @@ class Target:
 
 
 def texts_judge(fused, samples: SampleSet, encoder) -> Judge | None:
-    """A CTC recognizer's judge (verify.judge_for: a distribution at each position whose top-1 paths look like
-    CTC), else None (an `encoder`, from encoder_judge, is judged as one)."""
-    if encoder is not None or not distribution_output(fused, samples):
-        return None
-    judge = judge_for(samples.reference)
-    return judge if judge.kind == TEXTS else None
+    """A CTC recognizer's judge (method_choice.texts_judge), else None (an `encoder`, from encoder_judge, is
+    judged as one)."""
+    return None if encoder is not None else recognizer_judge(fused, samples)
 
 
 def target_words(target: Target, encoder: bool, labelled: bool, texts: bool = False) -> str:

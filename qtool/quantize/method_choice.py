@@ -23,7 +23,7 @@ from qtool.metrics import position_agreement, sqnr_db
 from qtool.quantize.context import QuantizeContext
 from qtool.quantize.progress import bar
 from qtool.quantize.samples import SampleSet, distribution_output
-from qtool.quantize.verify import TEXTS, count_gain, judge_for
+from qtool.quantize.verify import TEXTS, Judge, count_gain, judge_for
 
 AGREEMENT_TIE = 0.0005  # predicted agreement (per position) within this of the best: a tie, SQNR decides
 # standard deviations of the sign test by which a recognizer's method must read fewer texts than the best's to be
@@ -60,16 +60,23 @@ def measurer(fused, samples: SampleSet):
     """A function of an int8 output over `samples` (first output) -> its Measure against their reference."""
     ref = samples.reference
     dist = distribution_output(fused, samples) is not None
-    judge = judge_for(ref) if dist else None
-    texts = judge is not None and judge.kind == TEXTS
+    judge = _texts_of(ref) if dist else None
     return lambda y: Measure(sqnr_db(ref, y), position_agreement(ref, y) if dist else None,
-                             judge.counted(ref, y) if texts else None)
+                             judge.counted(ref, y) if judge is not None else None)
 
 
-def counts_texts(fused, samples: SampleSet) -> bool:
-    """Whether a choice judges `samples` by their texts: a distribution output whose top-1 paths look like CTC."""
-    return bool(len(samples)) and distribution_output(fused, samples) is not None \
-        and judge_for(samples.reference).kind == TEXTS
+def texts_judge(fused, samples: SampleSet) -> Judge | None:
+    """The judge of a CTC recognizer's output over `samples` (a distribution at each position whose top-1
+    paths look like CTC: verify.judge_for), else None. Method choice, the choices after it and
+    --exclude-sensitive all ask this one question."""
+    if not len(samples) or distribution_output(fused, samples) is None:
+        return None
+    return _texts_of(samples.reference)
+
+
+def _texts_of(reference) -> Judge | None:
+    judge = judge_for(reference)
+    return judge if judge.kind == TEXTS else None
 
 
 def method_measures(ctx: QuantizeContext, samples: SampleSet, methods=None, progress=None) -> dict:
