@@ -52,30 +52,34 @@ def kl_softmax(ref: np.ndarray, out: np.ndarray) -> float:
     return float(kl_softmax_each(ref, out).mean())
 
 
-def _top2(a: np.ndarray, chunk: int = 1 << 22) -> tuple:
-    """Each row's largest and second-largest entry's index, a few rows at a time (a CTC output holds
-    millions of values: a full sort of them, and its int64 copy, cost gigabytes)."""
-    rows = max(1, chunk // max(a.shape[1], 1))
-    i1, i2 = np.empty(len(a), np.int64), np.empty(len(a), np.int64)
-    for s in range(0, len(a), rows):
-        part = np.asarray(a[s:s + rows], np.float64)
+def _top2(a: np.ndarray, chunk: int = 1 << 22, rows: np.ndarray | None = None) -> tuple:
+    """Each row's largest and second-largest entry's index (of `rows` only, where given), a few rows at a
+    time (a CTC output holds millions of values: a full sort of them, and its int64 copy, cost gigabytes)."""
+    rows = np.arange(len(a)) if rows is None else rows
+    step = max(1, chunk // max(a.shape[1], 1))
+    i1, i2 = np.empty(len(rows), np.int64), np.empty(len(rows), np.int64)
+    for s in range(0, len(rows), step):
+        part = np.asarray(a[rows[s:s + step]], np.float64)
         top = np.argpartition(-part, 1, axis=1)[:, :2]
         r = np.arange(len(part))
         swap = part[r, top[:, 1]] > part[r, top[:, 0]]
-        i1[s:s + rows] = np.where(swap, top[:, 1], top[:, 0])
-        i2[s:s + rows] = np.where(swap, top[:, 0], top[:, 1])
+        i1[s:s + step] = np.where(swap, top[:, 1], top[:, 0])
+        i2[s:s + step] = np.where(swap, top[:, 0], top[:, 1])
     return i1, i2
 
 
-def predicted_agreement(ref: np.ndarray, out: np.ndarray) -> float:
+def predicted_agreement(ref: np.ndarray, out: np.ndarray, rows: np.ndarray | None = None) -> float:
     """Expected top-1 agreement on images like these, smoother than counting flips on a few.
 
     The int8 error on the gap between the fp32 winner and runner-up is modelled as
     Gaussian with the spread measured on these samples; an image flips with probability
     Phi(-margin / sigma). On 64 images this ranks candidates where a raw count shows 64/64.
+    `rows`: only these rows count (indices; no copy of the others is made).
     """
     ref = np.asarray(ref).reshape(len(ref), -1)
     out = np.asarray(out).reshape(len(out), -1)
+    if rows is not None and ref.shape[1] < 2:  # (one value a row: taken as they are)
+        ref, out, rows = ref[rows], out[rows], None
     if ref.shape[1] < 2:  # (a binary decision: its margin is the distance to the threshold)
         if not ref.size:
             return 1.0
@@ -84,16 +88,35 @@ def predicted_agreement(ref: np.ndarray, out: np.ndarray) -> float:
         if sigma == 0:
             return top1_agreement(ref, out)
         return float(1 - (0.5 * np.array([math.erfc(m / (sigma * math.sqrt(2))) for m in margin])).mean())
-    i1, i2 = _top2(ref)
-    rows = np.arange(len(ref))
+    rows = np.arange(len(ref)) if rows is None else rows
+    i1, i2 = _top2(ref, rows=rows)
     r1, r2 = ref[rows, i1].astype(np.float64), ref[rows, i2].astype(np.float64)
     margin = r1 - r2
     d = (out[rows, i1] - r1) - (out[rows, i2] - r2)
     sigma = math.sqrt(float((d ** 2).mean())) if len(d) else 0.0
     if sigma == 0:
-        return top1_agreement(ref, out)
+        return _top1_of_rows(ref, out, rows)
     flip = 0.5 * np.array([math.erfc(m / (sigma * math.sqrt(2))) for m in margin])
     return float(1 - flip.mean())
+
+
+def _top1_of_rows(ref: np.ndarray, out: np.ndarray, rows: np.ndarray, chunk: int = 1 << 22) -> float:
+    """top1_agreement of `rows` of two [N, C] arrays, a few rows at a time."""
+    if not len(rows):
+        return 1.0
+    step, same = max(1, chunk // max(ref.shape[1], 1)), 0
+    for s in range(0, len(rows), step):
+        k = rows[s:s + step]
+        same += int((ref[k].argmax(1) == out[k].argmax(1)).sum())
+    return same / len(rows)
+
+
+def _nonzero_rows(a: np.ndarray, chunk: int = 1 << 22) -> np.ndarray:
+    """Whether each row of [N, C] `a` holds a value other than zero, a few rows at a time (no temporary as
+    large as `a`)."""
+    step = max(1, chunk // max(a.shape[1], 1))
+    return np.concatenate([(a[s:s + step] != 0).any(axis=1) for s in range(0, len(a), step)]) if len(a) else \
+        np.zeros(0, bool)
 
 
 def position_agreement(ref, out) -> float:
@@ -104,10 +127,10 @@ def position_agreement(ref, out) -> float:
     1/2) and their int8 noise set the spread (PP-OCRv4's recognizer: 0.944 for every method)."""
     c = ref.shape[-1]
     r, o = ref.reshape(-1, c), out.reshape(-1, c)
-    real = np.abs(r).sum(axis=1) > 0
+    real = _nonzero_rows(r)
     if not real.any():
         return 1.0  # (nothing but padding: no position to disagree on)
-    return predicted_agreement(r, o) if real.all() else predicted_agreement(r[real], o[real])
+    return predicted_agreement(r, o) if real.all() else predicted_agreement(r, o, rows=np.flatnonzero(real))
 
 
 def position_top1_agreement(ref, out) -> float:

@@ -176,5 +176,45 @@ def test_a_recognizers_choices_read_the_tuning_samples_too():
     for ref, model, want in ((ctc_probabilities(rng, 12, c=5), _softmax_model(-1, shape=(1, 20, 5)), names[:10]),
                              ((e / e.sum(1, keepdims=True)).astype(np.float32), classifier, names[:4])):
         run = SimpleNamespace(samples=SampleSet(names, {}, ref, output="p"), split=split,
-                              ctx=SimpleNamespace(fused=model))
+                              ctx=SimpleNamespace(fused=model), afforded=None)
         assert QuantizeRun.choice_samples.func(run).names == want
+
+
+def test_a_recognizers_choices_take_what_method_choices_budget_affords():
+    """The tuning samples a recognizer's choices add are measured under each range method, as method choice's
+    are: a recognizer heavy enough to get fewer of them than it has measures on as many as that budget affords
+    (its auto samples always), the added ones spread over the tuning samples, none twice."""
+    from types import SimpleNamespace
+    from qtool.quantize.budget import STEP_SECONDS, Budget
+    from qtool.quantize.split import choice_files
+    from qtool.quantize.state import QuantizeRun
+    names = [f"s{i}" for i in range(12)]
+    assert choice_files(names[:2], names[1:10]) == names[:10]
+    assert choice_files(names[:2], names[1:10], 5) == ["s0", "s1", "s2", "s4", "s7"]
+    assert choice_files(names[:4], names[2:10], 1) == names[:4]  # (never fewer than method choice's own)
+    rng = np.random.default_rng(0)
+    table = SimpleNamespace(range_method="minmax", ranges={"minmax": {}, "percentile": {}, "entropy": {}, "mse": {}})
+    for seconds, want in ((STEP_SECONDS / 4 / 6, 6), (1e-6, 10), (100.0, 4)):
+        run = SimpleNamespace(samples=SampleSet(names, {}, ctc_probabilities(rng, 12, c=5), output="p"),
+                              split=SimpleNamespace(auto=names[:4], tune=names[2:10]),
+                              ctx=SimpleNamespace(fused=_softmax_model(-1, shape=(1, 20, 5))),
+                              inputs=SimpleNamespace(table=table),
+                              afforded=SimpleNamespace(budget=Budget(seconds, 1)))
+        got = QuantizeRun.choice_samples.func(run).names
+        assert len(got) == want and got[:4] == names[:4] and len(set(got)) == want
+
+
+def test_position_agreement_of_padded_rows_takes_no_copy_and_the_same_figure():
+    # the padding rows are left out by index: the figure is the one of the real rows alone, each chunk of
+    # rows as the whole (the chunking must not move a figure the method choice compares to the last bit)
+    from qtool import metrics
+    rng = np.random.default_rng(3)
+    ref = rng.dirichlet(np.ones(50), size=(6, 40)).astype(np.float32)
+    out = (ref + rng.normal(0, 0.02, ref.shape)).astype(np.float32)
+    ref[:, 30:] = 0  # each sample's last 10 positions padding
+    real_ref, real_out = ref[:, :30].reshape(-1, 50), out[:, :30].reshape(-1, 50)
+    whole = metrics.predicted_agreement(real_ref, real_out)
+    assert metrics.position_agreement(ref, out) == whole
+    rows = np.flatnonzero(np.abs(ref.reshape(-1, 50)).sum(1) > 0)
+    assert metrics._top2(ref.reshape(-1, 50), chunk=64, rows=rows)[0].tolist() == real_ref.argmax(1).tolist()
+    assert metrics._nonzero_rows(ref.reshape(-1, 50), chunk=64).sum() == 6 * 30

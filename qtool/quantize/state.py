@@ -7,13 +7,15 @@ from functools import cached_property
 
 import numpy as np
 
+from qtool.calibrate.table import range_candidates
 from qtool.quantize import verify
+from qtool.quantize.budget import METHOD_CHOICE_PASSES
 from qtool.quantize.context import QuantizeContext
 from qtool.quantize.method_choice import texts_judge
 from qtool.quantize.optional import OptionalSteps
 from qtool.quantize.options import QuantizeOptions
 from qtool.quantize.samples import SampleSet
-from qtool.quantize.split import SampleSplit, _evenly, samples_for_values
+from qtool.quantize.split import SampleSplit, _evenly, choice_files, samples_for_values
 from qtool.workdir import Workdir
 
 
@@ -111,7 +113,12 @@ class QuantizeRun:
         auto = self.samples.pick(self.split.auto)
         if texts_judge(self.ctx.fused, auto) is None:
             return auto
-        return self.samples.pick(list(dict.fromkeys(list(self.split.auto) + list(self.split.tune))))
+        affordable = None
+        if self.afforded is not None:  # (the choices' passes per sample are method choice's: a heavy recognizer
+            # measures on the samples its budget affords, as --method auto alone did)
+            passes = METHOD_CHOICE_PASSES * len(range_candidates(self.inputs.table))
+            affordable = self.afforded.budget.samples(passes, len(self.split.auto) + len(self.split.tune))
+        return self.samples.pick(choice_files(self.split.auto, self.split.tune, affordable))
 
     @cached_property
     def sens_samples(self) -> SampleSet:
