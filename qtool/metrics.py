@@ -111,9 +111,10 @@ def _top1_of_rows(ref: np.ndarray, out: np.ndarray, rows: np.ndarray, chunk: int
     return same / len(rows)
 
 
-def _nonzero_rows(a: np.ndarray, chunk: int = 1 << 22) -> np.ndarray:
+def nonzero_rows(a: np.ndarray, chunk: int = 1 << 22) -> np.ndarray:
     """Whether each row of [N, C] `a` holds a value other than zero, a few rows at a time (no temporary as
-    large as `a`)."""
+    large as `a`): a row of zeros in a reference output is a shorter sample's padding (samples.py joins
+    samples of several lengths zero-padded), not a distribution."""
     step = max(1, chunk // max(a.shape[1], 1))
     return np.concatenate([(a[s:s + step] != 0).any(axis=1) for s in range(0, len(a), step)]) if len(a) else \
         np.zeros(0, bool)
@@ -127,7 +128,7 @@ def position_agreement(ref, out) -> float:
     1/2) and their int8 noise set the spread (PP-OCRv4's recognizer: 0.944 for every method)."""
     c = ref.shape[-1]
     r, o = ref.reshape(-1, c), out.reshape(-1, c)
-    real = _nonzero_rows(r)
+    real = nonzero_rows(r)
     if not real.any():
         return 1.0  # (nothing but padding: no position to disagree on)
     return predicted_agreement(r, o) if real.all() else predicted_agreement(r, o, rows=np.flatnonzero(real))

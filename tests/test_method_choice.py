@@ -217,4 +217,4 @@ def test_position_agreement_of_padded_rows_takes_no_copy_and_the_same_figure():
     assert metrics.position_agreement(ref, out) == whole
     rows = np.flatnonzero(np.abs(ref.reshape(-1, 50)).sum(1) > 0)
     assert metrics._top2(ref.reshape(-1, 50), chunk=64, rows=rows)[0].tolist() == real_ref.argmax(1).tolist()
-    assert metrics._nonzero_rows(ref.reshape(-1, 50), chunk=64).sum() == 6 * 30
+    assert metrics.nonzero_rows(ref.reshape(-1, 50), chunk=64).sum() == 6 * 30

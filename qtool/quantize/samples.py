@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from qtool import graph as G
-from qtool.metrics import is_distribution, is_log_distribution
+from qtool.metrics import is_distribution, is_log_distribution, nonzero_rows
 
 BATCH = 16
 # a run's activations grow with its inputs: batches hold at most this many input bytes (8 images at
@@ -476,7 +476,7 @@ def _rows_are(ref: np.ndarray, op: str, chunk: int = 1 << 20) -> bool:
     step, seen = max(1, chunk // max(rows.shape[1], 1)), False
     for s in range(0, len(rows), step):
         r = rows[s:s + step]
-        r = r[np.abs(r).sum(axis=1) > 0]
+        r = r[nonzero_rows(r)]
         if len(r) and not test(r):
             return False
         seen = seen or bool(len(r))

@@ -61,7 +61,8 @@ def choice_files(auto: list, tune: list, affordable: int | None = None) -> list:
     """The samples a CTC recognizer's choices measure on (state.QuantizeRun.choice_samples): method choice's
     `auto`, then the tuning samples not among them, spread over those, `affordable` in all at most (the
     method-choice budget for so many passes per sample; None: all) and never fewer than `auto`."""
-    extra = [f for f in dict.fromkeys(tune) if f not in set(auto)]
+    have = set(auto)
+    extra = [f for f in dict.fromkeys(tune) if f not in have]
     n = len(extra) if affordable is None else max(0, min(len(extra), affordable - len(auto)))
     return list(auto) + _spread(extra, n)
 
